@@ -1,0 +1,31 @@
+"""What an environment is to orch: a deterministic task source and a scorer.
+
+An env never samples from the policy itself; the rollout worker asks the policy for a completion
+of ``task.prompt`` and hands the text back to :meth:`TextEnv.score`. Tasks are a pure function of
+``(seed, index)`` so a resumed or re-executed run sees exactly the same tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Task:
+    env: str
+    index: int
+    prompt: str
+    answer: str
+
+
+class TextEnv(Protocol):
+    name: str
+
+    def task(self, index: int) -> Task:
+        """The task at cursor position ``index`` (deterministic)."""
+        ...
+
+    def score(self, task: Task, completion: str) -> float:
+        """Reward in [0, 1] for ``completion`` as an answer to ``task``."""
+        ...

@@ -1,0 +1,46 @@
+"""reverse_text: reverse a short random string; answer inside <reversed_text>...</reversed_text>."""
+
+from __future__ import annotations
+
+import difflib
+import random
+import re
+
+from orchestrator.envs.base import Task
+
+OPEN_TAG = "<reversed_text>"
+CLOSE_TAG = "</reversed_text>"
+ALPHABET = "abcdefgh"
+_ANSWER = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The text inside the first pair of tags, or None if the tags are missing."""
+    match = _ANSWER.search(completion)
+    return match.group(1) if match else None
+
+
+def reversal_reward(completion: str, prompt: str) -> float:
+    answer = extract_answer(completion)
+    if answer is None:
+        return 0.0
+    return difflib.SequenceMatcher(None, answer, prompt[::-1]).ratio()
+
+
+class ReverseTextEnv:
+    name = "reverse_text"
+
+    def __init__(self, seed: int = 0, min_len: int = 3, max_len: int = 6, alphabet: str = ALPHABET):
+        if not 1 <= min_len <= max_len:
+            raise ValueError(f"reverse_text: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        self.seed, self.min_len, self.max_len, self.alphabet = seed, min_len, max_len, alphabet
+
+    def task(self, index: int) -> Task:
+        # A private RNG per task: tasks depend only on (seed, index), never on call order.
+        rng = random.Random(f"reverse_text/{self.seed}/{index}")
+        length = rng.randint(self.min_len, self.max_len)
+        prompt = "".join(rng.choice(self.alphabet) for _ in range(length))
+        return Task(env=self.name, index=index, prompt=prompt, answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG)
+
+    def score(self, task: Task, completion: str) -> float:
+        return reversal_reward(completion, task.prompt)
