@@ -1,0 +1,38 @@
+"""The batch file the trainer reads: canonical bytes, so a re-materialized batch hashes the same.
+
+Format 1: orjson (sorted keys) of
+  {"format": 1, "step": N, "samples": [{"trace_id", "group_id", "env", "token_ids", "mask",
+   "logprobs", "advantage", "policy_start", "lag", "temperature"}, ...]}
+`mask` is 1 on sampled tokens; `logprobs` are the sampler's (0.0 where mask is 0); `lag` is the
+sample's true off-policy distance (step-1) - policy_start, queue time included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import orjson
+
+from orchestrator.core.events import EpisodeCompleted
+
+BATCH_FORMAT = 1
+
+
+def sample_record(trace: EpisodeCompleted, env: str, advantage: float, lag: int) -> dict:
+    return {
+        "trace_id": trace.episode_id, "group_id": trace.group_id, "env": env,
+        "token_ids": trace.token_ids, "mask": trace.mask, "logprobs": trace.logprobs,
+        "advantage": advantage, "policy_start": trace.policy_start, "lag": lag,
+        "temperature": trace.temperature,
+    }
+
+
+def encode_batch(step: int, samples: Iterable[dict]) -> bytes:
+    return orjson.dumps(
+        {"format": BATCH_FORMAT, "step": step, "samples": list(samples)}, option=orjson.OPT_SORT_KEYS
+    )
+
+
+def batch_sha256(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()

@@ -1,0 +1,386 @@
+"""decide(state, input) -> decisions: the rules of DESIGN §3, one small function per rule.
+
+`decide` folds the input and every decision it emits into `state` through `evolve` as it goes, so
+a later rule sees what an earlier one decided; the state changes only in `evolve`. The logged
+stream is `[input, *decisions]`, and folding it from the previous state gives the same state.
+
+Order for every input: evolve the input; the input's own rule; then the common tail: ship what
+is ready and released (rules 6-7), re-check the gate and refill free permits (rule 1), finish a
+drain (rule 9). A completion refills its permit *before* its group is finalized: that makes
+inline and background finalization dispatch the same episodes at the same points, so both ship
+identical batches (seed 000).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator.core import events as ev
+from orchestrator.core.algorithms import INLINE_SCORERS
+from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
+from orchestrator.core.evolve import evolve
+from orchestrator.core.rng import choose_by_ratio, uniform
+from orchestrator.core.state import Group, QueuedTrace, State, min_fresh_version
+
+
+class _Decisions:
+    """Collects decisions, folding each into the state at once."""
+
+    __slots__ = ("state", "events")
+
+    def __init__(self, state: State):
+        self.state = state
+        self.events: list = []
+
+    def emit(self, event) -> None:
+        evolve(self.state, event)
+        self.events.append(event)
+
+
+def decide(state: State, event) -> list:
+    """Fold the input `event` into `state` and return the decisions it calls for (already folded)."""
+    rule = _INPUT_RULES.get(event.kind)
+    if rule is None:
+        raise ValueError(f"{event.kind!r} is a decision, not an input")
+    if state.params is None and event.kind != "run_started":
+        raise ValueError(f"{event.kind!r} before run_started")
+    accepted = _accepted(state, event)
+    evolve(state, event)
+    d = _Decisions(state)
+    if not accepted or state.stopped:
+        return d.events
+    rule(d, event)
+    if not state.stopped:
+        common_tail(d)
+    return d.events
+
+
+def _accepted(s: State, e) -> bool:
+    """False for results nobody waits for any more (late completions, cancelled groups)."""
+    if e.kind == "episode_completed":
+        return e.episode_id in s.inflight
+    if e.kind == "group_finalized":
+        group = s.groups.get(e.group_id)
+        return group is not None and group.finalizing
+    return True
+
+
+def refill(d: _Decisions) -> None:
+    update_dispatch_gate(d)
+    dispatch_train_episodes(d)
+
+
+def common_tail(d: _Decisions) -> None:
+    ship_ready_batches(d)
+    refill(d)
+    finish_drain(d)
+
+
+# --- rule 1: dispatch ----------------------------------------------------------------------------
+
+
+def dispatch_gate(s: State) -> tuple[bool, str]:
+    """Is train dispatch allowed, and why (not)."""
+    p = s.params
+    if s.draining or s.stopped:
+        return False, "draining"
+    if (s.step - 1) - s.version > p.target_lag:
+        return False, "off_policy_lag"
+    if any(count >= p.max_finalizing_groups for count in s.finalizing.values()):
+        return False, "finalizing_cap"
+    return True, "open"
+
+
+def update_dispatch_gate(d: _Decisions) -> None:
+    s = d.state
+    is_open, reason = dispatch_gate(s)
+    if (is_open, reason) != (s.gate_open, s.gate_reason):
+        d.emit(ev.GateChanged(open=is_open, reason=reason))
+
+
+def dispatch_train_episodes(d: _Decisions) -> None:
+    """Fill free permits while the gate is open: unfilled groups first, then new groups."""
+    s = d.state
+    max_inflight = s.params.max_inflight
+    while s.gate_open and len(s.inflight) < max_inflight:
+        group_id = next(iter(s.unfilled), None)
+        if group_id is None:
+            group_id = start_train_group(d)
+        group = s.groups[group_id]
+        d.emit(ev.EpisodeDispatched(
+            episode_id=s.next_episode_id, group_id=group_id, attempt=group.attempts,
+            policy_version=s.version,
+        ))
+
+
+def start_train_group(d: _Decisions) -> int:
+    """Choose an env by ratio with the seeded RNG and take its sampler's next task."""
+    s, p = d.state, d.state.params
+    env = choose_by_ratio(p.env_ratios, uniform(p.seed, s.rng_counter))
+    group_id = s.next_group_id
+    d.emit(ev.GroupDispatched(
+        group_id=group_id, env=env, task_id=s.cursors[env], group_size=p.group_size,
+        policy_version=s.version,
+    ))
+    return group_id
+
+
+# --- rules 2-4: completion, finalize, settle -----------------------------------------------------
+
+
+def on_episode_completed(d: _Decisions, e: ev.EpisodeCompleted) -> None:
+    refill(d)
+    group = d.state.groups[e.group_id]
+    if group.complete:
+        finalize_group(d, group)
+
+
+def survivors_of(s: State, group: Group) -> list[int]:
+    """Ok traces with at least one sampled token that are still fresh enough to train."""
+    oldest = min_fresh_version(s.params, s.step)
+    survivors = []
+    for trace_id in group.members:
+        trace = s.traces[trace_id]
+        if trace.ok and trace.sampled_tokens > 0 and trace.policy_start >= oldest:
+            survivors.append(trace_id)
+    return survivors
+
+
+def finalize_group(d: _Decisions, group: Group) -> None:
+    s, p = d.state, d.state.params
+    survivors = survivors_of(s, group)
+    if not survivors:
+        settle_group(d, group)
+        return
+    d.emit(ev.FinalizeStarted(group_id=group.group_id, background=p.finalize_in_background, trace_ids=survivors))
+    if p.finalize_in_background:
+        return  # the shell scores it; the result comes back as a `group_finalized` input
+    rewards = [s.traces[trace_id].reward for trace_id in survivors]
+    advantages = INLINE_SCORERS[p.algorithm](rewards)
+    d.emit(ev.GroupFinalized(group_id=group.group_id, trace_ids=survivors, advantages=advantages))
+    settle_group(d, group)
+
+
+def on_group_finalized(d: _Decisions, e: ev.GroupFinalized) -> None:
+    settle_group(d, d.state.groups[e.group_id])
+
+
+def _drop_reason(s: State, trace_id: int) -> str:
+    trace = s.traces[trace_id]
+    if not trace.ok:
+        return "failed"
+    if trace.sampled_tokens == 0:
+        return "no_output"
+    return "stale"
+
+
+def settle_group(d: _Decisions, group: Group) -> None:
+    """One body for both paths: admission, pruning, insertion stale sweep, queue insert."""
+    s, p = d.state, d.state.params
+    survivors = group.survivors if group.finalizing else []
+    scored = dict.fromkeys(survivors)
+    dropped: dict[str, list[int]] = {}
+    for trace_id in group.members:
+        if trace_id not in scored:
+            dropped.setdefault(_drop_reason(s, trace_id), []).append(trace_id)
+    admitted = bool(survivors) and any(group.advantages[t] != 0.0 for t in survivors)
+    inserted: list[int] = []
+    if survivors and not admitted:
+        dropped["rejected"] = list(survivors)
+    oldest = min_fresh_version(p, s.step)
+    for trace_id in survivors if admitted else ():
+        if p.constant_trainer_batch_size and group.advantages[trace_id] == 0.0:
+            dropped.setdefault("zero_advantage", []).append(trace_id)
+        elif s.traces[trace_id].policy_start < oldest:
+            dropped.setdefault("stale", []).append(trace_id)
+        else:
+            inserted.append(trace_id)
+    d.emit(ev.GroupSettled(group_id=group.group_id, admitted=admitted, trace_ids=inserted, dropped=dropped))
+    stop_if_zero_output(d)
+
+
+def stop_if_zero_output(d: _Decisions) -> None:
+    """Rule 3's guard: `zero_output_batches` batch-equivalents in a row with nothing to train on."""
+    s, p = d.state, d.state.params
+    if s.acct.zero_output_run >= p.zero_output_batches * p.batch_size:
+        stop_run(d, "zero_output", error=True)
+
+
+# --- rule 5: staleness ---------------------------------------------------------------------------
+
+
+def sweep_stale_pending(d: _Decisions) -> None:
+    s = d.state
+    oldest = min_fresh_version(s.params, s.step)
+    stale = [q.trace_id for q in s.pending.values() if q.policy_start < oldest]
+    if stale:
+        d.emit(ev.TracesDropped(trace_ids=stale, reason="stale"))
+
+
+def cancel_stale_finalizing(d: _Decisions) -> None:
+    """Cancel background-finalizing groups none of whose survivors could still be inserted."""
+    s = d.state
+    oldest = min_fresh_version(s.params, s.step)
+    for group in [g for g in s.groups.values() if g.background]:
+        if all(s.traces[t].policy_start < oldest for t in group.survivors):
+            d.emit(ev.GroupCancelled(group_id=group.group_id, reason="stale", count=len(group.members)))
+            stop_if_zero_output(d)
+            if s.stopped:
+                return
+
+
+# --- rules 6-8: batch cut, ship hold, version publish --------------------------------------------
+
+
+def batch_ready(s: State) -> bool:
+    p = s.params
+    if p.token_batch_size is not None:
+        return s.pending_tokens >= p.token_batch_size
+    return len(s.pending) >= p.batch_size
+
+
+def ship_hold_released(s: State) -> bool:
+    """Batch N ships only once the trainer has published version >= N-1-target_lag."""
+    return s.version >= s.step - 1 - s.params.target_lag
+
+
+def cut_batch(s: State) -> tuple[list[QueuedTrace], list[QueuedTrace]]:
+    """Oldest-first (stable, so groups stay together) prefix of the queue: (shipped, pruned)."""
+    p = s.params
+    ordered = sorted(s.pending.values(), key=lambda q: q.dispatch_version)
+    if p.token_batch_size is None:
+        taken = ordered[: p.batch_size]
+    else:
+        taken, tokens = [], 0
+        for queued in ordered:
+            if taken and tokens + queued.n_tokens > p.token_batch_size:
+                break
+            taken.append(queued)
+            tokens += queued.n_tokens
+    if p.constant_trainer_batch_size:
+        return taken, []
+    return [q for q in taken if q.advantage != 0.0], [q for q in taken if q.advantage == 0.0]
+
+
+def ship_ready_batches(d: _Decisions) -> None:
+    s = d.state
+    while s.step <= s.params.max_steps and batch_ready(s) and ship_hold_released(s):
+        ship_batch(d)
+        on_step_advanced(d)
+        if s.stopped:
+            return
+
+
+def ship_batch(d: _Decisions) -> None:
+    s = d.state
+    shipped, pruned = cut_batch(s)
+    step = s.step
+    records, lags, rewards, n_tokens = [], [], [], 0
+    for queued in shipped:
+        trace = s.traces[queued.trace_id]
+        lag = (step - 1) - trace.policy_start
+        records.append(sample_record(trace, queued.env, queued.advantage, lag))
+        lags.append(lag)
+        rewards.append(trace.reward)
+        n_tokens += queued.n_tokens
+    d.emit(ev.BatchShipped(
+        step=step, trace_ids=[q.trace_id for q in shipped], pruned_ids=[q.trace_id for q in pruned],
+        sha256=batch_sha256(encode_batch(step, records)), n_tokens=n_tokens,
+        off_policy_max=max(lags, default=0), off_policy_mean=sum(lags) / len(lags) if lags else 0.0,
+        reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+    ))
+
+
+def on_step_advanced(d: _Decisions) -> None:
+    sweep_stale_pending(d)
+    cancel_stale_finalizing(d)
+    if d.state.step > d.state.params.max_steps and not d.state.stopped:
+        start_drain(d)
+
+
+def on_version_published(d: _Decisions, e: ev.VersionPublished) -> None:
+    """Rule 8: the version already advanced in evolve; the common tail ships held batches."""
+
+
+# --- rule 9: drain and stop ----------------------------------------------------------------------
+
+
+def cancel_everything(d: _Decisions, reason: str) -> None:
+    """Cancel in-flight episodes, open and finalizing groups, and the queue; wait for none."""
+    s = d.state
+    for episode_id in list(s.inflight):
+        d.emit(ev.EpisodeCancelled(episode_id=episode_id, reason=reason))
+    for group in list(s.groups.values()):
+        d.emit(ev.GroupCancelled(group_id=group.group_id, reason=reason, count=len(group.members)))
+    if s.pending:
+        d.emit(ev.TracesDropped(trace_ids=list(s.pending), reason=reason))
+
+
+def start_drain(d: _Decisions) -> None:
+    """At max_steps: stop dispatch and cancel work whose batches would be dropped anyway."""
+    d.emit(ev.DrainStarted(reason="max_steps"))
+    cancel_everything(d, "drain")
+    update_dispatch_gate(d)
+
+
+def finish_drain(d: _Decisions) -> None:
+    """Stop once the trainer has trained on the last batch (the ship hold saw it coming)."""
+    s = d.state
+    if s.draining and not s.stopped and s.version >= s.params.max_steps:
+        d.emit(ev.RunStopped(reason="completed"))
+
+
+def stop_run(d: _Decisions, reason: str, error: bool = False) -> None:
+    s = d.state
+    if not s.draining:
+        d.emit(ev.DrainStarted(reason=reason))
+    cancel_everything(d, "stop")
+    update_dispatch_gate(d)
+    d.emit(ev.RunStopped(reason=reason, error=error))
+
+
+def on_stop_requested(d: _Decisions, e: ev.StopRequested) -> None:
+    stop_run(d, e.reason)
+
+
+# --- rule 11: resume -----------------------------------------------------------------------------
+
+
+def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
+    """Re-run lost episodes, keep fresh members, re-finalize, sweep the queue."""
+    s = d.state
+    for episode_id in list(s.inflight):
+        d.emit(ev.EpisodeCancelled(episode_id=episode_id, reason="resume"))
+    oldest = min_fresh_version(s.params, s.step)
+    stale_members = [
+        trace_id for group in s.groups.values() if not group.finalizing
+        for trace_id in group.members if s.traces[trace_id].policy_start < oldest
+    ]
+    if stale_members:
+        d.emit(ev.TracesDropped(trace_ids=stale_members, reason="stale"))
+    for group in [g for g in s.groups.values() if g.finalizing]:
+        d.emit(ev.FinalizeStarted(group_id=group.group_id, background=True, trace_ids=group.survivors))
+    sweep_stale_pending(d)
+    cancel_stale_finalizing(d)
+    if s.step > s.params.max_steps and not s.stopped:
+        start_drain(d)
+
+
+def on_run_started(d: _Decisions, e: ev.RunStarted) -> None:
+    """Nothing beyond the refill every input gets."""
+
+
+def on_finalize_failed(d: _Decisions, e: ev.FinalizeFailed) -> None:
+    """Rule 10: recorded; the shell re-raises the original error in its main loop."""
+
+
+_INPUT_RULES: dict[str, Callable] = {
+    "run_started": on_run_started,
+    "run_resumed": on_run_resumed,
+    "episode_completed": on_episode_completed,
+    "group_finalized": on_group_finalized,
+    "finalize_failed": on_finalize_failed,
+    "version_published": on_version_published,
+    "stop_requested": on_stop_requested,
+}
+assert set(_INPUT_RULES) == ev.INPUT_KINDS

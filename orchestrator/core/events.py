@@ -1,0 +1,244 @@
+"""The event catalogue (DESIGN §4): one pydantic model per kind, a discriminated union on `kind`.
+
+An event is either an *input* (a fact from the outside world: a finished episode, a background
+finalize result, a published version, a stop request, a start/resume marker) or a *decision*
+that `decide` derived from one. Both are logged; `evolve` folds both.
+
+In the log, `kind` is the column and `data` is the model's JSON without `kind`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from orchestrator.core.algorithms import BACKGROUND_ONLY, KNOWN_ALGORITHMS
+
+EVENT_SCHEMA_VERSION = 1
+
+
+class _Model(BaseModel):
+    # Frozen: the same object lives in the log buffer and in the state. NaN/Inf are refused at
+    # construction, so an encoded event is always valid JSON.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class CoreParams(_Model):
+    """Every knob of the rules in DESIGN §3. Carried by `run_started`, so a log folds on its own."""
+
+    seed: int = Field(0, description="seeds env choice and everything random in the core")
+    env_ratios: dict[str, float] = Field(
+        default_factory=lambda: {"reverse_text": 1.0},
+        description="train envs and their dispatch ratios (chosen with the seeded RNG)",
+    )
+    group_size: int = Field(8, ge=1, description="episodes per group (one task)")
+    batch_size: int = Field(64, ge=1, description="traces per batch (trace batching)")
+    token_batch_size: int | None = Field(
+        None, ge=1, description="if set, cut batches by tokens instead of traces"
+    )
+    constant_trainer_batch_size: bool = Field(
+        False, description="prune zero-advantage samples before the cut, so every batch is full"
+    )
+    max_inflight: int = Field(64, ge=1, description="in-flight episode permits")
+    target_lag: int = Field(1, ge=0, description="batch N ships once version >= N-1-target_lag")
+    max_off_policy_steps: int = Field(
+        2, ge=0, description="traces older than (step-1)-max_off_policy_steps are dropped"
+    )
+    max_finalizing_groups: int = Field(
+        64, ge=1, description="background-finalizing groups (per env) that close the dispatch gate"
+    )
+    max_steps: int = Field(20, ge=1, description="batches to ship before draining")
+    algorithm: str = Field("grpo", description="grpo | gar")
+    finalize_in_background: bool = Field(
+        False, description="resolved from the algorithm's class flag and the config override"
+    )
+    zero_output_batches: int = Field(
+        10, ge=1, description="batch-equivalents of zero output in a row that stop the run"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> CoreParams:
+        if not self.env_ratios or any(r <= 0 for r in self.env_ratios.values()):
+            raise ValueError("env_ratios must name at least one env, each with a ratio > 0")
+        if self.algorithm not in KNOWN_ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; known: {sorted(KNOWN_ALGORITHMS)}")
+        if self.algorithm in BACKGROUND_ONLY and not self.finalize_in_background:
+            raise ValueError(f"algorithm {self.algorithm!r} calls a grader and must finalize in the background")
+        return self
+
+
+class RunStarted(_Model):
+    kind: Literal["run_started"] = "run_started"
+    schema_version: int = EVENT_SCHEMA_VERSION
+    params: CoreParams
+
+
+class RunResumed(_Model):
+    kind: Literal["run_resumed"] = "run_resumed"
+    from_seq: int
+    max_steps: int
+
+
+class GroupDispatched(_Model):
+    kind: Literal["group_dispatched"] = "group_dispatched"
+    group_id: int
+    env: str
+    task_id: int
+    group_size: int
+    policy_version: int
+
+
+class EpisodeDispatched(_Model):
+    kind: Literal["episode_dispatched"] = "episode_dispatched"
+    episode_id: int
+    group_id: int
+    attempt: int
+    policy_version: int
+
+
+class EpisodeCompleted(_Model):
+    kind: Literal["episode_completed"] = "episode_completed"
+    episode_id: int
+    group_id: int
+    ok: bool
+    reward: float = 0.0
+    token_ids: list[int] = Field(default_factory=list)
+    mask: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    policy_start: int
+    policy_end: int
+    temperature: float = 1.0
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> EpisodeCompleted:
+        if not (len(self.token_ids) == len(self.mask) == len(self.logprobs)):
+            raise ValueError("token_ids, mask and logprobs must have the same length")
+        return self
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.mask)
+
+
+class EpisodeCancelled(_Model):
+    kind: Literal["episode_cancelled"] = "episode_cancelled"
+    episode_id: int
+    reason: Literal["drain", "stop", "resume", "group_cancelled"]
+
+
+class FinalizeStarted(_Model):
+    kind: Literal["finalize_started"] = "finalize_started"
+    group_id: int
+    background: bool
+    trace_ids: list[int]
+
+
+class GroupFinalized(_Model):
+    kind: Literal["group_finalized"] = "group_finalized"
+    group_id: int
+    trace_ids: list[int]
+    advantages: list[float]
+
+
+class FinalizeFailed(_Model):
+    kind: Literal["finalize_failed"] = "finalize_failed"
+    group_id: int
+    error: str
+
+
+class GroupSettled(_Model):
+    kind: Literal["group_settled"] = "group_settled"
+    group_id: int
+    admitted: bool
+    trace_ids: list[int]  # the traces inserted into the pending queue, in order
+    dropped: dict[str, list[int]] = Field(default_factory=dict)  # reason -> completed episodes not queued
+
+
+class GroupCancelled(_Model):
+    kind: Literal["group_cancelled"] = "group_cancelled"
+    group_id: int
+    reason: Literal["stale", "overload", "drain", "stop"]
+    count: int  # completed episodes of the group that will never train
+
+
+class TracesDropped(_Model):
+    kind: Literal["traces_dropped"] = "traces_dropped"
+    trace_ids: list[int]
+    reason: Literal["stale", "drain", "stop"]
+
+
+class GateChanged(_Model):
+    kind: Literal["gate_changed"] = "gate_changed"
+    open: bool
+    reason: str
+
+
+class VersionPublished(_Model):
+    kind: Literal["version_published"] = "version_published"
+    version: int
+
+
+class BatchShipped(_Model):
+    kind: Literal["batch_shipped"] = "batch_shipped"
+    step: int
+    trace_ids: list[int]  # shipped, in batch order
+    pruned_ids: list[int] = Field(default_factory=list)  # cut but zero-advantage, so not shipped
+    sha256: str
+    n_tokens: int
+    off_policy_max: int
+    off_policy_mean: float
+    reward_mean: float
+
+
+class DrainStarted(_Model):
+    kind: Literal["drain_started"] = "drain_started"
+    reason: str
+
+
+class StopRequested(_Model):
+    kind: Literal["stop_requested"] = "stop_requested"
+    reason: str
+
+
+class RunStopped(_Model):
+    kind: Literal["run_stopped"] = "run_stopped"
+    reason: str
+    error: bool = False
+
+
+Event = Annotated[
+    Union[
+        RunStarted, RunResumed, GroupDispatched, EpisodeDispatched, EpisodeCompleted,
+        EpisodeCancelled, FinalizeStarted, GroupFinalized, FinalizeFailed, GroupSettled,
+        GroupCancelled, TracesDropped, GateChanged, VersionPublished, BatchShipped,
+        DrainStarted, StopRequested, RunStopped,
+    ],
+    Field(discriminator="kind"),
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+EVENT_TYPES: dict[str, type[_Model]] = {
+    cls.model_fields["kind"].default: cls for cls in Event.__origin__.__args__  # type: ignore[attr-defined]
+}
+# Facts from the outside world; everything else is decided by the core.
+INPUT_KINDS = frozenset(
+    {"run_started", "run_resumed", "episode_completed", "group_finalized", "finalize_failed",
+     "version_published", "stop_requested"}
+)
+
+_DATA_EXCLUDE = {"kind"}
+
+
+def encode_event(event: _Model) -> tuple[str, bytes]:
+    """(kind, data JSON) as stored in the log."""
+    return event.kind, event.model_dump_json(exclude=_DATA_EXCLUDE).encode()  # type: ignore[attr-defined]
+
+
+def decode_event(kind: str, data: bytes | str) -> _Model:
+    """The event model for a log row; raises ValueError on an unknown kind or bad data."""
+    try:
+        cls = EVENT_TYPES[kind]
+    except KeyError:
+        raise ValueError(f"unknown event kind {kind!r}") from None
+    return cls.model_validate_json(data)

@@ -1,0 +1,219 @@
+"""evolve(state, event): the reducer, the only place the state changes.
+
+One small function per event kind. A fold of the log (`fold`) applies them in order, so the
+state after a live run and the state rebuilt from its log are the same object graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from orchestrator.core import events as ev
+from orchestrator.core.state import Group, QueuedTrace, ShippedSample, State
+
+_ZERO_OUTPUT_CANCEL_REASONS = ("stale", "overload")
+
+
+def _run_started(s: State, e: ev.RunStarted) -> None:
+    s.params = e.params
+    s.cursors = {env: 0 for env in e.params.env_ratios}
+
+
+def _run_resumed(s: State, e: ev.RunResumed) -> None:
+    assert s.params is not None, "run_resumed before run_started"
+    s.params = s.params.model_copy(update={"max_steps": e.max_steps})
+    s.stopped, s.stop_reason, s.draining = False, None, False
+    s.finalize_errors.clear()
+
+
+def _group_dispatched(s: State, e: ev.GroupDispatched) -> None:
+    s.groups[e.group_id] = Group(e.group_id, e.env, e.task_id, e.group_size, e.policy_version)
+    s.unfilled[e.group_id] = None
+    s.next_group_id = e.group_id + 1
+    s.rng_counter += 1
+    s.cursors[e.env] = e.task_id + 1
+    s.acct.groups_dispatched += 1
+
+
+def _episode_dispatched(s: State, e: ev.EpisodeDispatched) -> None:
+    group = s.groups[e.group_id]
+    s.inflight[e.episode_id] = e.group_id
+    group.inflight[e.episode_id] = None
+    group.attempts += 1
+    s.next_episode_id = e.episode_id + 1
+    s.acct.dispatched += 1
+    if group.needed <= 0:
+        s.unfilled.pop(e.group_id, None)
+
+
+def _episode_completed(s: State, e: ev.EpisodeCompleted) -> None:
+    group_id = s.inflight.pop(e.episode_id, None)
+    if group_id is None:  # cancelled (or re-run) while it was finishing: ignored, counted
+        s.acct.late += 1
+        return
+    group = s.groups[group_id]
+    del group.inflight[e.episode_id]
+    group.members[e.episode_id] = None
+    s.traces[e.episode_id] = e
+    s.acct.completed += 1
+    if not e.ok:
+        s.acct.failures += 1
+
+
+def _episode_cancelled(s: State, e: ev.EpisodeCancelled) -> None:
+    group = s.groups[s.inflight.pop(e.episode_id)]
+    del group.inflight[e.episode_id]
+    if e.reason == "resume":  # lost in a crash: the slot reopens and the episode is re-run
+        s.acct.rerun_attempts += 1
+        s.unfilled[group.group_id] = None
+    else:
+        group.cancelled += 1
+        s.acct.cancelled_attempts += 1
+
+
+def _finalize_started(s: State, e: ev.FinalizeStarted) -> None:
+    group = s.groups[e.group_id]
+    if e.background and not group.background:
+        s.finalizing[group.env] = s.finalizing.get(group.env, 0) + 1
+        group.background = True
+    group.finalizing = True
+    group.survivors = list(e.trace_ids)
+
+
+def _group_finalized(s: State, e: ev.GroupFinalized) -> None:
+    group = s.groups.get(e.group_id)
+    if group is None or not group.finalizing:  # cancelled while its grader ran
+        s.acct.late += 1
+        return
+    group.advantages = dict(zip(e.trace_ids, e.advantages))
+
+
+def _finalize_failed(s: State, e: ev.FinalizeFailed) -> None:
+    if e.group_id in s.groups:
+        s.finalize_errors[e.group_id] = e.error
+
+
+def _forget_group(s: State, group_id: int) -> Group:
+    """Remove a settled or cancelled group, giving back its background-finalizing slot."""
+    group = s.groups.pop(group_id)
+    s.unfilled.pop(group_id, None)
+    if group.background:
+        s.finalizing[group.env] -= 1
+    return group
+
+
+def _drop_traces(s: State, reason: str, trace_ids: Iterable[int]) -> None:
+    count = 0
+    for trace_id in trace_ids:
+        del s.traces[trace_id]
+        count += 1
+    s.acct.drop(reason, count)
+
+
+def _group_settled(s: State, e: ev.GroupSettled) -> None:
+    group = _forget_group(s, e.group_id)
+    for trace_id in e.trace_ids:
+        trace = s.traces[trace_id]
+        n_tokens = len(trace.token_ids)
+        s.pending[trace_id] = QueuedTrace(
+            trace_id, group.group_id, group.env, group.policy_version, trace.policy_start, n_tokens,
+            group.advantages[trace_id],
+        )
+        s.pending_tokens += n_tokens
+    for reason, trace_ids in e.dropped.items():
+        _drop_traces(s, reason, trace_ids)
+    if e.admitted:
+        s.acct.groups_admitted += 1
+        s.acct.zero_output_run = 0
+    elif group.finalizing:
+        s.acct.groups_rejected += 1
+    else:
+        s.acct.groups_without_output += 1
+        s.acct.zero_output_run += group.size
+
+
+def _group_cancelled(s: State, e: ev.GroupCancelled) -> None:
+    group = _forget_group(s, e.group_id)
+    _drop_traces(s, e.reason, list(group.members))
+    s.acct.groups_cancelled[e.reason] = s.acct.groups_cancelled.get(e.reason, 0) + 1
+    if e.reason in _ZERO_OUTPUT_CANCEL_REASONS:
+        s.acct.zero_output_run += group.size
+
+
+def _traces_dropped(s: State, e: ev.TracesDropped) -> None:
+    for trace_id in e.trace_ids:
+        queued = s.pending.pop(trace_id, None)
+        if queued is not None:
+            s.pending_tokens -= queued.n_tokens
+        else:  # a finished member of an open group (resume): its slot reopens
+            group = s.groups[s.traces[trace_id].group_id]
+            del group.members[trace_id]
+            s.unfilled[group.group_id] = None
+    _drop_traces(s, e.reason, e.trace_ids)
+
+
+def _gate_changed(s: State, e: ev.GateChanged) -> None:
+    s.gate_open, s.gate_reason = e.open, e.reason
+
+
+def _version_published(s: State, e: ev.VersionPublished) -> None:
+    s.version = max(s.version, e.version)
+    for step in [step for step in s.shipped_batches if step <= s.version]:
+        del s.shipped_batches[step]
+
+
+def _batch_shipped(s: State, e: ev.BatchShipped) -> None:
+    samples = []
+    for trace_id in e.trace_ids:
+        queued = s.pending.pop(trace_id)
+        s.pending_tokens -= queued.n_tokens
+        trace = s.traces.pop(trace_id)
+        samples.append(ShippedSample(trace, queued.env, queued.advantage, (e.step - 1) - trace.policy_start))
+    for trace_id in e.pruned_ids:
+        s.pending_tokens -= s.pending.pop(trace_id).n_tokens
+    _drop_traces(s, "zero_advantage", e.pruned_ids)
+    s.shipped_batches[e.step] = samples
+    s.acct.shipped += len(samples)
+    s.step = e.step + 1
+    s.last_reward_mean = e.reward_mean
+
+
+def _drain_started(s: State, e: ev.DrainStarted) -> None:
+    s.draining = True
+
+
+def _stop_requested(s: State, e: ev.StopRequested) -> None:
+    """A request only: `decide` turns it into cancellations and `run_stopped`."""
+
+
+def _run_stopped(s: State, e: ev.RunStopped) -> None:
+    s.stopped, s.stop_reason = True, e.reason
+
+
+_REDUCERS: dict[str, Callable[[State, object], None]] = {
+    "run_started": _run_started, "run_resumed": _run_resumed,
+    "group_dispatched": _group_dispatched, "episode_dispatched": _episode_dispatched,
+    "episode_completed": _episode_completed, "episode_cancelled": _episode_cancelled,
+    "finalize_started": _finalize_started, "group_finalized": _group_finalized,
+    "finalize_failed": _finalize_failed, "group_settled": _group_settled,
+    "group_cancelled": _group_cancelled, "traces_dropped": _traces_dropped,
+    "gate_changed": _gate_changed, "version_published": _version_published,
+    "batch_shipped": _batch_shipped, "drain_started": _drain_started,
+    "stop_requested": _stop_requested, "run_stopped": _run_stopped,
+}
+assert set(_REDUCERS) == set(ev.EVENT_TYPES), "every event kind needs a reducer"
+
+
+def evolve(state: State, event) -> State:
+    """Apply one event to the state (in place) and return it."""
+    _REDUCERS[event.kind](state, event)
+    return state
+
+
+def fold(events: Iterable, state: State | None = None) -> State:
+    """The state after applying `events` in order, from `state` or the initial state."""
+    state = State() if state is None else state
+    reducers = _REDUCERS
+    for event in events:
+        reducers[event.kind](state, event)
+    return state

@@ -1,0 +1,219 @@
+"""The orchestrator state: everything the rules read, rebuilt by folding the log.
+
+Plain dataclasses of ints, lists and insertion-ordered dicts (never sets, so iteration order is
+part of the state and identical after a fold). Traces are the logged `EpisodeCompleted` events
+themselves (frozen), kept until they ship or are dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import orjson
+
+from orchestrator.core.events import CoreParams, EpisodeCompleted
+
+REDUCER_VERSION = "orch-core-1"
+
+
+@dataclass(slots=True)
+class Group:
+    group_id: int
+    env: str
+    task_id: int
+    size: int
+    policy_version: int  # version when the group was dispatched: the batch cut's sort key
+    attempts: int = 0  # episodes ever dispatched into this group
+    inflight: dict[int, None] = field(default_factory=dict)  # episode ids (ordered set)
+    members: dict[int, None] = field(default_factory=dict)  # completed episode ids kept for scoring
+    cancelled: int = 0  # attempts cancelled for good (they count towards completeness)
+    finalizing: bool = False
+    background: bool = False  # finalizing as a background task (counts towards the cap)
+    survivors: list[int] = field(default_factory=list)  # traces being scored
+    advantages: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def needed(self) -> int:
+        """Members still to dispatch before the group can complete."""
+        return self.size - len(self.members) - len(self.inflight) - self.cancelled
+
+    @property
+    def complete(self) -> bool:
+        return not self.finalizing and not self.inflight and self.needed <= 0
+
+
+@dataclass(slots=True)
+class QueuedTrace:
+    trace_id: int
+    group_id: int
+    env: str
+    dispatch_version: int
+    policy_start: int
+    n_tokens: int
+    advantage: float
+
+
+@dataclass(slots=True)
+class ShippedSample:
+    """A sample of a shipped batch, kept until the trainer has published that step."""
+
+    trace: EpisodeCompleted
+    env: str
+    advantage: float
+    lag: int
+
+
+@dataclass(slots=True)
+class Accounting:
+    dispatched: int = 0  # episode attempts started
+    completed: int = 0  # episode completions accepted (ok or failed)
+    failures: int = 0  # accepted completions with ok=False
+    late: int = 0  # results for episodes or groups no longer waited for (ignored)
+    cancelled_attempts: int = 0  # in-flight attempts cancelled (drain, stop, group cancel)
+    rerun_attempts: int = 0  # in-flight attempts lost at a crash and re-run on resume
+    groups_dispatched: int = 0
+    groups_admitted: int = 0
+    groups_rejected: int = 0  # scored, but every advantage was zero (curriculum admission)
+    groups_without_output: int = 0  # no survivors to score
+    groups_cancelled: dict[str, int] = field(default_factory=dict)  # reason -> groups
+    shipped: int = 0  # samples shipped to the trainer
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> completed episodes never shipped
+    zero_output_run: int = 0  # episodes in a row whose groups produced nothing to train on
+
+    def drop(self, reason: str, count: int) -> None:
+        if count:
+            self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+
+@dataclass(slots=True)
+class State:
+    params: CoreParams | None = None
+    step: int = 1  # the next batch to ship
+    version: int = 0  # newest version the trainer has published
+    next_group_id: int = 1
+    next_episode_id: int = 1
+    rng_counter: int = 0
+    cursors: dict[str, int] = field(default_factory=dict)  # env -> next task index
+    groups: dict[int, Group] = field(default_factory=dict)  # open and finalizing groups
+    unfilled: dict[int, None] = field(default_factory=dict)  # groups with members to dispatch, in order
+    inflight: dict[int, int] = field(default_factory=dict)  # episode id -> group id
+    traces: dict[int, EpisodeCompleted] = field(default_factory=dict)  # completed, not shipped nor dropped
+    pending: dict[int, QueuedTrace] = field(default_factory=dict)  # the batch queue, insertion order
+    pending_tokens: int = 0
+    finalizing: dict[str, int] = field(default_factory=dict)  # env -> groups finalizing in background
+    shipped_batches: dict[int, list[ShippedSample]] = field(default_factory=dict)  # until trained on
+    gate_open: bool = False
+    gate_reason: str = "not_started"
+    draining: bool = False
+    stopped: bool = False
+    stop_reason: str | None = None
+    finalize_errors: dict[int, str] = field(default_factory=dict)  # group id -> error
+    last_reward_mean: float | None = None
+    acct: Accounting = field(default_factory=Accounting)
+
+
+def min_fresh_version(params: CoreParams, step: int) -> int:
+    """Oldest policy version a trace may start from to train in batch `step`."""
+    return (step - 1) - params.max_off_policy_steps
+
+
+# --- canonical bytes: snapshots and state hashes -------------------------------------------------
+
+
+def _group_to_dict(g: Group) -> dict:
+    return {
+        "group_id": g.group_id, "env": g.env, "task_id": g.task_id, "size": g.size,
+        "policy_version": g.policy_version, "attempts": g.attempts, "inflight": list(g.inflight),
+        "members": list(g.members), "cancelled": g.cancelled,
+        "finalizing": g.finalizing, "background": g.background, "survivors": g.survivors,
+        "advantages": [[k, v] for k, v in g.advantages.items()],
+    }
+
+
+def _group_from_dict(d: dict) -> Group:
+    return Group(
+        group_id=d["group_id"], env=d["env"], task_id=d["task_id"], size=d["size"],
+        policy_version=d["policy_version"], attempts=d["attempts"],
+        inflight=dict.fromkeys(d["inflight"]), members=dict.fromkeys(d["members"]),
+        cancelled=d["cancelled"], finalizing=d["finalizing"], background=d["background"],
+        survivors=d["survivors"], advantages={k: v for k, v in d["advantages"]},
+    )
+
+
+def state_to_dict(s: State) -> dict:
+    acct = s.acct
+    return {
+        "reducer_version": REDUCER_VERSION,
+        "params": s.params.model_dump() if s.params else None,
+        "step": s.step, "version": s.version, "next_group_id": s.next_group_id,
+        "next_episode_id": s.next_episode_id, "rng_counter": s.rng_counter, "cursors": s.cursors,
+        "groups": [_group_to_dict(g) for g in s.groups.values()],
+        "unfilled": list(s.unfilled),
+        "inflight": [[e, g] for e, g in s.inflight.items()],
+        "traces": [t.model_dump(exclude={"kind"}) for t in s.traces.values()],
+        "pending": [[q.trace_id, q.group_id, q.env, q.dispatch_version, q.policy_start, q.n_tokens,
+                     q.advantage] for q in s.pending.values()],
+        "pending_tokens": s.pending_tokens, "finalizing": s.finalizing,
+        "shipped_batches": [
+            [step, [[x.trace.model_dump(exclude={"kind"}), x.env, x.advantage, x.lag] for x in samples]]
+            for step, samples in s.shipped_batches.items()
+        ],
+        "gate_open": s.gate_open, "gate_reason": s.gate_reason, "draining": s.draining,
+        "stopped": s.stopped, "stop_reason": s.stop_reason,
+        "finalize_errors": [[g, e] for g, e in s.finalize_errors.items()],
+        "last_reward_mean": s.last_reward_mean,
+        "acct": {name: getattr(acct, name) for name in Accounting.__slots__},  # type: ignore[attr-defined]
+    }
+
+
+def state_from_dict(d: dict) -> State:
+    if d.get("reducer_version") != REDUCER_VERSION:
+        raise ValueError(f"state from reducer {d.get('reducer_version')!r}, this code is {REDUCER_VERSION}")
+    return State(
+        params=CoreParams.model_validate(d["params"]) if d["params"] else None,
+        step=d["step"], version=d["version"], next_group_id=d["next_group_id"],
+        next_episode_id=d["next_episode_id"], rng_counter=d["rng_counter"], cursors=d["cursors"],
+        groups={g["group_id"]: _group_from_dict(g) for g in d["groups"]},
+        unfilled=dict.fromkeys(d["unfilled"]), inflight={e: g for e, g in d["inflight"]},
+        traces={t["episode_id"]: EpisodeCompleted.model_validate(t) for t in d["traces"]},
+        pending={q[0]: QueuedTrace(*q) for q in d["pending"]}, pending_tokens=d["pending_tokens"],
+        finalizing=d["finalizing"],
+        shipped_batches={
+            step: [ShippedSample(EpisodeCompleted.model_validate(t), env, adv, lag) for t, env, adv, lag in samples]
+            for step, samples in d["shipped_batches"]
+        },
+        gate_open=d["gate_open"], gate_reason=d["gate_reason"], draining=d["draining"],
+        stopped=d["stopped"], stop_reason=d["stop_reason"],
+        finalize_errors={g: e for g, e in d["finalize_errors"]},
+        last_reward_mean=d["last_reward_mean"], acct=Accounting(**d["acct"]),
+    )
+
+
+def state_bytes(s: State) -> bytes:
+    """Canonical bytes of the state (sorted keys): snapshots store them, hashes compare them."""
+    return orjson.dumps(state_to_dict(s), option=orjson.OPT_SORT_KEYS)
+
+
+def state_from_bytes(data: bytes) -> State:
+    return state_from_dict(orjson.loads(data))
+
+
+def state_hash(s: State) -> str:
+    return hashlib.sha256(state_bytes(s)).hexdigest()
+
+
+def conservation(s: State) -> tuple[bool, dict[str, int]]:
+    """The conservation law: every accepted completion is shipped, pending, held by an open or
+    finalizing group, or accounted as dropped. Returns (holds, the terms)."""
+    terms = {
+        "completed": s.acct.completed,
+        "shipped": s.acct.shipped,
+        "pending": len(s.pending),
+        "in_groups": sum(len(g.members) for g in s.groups.values()),
+        "dropped": sum(s.acct.dropped.values()),
+    }
+    accounted = terms["shipped"] + terms["pending"] + terms["in_groups"] + terms["dropped"]
+    # Every held trace must still be in `traces` (pending, grouped) or in a shipped batch.
+    holds = accounted == terms["completed"] and len(s.traces) == terms["pending"] + terms["in_groups"]
+    return holds, terms
