@@ -1,0 +1,118 @@
+"""`orch`: run, resume, replay, and the helper processes (trainer, env server).
+
+User mistakes (bad config, missing or foreign run dir, locked log, ...) print one line on
+stderr and exit non-zero; a traceback is printed only for a genuine crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import traceback
+from importlib.metadata import version as dist_version
+from pathlib import Path
+
+import click
+
+from eventlog import LogError
+from orchestrator.config import ConfigError, load_config
+
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> None:
+    click.echo(f"orch: error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(dist_version("orch"), prog_name="orch")
+def main() -> None:
+    """orch: an asynchronous RL orchestrator whose every decision is an event in a SQLite log."""
+
+
+@main.command("run")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), help="TOML config file")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (dotted), repeatable")
+@click.option("--name", help="run name (default: run-YYYYmmdd-HHMMSS)")
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), help="where runs live (default: runs)")
+@click.option("--env", "env_name", type=click.Choice(["reverse_text", "fake"]), help="shorthand for envs={ENV: 1}")
+@click.option("--trainer", "trainer_kind", type=click.Choice(["embedded", "fake"]), help="shorthand for trainer.kind")
+@click.option("--max-steps", type=int, help="shorthand for max_steps")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), help="continue the run in this directory")
+@click.option("--progress-every", type=int, default=1, show_default=True, help="print a progress line every N steps")
+@click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path), help="also write the final summary as JSON")
+def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, max_steps, resume_dir,
+                progress_every, json_summary) -> None:
+    """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
+    from orchestrator.shell.progress import Progress
+    from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_async
+    from orchestrator.shell.trainers import TrainerFailed
+    from orchestrator.shell.loop import FinalizeError, StalledError
+
+    sets = list(overrides)
+    if env_name:
+        sets.append(f'envs={{"{env_name}": 1.0}}')
+    if trainer_kind:
+        sets.append(f"trainer.kind={trainer_kind}")
+    if max_steps is not None:
+        sets.append(f"max_steps={max_steps}")
+    try:
+        if resume_dir is not None:
+            if name or runs_dir:
+                fail("--resume takes the run directory; do not combine it with --name/--runs-dir", EXIT_USAGE)
+            run = resume_run(resume_dir, sets, config_file)
+            click.echo(f"orch: resuming {run.run_dir} from event {run.resumed_from} (step {run.state.step}, version {run.state.version})")
+        else:
+            sets.append(f"name={name or time.strftime('run-%Y%m%d-%H%M%S')}")
+            if runs_dir:
+                sets.append(f"runs_dir={runs_dir}")
+            run = create_run(load_config(config_file, sets))
+            click.echo(f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, {run.config.max_steps} steps)")
+    except (ConfigError, RunDirError, LogError) as err:
+        fail(str(err), EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR)
+    progress = Progress(every=progress_every)
+    try:
+        with run.log:
+            orch = asyncio.run(run_async(run, progress))
+    except (TrainerFailed, StalledError, LogError) as err:
+        fail(str(err))
+    except FinalizeError as err:
+        traceback.print_exception(err.__cause__, file=sys.stderr)
+        fail(str(err))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        fail("aborted (second interrupt); resume with `orch run --resume " + str(run.run_dir) + "`", EXIT_INTERRUPTED)
+    summary = progress.summary(orch.state, run.run_dir)
+    if json_summary:
+        import orjson
+
+        json_summary.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    state = orch.state
+    if state.stop_reason == "interrupted":
+        click.echo(f"orch: stopped on interrupt; resume with `orch run --resume {run.run_dir}`", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if state.stop_reason != "completed":
+        fail(f"run stopped: {state.stop_reason}")
+
+
+@main.command("trainer")
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="run directory holding trainer.json, batches/ and weights/")
+def trainer_command(run_dir: Path) -> None:
+    """Embedded torch trainer: batches/step_N.json -> weights/step_N (+ STABLE)."""
+    from orchestrator.embedded.trainer import run_trainer  # torch is imported only here
+
+    sys.exit(run_trainer(run_dir))
+
+
+def _register_env_server() -> None:
+    from orchestrator.rollouts.env_server import env_server_command
+
+    main.add_command(env_server_command, "env-server")
+
+
+_register_env_server()
+
+if __name__ == "__main__":
+    main()

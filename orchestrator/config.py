@@ -1,0 +1,231 @@
+"""Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
+
+Every knob of DESIGN §3 is a field here with a documented default; `core_params()` extracts the
+part the core folds (it travels in `run_started`, so a log is self-describing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orchestrator.core.algorithms import BACKGROUND_ONLY
+from orchestrator.core.events import CoreParams
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; its message is one line."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(8, ge=1, description="episodes per group (one task)")
+    max_inflight: int = Field(64, ge=1, description="in-flight episode permits")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the embedded policy")
+    max_new_tokens: int = Field(24, ge=1, description="completion length cap of the embedded policy")
+    env_server: str | None = Field(None, description="URL of an `orch env-server` (else envs run in-process)")
+
+
+class BatchConfig(_Section):
+    size: int = Field(64, ge=1, description="traces per batch")
+    token_size: int | None = Field(None, ge=1, description="if set, batch by tokens instead of traces")
+    constant_trainer_batch_size: bool = Field(False, description="prune zero-advantage samples before the cut")
+
+
+class OffPolicyConfig(_Section):
+    target_lag: int = Field(1, ge=0, description="batch N ships once the trainer published N-1-target_lag")
+    max_off_policy_steps: int = Field(2, ge=0, description="oldest usable policy: (step-1) - this")
+
+
+class GraderConfig(_Section):
+    """The simulated slow grader used by `gar` (a real judge endpoint can replace it)."""
+
+    delay_s: float = Field(0.05, ge=0, description="mean grader latency")
+    jitter_s: float = Field(0.02, ge=0, description="uniform +- jitter on the latency")
+    failure_rate: float = Field(0.0, ge=0, le=1, description="probability a grader call raises")
+    rank_noise: float = Field(0.1, ge=0, description="noise added to rewards before ranking")
+    rank_weight: float = Field(0.5, ge=0, le=1, description="gar blend: weight of the grader rank")
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["grpo", "gar"] = Field("grpo", description="grpo (inline) or gar (grader, background)")
+    finalize_in_background: bool | None = Field(None, description="override the algorithm's class flag")
+    max_finalizing_groups: int = Field(64, ge=1, description="finalizing groups per env that close the gate")
+    grader: GraderConfig = Field(default_factory=GraderConfig)
+
+
+class FakeEnvConfig(_Section):
+    """The `fake` env: seeded synthetic episodes, no model (tests and benchmarks)."""
+
+    latency_s: float = Field(0.0, ge=0, description="mean episode latency (0 = instant)")
+    latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
+    error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")
+    empty_rate: float = Field(0.0, ge=0, le=1, description="probability an episode samples no token")
+    prompt_tokens: int = Field(8, ge=0)
+    min_tokens: int = Field(4, ge=1, description="completion length range")
+    max_tokens: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _range(self) -> FakeEnvConfig:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("fake_env.min_tokens must be <= fake_env.max_tokens")
+        return self
+
+
+class ReverseTextConfig(_Section):
+    min_len: int = Field(3, ge=1)
+    max_len: int = Field(6, ge=1)
+
+
+class TrainerSection(_Section):
+    kind: Literal["embedded", "fake"] = Field("embedded", description="torch trainer process or in-process fake")
+    step_time_s: float = Field(0.0, ge=0, description="fake trainer: time per optimizer step")
+    lr: float = Field(2e-3, gt=0, description="embedded trainer: learning rate")
+    sft_steps: int = Field(150, ge=0, description="embedded trainer: supervised warm-start steps")
+    publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
+    exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
+
+
+class LogConfig(_Section):
+    durability: Literal["full", "normal"] = Field("full", description="SQLite synchronous=FULL or NORMAL")
+    snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
+
+
+class RunConfig(_Section):
+    name: str = Field("default", description="run directory name under runs_dir")
+    runs_dir: Path = Field(Path("runs"), description="where run directories live")
+    seed: int = Field(0, description="seeds the core RNG, the envs and the policy")
+    max_steps: int = Field(20, ge=1, description="batches to ship, then drain and stop")
+    envs: dict[str, float] = Field(
+        default_factory=lambda: {"reverse_text": 1.0}, description="train env -> dispatch ratio"
+    )
+    zero_output_batches: int = Field(10, ge=1, description="batch-equivalents of zero output that stop the run")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
+    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _known_envs(self) -> RunConfig:
+        unknown = sorted(set(self.envs) - KNOWN_ENVS)
+        if unknown:
+            raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
+        if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
+            raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_dir / self.name
+
+    def finalize_in_background(self) -> bool:
+        flag = self.algorithm.finalize_in_background
+        return self.algorithm.name in BACKGROUND_ONLY if flag is None else flag
+
+    def core_params(self) -> CoreParams:
+        return CoreParams(
+            seed=self.seed, env_ratios=self.envs, group_size=self.rollout.group_size,
+            batch_size=self.batch.size, token_batch_size=self.batch.token_size,
+            constant_trainer_batch_size=self.batch.constant_trainer_batch_size,
+            max_inflight=self.rollout.max_inflight, target_lag=self.off_policy.target_lag,
+            max_off_policy_steps=self.off_policy.max_off_policy_steps,
+            max_finalizing_groups=self.algorithm.max_finalizing_groups, max_steps=self.max_steps,
+            algorithm=self.algorithm.name, finalize_in_background=self.finalize_in_background(),
+            zero_output_batches=self.zero_output_batches,
+        )
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+
+
+KNOWN_ENVS = frozenset({"reverse_text", "fake"})
+
+# Fields a resume may change: they alter how the run is operated, not what it computes.
+RESUMABLE_FIELDS = frozenset({
+    "max_steps", "runs_dir", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s",
+    "trainer.exit_timeout_s", "rollout.env_server",
+})
+
+
+def config_hash(config_json: bytes) -> str:
+    return hashlib.sha256(config_json).hexdigest()
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for item in err.errors():
+        where = ".".join(str(x) for x in item["loc"]) or "config"
+        parts.append(f"{where}: {item['msg']}")
+    return "invalid config: " + "; ".join(parts)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value); the value is JSON if it parses, else a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects KEY=VALUE (e.g. batch.size=64), got {text!r}")
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: Path | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
+    """The config from `base` (e.g. a stored one) or a TOML file, then `--set` overrides."""
+    data: dict = dict(base or {})
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    apply_overrides(data, list(overrides))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and key != "envs":
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def meaning_changes(stored: RunConfig, requested: RunConfig) -> list[str]:
+    """Fields that differ between two configs and would change what the run computes."""
+    old = _flatten(stored.model_dump(mode="json"))
+    new = _flatten(requested.model_dump(mode="json"))
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS)

@@ -1,0 +1,89 @@
+"""Algorithms as the shell sees them: an async `finalize_group` and the class flag that opts
+into background finalization (seed 000).
+
+Background-finalized algorithms run `finalize_group` concurrently for many groups, and results
+come back in any order: a stateful algorithm must tolerate interleaved groups. The advantage
+arithmetic itself is the core's (orchestrator.core.algorithms), so inline and background agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
+
+from orchestrator.config import GraderConfig, RunConfig
+from orchestrator.core.algorithms import gar_advantages, grpo_advantages
+from orchestrator.core.events import EpisodeCompleted
+
+
+class Algorithm(ABC):
+    name: ClassVar[str]
+    finalize_in_background: ClassVar[bool] = False
+
+    @abstractmethod
+    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
+        """Advantages for `traces` (the group's survivors), in their order."""
+
+
+class GRPO(Algorithm):
+    name = "grpo"
+
+    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
+        return grpo_advantages([t.reward for t in traces])
+
+
+class Grader(Protocol):
+    async def rank(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[int]:
+        """Rank of each trace in the group, 0 = best (a permutation of 0..n-1)."""
+        ...
+
+
+class GraderError(RuntimeError):
+    pass
+
+
+class SimulatedGrader:
+    """A slow external judge, simulated: latency with jitter, a failure rate, noisy ranking.
+
+    Seeded per group, so a group's ranks do not depend on which other groups are grading.
+    """
+
+    def __init__(self, config: GraderConfig, seed: int):
+        self.config, self.seed = config, seed
+
+    async def rank(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[int]:
+        cfg = self.config
+        rng = random.Random(f"grader/{self.seed}/{group_id}")
+        await asyncio.sleep(max(0.0, cfg.delay_s + rng.uniform(-cfg.jitter_s, cfg.jitter_s)))
+        if cfg.failure_rate and rng.random() < cfg.failure_rate:
+            raise GraderError(f"grader failed on group {group_id} (failure_rate={cfg.failure_rate})")
+        noisy = [t.reward + rng.gauss(0.0, cfg.rank_noise) for t in traces]
+        order = sorted(range(len(traces)), key=lambda i: -noisy[i])
+        ranks = [0] * len(traces)
+        for rank, index in enumerate(order):
+            ranks[index] = rank
+        return ranks
+
+
+class GAR(Algorithm):
+    """Grader-ranked group advantage redistribution; see core.algorithms.gar_advantages."""
+
+    name = "gar"
+    finalize_in_background = True
+
+    def __init__(self, grader: Grader, rank_weight: float):
+        self.grader, self.rank_weight = grader, rank_weight
+
+    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
+        ranks = await self.grader.rank(group_id, traces)
+        return gar_advantages([t.reward for t in traces], ranks, self.rank_weight)
+
+
+def make_algorithm(config: RunConfig) -> Algorithm:
+    if config.algorithm.name == "gar":
+        grader = SimulatedGrader(config.algorithm.grader, config.seed)
+        return GAR(grader, config.algorithm.grader.rank_weight)
+    return GRPO()

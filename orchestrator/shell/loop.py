@@ -1,0 +1,316 @@
+"""The imperative shell: collect inputs -> decide -> append + commit -> perform effects.
+
+Write-ahead: an effect (start or cancel a rollout, start or cancel a background finalize, write
+a batch file) is performed only after the events that call for it are committed. Every task the
+loop starts has an owner here that awaits or cancels it; `run()` never returns with one alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.config import RunConfig
+from orchestrator.core import events as ev
+from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
+from orchestrator.core.decide import decide
+from orchestrator.core.state import REDUCER_VERSION, State, state_bytes
+from orchestrator.embedded.files import atomic_write_bytes, batch_path
+from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
+from orchestrator.shell.algorithms import Algorithm
+from orchestrator.shell.rollouts import RolloutRequest
+
+POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
+
+
+class StalledError(RuntimeError):
+    """Nothing arrived for longer than the configured bound; says what the loop waited for."""
+
+
+class FinalizeError(RuntimeError):
+    """A background finalize raised; chained to the original exception and its traceback."""
+
+
+@dataclass
+class LoopHooks:
+    """Effects owned by other components, injected so tests and benchmarks can swap them."""
+
+    rollout: Callable[[RolloutRequest], Awaitable[ev.EpisodeCompleted]]
+    on_version: Callable[[int], Awaitable[None]] | None = None  # e.g. reload inference weights
+
+
+class BackgroundFinalizer:
+    """Owns the background `finalize_group` tasks; results come back as loop inputs."""
+
+    def __init__(self, algorithm: Algorithm, deliver: Callable[[object], None]):
+        self.algorithm, self.deliver = algorithm, deliver
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.error: BaseException | None = None
+        self.error_group: int | None = None
+
+    def start(self, group_id: int, traces: Sequence[ev.EpisodeCompleted]) -> None:
+        self.cancel(group_id)
+        trace_ids = [t.episode_id for t in traces]
+        task = asyncio.get_running_loop().create_task(self.algorithm.finalize_group(group_id, traces))
+        task.add_done_callback(lambda t: self._done(group_id, trace_ids, t))
+        self.tasks[group_id] = task
+
+    def _done(self, group_id: int, trace_ids: list[int], task: asyncio.Task) -> None:
+        if self.tasks.get(group_id) is task:
+            del self.tasks[group_id]
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved here, so never "never retrieved"
+        if exc is not None:
+            if self.error is None:
+                self.error, self.error_group = exc, group_id
+            self.deliver(ev.FinalizeFailed(group_id=group_id, error=f"{type(exc).__name__}: {exc}"))
+        else:
+            self.deliver(ev.GroupFinalized(group_id=group_id, trace_ids=trace_ids, advantages=task.result()))
+
+    def cancel(self, group_id: int) -> None:
+        task = self.tasks.pop(group_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def aclose(self, timeout_s: float) -> None:
+        tasks = list(self.tasks.values())
+        self.tasks.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+
+class Orchestrator:
+    def __init__(self, config: RunConfig, run_dir: Path, log, state: State, *, hooks: LoopHooks,
+                 algorithm: Algorithm, trainer, progress=None, stall_timeout_s: float | None = None):
+        self.config, self.run_dir, self.log, self.state = config, run_dir, log, state
+        self.hooks, self.trainer, self.progress = hooks, trainer, progress
+        self.stall_timeout_s = stall_timeout_s or config.trainer.publish_timeout_s
+        self._finalized: deque = deque()  # background results: settled before rollout outputs
+        self._outcomes: deque[Outcome] = deque()
+        self._versions: deque[int] = deque()
+        self._control: deque = deque()  # stop requests
+        self._wake: asyncio.Event | None = None
+        self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized)
+        self._last_snapshot_seq = log.last_seq
+        self._last_input_at = time.monotonic()
+        self._requests: dict[int, RolloutRequest] = {}
+        self._reloads: set[asyncio.Task] = set()  # inference weight reloads in progress
+        self._reload_error: BaseException | None = None
+        self.events_logged = 0
+
+    # --- inputs from the outside world (called on the loop thread) ---------------------------
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _deliver_finalized(self, event) -> None:
+        self._finalized.append(event)
+        self._poke()
+
+    def publish_version(self, version: int) -> None:
+        self._versions.append(version)
+        self._poke()
+
+    def request_stop(self, reason: str) -> None:
+        self._control.append(ev.StopRequested(reason=reason))
+        self._poke()
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    async def run(self, first_input) -> State:
+        """Drive the run from `first_input` (run_started or run_resumed) until run_stopped."""
+        self._wake = asyncio.Event()
+        self.feed: ExampleFeed = ExampleFeed()
+        self.stream = run_examples(self.feed, self.hooks.rollout)
+        loop = asyncio.get_running_loop()
+        owned = [loop.create_task(self._forward_outcomes(), name="orch-outcomes"),
+                 loop.create_task(self.trainer.run(self.state.version), name="orch-trainer")]
+        try:
+            self._handle([first_input])
+            if first_input.kind == "run_resumed":
+                self.rematerialize_batches()
+            while not self.state.stopped:
+                self._wake.clear()
+                inputs = self._take_inputs()
+                if inputs:
+                    self._handle(inputs)
+                self._raise_if_failed(owned)
+                if not inputs and not self.state.stopped:
+                    await self._wait_for_inputs()
+            self._save_snapshot()
+            return self.state
+        finally:
+            await self._shutdown(owned)
+
+    async def _forward_outcomes(self) -> None:
+        stream = self.stream
+        while await stream.wait_ready(None):
+            self._outcomes.extend(stream.take_ready())
+            self._poke()
+
+    def _take_inputs(self) -> list:
+        inputs = []
+        while self._finalized:
+            inputs.append(self._finalized.popleft())
+        while self._outcomes:
+            inputs.append(self._completion_of(self._outcomes.popleft()))
+        while self._versions:
+            inputs.append(ev.VersionPublished(version=self._versions.popleft()))
+        while self._control:
+            inputs.append(self._control.popleft())
+        if inputs:
+            self._last_input_at = time.monotonic()
+        return inputs
+
+    def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted:
+        req: RolloutRequest = outcome.example
+        self._requests.pop(req.episode_id, None)
+        if outcome.exception is None:
+            return outcome.result
+        exc = outcome.exception
+        return ev.EpisodeCompleted(
+            episode_id=req.episode_id, group_id=req.group_id, ok=False,
+            policy_start=req.policy_version, policy_end=self.state.version,
+            error=f"{type(exc).__name__}: {exc}",
+        )
+
+    async def _wait_for_inputs(self) -> None:
+        try:
+            async with asyncio.timeout(POLL_S):
+                await self._wake.wait()
+        except TimeoutError:
+            idle = time.monotonic() - self._last_input_at
+            if idle > self.stall_timeout_s:
+                raise StalledError(f"no progress for {idle:.0f}s while waiting for {self.waiting_for()}") from None
+
+    def waiting_for(self) -> str:
+        s = self.state
+        parts = []
+        if s.inflight:
+            parts.append(f"{len(s.inflight)} in-flight episodes")
+        if self.finalizer.tasks:
+            parts.append(f"{len(self.finalizer.tasks)} finalizing groups")
+        parts.append(f"the trainer to publish version {s.version + 1}")
+        return ", ".join(parts)
+
+    def _raise_if_failed(self, owned: list[asyncio.Task]) -> None:
+        """Rule 10: a background error surfaces here, at the next iteration, never swallowed."""
+        if self.finalizer.error is not None:
+            raise FinalizeError(
+                f"background finalize of group {self.finalizer.error_group} failed: "
+                f"{type(self.finalizer.error).__name__}: {self.finalizer.error}"
+            ) from self.finalizer.error
+        if self._reload_error is not None:
+            raise self._reload_error
+        for task in owned:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        self.trainer.check()
+
+    # --- decide, log, act ----------------------------------------------------------------------
+
+    def _handle(self, inputs: list) -> None:
+        log, state = self.log, self.state
+        decided = []
+        for event in inputs:
+            kind, data = ev.encode_event(event)
+            log.append_json(kind, data)
+            for decision in decide(state, event):
+                kind, data = ev.encode_event(decision)
+                log.append_json(kind, data)
+                decided.append(decision)
+            self.events_logged += 1
+        self.events_logged += len(decided)
+        log.commit()  # durable before any effect (write-ahead)
+        for decision in decided:
+            self._perform(decision)
+        if self.config.log.snapshot_every and log.last_seq - self._last_snapshot_seq >= self.config.log.snapshot_every:
+            self._save_snapshot()
+
+    def _perform(self, e) -> None:
+        state = self.state
+        kind = e.kind
+        if kind == "episode_dispatched":
+            if e.episode_id in state.inflight:  # not already cancelled in the same iteration
+                group = state.groups[e.group_id]
+                req = RolloutRequest(e.episode_id, e.group_id, group.env, group.task_id, e.attempt, e.policy_version)
+                self._requests[e.episode_id] = req
+                self.feed.put(req, key=e.episode_id)
+        elif kind == "episode_cancelled":
+            self._requests.pop(e.episode_id, None)
+            self.stream.cancel(e.episode_id)
+        elif kind == "finalize_started":
+            group = state.groups.get(e.group_id)
+            if e.background and group is not None and group.finalizing:
+                self.finalizer.start(e.group_id, [state.traces[t] for t in e.trace_ids])
+        elif kind == "group_cancelled":
+            self.finalizer.cancel(e.group_id)
+        elif kind == "batch_shipped":
+            self.write_batch(e.step, e.sha256)
+            if self.progress is not None:
+                self.progress.on_batch(e, state, self)
+        elif kind == "version_published" and self.hooks.on_version is not None:
+            self._spawn_reload(e.version)
+
+    def _spawn_reload(self, version: int) -> None:
+        # Owned here: reloads are short, their errors surface in _raise_if_failed, and shutdown
+        # cancels and awaits whatever is left.
+        task = asyncio.get_running_loop().create_task(self.hooks.on_version(version))
+        self._reloads.add(task)
+        task.add_done_callback(self._reload_done)
+
+    def _reload_done(self, task: asyncio.Task) -> None:
+        self._reloads.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._reload_error is None:
+            self._reload_error = task.exception()
+
+    def batch_payload(self, step: int) -> bytes:
+        samples = self.state.shipped_batches[step]
+        return encode_batch(step, (sample_record(s.trace, s.env, s.advantage, s.lag) for s in samples))
+
+    def write_batch(self, step: int, sha256: str) -> None:
+        payload = self.batch_payload(step)
+        if batch_sha256(payload) != sha256:
+            raise AssertionError(f"batch {step}: rebuilt payload does not match its logged sha256")
+        atomic_write_bytes(batch_path(self.run_dir, step), payload)
+        self.trainer.batch_written(step, sha256)
+
+    def rematerialize_batches(self) -> int:
+        """Resume: rewrite shipped-but-untrained batch files that are missing or partial."""
+        rewritten = 0
+        for step in sorted(self.state.shipped_batches):
+            payload = self.batch_payload(step)
+            sha = batch_sha256(payload)
+            path = batch_path(self.run_dir, step)
+            if not path.exists() or batch_sha256(path.read_bytes()) != sha:
+                atomic_write_bytes(path, payload)
+                rewritten += 1
+            self.trainer.batch_written(step, sha)
+        return rewritten
+
+    def _save_snapshot(self) -> None:
+        if self.config.log.snapshot_every and self.log.last_seq > self._last_snapshot_seq:
+            self.log.save_snapshot(self.log.last_seq, REDUCER_VERSION, state_bytes(self.state))
+            self._last_snapshot_seq = self.log.last_seq
+
+    # --- shutdown: bounded, nothing left running -----------------------------------------------
+
+    async def _shutdown(self, owned: list[asyncio.Task]) -> None:
+        self._wake = None
+        await self.stream.aclose(timeout=10.0)
+        await self.finalizer.aclose(timeout_s=10.0)
+        reloads = list(self._reloads)
+        for task in owned + reloads:
+            task.cancel()
+        await asyncio.wait(owned + reloads, timeout=10.0)
+        for task in owned + reloads:  # retrieve, so nothing is reported as never retrieved
+            if task.done() and not task.cancelled():
+                task.exception()

@@ -1,0 +1,54 @@
+"""The progress line (one per shipped batch) and the final summary."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.core.state import State, conservation
+
+
+def buffered_episodes(state: State) -> int:
+    """Completed episodes waiting to train: queued, or held by groups still finalizing."""
+    return len(state.pending) + sum(len(g.members) for g in state.groups.values() if g.finalizing)
+
+
+class Progress:
+    def __init__(self, console: Console | None = None, every: int = 1):
+        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.every = every
+        self.rewards: dict[int, float] = {}
+        self.started = self._last = time.monotonic()
+
+    def on_batch(self, event, state: State, loop) -> None:
+        now = time.monotonic()
+        step_time, self._last = now - self._last, now
+        self.rewards[event.step] = event.reward_mean
+        if event.step % self.every and event.step != state.params.max_steps:
+            return
+        finalizing = sum(state.finalizing.values())
+        self.console.print(
+            f"step {event.step:>4}/{state.params.max_steps} | reward {event.reward_mean:.3f} "
+            f"| lag max {event.off_policy_max} mean {event.off_policy_mean:.2f} "
+            f"| buffered {buffered_episodes(state)} | finalizing {finalizing} "
+            f"| in-flight {len(state.inflight)} | v{state.version} | {step_time:.2f}s"
+        )
+
+    def summary(self, state: State, run_dir) -> dict:
+        steps = sorted(self.rewards)
+        first = [self.rewards[s] for s in steps[:5]]
+        last = [self.rewards[s] for s in steps[-5:]]
+        holds, terms = conservation(state)
+        out = {
+            "run_dir": str(run_dir), "stop_reason": state.stop_reason, "steps": len(steps),
+            "reward_first5": sum(first) / len(first) if first else None,
+            "reward_last5": sum(last) / len(last) if last else None,
+            "wall_s": time.monotonic() - self.started, "conservation": holds, **terms,
+        }
+        table = Table(title="orch run summary", show_header=False)
+        for key, value in out.items():
+            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+        self.console.print(table)
+        return out

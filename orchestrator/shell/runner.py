@@ -1,0 +1,162 @@
+"""Compose a run: the run directory, its log, the backends, and the loop; create or resume."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from eventlog import EventLog, LogExistsError, LogNotFoundError
+from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes
+from orchestrator.core import events as ev
+from orchestrator.core.state import State
+from orchestrator.shell.algorithms import make_algorithm
+from orchestrator.shell.loop import LoopHooks, Orchestrator
+from orchestrator.shell.progress import Progress
+from orchestrator.shell.rollouts import EmbeddedRollouts, FakeEnvRollouts
+from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer
+from replay.fold import fold_log
+
+EVENTS_DB = "events.db"
+LOG_MAGIC_META = {"app": "orch", "schema_version": str(ev.EVENT_SCHEMA_VERSION)}
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked; one-line message."""
+
+
+@dataclass
+class OpenedRun:
+    config: RunConfig
+    run_dir: Path
+    log: EventLog
+    state: State
+    first_input: object
+    resumed_from: int | None
+
+
+def create_run(config: RunConfig) -> OpenedRun:
+    run_dir = config.run_dir
+    db = run_dir / EVENTS_DB
+    if db.exists():
+        raise RunDirError(f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_json = config.to_json()
+    try:
+        log = EventLog.create(db, meta={**LOG_MAGIC_META, "config": config_json.decode(),
+                                        "config_hash": config_hash(config_json), "seed": str(config.seed)},
+                              durability=config.log.durability)
+    except LogExistsError as err:
+        raise RunDirError(str(err)) from None
+    return OpenedRun(config, run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+
+
+def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
+    db = run_dir / EVENTS_DB
+    if not run_dir.is_dir():
+        raise RunDirError(f"cannot resume {run_dir}: no such run directory")
+    if not db.exists():
+        raise RunDirError(f"cannot resume {run_dir}: it holds no {EVENTS_DB}")
+    try:
+        log = EventLog.open(db)
+    except LogNotFoundError as err:
+        raise RunDirError(str(err)) from None
+    try:
+        meta = log.meta
+        if meta.get("app") != "orch" or "config" not in meta:
+            raise RunDirError(f"{db} is an event log, but not one written by `orch run`")
+        stored = load_config(base=orjson.loads(meta["config"]))
+        requested = load_config(config_file, overrides, base=None if config_file else stored.model_dump(mode="json"))
+        requested = requested.model_copy(update={"runs_dir": run_dir.parent, "name": run_dir.name})
+        changed = meaning_changes(stored, requested)
+        if changed:
+            raise ConfigError(f"config changed on resume in fields that alter the run: {', '.join(changed)} (only max_steps and operational fields may change)")
+        folded = fold_log(log)
+        if folded.state.params is None:
+            raise RunDirError(f"{db} has no run_started event; nothing to resume")
+        first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
+        return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq)
+    except BaseException:
+        log.close()
+        raise
+
+
+def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
+    from orchestrator.embedded.trainer import TrainerConfig, write_trainer_config
+
+    write_trainer_config(run_dir, TrainerConfig(
+        max_steps=config.max_steps, lr=config.trainer.lr, seed=config.seed,
+        sft_steps=config.trainer.sft_steps, env_min_len=config.reverse_text.min_len,
+        env_max_len=config.reverse_text.max_len, temperature=config.rollout.temperature,
+        max_new_tokens=config.rollout.max_new_tokens,
+        batch_wait_timeout_s=config.trainer.publish_timeout_s, parent_pid=os.getpid(),
+    ))
+
+
+def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrator:
+    config, run_dir = run.config, run.run_dir
+    holder: dict[str, Orchestrator] = {}
+
+    def publish(version: int) -> None:
+        holder["orch"].publish_version(version)
+
+    def version_now() -> int:
+        return holder["orch"].state.version
+
+    on_version = None
+    if config.trainer.kind == "fake":
+        trainer = FakeTrainer(run_dir, config.trainer.step_time_s, publish)
+    else:
+        write_embedded_trainer_config(config, run_dir)
+        trainer = ProcessTrainer(run_dir, publish)
+    if set(config.envs) == {"fake"}:
+        rollout = FakeEnvRollouts(config.fake_env, config.seed, version_now)
+    else:
+        from orchestrator.envs.reverse_text import ReverseTextEnv
+
+        env = ReverseTextEnv(seed=config.seed, min_len=config.reverse_text.min_len, max_len=config.reverse_text.max_len)
+        embedded = EmbeddedRollouts(run_dir, env, temperature=config.rollout.temperature,
+                                    max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
+                                    load_timeout_s=config.trainer.publish_timeout_s)
+        rollout, on_version = embedded, embedded.load
+    orch = Orchestrator(config, run_dir, run.log, run.state, hooks=LoopHooks(rollout, on_version),
+                        algorithm=make_algorithm(config), trainer=trainer, progress=progress)
+    holder["orch"] = orch
+    return orch
+
+
+async def run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
+    orch = build_orchestrator(run, progress)
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    interrupts = 0
+
+    def on_signal(signame: str) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            print(f"\norch: {signame}: draining and stopping (again to abort)", flush=True)
+            orch.request_stop("interrupted")
+        else:
+            main.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    trainer = orch.trainer
+    try:
+        if isinstance(trainer, ProcessTrainer):
+            trainer.start()
+        if isinstance(orch.hooks.rollout, EmbeddedRollouts):
+            # Version 0 is the trainer's warm start; the run resumes from the newest version.
+            await orch.hooks.rollout.load(run.state.version, health_check=trainer.check)
+        await orch.run(run.first_input)
+        return orch
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        clean = orch.state.stop_reason == "completed"
+        await trainer.stop(run.config.trainer.exit_timeout_s if clean else 0.0)

@@ -1,0 +1,131 @@
+"""Trainer backends and the weight watcher.
+
+Both backends turn "the trainer finished step N" into one call of `publish(N)`, which the main
+loop turns into a `version_published` input (rule 8: the version advances at confirmation).
+
+* `FakeTrainer`: in-process; reads each shipped batch file in order (checking its sha256 against
+  the log), waits `step_time_s`, publishes N. A real code path for tests and benchmarks.
+* `ProcessTrainer`: supervises `orch trainer` (torch) as a child process; a `WeightWatcher`
+  polls `weights/step_N/STABLE` markers. A crash of the child is noticed within one poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+
+from orchestrator.embedded.files import batch_path, latest_stable_version
+
+
+class TrainerFailed(RuntimeError):
+    """The trainer died or stopped answering; the message says why, in one line."""
+
+
+class FakeTrainer:
+    def __init__(self, run_dir: Path, step_time_s: float, publish: Callable[[int], None]):
+        self.run_dir, self.step_time_s, self.publish = run_dir, step_time_s, publish
+        self._shipped: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+
+    def batch_written(self, step: int, sha256: str) -> None:
+        self._shipped.put_nowait((step, sha256))
+
+    async def run(self, version: int) -> None:
+        """Train on shipped batches in step order, forever (the owner cancels it)."""
+        expected = version + 1
+        while True:
+            step, sha256 = await self._shipped.get()
+            if step < expected:  # re-announced after a resume; already trained
+                continue
+            if step != expected:
+                raise TrainerFailed(f"fake trainer: got batch {step} while waiting for batch {expected}")
+            payload = batch_path(self.run_dir, step).read_bytes()
+            if hashlib.sha256(payload).hexdigest() != sha256:
+                raise TrainerFailed(f"fake trainer: batch {step} on disk does not match its logged sha256")
+            if orjson.loads(payload)["step"] != step:
+                raise TrainerFailed(f"fake trainer: batch file for step {step} says another step")
+            if self.step_time_s:
+                await asyncio.sleep(self.step_time_s)
+            self.publish(step)
+            expected = step + 1
+
+    def check(self) -> None:
+        """In-process: failures surface through its task."""
+
+    async def stop(self, timeout_s: float) -> None:
+        """Nothing to stop beyond its task, which the loop owns."""
+
+
+class ProcessTrainer:
+    """`orch trainer --run-dir D` as a supervised child process."""
+
+    def __init__(self, run_dir: Path, publish: Callable[[int], None], poll_s: float = 0.05):
+        self.run_dir, self.publish, self.poll_s = run_dir, publish, poll_s
+        self.log_path = run_dir / "trainer.log"
+        self.proc: subprocess.Popen | None = None
+        self._published = -1
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            log.close()
+
+    def batch_written(self, step: int, sha256: str) -> None:
+        """The child polls the batch directory itself."""
+
+    async def run(self, version: int) -> None:
+        """Watch for STABLE markers and the child's health, forever (the owner cancels it)."""
+        self._published = version
+        while True:
+            self.check()
+            newest = await asyncio.to_thread(latest_stable_version, self.run_dir)
+            if newest is not None and newest > self._published:
+                self._published = newest
+                self.publish(newest)
+            await asyncio.sleep(self.poll_s)
+
+    def _last_error_line(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no trainer.log)"
+        for line in reversed(lines):
+            if "error" in line.lower():
+                return line.strip()
+        return lines[-1].strip() if lines else "(trainer.log is empty)"
+
+    def check(self) -> None:
+        if self.proc is None:
+            return
+        code = self.proc.poll()
+        if code not in (None, 0):
+            raise TrainerFailed(f"trainer exited with code {code}: {self._last_error_line()} (see {self.log_path})")
+
+    def exited_ok(self) -> bool:
+        return self.proc is not None and self.proc.poll() == 0
+
+    async def stop(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a clean exit, then SIGTERM, then SIGKILL: never orphaned."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        for action, wait_s in ((None, timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if action is not None:
+                os.kill(proc.pid, action)
+            try:
+                await asyncio.to_thread(proc.wait, wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue

@@ -1,0 +1,30 @@
+"""Fold a log into the orchestrator state, from the newest usable snapshot when there is one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eventlog import EventLog
+from orchestrator.core.events import decode_event
+from orchestrator.core.evolve import evolve
+from orchestrator.core.state import REDUCER_VERSION, State, state_from_bytes
+
+
+@dataclass(frozen=True)
+class Folded:
+    state: State
+    seq: int  # last event folded (0 for an empty log)
+    from_snapshot: int | None  # seq of the snapshot it started from
+    events_folded: int
+
+
+def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True) -> Folded:
+    """The state after event `at` (default: the last committed one)."""
+    snapshot = log.load_snapshot(REDUCER_VERSION, max_seq=at) if use_snapshots else None
+    state = state_from_bytes(snapshot.state) if snapshot else State()
+    seq = snapshot.seq if snapshot else 0
+    count = 0
+    for seq, _ts, kind, data in log.read_raw(start=seq + 1, stop=at):
+        evolve(state, decode_event(kind, data))
+        count += 1
+    return Folded(state, seq, snapshot.seq if snapshot else None, count)
