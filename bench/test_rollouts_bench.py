@@ -1,0 +1,145 @@
+"""Rollout collection benchmarks.
+
+1. Consumer wake-ups: 1,024 rollouts finishing one at a time while consumers are parked.
+   ``queue``: our ``run_examples`` (one queue notification per finished rollout).
+   ``shared_event``: a baseline implemented here, where every finished rollout sets one shared
+   ``asyncio.Event`` and every parked consumer wakes, re-checks and re-parks.
+   ``extra_info["resumptions"]`` counts consumer resumptions (every time the loop resumes a
+   consumer coroutine), measured the same way for both.
+2. Per-example overhead of ``run_examples`` with an instant ``fn`` (examples/s), next to bare
+   ``asyncio`` tasks doing the same work.
+
+Run: ``.venv/bin/python -m pytest bench/test_rollouts_bench.py -o addopts= --benchmark-only``
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import pytest
+
+from orchestrator.rollouts.collect import ExampleFeed, run_examples
+from orchestrator.rollouts.testing import arrival_workload
+
+N_ARRIVALS = 1024
+N_EXAMPLES = 20_000
+
+
+class SharedEventStream:
+    """Baseline: completions append to a deque and set one shared event that wakes everyone."""
+
+    def __init__(self, examples, fn) -> None:
+        self._ready: deque = deque()
+        self._event = asyncio.Event()
+        self._left = len(examples)
+        self._tasks = [asyncio.ensure_future(self._run(fn, x)) for x in examples]
+
+    async def _run(self, fn, example) -> None:
+        self._ready.append(await fn(example))
+        self._event.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while True:
+            if self._ready:
+                self._left -= 1
+                if self._left == 0:
+                    self._event.set()  # release consumers waiting for the end
+                return self._ready.popleft()
+            if self._left == 0:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+
+
+IMPLS = {"queue": run_examples, "shared_event": SharedEventStream}
+SHAPES = {
+    # (consumers, looping): 1,024 eager consumers each taking one outcome (the spec's workload),
+    # and 8 consumers each running `async for` until the end.
+    "eager_1024": (None, False),
+    "loop_8": (8, True),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_consumer_wakeups(benchmark, impl, shape):
+    consumers, looping = SHAPES[shape]
+    results: list[dict[str, int]] = []
+
+    def run() -> None:
+        results.append(asyncio.run(arrival_workload(IMPLS[impl], N_ARRIVALS, consumers, looping=looping)))
+
+    benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=0)
+    stats = results[-1]
+    assert all(r == stats for r in results), "wake-up counts must be deterministic"
+    assert stats["delivered"] == stats["distinct"] == N_ARRIVALS
+    benchmark.extra_info.update(
+        impl=impl,
+        shape=shape,
+        outcomes=N_ARRIVALS,
+        resumptions=stats["resumptions"],
+        resumptions_per_outcome=round(stats["resumptions"] / N_ARRIVALS, 3),
+    )
+    if impl == "queue":
+        extra = 0 if consumers is None else consumers - 1  # end-of-stream wake of the others
+        assert stats["resumptions"] == N_ARRIVALS + extra
+
+
+async def _instant(x: int) -> int:
+    return x
+
+
+async def _run_examples_iter() -> int:
+    n = 0
+    async for _ in run_examples(range(N_EXAMPLES), _instant):
+        n += 1
+    return n
+
+
+async def _run_examples_feed_batches() -> int:
+    """The orchestrator's shape: submit over time through a feed, consume in batches."""
+    feed: ExampleFeed[int] = ExampleFeed()
+    stream = run_examples(feed, _instant, max_concurrency=1024)
+    n = 0
+    for i in range(N_EXAMPLES):
+        feed.put(i)
+        if i % 256 == 255:
+            await asyncio.sleep(0)
+            n += len(stream.take_ready())
+    feed.close()
+    while await stream.wait_ready(10):
+        n += len(stream.take_ready())
+    return n
+
+
+async def _bare_tasks() -> int:
+    """Reference: one plain asyncio task per example, gathered (no streaming, no bookkeeping)."""
+    results = await asyncio.gather(*(asyncio.ensure_future(_instant(i)) for i in range(N_EXAMPLES)))
+    return len(results)
+
+
+OVERHEAD = {
+    "run_examples_async_for": _run_examples_iter,
+    "run_examples_feed_take_ready": _run_examples_feed_batches,
+    "bare_asyncio_tasks": _bare_tasks,
+}
+
+
+@pytest.mark.parametrize("variant", list(OVERHEAD))
+def test_per_example_overhead(benchmark, variant):
+    def run() -> None:
+        assert asyncio.run(OVERHEAD[variant]()) == N_EXAMPLES
+
+    benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
+    stats = getattr(benchmark, "stats", None)
+    if stats is not None:
+        mean = stats.stats.mean
+        benchmark.extra_info.update(
+            examples=N_EXAMPLES,
+            examples_per_s=round(N_EXAMPLES / mean),
+            us_per_example=round(mean / N_EXAMPLES * 1e6, 2),
+        )

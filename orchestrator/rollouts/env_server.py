@@ -1,0 +1,343 @@
+"""Serve an env over HTTP (starlette app, run by uvicorn) so rollouts can score in other processes.
+
+Endpoints (JSON):
+
+* ``POST /task  {"index": i}`` -> ``{"env", "index", "prompt", "answer"}``
+* ``POST /score {"index": i, "completion": str[, "env": name][, "delay_s": float]}`` -> ``{"reward"}``
+  (``delay_s`` overrides the server's ``score_delay_s``: a simulated slow grader)
+* ``GET /health`` -> ``{"status": "ok", "env": name}``
+* ``GET /stats`` -> request counters, including ``score_cancelled`` (handlers cancelled because the
+  client went away)
+
+:class:`DisconnectMiddleware` cancels a request's handler as soon as the client closes the
+connection before the response is complete (ASGI ``http.disconnect``); uvicorn alone would let it
+run to completion. Cancelled handlers are counted and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from orchestrator.envs.base import TextEnv
+from orchestrator.envs.reverse_text import ReverseTextEnv
+
+__all__ = [
+    "ENV_FACTORIES",
+    "DisconnectMiddleware",
+    "RunningServer",
+    "create_app",
+    "env_server_command",
+    "make_env",
+    "register_env",
+    "running_server",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_DELAY_S = 3600.0
+
+#: name -> factory(seed) for the envs an env server can host. Extend with :func:`register_env`.
+ENV_FACTORIES: dict[str, Callable[[int], TextEnv]] = {
+    "reverse_text": lambda seed: ReverseTextEnv(seed=seed),
+}
+
+
+def register_env(name: str, factory: Callable[[int], TextEnv]) -> None:
+    if name in ENV_FACTORIES:
+        raise ValueError(f"env {name!r} is already registered")
+    ENV_FACTORIES[name] = factory
+
+
+def make_env(name: str, seed: int = 0) -> TextEnv:
+    try:
+        factory = ENV_FACTORIES[name]
+    except KeyError:
+        raise ValueError(f"unknown env {name!r}; known: {', '.join(sorted(ENV_FACTORIES))}") from None
+    return factory(seed)
+
+
+class DisconnectMiddleware:
+    """Pure ASGI middleware: cancel the handler when the client disconnects mid-request.
+
+    The app runs in a child task; this middleware keeps reading the server's ``receive`` and
+    forwards the messages. An ``http.disconnect`` that arrives before the response is complete
+    cancels the child task (``on_cancel(scope)`` is then called). A disconnect after the response
+    is complete (normal close) cancels nothing.
+    """
+
+    def __init__(self, app: ASGIApp, on_cancel: Callable[[Scope], None] | None = None) -> None:
+        self.app = app
+        self.on_cancel = on_cancel
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        inbox: asyncio.Queue[Message] = asyncio.Queue()
+        response_complete = False
+
+        async def app_send(message: Message) -> None:
+            nonlocal response_complete
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                response_complete = True
+            await send(message)
+
+        app_task = asyncio.ensure_future(self.app(scope, inbox.get, app_send))
+        recv: asyncio.Future[Message] | None = None
+        cancelled_by_us = False
+        try:
+            while not app_task.done():
+                if recv is None:
+                    recv = asyncio.ensure_future(receive())
+                await asyncio.wait((app_task, recv), return_when=asyncio.FIRST_COMPLETED)
+                if not recv.done():
+                    break
+                message = recv.result()
+                recv = None
+                inbox.put_nowait(message)
+                if message["type"] == "http.disconnect":
+                    if not response_complete and not app_task.done():
+                        cancelled_by_us = True
+                        app_task.cancel()
+                    break
+            try:
+                await app_task
+            except asyncio.CancelledError:
+                if not cancelled_by_us:
+                    raise
+                # Our own cancellation of the handler: the client is gone, nothing to answer.
+                if self.on_cancel is not None:
+                    self.on_cancel(scope)
+                log.info("%s %s: client disconnected, handler cancelled", scope.get("method"), scope.get("path"))
+        finally:
+            if recv is not None and not recv.done():
+                recv.cancel()
+            if not app_task.done():  # we were cancelled ourselves (server shutdown)
+                app_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await app_task
+
+
+def _bad_request(message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=400)
+
+
+def _get_index(body: Any) -> int:
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    index = body.get("index")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"'index' must be a non-negative integer, got {index!r}")
+    return index
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise ValueError(f"invalid JSON body: {exc}") from None
+
+
+def create_app(env: TextEnv, *, score_delay_s: float = 0.0) -> Starlette:
+    """The starlette app serving ``env``; ``app.state.stats`` holds the request counters."""
+    if not (0.0 <= score_delay_s <= MAX_DELAY_S):
+        raise ValueError(f"score_delay_s must be in [0, {MAX_DELAY_S}], got {score_delay_s}")
+    stats: dict[str, int] = {
+        "task": 0,
+        "score_started": 0,
+        "score_completed": 0,
+        "score_cancelled": 0,
+        "disconnect_cancels": 0,
+    }
+
+    async def task(request: Request) -> JSONResponse:
+        try:
+            index = _get_index(await _json_body(request))
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        stats["task"] += 1
+        t = env.task(index)
+        return JSONResponse({"env": t.env, "index": t.index, "prompt": t.prompt, "answer": t.answer})
+
+    async def score(request: Request) -> JSONResponse:
+        try:
+            body = await _json_body(request)
+            index = _get_index(body)
+            completion = body.get("completion")
+            if not isinstance(completion, str):
+                raise ValueError("'completion' must be a string")
+            name = body.get("env", env.name)
+            if name != env.name:
+                raise ValueError(f"this server hosts env {env.name!r}, not {name!r}")
+            delay = body.get("delay_s", score_delay_s)
+            if (
+                not isinstance(delay, (int, float))
+                or isinstance(delay, bool)
+                or not math.isfinite(delay)
+                or not 0 <= delay <= MAX_DELAY_S
+            ):
+                raise ValueError(f"'delay_s' must be a number in [0, {MAX_DELAY_S}], got {delay!r}")
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        stats["score_started"] += 1
+        try:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            reward = env.score(env.task(index), completion)
+        except asyncio.CancelledError:
+            stats["score_cancelled"] += 1
+            raise
+        stats["score_completed"] += 1
+        return JSONResponse({"reward": reward})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "env": env.name})
+
+    async def get_stats(request: Request) -> JSONResponse:
+        return JSONResponse(dict(stats))
+
+    def on_cancel(scope: Scope) -> None:
+        stats["disconnect_cancels"] += 1
+
+    app = Starlette(
+        routes=[
+            Route("/task", task, methods=["POST"]),
+            Route("/score", score, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/stats", get_stats, methods=["GET"]),
+        ],
+        middleware=[Middleware(DisconnectMiddleware, on_cancel=on_cancel)],
+    )
+    app.state.stats = stats
+    app.state.env = env
+    return app
+
+
+def _config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicorn.Config:
+    # One worker, no reload, no lifespan; short graceful shutdown so stop() is bounded.
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=2
+    )
+
+
+def _bound_port(server: uvicorn.Server) -> int:
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+async def serve(
+    app: ASGIApp,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "info",
+    on_ready: Callable[[str], None] | None = None,
+    startup_timeout: float = 30.0,
+) -> None:
+    """Run ``app`` with uvicorn on this loop until the server exits (SIGINT/SIGTERM in the main
+    thread). ``on_ready(base_url)`` is called once it listens (the real port when ``port=0``)."""
+    server = uvicorn.Server(_config(app, host, port, log_level))
+    task = asyncio.ensure_future(server.serve())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + startup_timeout
+    while not server.started:
+        if task.done():
+            await task
+            raise RuntimeError(f"env server failed to start on {host}:{port}")
+        if loop.time() > deadline:
+            server.should_exit = True
+            await task
+            raise TimeoutError(f"env server did not start within {startup_timeout}s")
+        await asyncio.sleep(0.01)
+    if on_ready is not None:
+        on_ready(f"http://{host}:{_bound_port(server)}")
+    await task
+
+
+class RunningServer:
+    """A uvicorn server running in a background thread (tests, embedded use)."""
+
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread, base_url: str) -> None:
+        self.server = server
+        self.thread = thread
+        self.base_url = base_url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"env server at {self.base_url} did not stop within {timeout}s")
+
+
+@contextlib.contextmanager
+def running_server(
+    app: ASGIApp, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", startup_timeout: float = 30.0
+) -> Iterator[RunningServer]:
+    """Serve ``app`` with uvicorn in a daemon thread (its own event loop) for the ``with`` body."""
+    server = uvicorn.Server(_config(app, host, port, log_level))
+    thread = threading.Thread(target=server.run, name="env-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"env server failed to start on {host}:{port}")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            thread.join(5)
+            raise TimeoutError(f"env server did not start within {startup_timeout}s")
+        time.sleep(0.005)
+    handle = RunningServer(server, thread, f"http://{host}:{_bound_port(server)}")
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@click.command("env-server")
+@click.option("--env", "env_name", default="reverse_text", show_default=True, help="Env to serve (registered name).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = pick a free port.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Env seed (tasks are a function of seed, index).")
+@click.option(
+    "--score-delay-s", default=0.0, show_default=True, type=click.FloatRange(0, MAX_DELAY_S),
+    help="Simulated grader latency added to every /score.",
+)
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def env_server_command(env_name: str, host: str, port: int, seed: int, score_delay_s: float, log_level: str) -> None:
+    """Serve an env over HTTP (POST /task, POST /score, GET /health, GET /stats)."""
+    try:
+        env = make_env(env_name, seed)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--env") from None
+    app = create_app(env, score_delay_s=score_delay_s)
+    if not log.handlers:  # the CLI's own lines (cancelled handlers) next to uvicorn's
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(log_level.upper())
+
+    def ready(base_url: str) -> None:
+        click.echo(f"env-server {env_name} (seed {seed}) listening on {base_url}", err=False)
+
+    asyncio.run(serve(app, host=host, port=port, log_level=log_level, on_ready=ready))
+
+
+if __name__ == "__main__":  # python -m orchestrator.rollouts.env_server
+    env_server_command()

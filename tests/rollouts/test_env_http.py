@@ -1,0 +1,217 @@
+"""End to end against a real uvicorn server on 127.0.0.1 (ephemeral port): env server + client,
+disconnect-driven cancellation, and run_examples over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from orchestrator.envs.reverse_text import ReverseTextEnv
+from orchestrator.rollouts.collect import run_examples
+from orchestrator.rollouts.env_client import EnvServerError, EnvServerTimeout, HttpEnvClient
+from orchestrator.rollouts.env_server import (
+    ENV_FACTORIES,
+    RunningServer,
+    create_app,
+    make_env,
+    register_env,
+    running_server,
+)
+
+SEED = 7
+CANCEL_BOUND_S = 2.0  # generous: measured in milliseconds on loopback
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    with running_server(create_app(make_env("reverse_text", SEED))) as srv:
+        yield srv
+
+
+async def _wait_for(predicate, bound: float, what: str) -> float:
+    """Poll an async predicate until true; returns the time it took."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not await predicate():
+        if loop.time() - t0 > bound:
+            raise AssertionError(f"{what}: not within {bound}s")
+        await asyncio.sleep(0.005)
+    return loop.time() - t0
+
+
+def test_task_score_round_trip(arun, server):
+    env = ReverseTextEnv(seed=SEED)
+
+    async def main():
+        async with HttpEnvClient(server.base_url) as client:
+            assert await client.health() == {"status": "ok", "env": "reverse_text"}
+            for index in (0, 3, 12345):
+                task = await client.task(index)
+                assert task == env.task(index)
+                assert await client.score(task, f"sure: {task.answer}") == 1.0
+                wrong = "<reversed_text>zz</reversed_text>"
+                assert await client.score(task, wrong) == pytest.approx(env.score(task, wrong))
+                assert await client.score(task, "no tags") == 0.0
+
+    arun(main)
+
+
+def test_clear_errors(arun, server):
+    async def main():
+        async with HttpEnvClient(server.base_url) as client:
+            with pytest.raises(EnvServerError, match="HTTP 400.*index") as err:
+                await client.task(-1)
+            assert err.value.status_code == 400
+            task = await client.task(1)
+            other = type(task)(env="other_env", index=1, prompt=task.prompt, answer=task.answer)
+            with pytest.raises(EnvServerError, match="hosts env 'reverse_text', not 'other_env'"):
+                await client.score(other, "x")
+
+        with socket.socket() as sock:  # a port with nothing listening
+            sock.bind(("127.0.0.1", 0))
+            dead_port = sock.getsockname()[1]
+        async with HttpEnvClient(f"http://127.0.0.1:{dead_port}", connect_timeout=1) as client:
+            with pytest.raises(EnvServerError, match="unreachable"):
+                await client.task(0)
+
+        async with HttpEnvClient(server.base_url, timeout=0.2) as client:
+            task = await client.task(2)
+            with pytest.raises(EnvServerTimeout, match="no answer within 0.2s"):
+                await client.score(task, "x", delay_s=5)
+
+    arun(main)
+
+
+def test_cancelled_request_cancels_server_handler_and_is_not_retried(arun, server):
+    async def main():
+        async with HttpEnvClient(server.base_url) as client:
+            before = await client.stats()
+            task = await client.task(5)
+            call = asyncio.create_task(client.score(task, task.answer, delay_s=60))
+
+            async def started():
+                return (await client.stats())["score_started"] == before["score_started"] + 1
+
+            await _wait_for(started, 5, "score handler started")
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+            async def server_cancelled():
+                return (await client.stats())["score_cancelled"] == before["score_cancelled"] + 1
+
+            took = await _wait_for(server_cancelled, CANCEL_BOUND_S, "server handler cancelled")
+            await asyncio.sleep(0.3)  # a retry would show up as a second start
+            after = await client.stats()
+            assert after["score_started"] == before["score_started"] + 1, "cancelled request was retried"
+            assert after["score_completed"] == before["score_completed"]
+            assert after["disconnect_cancels"] == before["disconnect_cancels"] + 1
+            assert took < CANCEL_BOUND_S
+            # the client is still usable after a cancelled call (new connection)
+            assert await client.score(task, task.answer) == 1.0
+
+    arun(main)
+
+
+def test_rollout_stream_close_and_drain_over_http(arun, server):
+    """aclose()/aclose_and_drain() cancel in-flight HTTP rollouts; the server sees each handler
+    cancelled; completed outcomes survive the drain."""
+
+    async def main():
+        async with HttpEnvClient(server.base_url) as client:
+            s0 = await client.stats()
+
+            async def rollout(example: tuple[int, float]) -> float:
+                index, delay = example
+                task = await client.task(index)
+                return await client.score(task, task.answer, delay_s=delay)
+
+            # aclose: 6 slow rollouts, all withdrawn
+            stream = run_examples([(i, 60.0) for i in range(6)], rollout)
+
+            async def all_started():
+                return (await client.stats())["score_started"] >= s0["score_started"] + 6
+
+            await _wait_for(all_started, 5, "6 handlers started")
+            t0 = time.monotonic()
+            await stream.aclose()
+            assert time.monotonic() - t0 < 1.0
+
+            async def all_cancelled():
+                return (await client.stats())["score_cancelled"] >= s0["score_cancelled"] + 6
+
+            await _wait_for(all_cancelled, CANCEL_BOUND_S, "6 server handlers cancelled")
+
+            # drain: 3 fast (completed, kept), 3 slow (cancelled on the server)
+            s1 = await client.stats()
+            stream = run_examples([(i, 0.0 if i % 2 == 0 else 60.0) for i in range(6)], rollout)
+
+            async def three_ready():
+                return len(stream) == 3 and (await client.stats())["score_started"] >= s1["score_started"] + 6
+
+            await _wait_for(three_ready, 5, "3 outcomes ready, 3 slow handlers running")
+            assert await stream.aclose_and_drain() == 3
+            got = sorted((o.key, o.result) for o in [o async for o in stream])
+            assert got == [(0, 1.0), (2, 1.0), (4, 1.0)]
+
+            async def three_cancelled():
+                return (await client.stats())["score_cancelled"] >= s1["score_cancelled"] + 3
+
+            await _wait_for(three_cancelled, CANCEL_BOUND_S, "3 server handlers cancelled")
+            await asyncio.sleep(0.2)
+            s2 = await client.stats()
+            assert s2["score_started"] == s1["score_started"] + 6  # nothing retried
+            assert s2["score_completed"] == s1["score_completed"] + 3
+
+    arun(main)
+
+
+def test_env_registry():
+    assert "reverse_text" in ENV_FACTORIES
+    with pytest.raises(ValueError, match="unknown env 'nope'"):
+        make_env("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_env("reverse_text", lambda seed: ReverseTextEnv(seed=seed))
+
+
+def test_cli_serves_over_http_in_a_subprocess(arun):
+    """`python -m orchestrator.rollouts.env_server` (the command behind `orch env-server`)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.rollouts.env_server", "--port", "0", "--seed", "3", "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        base_url = None
+        assert proc.stdout is not None
+        while base_url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "listening on " in line:
+                base_url = line.rsplit("listening on ", 1)[1].strip()
+        assert base_url, "env server did not report its address"
+
+        async def main():
+            async with HttpEnvClient(base_url) as client:
+                task = await client.task(4)
+                assert task == ReverseTextEnv(seed=3).task(4)
+                assert await client.score(task, task.answer) == 1.0
+
+        arun(main)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
