@@ -30,7 +30,7 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=1, description="episodes per group (one task)")
     max_inflight: int = Field(64, ge=1, description="in-flight episode permits")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the embedded policy")
-    max_new_tokens: int = Field(24, ge=1, description="completion length cap of the embedded policy")
+    max_new_tokens: int = Field(48, ge=1, description="completion length cap of the embedded policy (answers need <= 38)")
     env_server: str | None = Field(None, description="URL of an `orch env-server` (else envs run in-process)")
 
 

@@ -125,8 +125,9 @@ def _group_settled(s: State, e: ev.GroupSettled) -> None:
     if e.admitted:
         s.acct.groups_admitted += 1
         s.acct.zero_output_run = 0
-    elif group.finalizing:
+    elif group.finalizing:  # scored, but all-zero advantages: nothing to train on either
         s.acct.groups_rejected += 1
+        s.acct.zero_output_run += group.size
     else:
         s.acct.groups_without_output += 1
         s.acct.zero_output_run += group.size

@@ -79,7 +79,8 @@ class Accounting:
     groups_cancelled: dict[str, int] = field(default_factory=dict)  # reason -> groups
     shipped: int = 0  # samples shipped to the trainer
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> completed episodes never shipped
-    zero_output_run: int = 0  # episodes in a row whose groups produced nothing to train on
+    zero_output_run: int = 0  # episodes in a row whose groups gave nothing to train on (no survivors,
+    # all-zero advantages, or cancelled stale), reset by an admitted group
 
     def drop(self, reason: str, count: int) -> None:
         if count:

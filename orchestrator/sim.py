@@ -1,0 +1,129 @@
+"""A deterministic simulated world around the pure core: no asyncio, no files, no clock.
+
+It plays the outside world (env completions, background finalize results, trainer publishes)
+with a seeded RNG and feeds the core one input at a time, keeping the logged stream. Tests,
+property tests, the replay equivalence matrix and the core benchmark all drive the real
+`decide`/`evolve` through it.
+
+`settle="immediate"` delivers each background finalize result right after its
+`finalize_started` (before any other input); `settle="random"` holds results and delivers them
+later in random order, like slow graders would.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orchestrator.core import events as ev
+from orchestrator.core.algorithms import grpo_advantages
+from orchestrator.core.decide import decide
+from orchestrator.core.state import State
+
+
+@dataclass
+class SimOptions:
+    error_rate: float = 0.05
+    empty_rate: float = 0.03
+    min_tokens: int = 1
+    max_tokens: int = 12
+    publish_weight: float = 0.15  # relative chance the trainer publishes when it can
+    settle: str = "immediate"  # or "random"
+    deliver_weight: float = 0.3  # relative chance a held finalize result is delivered
+    reward_levels: int = 4  # rewards are k / reward_levels, so ties (zero advantages) happen
+
+
+class SimWorld:
+    def __init__(self, params: ev.CoreParams, seed: int = 0, options: SimOptions | None = None,
+                 scorer: Callable[[list[float]], list[float]] = grpo_advantages, state: State | None = None):
+        self.params, self.options, self.scorer = params, options or SimOptions(), scorer
+        self.rng = random.Random(seed)
+        self.state = state or State()
+        self.log: list = []
+        self.held_results: list[ev.GroupFinalized] = []
+        self.dispatch_version: dict[int, int] = {}
+
+    def feed(self, event) -> list:
+        """Hand one input to the core; log it with its decisions; react to the decisions."""
+        decisions = decide(self.state, event)
+        self.log.append(event)
+        self.log.extend(decisions)
+        for decision in decisions:
+            if decision.kind == "episode_dispatched":
+                self.dispatch_version[decision.episode_id] = decision.policy_version
+            elif decision.kind == "finalize_started" and decision.background:
+                self._finalize_in_background(decision)
+        return decisions
+
+    def _finalize_in_background(self, started: ev.FinalizeStarted) -> None:
+        rewards = [self.state.traces[t].reward for t in started.trace_ids]
+        result = ev.GroupFinalized(group_id=started.group_id, trace_ids=started.trace_ids,
+                                   advantages=self.scorer(rewards))
+        if self.options.settle == "immediate":
+            self.feed(result)
+        else:
+            self.held_results.append(result)
+
+    def start(self) -> None:
+        self.feed(ev.RunStarted(params=self.params))
+
+    def completion(self, episode_id: int, ok: bool | None = None) -> ev.EpisodeCompleted:
+        """A seeded result for an in-flight episode."""
+        o, rng = self.options, self.rng
+        group_id = self.state.inflight[episode_id]
+        start = self.dispatch_version.get(episode_id, self.state.version)
+        if ok is None:
+            ok = rng.random() >= o.error_rate
+        if not ok:
+            return ev.EpisodeCompleted(episode_id=episode_id, group_id=group_id, ok=False,
+                                       policy_start=start, policy_end=self.state.version, error="sim: env error")
+        prompt = rng.randint(1, 4)
+        sampled = 0 if rng.random() < o.empty_rate else rng.randint(o.min_tokens, o.max_tokens)
+        n = prompt + sampled
+        return ev.EpisodeCompleted(
+            episode_id=episode_id, group_id=group_id, ok=True,
+            reward=rng.randint(0, o.reward_levels) / o.reward_levels,
+            token_ids=[rng.randrange(256) for _ in range(n)], mask=[0] * prompt + [1] * sampled,
+            logprobs=[0.0] * prompt + [-rng.random() for _ in range(sampled)],
+            policy_start=start, policy_end=self.state.version,
+        )
+
+    def actions(self) -> list[tuple[str, float]]:
+        s, o = self.state, self.options
+        acts = []
+        if s.inflight:
+            acts.append(("complete", 1.0))
+        if s.version < s.step - 1:
+            acts.append(("publish", o.publish_weight))
+        if self.held_results:
+            acts.append(("deliver", o.deliver_weight))
+        return acts
+
+    def advance(self) -> bool:
+        """Take one seeded action; False when nothing can happen any more."""
+        acts = self.actions()
+        if self.state.stopped or not acts:
+            return False
+        total = sum(w for _, w in acts)
+        pick, running = self.rng.random() * total, 0.0
+        for name, weight in acts:
+            running += weight
+            if pick < running:
+                break
+        if name == "complete":
+            inflight = list(self.state.inflight)
+            self.feed(self.completion(inflight[self.rng.randrange(len(inflight))]))
+        elif name == "publish":
+            self.feed(ev.VersionPublished(version=self.state.version + 1))
+        else:
+            self.feed(self.held_results.pop(self.rng.randrange(len(self.held_results))))
+        return True
+
+    def run(self, max_actions: int = 1_000_000) -> State:
+        if self.state.params is None:
+            self.start()
+        for _ in range(max_actions):
+            if not self.advance():
+                break
+        return self.state
