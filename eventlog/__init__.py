@@ -1,0 +1,54 @@
+"""eventlog: a generic, durable, append-only event log in one SQLite (WAL) file.
+
+It knows nothing about RL: events are ``(seq, ts, kind, data)`` rows with JSON
+``data``; state snapshots are opaque bytes keyed by a reducer version.
+
+    from eventlog import EventLog
+    with EventLog.create("run/events.db", meta={"seed": "1"}) as log:
+        seq = log.append("started", {"x": 1})
+        log.commit()                      # one durable transaction per batch
+    for rec in EventLog.open_reader("run/events.db").read():
+        ...
+"""
+
+from .codec import canonical_json
+from .errors import (
+    CorruptLogError,
+    ForeignDatabaseError,
+    InvalidArgumentError,
+    InvalidEventError,
+    LogClosedError,
+    LogError,
+    LogExistsError,
+    LogNotFoundError,
+    NewerFormatError,
+    NotSQLiteError,
+    NotWriterError,
+    ReadOnlyLocationError,
+    WriterLockedError,
+)
+from .fileformat import FORMAT_VERSION, MAGIC
+from .log import EventLog, Record, Snapshot, VerifyReport
+
+__all__ = [
+    "EventLog",
+    "Record",
+    "Snapshot",
+    "VerifyReport",
+    "canonical_json",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "LogError",
+    "NotSQLiteError",
+    "ForeignDatabaseError",
+    "NewerFormatError",
+    "CorruptLogError",
+    "WriterLockedError",
+    "ReadOnlyLocationError",
+    "LogNotFoundError",
+    "LogExistsError",
+    "InvalidEventError",
+    "InvalidArgumentError",
+    "NotWriterError",
+    "LogClosedError",
+]

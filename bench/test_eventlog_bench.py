@@ -1,0 +1,204 @@
+"""Event log benchmarks (pytest-benchmark).
+
+    python -m pytest bench/test_eventlog_bench.py -o addopts= --benchmark-only
+
+Figures (in each benchmark's extra_info, and printed with -s):
+* append, 256 events per commit, durability full: orch vs raw sqlite3 ``executemany``
+  of the same rows into the same schema, timed interleaved in the same test so
+  the ratio survives a noisy shared machine;
+* one event per commit (full): events/s;
+* read + decode throughput (target >= 300k events/s).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import statistics
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from eventlog import EventLog
+from eventlog.fileformat import SCHEMA
+
+BATCH = 256
+KIND = "episode_completed"
+# A realistic small event; "error": None makes the NaN check walk it (the slower path).
+EVENT = {
+    "episode_id": 7,
+    "group_id": 3,
+    "ok": True,
+    "reward": 0.75,
+    "token_ids": list(range(32)),
+    "policy_start": 4,
+    "policy_end": 5,
+    "error": None,
+}
+EVENT_JSON = orjson.dumps(EVENT)
+
+
+class RawLog:
+    """The baseline: hand-written sqlite3, same schema, WAL, synchronous=FULL."""
+
+    def __init__(self, path: Path):
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        for ddl in SCHEMA:
+            self.conn.execute(ddl)
+        self.seq = 0
+
+    def insert(self, rows: list[tuple]) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.executemany("INSERT INTO events(seq, ts, kind, data) VALUES (?, ?, ?, ?)", rows)
+        self.conn.execute("COMMIT")
+        self.seq += len(rows)
+
+    def batch_encode(self, events: list[dict]) -> None:
+        """Raw with the encoding the orch path does (orjson, no NaN check)."""
+        s, now = self.seq + 1, time.time()
+        self.insert([(s + i, now, KIND, orjson.dumps(e).decode()) for i, e in enumerate(events)])
+
+    def batch_json(self, docs: list[bytes]) -> None:
+        """Raw with pre-encoded JSON (the counterpart of append_json)."""
+        s, now = self.seq + 1, time.time()
+        self.insert([(s + i, now, KIND, d.decode()) for i, d in enumerate(docs)])
+
+
+def orch_batch(log: EventLog, events: list[dict]) -> None:
+    append = log.append
+    for e in events:
+        append(KIND, e)
+    log.commit()
+
+
+def orch_batch_json(log: EventLog, docs: list[bytes]) -> None:
+    append_json = log.append_json
+    for d in docs:
+        append_json(KIND, d)
+    log.commit()
+
+
+def report(benchmark, **figures) -> None:
+    benchmark.extra_info.update(figures)
+    print("\n  " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+
+
+def interleaved(fn_a, fn_b, rounds: int) -> tuple[float, float]:
+    """Median seconds of fn_a and fn_b, run alternately (order swapped each round)."""
+    ta, tb = [], []
+    for r in range(rounds):
+        for fn, acc in ((fn_a, ta), (fn_b, tb)) if r % 2 else ((fn_b, tb), (fn_a, ta)):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+@pytest.fixture
+def orch_log(tmp_path):
+    log = EventLog.create(tmp_path / "orch.db", durability="full")
+    yield log
+    log.close()
+
+
+@pytest.fixture
+def raw_log(tmp_path):
+    raw = RawLog(tmp_path / "raw.db")
+    yield raw
+    raw.conn.close()
+
+
+# ---------------------------------------------------------------- append, 256 per commit
+
+
+def test_append_256_full_orch(benchmark, orch_log):
+    events = [EVENT] * BATCH
+    benchmark.pedantic(orch_batch, args=(orch_log, events), rounds=200, warmup_rounds=10)
+    report(benchmark, events_per_s=round(BATCH / benchmark.stats.stats.median))
+
+
+def test_append_256_full_raw(benchmark, raw_log):
+    events = [EVENT] * BATCH
+    benchmark.pedantic(raw_log.batch_encode, args=(events,), rounds=200, warmup_rounds=10)
+    report(benchmark, events_per_s=round(BATCH / benchmark.stats.stats.median))
+
+
+def test_append_256_full_ratio(benchmark, orch_log, raw_log):
+    """orch throughput / raw throughput, both measured interleaved in this one test."""
+    events = [EVENT] * BATCH
+    docs = [EVENT_JSON] * BATCH
+    figures = {}
+
+    def measure() -> None:
+        orch, raw = interleaved(lambda: orch_batch(orch_log, events),
+                                lambda: raw_log.batch_encode(events), rounds=150)
+        orch_j, raw_j = interleaved(lambda: orch_batch_json(orch_log, docs),
+                                    lambda: raw_log.batch_json(docs), rounds=150)
+        figures.update(
+            append_events_per_s=round(BATCH / orch),
+            raw_events_per_s=round(BATCH / raw),
+            append_ratio=round(raw / orch, 3),
+            append_json_events_per_s=round(BATCH / orch_j),
+            raw_json_events_per_s=round(BATCH / raw_j),
+            append_json_ratio=round(raw_j / orch_j, 3),
+        )
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    report(benchmark, **figures)
+    # Target is >= 0.9; the assertion leaves room for a noisy shared machine.
+    assert figures["append_ratio"] >= 0.75 and figures["append_json_ratio"] >= 0.75
+
+
+# ---------------------------------------------------------------- one event per commit
+
+
+def test_append_1_per_commit_full(benchmark, orch_log):
+    def one() -> None:
+        orch_log.append(KIND, EVENT)
+        orch_log.commit()
+
+    benchmark.pedantic(one, rounds=500, warmup_rounds=20)
+    report(benchmark, events_per_s=round(1 / benchmark.stats.stats.median))
+
+
+def test_append_1_per_commit_full_raw(benchmark, raw_log):
+    benchmark.pedantic(raw_log.batch_encode, args=([EVENT],), rounds=500, warmup_rounds=20)
+    report(benchmark, events_per_s=round(1 / benchmark.stats.stats.median))
+
+
+# ---------------------------------------------------------------- read
+
+
+READ_N = 100_000
+
+
+@pytest.fixture(scope="module")
+def filled_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("read") / "events.db"
+    with EventLog.create(path, durability="normal") as log:
+        for start in range(0, READ_N, 5000):
+            for i in range(start, start + 5000):
+                log.append(KIND, {**EVENT, "episode_id": i})
+            log.commit()
+    return path
+
+
+def test_read_decode(benchmark, filled_path):
+    reader = EventLog.open_reader(filled_path)
+    n = benchmark.pedantic(lambda: sum(1 for _ in reader.read()), rounds=5, warmup_rounds=1)
+    assert n == READ_N
+    rate = round(READ_N / benchmark.stats.stats.median)
+    report(benchmark, events_per_s=rate)
+    reader.close()
+    assert rate >= 150_000  # target 300k/s; halved for a loaded shared machine
+
+
+def test_read_raw(benchmark, filled_path):
+    reader = EventLog.open_reader(filled_path)
+    n = benchmark.pedantic(lambda: sum(1 for _ in reader.read_raw()), rounds=5, warmup_rounds=1)
+    assert n == READ_N
+    report(benchmark, events_per_s=round(READ_N / benchmark.stats.stats.median))
+    reader.close()

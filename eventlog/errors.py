@@ -1,0 +1,80 @@
+"""Typed errors of the event log.
+
+Every error is a :class:`LogError` whose ``str()`` is one specific line, so a
+command-line tool can print it and exit non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LogError",
+    "NotSQLiteError",
+    "ForeignDatabaseError",
+    "NewerFormatError",
+    "CorruptLogError",
+    "WriterLockedError",
+    "ReadOnlyLocationError",
+    "LogNotFoundError",
+    "LogExistsError",
+    "InvalidEventError",
+    "NotWriterError",
+    "LogClosedError",
+    "InvalidArgumentError",
+]
+
+
+class LogError(Exception):
+    """Base class of every error raised by :mod:`eventlog`."""
+
+
+class NotSQLiteError(LogError):
+    """The path exists but is not an SQLite database file."""
+
+
+class ForeignDatabaseError(LogError):
+    """The path is an SQLite database, but not an orch event log."""
+
+
+class NewerFormatError(LogError):
+    """The log was written by a newer format version than this code supports."""
+
+
+class CorruptLogError(LogError):
+    """The file is truncated or corrupted, fails its integrity check, or has a seq gap."""
+
+
+class WriterLockedError(LogError):
+    """Another writer (in this or another process) holds the log's writer lock."""
+
+    def __init__(self, message: str, pid: int | None = None, host: str | None = None):
+        super().__init__(message)
+        self.pid = pid
+        self.host = host
+
+
+class ReadOnlyLocationError(LogError):
+    """The log cannot be created or written at that location (permissions, read-only fs)."""
+
+
+class LogNotFoundError(LogError):
+    """No log at that path."""
+
+
+class LogExistsError(LogError):
+    """A log (or a leftover of one) already exists at that path."""
+
+
+class InvalidEventError(LogError, ValueError):
+    """An event cannot be stored: non-JSON value, NaN/Infinity, bad kind."""
+
+
+class NotWriterError(LogError):
+    """A write was attempted through a read-only handle (``EventLog.open_reader``)."""
+
+
+class LogClosedError(LogError):
+    """The handle was used after :meth:`EventLog.close`."""
+
+
+class InvalidArgumentError(LogError, ValueError):
+    """A bad argument: unknown durability, reserved meta key, snapshot past the end of the log."""

@@ -1,0 +1,150 @@
+"""On-disk format: schema, meta keys, and the checks that classify a bad file.
+
+The format is public (DESIGN §4): users query it with any SQLite tool, so the
+schema stays plain and the identifying marks live in the ``meta`` table.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import struct
+
+from .errors import (
+    CorruptLogError,
+    ForeignDatabaseError,
+    LogError,
+    LogNotFoundError,
+    NewerFormatError,
+    NotSQLiteError,
+    ReadOnlyLocationError,
+)
+
+MAGIC = "orch-eventlog"
+FORMAT_VERSION = 1
+RESERVED_META_KEYS = frozenset({"magic", "format_version"})
+
+SCHEMA = (
+    "CREATE TABLE events(seq INTEGER PRIMARY KEY, ts REAL NOT NULL,"
+    " kind TEXT NOT NULL, data TEXT NOT NULL)",
+    "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)",
+    "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT,"
+    " state_hash TEXT, state BLOB)",
+)
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+_HEADER_LEN = 100
+
+# Primary SQLite result codes (the low byte of an extended code).
+_SQLITE_PERM, _SQLITE_READONLY, _SQLITE_CORRUPT = 3, 8, 11
+_SQLITE_CANTOPEN, _SQLITE_NOTADB = 14, 26
+
+
+def check_header(path: str) -> None:
+    """Classify ``path`` from its first 100 bytes and its size, before SQLite touches it.
+
+    Raises LogNotFoundError, NotSQLiteError or CorruptLogError (truncated).
+    """
+    try:
+        with open(path, "rb") as f:
+            header = f.read(_HEADER_LEN)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise LogNotFoundError(f"no event log at {path}") from None
+    except IsADirectoryError:
+        raise NotSQLiteError(f"{path} is a directory, not an SQLite event log") from None
+    except PermissionError as e:
+        raise LogError(f"cannot read {path}: {e.strerror}") from None
+    if len(header) < _HEADER_LEN:
+        if _SQLITE_HEADER.startswith(header[: len(_SQLITE_HEADER)]):
+            raise CorruptLogError(f"{path} is truncated ({size} bytes, shorter than an SQLite header)")
+        raise NotSQLiteError(f"{path} is not an SQLite database")
+    if not header.startswith(_SQLITE_HEADER):
+        raise NotSQLiteError(f"{path} is not an SQLite database")
+    _check_size(path, header, size)
+
+
+def _check_size(path: str, header: bytes, size: int) -> None:
+    """Detect a file cut short: partial page, or fewer pages than the header records.
+
+    The header's page count is trusted only when SQLite marks it valid and no
+    WAL holds frames that could legitimately supply the missing pages.
+    """
+    page_size = struct.unpack(">H", header[16:18])[0]
+    page_size = 65536 if page_size == 1 else page_size
+    if page_size < 512 or page_size & (page_size - 1):
+        raise CorruptLogError(f"{path} has a corrupted header (page size {page_size})")
+    if size % page_size:
+        raise CorruptLogError(f"{path} is truncated ({size} bytes is not a whole number of pages)")
+    n_pages, = struct.unpack(">I", header[28:32])
+    valid = n_pages and header[24:28] == header[92:96]
+    if valid and size < n_pages * page_size and not wal_has_frames(path):
+        raise CorruptLogError(
+            f"{path} is truncated ({size // page_size} of {n_pages} pages present)"
+        )
+
+
+def wal_has_frames(path: str) -> bool:
+    """True if ``<path>-wal`` exists and holds at least one frame."""
+    try:
+        return os.path.getsize(path + "-wal") > 32  # 32-byte WAL header, then frames
+    except OSError:
+        return False
+
+
+def translate(exc: sqlite3.Error, path: str) -> LogError | sqlite3.Error:
+    """Map an sqlite3 error to the typed LogError it stands for (or return it unchanged)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = code & 0xFF if code is not None else None
+    msg = str(exc)
+    if primary in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "malformed" in msg:
+        return CorruptLogError(f"{path} is corrupted: {msg}")
+    if primary in (_SQLITE_READONLY, _SQLITE_PERM):
+        return ReadOnlyLocationError(f"cannot write {path}: {msg}")
+    if primary == _SQLITE_CANTOPEN:
+        return ReadOnlyLocationError(f"cannot open {path} (or its -wal/-shm files) for writing: {msg}")
+    return exc
+
+
+def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
+    """Check that an open database is an orch log of a supported version; return its meta.
+
+    Raises ForeignDatabaseError, NewerFormatError or CorruptLogError.
+    """
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as e:
+        raise _as_log_error(e, path) from None
+    if "meta" not in tables:
+        raise ForeignDatabaseError(f"{path} is an SQLite database but not an orch event log (no meta table)")
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+    except sqlite3.DatabaseError as e:
+        raise _as_log_error(e, path) from None
+    if meta.get("magic") != MAGIC:
+        raise ForeignDatabaseError(f"{path} is an SQLite database but not an orch event log (no orch magic)")
+    check_version(meta.get("format_version"), path)
+    missing = {"events", "snapshots"} - tables
+    if missing:
+        raise CorruptLogError(f"{path} lacks table(s) {', '.join(sorted(missing))}")
+    return meta
+
+
+def check_version(raw: str | None, path: str) -> int:
+    """Parse meta.format_version; refuse a newer one."""
+    try:
+        version = int(raw)
+    except (TypeError, ValueError):
+        raise CorruptLogError(f"{path} has an invalid format_version {raw!r}") from None
+    if version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"{path} uses log format version {version}; this orch reads up to {FORMAT_VERSION} (upgrade orch)"
+        )
+    if version < 1:
+        raise CorruptLogError(f"{path} has an invalid format_version {raw!r}")
+    return version
+
+
+def _as_log_error(exc: sqlite3.DatabaseError, path: str) -> LogError:
+    err = translate(exc, path)
+    return err if isinstance(err, LogError) else CorruptLogError(f"{path}: {exc}")

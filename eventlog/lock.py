@@ -1,0 +1,92 @@
+"""The single-writer lock: an exclusive, non-blocking ``flock`` on ``<db>.lock``.
+
+flock locks belong to the open file description, so the kernel drops them when
+the holder exits for any reason (SIGKILL included); there is no stale lock to
+clean up.  The file is never deleted: unlinking it would let a later writer
+lock a fresh inode while an older one still holds the unlinked one.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+
+from .errors import ReadOnlyLocationError, WriterLockedError
+
+__all__ = ["WriterLock", "lock_path_for"]
+
+_READ_ONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def lock_path_for(db_path: str) -> str:
+    """Path of the sidecar lock file of a log."""
+    return db_path + ".lock"
+
+
+def _describe_holder(fd: int) -> tuple[int | None, str | None]:
+    """Read "pid host" written by the current holder (may be empty if it just started)."""
+    try:
+        raw = os.pread(fd, 256, 0).decode("utf-8", "replace").split()
+    except OSError:
+        return None, None
+    pid = int(raw[0]) if raw and raw[0].isdigit() else None
+    host = raw[1] if len(raw) > 1 else None
+    return pid, host
+
+
+class WriterLock:
+    """Holds the writer lock of one log until :meth:`release`."""
+
+    def __init__(self, db_path: str):
+        self.path = lock_path_for(db_path)
+        self._fd: int | None = None
+
+    def acquire(self) -> "WriterLock":
+        """Take the lock now or raise WriterLockedError naming the holder's pid."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno in _READ_ONLY_ERRNOS:
+                raise ReadOnlyLocationError(
+                    f"cannot write lock file {self.path}: {e.strerror}"
+                ) from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, host = _describe_holder(fd)
+            os.close(fd)
+            who = f"pid {pid}" if pid is not None else "an unknown pid"
+            if host:
+                who += f" on {host}"
+            raise WriterLockedError(
+                f"log {self.path[:-5]} is already open for writing by {who}", pid=pid, host=host
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._write_owner()
+        return self
+
+    def _write_owner(self) -> None:
+        """Record our pid and host so a refused writer can say who holds the lock."""
+        owner = f"{os.getpid()} {socket.gethostname()}\n".encode()
+        os.pwrite(self._fd, owner, 0)
+        os.ftruncate(self._fd, len(owner))
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Release the lock (idempotent); closing the descriptor drops the flock."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    # A handle dropped without close() must not keep the log locked for the
+    # rest of the process (raw descriptors are not closed by the GC).
+    __del__ = release

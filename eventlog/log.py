@@ -1,0 +1,758 @@
+"""EventLog: an append-only, group-committed event log in one SQLite (WAL) file.
+
+Design notes (why it looks like this):
+
+* Appends are buffered in Python as ready-to-bind rows and written by one
+  ``executemany`` inside one ``BEGIN IMMEDIATE`` transaction per
+  :meth:`EventLog.commit`: the fsync cost is paid once per batch, and a batch
+  is all-or-nothing.
+* Sequence numbers are assigned at append time from a counter (the writer is
+  the only writer, enforced by :class:`~eventlog.lock.WriterLock`), so callers
+  know an event's seq before it is durable; a failed commit rolls it back.
+* Reads use a separate connection and fetch bounded chunks, each its own
+  short statement, so a reader never holds a transaction that would pin the
+  WAL, and reading works while the writer appends.
+* The WAL is kept bounded by SQLite's passive auto-checkpoint,
+  ``journal_size_limit`` and, should readers starve those, an occasional
+  TRUNCATE checkpoint with a short busy timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import sqlite3
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, NamedTuple
+
+import orjson
+
+from . import fileformat
+from .codec import NONFINITE, NOT_JSON, OPTS as _OPTS, has_nonfinite
+from .errors import (
+    CorruptLogError,
+    InvalidArgumentError,
+    InvalidEventError,
+    LogClosedError,
+    LogError,
+    LogExistsError,
+    LogNotFoundError,
+    NotWriterError,
+    ReadOnlyLocationError,
+)
+from .lock import WriterLock
+
+__all__ = ["EventLog", "Record", "Snapshot", "VerifyReport"]
+
+_SYNC = {"full": "FULL", "normal": "NORMAL"}
+_INSERT = "INSERT INTO events(seq, ts, kind, data) VALUES (?, ?, ?, ?)"
+_BUSY_TIMEOUT_S = 5.0
+# Passive auto-checkpoint every ~4 MiB of WAL (SQLite's default), and a WAL
+# truncated back to this size whenever it is reset.
+_WAL_AUTOCHECKPOINT_PAGES = 1000
+_JOURNAL_SIZE_LIMIT = 8 << 20
+# If the WAL still grows past this (readers starving the passive checkpoints),
+# force a TRUNCATE checkpoint; checked every _WAL_CHECK_EVERY commits.
+_WAL_FORCE_BYTES = 64 << 20
+_WAL_CHECK_EVERY = 16
+_FORCE_CHECKPOINT_BUSY_MS = 100
+
+_time = time.time
+_loads = orjson.loads
+_dumps = orjson.dumps
+_new_tuple = tuple.__new__
+
+
+class Record(NamedTuple):
+    """One committed event."""
+
+    seq: int
+    ts: float
+    kind: str
+    data: Any
+
+
+class Snapshot(NamedTuple):
+    """A verified reducer-state snapshot taken after event ``seq``."""
+
+    seq: int
+    reducer_version: str
+    state_hash: str
+    state: bytes
+
+
+@dataclass
+class VerifyReport:
+    """Result of :meth:`EventLog.verify`; ``ok`` is True when ``problems`` is empty."""
+
+    path: str
+    events: int = 0
+    last_seq: int = 0
+    format_version: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_for_problems(self) -> None:
+        """Raise CorruptLogError with the first problem, if any."""
+        if self.problems:
+            more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+            raise CorruptLogError(f"{self.path}: {self.problems[0]}{more}")
+
+
+def _sync_pragma(durability: str) -> str:
+    try:
+        return _SYNC[durability]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(
+            f"durability must be 'full' or 'normal', not {durability!r}"
+        ) from None
+
+
+def _check_meta_items(meta: dict[str, str] | None) -> dict[str, str]:
+    meta = dict(meta or {})
+    for key, value in meta.items():
+        _check_meta_item(key, value)
+    return meta
+
+
+def _check_meta_item(key: str, value: str) -> None:
+    if type(key) is not str or not isinstance(value, str):
+        raise InvalidArgumentError(f"meta keys and values must be str, got {key!r}: {value!r}")
+    if key in fileformat.RESERVED_META_KEYS:
+        raise InvalidArgumentError(f"meta key {key!r} is reserved by the log format")
+
+
+def _uri(path: str, **params: str) -> str:
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    return f"{Path(path).absolute().as_uri()}?{query}"
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class EventLog:
+    """A durable, append-only event log (see module docs). Not safe for concurrent
+    use from several threads; one thread at a time (e.g. commit in a worker
+    thread while the loop waits) is fine.
+
+    Build one with :meth:`create`, :meth:`open` (the single writer) or
+    :meth:`open_reader` (read-only, any number, never blocked by the writer).
+    """
+
+    # ------------------------------------------------------------ construction
+
+    def __init__(self, path: str, conn: sqlite3.Connection, *, lock: WriterLock | None,
+                 durability: str | None):
+        """Private: use create(), open() or open_reader()."""
+        self.path = path
+        self.durability = durability
+        self._conn: sqlite3.Connection | None = conn
+        self._rconn: sqlite3.Connection | None = None
+        self._lock = lock
+        self._writer = lock is not None
+        self._buf: list[tuple] | None = [] if self._writer else None
+        self._last = 0
+        self._next = 1
+        self._commits_since_wal_check = 0
+        if self._writer:
+            self._last = self._committed_bounds(conn)
+            self._next = self._last + 1
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, meta: dict[str, str] | None = None,
+               durability: str = "full") -> "EventLog":
+        """Create a new log at ``path`` and open it as the writer.
+
+        The file is built under a temporary name and hard-linked into place, so
+        ``path`` is either absent or a complete log, never a half-made one.
+        Raises LogExistsError if ``path`` (or a leftover ``-wal``) exists.
+        """
+        path = os.fspath(path)
+        sync = _sync_pragma(durability)
+        meta = _check_meta_items(meta)
+        cls._check_creatable(path)
+        lock = WriterLock(path).acquire()
+        try:
+            cls._check_creatable(path)  # again, now that no other creator can race us
+            cls._build_and_link(path, meta)
+            return cls._open_writer(path, sync, durability, lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, durability: str = "full") -> "EventLog":
+        """Open an existing log as THE writer (takes the writer lock, fails at once if held)."""
+        path = os.fspath(path)
+        sync = _sync_pragma(durability)
+        fileformat.check_header(path)
+        lock = WriterLock(path).acquire()
+        try:
+            return cls._open_writer(path, sync, durability, lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def open_reader(cls, path: str | os.PathLike) -> "EventLog":
+        """Open an existing log read-only; never takes the writer lock."""
+        path = os.fspath(path)
+        fileformat.check_header(path)
+        conn = cls._connect_reader(path)
+        try:
+            try:
+                fileformat.validate(conn, path)
+            except ReadOnlyLocationError:
+                conn.close()
+                conn = cls._connect_immutable(path)
+                fileformat.validate(conn, path)
+            return cls(path, conn, lock=None, durability=None)
+        except BaseException:
+            conn.close()
+            raise
+
+    @classmethod
+    def _connect_immutable(cls, path: str) -> sqlite3.Connection:
+        """Read a log whose directory forbids creating the -shm file (read-only media).
+
+        Only safe when no -wal holds frames: then the main file is the whole
+        log, and nobody can be writing it, since no writer could create a WAL.
+        """
+        if fileformat.wal_has_frames(path) or os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise ReadOnlyLocationError(
+                f"cannot read {path}: its -shm file cannot be created next to it"
+            )
+        try:
+            conn = sqlite3.connect(_uri(path, mode="ro", immutable="1"), uri=True,
+                                   isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as e:
+            raise fileformat.translate(e, path) from None
+        return conn
+
+    @staticmethod
+    def _check_creatable(path: str) -> None:
+        if os.path.lexists(path):
+            raise LogExistsError(f"{path} already exists")
+        if os.path.lexists(path + "-wal"):
+            raise LogExistsError(f"{path}-wal exists (leftover of an earlier log); remove it first")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise LogNotFoundError(f"cannot create {path}: directory {parent} does not exist")
+
+    @staticmethod
+    def _build_and_link(path: str, meta: dict[str, str]) -> None:
+        """Write schema + meta into ``<path>.creating-<pid>``, fsync, link to ``path``."""
+        tmp = f"{path}.creating-{os.getpid()}"
+        for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
+            if os.path.lexists(leftover):
+                os.unlink(leftover)
+        try:
+            _write_new_database(tmp, meta)
+            _fsync_path(tmp)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise LogExistsError(f"{path} already exists") from None
+            except OSError:  # no hard links here (some network/FUSE fs): rename instead
+                if os.path.lexists(path):
+                    raise LogExistsError(f"{path} already exists") from None
+                os.rename(tmp, path)
+            _fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
+        except PermissionError as e:
+            raise ReadOnlyLocationError(f"cannot create {path}: {e.strerror}") from None
+        except OSError as e:
+            if e.errno == errno.EROFS:
+                raise ReadOnlyLocationError(f"cannot create {path}: {e.strerror}") from None
+            raise
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+
+    @classmethod
+    def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> "EventLog":
+        _check_writable(path)
+        try:
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                   timeout=_BUSY_TIMEOUT_S)
+        except sqlite3.Error as e:
+            raise fileformat.translate(e, path) from None
+        try:
+            fileformat.validate(conn, path)
+            _configure_writer(conn, sync, path)
+            return cls(path, conn, lock=lock, durability=durability)
+        except BaseException:
+            conn.close()
+            raise
+
+    @staticmethod
+    def _connect_reader(path: str) -> sqlite3.Connection:
+        """A read-only connection (mode=ro: it can never write, not even by mistake)."""
+        try:
+            conn = sqlite3.connect(_uri(path, mode="ro"), uri=True, isolation_level=None,
+                                   check_same_thread=False, timeout=_BUSY_TIMEOUT_S)
+            conn.execute("PRAGMA query_only=1")
+        except sqlite3.Error as e:
+            raise fileformat.translate(e, path) from None
+        return conn
+
+    def _committed_bounds(self, conn: sqlite3.Connection) -> int:
+        """Return the last committed seq; check the log starts at 1 (two O(log n) lookups)."""
+        try:
+            last = conn.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
+            first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
+        except sqlite3.DatabaseError as e:
+            raise self._error(e) from None
+        if first is not None and first != 1:
+            raise CorruptLogError(f"{self.path}: first event has seq {first}, expected 1")
+        return last
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def is_writer(self) -> bool:
+        return self._writer
+
+    @property
+    def closed(self) -> bool:
+        return self._conn is None
+
+    @property
+    def last_seq(self) -> int:
+        """Last committed seq (0 when empty). Live for readers, cached for the writer."""
+        if self._writer:
+            return self._last
+        return self._query_one("SELECT coalesce(max(seq), 0) FROM events")
+
+    @property
+    def next_seq(self) -> int:
+        """Seq the next append will get (buffered appends count)."""
+        return self._next if self._writer else self.last_seq + 1
+
+    @property
+    def pending(self) -> int:
+        """Number of buffered, uncommitted events."""
+        return len(self._buf) if self._buf else 0
+
+    @property
+    def meta(self) -> dict[str, str]:
+        """The meta table as a dict (read fresh)."""
+        conn = self._live_conn()
+        try:
+            return dict(conn.execute("SELECT key, value FROM meta"))
+        except sqlite3.DatabaseError as e:
+            raise self._error(e) from None
+
+    # ------------------------------------------------------------ appending
+
+    def append(self, kind: str, data: Any) -> int:
+        """Buffer one event and return its seq; raise InvalidEventError for non-JSON data."""
+        buf = self._buf
+        if buf is None:
+            raise self._not_writable()
+        if type(kind) is not str or not kind:
+            raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
+        # codec.encode, inlined: this is the hot path.
+        try:
+            doc = _dumps(data, option=_OPTS)
+        except TypeError as e:
+            raise InvalidEventError(f"{NOT_JSON}: {e}") from None
+        if b"null" in doc and has_nonfinite(data):
+            raise InvalidEventError(NONFINITE)
+        seq = self._next
+        buf.append((seq, _time(), kind, doc.decode()))
+        self._next = seq + 1
+        return seq
+
+    def append_json(self, kind: str, data_json: bytes | str) -> int:
+        """Buffer an already-encoded JSON document (trusted: not re-validated); return its seq."""
+        buf = self._buf
+        if buf is None:
+            raise self._not_writable()
+        if type(kind) is not str or not kind:
+            raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
+        if type(data_json) is not str:
+            try:
+                data_json = data_json.decode()
+            except (AttributeError, UnicodeDecodeError) as e:
+                raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
+        seq = self._next
+        buf.append((seq, _time(), kind, data_json))
+        self._next = seq + 1
+        return seq
+
+    def commit(self) -> int:
+        """Durably write every buffered event in one transaction; return the last seq.
+
+        All-or-nothing: on failure nothing is stored, the buffer is discarded,
+        next_seq rolls back to last_seq + 1 and the error propagates.
+        """
+        buf = self._buf
+        if buf is None:
+            raise self._not_writable()
+        if not buf:
+            return self._last
+        self._buf = []
+        conn = self._conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(_INSERT, buf)
+            conn.execute("COMMIT")
+        except BaseException as e:
+            self._after_failed_commit()
+            if isinstance(e, sqlite3.Error):
+                raise self._error(e) from e
+            raise
+        self._last = buf[-1][0]
+        self._commits_since_wal_check += 1
+        if self._commits_since_wal_check >= _WAL_CHECK_EVERY:
+            self._bound_wal()
+        return self._last
+
+    def discard(self) -> None:
+        """Drop every buffered event; next_seq returns to last_seq + 1."""
+        if self._buf is None:
+            raise self._not_writable()
+        self._buf = []
+        self._next = self._last + 1
+
+    def _after_failed_commit(self) -> None:
+        """Roll back, and re-derive the seq counter from what is actually stored."""
+        conn = self._conn
+        try:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            self._last = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        except sqlite3.Error:
+            pass  # the original error is the one worth reporting
+        self._next = self._last + 1
+
+    # ------------------------------------------------------------ reading
+
+    def read(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
+             chunk_size: int = 4096) -> Iterator[Record]:
+        """Yield committed events ``start..stop`` (inclusive) in seq order, data decoded.
+
+        ``stop=None`` means the last seq committed when iteration starts.
+        Streams in chunks of ``chunk_size`` rows from a separate read connection.
+        """
+        for rows in self._chunks(start, stop, kinds, chunk_size, "data"):
+            yield from [_new_tuple(Record, (s, t, k, _loads(d))) for s, t, k, d in rows]
+
+    def read_raw(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
+                 chunk_size: int = 4096) -> Iterator[tuple[int, float, str, bytes]]:
+        """Like :meth:`read` but yields ``(seq, ts, kind, data_bytes)`` without decoding."""
+        for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB)"):
+            yield from rows
+
+    def _chunks(self, start: int, stop: int | None, kinds: Iterable[str] | None,
+                chunk_size: int, data_expr: str) -> Iterator[list[tuple]]:
+        """Fetch rows in bounded chunks; each chunk is a separate, complete statement."""
+        if chunk_size < 1:
+            raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
+        conn = self._read_conn()
+        if kinds is None:
+            kinds = ()
+        else:
+            kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+            if not kinds:  # an empty filter matches nothing
+                return
+        sql = f"SELECT seq, ts, kind, {data_expr} FROM events WHERE seq >= ? AND seq <= ?"
+        if kinds:
+            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
+        sql += " ORDER BY seq LIMIT ?"
+        if stop is None:
+            stop = self._query_one("SELECT coalesce(max(seq), 0) FROM events", conn)
+        cursor = max(int(start), 1)
+        while cursor <= stop:
+            try:
+                rows = conn.execute(sql, (cursor, stop, *kinds, chunk_size)).fetchall()
+            except sqlite3.DatabaseError as e:
+                raise self._error(e) from None
+            if not rows:
+                return
+            yield rows
+            if len(rows) < chunk_size:
+                return
+            cursor = rows[-1][0] + 1
+
+    # ------------------------------------------------------------ meta
+
+    def set_meta(self, key: str, value: str) -> None:
+        """Set one meta entry durably (its own transaction, independent of the buffer)."""
+        self._require_writer()
+        _check_meta_item(key, value)
+        self._write("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    # ------------------------------------------------------------ snapshots
+
+    def save_snapshot(self, seq: int, reducer_version: str, state: bytes) -> str:
+        """Store a state snapshot taken after committed event ``seq``; return its sha256 hex.
+
+        A snapshot is a cache: one per seq (a newer save at the same seq replaces it).
+        """
+        self._require_writer()
+        if type(seq) is not int or not 0 <= seq <= self._last:
+            raise InvalidArgumentError(
+                f"snapshot seq {seq!r} is not a committed seq (last committed is {self._last})"
+            )
+        state = bytes(state)
+        state_hash = hashlib.sha256(state).hexdigest()
+        self._write(
+            "INSERT OR REPLACE INTO snapshots(seq, reducer_version, state_hash, state)"
+            " VALUES (?, ?, ?, ?)",
+            (seq, str(reducer_version), state_hash, state),
+        )
+        return state_hash
+
+    def load_snapshot(self, reducer_version: str, max_seq: int | None = None) -> Snapshot | None:
+        """Newest snapshot with this reducer version, seq <= max_seq and a verifying hash.
+
+        Snapshots of other reducer versions, with a bad hash, or past the last
+        committed event are ignored (they are caches).
+        """
+        conn = self._read_conn()
+        limit = self._query_one("SELECT coalesce(max(seq), 0) FROM events", conn)
+        if max_seq is not None:
+            limit = min(limit, max_seq)
+        try:
+            rows = conn.execute(
+                "SELECT seq, reducer_version, state_hash, state FROM snapshots"
+                " WHERE reducer_version = ? AND seq <= ? ORDER BY seq DESC",
+                (reducer_version, limit),
+            )
+            for seq, version, state_hash, state in rows:
+                if state is not None and hashlib.sha256(state).hexdigest() == state_hash:
+                    rows.close()
+                    return Snapshot(seq, version, state_hash, bytes(state))
+        except sqlite3.DatabaseError as e:
+            raise self._error(e) from None
+        return None
+
+    # ------------------------------------------------------------ maintenance
+
+    def verify(self) -> VerifyReport:
+        """Full check: PRAGMA integrity_check, format marks, seq contiguous from 1."""
+        report = VerifyReport(self.path)
+        conn = self._read_conn()
+        try:
+            conn.execute("BEGIN")  # one consistent view for every check below
+            try:
+                _check_integrity(conn, report)
+                _check_format(conn, report)
+                _check_contiguity(conn, report)
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.DatabaseError as e:
+            report.problems.append(f"unreadable: {e}")
+        return report
+
+    def checkpoint(self, mode: str = "TRUNCATE") -> tuple[int, int, int]:
+        """Run a WAL checkpoint; return SQLite's (busy, wal_frames, checkpointed_frames).
+
+        TRUNCATE/RESTART wait (up to the busy timeout) for readers to move on.
+        """
+        self._require_writer()
+        mode = mode.upper()
+        if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
+            raise InvalidArgumentError(f"unknown checkpoint mode {mode!r}")
+        try:
+            return tuple(self._conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone())
+        except sqlite3.Error as e:
+            raise self._error(e) from None
+
+    def _bound_wal(self) -> None:
+        """Force a TRUNCATE checkpoint if passive ones have been starved by readers."""
+        self._commits_since_wal_check = 0
+        try:
+            if os.path.getsize(self.path + "-wal") <= _WAL_FORCE_BYTES:
+                return
+        except OSError:
+            return
+        conn = self._conn
+        try:
+            # Short busy wait: the appending loop must not stall behind a slow reader.
+            conn.execute(f"PRAGMA busy_timeout={_FORCE_CHECKPOINT_BUSY_MS}")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error:
+            pass  # a later commit retries; the data is safe either way
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT_S * 1000)}")
+
+    def close(self) -> None:
+        """Close the log (idempotent). Uncommitted appends are discarded, with a warning."""
+        if self._conn is None:
+            return
+        if self._buf:
+            warnings.warn(f"closing {self.path} with {len(self._buf)} uncommitted events (discarded)",
+                          RuntimeWarning, stacklevel=2)
+        self._buf = None
+        for conn in (self._rconn, self._conn):
+            if conn is not None:
+                conn.close()
+        self._rconn = self._conn = None
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Commit pending appends on a clean exit, discard them on an exception; close."""
+        try:
+            if exc_type is None and self._buf:
+                self.commit()
+            elif self._buf:
+                self.discard()
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        role = "closed" if self.closed else ("writer" if self._writer else "reader")
+        return f"<EventLog {self.path!r} {role} last_seq={self._last if self._writer else '?'}>"
+
+    # ------------------------------------------------------------ helpers
+
+    def _live_conn(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise LogClosedError(f"{self.path}: the log handle is closed")
+        return self._conn
+
+    def _read_conn(self) -> sqlite3.Connection:
+        """The connection reads go through: the reader's own, or the writer's second one."""
+        conn = self._live_conn()
+        if not self._writer:
+            return conn
+        if self._rconn is None:
+            self._rconn = self._connect_reader(self.path)
+        return self._rconn
+
+    def _query_one(self, sql: str, conn: sqlite3.Connection | None = None) -> Any:
+        conn = conn or self._live_conn()
+        try:
+            return conn.execute(sql).fetchone()[0]
+        except sqlite3.DatabaseError as e:
+            raise self._error(e) from None
+
+    def _write(self, sql: str, params: tuple) -> None:
+        """Run one statement in its own BEGIN IMMEDIATE transaction."""
+        conn = self._conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(sql, params)
+            conn.execute("COMMIT")
+        except BaseException as e:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            if isinstance(e, sqlite3.Error):
+                raise self._error(e) from e
+            raise
+
+    def _require_writer(self) -> None:
+        if not self._writer or self._conn is None:
+            raise self._not_writable()
+
+    def _not_writable(self) -> LogError:
+        if self._conn is None:
+            return LogClosedError(f"{self.path}: the log handle is closed")
+        return NotWriterError(f"{self.path} is open read-only (open_reader); writes need EventLog.open")
+
+    def _error(self, exc: sqlite3.Error) -> Exception:
+        return fileformat.translate(exc, self.path)
+
+
+# ---------------------------------------------------------------- module helpers
+
+
+def _write_new_database(tmp: str, meta: dict[str, str]) -> None:
+    """Create schema + meta in ``tmp`` in one transaction, then switch it to WAL."""
+    conn = sqlite3.connect(tmp, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        for ddl in fileformat.SCHEMA:
+            conn.execute(ddl)
+        rows = [("magic", fileformat.MAGIC), ("format_version", str(fileformat.FORMAT_VERSION))]
+        conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", rows + list(meta.items()))
+        conn.execute("COMMIT")
+        # WAL mode is persistent (recorded in the file header): set it once here.
+        conn.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.Error as e:
+        raise fileformat.translate(e, tmp) from None
+    finally:
+        conn.close()  # last connection: SQLite checkpoints and removes tmp-wal/-shm
+
+
+def _check_writable(path: str) -> None:
+    """Fail clearly if the file cannot be opened for writing.
+
+    SQLite would silently fall back to a read-only connection, and the first
+    commit would fail much later, far from the cause.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise LogNotFoundError(f"no event log at {path}") from None
+    except OSError as e:
+        raise ReadOnlyLocationError(f"cannot open {path} for writing: {e.strerror}") from None
+    os.close(fd)
+
+
+def _configure_writer(conn: sqlite3.Connection, sync: str, path: str) -> None:
+    try:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        conn.execute(f"PRAGMA synchronous={sync}")
+        conn.execute(f"PRAGMA wal_autocheckpoint={_WAL_AUTOCHECKPOINT_PAGES}")
+        conn.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
+        # Take and drop the write lock once: fails here, with a clear error, if the
+        # location is read-only, rather than at the first commit.
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("COMMIT")
+    except sqlite3.Error as e:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise fileformat.translate(e, path) from None
+    if mode.lower() != "wal":
+        raise ReadOnlyLocationError(f"cannot put {path} in WAL mode (journal_mode is {mode})")
+
+
+def _check_integrity(conn: sqlite3.Connection, report: VerifyReport) -> None:
+    rows = [r[0] for r in conn.execute("PRAGMA integrity_check")]
+    if rows != ["ok"]:
+        report.problems.extend(f"integrity: {r}" for r in rows)
+
+
+def _check_format(conn: sqlite3.Connection, report: VerifyReport) -> None:
+    meta = dict(conn.execute("SELECT key, value FROM meta"))
+    if meta.get("magic") != fileformat.MAGIC:
+        report.problems.append("meta.magic is missing or wrong: not an orch event log")
+    try:
+        report.format_version = fileformat.check_version(meta.get("format_version"), report.path)
+    except LogError as e:
+        report.problems.append(str(e))
+
+
+def _check_contiguity(conn: sqlite3.Connection, report: VerifyReport) -> None:
+    count, first, last = conn.execute("SELECT count(*), min(seq), max(seq) FROM events").fetchone()
+    report.events, report.last_seq = count, last or 0
+    if count == 0:
+        return
+    if first != 1:
+        report.problems.append(f"seq starts at {first}, expected 1")
+    if count != last - first + 1:
+        gap = conn.execute(
+            "SELECT e.seq + 1 FROM events e WHERE e.seq < ? AND NOT EXISTS"
+            " (SELECT 1 FROM events n WHERE n.seq = e.seq + 1) ORDER BY e.seq LIMIT 1",
+            (last,),
+        ).fetchone()
+        report.problems.append(f"seq gap: {last - first + 1 - count} missing, first missing seq {gap[0]}")

@@ -1,0 +1,247 @@
+"""Each bad input maps to its typed error with a one-line message."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+
+import pytest
+
+from eventlog_testutil import spawn_child
+from eventlog import (
+    CorruptLogError,
+    EventLog,
+    ForeignDatabaseError,
+    LogError,
+    LogExistsError,
+    LogNotFoundError,
+    NewerFormatError,
+    NotSQLiteError,
+    ReadOnlyLocationError,
+    WriterLockedError,
+)
+
+OPENERS = {"open": EventLog.open, "open_reader": EventLog.open_reader}
+
+
+def raises_one_line(exc_type, fn, *args, **kwargs) -> LogError:
+    """Assert fn raises exc_type with a one-line message; return the error."""
+    with pytest.raises(exc_type) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    assert msg and "\n" not in msg
+    return info.value
+
+
+def make_log(path: str, n: int = 0, pad: int = 0) -> None:
+    with EventLog.create(path) as lg:
+        for i in range(n):
+            lg.append("k", {"i": i, "pad": "x" * pad})
+
+
+# ---------------------------------------------------------------- missing / existing
+
+
+@pytest.mark.parametrize("opener", OPENERS)
+def test_missing_file(path, opener):
+    raises_one_line(LogNotFoundError, OPENERS[opener], path)
+    assert not os.path.exists(path)
+
+
+def test_create_in_missing_directory(tmp_path):
+    raises_one_line(LogNotFoundError, EventLog.create, str(tmp_path / "nope" / "events.db"))
+
+
+def test_create_over_existing_log_or_file(path, tmp_path):
+    make_log(path, 3)
+    raises_one_line(LogExistsError, EventLog.create, path)
+    other = tmp_path / "plain.txt"
+    other.write_text("keep me")
+    raises_one_line(LogExistsError, EventLog.create, str(other))
+    assert other.read_text() == "keep me"
+    assert EventLog.open_reader(path).last_seq == 3
+
+
+def test_create_refuses_a_leftover_wal(path):
+    with open(path + "-wal", "wb") as f:
+        f.write(b"stale wal from an earlier log")
+    raises_one_line(LogExistsError, EventLog.create, path)
+
+
+# ---------------------------------------------------------------- not ours
+
+
+@pytest.mark.parametrize("opener", OPENERS)
+def test_not_sqlite(path, tmp_path, opener):
+    with open(path, "w") as f:
+        f.write("this is a text file, long enough to hold an SQLite header, " * 4)
+    raises_one_line(NotSQLiteError, OPENERS[opener], path)
+    raises_one_line(NotSQLiteError, OPENERS[opener], str(tmp_path))  # a directory
+    with open(path, "wb") as f:
+        f.write(b"short")
+    raises_one_line(NotSQLiteError, OPENERS[opener], path)
+
+
+@pytest.mark.parametrize("opener", OPENERS)
+def test_foreign_sqlite(path, opener):
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE users(id INTEGER PRIMARY KEY, name TEXT)")
+    db.close()
+    raises_one_line(ForeignDatabaseError, OPENERS[opener], path)
+    with sqlite3.connect(path) as db:  # a meta table, but not our magic
+        db.execute("CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)")
+        db.execute("INSERT INTO meta VALUES ('format_version', '1')")
+    db.close()
+    raises_one_line(ForeignDatabaseError, OPENERS[opener], path)
+    with sqlite3.connect(path) as db:  # still untouched: not switched to WAL by us
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    db.close()
+
+
+@pytest.mark.parametrize("opener", OPENERS)
+def test_newer_format(path, opener):
+    make_log(path, 2)
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
+    db.close()
+    err = raises_one_line(NewerFormatError, OPENERS[opener], path)
+    assert "2" in str(err)
+
+
+# ---------------------------------------------------------------- damaged
+
+
+@pytest.mark.parametrize("opener", OPENERS)
+@pytest.mark.parametrize("keep", ["empty", "50 bytes", "part page", "whole pages"])
+def test_truncated(path, opener, keep):
+    make_log(path, 2000, pad=100)  # ~70 pages; closing checkpoints everything into the file
+    size = os.path.getsize(path)
+    new_size = {"empty": 0, "50 bytes": 50, "part page": size - 1000, "whole pages": size - 8192}[keep]
+    os.truncate(path, new_size)
+    raises_one_line(CorruptLogError, OPENERS[opener], path)
+
+
+def test_corrupted_pages_fail_open_or_verify(path):
+    make_log(path, 3000, pad=100)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:  # scribble over a few pages in the middle of the events b-tree
+        f.seek(size // 2 // 4096 * 4096)
+        f.write(b"\xab" * 3 * 4096)
+    with pytest.raises(CorruptLogError):
+        with EventLog.open(path) as lg:
+            lg.verify().raise_for_problems()
+    with pytest.raises(CorruptLogError):
+        with EventLog.open_reader(path) as lg:
+            list(lg.read())
+
+
+def test_corrupted_schema_page(path):
+    make_log(path, 10)
+    with open(path, "r+b") as f:  # page 1 past the 100-byte header: the schema table
+        f.seek(100)
+        f.write(b"\xff" * 200)
+    for opener in OPENERS.values():
+        raises_one_line(CorruptLogError, opener, path)
+
+
+def test_first_seq_not_one(path):
+    make_log(path, 5)
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM events WHERE seq = 1")
+    db.close()
+    raises_one_line(CorruptLogError, EventLog.open, path)
+    report = EventLog.open_reader(path).verify()
+    assert not report.ok and "starts at 2" in report.problems[0]
+    raises_one_line(CorruptLogError, report.raise_for_problems)
+
+
+# ---------------------------------------------------------------- writer lock
+
+
+def test_second_writer_in_same_process(log, path):
+    err = raises_one_line(WriterLockedError, EventLog.open, path)
+    assert str(os.getpid()) in str(err) and err.pid == os.getpid()
+    raises_one_line(LogExistsError, EventLog.create, path)
+    assert EventLog.open_reader(path).last_seq == 0  # readers never take the lock
+    log.close()
+    EventLog.open(path).close()  # released by close()
+
+
+def test_writer_in_another_process_then_sigkill_releases(path):
+    make_log(path, 1)
+    proc = spawn_child("hold", path)
+    try:
+        err = raises_one_line(WriterLockedError, EventLog.open, path)
+        assert f"pid {proc.pid}" in str(err) and err.pid == proc.pid
+        with EventLog.open_reader(path) as reader:
+            assert reader.last_seq == 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    with EventLog.open(path) as lg:
+        assert lg.last_seq == 1
+
+
+def test_lock_released_when_handle_is_garbage_collected(path):
+    lg = EventLog.create(path)
+    del lg
+    import gc
+
+    gc.collect()
+    EventLog.open(path).close()
+
+
+# ---------------------------------------------------------------- read-only location
+
+
+class ReadOnly:
+    """Make a file or directory unwritable, even for root (chattr +i), and undo it."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.root = os.geteuid() == 0
+
+    def __enter__(self):
+        if self.root:
+            if not shutil.which("chattr"):
+                pytest.skip("running as root without chattr: cannot make a read-only location")
+            r = subprocess.run(["chattr", "+i", self.target], capture_output=True)
+            if r.returncode:
+                pytest.skip(f"chattr +i unsupported here: {r.stderr.decode().strip()}")
+        else:
+            self.mode = os.stat(self.target).st_mode
+            os.chmod(self.target, 0o555 if os.path.isdir(self.target) else 0o444)
+        return self
+
+    def __exit__(self, *exc):
+        if self.root:
+            subprocess.run(["chattr", "-i", self.target], check=True)
+        else:
+            os.chmod(self.target, self.mode)
+
+
+def test_create_in_read_only_directory(tmp_path):
+    with ReadOnly(str(tmp_path)):
+        raises_one_line(ReadOnlyLocationError, EventLog.create, str(tmp_path / "events.db"))
+    assert not (tmp_path / "events.db").exists()
+
+
+def test_open_writer_in_read_only_directory_but_readers_work(path, tmp_path):
+    make_log(path, 3)
+    os.unlink(path + ".lock")  # so the lock file would have to be created, too
+    with ReadOnly(str(tmp_path)):
+        raises_one_line(ReadOnlyLocationError, EventLog.open, path)
+        with EventLog.open_reader(path) as reader:
+            assert [r.data["i"] for r in reader.read()] == [0, 1, 2]
+            assert reader.verify().ok
+
+
+def test_open_writer_on_read_only_file(path):
+    make_log(path, 3)
+    with ReadOnly(path):
+        raises_one_line(ReadOnlyLocationError, EventLog.open, path)
+        with EventLog.open_reader(path) as reader:
+            assert reader.last_seq == 3
