@@ -1,0 +1,76 @@
+"""End to end: `orch run` with the fake env and trainer, then the invariants checked on the log by SQL."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eventlog import EventLog
+from orchestrator.core.state import conservation
+from replay.fold import fold_log
+
+
+def orch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, target_lag: int) -> None:
+    db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True)
+    seqs = [row[0] for row in db.execute("SELECT seq FROM events ORDER BY seq")]
+    assert seqs == list(range(1, len(seqs) + 1)), "contiguous seq"
+    ships = db.execute(
+        "SELECT seq, json_extract(data, '$.step'), json_extract(data, '$.sha256'), json_extract(data, '$.off_policy_max')"
+        " FROM events WHERE kind = 'batch_shipped' ORDER BY seq").fetchall()
+    assert [step for _, step, _, _ in ships] == list(range(1, max_steps + 1)), "each step shipped exactly once, in order"
+    for seq, step, sha, lag_max in ships:
+        assert lag_max <= max_off_policy
+        (version,) = db.execute(
+            "SELECT coalesce(max(json_extract(data, '$.version')), 0) FROM events"
+            " WHERE kind = 'version_published' AND seq < ?", (seq,)).fetchone()
+        assert version >= step - 1 - target_lag, f"batch {step} shipped before version {step - 1 - target_lag}"
+        payload = (run_dir / "batches" / f"step_{step}.json").read_bytes()
+        assert hashlib.sha256(payload).hexdigest() == sha
+    last_kind, reason = db.execute(
+        "SELECT kind, json_extract(data, '$.reason') FROM events ORDER BY seq DESC LIMIT 1").fetchone()
+    assert (last_kind, reason) == ("run_stopped", "completed")
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        state = fold_log(log, use_snapshots=False).state
+    holds, terms = conservation(state)
+    assert holds, terms
+    assert state.acct.completed == terms["shipped"] + terms["dropped"]  # nothing left behind
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--set", "algorithm.finalize_in_background=true", "--set", "fake_env.error_rate=0.05"],
+    ["--set", "algorithm.name=gar", "--set", "algorithm.grader.delay_s=0.005", "--set", "algorithm.max_finalizing_groups=2",
+     "--set", "batch.token_size=300"],
+])
+def test_fake_run_keeps_every_invariant(tmp_path, extra):
+    steps = 120
+    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", str(steps), "--runs-dir", str(tmp_path),
+                  "--name", "r", "--progress-every", "40", "--set", "batch.size=32", "--set", "fake_env.empty_rate=0.02",
+                  "--set", "off_policy.max_off_policy_steps=1", *extra)
+    assert result.returncode == 0, result.stderr
+    assert "step  120/120" in result.stdout
+    assert_log_invariants(tmp_path / "r", steps, max_off_policy=1, target_lag=1)
+
+
+def test_bad_config_is_one_line_and_exit_2(tmp_path):
+    result = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--set", "batch.size=0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["orch: error: invalid config: batch.size: Input should be greater than or equal to 1"]
+
+
+def test_existing_run_needs_resume_and_missing_resume_is_an_error(tmp_path):
+    args = ("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r")
+    assert orch(*args).returncode == 0
+    again = orch(*args)
+    assert again.returncode == 1 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
+    missing = orch("run", "--resume", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "no such run directory" in missing.stderr
