@@ -7,7 +7,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.core.state import State, conservation
+from orchestrator.core.state import State, conservation, state_hash
 
 
 def buffered_episodes(state: State) -> int:
@@ -46,6 +46,7 @@ class Progress:
             "reward_first5": sum(first) / len(first) if first else None,
             "reward_last5": sum(last) / len(last) if last else None,
             "wall_s": time.monotonic() - self.started, "conservation": holds, **terms,
+            "state_hash": state_hash(state),
         }
         table = Table(title="orch run summary", show_header=False)
         for key, value in out.items():

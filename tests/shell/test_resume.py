@@ -1,0 +1,124 @@
+"""Resume by replay (issue 6): SIGKILL at random moments, resume, and nothing is lost."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from eventlog import EventLog
+from orchestrator.core.state import state_hash
+from replay.fold import fold_log
+from tests.shell.test_e2e_fake import assert_log_invariants, orch
+
+FAKE = ["--set", "fake_env.latency_s=0.004", "--set", "fake_env.latency_jitter_s=0.004",
+        "--set", "trainer.step_time_s=0.01", "--set", "batch.size=16", "--set", "rollout.group_size=4",
+        "--set", "fake_env.error_rate=0.03", "--set", "log.snapshot_every=500"]
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("background", [False, True])
+def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, background):
+    rng = random.Random(7 + background)
+    kills = 25
+    extra = ["--set", "algorithm.finalize_in_background=true",
+             "--set", "off_policy.max_off_policy_steps=1"] if background else []
+    run_dir = tmp_path / "r"
+    first = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "100000", "--runs-dir", str(tmp_path),
+             "--name", "r", *FAKE, *extra]
+    killed = 0
+    args = first
+    while killed < kills:
+        proc = spawn(*args)
+        time.sleep(rng.uniform(0.6, 1.6))  # python start-up is ~0.5 s of that
+        assert proc.poll() is None, proc.stderr.read()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed += 1
+        args = ["run", "--resume", str(run_dir)]
+        if not (run_dir / "events.db").exists():
+            args = first  # killed before the log was created
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        shipped = fold_log(log).state.step - 1
+    assert shipped > 0, "no batch shipped in 25 segments"
+    steps = shipped + 15  # finish the run: resume may raise (here: set) max_steps
+    summary_path = tmp_path / "summary.json"
+    final = orch("run", "--resume", str(run_dir), "--max-steps", str(steps), "--json-summary", str(summary_path),
+                 timeout=300)
+    assert final.returncode == 0, final.stderr
+    assert_log_invariants(run_dir, steps, max_off_policy=2 if not background else 1, target_lag=1)
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        resumes = sum(1 for _ in log.read(kinds=["run_resumed"]))
+        folded = fold_log(log, use_snapshots=False).state
+    assert resumes >= 10  # some kills land during start-up, before run_resumed is committed
+    assert state_hash(folded) == orjson.loads(summary_path.read_bytes())["state_hash"]
+
+
+def test_resume_continues_a_finished_run_with_more_steps_and_refuses_meaning_changes(tmp_path):
+    args = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r",
+            "--set", "batch.size=16"]
+    assert orch(*args).returncode == 0
+    changed = orch("run", "--resume", str(tmp_path / "r"), "--set", "seed=9", "--set", "batch.size=8")
+    assert changed.returncode == 2
+    assert "batch.size, seed" in changed.stderr and "Traceback" not in changed.stderr
+    more = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "6")
+    assert more.returncode == 0, more.stderr
+    assert_log_invariants(tmp_path / "r", 6, max_off_policy=2, target_lag=1)
+
+
+def test_second_writer_on_the_same_run_fails_at_once(tmp_path):
+    args = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "100000", "--runs-dir", str(tmp_path),
+            "--name", "r", "--set", "fake_env.latency_s=0.01"]
+    proc = spawn(*args)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "r" / "events.db").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        second = orch("run", "--resume", str(tmp_path / "r"), timeout=30)
+        assert second.returncode == 1
+        assert str(proc.pid) in second.stderr and "Traceback" not in second.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+    assert proc.returncode == 130  # Ctrl-C drains and stops within the bound
+
+
+@pytest.mark.parametrize("damage", ["garbage", "foreign", "truncated"])
+def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, damage):
+    run_dir = tmp_path / "r"
+    assert orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path),
+                "--name", "r").returncode == 0
+    db = run_dir / "events.db"
+    for suffix in ("-wal", "-shm"):
+        Path(str(db) + suffix).unlink(missing_ok=True)
+    if damage == "garbage":
+        db.write_bytes(b"this is not a database" * 100)
+    elif damage == "foreign":
+        db.unlink()
+        import sqlite3
+        con = sqlite3.connect(db)
+        con.execute("CREATE TABLE t(x)")
+        con.commit()
+        con.close()
+    else:
+        data = db.read_bytes()
+        db.write_bytes(data[: len(data) // 3])
+    before = db.read_bytes()
+    result = orch("run", "--resume", str(run_dir))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orch: error:"), result.stderr
+    assert db.read_bytes() == before
