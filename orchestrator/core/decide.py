@@ -99,13 +99,12 @@ def update_dispatch_gate(d: _Decisions) -> None:
 
 
 def dispatch_train_episodes(d: _Decisions) -> None:
-    """Fill free permits while the gate is open: unfilled groups first, then new groups."""
+    """Fill free permits while the gate is open: unfilled groups first (oldest first, so a
+    resumed group's missing members go before anything newer), then new groups."""
     s = d.state
     max_inflight = s.params.max_inflight
     while s.gate_open and len(s.inflight) < max_inflight:
-        group_id = next(iter(s.unfilled), None)
-        if group_id is None:
-            group_id = start_train_group(d)
+        group_id = min(s.unfilled) if s.unfilled else start_train_group(d)
         group = s.groups[group_id]
         d.emit(ev.EpisodeDispatched(
             episode_id=s.next_episode_id, group_id=group_id, attempt=group.attempts,
