@@ -1,0 +1,66 @@
+"""Background finalization in the real shell (issue 5): errors, cap, drain, gauges."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+from eventlog import EventLog
+from orchestrator.core.evolve import evolve
+from orchestrator.core.events import decode_event
+from orchestrator.core.state import State, conservation
+from tests.shell.test_e2e_fake import assert_log_invariants, orch
+
+GAR = ["run", "--env", "fake", "--trainer", "fake", "--set", "algorithm.name=gar", "--set", "batch.size=16",
+       "--set", "rollout.group_size=4", "--set", "rollout.max_inflight=32"]
+
+
+def test_a_failing_grader_stops_the_run_with_its_error_and_logs_finalize_failed(tmp_path):
+    started = time.monotonic()
+    result = orch(*GAR, "--max-steps", "50", "--runs-dir", str(tmp_path), "--name", "r",
+                  "--set", "algorithm.grader.failure_rate=1.0", "--set", "algorithm.grader.delay_s=0.01")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("orch: error: background finalize of group") and "GraderError: grader failed" in last
+    assert "Traceback" in result.stderr  # the original traceback, not swallowed
+    assert time.monotonic() - started < 30
+    db = sqlite3.connect(tmp_path / "r" / "events.db")
+    assert db.execute("SELECT count(*) FROM events WHERE kind = 'finalize_failed'").fetchone()[0] >= 1
+
+
+def test_finalizing_is_bounded_by_the_cap_plus_groups_in_flight_and_the_gate_says_why(tmp_path):
+    cap, inflight, group_size = 2, 32, 4
+    result = orch(*GAR, "--max-steps", "25", "--runs-dir", str(tmp_path), "--name", "r",
+                  "--set", f"algorithm.max_finalizing_groups={cap}", "--set", "algorithm.grader.delay_s=0.03",
+                  "--set", "fake_env.latency_s=0.002")
+    assert result.returncode == 0, result.stderr
+    assert_log_invariants(tmp_path / "r", 25, max_off_policy=2, target_lag=1)
+    state, peak, cap_closures = State(), 0, 0
+    with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
+        for record in log.read_raw():
+            event = decode_event(record[2], record[3])
+            evolve(state, event)
+            peak = max(peak, sum(state.finalizing.values()))
+            cap_closures += event.kind == "gate_changed" and event.reason == "finalizing_cap"
+    assert cap_closures > 0
+    groups_in_flight = inflight // group_size + 1  # a partly dispatched group counts too
+    assert cap <= peak <= cap + groups_in_flight
+
+
+def test_drain_cancels_finalizing_groups_without_waiting_for_their_grader(tmp_path):
+    started = time.monotonic()
+    result = orch(*GAR, "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r",
+                  "--set", "algorithm.grader.delay_s=2.0", "--set", "algorithm.grader.jitter_s=1.99",
+                  "--set", "off_policy.max_off_policy_steps=8", "--set", "fake_env.latency_s=0.01")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    db = sqlite3.connect(tmp_path / "r" / "events.db")
+    drained = db.execute("SELECT count(*) FROM events WHERE kind = 'group_cancelled'"
+                         " AND json_extract(data, '$.reason') = 'drain'").fetchone()[0]
+    assert drained > 0
+    assert elapsed < 20  # graders of up to 4 s were cancelled, not awaited one after another
+    with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
+        state = State()
+        for record in log.read_raw():
+            evolve(state, decode_event(record[2], record[3]))
+    assert not state.groups and not state.pending and conservation(state)[0]
