@@ -28,8 +28,13 @@ NOT_JSON = "event data is not JSON-serializable"
 NONFINITE = "event data contains NaN or Infinity, which JSON cannot represent"
 
 
+_SCALARS = frozenset({str, int, bool, type(None)})
+
+
 def has_nonfinite(obj: Any) -> bool:
     """True if ``obj`` (a decoded-JSON-like structure) holds a NaN or infinite float."""
+    if type(obj) is dict:  # the usual event payload: skip one level of the walk
+        return _any_nonfinite(obj.values())
     return _any_nonfinite((obj,))
 
 
@@ -37,7 +42,7 @@ def _any_nonfinite(values: Iterable[Any]) -> bool:
     """Walk values with an inline loop: scalars cost no Python call of their own."""
     for v in values:
         t = type(v)
-        if t is str or t is int or t is bool or v is None:
+        if t in _SCALARS:
             continue
         if t is float:
             if v - v != 0.0:  # NaN - NaN and inf - inf are NaN
