@@ -20,6 +20,7 @@ Design notes (why it looks like this):
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import os
 import sqlite3
@@ -283,6 +284,7 @@ class EventLog:
     @classmethod
     def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> "EventLog":
         _check_writable(path)
+        _remove_stale_creation_files(path)
         try:
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
                                    timeout=_BUSY_TIMEOUT_S)
@@ -691,6 +693,18 @@ def _write_new_database(tmp: str, meta: dict[str, str]) -> None:
         raise fileformat.translate(e, tmp) from None
     finally:
         conn.close()  # last connection: SQLite checkpoints and removes tmp-wal/-shm
+
+
+def _remove_stale_creation_files(path: str) -> None:
+    """Delete ``<path>.creating-*`` left by a creator that was killed mid-create.
+
+    Safe only under the writer lock: a live creator holds it while building.
+    """
+    for leftover in glob.glob(glob.escape(path) + ".creating-*"):
+        try:
+            os.unlink(leftover)
+        except OSError:
+            pass
 
 
 def _check_writable(path: str) -> None:

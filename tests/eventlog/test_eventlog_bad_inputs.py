@@ -245,3 +245,14 @@ def test_open_writer_on_read_only_file(path):
         raises_one_line(ReadOnlyLocationError, EventLog.open, path)
         with EventLog.open_reader(path) as reader:
             assert reader.last_seq == 3
+
+
+def test_leftovers_of_a_killed_create_are_cleaned_by_the_next_writer(path):
+    make_log(path, 1)
+    stale = f"{path}.creating-999999"
+    for name in (stale, stale + "-journal"):
+        with open(name, "wb") as f:
+            f.write(b"half-built")
+    with EventLog.open(path) as lg:
+        assert lg.last_seq == 1
+    assert not os.path.exists(stale) and not os.path.exists(stale + "-journal")

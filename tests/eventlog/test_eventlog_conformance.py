@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import threading
 import time
@@ -335,9 +336,9 @@ def test_reader_concurrent_with_writer(log, path):
 
 def test_snapshot_round_trip(filled):
     h = filled.save_snapshot(50, "r1", b"state-50")
-    assert len(h) == 64
-    filled.save_snapshot(80, "r1", b"state-80")
-    assert filled.load_snapshot("r1") == Snapshot(80, "r1", filled.load_snapshot("r1").state_hash, b"state-80")
+    assert h == hashlib.sha256(b"state-50").hexdigest()
+    h80 = filled.save_snapshot(80, "r1", b"state-80")
+    assert filled.load_snapshot("r1") == Snapshot(80, "r1", h80, b"state-80")
     assert filled.load_snapshot("r1", max_seq=79).state == b"state-50"
     assert filled.load_snapshot("r1", max_seq=49) is None
     assert filled.load_snapshot("r2") is None
