@@ -25,6 +25,7 @@ from orchestrator.shell.algorithms import Algorithm
 from orchestrator.shell.rollouts import RolloutRequest
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
+MAX_INPUTS_PER_ITERATION = 1024  # bounds the synchronous decide work between two awaits
 
 
 class StalledError(RuntimeError):
@@ -134,14 +135,14 @@ class Orchestrator:
         owned = [loop.create_task(self._forward_outcomes(), name="orch-outcomes"),
                  loop.create_task(self.trainer.run(self.state.version), name="orch-trainer")]
         try:
-            self._handle([first_input])
+            await self._handle([first_input])
             if first_input.kind == "run_resumed":
                 self.rematerialize_batches()
             while not self.state.stopped:
                 self._wake.clear()
                 inputs = self._take_inputs()
                 if inputs:
-                    self._handle(inputs)
+                    await self._handle(inputs)
                 self._raise_if_failed(owned)
                 if not inputs and not self.state.stopped:
                     await self._wait_for_inputs()
@@ -157,11 +158,13 @@ class Orchestrator:
             self._poke()
 
     def _take_inputs(self) -> list:
+        """Background results first (rule 4), then rollout outputs, publishes, stop requests."""
         inputs = []
         while self._finalized:
             inputs.append(self._finalized.popleft())
-        while self._outcomes:
-            inputs.append(self._completion_of(self._outcomes.popleft()))
+        outcomes = self._outcomes
+        for _ in range(min(len(outcomes), MAX_INPUTS_PER_ITERATION)):
+            inputs.append(self._completion_of(outcomes.popleft()))
         while self._versions:
             inputs.append(ev.VersionPublished(version=self._versions.popleft()))
         while self._control:
@@ -217,7 +220,7 @@ class Orchestrator:
 
     # --- decide, log, act ----------------------------------------------------------------------
 
-    def _handle(self, inputs: list) -> None:
+    async def _handle(self, inputs: list) -> None:
         log, state = self.log, self.state
         decided = []
         for event in inputs:
@@ -229,7 +232,9 @@ class Orchestrator:
                 decided.append(decision)
             self.events_logged += 1
         self.events_logged += len(decided)
-        log.commit()  # durable before any effect (write-ahead)
+        # Durable before any effect (write-ahead). In a thread: rollouts keep running meanwhile,
+        # and nothing else touches the log until this returns.
+        await asyncio.to_thread(log.commit)
         for decision in decided:
             self._perform(decision)
         if self.config.log.snapshot_every and log.last_seq - self._last_snapshot_seq >= self.config.log.snapshot_every:

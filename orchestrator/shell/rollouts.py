@@ -50,15 +50,14 @@ class FakeEnvRollouts:
         if cfg.error_rate and rng.random() < cfg.error_rate:
             raise FakeEpisodeError(f"fake env: episode {req.episode_id} failed (error_rate={cfg.error_rate})")
         n_sampled = 0 if cfg.empty_rate and rng.random() < cfg.empty_rate else rng.randint(cfg.min_tokens, cfg.max_tokens)
-        n_total = cfg.prompt_tokens + n_sampled
-        getbits = rng.getrandbits
+        noise = rng.randbytes(cfg.prompt_tokens + 2 * n_sampled)  # one draw for tokens and logprobs
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
-            reward=round(min(1.0, max(0.0, (req.task_id % 7) / 7 + rng.random() * 0.5 - 0.25)), 6),
-            token_ids=[getbits(8) for _ in range(n_total)],
+            reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + rng.random() * 0.5 - 0.25)),
+            token_ids=list(noise[: cfg.prompt_tokens + n_sampled]),
             mask=[0] * cfg.prompt_tokens + [1] * n_sampled,
-            logprobs=[0.0] * cfg.prompt_tokens + [-round(rng.random(), 4) for _ in range(n_sampled)],
+            logprobs=[0.0] * cfg.prompt_tokens + [-b / 64 for b in noise[cfg.prompt_tokens + n_sampled:]],
             policy_start=policy_start, policy_end=self.version_now(),
         )
 
