@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from orchestrator.core.algorithms import BACKGROUND_ONLY, KNOWN_ALGORITHMS
@@ -242,3 +243,25 @@ def decode_event(kind: str, data: bytes | str) -> _Model:
     except KeyError:
         raise ValueError(f"unknown event kind {kind!r}") from None
     return cls.model_validate_json(data)
+
+
+_new, _set = object.__new__, object.__setattr__
+_NESTED_KINDS = frozenset({"run_started"})
+
+
+def decode_trusted(kind: str, data: bytes | str) -> _Model:
+    """Like `decode_event`, without re-validating: for rows this code wrote itself (every field
+    present, already validated at append time), where a fold must be fast. About twice as fast.
+    Events with nested models still go through validation."""
+    cls = EVENT_TYPES.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown event kind {kind!r}")
+    if kind in _NESTED_KINDS:
+        return cls.model_validate_json(data)
+    fields = {"kind": kind, **orjson.loads(data)}
+    event = _new(cls)
+    _set(event, "__dict__", fields)
+    _set(event, "__pydantic_fields_set__", set(fields))
+    _set(event, "__pydantic_extra__", None)
+    _set(event, "__pydantic_private__", None)
+    return event
