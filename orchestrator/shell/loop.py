@@ -143,7 +143,8 @@ class Orchestrator:
                 inputs = self._take_inputs()
                 if inputs:
                     await self._handle(inputs)
-                self._raise_if_failed(owned)
+                if not self._finalized:  # a failure is logged (finalize_failed) before it is raised
+                    self._raise_if_failed(owned)
                 if not inputs and not self.state.stopped:
                     await self._wait_for_inputs()
             self._save_snapshot()
