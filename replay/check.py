@@ -1,0 +1,103 @@
+"""`orch replay RUN --check`: re-derive every decision of a log from its recorded inputs.
+
+The recorded inputs are handed, in order, to the *current* `decide`, starting from the initial
+state; each decision it returns must equal the recorded decision at that position, byte for byte
+(the log's JSON). The first event the current code would decide differently (or not at all, or
+in addition) is reported. While decisions match, `decide`'s state is exactly the fold of the log,
+so every later input is checked against the right state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import orjson
+
+from eventlog import EventLog
+from orchestrator.core.decide import decide
+from orchestrator.core.events import EVENT_TYPES, encode_event
+from orchestrator.core.state import State
+from replay.diff import Divergence, Side, structural_diff
+from replay.inputs import classify, decode
+from replay.source import guarded
+
+
+@dataclass
+class CheckResult:
+    path: str
+    deterministic: bool
+    inputs: int  # recorded inputs re-decided
+    decisions: int  # recorded decisions re-derived identically
+    divergence: Divergence | None = None
+
+    def to_dict(self) -> dict:
+        return {"log": self.path, "deterministic": self.deterministic, "inputs": self.inputs,
+                "decisions": self.decisions, "divergence": self.divergence.to_dict() if self.divergence else None}
+
+
+def _side_of_row(row: tuple) -> Side:
+    seq, _ts, kind, data = row
+    return Side(seq, kind, orjson.loads(data))
+
+
+def _side_of_event(seq: int, event) -> Side:
+    kind, data = encode_event(event)
+    return Side(seq, kind, orjson.loads(data))
+
+
+def _diverged(what: str, recorded: Side | None, derived: Side | None, note: str) -> Divergence:
+    fields, more = [], 0
+    if recorded is not None and derived is not None:
+        fields, more = structural_diff({"kind": recorded.kind, **recorded.data}, {"kind": derived.kind, **derived.data})
+    return Divergence(what, recorded.seq if recorded else derived.seq, recorded, derived, fields, more, note)
+
+
+def check_log(log: EventLog) -> CheckResult:
+    state = State()
+    expected: deque = deque()  # decisions the current code made for the last input, not yet matched
+    input_seq = 0
+    inputs = decisions = 0
+    seq = 0
+    for is_input, row in classify(guarded(log.read_raw(), log.path)):
+        seq, _ts, kind, data = row
+        if is_input:
+            if expected:
+                return CheckResult(log.path, False, inputs, decisions, _diverged(
+                    f"decision #{decisions + 1}", _side_of_row(row), _side_of_event(seq, expected[0]),
+                    f"for the input at seq {input_seq} the current code decides more than was recorded; "
+                    f"the recording moves on to the next input at seq {seq}"))
+            event = decode(row, log.path)
+            try:
+                out = decide(state, event)
+            except Exception as err:  # a recorded input the current code cannot take
+                return CheckResult(log.path, False, inputs, decisions, _diverged(
+                    f"input at seq {seq}", _side_of_row(row), None,
+                    f"the current code raises on this recorded input: {type(err).__name__}: {err}"))
+            expected = deque(out)
+            input_seq = seq
+            inputs += 1
+            continue
+        if kind not in EVENT_TYPES:
+            decode(row, log.path)  # raises ReplayInputError: not an event this code knows
+        if not expected:
+            return CheckResult(log.path, False, inputs, decisions, _diverged(
+                f"decision #{decisions + 1}", _side_of_row(row), None,
+                f"recorded decision that the current code does not make for the input at seq {input_seq}"))
+        derived = expected.popleft()
+        dkind, ddata = encode_event(derived)
+        if dkind == kind and ddata == data:
+            decisions += 1
+            continue
+        recorded_side, derived_side = _side_of_row(row), Side(seq, dkind, orjson.loads(ddata))
+        if recorded_side.kind == dkind and recorded_side.data == derived_side.data:
+            decisions += 1  # same values, different JSON spelling
+            continue
+        return CheckResult(log.path, False, inputs, decisions, _diverged(
+            f"decision #{decisions + 1}", recorded_side, derived_side,
+            f"the current code decides this differently for the input at seq {input_seq}"))
+    if expected:
+        return CheckResult(log.path, False, inputs, decisions, _diverged(
+            f"decision #{decisions + 1}", None, _side_of_event(seq + 1, expected[0]),
+            f"the log ends, but the current code decides more for the input at seq {input_seq}"))
+    return CheckResult(log.path, True, inputs, decisions)

@@ -1,0 +1,185 @@
+"""`orch replay`: state at any seq, diff two runs, re-execute a run on another finalize path, check
+determinism. Registered by orchestrator.cli as the `replay` command (`replay_command`).
+
+Exit codes: 0 equivalent / deterministic / summary shown; 1 divergent (or, for the summary, the
+conservation check fails); 2 bad input (missing, foreign or corrupted log, bad options), with a
+one-line message on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import orjson
+
+from eventlog import LogError
+from replay.diff import LEVELS
+from replay.reexec import SETTLE_ORDERS
+from replay.source import ReplayInputError, one_line
+
+EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"orch: error: {one_line(message)}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _console():
+    from rich.console import Console
+
+    out = sys.stdout  # looked up now: click's test runner swaps it
+    return Console(file=out, highlight=False, width=None if out.isatty() else 120)
+
+
+def _emit_json(obj) -> None:
+    click.echo(orjson.dumps(obj, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+
+
+@click.command("replay", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run", required=False, type=click.Path(path_type=Path))
+@click.option("--at", "at", type=int, metavar="SEQ", help="state after event SEQ (default: the end)")
+@click.option("--json", "as_json", is_flag=True, help="stable JSON (sorted keys) instead of tables")
+@click.option("--diff", "diff_paths", nargs=2, type=click.Path(path_type=Path), metavar="A B",
+              help="compare two runs (run dirs or events.db paths)")
+@click.option("--level", type=click.Choice(LEVELS), default=None,
+              help="what must be equal for --diff/--reexecute  [default: batches]")
+@click.option("--check", is_flag=True, help="re-derive every decision from the recorded inputs")
+@click.option("--reexecute", is_flag=True, help="feed RUN's recorded inputs through decide into --out")
+@click.option("--finalize", type=click.Choice(["inline", "background"]), help="--reexecute: the finalize path")
+@click.option("--settle-order", type=click.Choice(SETTLE_ORDERS), default=None,
+              help="--reexecute background: when results are delivered  [default: recorded]")
+@click.option("--seed", type=int, default=None, help="--settle-order shuffled: RNG seed  [default: 0]")
+@click.option("--out", type=click.Path(path_type=Path), metavar="NEW", help="--reexecute: new run dir (or .db path)")
+def replay_command(run, at, as_json, diff_paths, level, check, reexecute, finalize, settle_order, seed, out) -> None:
+    """Replay a run's log: its state (at the end or --at SEQ), --diff A B, --reexecute, --check."""
+    modes = [name for name, on in (("--diff", bool(diff_paths)), ("--check", check), ("--reexecute", reexecute)) if on]
+    try:
+        if len(modes) > 1:
+            raise ReplayInputError(f"{' and '.join(modes)} cannot be combined")
+        mode = modes[0] if modes else "summary"
+        if mode == "--diff" and run is not None:
+            raise ReplayInputError("--diff takes its two runs as A B; do not give RUN as well")
+        if mode != "--diff" and run is None:
+            raise ReplayInputError("missing RUN (a run directory or its events.db)")
+        if at is not None and mode != "summary":
+            raise ReplayInputError("--at applies to the state summary only")
+        if level is not None and mode not in ("--diff", "--reexecute"):
+            raise ReplayInputError("--level applies to --diff and --reexecute")
+        if mode != "--reexecute" and (finalize or settle_order or seed is not None or out):
+            raise ReplayInputError("--finalize/--settle-order/--seed/--out apply to --reexecute only")
+        if mode == "--reexecute":
+            if not finalize or not out:
+                raise ReplayInputError("--reexecute needs --finalize inline|background and --out NEW")
+            if finalize == "inline" and (settle_order or seed is not None):
+                raise ReplayInputError("--settle-order/--seed apply to --finalize background only")
+            if seed is not None and settle_order != "shuffled":
+                raise ReplayInputError("--seed applies to --settle-order shuffled only")
+        level = level or "batches"
+        if mode == "summary":
+            code = _summary(run, at, as_json)
+        elif mode == "--diff":
+            code = _diff(*diff_paths, level, as_json)
+        elif mode == "--check":
+            code = _check(run, as_json)
+        else:
+            code = _reexecute(run, out, finalize, settle_order or "recorded", seed or 0, level, as_json)
+    except ReplayInputError as err:
+        _fail(str(err))
+    except LogError as err:
+        _fail(str(err))
+    sys.exit(code)
+
+
+def _summary(run: Path, at: int | None, as_json: bool) -> int:
+    from replay.source import open_run
+    from replay.summary import fold_run, render, summarize
+
+    log = open_run(run)
+    try:
+        summary = summarize(fold_run(log, at), log)
+    finally:
+        log.close()
+    if as_json:
+        _emit_json(summary)
+    else:
+        render(summary, _console())
+    return EXIT_OK if summary["conservation"]["holds"] else EXIT_DIVERGENT
+
+
+def _diff(a: Path, b: Path, level: str, as_json: bool) -> int:
+    from replay.diff import diff_logs, render_result
+    from replay.source import open_run
+
+    log_a = open_run(a)
+    try:
+        log_b = open_run(b)
+        try:
+            result = diff_logs(log_a, log_b, level)
+        finally:
+            log_b.close()
+    finally:
+        log_a.close()
+    if as_json:
+        _emit_json(result.to_dict())
+    else:
+        render_result(result, _console())
+    return EXIT_OK if result.equivalent else EXIT_DIVERGENT
+
+
+def _check(run: Path, as_json: bool) -> int:
+    from replay.check import check_log
+    from replay.diff import render_divergence
+    from replay.source import open_run
+
+    log = open_run(run)
+    try:
+        result = check_log(log)
+    finally:
+        log.close()
+    if as_json:
+        _emit_json(result.to_dict())
+    elif result.deterministic:
+        click.echo(f"deterministic: {result.decisions} decisions re-derived from {result.inputs} inputs")
+    else:
+        console = _console()
+        console.print(f"NOT deterministic: {result.decisions} decisions re-derived identically, then:")
+        render_divergence(result.divergence, console, "recorded", "current code")
+    return EXIT_OK if result.deterministic else EXIT_DIVERGENT
+
+
+def _reexecute(run: Path, out: Path, finalize: str, settle_order: str, seed: int, level: str, as_json: bool) -> int:
+    from replay.diff import diff_logs, render_result
+    from replay.reexec import ReexecOptions, reexecute
+    from replay.source import open_run
+
+    options = ReexecOptions(finalize=finalize, settle_order=settle_order, seed=seed)
+    source = open_run(run)
+    try:
+        report = reexecute(source, out, options)
+        new = open_run(report.out)
+        try:
+            result = diff_logs(source, new, level)
+        finally:
+            new.close()
+    finally:
+        source.close()
+    ok = result.equivalent and report.halted is None
+    if as_json:
+        _emit_json({"reexecute": report.to_dict(), "diff": result.to_dict(), "equivalent": ok})
+        return EXIT_OK if ok else EXIT_DIVERGENT
+    console = _console()
+    order = f", settle order {settle_order}" + (f" (seed {seed})" if settle_order == "shuffled" else "") if finalize == "background" else ""
+    console.print(f"re-executed {report.source} with --finalize {finalize}{order} into {report.out}: "
+                  f"{report.inputs_fed} inputs fed, {report.events_written} events written, "
+                  f"results reused {report.results_reused} / computed {report.results_computed}, "
+                  f"late inputs {report.late_inputs}, publishes ahead {report.publishes_ahead}; "
+                  + (f"stopped: {report.stop_reason}" if report.stopped else "not stopped"))
+    if report.halted is not None:
+        h = report.halted
+        console.print(f"DIVERGENT: the re-executed run cannot accept the recorded input at seq {h['seq']} "
+                      f"({h['kind']}): {h['reason']}")
+    render_result(result, console)
+    return EXIT_OK if ok else EXIT_DIVERGENT

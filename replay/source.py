@@ -1,0 +1,65 @@
+"""Opening a run's log for replay, and the typed error every replay command maps to exit 2.
+
+`RUN` may be a run directory (holding `events.db`) or the database path itself. A log that is
+missing, not SQLite, not an orch log, of a newer format or corrupted raises `ReplayInputError`
+whose message is one line; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from eventlog import EventLog, LogError
+
+EVENTS_DB = "events.db"
+APP = "orch"
+REEXECUTED_META = "reexecuted"  # meta key marking a log written by `orch replay --reexecute`
+
+
+class ReplayInputError(ValueError):
+    """Bad input for a replay command (missing, foreign or corrupted log, bad option); one line."""
+
+
+def one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+def resolve_db(path: str | os.PathLike) -> Path:
+    """The events.db of RUN (a run directory or the database file)."""
+    p = Path(path)
+    if p.is_dir():
+        db = p / EVENTS_DB
+        if not db.exists():
+            raise ReplayInputError(f"{p} is a directory without an {EVENTS_DB}: not a run directory")
+        return db
+    if not p.exists():
+        raise ReplayInputError(f"no run or event log at {p}")
+    return p
+
+
+def open_run(path: str | os.PathLike) -> EventLog:
+    """A read-only handle on RUN's log, checked to be an orch log."""
+    db = resolve_db(path)
+    try:
+        log = EventLog.open_reader(db)
+    except LogError as err:
+        raise ReplayInputError(one_line(str(err))) from None
+    try:
+        meta = log.meta
+    except LogError as err:
+        log.close()
+        raise ReplayInputError(one_line(str(err))) from None
+    if meta.get("app") != APP:
+        log.close()
+        raise ReplayInputError(f"{db} is an event log, but not one written by orch (meta app={meta.get('app')!r})")
+    return log
+
+
+def guarded(rows: Iterator, path: str) -> Iterator:
+    """Re-raise a LogError met while streaming (corruption found mid-read) as ReplayInputError."""
+    try:
+        yield from rows
+    except LogError as err:
+        raise ReplayInputError(one_line(str(err))) from None

@@ -1,0 +1,152 @@
+"""`orch replay RUN [--at SEQ]`: the folded state as a stable summary (dict) and as rich tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eventlog import EventLog, LogError
+from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
+from replay.fold import Folded, FoldError, fold_log_located
+from replay.source import REEXECUTED_META, ReplayInputError, one_line
+
+
+def fold_run(log: EventLog, at: int | None = None) -> Folded:
+    """fold_log with input checks and errors mapped to ReplayInputError."""
+    try:
+        last = log.last_seq
+        if at is not None and not 0 <= at <= last:
+            raise ReplayInputError(f"--at {at} is outside the log (seq 0..{last})")
+        return fold_log_located(log, at=at)
+    except LogError as err:
+        raise ReplayInputError(one_line(str(err))) from None
+    except FoldError as err:  # an event the reducer cannot take
+        raise ReplayInputError(one_line(f"{log.path}: {err}")) from None
+
+
+def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
+    """Everything `orch replay RUN` shows; JSON-ready, deterministic for a given log and seq."""
+    s: State = folded.state
+    holds, terms = conservation(s)
+    meta = log.meta
+    groups_open, groups_finalizing = [], []
+    for g in s.groups.values():
+        if g.finalizing:
+            groups_finalizing.append({
+                "group_id": g.group_id, "env": g.env, "task_id": g.task_id, "background": g.background,
+                "survivors": list(g.survivors), "scored": bool(g.advantages),
+                "error": s.finalize_errors.get(g.group_id),
+            })
+        else:
+            groups_open.append({
+                "group_id": g.group_id, "env": g.env, "task_id": g.task_id, "size": g.size,
+                "policy_version": g.policy_version, "members": list(g.members),
+                "inflight": list(g.inflight), "cancelled": g.cancelled,
+            })
+    pending = [
+        {"trace_id": q.trace_id, "group_id": q.group_id, "env": q.env, "dispatch_version": q.dispatch_version,
+         "policy_start": q.policy_start, "n_tokens": q.n_tokens, "advantage": q.advantage}
+        for q in s.pending.values()
+    ]
+    p = s.params
+    return {
+        "log": str(log.path),
+        "seq": folded.seq,
+        "last_seq": log.last_seq,
+        "from_snapshot": folded.from_snapshot,
+        "events_folded": folded.events_folded,
+        "reexecuted": meta.get(REEXECUTED_META),
+        "params": p.model_dump() if p else None,
+        "step": s.step,
+        "version": s.version,
+        "min_fresh_version": min_fresh_version(p, s.step) if p else None,
+        "gate": {"open": s.gate_open, "reason": s.gate_reason},
+        "draining": s.draining,
+        "stopped": s.stopped,
+        "stop_reason": s.stop_reason,
+        "inflight_episodes": len(s.inflight),
+        "pending": {"traces": len(pending), "tokens": s.pending_tokens, "items": pending},
+        "open_groups": groups_open,
+        "finalizing_groups": groups_finalizing,
+        "finalizing_per_env": dict(s.finalizing),
+        "shipped_untrained_steps": list(s.shipped_batches),
+        "accounting": _acct(s),
+        "conservation": {"holds": holds, **terms},
+        "state_hash": state_hash(s),
+    }
+
+
+def _acct(s: State) -> dict[str, Any]:
+    a = s.acct
+    return {name: (dict(getattr(a, name)) if isinstance(getattr(a, name), dict) else getattr(a, name))
+            for name in type(a).__slots__}  # type: ignore[attr-defined]
+
+
+def _ids(ids: list[int], limit: int = 12) -> str:
+    text = ", ".join(map(str, ids[:limit]))
+    return text + (f", … (+{len(ids) - limit})" if len(ids) > limit else "")
+
+
+def render(summary: dict[str, Any], console) -> None:
+    """Human view of `summarize()` (rich tables)."""
+    from rich.table import Table
+
+    head = Table(title=f"orch replay {summary['log']} @ seq {summary['seq']}/{summary['last_seq']}",
+                 show_header=False, title_justify="left")
+    head.add_column("field", style="bold")
+    head.add_column("value")
+    folded = f"{summary['events_folded']} events"
+    if summary["from_snapshot"] is not None:
+        folded += f" after the snapshot at seq {summary['from_snapshot']}"
+    rows = [
+        ("folded", folded),
+        ("step (next batch)", str(summary["step"])),
+        ("version", str(summary["version"])),
+        ("min fresh version", str(summary["min_fresh_version"])),
+        ("gate", f"{'open' if summary['gate']['open'] else 'closed'} ({summary['gate']['reason']})"),
+        ("status", "stopped: " + str(summary["stop_reason"]) if summary["stopped"]
+         else ("draining" if summary["draining"] else "running")),
+        ("in-flight episodes", str(summary["inflight_episodes"])),
+        ("pending", f"{summary['pending']['traces']} traces, {summary['pending']['tokens']} tokens"),
+        ("open groups", str(len(summary["open_groups"]))),
+        ("finalizing groups", str(len(summary["finalizing_groups"]))),
+    ]
+    if summary["reexecuted"]:
+        rows.append(("re-executed", summary["reexecuted"]))
+    cons = summary["conservation"]
+    rows.append(("conservation", ("holds" if cons["holds"] else "VIOLATED") + ": completed {completed} = shipped "
+                 "{shipped} + pending {pending} + in groups {in_groups} + dropped {dropped}".format(**cons)))
+    rows.append(("state hash", summary["state_hash"]))
+    for k, v in rows:
+        head.add_row(k, v)
+    console.print(head)
+
+    if summary["pending"]["items"]:
+        t = Table(title="pending traces (queue order)", title_justify="left")
+        for col in ("trace", "group", "env", "dispatch v", "policy start", "tokens", "advantage"):
+            t.add_column(col, justify="right")
+        for q in summary["pending"]["items"]:
+            t.add_row(str(q["trace_id"]), str(q["group_id"]), q["env"], str(q["dispatch_version"]),
+                      str(q["policy_start"]), str(q["n_tokens"]), f"{q['advantage']:+.4f}")
+        console.print(t)
+    if summary["open_groups"]:
+        t = Table(title="open groups", title_justify="left")
+        for col in ("group", "env", "task", "v", "members", "in flight", "cancelled"):
+            t.add_column(col)
+        for g in summary["open_groups"]:
+            t.add_row(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["policy_version"]),
+                      _ids(g["members"]), _ids(g["inflight"]), str(g["cancelled"]))
+        console.print(t)
+    if summary["finalizing_groups"]:
+        t = Table(title="finalizing groups", title_justify="left")
+        for col in ("group", "env", "task", "background", "survivors", "scored", "error"):
+            t.add_column(col)
+        for g in summary["finalizing_groups"]:
+            t.add_row(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["background"]),
+                      _ids(g["survivors"]), str(g["scored"]), g["error"] or "")
+        console.print(t)
+    t = Table(title="accounting", title_justify="left", show_header=False)
+    t.add_column("total", style="bold")
+    t.add_column("value", justify="right")
+    for k, v in summary["accounting"].items():
+        t.add_row(k, ", ".join(f"{r}={n}" for r, n in sorted(v.items())) or "0" if isinstance(v, dict) else str(v))
+    console.print(t)

@@ -1,0 +1,138 @@
+"""`orch replay` on bad input: exit 2 with one line on stderr; exit codes 0/1 otherwise."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+
+import pytest
+
+from eventlog import EventLog
+from tests.replay.conftest import sim_log, sim_params
+
+
+@pytest.fixture
+def good(tmp_path):
+    return sim_log(tmp_path / "good.db", sim_params(0), 0)
+
+
+@pytest.fixture
+def other(tmp_path):
+    return sim_log(tmp_path / "other.db", sim_params(1), 1)
+
+
+def assert_bad_input(result, *fragments):
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orch: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def _bad_files(tmp_path, good):
+    missing = tmp_path / "missing"
+    empty_dir = tmp_path / "empty_dir"
+    empty_dir.mkdir()
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, not a database\n" * 20)
+    foreign = tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE t(x)")
+    not_orch = tmp_path / "not_orch.db"
+    with EventLog.create(not_orch, meta={"app": "something-else"}) as log:
+        log.append("x", {})
+    newer = tmp_path / "newer.db"
+    shutil.copy(good, newer)
+    with sqlite3.connect(newer) as db:
+        db.execute("UPDATE meta SET value = '99' WHERE key = 'format_version'")
+    truncated = tmp_path / "truncated.db"
+    data = good.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2 + 100])
+    return {
+        "missing": (missing, "no run or event log at"),
+        "dir without events.db": (empty_dir, "without an events.db"),
+        "not sqlite": (text, "not an SQLite database"),
+        "foreign sqlite": (foreign, "not an orch event log"),
+        "other app": (not_orch, "not one written by orch"),
+        "newer format": (newer, "format version 99"),
+        "truncated": (truncated, "truncated"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "dir without events.db", "not sqlite", "foreign sqlite", "other app",
+                                  "newer format", "truncated"])
+def test_bad_logs_exit_2_with_one_line(tmp_path, good, cli, case):
+    path, fragment = _bad_files(tmp_path, good)[case]
+    assert_bad_input(cli(path), fragment)
+    assert_bad_input(cli(path, "--check"), fragment)
+    assert_bad_input(cli("--diff", good, path), fragment)
+    assert_bad_input(cli("--diff", path, good), fragment)
+    assert_bad_input(cli(path, "--reexecute", "--finalize", "inline", "--out", tmp_path / "new"), fragment)
+
+
+def test_corruption_met_while_streaming_exits_2(tmp_path, good, cli):
+    bad = tmp_path / "bad.db"
+    shutil.copy(good, bad)
+    with sqlite3.connect(bad) as db:
+        (page_size,) = db.execute("PRAGMA page_size").fetchone()
+        (pages,) = db.execute("PRAGMA page_count").fetchone()
+    raw = bytearray(bad.read_bytes())
+    for page in range(pages // 2, pages - 1):  # scribble over interior pages of the events table
+        start = page * page_size
+        raw[start:start + page_size] = b"\xa5" * page_size
+    bad.write_bytes(bytes(raw))
+    for args in ([bad], [bad, "--check"], ["--diff", good, bad, "--level", "events"]):
+        assert_bad_input(cli(*args))
+
+
+def test_an_undecodable_event_exits_2(tmp_path, good, cli):
+    bad = tmp_path / "bad.db"
+    shutil.copy(good, bad)
+    with sqlite3.connect(bad) as db:
+        db.execute("UPDATE events SET kind = 'no_such_kind' WHERE seq = 5")
+    assert_bad_input(cli(bad), "seq 5", "no_such_kind")
+    assert_bad_input(cli(bad, "--check"), "seq 5")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    ([], "missing RUN"),
+    (["{good}", "--diff", "{good}", "{other}"], "do not give RUN"),
+    (["{good}", "--check", "--reexecute"], "cannot be combined"),
+    (["--diff", "{good}", "{other}", "--check"], "cannot be combined"),
+    (["{good}", "--level", "events"], "--level applies"),
+    (["--diff", "{good}", "{other}", "--at", "3"], "--at applies"),
+    (["{good}", "--reexecute", "--out", "{tmp}/x"], "needs --finalize"),
+    (["{good}", "--reexecute", "--finalize", "inline"], "needs --finalize"),
+    (["{good}", "--reexecute", "--finalize", "inline", "--settle-order", "shuffled", "--out", "{tmp}/x"],
+     "background only"),
+    (["{good}", "--reexecute", "--finalize", "background", "--seed", "3", "--out", "{tmp}/x"], "shuffled only"),
+    (["{good}", "--out", "{tmp}/x"], "--reexecute only"),
+])
+def test_bad_options_exit_2(tmp_path, good, other, cli, args, fragment):
+    args = [a.format(good=good, other=other, tmp=tmp_path) for a in args]
+    assert_bad_input(cli(*args), fragment)
+    assert not (tmp_path / "x").exists()
+
+
+def test_unknown_option_and_level_are_usage_errors(good, cli):
+    assert cli(good, "--bogus").exit_code == 2
+    assert cli("--diff", good, good, "--level", "nonsense").exit_code == 2
+
+
+def test_exit_codes_0_and_1(good, other, cli):
+    assert cli(good).exit_code == 0
+    assert cli(good, "--check").exit_code == 0
+    assert cli("--diff", good, good).exit_code == 0
+    assert cli("--diff", good, other).exit_code == 1
+    for level in ("batches", "accounting", "curriculum", "events"):
+        code, out = cli.json("--diff", good, other, "--level", level)
+        assert code == 1 and out["equivalent"] is False and out["level"] == level
+        assert out["divergence"]["a"]["seq"] >= 1
+
+
+def test_run_dir_is_accepted(tmp_path, good, cli):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(good, run / "events.db")
+    assert cli("--diff", run, good, "--level", "events").exit_code == 0

@@ -1,0 +1,57 @@
+"""Seed 000's equivalence matrix, through real logs and `orch replay --diff`.
+
+12 seeds x {trace, token batching} x {constant_trainer_batch_size on/off} x
+max_off_policy_steps in {1, 2, 8}: GRPO inline and GRPO opted into background finalization with
+each group settled before the next input ship bit-identical batches. The opted-in run is built
+twice: by a SimWorld of its own (settle="immediate") and by re-executing the inline run's inputs
+(`--reexecute --finalize background --settle-order immediate`) for the first seeds (the
+re-execution's own matrix is in test_reexec.py), to keep the whole matrix well under a minute.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from orchestrator.sim import SimOptions
+from replay.diff import diff_logs
+from replay.reexec import ReexecOptions, reexecute
+from replay.source import open_run
+from tests.replay.conftest import rows, sim_log, sim_params
+
+SEEDS = range(12)
+BATCHING = {"trace": {}, "token": {"token_batch_size": 120}}
+MATRIX = list(itertools.product(SEEDS, BATCHING, (False, True), (1, 2, 8)))
+DEEP_SEEDS = (0, 1, 2)  # also re-executed and compared at every level
+
+
+def _params(seed, batching, constant, max_off, **kw):
+    return sim_params(seed, constant_trainer_batch_size=constant, max_off_policy_steps=max_off,
+                      **BATCHING[batching], **kw)
+
+
+@pytest.mark.parametrize("seed,batching,constant,max_off", MATRIX,
+                         ids=[f"s{s}-{b}-{'const' if c else 'var'}-off{m}" for s, b, c, m in MATRIX])
+def test_inline_and_opted_in_immediate_settle_ship_identical_batches(tmp_path, seed, batching, constant, max_off):
+    inline = sim_log(tmp_path / "inline.db", _params(seed, batching, constant, max_off), seed)
+    opted = sim_log(tmp_path / "opted.db", _params(seed, batching, constant, max_off, finalize_in_background=True),
+                    seed, SimOptions(settle="immediate"))
+    with open_run(inline) as a, open_run(opted) as b:
+        result = diff_logs(a, b, "batches")
+        assert result.equivalent, result.divergence
+        assert result.compared == 10, "every step shipped in both"
+        # The logs really took different paths: background finalize_started, group_finalized as input.
+        assert not diff_logs(a, b, "events").equivalent
+        if seed not in DEEP_SEEDS:
+            return
+        assert diff_logs(a, b, "accounting").equivalent
+        assert diff_logs(a, b, "curriculum").equivalent
+        report = reexecute(a, tmp_path / "reexec", ReexecOptions("background", "immediate"))
+        assert report.halted is None and report.stop_reason == "completed"
+        assert report.results_computed == 0 and report.results_reused > 0, "inline results reused, nothing re-scored"
+        with open_run(report.out) as c:
+            assert diff_logs(a, c, "batches").equivalent
+            assert diff_logs(b, c, "events").equivalent, "re-execution == the opted-in run, event for event"
+    started = [data for _, kind, data in rows(opted) if kind == "finalize_started"]
+    assert started and all(data["background"] for data in started)
