@@ -16,8 +16,8 @@ run: $(STAMP)
 	$(BIN)/orch run
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m slow
 
 bench: $(STAMP)
 	mkdir -p bench/results
