@@ -54,7 +54,20 @@ def _emit_json(obj) -> None:
 @click.option("--seed", type=int, default=None, help="--settle-order shuffled: RNG seed  [default: 0]")
 @click.option("--out", type=click.Path(path_type=Path), metavar="NEW", help="--reexecute: new run dir (or .db path)")
 def replay_command(run, at, as_json, diff_paths, level, check, reexecute, finalize, settle_order, seed, out) -> None:
-    """Replay a run's log: its state (at the end or --at SEQ), --diff A B, --reexecute, --check."""
+    """Replay a run's log (RUN: a run directory or its events.db).
+
+    \b
+      orch replay RUN [--at SEQ] [--json]       state: step, version, pending traces, open and
+                                                finalizing groups, accounting, conservation
+      orch replay --diff A B [--level LEVEL]    first divergence of two runs (streamed)
+      orch replay RUN --reexecute --finalize inline|background
+                  [--settle-order recorded|immediate|shuffled [--seed N]] --out NEW
+                                                RUN's inputs through decide on that path, then --diff
+      orch replay RUN --check                   re-derive every decision with the current code
+
+    Exit status: 0 equivalent / deterministic; 1 divergent (for the state summary: the
+    conservation check fails); 2 bad input (one line on stderr).
+    """
     modes = [name for name, on in (("--diff", bool(diff_paths)), ("--check", check), ("--reexecute", reexecute)) if on]
     try:
         if len(modes) > 1:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import zip_longest
+from itertools import islice, zip_longest
 from typing import Any
 
 import orjson
@@ -176,25 +176,35 @@ def _side(row: tuple | None) -> Side | None:
 
 
 def _compare_rows(ra: Iterator[tuple], rb: Iterator[tuple], what: Callable[[int, Side], str],
-                  key: Callable[[Side], Any] | None = None) -> tuple[int, Divergence | None]:
-    """Lockstep over two row streams; (items compared, first divergence or None)."""
-    index = -1
-    for index, (x, y) in enumerate(zip_longest(ra, rb)):
-        if x is not None and y is not None:
-            if x[2] == y[2] and x[3] == y[3]:
-                continue  # same kind, same bytes: equal (ts is never compared)
+                  key: Callable[[Side], Any] | None = None, chunk: int = 4096) -> tuple[int, Divergence | None]:
+    """Lockstep over two row streams, a bounded chunk of each at a time; (items compared, first
+    divergence or None). Equal chunks (same kinds, same data bytes; ts ignored) are skipped whole."""
+    index = 0
+    while True:
+        ca, cb = list(islice(ra, chunk)), list(islice(rb, chunk))
+        if not ca and not cb:
+            return index, None
+        if len(ca) == len(cb) and [r[2:] for r in ca] == [r[2:] for r in cb]:
+            index += len(ca)
+            continue
+        for x, y in zip_longest(ca, cb):
+            if x is not None and y is not None:
+                if x[2] == y[2] and x[3] == y[3]:
+                    index += 1
+                    continue  # same kind, same bytes: equal
+                a, b = _side(x), _side(y)
+                if key is not None:
+                    if key(a) == key(b):
+                        index += 1
+                        continue
+                elif a.kind == b.kind and not structural_diff(a.data, b.data, limit=1)[0]:
+                    index += 1
+                    continue  # equal once masked fields are gone
+                return index, _divergence(what(index, a), index, a, b, key)
             a, b = _side(x), _side(y)
-            if key is not None:
-                if key(a) == key(b):
-                    continue
-            elif a.kind == b.kind and not structural_diff(a.data, b.data, limit=1)[0]:
-                continue  # equal once masked fields are gone
-            return index, _divergence(what(index, a), index, a, b, key)
-        a, b = _side(x), _side(y)
-        present = a or b
-        note = f"run {'A' if a is None else 'B'} has no {what(index, present)}: it ended first"
-        return index, _divergence(what(index, present), index, a, b, note=note)
-    return index + 1, None
+            present = a or b
+            note = f"run {'A' if a is None else 'B'} has no {what(index, present)}: it ended first"
+            return index, _divergence(what(index, present), index, a, b, note=note)
 
 
 def _batch_what(i: int, s: Side) -> str:
