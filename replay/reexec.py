@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import random
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import orjson

@@ -158,3 +158,33 @@ def sim_run_log():
     world = SimWorld(sim_params(8), seed=8)
     world.run()
     return world.log
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_crashed_and_resumed_run_checks_and_reexecutes_exactly(tmp_path, cli, background):
+    """Crash (in-flight work and unreported results lost), fold the log, `run_resumed`, go on."""
+    from orchestrator.core import events as ev
+    from orchestrator.core.evolve import fold
+
+    params = sim_params(5, finalize_in_background=background, max_off_policy_steps=1)
+    world = SimWorld(params, seed=5, options=SimOptions(settle="random" if background else "immediate"))
+    world.start()
+    for crash_at in (150, 400):
+        for _ in range(crash_at):
+            world.advance()
+        world.state = fold(world.log)
+        world.held_results.clear()
+        world.feed(ev.RunResumed(from_seq=len(world.log), max_steps=params.max_steps))
+    world.run()
+    assert world.state.stop_reason == "completed"
+    src = tmp_path / "resumed.db"
+    write_events(src, world.log)
+    kinds = [e.kind for e in world.log]
+    assert kinds.count("run_resumed") == 2 and "episode_cancelled" in kinds
+    if background:  # some group was finalizing at a crash and is finalized again after the resume
+        started = [e.group_id for e in world.log if e.kind == "finalize_started"]
+        assert len(started) > len(set(started))
+    assert cli(src, "--check").exit_code == 0
+    finalize = "background" if background else "inline"
+    result = cli(src, "--reexecute", "--finalize", finalize, "--out", tmp_path / "re", "--level", "events")
+    assert result.exit_code == 0, result.output
