@@ -70,19 +70,19 @@ class CoreParams(_Model):
 
 
 class RunStarted(_Model):
-    kind: Literal["run_started"] = "run_started"
+    kind: Literal["run_started"] = Field("run_started", exclude=True)
     schema_version: int = EVENT_SCHEMA_VERSION
     params: CoreParams
 
 
 class RunResumed(_Model):
-    kind: Literal["run_resumed"] = "run_resumed"
+    kind: Literal["run_resumed"] = Field("run_resumed", exclude=True)
     from_seq: int
     max_steps: int
 
 
 class GroupDispatched(_Model):
-    kind: Literal["group_dispatched"] = "group_dispatched"
+    kind: Literal["group_dispatched"] = Field("group_dispatched", exclude=True)
     group_id: int
     env: str
     task_id: int
@@ -91,7 +91,7 @@ class GroupDispatched(_Model):
 
 
 class EpisodeDispatched(_Model):
-    kind: Literal["episode_dispatched"] = "episode_dispatched"
+    kind: Literal["episode_dispatched"] = Field("episode_dispatched", exclude=True)
     episode_id: int
     group_id: int
     attempt: int
@@ -99,7 +99,7 @@ class EpisodeDispatched(_Model):
 
 
 class EpisodeCompleted(_Model):
-    kind: Literal["episode_completed"] = "episode_completed"
+    kind: Literal["episode_completed"] = Field("episode_completed", exclude=True)
     episode_id: int
     group_id: int
     ok: bool
@@ -124,33 +124,33 @@ class EpisodeCompleted(_Model):
 
 
 class EpisodeCancelled(_Model):
-    kind: Literal["episode_cancelled"] = "episode_cancelled"
+    kind: Literal["episode_cancelled"] = Field("episode_cancelled", exclude=True)
     episode_id: int
     reason: Literal["drain", "stop", "resume", "group_cancelled"]
 
 
 class FinalizeStarted(_Model):
-    kind: Literal["finalize_started"] = "finalize_started"
+    kind: Literal["finalize_started"] = Field("finalize_started", exclude=True)
     group_id: int
     background: bool
     trace_ids: list[int]
 
 
 class GroupFinalized(_Model):
-    kind: Literal["group_finalized"] = "group_finalized"
+    kind: Literal["group_finalized"] = Field("group_finalized", exclude=True)
     group_id: int
     trace_ids: list[int]
     advantages: list[float]
 
 
 class FinalizeFailed(_Model):
-    kind: Literal["finalize_failed"] = "finalize_failed"
+    kind: Literal["finalize_failed"] = Field("finalize_failed", exclude=True)
     group_id: int
     error: str
 
 
 class GroupSettled(_Model):
-    kind: Literal["group_settled"] = "group_settled"
+    kind: Literal["group_settled"] = Field("group_settled", exclude=True)
     group_id: int
     admitted: bool
     trace_ids: list[int]  # the traces inserted into the pending queue, in order
@@ -158,31 +158,31 @@ class GroupSettled(_Model):
 
 
 class GroupCancelled(_Model):
-    kind: Literal["group_cancelled"] = "group_cancelled"
+    kind: Literal["group_cancelled"] = Field("group_cancelled", exclude=True)
     group_id: int
     reason: Literal["stale", "overload", "drain", "stop"]
     count: int  # completed episodes of the group that will never train
 
 
 class TracesDropped(_Model):
-    kind: Literal["traces_dropped"] = "traces_dropped"
+    kind: Literal["traces_dropped"] = Field("traces_dropped", exclude=True)
     trace_ids: list[int]
     reason: Literal["stale", "drain", "stop"]
 
 
 class GateChanged(_Model):
-    kind: Literal["gate_changed"] = "gate_changed"
+    kind: Literal["gate_changed"] = Field("gate_changed", exclude=True)
     open: bool
     reason: str
 
 
 class VersionPublished(_Model):
-    kind: Literal["version_published"] = "version_published"
+    kind: Literal["version_published"] = Field("version_published", exclude=True)
     version: int
 
 
 class BatchShipped(_Model):
-    kind: Literal["batch_shipped"] = "batch_shipped"
+    kind: Literal["batch_shipped"] = Field("batch_shipped", exclude=True)
     step: int
     trace_ids: list[int]  # shipped, in batch order
     pruned_ids: list[int] = Field(default_factory=list)  # cut but zero-advantage, so not shipped
@@ -194,17 +194,17 @@ class BatchShipped(_Model):
 
 
 class DrainStarted(_Model):
-    kind: Literal["drain_started"] = "drain_started"
+    kind: Literal["drain_started"] = Field("drain_started", exclude=True)
     reason: str
 
 
 class StopRequested(_Model):
-    kind: Literal["stop_requested"] = "stop_requested"
+    kind: Literal["stop_requested"] = Field("stop_requested", exclude=True)
     reason: str
 
 
 class RunStopped(_Model):
-    kind: Literal["run_stopped"] = "run_stopped"
+    kind: Literal["run_stopped"] = Field("run_stopped", exclude=True)
     reason: str
     error: bool = False
 
@@ -228,12 +228,9 @@ INPUT_KINDS = frozenset(
      "version_published", "stop_requested"}
 )
 
-_DATA_EXCLUDE = {"kind"}
-
-
 def encode_event(event: _Model) -> tuple[str, bytes]:
-    """(kind, data JSON) as stored in the log."""
-    return event.kind, event.model_dump_json(exclude=_DATA_EXCLUDE).encode()  # type: ignore[attr-defined]
+    """(kind, data JSON) as stored in the log; `kind` is excluded from the data by its Field."""
+    return event.kind, event.__pydantic_serializer__.to_json(event)  # type: ignore[attr-defined]
 
 
 def decode_event(kind: str, data: bytes | str) -> _Model:

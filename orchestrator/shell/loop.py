@@ -25,7 +25,7 @@ from orchestrator.shell.algorithms import Algorithm
 from orchestrator.shell.rollouts import RolloutRequest
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
-MAX_INPUTS_PER_ITERATION = 1024  # bounds the synchronous decide work between two awaits
+MAX_INPUTS_PER_ITERATION = 256  # bounds the synchronous decide work between two awaits
 
 
 class StalledError(RuntimeError):
@@ -236,8 +236,15 @@ class Orchestrator:
         # Durable before any effect (write-ahead). In a thread: rollouts keep running meanwhile,
         # and nothing else touches the log until this returns.
         await asyncio.to_thread(log.commit)
+        shipped = [decision for decision in decided if decision.kind == "batch_shipped"]
         for decision in decided:
             self._perform(decision)
+        if shipped:  # file I/O (fsync) off the loop thread; the trainer hears of it afterwards
+            await asyncio.to_thread(self._write_batches, [(e.step, e.sha256) for e in shipped])
+            for e in shipped:
+                self.trainer.batch_written(e.step, e.sha256)
+                if self.progress is not None:
+                    self.progress.on_batch(e, self.state, self)
         if self.config.log.snapshot_every and log.last_seq - self._last_snapshot_seq >= self.config.log.snapshot_every:
             self._save_snapshot()
 
@@ -259,10 +266,6 @@ class Orchestrator:
                 self.finalizer.start(e.group_id, [state.traces[t] for t in e.trace_ids])
         elif kind == "group_cancelled":
             self.finalizer.cancel(e.group_id)
-        elif kind == "batch_shipped":
-            self.write_batch(e.step, e.sha256)
-            if self.progress is not None:
-                self.progress.on_batch(e, state, self)
         elif kind == "version_published" and self.hooks.on_version is not None:
             self._spawn_reload(e.version)
 
@@ -282,12 +285,13 @@ class Orchestrator:
         samples = self.state.shipped_batches[step]
         return encode_batch(step, (sample_record(s.trace, s.env, s.advantage, s.lag) for s in samples))
 
-    def write_batch(self, step: int, sha256: str) -> None:
-        payload = self.batch_payload(step)
-        if batch_sha256(payload) != sha256:
-            raise AssertionError(f"batch {step}: rebuilt payload does not match its logged sha256")
-        atomic_write_bytes(batch_path(self.run_dir, step), payload)
-        self.trainer.batch_written(step, sha256)
+    def _write_batches(self, shipped: list[tuple[int, str]]) -> None:
+        """Write shipped batch files (atomic). Runs in a worker thread while the loop awaits it."""
+        for step, sha256 in shipped:
+            payload = self.batch_payload(step)
+            if batch_sha256(payload) != sha256:
+                raise AssertionError(f"batch {step}: rebuilt payload does not match its logged sha256")
+            atomic_write_bytes(batch_path(self.run_dir, step), payload)
 
     def rematerialize_batches(self) -> int:
         """Resume: rewrite shipped-but-untrained batch files that are missing or partial."""

@@ -8,7 +8,7 @@ loop turns it into `episode_completed(ok=False, error=...)`.
 from __future__ import annotations
 
 import asyncio
-import random
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,33 +31,44 @@ class FakeEpisodeError(RuntimeError):
 
 
 class FakeEnvRollouts:
-    """Seeded synthetic episodes: tokens, rewards, errors and latency from a per-episode RNG.
+    """Seeded synthetic episodes: tokens, rewards, errors and latency from a per-episode hash.
 
+    Everything an episode draws comes from blake2b(seed, episode, attempt), so an episode's
+    outcome does not depend on which other episodes ran (and it is cheap: no RNG to seed).
     `version_now` tells which policy version the (imaginary) sampler holds, so policy_start and
     policy_end are honest about weight updates that land during a slow episode.
     """
 
     def __init__(self, config: FakeEnvConfig, seed: int, version_now: Callable[[], int]):
         self.config, self.seed, self.version_now = config, seed, version_now
+        self._noise_len = config.prompt_tokens + 2 * config.max_tokens
+
+    def _draws(self, req: RolloutRequest) -> tuple[list[float], bytes]:
+        key = b"%d/%d/%d" % (self.seed, req.episode_id, req.attempt)
+        blocks, size = [], 20 + self._noise_len
+        for block in range(-(-size // 64)):
+            blocks.append(hashlib.blake2b(key, digest_size=64, salt=block.to_bytes(16, "little")).digest())
+        raw = b"".join(blocks)
+        uniforms = [int.from_bytes(raw[i:i + 4], "little") / 4294967296.0 for i in range(0, 20, 4)]
+        return uniforms, raw[20:size]
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         cfg = self.config
-        rng = random.Random((self.seed << 40) ^ (req.episode_id << 8) ^ req.attempt)
+        (u_latency, u_error, u_empty, u_length, u_reward), noise = self._draws(req)
         policy_start = self.version_now()
         if cfg.latency_s > 0:
-            jitter = rng.uniform(-cfg.latency_jitter_s, cfg.latency_jitter_s)
-            await asyncio.sleep(max(0.0, cfg.latency_s + jitter))
-        if cfg.error_rate and rng.random() < cfg.error_rate:
+            await asyncio.sleep(max(0.0, cfg.latency_s + (2 * u_latency - 1) * cfg.latency_jitter_s))
+        if u_error < cfg.error_rate:
             raise FakeEpisodeError(f"fake env: episode {req.episode_id} failed (error_rate={cfg.error_rate})")
-        n_sampled = 0 if cfg.empty_rate and rng.random() < cfg.empty_rate else rng.randint(cfg.min_tokens, cfg.max_tokens)
-        noise = rng.randbytes(cfg.prompt_tokens + 2 * n_sampled)  # one draw for tokens and logprobs
+        n_sampled = 0 if u_empty < cfg.empty_rate else cfg.min_tokens + int(u_length * (cfg.max_tokens - cfg.min_tokens + 1))
+        n_total = cfg.prompt_tokens + n_sampled
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
-            reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + rng.random() * 0.5 - 0.25)),
-            token_ids=list(noise[: cfg.prompt_tokens + n_sampled]),
+            reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + u_reward * 0.5 - 0.25)),
+            token_ids=list(noise[:n_total]),
             mask=[0] * cfg.prompt_tokens + [1] * n_sampled,
-            logprobs=[0.0] * cfg.prompt_tokens + [-b / 64 for b in noise[cfg.prompt_tokens + n_sampled:]],
+            logprobs=[0.0] * cfg.prompt_tokens + [-b / 64 for b in noise[n_total:n_total + n_sampled]],
             policy_start=policy_start, policy_end=self.version_now(),
         )
 

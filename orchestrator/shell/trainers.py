@@ -46,15 +46,18 @@ class FakeTrainer:
                 continue
             if step != expected:
                 raise TrainerFailed(f"fake trainer: got batch {step} while waiting for batch {expected}")
-            payload = batch_path(self.run_dir, step).read_bytes()
-            if hashlib.sha256(payload).hexdigest() != sha256:
-                raise TrainerFailed(f"fake trainer: batch {step} on disk does not match its logged sha256")
-            if orjson.loads(payload)["step"] != step:
-                raise TrainerFailed(f"fake trainer: batch file for step {step} says another step")
+            await asyncio.to_thread(self._read_batch, step, sha256)
             if self.step_time_s:
                 await asyncio.sleep(self.step_time_s)
             self.publish(step)
             expected = step + 1
+
+    def _read_batch(self, step: int, sha256: str) -> None:
+        payload = batch_path(self.run_dir, step).read_bytes()
+        if hashlib.sha256(payload).hexdigest() != sha256:
+            raise TrainerFailed(f"fake trainer: batch {step} on disk does not match its logged sha256")
+        if orjson.loads(payload)["step"] != step:
+            raise TrainerFailed(f"fake trainer: batch file for step {step} says another step")
 
     def check(self) -> None:
         """In-process: failures surface through its task."""

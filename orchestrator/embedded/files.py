@@ -1,0 +1,186 @@
+"""On-disk contracts between the orchestrator, the embedded sampler and the trainer process.
+
+Layout of a run directory (``RUN_DIR``)::
+
+    trainer.json                 TrainerConfig (written by the orchestrator before it spawns the trainer)
+    batches/step_N.json          batch N (orjson; written atomically by the orchestrator)
+    weights/step_N/              policy after training on batches 1..N (step_0 = warm start)
+        model.pt                 state_dict (torch.save)
+        policy.json              PolicyConfig
+        STABLE                   marker, written (tmp + fsync + rename) only after the files above
+    trainer_ckpt/ckpt.pt         trainer checkpoint (model + optimizer + step), replaced atomically
+
+Batch file (format 1)::
+
+    {"format": 1, "step": N, "samples": [{"trace_id": int, "group_id": int, "env": str,
+      "token_ids": [int, ...],   # prompt + completion
+      "mask": [0|1, ...],        # 1 = sampled token
+      "logprobs": [float, ...],  # sampler logprob per token, 0.0 where mask is 0
+      "advantage": float, "policy_start": int, "lag": int, "temperature": float}, ...]}
+
+Extra sample fields are ignored by the trainer, except an optional ``"reward": float`` that, when
+every sample has it, is averaged into the trainer's step line.
+
+Every writer here is atomic: write a temp sibling, fsync it, ``os.replace``/``os.rename`` it into
+place, fsync the parent directory. A reader therefore sees either nothing or the whole file/dir.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+BATCH_FORMAT = 1
+STABLE = "STABLE"
+MODEL_FILE = "model.pt"
+POLICY_FILE = "policy.json"
+CKPT_FILE = "ckpt.pt"
+TRAINER_CONFIG_FILE = "trainer.json"
+_TMP_MARK = ".tmp-"
+
+
+# ---------------------------------------------------------------------------------------- paths
+def batches_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "batches"
+
+
+def batch_path(run_dir: str | os.PathLike, step: int) -> Path:
+    return batches_dir(run_dir) / f"step_{step}.json"
+
+
+def weights_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "weights"
+
+
+def weights_dir(run_dir: str | os.PathLike, version: int) -> Path:
+    return weights_root(run_dir) / f"step_{version}"
+
+
+def ckpt_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "trainer_ckpt"
+
+
+def is_stable(wdir: str | os.PathLike) -> bool:
+    """True once ``wdir`` holds complete weights (its STABLE marker exists)."""
+    return (Path(wdir) / STABLE).is_file()
+
+
+def stable_versions(run_dir: str | os.PathLike) -> list[int]:
+    """Published (STABLE) weight versions, ascending."""
+    root = weights_root(run_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.name.startswith("step_") and p.name[5:].isdigit() and is_stable(p):
+            out.append(int(p.name[5:]))
+    return sorted(out)
+
+
+def latest_stable_version(run_dir: str | os.PathLike) -> int | None:
+    """Newest published weight version, or None if none is published yet."""
+    versions = stable_versions(run_dir)
+    return versions[-1] if versions else None
+
+
+# ------------------------------------------------------------------------------------ atomicity
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (tmp sibling + fsync + rename + fsync dir)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_dir(dest: str | os.PathLike, write_files) -> Path:
+    """Create directory ``dest`` atomically.
+
+    ``write_files(tmp_dir)`` fills a temp sibling directory; every regular file in it is then
+    fsynced, the temp dir is renamed to ``dest`` and the parent is fsynced. ``dest`` must not exist
+    (raises FileExistsError): published directories are immutable.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():
+        raise FileExistsError(f"{dest} already exists")
+    tmp = _tmp_sibling(dest)
+    tmp.mkdir()
+    try:
+        write_files(tmp)
+        for p in tmp.iterdir():
+            if p.is_file():
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(dest.parent)
+    return dest
+
+
+def mark_stable(wdir: str | os.PathLike) -> None:
+    """Write the STABLE marker inside ``wdir`` (atomic). Call only after the weights are complete."""
+    atomic_write_bytes(Path(wdir) / STABLE, b"ok\n")
+
+
+def remove_dir_safely(wdir: str | os.PathLike) -> None:
+    """Unpublish then delete: STABLE goes first, then the dir is renamed aside and removed, so no
+    reader ever sees a STABLE dir with missing files."""
+    wdir = Path(wdir)
+    (wdir / STABLE).unlink(missing_ok=True)
+    trash = _tmp_sibling(wdir)
+    try:
+        os.rename(wdir, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_tmp(directory: str | os.PathLike) -> None:
+    """Remove leftovers of interrupted atomic writes (``.NAME.tmp-*``) in ``directory``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if p.name.startswith(".") and _TMP_MARK in p.name:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------- batches
+def write_batch_file(run_dir: str | os.PathLike, step: int, samples: list[dict[str, Any]]) -> Path:
+    """Write ``batches/step_{step}.json`` atomically (format 1). Used by simulate and tests; the
+    orchestrator may use it too."""
+    path = batch_path(run_dir, step)
+    atomic_write_bytes(path, orjson.dumps({"format": BATCH_FORMAT, "step": step, "samples": samples}))
+    return path
