@@ -106,13 +106,15 @@ def trainer_command(run_dir: Path) -> None:
     sys.exit(run_trainer(run_dir))
 
 
-def _register_env_server() -> None:
+def _register_commands() -> None:
     from orchestrator.rollouts.env_server import env_server_command
+    from replay.cli import replay_command
 
     main.add_command(env_server_command, "env-server")
+    main.add_command(replay_command, "replay")
 
 
-_register_env_server()
+_register_commands()
 
 if __name__ == "__main__":
     main()
