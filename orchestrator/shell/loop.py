@@ -18,7 +18,7 @@ from orchestrator.config import RunConfig
 from orchestrator.core import events as ev
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
 from orchestrator.core.decide import decide
-from orchestrator.core.state import REDUCER_VERSION, State, state_bytes
+from orchestrator.core.state import REDUCER_VERSION, ShippedSample, State, state_bytes
 from orchestrator.embedded.files import atomic_write_bytes, batch_path
 from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.shell.algorithms import Algorithm
@@ -101,7 +101,6 @@ class Orchestrator:
         self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized)
         self._last_snapshot_seq = log.last_seq
         self._last_input_at = time.monotonic()
-        self._requests: dict[int, RolloutRequest] = {}
         self._reloads: set[asyncio.Task] = set()  # inference weight reloads in progress
         self._reload_error: BaseException | None = None
         self.events_logged = 0
@@ -176,7 +175,6 @@ class Orchestrator:
 
     def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted:
         req: RolloutRequest = outcome.example
-        self._requests.pop(req.episode_id, None)
         if outcome.exception is None:
             return outcome.result
         exc = outcome.exception
@@ -240,7 +238,8 @@ class Orchestrator:
         for decision in decided:
             self._perform(decision)
         if shipped:  # file I/O (fsync) off the loop thread; the trainer hears of it afterwards
-            await asyncio.to_thread(self._write_batches, [(e.step, e.sha256) for e in shipped])
+            batches = [(e.step, e.sha256, self.state.shipped_batches[e.step]) for e in shipped]
+            await asyncio.to_thread(self._write_batches, batches)
             for e in shipped:
                 self.trainer.batch_written(e.step, e.sha256)
                 if self.progress is not None:
@@ -255,10 +254,8 @@ class Orchestrator:
             if e.episode_id in state.inflight:  # not already cancelled in the same iteration
                 group = state.groups[e.group_id]
                 req = RolloutRequest(e.episode_id, e.group_id, group.env, group.task_id, e.attempt, e.policy_version)
-                self._requests[e.episode_id] = req
                 self.feed.put(req, key=e.episode_id)
         elif kind == "episode_cancelled":
-            self._requests.pop(e.episode_id, None)
             self.stream.cancel(e.episode_id)
         elif kind == "finalize_started":
             group = state.groups.get(e.group_id)
@@ -281,14 +278,14 @@ class Orchestrator:
         if not task.cancelled() and task.exception() is not None and self._reload_error is None:
             self._reload_error = task.exception()
 
-    def batch_payload(self, step: int) -> bytes:
-        samples = self.state.shipped_batches[step]
+    @staticmethod
+    def batch_payload(step: int, samples: list[ShippedSample]) -> bytes:
         return encode_batch(step, (sample_record(s.trace, s.env, s.advantage, s.lag) for s in samples))
 
-    def _write_batches(self, shipped: list[tuple[int, str]]) -> None:
+    def _write_batches(self, shipped: list[tuple[int, str, list[ShippedSample]]]) -> None:
         """Write shipped batch files (atomic). Runs in a worker thread while the loop awaits it."""
-        for step, sha256 in shipped:
-            payload = self.batch_payload(step)
+        for step, sha256, samples in shipped:
+            payload = self.batch_payload(step, samples)
             if batch_sha256(payload) != sha256:
                 raise AssertionError(f"batch {step}: rebuilt payload does not match its logged sha256")
             atomic_write_bytes(batch_path(self.run_dir, step), payload)
@@ -297,7 +294,7 @@ class Orchestrator:
         """Resume: rewrite shipped-but-untrained batch files that are missing or partial."""
         rewritten = 0
         for step in sorted(self.state.shipped_batches):
-            payload = self.batch_payload(step)
+            payload = self.batch_payload(step, self.state.shipped_batches[step])
             sha = batch_sha256(payload)
             path = batch_path(self.run_dir, step)
             if not path.exists() or batch_sha256(path.read_bytes()) != sha:
