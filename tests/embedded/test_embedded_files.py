@@ -1,0 +1,119 @@
+"""Atomic batch and weight files: no partial file is ever visible; STABLE only after the weights."""
+
+import os
+
+import orjson
+import pytest
+
+from orchestrator.embedded import files
+from orchestrator.embedded.policy import build_policy, load_policy
+from orchestrator.embedded.trainer import Trainer
+
+from conftest import TINY_POLICY, tiny_trainer_config
+
+
+def test_atomic_write_bytes_is_complete_and_fsynced_before_it_becomes_visible(tmp_path, monkeypatch):
+    target = tmp_path / "batches" / "step_1.json"
+    payload = orjson.dumps({"format": 1, "step": 1, "samples": [{"x": list(range(10000))}]})
+    fsynced = []
+    real_fsync, real_replace = os.fsync, os.replace
+    seen = {}
+
+    def fsync(fd):
+        fsynced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        seen["target_existed"] = os.path.exists(dst)
+        seen["tmp_complete"] = open(src, "rb").read() == payload
+        seen["tmp_fsynced"] = str(src) in fsynced
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    files.write_batch_file(tmp_path, 1, [{"x": list(range(10000))}])
+    assert seen == {"target_existed": False, "tmp_complete": True, "tmp_fsynced": True}
+    assert str(target.parent) in fsynced  # the directory entry is durable too
+    assert target.read_bytes() == payload
+    assert os.listdir(target.parent) == ["step_1.json"]
+
+
+def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch):
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        files.write_batch_file(tmp_path, 1, [])
+    assert os.listdir(tmp_path / "batches") == []
+
+
+def test_weights_dir_appears_whole_and_stable_comes_last(tmp_path, monkeypatch):
+    trainer = Trainer(tmp_path, tiny_trainer_config(), log=lambda s: None)
+    trainer.model = build_policy(TINY_POLICY, seed=0)
+    wdir = files.weights_dir(tmp_path, 0)
+    events = []
+    real_rename, real_mark = os.rename, files.mark_stable
+
+    def rename(src, dst):
+        if str(dst) == str(wdir):
+            events.append(("rename", os.path.exists(dst), sorted(os.listdir(src))))
+            load_policy(src)  # the temp dir is complete before it gets its public name
+        return real_rename(src, dst)
+
+    def mark(d):
+        events.append(("stable", sorted(os.listdir(d))))
+        load_policy(d)  # weights complete and loadable before STABLE
+        return real_mark(d)
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(files, "mark_stable", mark)
+    trainer.publish(0)
+    assert events == [
+        ("rename", False, [files.MODEL_FILE, files.POLICY_FILE]),
+        ("stable", [files.MODEL_FILE, files.POLICY_FILE]),
+    ]
+    assert files.is_stable(wdir) and files.latest_stable_version(tmp_path) == 0
+    trainer.publish(0)  # idempotent: an already published version is left alone
+    assert len(events) == 2
+
+
+def test_incomplete_leftover_is_replaced_and_tmp_files_cleaned(tmp_path):
+    wdir = files.weights_dir(tmp_path, 0)
+    wdir.mkdir(parents=True)
+    (wdir / files.MODEL_FILE).write_bytes(b"partial")
+    junk = files.weights_root(tmp_path) / ".step_1.tmp-123-abcdef01"
+    junk.mkdir()
+    files.clean_tmp(files.weights_root(tmp_path))
+    assert not junk.exists()
+    trainer = Trainer(tmp_path, tiny_trainer_config(), log=lambda s: None)
+    trainer.model = build_policy(TINY_POLICY, seed=0)
+    trainer.publish(0)
+    load_policy(wdir)
+    assert files.is_stable(wdir)
+
+
+def test_old_weight_dirs_are_pruned_keeping_the_newest(tmp_path):
+    trainer = Trainer(tmp_path, tiny_trainer_config(keep_weights=3), log=lambda s: None)
+    trainer.model = build_policy(TINY_POLICY, seed=0)
+    for v in range(6):
+        trainer.publish(v)
+        assert files.stable_versions(tmp_path) == list(range(max(0, v - 2), v + 1))
+    assert sorted(p.name for p in files.weights_root(tmp_path).iterdir()) == ["step_3", "step_4", "step_5"]
+
+
+def test_remove_dir_safely_unpublishes_first(tmp_path, monkeypatch):
+    wdir = tmp_path / "step_0"
+    wdir.mkdir()
+    (wdir / "model.pt").write_bytes(b"x")
+    files.mark_stable(wdir)
+    real_rename = os.rename
+    seen = []
+
+    def rename(src, dst):
+        seen.append(os.path.exists(os.path.join(src, files.STABLE)))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    files.remove_dir_safely(wdir)
+    assert seen == [False] and not wdir.exists() and os.listdir(tmp_path) == []
