@@ -28,14 +28,14 @@ class _Section(BaseModel):
 
 class RolloutConfig(_Section):
     group_size: int = Field(8, ge=1, description="episodes per group (one task)")
-    max_inflight: int = Field(64, ge=1, description="in-flight episode permits")
+    max_inflight: int = Field(128, ge=1, description="in-flight episode permits")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the embedded policy")
     max_new_tokens: int = Field(48, ge=1, description="completion length cap of the embedded policy (answers need <= 38)")
     env_server: str | None = Field(None, description="URL of an `orch env-server` (else envs run in-process)")
 
 
 class BatchConfig(_Section):
-    size: int = Field(64, ge=1, description="traces per batch")
+    size: int = Field(128, ge=1, description="traces per batch")
     token_size: int | None = Field(None, ge=1, description="if set, batch by tokens instead of traces")
     constant_trainer_batch_size: bool = Field(False, description="prune zero-advantage samples before the cut")
 
@@ -89,9 +89,25 @@ class TrainerSection(_Section):
     kind: Literal["embedded", "fake"] = Field("embedded", description="torch trainer process or in-process fake")
     step_time_s: float = Field(0.0, ge=0, description="fake trainer: time per optimizer step")
     lr: float = Field(2e-3, gt=0, description="embedded trainer: learning rate")
-    sft_steps: int = Field(150, ge=0, description="embedded trainer: supervised warm-start steps")
+    sft_steps: int = Field(400, ge=0, description="embedded trainer: most warm-start steps (it stops at a loss of 0.12)")
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
+    nproc: int = Field(1, ge=1, description="embedded trainer: ranks under torchrun (DDP); 1 = one plain process")
+    ddp_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="DDP backend (auto: nccl with CUDA, else gloo)")
+
+
+class InferenceSection(_Section):
+    """OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) instead of the in-process sampler."""
+
+    endpoints: list[str] = Field(default_factory=list, description="base URLs (http://host:port); empty = embedded sampler")
+    model: str | None = Field(None, description="model name sent with each request (None: the server's own)")
+    weight_sync: Literal["orch", "vllm_lora", "none"] = Field(
+        "orch", description="how endpoints load weights/step_N: orch /update_weights, vLLM LoRA adapters, or not at all")
+    request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
+    max_attempts: int = Field(3, ge=1, description="attempts per completion, over all endpoints (transport/5xx errors)")
+    backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
+    max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")
+    pin_groups: bool = Field(True, description="send a group's episodes to one endpoint (prefix-cache reuse)")
 
 
 class LogConfig(_Section):
@@ -103,7 +119,7 @@ class RunConfig(_Section):
     name: str = Field("default", description="run directory name under runs_dir")
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
     seed: int = Field(0, description="seeds the core RNG, the envs and the policy")
-    max_steps: int = Field(20, ge=1, description="batches to ship, then drain and stop")
+    max_steps: int = Field(40, ge=1, description="batches to ship, then drain and stop")
     envs: dict[str, float] = Field(
         default_factory=lambda: {"reverse_text": 1.0}, description="train env -> dispatch ratio"
     )
@@ -116,6 +132,7 @@ class RunConfig(_Section):
     reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     log: LogConfig = Field(default_factory=LogConfig)
+    inference: InferenceSection = Field(default_factory=InferenceSection)
 
     @model_validator(mode="after")
     def _known_envs(self) -> RunConfig:
@@ -124,6 +141,8 @@ class RunConfig(_Section):
             raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
         if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
             raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
+        if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
+            raise ValueError("inference endpoints sample reverse_text episodes only")
         return self
 
     @property
@@ -156,6 +175,8 @@ KNOWN_ENVS = frozenset({"reverse_text", "fake"})
 RESUMABLE_FIELDS = frozenset({
     "max_steps", "runs_dir", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s",
     "trainer.exit_timeout_s", "rollout.env_server",
+    "trainer.nproc", "trainer.ddp_backend", "inference.endpoints", "inference.request_timeout_s",
+    "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
 })
 
 

@@ -237,6 +237,10 @@ class Orchestrator:
         shipped = [decision for decision in decided if decision.kind == "batch_shipped"]
         for decision in decided:
             self._perform(decision)
+        if self.hooks.on_version is not None:
+            for event in inputs:  # an input with an effect: inference loads the published weights
+                if event.kind == "version_published":
+                    self._spawn_reload(event.version)
         if shipped:  # file I/O (fsync) off the loop thread; the trainer hears of it afterwards
             batches = [(e.step, e.sha256, self.state.shipped_batches[e.step]) for e in shipped]
             await asyncio.to_thread(self._write_batches, batches)
@@ -263,8 +267,6 @@ class Orchestrator:
                 self.finalizer.start(e.group_id, [state.traces[t] for t in e.trace_ids])
         elif kind == "group_cancelled":
             self.finalizer.cancel(e.group_id)
-        elif kind == "version_published" and self.hooks.on_version is not None:
-            self._spawn_reload(e.version)
 
     def _spawn_reload(self, version: int) -> None:
         # Owned here: reloads are short, their errors surface in _raise_if_failed, and shutdown

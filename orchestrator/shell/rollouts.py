@@ -8,7 +8,9 @@ loop turns it into `episode_completed(ok=False, error=...)`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +75,9 @@ class FakeEnvRollouts:
         )
 
 
+SAMPLING_THREADS = 32
+
+
 class EmbeddedRollouts:
     """reverse_text episodes sampled from the embedded torch policy, off the event loop.
 
@@ -88,6 +93,9 @@ class EmbeddedRollouts:
         self.sampler = EmbeddedSampler()
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
+        # Sampling threads mostly wait for the coalescing leader; their own pool keeps them from
+        # starving weight reloads (which use the loop's default executor).
+        self._pool = ThreadPoolExecutor(max_workers=SAMPLING_THREADS, thread_name_prefix="orch-sampler")
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
         """Make `version` current (waits, bounded, for its STABLE marker; `health_check` raises
@@ -108,14 +116,18 @@ class EmbeddedRollouts:
             await asyncio.to_thread(self.sampler.reload, wdir, version)
             self._loaded.set()
 
+    def close(self) -> None:
+        """Stop the sampling threads (a running forward pass finishes; nothing new starts)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         task = self.env.task(req.task_id)
         seed = (self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt
-        (completion,) = await asyncio.to_thread(
-            self.sampler.sample_group, task.prompt, 1, temperature=self.temperature,
-            max_new_tokens=self.max_new_tokens, seed=seed,
-        )
+        # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
+        sample = functools.partial(self.sampler.sample_coalesced, task.prompt, 1, temperature=self.temperature,
+                                   max_new_tokens=self.max_new_tokens, seed=seed)
+        (completion,) = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
         version = completion.policy_version
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,

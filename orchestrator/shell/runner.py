@@ -112,13 +112,34 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
         trainer = FakeTrainer(run_dir, config.trainer.step_time_s, publish)
     else:
         write_embedded_trainer_config(config, run_dir)
-        trainer = ProcessTrainer(run_dir, publish)
+        if config.trainer.nproc > 1:  # DDP under torchrun, supervised the same way
+            from orchestrator.shell.torchrun_trainer import TorchrunTrainer
+
+            trainer = TorchrunTrainer(run_dir, publish, config.trainer.nproc, config.trainer.ddp_backend)
+        else:
+            trainer = ProcessTrainer(run_dir, publish)
     if set(config.envs) == {"fake"}:
         rollout = FakeEnvRollouts(config.fake_env, config.seed, version_now)
     else:
         from orchestrator.envs.reverse_text import ReverseTextEnv
 
         env = ReverseTextEnv(seed=config.seed, min_len=config.reverse_text.min_len, max_len=config.reverse_text.max_len)
+        if config.inference.endpoints:  # OpenAI-compatible servers (orch serve, vLLM, SGLang)
+            from orchestrator.inference.client import InferenceClient
+            from orchestrator.inference.rollouts import InferenceRollouts
+
+            inf = config.inference
+            client = InferenceClient(inf.endpoints, model=inf.model, weight_sync=inf.weight_sync,
+                                     timeout_s=inf.request_timeout_s, load_timeout_s=config.trainer.publish_timeout_s,
+                                     max_attempts=inf.max_attempts, backoff_s=inf.backoff_s,
+                                     max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups)
+            remote = InferenceRollouts(run_dir, env, client, temperature=config.rollout.temperature,
+                                       max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
+                                       load_timeout_s=config.trainer.publish_timeout_s)
+            orch = Orchestrator(config, run_dir, run.log, run.state, hooks=LoopHooks(remote, remote.load),
+                                algorithm=make_algorithm(config), trainer=trainer, progress=progress)
+            holder["orch"] = orch
+            return orch
         embedded = EmbeddedRollouts(run_dir, env, temperature=config.rollout.temperature,
                                     max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                     load_timeout_s=config.trainer.publish_timeout_s)
@@ -150,9 +171,9 @@ async def run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
     try:
         if isinstance(trainer, ProcessTrainer):
             trainer.start()
-        if isinstance(orch.hooks.rollout, EmbeddedRollouts):
+        if orch.hooks.on_version is not None:  # EmbeddedRollouts or InferenceRollouts
             # Version 0 is the trainer's warm start; the run resumes from the newest version.
-            await orch.hooks.rollout.load(run.state.version, health_check=trainer.check)
+            await orch.hooks.on_version(run.state.version, health_check=trainer.check)
         await orch.run(run.first_input)
         return orch
     finally:
@@ -160,3 +181,7 @@ async def run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
             loop.remove_signal_handler(sig)
         clean = orch.state.stop_reason == "completed"
         await trainer.stop(run.config.trainer.exit_timeout_s if clean else 0.0)
+        if hasattr(orch.hooks.rollout, "aclose"):  # InferenceRollouts: its HTTP client
+            await orch.hooks.rollout.aclose()
+        if isinstance(orch.hooks.rollout, EmbeddedRollouts):
+            await asyncio.to_thread(orch.hooks.rollout.close)
