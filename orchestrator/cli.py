@@ -40,10 +40,12 @@ def main() -> None:
 @click.option("--env", "env_name", type=click.Choice(["reverse_text", "fake"]), help="shorthand for envs={ENV: 1}")
 @click.option("--trainer", "trainer_kind", type=click.Choice(["embedded", "fake"]), help="shorthand for trainer.kind")
 @click.option("--max-steps", type=int, help="shorthand for max_steps")
+@click.option("--inference", "inference_urls", metavar="URL1,URL2,...",
+              help="sample with these OpenAI-compatible endpoints (orch serve, vLLM, SGLang); shorthand for inference.endpoints")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), help="continue the run in this directory")
 @click.option("--progress-every", type=int, default=1, show_default=True, help="print a progress line every N steps")
 @click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path), help="also write the final summary as JSON")
-def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, max_steps, resume_dir,
+def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, max_steps, inference_urls, resume_dir,
                 progress_every, json_summary) -> None:
     """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
     from orchestrator.shell.progress import Progress
@@ -58,6 +60,10 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
         sets.append(f"trainer.kind={trainer_kind}")
     if max_steps is not None:
         sets.append(f"max_steps={max_steps}")
+    if inference_urls:
+        import orjson
+
+        sets.append("inference.endpoints=" + orjson.dumps([u.strip() for u in inference_urls.split(",") if u.strip()]).decode())
     try:
         if resume_dir is not None:
             if name or runs_dir:
@@ -107,11 +113,13 @@ def trainer_command(run_dir: Path) -> None:
 
 
 def _register_commands() -> None:
+    from orchestrator.inference.server import serve_command
     from orchestrator.rollouts.env_server import env_server_command
     from replay.cli import replay_command
 
     main.add_command(env_server_command, "env-server")
     main.add_command(replay_command, "replay")
+    main.add_command(serve_command, "serve")
 
 
 _register_commands()

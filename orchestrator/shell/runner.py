@@ -133,17 +133,14 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
                                      timeout_s=inf.request_timeout_s, load_timeout_s=config.trainer.publish_timeout_s,
                                      max_attempts=inf.max_attempts, backoff_s=inf.backoff_s,
                                      max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups)
-            remote = InferenceRollouts(run_dir, env, client, temperature=config.rollout.temperature,
+            rollout = InferenceRollouts(run_dir, env, client, temperature=config.rollout.temperature,
+                                        max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
+                                        load_timeout_s=config.trainer.publish_timeout_s)
+        else:
+            rollout = EmbeddedRollouts(run_dir, env, temperature=config.rollout.temperature,
                                        max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                        load_timeout_s=config.trainer.publish_timeout_s)
-            orch = Orchestrator(config, run_dir, run.log, run.state, hooks=LoopHooks(remote, remote.load),
-                                algorithm=make_algorithm(config), trainer=trainer, progress=progress)
-            holder["orch"] = orch
-            return orch
-        embedded = EmbeddedRollouts(run_dir, env, temperature=config.rollout.temperature,
-                                    max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
-                                    load_timeout_s=config.trainer.publish_timeout_s)
-        rollout, on_version = embedded, embedded.load
+        on_version = rollout.load
     orch = Orchestrator(config, run_dir, run.log, run.state, hooks=LoopHooks(rollout, on_version),
                         algorithm=make_algorithm(config), trainer=trainer, progress=progress)
     holder["orch"] = orch

@@ -1,0 +1,374 @@
+"""Client of several OpenAI-compatible completion endpoints (vLLM, SGLang, `orch serve`).
+
+Routing: each request goes to the *up* endpoint with the fewest requests in flight (ties: the one
+used least). With a ``pin`` key (the orchestrator passes the group id) every request of that key
+goes to the endpoint its first request went to, so a group's shared prompt hits one prefix cache;
+if that endpoint is down the request falls back to the least-loaded one and the key is re-pinned.
+
+Failures: a transport failure (connect/read/write error, protocol error, timeout) or an HTTP 5xx
+marks the endpoint down for ``backoff_s * 2**(failures-1)`` (capped at ``max_backoff_s``) and the
+request is retried on another endpoint, at most ``max_attempts`` attempts in all; then
+:class:`InferenceUnavailable` says what each attempt got. An HTTP 4xx is the request's fault:
+:class:`InferenceRequestError` at once, no retry. A cancelled request (drain/stop) is never
+retried: ``CancelledError`` propagates, httpx drops the connection and the server's disconnect
+middleware cancels the handler. A down endpoint is tried again once its backoff expires (the next
+request that picks it is the probe); when every endpoint is down a request waits for the first
+one to come back, still within its attempts.
+
+Weight updates (the contract): :meth:`InferenceClient.load` (version N, the published
+``weights/step_N`` dir) is sent to every endpoint and returns once they answered; an endpoint
+that did not confirm N is brought to the newest version before its next request (so a restarted
+server catches up), and every completion reports the version it was sampled with. Modes:
+
+* ``"orch"``: ``POST /update_weights {"path", "version"}`` -> ``{"version": N}``; completions
+  carry ``policy_version`` (`orch serve`).
+* ``"vllm_lora"``: ``POST /v1/load_lora_adapter {"lora_name": "step_N", "lora_path": dir}``
+  (vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name
+  ``model="step_N"``, so the version of a completion is exactly the adapter it asked for.
+* ``"none"``: weights are managed outside orch; the version is the last one ``load`` was told
+  (a completion is reported as sampled by the version known when it was sent, and ended at the
+  version known when it returned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
+
+WeightSync = Literal["orch", "vllm_lora", "none"]
+MAX_PINS = 65536
+
+
+class InferenceError(RuntimeError):
+    """Inference failed; the message names the endpoint(s) and what went wrong."""
+
+
+class InferenceRequestError(InferenceError):
+    """The endpoint rejected the request itself (HTTP 4xx, malformed answer): never retried."""
+
+    def __init__(self, message: str, status_code: int | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class InferenceUnavailable(InferenceError):
+    """Every attempt failed on transport or server errors (endpoints down, timeouts, 5xx)."""
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(eq=False)
+class Endpoint:
+    url: str
+    index: int
+    inflight: int = 0
+    assigned: int = 0  # requests routed here so far (tie-break)
+    completed: int = 0
+    failures: int = 0  # consecutive
+    total_failures: int = 0
+    down_until: float = 0.0  # monotonic; 0 = up
+    last_error: str | None = None
+    version: int = -1  # newest weight version this endpoint confirmed (-1: unknown)
+    sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        return {"url": self.url, "up": self.up(now), "inflight": self.inflight, "assigned": self.assigned,
+                "completed": self.completed, "failures": self.total_failures, "version": self.version,
+                "last_error": self.last_error}
+
+
+@dataclass(frozen=True)
+class Completion:
+    endpoint: str
+    choices: list[ParsedChoice]
+    policy_start: int  # version the samples came from (exact when the server reports it)
+    policy_end: int
+    attempts: int
+
+
+class InferenceClient:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        model: str | None = None,
+        weight_sync: WeightSync = "orch",
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 5.0,
+        load_timeout_s: float = 300.0,
+        max_attempts: int = 3,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        pin_groups: bool = True,
+        max_connections: int = 256,
+    ):
+        if not urls:
+            raise ValueError("InferenceClient needs at least one endpoint URL")
+        if max_attempts < 1 or timeout_s <= 0 or connect_timeout_s <= 0 or backoff_s <= 0:
+            raise ValueError("max_attempts >= 1 and positive timeouts/backoff are required")
+        self.endpoints = [Endpoint(_base_url(u), i) for i, u in enumerate(urls)]
+        if len({e.url for e in self.endpoints}) != len(self.endpoints):
+            raise ValueError(f"duplicate inference endpoints in {urls}")
+        self.model, self.weight_sync = model, weight_sync
+        self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
+        self.max_attempts, self.backoff_s, self.max_backoff_s = max_attempts, backoff_s, max_backoff_s
+        self.pin_groups = pin_groups
+        self.target: tuple[int, str] | None = None  # (version, weights dir) every endpoint should hold
+        self._pins: OrderedDict[Any, Endpoint] = OrderedDict()
+        self._ids = itertools.count()
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), limits=limits,
+                                       trust_env=False, transport=httpx.AsyncHTTPTransport(retries=0, limits=limits))
+        self.retries = 0  # requests re-sent after a failure (all endpoints together)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def status(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [e.snapshot(now) for e in self.endpoints]
+
+    # -- routing and health -----------------------------------------------------------------------
+    def pick(self, pin: Any = None, avoid: frozenset[Endpoint] = frozenset()) -> Endpoint | None:
+        """The endpoint for the next request (None when every endpoint is down)."""
+        now = time.monotonic()
+        up = [e for e in self.endpoints if e.up(now)]
+        if not up:
+            return None
+        preferred = [e for e in up if e not in avoid] or up
+        if pin is not None and self.pin_groups:
+            pinned = self._pins.get(pin)
+            if pinned is not None and pinned in preferred:
+                self._pins.move_to_end(pin)
+                return pinned
+        best = min(preferred, key=lambda e: (e.inflight, e.assigned, e.index))
+        if pin is not None and self.pin_groups:
+            self._pins[pin] = best
+            self._pins.move_to_end(pin)
+            while len(self._pins) > MAX_PINS:
+                self._pins.popitem(last=False)
+        return best
+
+    def unpin(self, pin: Any) -> None:
+        self._pins.pop(pin, None)
+
+    def mark_down(self, ep: Endpoint, error: str) -> None:
+        ep.failures += 1
+        ep.total_failures += 1
+        ep.last_error = error
+        ep.down_until = time.monotonic() + min(self.max_backoff_s, self.backoff_s * 2 ** (ep.failures - 1))
+        ep.version = -1  # unknown after a failure: it may come back as a fresh process
+
+    def mark_up(self, ep: Endpoint) -> None:
+        ep.failures = 0
+        ep.down_until = 0.0
+
+    async def _wait_for_an_endpoint(self) -> None:
+        now = time.monotonic()
+        await asyncio.sleep(max(0.0, min(e.down_until for e in self.endpoints) - now))
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    async def _call(self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        """One HTTP call; transport errors and 5xx -> _Retryable, 4xx -> InferenceRequestError."""
+        url = ep.url + path
+        try:
+            kwargs: dict[str, Any] = {"json": body} if body is not None else {}
+            if timeout is not None:
+                kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
+            resp = await self._http.request(method, url, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise _Retryable(f"{method} {url}: timed out ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise _Retryable(f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}") from None
+        if resp.status_code >= 500:
+            raise _Retryable(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}")
+        if resp.status_code >= 400:
+            raise InferenceRequestError(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
+                                        resp.status_code)
+        try:
+            return resp.json()
+        except ValueError:
+            raise _Retryable(f"{method} {url}: the answer is not JSON") from None
+
+    # -- completions ------------------------------------------------------------------------------
+    async def complete(self, prompt: str | list[int], *, n: int = 1, temperature: float = 1.0, max_tokens: int = 16,
+                       seed: int | None = None, pin: Any = None, extra: dict[str, Any] | None = None) -> Completion:
+        """Sample ``n`` completions of ``prompt`` (text or token ids) with token ids and logprobs.
+
+        Retried on another endpoint after a transport/server failure (at most ``max_attempts``
+        attempts); the same ``seed`` is sent each time.
+        """
+        body: dict[str, Any] = {"prompt": prompt, "n": n, "temperature": temperature, "max_tokens": max_tokens,
+                                "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
+        if seed is not None:
+            body["seed"] = seed
+        if extra:
+            body.update(extra)
+        errors: list[str] = []
+        tried: set[Endpoint] = set()
+        attempt = 0
+        while True:
+            ep = self.pick(pin, frozenset(tried))
+            if ep is None:  # all down: wait (cancellable) for the first backoff to expire
+                await self._wait_for_an_endpoint()
+                continue
+            attempt += 1
+            if attempt > 1:
+                self.retries += 1
+            ep.inflight += 1
+            ep.assigned += 1
+            try:
+                version = await self._ensure_version(ep)
+                request = dict(body)
+                if self.weight_sync == "vllm_lora" and version >= 0:
+                    request["model"] = lora_name(version)
+                elif self.model is not None:
+                    request["model"] = self.model
+                start_version = self._known_version(ep)
+                answer = await self._call(ep, "POST", "/v1/completions", request)
+                try:
+                    choices, reported = parse_completion(answer, n * (len(prompt) if _is_batch(prompt) else 1),
+                                                         where=f"{ep.url}/v1/completions")
+                except ProtocolError as exc:
+                    raise InferenceRequestError(str(exc)) from None
+            except _Retryable as exc:
+                self.mark_down(ep, exc.message)
+                errors.append(exc.message)
+                tried.add(ep)
+                if attempt >= self.max_attempts:
+                    raise InferenceUnavailable(
+                        f"completion failed after {attempt} attempt(s) on {len(tried)} endpoint(s): "
+                        + "; ".join(errors)) from None
+                continue
+            finally:
+                ep.inflight -= 1
+            self.mark_up(ep)
+            ep.completed += 1
+            if reported is not None:
+                return Completion(ep.url, choices, reported, reported, attempt)
+            if self.weight_sync == "vllm_lora" and version >= 0:
+                return Completion(ep.url, choices, version, version, attempt)
+            return Completion(ep.url, choices, start_version, max(start_version, self._known_version(ep)), attempt)
+
+    def _known_version(self, ep: Endpoint) -> int:
+        if self.weight_sync == "none":
+            return self.target[0] if self.target is not None else 0
+        return ep.version
+
+    # -- weights ----------------------------------------------------------------------------------
+    async def load(self, version: int, path: str) -> dict[str, int | str]:
+        """Tell every endpoint to load ``path`` as ``version``; returns url -> confirmed version or
+        the error. Raises :class:`InferenceError` if no endpoint confirmed it. Endpoints that
+        failed are marked down and brought up to date before they serve again."""
+        if self.target is None or version >= self.target[0]:
+            self.target = (version, path)
+        if self.weight_sync == "none":
+            return {e.url: version for e in self.endpoints}
+        results = await asyncio.gather(*(self._load_one(e, version, path) for e in self.endpoints),
+                                       return_exceptions=True)
+        answers: dict[str, int | str] = {}
+        for ep, res in zip(self.endpoints, results):
+            if isinstance(res, BaseException):
+                if isinstance(res, asyncio.CancelledError):
+                    raise res
+                answers[ep.url] = f"{type(res).__name__}: {res}"
+            else:
+                answers[ep.url] = res
+        if not any(isinstance(v, int) and v >= version for v in answers.values()):
+            raise InferenceError(f"no inference endpoint confirmed weights version {version} ({path}): "
+                                 + "; ".join(f"{u}: {a}" for u, a in answers.items()))
+        return answers
+
+    async def _load_one(self, ep: Endpoint, version: int, path: str) -> int:
+        async with ep.sync_lock:
+            if ep.version >= version:
+                return ep.version
+            try:
+                if self.weight_sync == "orch":
+                    answer = await self._call(ep, "POST", "/update_weights", {"path": path, "version": version},
+                                              timeout=self.load_timeout_s)
+                    confirmed = answer.get("version") if isinstance(answer, dict) else None
+                    if not isinstance(confirmed, int) or confirmed < version:
+                        raise InferenceRequestError(f"{ep.url}/update_weights: asked for version {version}, "
+                                                    f"the endpoint answered {answer!r}")
+                else:  # vllm_lora: adapters are immutable, one name per version
+                    await self._call(ep, "POST", "/v1/load_lora_adapter",
+                                     {"lora_name": lora_name(version), "lora_path": path}, timeout=self.load_timeout_s)
+                    confirmed = version
+            except _Retryable as exc:
+                self.mark_down(ep, exc.message)
+                raise InferenceUnavailable(exc.message) from None
+            ep.version = max(ep.version, confirmed)
+            self.mark_up(ep)
+            return ep.version
+
+    async def _ensure_version(self, ep: Endpoint) -> int:
+        """Before a request: bring ``ep`` to the target version if it has not confirmed it.
+
+        A load that the endpoint refuses (e.g. the weights dir was already pruned) is not fatal if
+        the endpoint holds some version: it samples with that one and reports it."""
+        if self.target is None or self.weight_sync == "none":
+            return self._known_version(ep)
+        version, path = self.target
+        if ep.version >= version:
+            return ep.version
+        try:
+            return await self._load_one(ep, version, path)
+        except InferenceUnavailable as exc:
+            raise _Retryable(str(exc)) from None
+        except InferenceRequestError:
+            if ep.version >= 0:
+                return ep.version
+            raise
+
+
+def lora_name(version: int) -> str:
+    return f"step_{version}"
+
+
+def _is_batch(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def _base_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:200] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:500]
+        if "message" in body:
+            return str(body["message"])[:500]
+    return str(body)[:200]
