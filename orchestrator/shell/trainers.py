@@ -104,9 +104,10 @@ class ProcessTrainer:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no trainer.log)"
-        for line in reversed(lines):
-            if "error" in line.lower():
-                return line.strip()
+        for marker in ("orch trainer: error:", "error"):  # its own one-line summary first
+            for line in reversed(lines):
+                if marker in line.lower():
+                    return line.strip()
         return lines[-1].strip() if lines else "(trainer.log is empty)"
 
     def check(self) -> None:

@@ -1,0 +1,125 @@
+"""The embedded reverse-text job end to end (issue 4): trainer process supervision both ways,
+Ctrl-C, and a kill/resume (issue 6). Slow: each run includes the trainer's warm start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.shell.test_e2e_fake import assert_log_invariants, orch
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--set", "batch.size=32", "--set", "rollout.group_size=4", "--set", "rollout.max_inflight=32",
+         "--set", "trainer.sft_steps=60", "--set", "trainer.publish_timeout_s=120"]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and int(entry.name) != os.getpid():
+                pids.append(int(entry.name))
+    return pids
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def shipped_steps(run_dir: Path) -> int:
+    try:
+        db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True, timeout=5)
+        return db.execute("SELECT count(*) FROM events WHERE kind = 'batch_shipped'").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def spawn_run(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path),
+                             "--name", "r", *SMALL, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_short_embedded_run_trains_in_order_and_leaves_no_process(tmp_path):
+    result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "4", *SMALL, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "r"
+    assert_log_invariants(run_dir, 4, max_off_policy=2, target_lag=1)
+    db = sqlite3.connect(run_dir / "events.db")
+    versions = [v for (v,) in db.execute(
+        "SELECT json_extract(data, '$.version') FROM events WHERE kind = 'version_published' ORDER BY seq")]
+    assert versions == [1, 2, 3, 4]
+    trained = [line.split()[1] for line in (run_dir / "trainer.log").read_text().splitlines()
+               if line.startswith("trainer step=")]
+    assert trained == ["step=1", "step=2", "step=3", "step=4"]
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_trainer_error_stops_the_orchestrator_with_the_trainers_message(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = spawn_run(tmp_path, "--max-steps", "10")
+    try:
+        wait_until(lambda: (run_dir / "trainer.json").exists(), 60, "the run directory")
+        (run_dir / "batches").mkdir(exist_ok=True)
+        (run_dir / "batches" / "step_1.json").write_text("{not json")  # before the real batch 1
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    stderr = proc.stderr.read()
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("orch: error: trainer exited with code 1: orch trainer: error:") and "step_1.json" in last
+    wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "no process left")
+
+
+def test_orchestrator_crash_makes_the_trainer_exit(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = spawn_run(tmp_path, "--max-steps", "50")
+    wait_until(lambda: shipped_steps(run_dir) >= 1, 120, "batch 1")
+    trainers = [pid for pid in processes_mentioning(str(run_dir)) if pid != proc.pid]
+    assert trainers, "the trainer child should be running"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "the orphaned trainer to exit")
+
+
+def test_ctrl_c_drains_and_stops_within_a_bound_then_resume_finishes(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = spawn_run(tmp_path, "--max-steps", "6")
+    wait_until(lambda: shipped_steps(run_dir) >= 2, 120, "batch 2")
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - started < 30
+    wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "no process left")
+    resumed = orch("run", "--resume", str(run_dir), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)
+
+
+def test_sigkill_then_resume_of_the_embedded_job(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = spawn_run(tmp_path, "--max-steps", "6")
+    wait_until(lambda: shipped_steps(run_dir) >= 3, 150, "batch 3")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "the trainer to exit")
+    resumed = orch("run", "--resume", str(run_dir), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)
+    assert processes_mentioning(str(run_dir)) == []
