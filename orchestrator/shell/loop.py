@@ -237,6 +237,10 @@ class Orchestrator:
         shipped = [decision for decision in decided if decision.kind == "batch_shipped"]
         for decision in decided:
             self._perform(decision)
+        if any(decision.kind == "drain_started" for decision in decided):
+            # The core already cancelled every in-flight episode; stop admission and let the
+            # outcomes that completed meanwhile reach the core (it books them as late).
+            await self.stream.aclose_and_drain(timeout=10.0)
         if self.hooks.on_version is not None:
             for event in inputs:  # an input with an effect: inference loads the published weights
                 if event.kind == "version_published":
