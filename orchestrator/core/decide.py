@@ -4,9 +4,9 @@
 a later rule sees what an earlier one decided; the state changes only in `evolve`. The logged
 stream is `[input, *decisions]`, and folding it from the previous state gives the same state.
 
-Order for every input: evolve the input; the input's own rule; then the common tail: ship what
-is ready and released (rules 6-7), re-check the gate and refill free permits (rule 1), finish a
-drain (rule 9). A completion refills its permit *before* its group is finalized: that makes
+Order for every input: evolve the input; the input's own rule, which ends with the common tail
+when it changed anything the tail reads: ship what is ready and released (rules 6-7), re-check
+the gate and refill free permits (rule 1), finish a drain (rule 9). A completion refills its permit *before* its group is finalized: that makes
 inline and background finalization dispatch the same episodes at the same points, so both ship
 identical batches (seed 000).
 """
@@ -47,11 +47,8 @@ def decide(state: State, event) -> list:
     accepted = _accepted(state, event)
     evolve(state, event)
     d = _Decisions(state)
-    if not accepted or state.stopped:
-        return d.events
-    rule(d, event)
-    if not state.stopped:
-        common_tail(d)
+    if accepted and not state.stopped:
+        rule(d, event)
     return d.events
 
 
@@ -71,6 +68,9 @@ def refill(d: _Decisions) -> None:
 
 
 def common_tail(d: _Decisions) -> None:
+    """What every rule ends with once it changed something the shipping rules read."""
+    if d.state.stopped:
+        return
     ship_ready_batches(d)
     refill(d)
     finish_drain(d)
@@ -132,6 +132,8 @@ def on_episode_completed(d: _Decisions, e: ev.EpisodeCompleted) -> None:
     group = d.state.groups[e.group_id]
     if group.complete:
         finalize_group(d, group)
+        common_tail(d)
+    # else: only a permit changed hands, which refill settled; the tail would find nothing to do
 
 
 def survivors_of(s: State, group: Group) -> list[int]:
@@ -162,6 +164,7 @@ def finalize_group(d: _Decisions, group: Group) -> None:
 
 def on_group_finalized(d: _Decisions, e: ev.GroupFinalized) -> None:
     settle_group(d, d.state.groups[e.group_id])
+    common_tail(d)
 
 
 def _drop_reason(s: State, trace_id: int) -> str:
@@ -298,7 +301,8 @@ def on_step_advanced(d: _Decisions) -> None:
 
 
 def on_version_published(d: _Decisions, e: ev.VersionPublished) -> None:
-    """Rule 8: the version already advanced in evolve; the common tail ships held batches."""
+    """Rule 8: the version already advanced in evolve; ship what the hold released."""
+    common_tail(d)
 
 
 # --- rule 9: drain and stop ----------------------------------------------------------------------
@@ -363,10 +367,11 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     cancel_stale_finalizing(d)
     if s.step > s.params.max_steps and not s.stopped:
         start_drain(d)
+    common_tail(d)
 
 
 def on_run_started(d: _Decisions, e: ev.RunStarted) -> None:
-    """Nothing beyond the refill every input gets."""
+    common_tail(d)
 
 
 def on_finalize_failed(d: _Decisions, e: ev.FinalizeFailed) -> None:
