@@ -134,9 +134,9 @@ class Orchestrator:
         owned = [loop.create_task(self._forward_outcomes(), name="orch-outcomes"),
                  loop.create_task(self.trainer.run(self.state.version), name="orch-trainer")]
         try:
-            await self._handle([first_input])
-            if first_input.kind == "run_resumed":
+            if first_input.kind == "run_resumed":  # before anything new ships: trainers read in order
                 self.rematerialize_batches()
+            await self._handle([first_input])
             while not self.state.stopped:
                 self._wake.clear()
                 inputs = self._take_inputs()
