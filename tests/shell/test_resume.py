@@ -122,3 +122,28 @@ def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("orch: error:"), result.stderr
     assert db.read_bytes() == before
+
+
+def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_identically(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = spawn("run", "--env", "fake", "--trainer", "fake", "--max-steps", "8", "--runs-dir", str(tmp_path),
+                 "--name", "r", "--set", "trainer.step_time_s=1.5", "--set", "batch.size=16",
+                 "--set", "off_policy.target_lag=2", "--set", "off_policy.max_off_policy_steps=4")
+    deadline = time.monotonic() + 60
+    untrained: list[int] = []
+    while time.monotonic() < deadline and len(untrained) < 2:
+        time.sleep(0.2)
+        if (run_dir / "events.db").exists():
+            with EventLog.open_reader(run_dir / "events.db") as log:
+                untrained = sorted(fold_log(log).state.shipped_batches)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        untrained = sorted(fold_log(log).state.shipped_batches)
+    assert len(untrained) >= 2, "the slow trainer should leave shipped batches untrained"
+    (run_dir / "batches" / f"step_{untrained[0]}.json").unlink()
+    partial = run_dir / "batches" / f"step_{untrained[1]}.json"
+    partial.write_bytes(partial.read_bytes()[:50])
+    result = orch("run", "--resume", str(run_dir), "--set", "trainer.step_time_s=0.01")
+    assert result.returncode == 0, result.stderr
+    assert_log_invariants(run_dir, 8, max_off_policy=4, target_lag=2)  # checks every file's sha256
