@@ -207,7 +207,7 @@ def run_ddp_trainer(run_dir: str | os.PathLike, backend: str = "auto") -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - report every failure clearly, never swallow it
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"orch trainer [rank {rank}]: error: {msg}", file=sys.stderr, flush=True)
+        print(f"orch trainer: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         return EXIT_ERROR

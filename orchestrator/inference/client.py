@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_c
 
 WeightSync = Literal["orch", "vllm_lora", "none"]
 MAX_PINS = 65536
+
+log = logging.getLogger("orch.inference")
 
 
 class InferenceError(RuntimeError):
@@ -64,9 +67,9 @@ class InferenceUnavailable(InferenceError):
 
 
 class _Retryable(Exception):
-    def __init__(self, message: str):
+    def __init__(self, message: str, kind: str):
         super().__init__(message)
-        self.message = message
+        self.message, self.kind = message, kind
 
 
 @dataclass(eq=False)
@@ -81,6 +84,7 @@ class Endpoint:
     down_until: float = 0.0  # monotonic; 0 = up
     last_error: str | None = None
     version: int = -1  # newest weight version this endpoint confirmed (-1: unknown)
+    error_kinds: dict[str, int] = field(default_factory=dict)  # failure kind -> count
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def up(self, now: float) -> bool:
@@ -89,7 +93,7 @@ class Endpoint:
     def snapshot(self, now: float) -> dict[str, Any]:
         return {"url": self.url, "up": self.up(now), "inflight": self.inflight, "assigned": self.assigned,
                 "completed": self.completed, "failures": self.total_failures, "version": self.version,
-                "last_error": self.last_error}
+                "error_kinds": dict(self.error_kinds), "last_error": self.last_error}
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,15 @@ class InferenceClient:
         now = time.monotonic()
         return [e.snapshot(now) for e in self.endpoints]
 
+    def report(self) -> str:
+        """One line per endpoint: completions, failures by kind, state; then the re-sent count."""
+        parts = []
+        for s in self.status():
+            kinds = ", ".join(f"{k} x{n}" for k, n in sorted(s["error_kinds"].items()))
+            parts.append(f"{s['url']}: {s['completed']} completions, {s['failures']} failures"
+                         + (f" ({kinds})" if kinds else "") + ("" if s["up"] else ", down"))
+        return "; ".join(parts) + f"; {self.retries} requests re-sent after a failure"
+
     # -- routing and health -----------------------------------------------------------------------
     def pick(self, pin: Any = None, avoid: frozenset[Endpoint] = frozenset()) -> Endpoint | None:
         """The endpoint for the next request (None when every endpoint is down)."""
@@ -173,14 +186,19 @@ class InferenceClient:
     def unpin(self, pin: Any) -> None:
         self._pins.pop(pin, None)
 
-    def mark_down(self, ep: Endpoint, error: str) -> None:
+    def mark_down(self, ep: Endpoint, error: str, kind: str = "error") -> None:
+        if ep.failures == 0:  # said once per outage, not at every failed probe
+            log.warning("orch: inference endpoint %s marked down (%s); requests go to the others", ep.url, error)
         ep.failures += 1
         ep.total_failures += 1
+        ep.error_kinds[kind] = ep.error_kinds.get(kind, 0) + 1
         ep.last_error = error
         ep.down_until = time.monotonic() + min(self.max_backoff_s, self.backoff_s * 2 ** (ep.failures - 1))
         ep.version = -1  # unknown after a failure: it may come back as a fresh process
 
     def mark_up(self, ep: Endpoint) -> None:
+        if ep.failures:
+            log.warning("orch: inference endpoint %s is back up", ep.url)
         ep.failures = 0
         ep.down_until = 0.0
 
@@ -198,18 +216,20 @@ class InferenceClient:
                 kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
             resp = await self._http.request(method, url, **kwargs)
         except httpx.TimeoutException as exc:
-            raise _Retryable(f"{method} {url}: timed out ({type(exc).__name__})") from None
+            raise _Retryable(f"{method} {url}: timed out ({type(exc).__name__})", type(exc).__name__) from None
         except httpx.TransportError as exc:
-            raise _Retryable(f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}") from None
+            raise _Retryable(f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}",
+                             type(exc).__name__) from None
         if resp.status_code >= 500:
-            raise _Retryable(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}")
+            raise _Retryable(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
+                             f"HTTP {resp.status_code}")
         if resp.status_code >= 400:
             raise InferenceRequestError(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
                                         resp.status_code)
         try:
             return resp.json()
         except ValueError:
-            raise _Retryable(f"{method} {url}: the answer is not JSON") from None
+            raise _Retryable(f"{method} {url}: the answer is not JSON", "not JSON") from None
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(self, prompt: str | list[int], *, n: int = 1, temperature: float = 1.0, max_tokens: int = 16,
@@ -253,7 +273,7 @@ class InferenceClient:
                 except ProtocolError as exc:
                     raise InferenceRequestError(str(exc)) from None
             except _Retryable as exc:
-                self.mark_down(ep, exc.message)
+                self.mark_down(ep, exc.message, exc.kind)
                 errors.append(exc.message)
                 tried.add(ep)
                 if attempt >= self.max_attempts:
@@ -313,11 +333,16 @@ class InferenceClient:
                         raise InferenceRequestError(f"{ep.url}/update_weights: asked for version {version}, "
                                                     f"the endpoint answered {answer!r}")
                 else:  # vllm_lora: adapters are immutable, one name per version
-                    await self._call(ep, "POST", "/v1/load_lora_adapter",
-                                     {"lora_name": lora_name(version), "lora_path": path}, timeout=self.load_timeout_s)
+                    try:
+                        await self._call(ep, "POST", "/v1/load_lora_adapter",
+                                         {"lora_name": lora_name(version), "lora_path": path},
+                                         timeout=self.load_timeout_s)
+                    except InferenceRequestError as exc:
+                        if "already" not in str(exc):  # vLLM: "... has already been loaded" is a yes
+                            raise
                     confirmed = version
             except _Retryable as exc:
-                self.mark_down(ep, exc.message)
+                self.mark_down(ep, exc.message, exc.kind)
                 raise InferenceUnavailable(exc.message) from None
             ep.version = max(ep.version, confirmed)
             self.mark_up(ep)
@@ -336,7 +361,7 @@ class InferenceClient:
         try:
             return await self._load_one(ep, version, path)
         except InferenceUnavailable as exc:
-            raise _Retryable(str(exc)) from None
+            raise _Retryable(str(exc), "weight load") from None
         except InferenceRequestError:
             if ep.version >= 0:
                 return ep.version

@@ -83,5 +83,8 @@ class InferenceRollouts:
             policy_start=done.policy_start, policy_end=done.policy_end, temperature=self.temperature,
         )
 
+    def report(self) -> str:
+        return "orch: inference: " + self.client.report()
+
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +179,8 @@ async def run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
             loop.remove_signal_handler(sig)
         clean = orch.state.stop_reason == "completed"
         await trainer.stop(run.config.trainer.exit_timeout_s if clean else 0.0)
-        if hasattr(orch.hooks.rollout, "aclose"):  # InferenceRollouts: its HTTP client
+        if hasattr(orch.hooks.rollout, "aclose"):  # InferenceRollouts: endpoint report, HTTP client
+            print(orch.hooks.rollout.report(), file=sys.stderr, flush=True)
             await orch.hooks.rollout.aclose()
         if isinstance(orch.hooks.rollout, EmbeddedRollouts):
             await asyncio.to_thread(orch.hooks.rollout.close)

@@ -1,0 +1,242 @@
+"""InferenceClient against real `orch serve` apps on 127.0.0.1: routing, pinning, fallback, retries,
+cancellation, health backoff, the weight-update contract."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from orchestrator.embedded.tokenizer import encode_prompt
+from orchestrator.inference.client import (
+    InferenceClient,
+    InferenceError,
+    InferenceRequestError,
+    InferenceUnavailable,
+)
+from tests.inference.util import SlowPolicyServer, publish, run, serving
+
+PROMPT = encode_prompt("abcd")
+
+
+@pytest.fixture
+def wdirs(tmp_path):
+    return [str(publish(tmp_path, v)) for v in (0, 1)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ask(client, pin=None, **kw):
+    return client.complete(PROMPT, max_tokens=kw.pop("max_tokens", 6), seed=kw.pop("seed", 1), pin=pin, **kw)
+
+
+def test_least_loaded_routing_by_inflight_count(wdirs):
+    with serving(SlowPolicyServer(1.5)) as slow, serving() as fast:
+        async def main():
+            async with InferenceClient([slow.base_url, fast.base_url]) as client:
+                await client.load(0, wdirs[0])
+                busy = asyncio.ensure_future(ask(client))  # tie -> the first endpoint, busy for 1.5 s
+                await asyncio.sleep(0.2)
+                assert client.endpoints[0].inflight == 1
+                quick = [await ask(client, seed=s) for s in range(5)]  # each sees 1 vs 0 in flight
+                assert {c.endpoint for c in quick} == {fast.base_url}
+                assert (await busy).endpoint == slow.base_url
+                # idle again: equal load -> alternate by requests assigned so far
+                spread = await asyncio.gather(*(ask(client, seed=s) for s in range(6)))
+                return [c.endpoint for c in spread]
+        ends = run(main())
+        assert ends.count(slow.base_url) == 3 and ends.count(fast.base_url) == 3
+        assert slow.policy.stats["completed"] == 4 and fast.policy.stats["completed"] == 8
+
+
+def test_a_group_is_pinned_to_one_endpoint_and_groups_spread(wdirs):
+    with serving() as a, serving() as b:
+        async def main():
+            async with InferenceClient([a.base_url, b.base_url]) as client:
+                await client.load(0, wdirs[0])
+                groups = {}
+                for g in range(6):
+                    done = await asyncio.gather(*(ask(client, pin=g, seed=k) for k in range(4)))
+                    groups[g] = {c.endpoint for c in done}
+                return groups
+        groups = run(main())
+        assert all(len(ends) == 1 for ends in groups.values()), groups
+        assert set().union(*groups.values()) == {a.base_url, b.base_url}
+
+
+def test_pinned_endpoint_down_falls_back_retries_and_repins(wdirs):
+    with serving() as a, serving() as b:
+        async def main():
+            async with InferenceClient([a.base_url, b.base_url], backoff_s=30) as client:
+                await client.load(0, wdirs[0])
+                first = await ask(client, pin="g")
+                dead, alive = (a, b) if first.endpoint == a.base_url else (b, a)
+                dead.stop()
+                moved = await ask(client, pin="g")  # same request re-sent to the other endpoint
+                assert (moved.endpoint, moved.attempts, client.retries) == (alive.base_url, 2, 1)
+                again = await ask(client, pin="g")  # re-pinned: no more failed attempts
+                assert (again.endpoint, again.attempts, client.retries) == (alive.base_url, 1, 1)
+                (status,) = [s for s in client.status() if s["url"] == dead.base_url]
+                assert not status["up"] and status["failures"] == 1 and "ConnectError" in status["last_error"]
+                # the same seed on the same weights gives the same sample wherever it runs
+                assert moved.choices[0].token_ids == first.choices[0].token_ids
+        run(main())
+
+
+def test_retries_are_bounded_and_the_error_says_what_happened():
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+
+    async def main():
+        async with InferenceClient(dead, max_attempts=3, backoff_s=0.05, connect_timeout_s=1) as client:
+            t0 = time.monotonic()
+            with pytest.raises(InferenceUnavailable) as err:
+                await ask(client)
+            return str(err.value), time.monotonic() - t0, client.retries
+    message, elapsed, retries = run(main())
+    assert message.startswith("completion failed after 3 attempt(s) on 2 endpoint(s)") and "ConnectError" in message
+    assert retries == 2 and elapsed < 5
+
+
+def test_a_rejected_request_is_not_retried(wdirs):
+    with serving() as a, serving() as b:
+        async def main():
+            async with InferenceClient([a.base_url, b.base_url], model="no-such-model") as client:
+                await client.load(0, wdirs[0])
+                with pytest.raises(InferenceRequestError, match="HTTP 404.*does not exist"):
+                    await ask(client)
+                assert client.retries == 0 and all(s["up"] for s in client.status())
+        run(main())
+        assert a.policy.stats["requests"] + b.policy.stats["requests"] == 1
+
+
+def test_cancellation_propagates_drops_the_server_handler_and_is_never_retried(wdirs):
+    with serving(SlowPolicyServer(30)) as slow, serving() as other:
+        async def main():
+            async with InferenceClient([slow.base_url, other.base_url]) as client:
+                await client.load(0, wdirs[0])
+                task = asyncio.ensure_future(ask(client))
+                while slow.policy.stats["requests"] == 0:
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                deadline = time.monotonic() + 5
+                while slow.policy.stats["disconnect_cancels"] == 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                assert client.retries == 0 and all(s["up"] and s["inflight"] == 0 for s in client.status())
+        run(main())
+        assert slow.policy.stats["disconnect_cancels"] == 1 and slow.policy.stats["completed"] == 0
+        assert other.policy.stats["requests"] == 0
+
+
+def test_a_down_endpoint_is_retried_after_its_backoff_and_catches_up_on_weights(wdirs):
+    port = free_port()
+    with serving() as b:
+        a = serving(port=port)
+        first = a.__enter__()
+        try:
+            async def phase1(client):
+                await client.load(0, wdirs[0])
+                first.stop()
+                for s in range(3):
+                    assert (await ask(client, seed=s)).endpoint == b.base_url
+                assert not client.status()[0]["up"]
+
+            async def phase2(client):
+                await asyncio.sleep(0.5)  # backoff expired: the next pick probes it
+                await client.load(1, wdirs[1])  # only b can confirm; a is brought up to date later
+                done = [await ask(client, seed=s) for s in range(4)]
+                return done
+
+            async def main():
+                async with InferenceClient([first.base_url, b.base_url], backoff_s=0.4) as client:
+                    await phase1(client)
+                    with serving(port=port) as restarted:  # a fresh process: no weights at all
+                        done = await phase2(client)
+                        assert {c.endpoint for c in done} == {first.base_url, b.base_url}
+                        assert all(c.policy_start == c.policy_end == 1 for c in done)
+                        assert client.status()[0]["up"] and client.status()[0]["version"] == 1
+                        assert restarted.policy.stats["reloads"] == 1
+            run(main())
+        finally:
+            a.__exit__(None, None, None)
+
+
+def test_load_is_confirmed_by_every_endpoint_and_fails_only_if_none_confirms(wdirs, tmp_path):
+    with serving() as a, serving() as b:
+        async def main():
+            async with InferenceClient([a.base_url, b.base_url, f"http://127.0.0.1:{free_port()}"]) as client:
+                answers = await client.load(1, wdirs[1])
+                assert answers[a.base_url] == answers[b.base_url] == 1
+                assert "ConnectError" in answers[client.endpoints[2].url]
+                assert (await ask(client)).policy_start == 1
+                with pytest.raises(InferenceError, match="no inference endpoint confirmed weights version 5"):
+                    await client.load(5, str(tmp_path / "weights" / "step_5"))
+        run(main())
+        assert a.policy.sampler.version == b.policy.sampler.version == 1
+
+
+def vllm_like_app(loaded: list):
+    """A stand-in that speaks vLLM's dialect: LoRA adapters loaded at runtime, ids only as
+    ``token_id:N`` strings in ``logprobs.tokens``, no ``policy_version``."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def load_lora(request):
+        body = await request.json()
+        if body["lora_name"] in loaded:
+            return JSONResponse({"object": "error", "message": f"The lora adapter '{body['lora_name']}' has already "
+                                 "been loaded.", "code": 400}, status_code=400)
+        loaded.append(body["lora_name"])
+        return JSONResponse("Success: LoRA adapter loaded")
+
+    async def completions(request):
+        body = await request.json()
+        if body.get("model") not in loaded:
+            return JSONResponse({"object": "error", "message": f"model {body.get('model')} not found", "code": 404},
+                                status_code=404)
+        assert body["return_tokens_as_token_ids"] and body["logprobs"] == 0
+        v = int(body["model"].split("_")[1])
+        return JSONResponse({"object": "text_completion", "model": body["model"], "choices": [
+            {"index": 0, "text": "ba", "finish_reason": "stop",
+             "logprobs": {"tokens": [f"token_id:{t}" for t in (9, 8, 2)], "token_logprobs": [-0.1 * v, -0.2, -0.3]}}]})
+
+    return Starlette(routes=[Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"])])
+
+
+def test_vllm_lora_weight_sync_names_the_adapter_of_each_version():
+    from orchestrator.rollouts.env_server import running_server
+
+    loaded: list[str] = []
+    with running_server(vllm_like_app(loaded)) as vllm:
+        async def main():
+            async with InferenceClient([vllm.base_url + "/v1"], weight_sync="vllm_lora") as client:
+                assert (await client.load(3, "/ckpt/step_3")) == {vllm.base_url: 3}
+                done = await ask(client)
+                assert (done.policy_start, done.policy_end) == (3, 3)
+                assert done.choices[0].token_ids == [9, 8, 2] and done.choices[0].logprobs == pytest.approx([-0.3, -0.2, -0.3])
+                assert done.choices[0].prompt_ids is None
+                client.endpoints[0].version = -1  # e.g. a new client: the adapter is already there
+                assert (await client.load(3, "/ckpt/step_3")) == {vllm.base_url: 3}
+        run(main())
+    assert loaded == ["step_3"]
+
+
+def test_weight_sync_none_reports_the_version_it_was_told(wdirs):
+    with serving() as a:
+        async def main():
+            async with InferenceClient([a.base_url], weight_sync="none") as client:
+                await client.load(7, "/elsewhere")  # nothing is sent
+                a.policy.load_blocking(wdirs[0], 0)
+                done = await ask(client)
+                return done.policy_start  # orch serve still reports its own version: the truth wins
+        assert run(main()) == 0
+        assert a.policy.stats["reloads"] == 0

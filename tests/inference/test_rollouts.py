@@ -1,0 +1,53 @@
+"""InferenceRollouts: episodes from an endpoint, consistent with the policy and honest about versions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.embedded.policy import load_policy, sequence_logprobs
+from orchestrator.embedded.tokenizer import decode, encode_prompt
+from orchestrator.envs.reverse_text import ReverseTextEnv
+from orchestrator.inference.client import InferenceClient
+from orchestrator.inference.rollouts import InferenceRollouts
+from orchestrator.shell.rollouts import RolloutRequest
+from tests.inference.util import publish, run, serving
+
+
+def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path):
+    publish(tmp_path, 0)
+    env = ReverseTextEnv(seed=3)
+    checks = []
+    with serving() as a, serving() as b:
+        async def main():
+            client = InferenceClient([a.base_url, b.base_url])
+            backend = InferenceRollouts(tmp_path, env, client, temperature=0.8, max_new_tokens=20, seed=5,
+                                        load_timeout_s=5)
+            try:
+                await backend.load(0, health_check=lambda: checks.append(1))
+                eps = await asyncio.gather(*(backend(RolloutRequest(e, e // 4, "reverse_text", e // 4, 0, 0))
+                                             for e in range(8)))
+                publish(tmp_path, 1)
+                await backend.load(1)
+                later = await backend(RolloutRequest(99, 9, "reverse_text", 9, 0, 1))
+                with pytest.raises(TimeoutError, match="step_2"):
+                    backend.load_timeout_s = 0.3
+                    await backend.load(2, health_check=lambda: checks.append(2))
+                return eps, later
+            finally:
+                await backend.aclose()
+        eps, later = run(main())
+    models = {v: load_policy(tmp_path / "weights" / f"step_{v}") for v in (0, 1)}
+    for ep in eps + [later]:
+        task = env.task(ep.group_id)
+        prompt = encode_prompt(task.prompt)
+        n = len(prompt)
+        assert ep.ok and ep.token_ids[:n] == prompt and ep.mask == [0] * n + [1] * (len(ep.token_ids) - n)
+        assert ep.logprobs[:n] == [0.0] * n and ep.temperature == 0.8
+        completion = ep.token_ids[n:]
+        assert ep.reward == env.score(task, decode(completion))
+        version = ep.policy_start
+        assert ep.policy_end == version == (1 if ep is later else 0)
+        assert ep.logprobs[n:] == pytest.approx(sequence_logprobs(models[version], ep.token_ids, n, 0.8), abs=1e-4)
+    assert 2 in checks  # the trainer's health is checked while waiting for a publication
