@@ -101,8 +101,9 @@ class InferenceSection(_Section):
 
     endpoints: list[str] = Field(default_factory=list, description="base URLs (http://host:port); empty = embedded sampler")
     model: str | None = Field(None, description="model name sent with each request (None: the server's own)")
-    weight_sync: Literal["orch", "vllm_lora", "none"] = Field(
-        "orch", description="how endpoints load weights/step_N: orch /update_weights, vLLM LoRA adapters, or not at all")
+    weight_sync: Literal["orch", "vllm_lora", "sglang", "none"] = Field(
+        "orch", description="how endpoints load weights/step_N: orch /update_weights, vLLM LoRA adapters, "
+        "SGLang /update_weights_from_disk, or not at all")
     request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
     max_attempts: int = Field(3, ge=1, description="attempts per completion, over all endpoints (transport/5xx errors)")
     backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")

@@ -25,6 +25,9 @@ server catches up), and every completion reports the version it was sampled with
 * ``"vllm_lora"``: ``POST /v1/load_lora_adapter {"lora_name": "step_N", "lora_path": dir}``
   (vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name
   ``model="step_N"``, so the version of a completion is exactly the adapter it asked for.
+* ``"sglang"``: ``POST /update_weights_from_disk {"model_path": dir}`` -> ``{"success": true}``
+  (SGLang reloads full weights in place; the version is the one it confirmed, bounded by the
+  versions known when the request was sent and when it returned, as below).
 * ``"none"``: weights are managed outside orch; the version is the last one ``load`` was told
   (a completion is reported as sampled by the version known when it was sent, and ended at the
   version known when it returned).
@@ -44,7 +47,7 @@ import httpx
 
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 
-WeightSync = Literal["orch", "vllm_lora", "none"]
+WeightSync = Literal["orch", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
 
 log = logging.getLogger("orch.inference")
@@ -332,6 +335,12 @@ class InferenceClient:
                     if not isinstance(confirmed, int) or confirmed < version:
                         raise InferenceRequestError(f"{ep.url}/update_weights: asked for version {version}, "
                                                     f"the endpoint answered {answer!r}")
+                elif self.weight_sync == "sglang":
+                    answer = await self._call(ep, "POST", "/update_weights_from_disk", {"model_path": path},
+                                              timeout=self.load_timeout_s)
+                    if not (isinstance(answer, dict) and answer.get("success") is True):
+                        raise InferenceRequestError(f"{ep.url}/update_weights_from_disk refused {path}: {answer!r}")
+                    confirmed = version
                 else:  # vllm_lora: adapters are immutable, one name per version
                     try:
                         await self._call(ep, "POST", "/v1/load_lora_adapter",

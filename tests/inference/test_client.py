@@ -240,3 +240,35 @@ def test_weight_sync_none_reports_the_version_it_was_told(wdirs):
                 return done.policy_start  # orch serve still reports its own version: the truth wins
         assert run(main()) == 0
         assert a.policy.stats["reloads"] == 0
+
+
+def test_sglang_weight_sync_reloads_from_disk_and_bounds_the_version():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from orchestrator.rollouts.env_server import running_server
+
+    paths: list[str] = []
+
+    async def update(request):
+        body = await request.json()
+        paths.append(body["model_path"])
+        return JSONResponse({"success": not body["model_path"].endswith("bad"), "message": "ok"})
+
+    async def completions(request):
+        return JSONResponse({"choices": [{"index": 0, "text": "a", "token_ids": [8, 2], "prompt_token_ids": PROMPT,
+                                          "logprobs": {"token_logprobs": [-1.0, -0.5]}}]})
+
+    app = Starlette(routes=[Route("/update_weights_from_disk", update, methods=["POST"]),
+                            Route("/v1/completions", completions, methods=["POST"])])
+    with running_server(app) as sglang:
+        async def main():
+            async with InferenceClient([sglang.base_url], weight_sync="sglang") as client:
+                await client.load(2, "/ckpt/step_2")
+                done = await ask(client)
+                assert (done.policy_start, done.policy_end, done.choices[0].prompt_ids) == (2, 2, PROMPT)
+                with pytest.raises(InferenceError, match="refused /ckpt/bad"):
+                    await client.load(3, "/ckpt/bad")
+        run(main())
+    assert paths == ["/ckpt/step_2", "/ckpt/bad"]
