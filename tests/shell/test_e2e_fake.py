@@ -55,7 +55,7 @@ def test_fake_run_keeps_every_invariant(tmp_path, extra):
     steps = 120
     result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", str(steps), "--runs-dir", str(tmp_path),
                   "--name", "r", "--progress-every", "40", "--set", "batch.size=32", "--set", "fake_env.empty_rate=0.02",
-                  "--set", "off_policy.max_off_policy_steps=1", *extra)
+                  "--set", "off_policy.max_off_policy_steps=1", "--set", "zero_output_batches=100000", *extra)
     assert result.returncode == 0, result.stderr
     assert "step  120/120" in result.stdout
     assert_log_invariants(tmp_path / "r", steps, max_off_policy=1, target_lag=1)
