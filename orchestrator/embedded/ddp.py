@@ -90,7 +90,8 @@ class DDPTrainer:
         module.load_state_dict(ck["model"])
         module.to(self.device)
         self.module = module
-        self.model = DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(module, device_ids=device_ids)
         self.optimizer = torch.optim.Adam(module.parameters(), lr=self.config.lr)
         self.optimizer.load_state_dict(ck["optimizer"])
         self.step = int(ck["step"])

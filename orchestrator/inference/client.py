@@ -6,7 +6,8 @@ goes to the endpoint its first request went to, so a group's shared prompt hits 
 if that endpoint is down the request falls back to the least-loaded one and the key is re-pinned.
 
 Failures: a transport failure (connect/read/write error, protocol error, timeout) or an HTTP 5xx
-marks the endpoint down for ``backoff_s * 2**(failures-1)`` (capped at ``max_backoff_s``) and the
+marks the endpoint down for ``backoff_s * 2**(k-1)`` (k: failed probes in a row; capped at
+``max_backoff_s``; requests that were in flight when it broke count once) and the
 request is retried on another endpoint, at most ``max_attempts`` attempts in all; then
 :class:`InferenceUnavailable` says what each attempt got. An HTTP 4xx is the request's fault:
 :class:`InferenceRequestError` at once, no retry. A cancelled request (drain/stop) is never
@@ -94,7 +95,9 @@ class Endpoint:
         return now >= self.down_until
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        return {"url": self.url, "up": self.up(now), "inflight": self.inflight, "assigned": self.assigned,
+        # "up": the last contact succeeded; a failing endpoint is probed again after retry_in_s
+        return {"url": self.url, "up": self.failures == 0, "retry_in_s": round(max(0.0, self.down_until - now), 3),
+                "inflight": self.inflight, "assigned": self.assigned,
                 "completed": self.completed, "failures": self.total_failures, "version": self.version,
                 "error_kinds": dict(self.error_kinds), "last_error": self.last_error}
 
@@ -192,11 +195,13 @@ class InferenceClient:
     def mark_down(self, ep: Endpoint, error: str, kind: str = "error") -> None:
         if ep.failures == 0:  # said once per outage, not at every failed probe
             log.warning("orch: inference endpoint %s marked down (%s); requests go to the others", ep.url, error)
-        ep.failures += 1
+        now = time.monotonic()
+        if ep.up(now):  # the backoff doubles per failed probe, not per request that was in flight
+            ep.failures += 1
+            ep.down_until = now + min(self.max_backoff_s, self.backoff_s * 2 ** (ep.failures - 1))
         ep.total_failures += 1
         ep.error_kinds[kind] = ep.error_kinds.get(kind, 0) + 1
         ep.last_error = error
-        ep.down_until = time.monotonic() + min(self.max_backoff_s, self.backoff_s * 2 ** (ep.failures - 1))
         ep.version = -1  # unknown after a failure: it may come back as a fresh process
 
     def mark_up(self, ep: Endpoint) -> None:
@@ -219,20 +224,21 @@ class InferenceClient:
                 kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
             resp = await self._http.request(method, url, **kwargs)
         except httpx.TimeoutException as exc:
-            raise _Retryable(f"{method} {url}: timed out ({type(exc).__name__})", type(exc).__name__) from None
+            raise _Retryable(f"{method} {url}: timed out ({type(exc).__name__})",
+                             f"{type(exc).__name__} {path}") from None
         except httpx.TransportError as exc:
             raise _Retryable(f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}",
-                             type(exc).__name__) from None
+                             f"{type(exc).__name__} {path}") from None
         if resp.status_code >= 500:
             raise _Retryable(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
-                             f"HTTP {resp.status_code}")
+                             f"HTTP {resp.status_code} {path}")
         if resp.status_code >= 400:
             raise InferenceRequestError(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
                                         resp.status_code)
         try:
             return resp.json()
         except ValueError:
-            raise _Retryable(f"{method} {url}: the answer is not JSON", "not JSON") from None
+            raise _Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(self, prompt: str | list[int], *, n: int = 1, temperature: float = 1.0, max_tokens: int = 16,
@@ -370,7 +376,7 @@ class InferenceClient:
         try:
             return await self._load_one(ep, version, path)
         except InferenceUnavailable as exc:
-            raise _Retryable(str(exc), "weight load") from None
+            raise _Retryable(str(exc), "weight sync") from None
         except InferenceRequestError:
             if ep.version >= 0:
                 return ep.version

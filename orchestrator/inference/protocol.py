@@ -94,7 +94,8 @@ def parse_completion_request(body: Any) -> CompletionParams:
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or not 0 < temperature <= 100:
-        raise ProtocolError(f"'temperature' must be a number in (0, 100] (greedy decoding is not offered), got {temperature!r}")
+        raise ProtocolError(f"'temperature' must be a number in (0, 100] (greedy decoding is not offered), "
+                            f"got {temperature!r}")
     top_p = body.get("top_p", 1.0)
     if top_p not in (None, 1, 1.0):
         raise ProtocolError(f"'top_p' must be 1 (orch serve samples the full distribution), got {top_p!r}")

@@ -31,39 +31,38 @@ class InferenceRollouts:
         self.run_dir, self.env, self.client, self.seed = Path(run_dir).resolve(), env, client, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
         self._loaded = asyncio.Event()
-        self._load_lock = asyncio.Lock()
         self.version = -1  # newest version confirmed by at least one endpoint
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
         """Wait (bounded) for ``weights/step_{version}/STABLE``, then have every endpoint load it;
         returns once the endpoints answered (at least one confirmation, else it retries until
-        ``load_timeout_s``: endpoints may still be starting)."""
+        ``load_timeout_s``: endpoints may still be starting). Loads of successive versions may
+        overlap: an endpoint slow to answer one load does not hold the others back."""
         wdir = weights_dir(self.run_dir, version)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.load_timeout_s
-        async with self._load_lock:
-            if self.version >= version:
-                return
-            while not is_stable(wdir):
+        if self.version >= version:
+            return
+        while not is_stable(wdir):
+            if health_check is not None:
+                health_check()
+            if loop.time() > deadline:
+                raise TimeoutError(f"waited {self.load_timeout_s:.0f}s for the trainer to publish {wdir}")
+            await asyncio.sleep(0.05)
+        while True:
+            try:
+                await self.client.load(version, str(wdir))
+                break
+            except InferenceRequestError:
+                raise
+            except InferenceError:
                 if health_check is not None:
                     health_check()
                 if loop.time() > deadline:
-                    raise TimeoutError(f"waited {self.load_timeout_s:.0f}s for the trainer to publish {wdir}")
-                await asyncio.sleep(0.05)
-            while True:
-                try:
-                    await self.client.load(version, str(wdir))
-                    break
-                except InferenceRequestError:
                     raise
-                except InferenceError:
-                    if health_check is not None:
-                        health_check()
-                    if loop.time() > deadline:
-                        raise
-                    await asyncio.sleep(0.5)
-            self.version = max(self.version, version)
-            self._loaded.set()
+                await asyncio.sleep(0.5)
+        self.version = max(self.version, version)
+        self._loaded.set()
 
     async def __call__(self, req) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)

@@ -131,7 +131,8 @@ class PolicyServer:
                 raise RequestError(f"prompt {i}: {exc}") from None
             if config.arch == "transformer":
                 if len(ids) > config.max_prompt:
-                    raise RequestError(f"prompt {i} has {len(ids)} tokens; the policy takes at most {config.max_prompt}")
+                    raise RequestError(
+                        f"prompt {i} has {len(ids)} tokens; the policy takes at most {config.max_prompt}")
                 cap = config.max_len - config.max_prompt + 1
                 if params.max_tokens > cap:
                     raise RequestError(f"'max_tokens' must be <= {cap} for this policy, got {params.max_tokens}")
@@ -353,7 +354,8 @@ def serve_command(host, port, weights, version, model_name, max_batch, threads, 
         if version is None:
             match = _STEP_DIR.search(weights.name)
             if match is None:
-                raise click.BadParameter("cannot tell the version from the name; pass --version", param_hint="--weights")
+                raise click.BadParameter("cannot tell the version from the name; pass --version",
+                                         param_hint="--weights")
             version = int(match.group(1))
         try:
             server.load_blocking(weights, version)
