@@ -52,6 +52,7 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
     from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_async
     from orchestrator.shell.trainers import TrainerFailed
     from orchestrator.shell.loop import FinalizeError, StalledError
+    from replay.fold import FoldError
 
     sets = list(overrides)
     if env_name:
@@ -76,7 +77,7 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
                 sets.append(f"runs_dir={runs_dir}")
             run = create_run(load_config(config_file, sets))
             click.echo(f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, {run.config.max_steps} steps)")
-    except (ConfigError, RunDirError, LogError) as err:
+    except (ConfigError, RunDirError, LogError, FoldError) as err:
         fail(str(err), EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR)
     progress = Progress(every=progress_every)
     try:

@@ -18,18 +18,6 @@ class Folded:
     events_folded: int
 
 
-def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True) -> Folded:
-    """The state after event `at` (default: the last committed one)."""
-    snapshot = log.load_snapshot(REDUCER_VERSION, max_seq=at) if use_snapshots else None
-    state = state_from_bytes(snapshot.state) if snapshot else State()
-    seq = snapshot.seq if snapshot else 0
-    count = 0
-    for seq, _ts, kind, data in log.read_raw(start=seq + 1, stop=at):
-        evolve(state, decode_trusted(kind, data))
-        count += 1
-    return Folded(state, seq, snapshot.seq if snapshot else None, count)
-
-
 class FoldError(ValueError):
     """An event the reducer cannot take (undecodable, or inconsistent with the state)."""
 
@@ -39,8 +27,9 @@ class FoldError(ValueError):
         self.seq, self.kind, self.cause = seq, kind, cause
 
 
-def fold_log_located(log: EventLog, at: int | None = None, use_snapshots: bool = True) -> Folded:
-    """`fold_log`, but an event that fails to decode or fold raises FoldError naming its seq."""
+def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True) -> Folded:
+    """The state after event `at` (default: the last committed one), from the newest usable
+    snapshot; an event that fails to decode or fold raises FoldError naming its seq."""
     snapshot = log.load_snapshot(REDUCER_VERSION, max_seq=at) if use_snapshots else None
     state = state_from_bytes(snapshot.state) if snapshot else State()
     seq = snapshot.seq if snapshot else 0

@@ -6,7 +6,7 @@ from typing import Any
 
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
-from replay.fold import Folded, FoldError, fold_log_located
+from replay.fold import Folded, FoldError, fold_log
 from replay.source import REEXECUTED_META, ReplayInputError, one_line
 
 
@@ -16,7 +16,7 @@ def fold_run(log: EventLog, at: int | None = None) -> Folded:
         last = log.last_seq
         if at is not None and not 0 <= at <= last:
             raise ReplayInputError(f"--at {at} is outside the log (seq 0..{last})")
-        return fold_log_located(log, at=at)
+        return fold_log(log, at=at)
     except LogError as err:
         raise ReplayInputError(one_line(str(err))) from None
     except FoldError as err:  # an event the reducer cannot take

@@ -29,7 +29,6 @@ import datetime
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import click
@@ -40,13 +39,12 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.embedded import files
 from orchestrator.embedded.policy import Policy, PolicyConfig, token_logprobs
 from orchestrator.embedded.trainer import (
-    EXIT_ERROR,
-    EXIT_OK,
     Batch,
     StepStats,
     Trainer,
     TrainerConfig,
     TrainerError,
+    exit_code_of,
     parse_batch,
     pg_loss,
     read_trainer_config,
@@ -187,7 +185,9 @@ def pick_backend(backend: str) -> tuple[str, torch.device]:
 def run_ddp_trainer(run_dir: str | os.PathLike, backend: str = "auto") -> int:
     """One rank of the DDP trainer (RANK/WORLD_SIZE/... from torchrun); returns the exit code."""
     rank = int(os.environ.get("RANK", "0"))
-    try:
+
+    def body() -> None:
+        nonlocal backend
         if "WORLD_SIZE" not in os.environ:
             raise TrainerError("run me under torchrun (python -m torch.distributed.run ...): WORLD_SIZE is not set")
         config = read_trainer_config(run_dir)
@@ -202,16 +202,8 @@ def run_ddp_trainer(run_dir: str | os.PathLike, backend: str = "auto") -> int:
             DDPTrainer(run_dir, config, rank=dist.get_rank(), world=dist.get_world_size(), device=device).run()
         finally:
             dist.destroy_process_group()
-        return EXIT_OK
-    except KeyboardInterrupt:
-        print(f"orch trainer [rank {rank}]: interrupted", file=sys.stderr, flush=True)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - report every failure clearly, never swallow it
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"orch trainer: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        return EXIT_ERROR
+
+    return exit_code_of(body, where=f"[rank {rank}] ")
 
 
 @click.command("trainer-ddp")

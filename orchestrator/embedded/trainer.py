@@ -518,24 +518,35 @@ def warm_start(model: Policy, config: TrainerConfig, eval_n: int = 64) -> dict[s
 
 
 # ------------------------------------------------------------------------------------ entrypoints
+def exit_code_of(body: Callable[[], None], where: str = "") -> int:
+    """Run `body` and turn its outcome into the trainer's exit code: 0, 130 on interrupt, or 1
+    after a one-line `orch trainer: error: ...` summary (what the orchestrator quotes) plus the
+    traceback. Every failure is reported, never swallowed."""
+    try:
+        body()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print(f"orch trainer: {where}interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - reported in full just below
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"orch trainer: error: {where}{msg}", file=sys.stderr, flush=True)
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        return EXIT_ERROR
+
+
 def run_trainer(run_dir: str | os.PathLike) -> int:
     """Run the trainer to completion in this process; returns the exit code (0 ok, 1 error)."""
-    try:
+
+    def body() -> None:
         config = read_trainer_config(run_dir)
         if config.parent_pid is not None:
             start_parent_watchdog(config.parent_pid)
         torch.set_num_threads(config.num_threads)
         Trainer(run_dir, config).run()
-        return EXIT_OK
-    except KeyboardInterrupt:
-        print("orch trainer: interrupted", file=sys.stderr, flush=True)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - report every failure clearly, never swallow it
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"orch trainer: error: {msg}", file=sys.stderr, flush=True)
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        return EXIT_ERROR
+
+    return exit_code_of(body)
 
 
 @click.command("trainer")
