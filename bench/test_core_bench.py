@@ -24,6 +24,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.decide import decide
 from orchestrator.core.events import INPUT_KINDS
 from orchestrator.core.state import State
+from orchestrator.gc_tuning import tuned_gc
 from orchestrator.shell.runner import OpenedRun, run_async
 from orchestrator.sim import SimOptions, SimWorld
 
@@ -41,8 +42,9 @@ def test_core_decide_evolve_throughput(benchmark):
 
     def refeed():
         state = State()
-        for event in inputs:
-            decide(state, event)
+        with tuned_gc():  # as inside `orch run`
+            for event in inputs:
+                decide(state, event)
         return state
 
     state = benchmark.pedantic(refeed, rounds=5, iterations=1)

@@ -18,6 +18,7 @@ import pytest
 from eventlog import EventLog
 from orchestrator.core import events as ev
 from orchestrator.core.state import REDUCER_VERSION, state_bytes, state_hash
+from orchestrator.gc_tuning import tuned_gc
 from orchestrator.sim import SimOptions, SimWorld
 from replay.fold import fold_log
 
@@ -72,7 +73,7 @@ def test_resume_fold_time(benchmark, logs, size, mode):
     path = logs[size]
 
     def resume():
-        with EventLog.open_reader(path) as log:
+        with EventLog.open_reader(path) as log, tuned_gc():  # as `orch run --resume` does
             folded = fold_log(log, use_snapshots=(mode == "snapshot"))
             expected = log.meta["state_hash"]
         return folded, expected

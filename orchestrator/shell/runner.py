@@ -15,6 +15,7 @@ from eventlog import EventLog, LogExistsError, LogNotFoundError
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes
 from orchestrator.core import events as ev
 from orchestrator.core.state import State
+from orchestrator.gc_tuning import tuned_gc
 from orchestrator.shell.algorithms import make_algorithm
 from orchestrator.shell.loop import LoopHooks, Orchestrator
 from orchestrator.shell.progress import Progress
@@ -76,7 +77,8 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         changed = meaning_changes(stored, requested)
         if changed:
             raise ConfigError(f"config changed on resume in fields that alter the run: {', '.join(changed)} (only max_steps and operational fields may change)")
-        folded = fold_log(log)
+        with tuned_gc():
+            folded = fold_log(log)
         if folded.state.params is None:
             raise RunDirError(f"{db} has no run_started event; nothing to resume")
         first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
@@ -149,6 +151,11 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
 
 
 async def run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
+    with tuned_gc():
+        return await _run_async(run, progress)
+
+
+async def _run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
     orch = build_orchestrator(run, progress)
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()

@@ -1,0 +1,29 @@
+"""Garbage-collector settings for processes that hold a large, long-lived, acyclic heap.
+
+A run keeps many long-lived objects (events, traces, tasks) and creates no garbage cycles worth
+chasing; with Python's default thresholds the collector rescans that heap about once a second,
+an 80-130 ms pause of the event loop with 4,096 episodes in flight. Fewer young collections and a
+frozen start-up heap keep the loop's p99 lag near 30 ms and speed up folds (measured in
+bench/test_core_bench.py and bench/test_resume_bench.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+THRESHOLDS = (50_000, 20, 100)
+
+
+@contextlib.contextmanager
+def tuned_gc():
+    """Within the block: objects that exist now are never rescanned, and young collections run
+    every 50,000 allocations instead of 700. The previous settings come back afterwards."""
+    previous = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(*THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+        gc.unfreeze()
