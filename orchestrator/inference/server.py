@@ -34,7 +34,6 @@ from typing import Any
 
 import click
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -46,7 +45,7 @@ from orchestrator.inference.protocol import (
     error_body,
     parse_completion_request,
 )
-from orchestrator.rollouts.env_server import DisconnectMiddleware, serve
+from orchestrator.rollouts.env_server import disconnect_cancelling_app, serve
 
 log = logging.getLogger(__name__)
 
@@ -309,23 +308,13 @@ def create_app(server: PolicyServer) -> Starlette:
             "id": server.model_name, "object": "model", "created": 0, "owned_by": "orch",
             "root": server.paths.get(v), "policy_version": v}]})
 
-    async def stats(request: Request) -> JSONResponse:
-        return JSONResponse(dict(server.stats))
-
-    def on_cancel(scope) -> None:
-        server.stats["disconnect_cancels"] += 1
-
-    app = Starlette(
-        routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/update_weights", update_weights, methods=["POST"]),
-            Route("/version", version, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/stats", stats, methods=["GET"]),
-        ],
-        middleware=[Middleware(DisconnectMiddleware, on_cancel=on_cancel)],
-    )
+    app = disconnect_cancelling_app([
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/update_weights", update_weights, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+    ], server.stats)
     app.state.server = server
     return app
 

@@ -73,6 +73,20 @@ def make_env(name: str, seed: int = 0) -> TextEnv:
     return factory(seed)
 
 
+def disconnect_cancelling_app(routes: list[Route], stats: dict[str, int]) -> Starlette:
+    """A Starlette app whose handlers are cancelled when their client disconnects; `stats`
+    (served at GET /stats) counts those cancellations under "disconnect_cancels"."""
+
+    async def get_stats(request: Request) -> JSONResponse:
+        return JSONResponse(dict(stats))
+
+    def on_cancel(scope: Scope) -> None:
+        stats["disconnect_cancels"] = stats.get("disconnect_cancels", 0) + 1
+
+    return Starlette(routes=[*routes, Route("/stats", get_stats, methods=["GET"])],
+                     middleware=[Middleware(DisconnectMiddleware, on_cancel=on_cancel)])
+
+
 class DisconnectMiddleware:
     """Pure ASGI middleware: cancel the handler when the client disconnects mid-request.
 
@@ -210,21 +224,11 @@ def create_app(env: TextEnv, *, score_delay_s: float = 0.0) -> Starlette:
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "env": env.name})
 
-    async def get_stats(request: Request) -> JSONResponse:
-        return JSONResponse(dict(stats))
-
-    def on_cancel(scope: Scope) -> None:
-        stats["disconnect_cancels"] += 1
-
-    app = Starlette(
-        routes=[
-            Route("/task", task, methods=["POST"]),
-            Route("/score", score, methods=["POST"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/stats", get_stats, methods=["GET"]),
-        ],
-        middleware=[Middleware(DisconnectMiddleware, on_cancel=on_cancel)],
-    )
+    app = disconnect_cancelling_app([
+        Route("/task", task, methods=["POST"]),
+        Route("/score", score, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+    ], stats)
     app.state.stats = stats
     app.state.env = env
     return app
