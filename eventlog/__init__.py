@@ -12,21 +12,8 @@ It knows nothing about RL: events are ``(seq, ts, kind, data)`` rows with JSON
 """
 
 from .codec import canonical_json
-from .errors import (
-    CorruptLogError,
-    ForeignDatabaseError,
-    InvalidArgumentError,
-    InvalidEventError,
-    LogClosedError,
-    LogError,
-    LogExistsError,
-    LogNotFoundError,
-    NewerFormatError,
-    NotSQLiteError,
-    NotWriterError,
-    ReadOnlyLocationError,
-    WriterLockedError,
-)
+from . import errors
+from .errors import *  # noqa: F403 - the typed errors, listed in errors.__all__
 from .fileformat import FORMAT_VERSION, MAGIC
 from .log import EventLog, Record, Snapshot, VerifyReport
 
@@ -38,17 +25,5 @@ __all__ = [
     "canonical_json",
     "FORMAT_VERSION",
     "MAGIC",
-    "LogError",
-    "NotSQLiteError",
-    "ForeignDatabaseError",
-    "NewerFormatError",
-    "CorruptLogError",
-    "WriterLockedError",
-    "ReadOnlyLocationError",
-    "LogNotFoundError",
-    "LogExistsError",
-    "InvalidEventError",
-    "InvalidArgumentError",
-    "NotWriterError",
-    "LogClosedError",
+    *errors.__all__,
 ]
