@@ -458,6 +458,27 @@ class EventLog:
         for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB)"):
             yield from rows
 
+    def read_bodies(self, start: int = 1, stop: int | None = None,
+                    chunk_size: int = 16384) -> Iterator[tuple[str, bytes]]:
+        """Yield ``(kind, data_bytes)`` for every committed seq ``start..stop`` in order: the row
+        of seq ``max(start, 1) + i`` is the i-th one. For folds, which need no seq or timestamp
+        per row and read about twice as fast without them. A missing seq raises CorruptLogError."""
+        if chunk_size < 1:
+            raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
+        conn = self._read_conn()
+        last = self._query_one("SELECT coalesce(max(seq), 0) FROM events", conn)
+        stop = last if stop is None else min(stop, last)
+        sql = "SELECT kind, CAST(data AS BLOB) FROM events WHERE seq >= ? AND seq < ? ORDER BY seq"
+        for first in range(max(int(start), 1), stop + 1, chunk_size):
+            end = min(first + chunk_size, stop + 1)
+            try:
+                rows = conn.execute(sql, (first, end)).fetchall()
+            except sqlite3.DatabaseError as e:
+                raise self._error(e) from None
+            if len(rows) != end - first:
+                raise CorruptLogError(f"{self.path}: seqs {first}..{end - 1} are not contiguous")
+            yield from rows
+
     def _chunks(self, start: int, stop: int | None, kinds: Iterable[str] | None,
                 chunk_size: int, data_expr: str) -> Iterator[list[tuple]]:
         """Fetch rows in bounded chunks; each chunk is a separate, complete statement."""

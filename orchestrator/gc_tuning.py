@@ -27,3 +27,16 @@ def tuned_gc():
     finally:
         gc.set_threshold(*previous)
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """No collection within the block: for folds, which allocate millions of short-lived,
+    acyclic views that the collector would only rescan (about 15% of a cold fold)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -9,6 +9,8 @@ In the log, `kind` is the column and `data` is the model's JSON without `kind`.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Annotated, Literal, Union
 
 import orjson
@@ -117,6 +119,10 @@ class EpisodeCompleted(_Model):
         if not (len(self.token_ids) == len(self.mask) == len(self.logprobs)):
             raise ValueError("token_ids, mask and logprobs must have the same length")
         return self
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def sampled_tokens(self) -> int:
@@ -262,3 +268,46 @@ def decode_trusted(kind: str, data: bytes | str) -> _Model:
     _set(event, "__pydantic_extra__", None)
     _set(event, "__pydantic_private__", None)
     return event
+
+
+# ---------------------------------------------------------------- fold views
+# A fold (resume, replay) applies the reducer to every logged event but keeps almost none of
+# them: nearly every trace ships or drops before the end of the log. So a fold reads each row as
+# a plain view of its JSON fields, about twice as cheap as a model, and builds the models only
+# for the traces still held in the state at the end (`TraceView.model`).
+
+class FlatView:
+    """An event row as the reducer sees it in a fold: its fields as attributes."""
+
+
+class TraceView(FlatView):
+    """An `episode_completed` row in a fold: its fields and `n_tokens`; `data` is kept to decode
+    the full event for the few traces still held when the fold ends."""
+
+    data: bytes
+
+    def model(self) -> EpisodeCompleted:
+        return decode_trusted("episode_completed", self.data)  # type: ignore[return-value]
+
+
+def flat_view(data: bytes) -> FlatView:
+    view = _new(FlatView)
+    view.__dict__ = orjson.loads(data)
+    return view
+
+
+def trace_view(data: bytes) -> TraceView:
+    view = _new(TraceView)
+    view.__dict__ = fields = orjson.loads(data)
+    fields["n_tokens"], fields["data"] = len(fields["token_ids"]), data
+    return view
+
+
+# kind -> how a fold reads its rows: a `TraceView` for a trace, a `FlatView` of the fields for
+# the other flat events, the validated model for events with nested models.
+FOLD_VIEWS: dict[str, Callable[[bytes], object]] = {
+    kind: trace_view if kind == "episode_completed"
+    else functools.partial(decode_trusted, kind) if kind in _NESTED_KINDS
+    else flat_view
+    for kind in EVENT_TYPES
+}

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from eventlog import (
+    CorruptLogError,
     EventLog,
     InvalidArgumentError,
     InvalidEventError,
@@ -260,6 +261,28 @@ def test_read_raw_returns_undecoded_bytes(filled):
     raw = list(filled.read_raw(1, 2))
     assert raw[0][0] == 1 and raw[0][2] == "odd" and raw[0][3] == b'{"i":1}'
     assert isinstance(raw[1][3], bytes)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 4096])
+def test_read_bodies_yields_kind_and_bytes_of_each_seq_in_order(filled, chunk):
+    bodies = list(filled.read_bodies(chunk_size=chunk))
+    assert bodies == [(kind, data) for _seq, _ts, kind, data in filled.read_raw()]
+    assert len(bodies) == 100 and bodies[0] == ("odd", b'{"i":1}')
+    assert list(filled.read_bodies(10, 12, chunk_size=chunk)) == bodies[9:12]
+    assert list(filled.read_bodies(0, 2, chunk_size=chunk)) == bodies[:2]
+    assert list(filled.read_bodies(99, 1000, chunk_size=chunk)) == bodies[98:]
+    assert list(filled.read_bodies(50, 40, chunk_size=chunk)) == []
+
+
+def test_read_bodies_refuses_a_gap(filled, path):
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM events WHERE seq = 40")
+    db.close()
+    reader = EventLog.open_reader(path)
+    assert len(list(reader.read_bodies(41))) == 60  # after the gap: still contiguous
+    with pytest.raises(CorruptLogError, match="not contiguous"):
+        list(reader.read_bodies(chunk_size=16))
+    reader.close()
 
 
 def test_read_does_not_see_uncommitted_appends(filled):
