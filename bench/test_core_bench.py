@@ -68,7 +68,7 @@ def run_pipeline(config, log) -> tuple[float, int]:
     started = time.perf_counter()
     orch = asyncio.run(run_async(run, None))
     elapsed = time.perf_counter() - started
-    assert orch.state.stop_reason == "completed"
+    assert orch.state.stop_reason == "completed", (orch.state.stop_reason, orch.state.acct)
     return elapsed, orch.state.acct.completed
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,35 +45,43 @@ class FakeEnvRollouts:
     def __init__(self, config: FakeEnvConfig, seed: int, version_now: Callable[[], int]):
         self.config, self.seed, self.version_now = config, seed, version_now
         self._noise_len = config.prompt_tokens + 2 * config.max_tokens
+        # Per episode only the draws differ; masks are shared (validation copies them).
+        self._masks = [[0] * config.prompt_tokens + [1] * n for n in range(config.max_tokens + 1)]
+        self._prompt_logprobs = [0.0] * config.prompt_tokens
 
-    def _draws(self, req: RolloutRequest) -> tuple[list[float], bytes]:
+    def _draws(self, req: RolloutRequest) -> tuple[tuple[int, ...], bytes]:
         key = b"%d/%d/%d" % (self.seed, req.episode_id, req.attempt)
-        blocks, size = [], 20 + self._noise_len
-        for block in range(-(-size // 64)):
-            blocks.append(hashlib.blake2b(key, digest_size=64, salt=block.to_bytes(16, "little")).digest())
-        raw = b"".join(blocks)
-        uniforms = [int.from_bytes(raw[i:i + 4], "little") / 4294967296.0 for i in range(0, 20, 4)]
-        return uniforms, raw[20:size]
+        size = _UNIFORMS.size + self._noise_len
+        raw = hashlib.blake2b(key, digest_size=64).digest()  # block 0 (its salt is all zeros)
+        for block in range(1, -(-size // 64)):
+            raw += hashlib.blake2b(key, digest_size=64, salt=block.to_bytes(16, "little")).digest()
+        return _UNIFORMS.unpack_from(raw), raw[_UNIFORMS.size:size]
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         cfg = self.config
-        (u_latency, u_error, u_empty, u_length, u_reward), noise = self._draws(req)
+        (latency, error, empty, length, reward), noise = self._draws(req)
         policy_start = self.version_now()
         if cfg.latency_s > 0:
-            await asyncio.sleep(max(0.0, cfg.latency_s + (2 * u_latency - 1) * cfg.latency_jitter_s))
-        if u_error < cfg.error_rate:
+            jitter = 2 * latency / _U32 - 1
+            await asyncio.sleep(max(0.0, cfg.latency_s + jitter * cfg.latency_jitter_s))
+        if error / _U32 < cfg.error_rate:
             raise FakeEpisodeError(f"fake env: episode {req.episode_id} failed (error_rate={cfg.error_rate})")
-        n_sampled = 0 if u_empty < cfg.empty_rate else cfg.min_tokens + int(u_length * (cfg.max_tokens - cfg.min_tokens + 1))
+        n_sampled = 0 if empty / _U32 < cfg.empty_rate else cfg.min_tokens + int(length / _U32 * (cfg.max_tokens - cfg.min_tokens + 1))
         n_total = cfg.prompt_tokens + n_sampled
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
-            reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + u_reward * 0.5 - 0.25)),
+            reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
             token_ids=list(noise[:n_total]),
-            mask=[0] * cfg.prompt_tokens + [1] * n_sampled,
-            logprobs=[0.0] * cfg.prompt_tokens + [-b / 64 for b in noise[n_total:n_total + n_sampled]],
+            mask=self._masks[n_sampled],
+            logprobs=self._prompt_logprobs + [_LOGPROB_OF_BYTE[b] for b in noise[n_total:n_total + n_sampled]],
             policy_start=policy_start, policy_end=self.version_now(),
         )
+
+
+_UNIFORMS = struct.Struct("<5I")  # latency, error, empty, length, reward: uniform over 2**32
+_U32 = 4294967296.0
+_LOGPROB_OF_BYTE = tuple(-b / 64 for b in range(256))
 
 
 SAMPLING_THREADS = 32
