@@ -178,6 +178,16 @@ def test_append_json_stores_bytes_verbatim(log):
         log.append_json("k", b"\xff\xfe")
 
 
+@pytest.mark.parametrize("text", ['{"q":"a \\"quoted\\" \\\\ back\\/slash"}', '{"u":"\\u0000\\u001f\\ud83d\\ude00"}',
+                                  '{"x":"é ü 中文 😀","n":1.0e-7,"i":-0}', ' [1, 2.50, "  spaced  "] ', '"\\t"'])
+def test_group_insert_keeps_every_byte_of_the_json(log, text):
+    seq = log.append_json("kind with spaces ☃", text)
+    log.append_json("k", text)
+    log.commit()
+    assert [(kind, data) for _s, _t, kind, data in log.read_raw(seq)] == [
+        ("kind with spaces ☃", text.encode()), ("k", text.encode())]
+
+
 def test_sealed_events_commit_while_appends_go_on(log):
     log.append("a", 1)
     log.append("a", 2)
