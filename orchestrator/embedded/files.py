@@ -101,21 +101,28 @@ def _tmp_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (tmp sibling + fsync + rename + fsync dir)."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically (tmp sibling + fsync + rename + fsync dir).
+
+    ``durable=False`` skips both fsyncs, for files that can be rebuilt from the event log: readers
+    still never see a partial file (the rename is atomic), and one that a power loss leaves
+    missing or partial is re-written on resume.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def atomic_write_dir(dest: str | os.PathLike, write_files) -> Path:

@@ -38,6 +38,22 @@ def test_atomic_write_bytes_is_complete_and_fsynced_before_it_becomes_visible(tm
     assert os.listdir(target.parent) == ["step_1.json"]
 
 
+def test_a_rebuildable_file_is_written_atomically_without_fsync(tmp_path, monkeypatch):
+    target = tmp_path / "batches" / "step_2.json"
+    seen = {}
+    real_replace = os.replace
+
+    def replace(src, dst):
+        seen["tmp_complete"] = open(src, "rb").read() == b"payload"
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", lambda fd: seen.setdefault("fsynced", fd))
+    monkeypatch.setattr(os, "replace", replace)
+    files.atomic_write_bytes(target, b"payload", durable=False)
+    assert seen == {"tmp_complete": True}  # renamed once complete, never fsynced
+    assert target.read_bytes() == b"payload" and os.listdir(target.parent) == ["step_2.json"]
+
+
 def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch):
     def boom(src, dst):
         raise OSError("disk full")
