@@ -400,46 +400,23 @@ class EventLog:
         All-or-nothing: on failure nothing is stored, the buffer is discarded,
         next_seq rolls back to last_seq + 1 and the error propagates.
         """
-        return self.commit_sealed(self.seal())
-
-    def seal(self) -> list[tuple]:
-        """Detach the buffered events, for :meth:`commit_sealed`, and start a new buffer.
-
-        Lets a caller write one group of events (in a worker thread) while it goes on appending
-        the next: seals are committed in the order they were made.
-        """
         buf = self._buf
         if buf is None:
             raise self._not_writable()
-        self._buf = []
-        return buf
-
-    def commit_sealed(self, sealed: list[tuple]) -> int:
-        """Durably write sealed events in one transaction; return the last seq.
-
-        All-or-nothing: on failure none of them is stored, and the events appended since the
-        seal are discarded too (their seqs follow the failed ones); next_seq rolls back to
-        last_seq + 1 and the error propagates.
-        """
-        if self._buf is None:
-            raise self._not_writable()
-        if not sealed:
+        if not buf:
             return self._last
-        if sealed[0][0] != self._last + 1:
-            raise InvalidArgumentError(
-                f"sealed events start at seq {sealed[0][0]}, expected {self._last + 1}: commit seals in order")
+        self._buf = []
         conn = self._conn
         try:
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(_INSERT, sealed)
+            conn.executemany(_INSERT, buf)
             conn.execute("COMMIT")
         except BaseException as e:
-            self._buf = []
             self._after_failed_commit()
             if isinstance(e, sqlite3.Error):
                 raise self._error(e) from e
             raise
-        self._last = sealed[-1][0]
+        self._last = buf[-1][0]
         self._commits_since_wal_check += 1
         if self._commits_since_wal_check >= _WAL_CHECK_EVERY:
             self._bound_wal()

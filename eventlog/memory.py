@@ -15,7 +15,6 @@ class MemoryLog:
     def __init__(self) -> None:
         self.rows: list[tuple[int, float, str, bytes]] = []
         self._buffer: list[tuple[int, float, str, bytes]] = []
-        self._next = 1  # appended events get seqs in order, sealed or not
         self.snapshots: list[Snapshot] = []
 
     @property
@@ -24,28 +23,19 @@ class MemoryLog:
 
     @property
     def next_seq(self) -> int:
-        return self._next
+        return len(self.rows) + len(self._buffer) + 1
 
     def append(self, kind: str, data: Any) -> int:
         return self.append_json(kind, encode(data))
 
     def append_json(self, kind: str, data_json: bytes) -> int:
-        seq = self._next
+        seq = self.next_seq
         self._buffer.append((seq, time.time(), kind, data_json))
-        self._next = seq + 1
         return seq
 
     def commit(self) -> int:
-        return self.commit_sealed(self.seal())
-
-    def seal(self) -> list[tuple[int, float, str, bytes]]:
-        sealed, self._buffer = self._buffer, []
-        return sealed
-
-    def commit_sealed(self, sealed: list[tuple[int, float, str, bytes]]) -> int:
-        if sealed and sealed[0][0] != self.last_seq + 1:
-            raise ValueError(f"sealed events start at seq {sealed[0][0]}, expected {self.last_seq + 1}")
-        self.rows.extend(sealed)
+        self.rows.extend(self._buffer)
+        self._buffer.clear()
         return self.last_seq
 
     def read_raw(self, start: int = 1, stop: int | None = None, kinds=None, chunk_size: int = 4096):
@@ -64,4 +54,3 @@ class MemoryLog:
 
     def close(self) -> None:
         self._buffer.clear()
-        self._next = self.last_seq + 1

@@ -26,8 +26,6 @@ from orchestrator.shell.rollouts import RolloutRequest
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
 MAX_INPUTS_PER_ITERATION = 256  # bounds the synchronous decide work between two awaits
-COMMIT_TIMEOUT_S = 60.0  # at shutdown: a group commit in flight finishes before the log closes
-BATCH_FLUSH_TIMEOUT_S = 60.0  # at the end of a run: the last batch files must reach the disk
 
 
 class StalledError(RuntimeError):
@@ -89,67 +87,6 @@ class BackgroundFinalizer:
             await asyncio.wait(tasks, timeout=timeout_s)
 
 
-@dataclass
-class _Commit:
-    """A sealed group of events being written, and what it calls for once durable."""
-
-    task: asyncio.Task
-    inputs: list
-    decided: list
-    snapshot_seq: int
-    snapshot: bytes | None  # the state as of its last event, when a snapshot was due
-
-
-class BatchWriter:
-    """Writes shipped batch files off the loop thread, one at a time in step order, and announces
-    each to the trainer once it is on disk. The loop goes on deciding while the disk syncs; its
-    batch_shipped events are already committed (write-ahead), so a crash before a file lands is
-    repaired on resume (`rematerialize_batches`)."""
-
-    def __init__(self, write: Callable[[int, str, list[ShippedSample]], None],
-                 written: Callable[[int, str], None]):
-        self._write, self._written = write, written
-        self._queue: deque[tuple[int, str, list[ShippedSample]]] = deque()
-        self._task: asyncio.Task | None = None
-
-    def submit(self, step: int, sha256: str, samples: list[ShippedSample]) -> None:
-        self._queue.append((step, sha256, samples))
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._drain(), name="orch-batch-writer")
-
-    async def _drain(self) -> None:
-        while self._queue:
-            step, sha256, samples = self._queue[0]
-            await asyncio.to_thread(self._write, step, sha256, samples)
-            self._queue.popleft()
-            self._written(step, sha256)
-        self._task = None
-
-    def check(self) -> None:
-        """Raise the error of a failed write (the task stays, so it is raised again next time)."""
-        task = self._task
-        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()
-
-    async def flush(self, timeout_s: float) -> None:
-        """Wait until every submitted batch is on disk and announced."""
-        task = self._task
-        if task is None:
-            return
-        done, _ = await asyncio.wait([task], timeout=timeout_s)
-        if not done:
-            raise TimeoutError(f"{len(self._queue)} batch files still being written after {timeout_s:.0f}s")
-        self.check()
-
-    async def aclose(self, timeout_s: float) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task], timeout=timeout_s)
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: a failure was already raised by check()
-
-
 class Orchestrator:
     def __init__(self, config: RunConfig, run_dir: Path, log, state: State, *, hooks: LoopHooks,
                  algorithm: Algorithm, trainer, progress=None, stall_timeout_s: float | None = None):
@@ -162,13 +99,11 @@ class Orchestrator:
         self._control: deque = deque()  # stop requests
         self._wake: asyncio.Event | None = None
         self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized)
-        self.batch_writer = BatchWriter(self._write_batch, trainer.batch_written)
         self._last_snapshot_seq = log.last_seq
         self._last_input_at = time.monotonic()
         self._reloads: set[asyncio.Task] = set()  # inference weight reloads in progress
         self._reload_error: BaseException | None = None
         self.events_logged = 0
-        self._commit: _Commit | None = None  # the group commit in flight
 
     # --- inputs from the outside world (called on the loop thread) ---------------------------
 
@@ -201,20 +136,16 @@ class Orchestrator:
         try:
             if first_input.kind == "run_resumed":  # before anything new ships: trainers read in order
                 self.rematerialize_batches()
-            self._start_commit([first_input], self._decide([first_input]))
+            await self._handle([first_input])
             while not self.state.stopped:
                 self._wake.clear()
                 inputs = self._take_inputs()
-                decided = self._decide(inputs) if inputs else []  # while the previous group commits
-                await self._finish_commit()
                 if inputs:
-                    self._start_commit(inputs, decided)
+                    await self._handle(inputs)
                 if not self._finalized:  # a failure is logged (finalize_failed) before it is raised
                     self._raise_if_failed(owned)
                 if not inputs and not self.state.stopped:
                     await self._wait_for_inputs()
-            await self._finish_commit()
-            await self.batch_writer.flush(timeout_s=BATCH_FLUSH_TIMEOUT_S)
             self._save_snapshot()
             return self.state
         finally:
@@ -281,7 +212,6 @@ class Orchestrator:
             ) from self.finalizer.error
         if self._reload_error is not None:
             raise self._reload_error
-        self.batch_writer.check()
         for task in owned:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()
@@ -289,8 +219,7 @@ class Orchestrator:
 
     # --- decide, log, act ----------------------------------------------------------------------
 
-    def _decide(self, inputs: list) -> list:
-        """Fold the inputs through the core and append them and their decisions to the log."""
+    async def _handle(self, inputs: list) -> None:
         log, state = self.log, self.state
         decided = []
         for event in inputs:
@@ -300,47 +229,31 @@ class Orchestrator:
                 kind, data = ev.encode_event(decision)
                 log.append_json(kind, data)
                 decided.append(decision)
-        self.events_logged += len(inputs) + len(decided)
-        return decided
-
-    def _start_commit(self, inputs: list, decided: list) -> None:
-        """Write the appended events in a worker thread. The loop goes on deciding the next
-        inputs meanwhile (group commits are pipelined), but performs these events' effects only
-        once they are durable (`_finish_commit`): write-ahead."""
-        log = self.log
-        sealed = log.seal()
-        snapshot = None
-        every = self.config.log.snapshot_every
-        if every and log.next_seq - 1 - self._last_snapshot_seq >= every:
-            # The state now is the state as of the last sealed event: snapshot it here.
-            snapshot = state_bytes(self.state)
-            self._last_snapshot_seq = log.next_seq - 1
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(log.commit_sealed, sealed))
-        self._commit = _Commit(task, inputs, decided, self._last_snapshot_seq, snapshot)
-
-    async def _finish_commit(self) -> None:
-        """Wait for the group commit in flight (if any), then perform its effects."""
-        commit, self._commit = self._commit, None
-        if commit is None:
-            return
-        await commit.task
-        if commit.snapshot is not None:
-            self.log.save_snapshot(commit.snapshot_seq, REDUCER_VERSION, commit.snapshot)
-        for decision in commit.decided:
+            self.events_logged += 1
+        self.events_logged += len(decided)
+        # Durable before any effect (write-ahead). In a thread: rollouts keep running meanwhile,
+        # and nothing else touches the log until this returns.
+        await asyncio.to_thread(log.commit)
+        shipped = [decision for decision in decided if decision.kind == "batch_shipped"]
+        for decision in decided:
             self._perform(decision)
-        if any(decision.kind == "drain_started" for decision in commit.decided):
+        if any(decision.kind == "drain_started" for decision in decided):
             # The core already cancelled every in-flight episode; stop admission and let the
             # outcomes that completed meanwhile reach the core (it books them as late).
             await self.stream.aclose_and_drain(timeout=10.0)
         if self.hooks.on_version is not None:
-            for event in commit.inputs:  # an input with an effect: inference loads the published weights
+            for event in inputs:  # an input with an effect: inference loads the published weights
                 if event.kind == "version_published":
                     self._spawn_reload(event.version)
-        for e in commit.decided:  # the file is written in the background; the trainer hears of it then
-            if e.kind == "batch_shipped":
-                self.batch_writer.submit(e.step, e.sha256, self.state.shipped_batches[e.step])
+        if shipped:  # file I/O (fsync) off the loop thread; the trainer hears of it afterwards
+            batches = [(e.step, e.sha256, self.state.shipped_batches[e.step]) for e in shipped]
+            await asyncio.to_thread(self._write_batches, batches)
+            for e in shipped:
+                self.trainer.batch_written(e.step, e.sha256)
                 if self.progress is not None:
                     self.progress.on_batch(e, self.state, self)
+        if self.config.log.snapshot_every and log.last_seq - self._last_snapshot_seq >= self.config.log.snapshot_every:
+            self._save_snapshot()
 
     def _perform(self, e) -> None:
         state = self.state
@@ -375,14 +288,15 @@ class Orchestrator:
     def batch_payload(step: int, samples: list[ShippedSample]) -> bytes:
         return encode_batch(step, (sample_record(s.trace, s.env, s.advantage, s.lag) for s in samples))
 
-    def _write_batch(self, step: int, sha256: str, samples: list[ShippedSample]) -> None:
-        """Write one shipped batch file (atomic). Runs in a worker thread."""
-        payload = self.batch_payload(step, samples)
-        if batch_sha256(payload) != sha256:
-            raise AssertionError(f"batch {step}: rebuilt payload does not match its logged sha256")
-        # Not fsynced: the log is durable and the file can be rebuilt from it; a file a power
-        # loss leaves missing or partial fails its sha256 on resume and is re-written.
-        atomic_write_bytes(batch_path(self.run_dir, step), payload, durable=False)
+    def _write_batches(self, shipped: list[tuple[int, str, list[ShippedSample]]]) -> None:
+        """Write shipped batch files (atomic). Runs in a worker thread while the loop awaits it."""
+        for step, sha256, samples in shipped:
+            payload = self.batch_payload(step, samples)
+            if batch_sha256(payload) != sha256:
+                raise AssertionError(f"batch {step}: rebuilt payload does not match its logged sha256")
+            # Not fsynced: the log is durable and the file can be rebuilt from it; a file a power
+            # loss leaves missing or partial fails its sha256 on resume and is re-written.
+            atomic_write_bytes(batch_path(self.run_dir, step), payload, durable=False)
 
     def rematerialize_batches(self) -> int:
         """Resume: rewrite shipped-but-untrained batch files that are missing or partial."""
@@ -398,7 +312,6 @@ class Orchestrator:
         return rewritten
 
     def _save_snapshot(self) -> None:
-        """At the end of a run, when no event is in flight: the state is the last seq's."""
         if self.config.log.snapshot_every and self.log.last_seq > self._last_snapshot_seq:
             self.log.save_snapshot(self.log.last_seq, REDUCER_VERSION, state_bytes(self.state))
             self._last_snapshot_seq = self.log.last_seq
@@ -407,14 +320,8 @@ class Orchestrator:
 
     async def _shutdown(self, owned: list[asyncio.Task]) -> None:
         self._wake = None
-        if self._commit is not None:  # not performed (a crash), but the log must be left whole
-            commit, self._commit = self._commit, None
-            await asyncio.wait([commit.task], timeout=COMMIT_TIMEOUT_S)
-            if commit.task.done() and not commit.task.cancelled():
-                commit.task.exception()  # retrieved; the error that stopped the loop is raised
         await self.stream.aclose(timeout=10.0)
         await self.finalizer.aclose(timeout_s=10.0)
-        await self.batch_writer.aclose(timeout_s=10.0)
         reloads = list(self._reloads)
         for task in owned + reloads:
             task.cancel()

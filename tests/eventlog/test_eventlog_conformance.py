@@ -188,42 +188,6 @@ def test_group_insert_keeps_every_byte_of_the_json(log, text):
         ("kind with spaces ☃", text.encode()), ("k", text.encode())]
 
 
-def test_sealed_events_commit_while_appends_go_on(log):
-    log.append("a", 1)
-    log.append("a", 2)
-    sealed = log.seal()
-    assert (log.pending, log.next_seq) == (0, 3)
-    assert log.append("b", 3) == 3  # appended while the sealed group is being written
-    assert log.commit_sealed(sealed) == 2
-    assert (log.last_seq, log.pending) == (2, 1)
-    assert log.commit() == 3
-    assert [(r.seq, r.kind, r.data) for r in log.read()] == [(1, "a", 1), (2, "a", 2), (3, "b", 3)]
-    assert log.commit_sealed(log.seal()) == 3  # an empty seal is a no-op
-
-
-def test_seals_commit_in_order(log):
-    log.append("a", 1)
-    first = log.seal()
-    log.append("a", 2)
-    second = log.seal()
-    with pytest.raises(InvalidArgumentError, match="expected 1"):
-        log.commit_sealed(second)
-    assert log.commit_sealed(first) == 1 and log.commit_sealed(second) == 2
-
-
-def test_a_failing_sealed_commit_discards_what_was_appended_since(log, path):
-    log.append("ok", 1)
-    log.commit()
-    add_failing_trigger(path)
-    log.append("boom", 2)
-    sealed = log.seal()
-    log.append("ok", 3)
-    with pytest.raises(sqlite3.IntegrityError, match="boom refused"):
-        log.commit_sealed(sealed)
-    assert (log.last_seq, log.next_seq, log.pending) == (1, 2, 0)
-    assert log.append("ok", "after") == 2 and log.commit() == 2
-
-
 def test_failing_batch_stores_nothing_and_next_commit_continues(log, path):
     log.append("ok", 0)
     log.commit()

@@ -1,5 +1,4 @@
-"""Write-ahead with pipelined group commits: the loop decides the next inputs while the previous
-group commits, yet every effect happens only once the events that call for it are durable.
+"""Write-ahead: every effect happens only once the events that call for it are durable.
 
 Checked from outside the writer: a second, read-only connection sees committed rows only."""
 
@@ -48,8 +47,7 @@ def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
     assert orch.state.stop_reason == "completed"
     assert len(started) > 100 and all(started), "a rollout started before its dispatch was durable"
     assert len(announced) == 12 and all(announced), "the trainer heard of a batch before it was durable"
-    # Snapshots are taken while the next group is being decided: each must be the state as of
-    # its own seq, which a fold of the log up to that seq rebuilds.
+    # Each mid-run snapshot is the state as of its own seq, which a fold of the log rebuilds.
     snapshots = db.execute("SELECT seq, state_hash FROM snapshots ORDER BY seq").fetchall()
     assert len(snapshots) >= 3
     with EventLog.open_reader(config.run_dir / "events.db") as reader:
