@@ -26,19 +26,23 @@ from orchestrator.core.state import Group, QueuedTrace, State, min_fresh_version
 class _Decisions:
     """Collects decisions, folding each into the state at once."""
 
-    __slots__ = ("state", "events")
+    __slots__ = ("state", "events", "batch_payloads")
 
-    def __init__(self, state: State):
+    def __init__(self, state: State, batch_payloads: dict[int, bytes] | None):
         self.state = state
         self.events: list = []
+        self.batch_payloads = batch_payloads
 
     def emit(self, event) -> None:
         evolve(self.state, event)
         self.events.append(event)
 
 
-def decide(state: State, event) -> list:
-    """Fold the input `event` into `state` and return the decisions it calls for (already folded)."""
+def decide(state: State, event, batch_payloads: dict[int, bytes] | None = None) -> list:
+    """Fold the input `event` into `state` and return the decisions it calls for (already folded).
+
+    `batch_payloads`, if given, receives the batch file of every batch shipped (step -> the bytes
+    its sha256 covers), so the shell writes them without encoding them again."""
     rule = _INPUT_RULES.get(event.kind)
     if rule is None:
         raise ValueError(f"{event.kind!r} is a decision, not an input")
@@ -46,7 +50,7 @@ def decide(state: State, event) -> list:
         raise ValueError(f"{event.kind!r} before run_started")
     accepted = _accepted(state, event)
     evolve(state, event)
-    d = _Decisions(state)
+    d = _Decisions(state, batch_payloads)
     if accepted and not state.stopped:
         rule(d, event)
     return d.events
@@ -285,9 +289,12 @@ def ship_batch(d: _Decisions) -> None:
         lags.append(lag)
         rewards.append(trace.reward)
         n_tokens += queued.n_tokens
+    payload = encode_batch(step, records)
+    if d.batch_payloads is not None:
+        d.batch_payloads[step] = payload
     d.emit(ev.BatchShipped(
         step=step, trace_ids=[q.trace_id for q in shipped], pruned_ids=[q.trace_id for q in pruned],
-        sha256=batch_sha256(encode_batch(step, records)), n_tokens=n_tokens,
+        sha256=batch_sha256(payload), n_tokens=n_tokens,
         off_policy_max=max(lags, default=0), off_policy_mean=sum(lags) / len(lags) if lags else 0.0,
         reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
     ))

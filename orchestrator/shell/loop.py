@@ -221,11 +221,11 @@ class Orchestrator:
 
     async def _handle(self, inputs: list) -> None:
         log, state = self.log, self.state
-        decided = []
+        decided, batch_payloads = [], {}
         for event in inputs:
             kind, data = ev.encode_event(event)
             log.append_json(kind, data)
-            for decision in decide(state, event):
+            for decision in decide(state, event, batch_payloads):
                 kind, data = ev.encode_event(decision)
                 log.append_json(kind, data)
                 decided.append(decision)
@@ -246,7 +246,7 @@ class Orchestrator:
                 if event.kind == "version_published":
                     self._spawn_reload(event.version)
         if shipped:  # file I/O (fsync) off the loop thread; the trainer hears of it afterwards
-            batches = [(e.step, e.sha256, self.state.shipped_batches[e.step]) for e in shipped]
+            batches = [(e.step, batch_payloads[e.step]) for e in shipped]
             await asyncio.to_thread(self._write_batches, batches)
             for e in shipped:
                 self.trainer.batch_written(e.step, e.sha256)
@@ -288,14 +288,11 @@ class Orchestrator:
     def batch_payload(step: int, samples: list[ShippedSample]) -> bytes:
         return encode_batch(step, (sample_record(s.trace, s.env, s.advantage, s.lag) for s in samples))
 
-    def _write_batches(self, shipped: list[tuple[int, str, list[ShippedSample]]]) -> None:
-        """Write shipped batch files (atomic). Runs in a worker thread while the loop awaits it."""
-        for step, sha256, samples in shipped:
-            payload = self.batch_payload(step, samples)
-            if batch_sha256(payload) != sha256:
-                raise AssertionError(f"batch {step}: rebuilt payload does not match its logged sha256")
-            # Not fsynced: the log is durable and the file can be rebuilt from it; a file a power
-            # loss leaves missing or partial fails its sha256 on resume and is re-written.
+    def _write_batches(self, batches: list[tuple[int, bytes]]) -> None:
+        """Write shipped batch files (atomic). Runs in a worker thread while the loop awaits it.
+        Not fsynced: the log is durable and a file can be rebuilt from it; one that a power loss
+        leaves missing or partial fails its sha256 on resume and is re-written."""
+        for step, payload in batches:
             atomic_write_bytes(batch_path(self.run_dir, step), payload, durable=False)
 
     def rematerialize_batches(self) -> int:

@@ -51,3 +51,21 @@ def test_a_row_that_cannot_be_folded_names_its_seq(sim_log, row, error):
     with pytest.raises(FoldError) as info:
         fold_rows(State(), rows, first_seq=10)
     assert str(info.value).startswith(error) and info.value.seq == 12
+
+
+def test_decide_hands_out_the_batch_file_its_sha256_covers(sim_log):
+    """The shell writes the bytes `decide` hashed (no second encoding); rebuilding them from the
+    state, as a resume does, gives the same bytes."""
+    from orchestrator.core.batch import batch_sha256
+    from orchestrator.core.decide import decide
+    from orchestrator.shell.loop import Orchestrator
+
+    state, payloads, shipped = State(), {}, []
+    for event in (e for e in sim_log if e.kind in ev.INPUT_KINDS):
+        for decision in decide(state, event, payloads):
+            if decision.kind == "batch_shipped":
+                shipped.append(decision)
+                rebuilt = Orchestrator.batch_payload(decision.step, state.shipped_batches[decision.step])
+                assert payloads[decision.step] == rebuilt
+    assert len(shipped) == 30 and sorted(payloads) == list(range(1, 31))
+    assert all(batch_sha256(payloads[e.step]) == e.sha256 for e in shipped)
