@@ -43,10 +43,6 @@ class MemoryLog:
             if kinds is None or row[2] in kinds:
                 yield row
 
-    def read_bodies(self, start: int = 1, stop: int | None = None, chunk_size: int = 16384):
-        for _seq, _ts, kind, data in self.rows[start - 1: stop]:
-            yield kind, data
-
     def save_snapshot(self, seq: int, reducer_version: str, state: bytes) -> str:
         digest = hashlib.sha256(state).hexdigest()
         self.snapshots.append(Snapshot(seq, reducer_version, digest, state))

@@ -245,7 +245,7 @@ class Orchestrator:
             for event in inputs:  # an input with an effect: inference loads the published weights
                 if event.kind == "version_published":
                     self._spawn_reload(event.version)
-        if shipped:  # file I/O (fsync) off the loop thread; the trainer hears of it afterwards
+        if shipped:  # file I/O off the loop thread; the trainer hears of it afterwards
             batches = [(e.step, batch_payloads[e.step]) for e in shipped]
             await asyncio.to_thread(self._write_batches, batches)
             for e in shipped:

@@ -1,6 +1,8 @@
 import gc
 
-from orchestrator.gc_tuning import THRESHOLDS, tuned_gc
+import pytest
+
+from orchestrator.gc_tuning import THRESHOLDS, paused_gc, tuned_gc
 
 
 def test_tuned_gc_applies_inside_and_restores_after_even_on_error():
@@ -13,3 +15,19 @@ def test_tuned_gc_applies_inside_and_restores_after_even_on_error():
     except RuntimeError:
         pass
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_paused_gc_disables_collection_inside_and_restores_the_previous_setting():
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with paused_gc():
+            assert not gc.isenabled()
+            raise RuntimeError("boom")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()
