@@ -49,7 +49,7 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
                 progress_every, json_summary) -> None:
     """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
     from orchestrator.shell.progress import Progress
-    from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_async
+    from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_job
     from orchestrator.shell.trainers import TrainerFailed
     from orchestrator.shell.loop import FinalizeError, StalledError
     from replay.fold import FoldError
@@ -82,7 +82,7 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
     progress = Progress(every=progress_every)
     try:
         with run.log:
-            orch = asyncio.run(run_async(run, progress))
+            orch = run_job(run, progress)
     except (TrainerFailed, StalledError, LogError) as err:
         fail(str(err))
     except FinalizeError as err:

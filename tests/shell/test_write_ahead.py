@@ -4,7 +4,6 @@ Checked from outside the writer: a second, read-only connection sees committed r
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 
 from eventlog import EventLog
@@ -12,7 +11,7 @@ from orchestrator.config import load_config
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, state_hash
 from orchestrator.shell import rollouts, trainers
-from orchestrator.shell.runner import OpenedRun, run_async
+from orchestrator.shell.runner import OpenedRun, run_job
 from replay.fold import fold_log
 
 
@@ -42,7 +41,7 @@ def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
     monkeypatch.setattr(rollouts.FakeEnvRollouts, "__call__", rollout)
     monkeypatch.setattr(trainers.FakeTrainer, "batch_written", batch_written)
     run = OpenedRun(config, config.run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
-    orch = asyncio.run(run_async(run, None))
+    orch = run_job(run, None)
     log.close()
     assert orch.state.stop_reason == "completed"
     assert len(started) > 100 and all(started), "a rollout started before its dispatch was durable"
