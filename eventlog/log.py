@@ -28,7 +28,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import orjson
 
@@ -406,15 +406,10 @@ class EventLog:
         if not buf:
             return self._last
         self._buf = []
-        conn = self._conn
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(_INSERT, buf)
-            conn.execute("COMMIT")
-        except BaseException as e:
-            self._after_failed_commit()
-            if isinstance(e, sqlite3.Error):
-                raise self._error(e) from e
+            self._transact(lambda conn: conn.executemany(_INSERT, buf))
+        except BaseException:
+            self._rederive_seq()
             raise
         self._last = buf[-1][0]
         self._commits_since_wal_check += 1
@@ -429,13 +424,10 @@ class EventLog:
         self._buf = []
         self._next = self._last + 1
 
-    def _after_failed_commit(self) -> None:
-        """Roll back, and re-derive the seq counter from what is actually stored."""
-        conn = self._conn
+    def _rederive_seq(self) -> None:
+        """After a failed commit: the seq counter follows what is actually stored."""
         try:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            self._last = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            self._last = self._conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         except sqlite3.Error:
             pass  # the original error is the one worth reporting
         self._next = self._last + 1
@@ -670,14 +662,22 @@ class EventLog:
 
     def _write(self, sql: str, params: tuple) -> None:
         """Run one statement in its own BEGIN IMMEDIATE transaction."""
+        self._transact(lambda conn: conn.execute(sql, params))
+
+    def _transact(self, work: Callable[[sqlite3.Connection], object]) -> None:
+        """Run ``work(conn)`` in one BEGIN IMMEDIATE transaction. On any failure it is rolled
+        back and the error propagates (SQLite errors as typed LogErrors)."""
         conn = self._conn
         try:
             conn.execute("BEGIN IMMEDIATE")
-            conn.execute(sql, params)
+            work(conn)
             conn.execute("COMMIT")
         except BaseException as e:
             if conn.in_transaction:
-                conn.execute("ROLLBACK")
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # the original error is the one worth reporting
             if isinstance(e, sqlite3.Error):
                 raise self._error(e) from e
             raise
