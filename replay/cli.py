@@ -110,11 +110,8 @@ def _summary(run: Path, at: int | None, as_json: bool) -> int:
     from replay.source import open_run
     from replay.summary import fold_run, render, summarize
 
-    log = open_run(run)
-    try:
+    with open_run(run) as log:
         summary = summarize(fold_run(log, at), log)
-    finally:
-        log.close()
     if as_json:
         _emit_json(summary)
     else:
@@ -126,15 +123,8 @@ def _diff(a: Path, b: Path, level: str, as_json: bool) -> int:
     from replay.diff import diff_logs, render_result
     from replay.source import open_run
 
-    log_a = open_run(a)
-    try:
-        log_b = open_run(b)
-        try:
-            result = diff_logs(log_a, log_b, level)
-        finally:
-            log_b.close()
-    finally:
-        log_a.close()
+    with open_run(a) as log_a, open_run(b) as log_b:
+        result = diff_logs(log_a, log_b, level)
     if as_json:
         _emit_json(result.to_dict())
     else:
@@ -147,11 +137,8 @@ def _check(run: Path, as_json: bool) -> int:
     from replay.diff import render_divergence
     from replay.source import open_run
 
-    log = open_run(run)
-    try:
+    with open_run(run) as log:
         result = check_log(log)
-    finally:
-        log.close()
     if as_json:
         _emit_json(result.to_dict())
     elif result.deterministic:
@@ -169,16 +156,10 @@ def _reexecute(run: Path, out: Path, finalize: str, settle_order: str, seed: int
     from replay.source import open_run
 
     options = ReexecOptions(finalize=finalize, settle_order=settle_order, seed=seed)
-    source = open_run(run)
-    try:
+    with open_run(run) as source:
         report = reexecute(source, out, options)
-        new = open_run(report.out)
-        try:
+        with open_run(report.out) as new:
             result = diff_logs(source, new, level)
-        finally:
-            new.close()
-    finally:
-        source.close()
     ok = result.equivalent and report.halted is None
     if as_json:
         _emit_json({"reexecute": report.to_dict(), "diff": result.to_dict(), "equivalent": ok})
