@@ -81,6 +81,21 @@ def _acct(s: State) -> dict[str, Any]:
             for name in type(a).__slots__}  # type: ignore[attr-defined]
 
 
+def _print_items(console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]],
+                 justify: str = "left") -> None:
+    """A titled table of items, printed only when there are any."""
+    from rich.table import Table
+
+    if not rows:
+        return
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify=justify)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
 def _ids(ids: list[int], limit: int = 12) -> str:
     text = ", ".join(map(str, ids[:limit]))
     return text + (f", … (+{len(ids) - limit})" if len(ids) > limit else "")
@@ -120,30 +135,19 @@ def render(summary: dict[str, Any], console) -> None:
         head.add_row(k, v)
     console.print(head)
 
-    if summary["pending"]["items"]:
-        t = Table(title="pending traces (queue order)", title_justify="left")
-        for col in ("trace", "group", "env", "dispatch v", "policy start", "tokens", "advantage"):
-            t.add_column(col, justify="right")
-        for q in summary["pending"]["items"]:
-            t.add_row(str(q["trace_id"]), str(q["group_id"]), q["env"], str(q["dispatch_version"]),
-                      str(q["policy_start"]), str(q["n_tokens"]), f"{q['advantage']:+.4f}")
-        console.print(t)
-    if summary["open_groups"]:
-        t = Table(title="open groups", title_justify="left")
-        for col in ("group", "env", "task", "v", "members", "in flight", "cancelled"):
-            t.add_column(col)
-        for g in summary["open_groups"]:
-            t.add_row(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["policy_version"]),
-                      _ids(g["members"]), _ids(g["inflight"]), str(g["cancelled"]))
-        console.print(t)
-    if summary["finalizing_groups"]:
-        t = Table(title="finalizing groups", title_justify="left")
-        for col in ("group", "env", "task", "background", "survivors", "scored", "error"):
-            t.add_column(col)
-        for g in summary["finalizing_groups"]:
-            t.add_row(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["background"]),
-                      _ids(g["survivors"]), str(g["scored"]), g["error"] or "")
-        console.print(t)
+    _print_items(console, "pending traces (queue order)",
+                 ("trace", "group", "env", "dispatch v", "policy start", "tokens", "advantage"),
+                 [(str(q["trace_id"]), str(q["group_id"]), q["env"], str(q["dispatch_version"]),
+                   str(q["policy_start"]), str(q["n_tokens"]), f"{q['advantage']:+.4f}")
+                  for q in summary["pending"]["items"]], justify="right")
+    _print_items(console, "open groups", ("group", "env", "task", "v", "members", "in flight", "cancelled"),
+                 [(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["policy_version"]),
+                   _ids(g["members"]), _ids(g["inflight"]), str(g["cancelled"]))
+                  for g in summary["open_groups"]])
+    _print_items(console, "finalizing groups", ("group", "env", "task", "background", "survivors", "scored", "error"),
+                 [(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["background"]),
+                   _ids(g["survivors"]), str(g["scored"]), g["error"] or "")
+                  for g in summary["finalizing_groups"]])
     t = Table(title="accounting", title_justify="left", show_header=False)
     t.add_column("total", style="bold")
     t.add_column("value", justify="right")
