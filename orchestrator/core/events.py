@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Annotated, Literal, Union
 
+import msgspec
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -273,41 +274,63 @@ def decode_trusted(kind: str, data: bytes | str) -> _Model:
 # ---------------------------------------------------------------- fold views
 # A fold (resume, replay) applies the reducer to every logged event but keeps almost none of
 # them: nearly every trace ships or drops before the end of the log. So a fold reads each row as
-# a plain view of its JSON fields, about twice as cheap as a model, and builds the models only
-# for the traces still held in the state at the end (`TraceView.model`).
+# a msgspec Struct of just the fields the reducer reads (type-checked, unknown keys skipped
+# without being built: about twice as cheap as a dict of every field, four times as cheap as a
+# model), and builds the models only for the traces still held in the state at the end
+# (`TraceView.model`).
 
-class FlatView:
-    """An event row as the reducer sees it in a fold: its fields as attributes."""
 
+class TraceView(msgspec.Struct, gc=False):
+    """An `episode_completed` row in a fold: what the reducer reads, and `data`, the row itself,
+    to decode the full event for the few traces still held when the fold ends. The reward,
+    mask and logprobs are skipped by the decoder; `token_ids` is read only for its length."""
 
-class TraceView(FlatView):
-    """An `episode_completed` row in a fold: its fields and `n_tokens`; `data` is kept to decode
-    the full event for the few traces still held when the fold ends."""
+    episode_id: int
+    group_id: int
+    ok: bool
+    policy_start: int
+    token_ids: list[int]
+    data: bytes = b""
 
-    data: bytes
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
 
     def model(self) -> EpisodeCompleted:
         return decode_trusted("episode_completed", self.data)  # type: ignore[return-value]
 
 
-def flat_view(data: bytes) -> FlatView:
-    view = _new(FlatView)
-    view.__dict__ = orjson.loads(data)
-    return view
+_decode_trace_view = msgspec.json.Decoder(TraceView).decode
 
 
 def trace_view(data: bytes) -> TraceView:
-    view = _new(TraceView)
-    view.__dict__ = fields = orjson.loads(data)
-    fields["n_tokens"], fields["data"] = len(fields["token_ids"]), data
+    view = _decode_trace_view(data)
+    view.data = data
     return view
 
 
-# kind -> how a fold reads its rows: a `TraceView` for a trace, a `FlatView` of the fields for
-# the other flat events, the validated model for events with nested models.
+def _flat_view_decoder(cls: type[_Model]) -> Callable[[bytes], msgspec.Struct]:
+    """A decoder of `cls`'s rows into a Struct with its fields (same types and defaults)."""
+    fields = []
+    for name, info in cls.model_fields.items():
+        if name == "kind":
+            continue
+        if info.is_required():
+            fields.append((name, info.annotation))
+        elif info.default_factory is not None:
+            fields.append((name, info.annotation, msgspec.field(default_factory=info.default_factory)))
+        else:
+            fields.append((name, info.annotation, info.default))
+    view = msgspec.defstruct(f"{cls.__name__}View", fields, kw_only=True, gc=False, module=__name__)
+    return msgspec.json.Decoder(view).decode
+
+
+# kind -> how a fold reads its rows (any error is a ValueError): a `TraceView` for a trace, a
+# Struct of the fields for the other flat events, the validated model for events with nested
+# models.
 FOLD_VIEWS: dict[str, Callable[[bytes], object]] = {
     kind: trace_view if kind == "episode_completed"
     else functools.partial(decode_trusted, kind) if kind in _NESTED_KINDS
-    else flat_view
-    for kind in EVENT_TYPES
+    else _flat_view_decoder(cls)
+    for kind, cls in EVENT_TYPES.items()
 }

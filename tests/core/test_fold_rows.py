@@ -41,8 +41,11 @@ def test_fold_rows_continues_a_state_from_any_point(sim_log):
 
 @pytest.mark.parametrize("row, error", [
     (("no_such_kind", b"{}"), "seq 12: cannot fold the 'no_such_kind' event: ValueError: unknown event kind"),
-    (("episode_dispatched", b"{not json"), "seq 12: cannot fold the 'episode_dispatched' event: JSONDecodeError"),
-    (("episode_dispatched", b'{"episode_id":1}'), "seq 12: cannot fold the 'episode_dispatched' event: AttributeError"),
+    (("episode_dispatched", b"{not json"), "seq 12: cannot fold the 'episode_dispatched' event: DecodeError: JSON is malformed"),
+    (("episode_dispatched", b'{"episode_id":1}'),
+     "seq 12: cannot fold the 'episode_dispatched' event: ValidationError: Object missing required field `group_id`"),
+    (("episode_completed", b'{"episode_id":"1","group_id":1,"ok":true,"token_ids":[],"policy_start":0}'),
+     "seq 12: cannot fold the 'episode_completed' event: ValidationError: Expected `int`, got `str` - at `$.episode_id`"),
     (("episode_dispatched", b'{"episode_id":1,"group_id":999,"attempt":0,"policy_version":0}'),
      "seq 12: cannot fold the 'episode_dispatched' event: KeyError: 999"),
 ])
