@@ -78,7 +78,7 @@ def test_resume_fold_time(benchmark, logs, size, mode):
             expected = log.meta["state_hash"]
         return folded, expected
 
-    folded, expected = benchmark.pedantic(resume, rounds=3 if size != "1M" else 1, iterations=1)
+    folded, expected = benchmark.pedantic(resume, rounds=3, iterations=1)
     assert state_hash(folded.state) == expected  # the fold rebuilt exactly the live state
     seconds = benchmark.stats.stats.median
     benchmark.extra_info.update(events=folded.seq, folded=folded.events_folded, seconds=round(seconds, 3))

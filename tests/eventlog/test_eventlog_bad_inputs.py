@@ -127,9 +127,12 @@ def test_truncated(path, opener, keep):
 def test_corrupted_pages_fail_open_or_verify(path):
     make_log(path, 3000, pad=100)
     size = os.path.getsize(path)
+    with sqlite3.connect(path) as db:
+        (page_size,) = db.execute("PRAGMA page_size").fetchone()
+    db.close()
     with open(path, "r+b") as f:  # scribble over a few pages in the middle of the events b-tree
-        f.seek(size // 2 // 4096 * 4096)
-        f.write(b"\xab" * 3 * 4096)
+        f.seek(size // 2 // page_size * page_size)
+        f.write(b"\xab" * 3 * page_size)
     with pytest.raises(CorruptLogError):
         with EventLog.open(path) as lg:
             lg.verify().raise_for_problems()

@@ -22,6 +22,12 @@ def wal_size(path: str) -> int:
         return 0
 
 
+def test_new_logs_use_16k_pages_and_checkpoint_every_4_mib(log, path):
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA page_size").fetchone() == (16384,)
+    assert log._conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (4 * MiB // 16384,)
+
+
 def test_forced_checkpoint_after_a_reader_pinned_the_wal(log, path, monkeypatch):
     monkeypatch.setattr(eventlog_log, "_WAL_FORCE_BYTES", 1 * MiB)
     pin = sqlite3.connect(path, isolation_level=None)
