@@ -262,7 +262,12 @@ def decode_trusted(kind: str, data: bytes | str) -> _Model:
         raise ValueError(f"unknown event kind {kind!r}")
     if kind in _NESTED_KINDS:
         return cls.model_validate_json(data)
-    fields = {"kind": kind, **orjson.loads(data)}
+    return construct_trusted(cls, {"kind": kind, **orjson.loads(data)})
+
+
+def construct_trusted(cls: type[_Model], fields: dict) -> _Model:
+    """The event `cls(**fields)` without validation, for values valid by construction: every
+    field present (`kind` included), of its type, in declaration order."""
     event = _new(cls)
     _set(event, "__dict__", fields)
     _set(event, "__pydantic_fields_set__", set(fields))

@@ -1,0 +1,29 @@
+"""The fake env builds its events without validation: they must be exactly what validation
+would have built (and each owns its lists)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.config import FakeEnvConfig
+from orchestrator.core.events import EpisodeCompleted, encode_event
+from orchestrator.shell.rollouts import FakeEnvRollouts, RolloutRequest
+
+
+@pytest.mark.parametrize("prompt_tokens, empty_rate", [(8, 0.2), (0, 0.5)])
+def test_fake_env_events_equal_their_validated_copies(prompt_tokens, empty_rate):
+    config = FakeEnvConfig(prompt_tokens=prompt_tokens, empty_rate=empty_rate, min_tokens=1, max_tokens=6)
+    env = FakeEnvRollouts(config, seed=3, version_now=lambda: 2)
+
+    async def episodes():
+        return [await env(RolloutRequest(i, i // 4, "fake", i // 4, 0, 2)) for i in range(300)]
+
+    events = asyncio.run(episodes())
+    for event in events:
+        validated = EpisodeCompleted.model_validate(event.model_dump())
+        assert validated == event and encode_event(validated) == encode_event(event)
+    assert {len(e.token_ids) - prompt_tokens for e in events} == set(range(7))  # empty ones too
+    masks = [e.mask for e in events]
+    assert len({id(m) for m in masks}) == len(masks)  # no list shared between events
