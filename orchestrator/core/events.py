@@ -276,6 +276,28 @@ def construct_trusted(cls: type[_Model], fields: dict) -> _Model:
     return event
 
 
+_NOT_GIVEN = object()  # not serializable: an omitted required field fails the encoding
+
+
+def _trusted_base(cls: type[_Model]) -> dict:
+    """Every field in declaration order (the order it is encoded in), with its plain default."""
+    return {
+        name: info.default if not info.is_required() and info.default_factory is None else _NOT_GIVEN
+        for name, info in cls.model_fields.items()
+    }
+
+
+_TRUSTED_BASES = {cls: _trusted_base(cls) for cls in EVENT_TYPES.values()}
+
+
+def decision(cls: type[_Model], **fields) -> _Model:
+    """A decision of the core, `cls(**fields)` without validation (~15% of the core's time):
+    the core builds its fields from validated inputs and its own counters. Omitted fields take
+    their plain defaults; fields with a default factory must be given. The property tests check
+    that every decision equals its validated copy, encoded bytes included."""
+    return construct_trusted(cls, {**_TRUSTED_BASES[cls], **fields})
+
+
 # ---------------------------------------------------------------- fold views
 # A fold (resume, replay) applies the reducer to every logged event but keeps almost none of
 # them: nearly every trace ships or drops before the end of the log. So a fold reads each row as

@@ -44,7 +44,7 @@ class CoreMachine(RuleBasedStateMachine):
         )
         self.world = SimWorld(self.params, seed=0, options=SimOptions(settle="random"))
         self.world.start()
-        self.checked = 0  # log entries already checked
+        self.checked = 0  # log entries whose decisions were checked against validation
 
     @precondition(lambda self: self.world.state.inflight and not self.world.state.stopped)
     @rule(pick=st.integers(0, 10**6), ok=st.booleans(), data=st.data())
@@ -95,6 +95,16 @@ class CoreMachine(RuleBasedStateMachine):
             elif e.kind == "batch_shipped":
                 assert version >= e.step - 1 - self.params.target_lag, "ship hold"
                 assert e.off_policy_max <= self.params.max_off_policy_steps, "lag bound"
+
+    @invariant()
+    def decisions_equal_their_validated_copies(self):
+        """The core builds its decisions without validation (`events.decision`)."""
+        log = self.world.log
+        for event in log[self.checked:]:
+            if event.kind not in ev.INPUT_KINDS:
+                validated = type(event).model_validate(event.model_dump())
+                assert validated == event and ev.encode_event(validated) == ev.encode_event(event), event
+        self.checked = len(log)
 
     @invariant()
     def fold_of_the_log_equals_the_live_state(self):
