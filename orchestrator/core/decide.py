@@ -110,7 +110,7 @@ def dispatch_train_episodes(d: _Decisions) -> None:
     while s.gate_open and len(s.inflight) < max_inflight:
         group_id = min(s.unfilled) if s.unfilled else start_train_group(d)
         group = s.groups[group_id]
-        d.emit(ev.decision(ev.EpisodeDispatched, 
+        d.emit(ev.decision(ev.EpisodeDispatched,
             episode_id=s.next_episode_id, group_id=group_id, attempt=group.attempts,
             policy_version=s.version,
         ))
@@ -121,7 +121,7 @@ def start_train_group(d: _Decisions) -> int:
     s, p = d.state, d.state.params
     env = choose_by_ratio(p.env_ratios, uniform(p.seed, s.rng_counter))
     group_id = s.next_group_id
-    d.emit(ev.decision(ev.GroupDispatched, 
+    d.emit(ev.decision(ev.GroupDispatched,
         group_id=group_id, env=env, task_id=s.cursors[env], group_size=p.group_size,
         policy_version=s.version,
     ))
@@ -157,12 +157,16 @@ def finalize_group(d: _Decisions, group: Group) -> None:
     if not survivors:
         settle_group(d, group)
         return
-    d.emit(ev.decision(ev.FinalizeStarted, group_id=group.group_id, background=p.finalize_in_background, trace_ids=survivors))
+    d.emit(ev.decision(ev.FinalizeStarted,
+        group_id=group.group_id, background=p.finalize_in_background, trace_ids=survivors,
+    ))
     if p.finalize_in_background:
         return  # the shell scores it; the result comes back as a `group_finalized` input
     rewards = [s.traces[trace_id].reward for trace_id in survivors]
     advantages = INLINE_SCORERS[p.algorithm](rewards)
-    d.emit(ev.decision(ev.GroupFinalized, group_id=group.group_id, trace_ids=survivors, advantages=advantages))
+    d.emit(ev.decision(ev.GroupFinalized,
+        group_id=group.group_id, trace_ids=survivors, advantages=advantages,
+    ))
     settle_group(d, group)
 
 
@@ -201,7 +205,9 @@ def settle_group(d: _Decisions, group: Group) -> None:
             dropped.setdefault("stale", []).append(trace_id)
         else:
             inserted.append(trace_id)
-    d.emit(ev.decision(ev.GroupSettled, group_id=group.group_id, admitted=admitted, trace_ids=inserted, dropped=dropped))
+    d.emit(ev.decision(ev.GroupSettled,
+        group_id=group.group_id, admitted=admitted, trace_ids=inserted, dropped=dropped,
+    ))
     stop_if_zero_output(d)
 
 
@@ -229,7 +235,9 @@ def cancel_stale_finalizing(d: _Decisions) -> None:
     oldest = min_fresh_version(s.params, s.step)
     for group in [g for g in s.groups.values() if g.background]:
         if all(s.traces[t].policy_start < oldest for t in group.survivors):
-            d.emit(ev.decision(ev.GroupCancelled, group_id=group.group_id, reason="stale", count=len(group.members)))
+            d.emit(ev.decision(ev.GroupCancelled,
+                group_id=group.group_id, reason="stale", count=len(group.members),
+            ))
             stop_if_zero_output(d)
             if s.stopped:
                 return
@@ -292,7 +300,7 @@ def ship_batch(d: _Decisions) -> None:
     payload = encode_batch(step, records)
     if d.batch_payloads is not None:
         d.batch_payloads[step] = payload
-    d.emit(ev.decision(ev.BatchShipped, 
+    d.emit(ev.decision(ev.BatchShipped,
         step=step, trace_ids=[q.trace_id for q in shipped], pruned_ids=[q.trace_id for q in pruned],
         sha256=batch_sha256(payload), n_tokens=n_tokens,
         off_policy_max=max(lags, default=0), off_policy_mean=sum(lags) / len(lags) if lags else 0.0,
@@ -321,7 +329,9 @@ def cancel_everything(d: _Decisions, reason: str) -> None:
     for episode_id in list(s.inflight):
         d.emit(ev.decision(ev.EpisodeCancelled, episode_id=episode_id, reason=reason))
     for group in list(s.groups.values()):
-        d.emit(ev.decision(ev.GroupCancelled, group_id=group.group_id, reason=reason, count=len(group.members)))
+        d.emit(ev.decision(ev.GroupCancelled,
+            group_id=group.group_id, reason=reason, count=len(group.members),
+        ))
     if s.pending:
         d.emit(ev.decision(ev.TracesDropped, trace_ids=list(s.pending), reason=reason))
 
@@ -369,7 +379,9 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     if stale_members:
         d.emit(ev.decision(ev.TracesDropped, trace_ids=stale_members, reason="stale"))
     for group in [g for g in s.groups.values() if g.finalizing]:
-        d.emit(ev.decision(ev.FinalizeStarted, group_id=group.group_id, background=True, trace_ids=group.survivors))
+        d.emit(ev.decision(ev.FinalizeStarted,
+            group_id=group.group_id, background=True, trace_ids=group.survivors,
+        ))
     sweep_stale_pending(d)
     cancel_stale_finalizing(d)
     if s.step > s.params.max_steps and not s.stopped:
