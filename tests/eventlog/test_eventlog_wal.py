@@ -23,8 +23,11 @@ def wal_size(path: str) -> int:
 
 
 def test_new_logs_use_16k_pages_and_checkpoint_every_4_mib(log, path):
-    with sqlite3.connect(path) as db:
+    db = sqlite3.connect(path)
+    try:
         assert db.execute("PRAGMA page_size").fetchone() == (16384,)
+    finally:
+        db.close()
     assert log._conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (4 * MiB // 16384,)
 
 
