@@ -25,7 +25,7 @@ from orchestrator.core.decide import decide
 from orchestrator.core.events import INPUT_KINDS
 from orchestrator.core.state import State
 from orchestrator.gc_tuning import tuned_gc
-from orchestrator.shell.runner import OpenedRun, new_event_loop, run_async, run_job
+from orchestrator.shell.runner import OpenedRun, run_async, run_job, run_on_new_loop
 from orchestrator.sim import SimOptions, SimWorld
 
 
@@ -119,11 +119,7 @@ def test_event_loop_lag_with_4k_in_flight(benchmark, tmp_path):
         log.close()
         return orch, samples
 
-    def on_orch_loop():
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            return runner.run(main())
-
-    orch, samples = benchmark.pedantic(on_orch_loop, rounds=1, iterations=1)
+    orch, samples = benchmark.pedantic(lambda: run_on_new_loop(main()), rounds=1, iterations=1)
     samples.sort()
     p99 = samples[int(len(samples) * 0.99)]
     benchmark.extra_info.update(lag_p99_ms=round(p99 * 1000, 2), lag_p50_ms=round(samples[len(samples) // 2] * 1000, 2),

@@ -160,10 +160,15 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def run_on_new_loop(coro):
+    """`asyncio.run(coro)` on the event loop `orch run` uses (`new_event_loop`)."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def run_job(run: OpenedRun, progress: Progress | None) -> Orchestrator:
     """Run `run` to its end on a new event loop (what `orch run` does)."""
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(run_async(run, progress))
+    return run_on_new_loop(run_async(run, progress))
 
 
 async def run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
