@@ -275,12 +275,12 @@ def decode_trusted(kind: str, data: bytes | str) -> _Model:
         raise ValueError(f"unknown event kind {kind!r}")
     if kind in _NESTED_KINDS:
         return cls.model_validate_json(data)
-    return construct_trusted(cls, {"kind": kind, **orjson.loads(data)})
+    return _construct(cls, {"kind": kind, **orjson.loads(data)})
 
 
-def construct_trusted(cls: type[_Model], fields: dict) -> _Model:
-    """The event `cls(**fields)` without validation, for values valid by construction: every
-    field present (`kind` included), of its type, in declaration order."""
+def _construct(cls: type[_Model], fields: dict) -> _Model:
+    """The event `cls(**fields)` without validation: every field present (`kind` included), of
+    its type, in declaration order."""
     event = _new(cls)
     _set(event, "__dict__", fields)
     _set(event, "__pydantic_fields_set__", set(fields))
@@ -303,12 +303,13 @@ def _trusted_base(cls: type[_Model]) -> dict:
 _TRUSTED_BASES = {cls: _trusted_base(cls) for cls in EVENT_TYPES.values()}
 
 
-def decision(cls: type[_Model], **fields) -> _Model:
-    """A decision of the core, `cls(**fields)` without validation (~15% of the core's time):
-    the core builds its fields from validated inputs and its own counters. Omitted fields take
-    their plain defaults; fields with a default factory must be given. The property tests check
-    that every decision equals its validated copy, encoded bytes included."""
-    return construct_trusted(cls, {**_TRUSTED_BASES[cls], **fields})
+def trusted_event(cls: type[_Model], **fields) -> _Model:
+    """`cls(**fields)` without validation, for values valid by construction: the core's
+    decisions, built from validated inputs and its own counters (validation was ~15% of the
+    core's time), and the fake env's episodes. Omitted fields take their plain defaults; fields
+    with a default factory must be given. Tests check that these events equal their validated
+    copies, encoded bytes included."""
+    return _construct(cls, {**_TRUSTED_BASES[cls], **fields})
 
 
 # ---------------------------------------------------------------- fold views

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.config import FakeEnvConfig
-from orchestrator.core.events import EpisodeCompleted, construct_trusted
+from orchestrator.core.events import EpisodeCompleted, trusted_event
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,15 +70,15 @@ class FakeEnvRollouts:
         n_total = cfg.prompt_tokens + n_sampled
         # Valid by construction (aligned lists, finite floats), so not validated again: an
         # instant env should cost next to nothing beside the orchestrator it exercises.
-        return construct_trusted(EpisodeCompleted, dict(
-            kind="episode_completed", episode_id=req.episode_id, group_id=req.group_id, ok=True,
+        return trusted_event(
+            EpisodeCompleted, episode_id=req.episode_id, group_id=req.group_id, ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
             reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
             token_ids=list(noise[:n_total]),
             mask=self._masks[n_sampled][:],
             logprobs=self._prompt_logprobs + [_LOGPROB_OF_BYTE[b] for b in noise[n_total:n_total + n_sampled]],
-            policy_start=policy_start, policy_end=self.version_now(), temperature=1.0, error=None,
-        ))
+            policy_start=policy_start, policy_end=self.version_now(),
+        )
 
 
 _UNIFORMS = struct.Struct("<5I")  # latency, error, empty, length, reward: uniform over 2**32

@@ -98,7 +98,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def decisions_equal_their_validated_copies(self):
-        """The core builds its decisions without validation (`events.decision`)."""
+        """The core builds its decisions without validation (`events.trusted_event`)."""
         log = self.world.log
         for event in log[self.checked:]:
             if event.kind not in ev.INPUT_KINDS:
