@@ -4,6 +4,7 @@ cancellation, health backoff, the weight-update contract."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import time
 
@@ -27,9 +28,22 @@ def wdirs(tmp_path):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and below the kernel's ephemeral range, so that no port-0 bind (another
+    test server) and no outgoing connection can take it before a server binds it, or between a
+    server's stop and its restart on the same port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except OSError:  # not Linux
+        ephemeral_low = 32768
+    for port in random.Random().sample(range(10_000, ephemeral_low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def ask(client, pin=None, **kw):
