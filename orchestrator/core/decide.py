@@ -90,7 +90,7 @@ def dispatch_gate(s: State) -> tuple[bool, str]:
         return False, "draining"
     if (s.step - 1) - s.version > p.target_lag:
         return False, "off_policy_lag"
-    if any(count >= p.max_finalizing_groups for count in s.finalizing.values()):
+    if s.finalizing and max(s.finalizing.values()) >= p.max_finalizing_groups:
         return False, "finalizing_cap"
     return True, "open"
 
