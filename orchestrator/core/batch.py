@@ -19,19 +19,20 @@ from orchestrator.core.events import EpisodeCompleted
 BATCH_FORMAT = 1
 
 
+# The keys of a batch file are sorted. Its dicts are built with their keys in that order, so
+# orjson writes sorted keys without sorting them (a third cheaper; a test checks the bytes).
+
+
 def sample_record(trace: EpisodeCompleted, env: str, advantage: float, lag: int) -> dict:
     return {
-        "trace_id": trace.episode_id, "group_id": trace.group_id, "env": env,
-        "token_ids": trace.token_ids, "mask": trace.mask, "logprobs": trace.logprobs,
-        "advantage": advantage, "policy_start": trace.policy_start, "lag": lag,
-        "temperature": trace.temperature,
+        "advantage": advantage, "env": env, "group_id": trace.group_id, "lag": lag,
+        "logprobs": trace.logprobs, "mask": trace.mask, "policy_start": trace.policy_start,
+        "temperature": trace.temperature, "token_ids": trace.token_ids, "trace_id": trace.episode_id,
     }
 
 
 def encode_batch(step: int, samples: Iterable[dict]) -> bytes:
-    return orjson.dumps(
-        {"format": BATCH_FORMAT, "step": step, "samples": list(samples)}, option=orjson.OPT_SORT_KEYS
-    )
+    return orjson.dumps({"format": BATCH_FORMAT, "samples": list(samples), "step": step})
 
 
 def batch_sha256(payload: bytes) -> str:
