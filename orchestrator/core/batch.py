@@ -19,10 +19,8 @@ from orchestrator.core.events import EpisodeCompleted
 BATCH_FORMAT = 1
 
 
-# The keys of a batch file are sorted. Its dicts are built with their keys in that order, so
-# orjson writes sorted keys without sorting them (a third cheaper; a test checks the bytes).
-
-
+# A batch file's keys are sorted: its dicts are built with their keys in that order, so orjson
+# writes them as built, a third cheaper than sorting them (a test checks the bytes).
 def sample_record(trace: EpisodeCompleted, env: str, advantage: float, lag: int) -> dict:
     return {
         "advantage": advantage, "env": env, "group_id": trace.group_id, "lag": lag,
