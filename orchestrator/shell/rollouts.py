@@ -13,14 +13,16 @@ import hashlib
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from orchestrator.config import FakeEnvConfig
 from orchestrator.core.events import EpisodeCompleted, trusted_event
 
 
-@dataclass(slots=True, frozen=True)
-class RolloutRequest:
+class RolloutRequest(NamedTuple):
+    """What one dispatched episode needs (immutable; a tuple: one is built per episode, and a
+    frozen dataclass's field-by-field __init__ cost 2% of the instant pipeline)."""
+
     episode_id: int
     group_id: int
     env: str
