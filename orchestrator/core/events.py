@@ -280,10 +280,12 @@ def decode_trusted(kind: str, data: bytes | str) -> _Model:
 
 def _construct(cls: type[_Model], fields: dict) -> _Model:
     """The event `cls(**fields)` without validation: every field present (`kind` included), of
-    its type, in declaration order."""
+    its type, in declaration order. Its `model_fields_set` is one set of all the class's fields,
+    shared by the class's events: pydantic adds to the set of a frozen model only on a copy
+    (`model_copy`), and not building one per event is 3.5% of the core's time."""
     event = _new(cls)
     _set(event, "__dict__", fields)
-    _set(event, "__pydantic_fields_set__", set(fields))
+    _set(event, "__pydantic_fields_set__", _ALL_FIELDS[cls])
     _set(event, "__pydantic_extra__", None)
     _set(event, "__pydantic_private__", None)
     return event
@@ -301,6 +303,7 @@ def _trusted_base(cls: type[_Model]) -> dict:
 
 
 _TRUSTED_BASES = {cls: _trusted_base(cls) for cls in EVENT_TYPES.values()}
+_ALL_FIELDS = {cls: set(cls.model_fields) for cls in EVENT_TYPES.values()}
 
 
 def trusted_event(cls: type[_Model], **fields) -> _Model:

@@ -174,6 +174,16 @@ def test_trusted_decoding_round_trips_every_kind_exactly():
     assert len(kinds) >= 12
 
 
+def test_events_built_without_validation_share_their_classs_fields_set_and_copies_do_not():
+    built = ev.trusted_event(ev.EpisodeCancelled, episode_id=1, reason="drain")
+    decoded = ev.decode_trusted(*ev.encode_event(ev.EpisodeCancelled(episode_id=2, reason="stop")))
+    assert built.model_fields_set is decoded.model_fields_set == set(ev.EpisodeCancelled.model_fields)
+    assert built.model_dump(exclude_unset=True) == built.model_dump()  # every field counts as set
+    copied = built.model_copy(update={"reason": "stop"})
+    assert copied.model_fields_set is not built.model_fields_set
+    assert built.model_fields_set == set(ev.EpisodeCancelled.model_fields)  # untouched by the copy
+
+
 _FLAT_EVENT_TYPES = [cls for kind, cls in ev.EVENT_TYPES.items() if kind != "run_started"]
 _FINITE = st.floats(allow_nan=False, allow_infinity=False)  # events refuse NaN and infinities
 
