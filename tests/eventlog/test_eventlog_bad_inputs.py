@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -127,9 +128,8 @@ def test_truncated(path, opener, keep):
 def test_corrupted_pages_fail_open_or_verify(path):
     make_log(path, 3000, pad=100)
     size = os.path.getsize(path)
-    with sqlite3.connect(path) as db:
+    with contextlib.closing(sqlite3.connect(path)) as db:
         (page_size,) = db.execute("PRAGMA page_size").fetchone()
-    db.close()
     with open(path, "r+b") as f:  # scribble over a few pages in the middle of the events b-tree
         f.seek(size // 2 // page_size * page_size)
         f.write(b"\xab" * 3 * page_size)
