@@ -6,9 +6,9 @@ stream is `[input, *decisions]`, and folding it from the previous state gives th
 
 Order for every input: evolve the input; the input's own rule, which ends with the common tail
 when it changed anything the tail reads: ship what is ready and released (rules 6-7), re-check
-the gate and refill free permits (rule 1), finish a drain (rule 9). A completion refills its permit *before* its group is finalized: that makes
-inline and background finalization dispatch the same episodes at the same points, so both ship
-identical batches (seed 000).
+the gate and refill free permits (rule 1), finish a drain (rule 9). A completion refills its
+permit *before* its group is finalized: that makes inline and background finalization dispatch
+the same episodes at the same points, so both ship identical batches (seed 000).
 """
 
 from __future__ import annotations
@@ -132,7 +132,10 @@ def start_train_group(d: _Decisions) -> int:
 
 
 def on_episode_completed(d: _Decisions, e: ev.EpisodeCompleted) -> None:
-    refill(d)
+    # The freed permit is refilled at once. The gate needs no re-check: a completion changes
+    # nothing it reads (step, version, finalizing, draining), and every rule that does change
+    # one of those ends by re-checking it.
+    dispatch_train_episodes(d)
     group = d.state.groups[e.group_id]
     if group.complete:
         finalize_group(d, group)

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from orchestrator.core import events as ev
+from orchestrator.core.decide import dispatch_gate
 from orchestrator.core.evolve import fold, fold_rows
 from orchestrator.core.state import State, conservation, state_hash
 from orchestrator.sim import SimOptions, SimWorld
@@ -95,6 +96,12 @@ class CoreMachine(RuleBasedStateMachine):
             elif e.kind == "batch_shipped":
                 assert version >= e.step - 1 - self.params.target_lag, "ship hold"
                 assert e.off_policy_max <= self.params.max_off_policy_steps, "lag bound"
+
+    @invariant()
+    def dispatch_gate_is_current(self):
+        """Between inputs the logged gate is what its rule says: completions rely on it."""
+        s = self.world.state
+        assert (s.gate_open, s.gate_reason) == dispatch_gate(s)
 
     @invariant()
     def decisions_equal_their_validated_copies(self):
