@@ -146,6 +146,29 @@ def test_identical_inputs_give_byte_identical_events(seed):
     assert _canonical(a.log) == _canonical(b.log)
 
 
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("target_lag", [0, 1])
+def test_dispatch_gate_is_current_after_every_input(target_lag, background):
+    """A completion refills its permit without re-checking the gate; that is right only if every
+    other rule leaves the gate current. Checked after each input of whole simulated runs (the
+    state machine above checks it too, on fewer, shorter runs)."""
+    for seed in range(3):
+        world = SimWorld(_params(seed, target_lag=target_lag, finalize_in_background=background,
+                                 max_finalizing_groups=2),
+                         seed=seed, options=SimOptions(publish_weight=0.3, settle="random"))
+        feed = world.feed
+
+        def feed_and_check(event, feed=feed, world=world):
+            decisions = feed(event)
+            s = world.state
+            assert (s.gate_open, s.gate_reason) == dispatch_gate(s), (event, decisions)
+            return decisions
+
+        world.feed = feed_and_check
+        world.run()
+        assert world.state.stop_reason == "completed"
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_not_opted_in_and_opted_in_with_immediate_settle_ship_identical_batches(seed):
     inline = SimWorld(_params(seed), seed=seed)
