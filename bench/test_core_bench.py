@@ -75,11 +75,14 @@ def run_pipeline(config, log) -> tuple[float, int]:
 
 def test_pipeline_episodes_per_second_log_vs_memory(benchmark, tmp_path):
     steps, results = 60, {"sqlite": [], "memory": []}
-    counter = iter(range(1000))
+    round_numbers = iter(range(1000))
 
     def one_round():
-        for kind in ("sqlite", "memory"):  # interleaved: both see the same machine load
-            config = _fake_config(tmp_path, f"{kind}{next(counter)}", steps)
+        # Interleaved, so both see the same machine load, and in alternating order, so a drift
+        # within a round does not always favour the same side.
+        round_number = next(round_numbers)
+        for kind in ("sqlite", "memory") if round_number % 2 == 0 else ("memory", "sqlite"):
+            config = _fake_config(tmp_path, f"{kind}{round_number}", steps)
             if kind == "sqlite":
                 config.run_dir.mkdir(parents=True)
                 log = EventLog.create(config.run_dir / "events.db", durability="full")
