@@ -133,8 +133,8 @@ def start_train_group(d: _Decisions) -> int:
 
 def on_episode_completed(d: _Decisions, e: ev.EpisodeCompleted) -> None:
     # The freed permit is refilled at once. The gate needs no re-check: a completion changes
-    # nothing it reads (step, version, finalizing, draining), and every rule that does change
-    # one of those ends by re-checking it.
+    # nothing it reads (step, version, background-finalizing counts, draining, stopped), and
+    # every rule that does change one of those ends by re-checking it.
     dispatch_train_episodes(d)
     group = d.state.groups[e.group_id]
     if group.complete:
