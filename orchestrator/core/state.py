@@ -14,7 +14,8 @@ import orjson
 
 from orchestrator.core.events import CoreParams, EpisodeCompleted
 
-REDUCER_VERSION = "orch-core-1"
+# 2: `params` is stored as its own JSON, so env_ratios keeps its order through a snapshot.
+REDUCER_VERSION = "orch-core-2"
 
 
 @dataclass(slots=True)
@@ -146,7 +147,9 @@ def state_to_dict(s: State) -> dict:
     acct = s.acct
     return {
         "reducer_version": REDUCER_VERSION,
-        "params": s.params.model_dump() if s.params else None,
+        # As its own JSON text, so the sorted keys of the snapshot leave its dicts in their
+        # order: the env choice walks env_ratios in the order the run was started with.
+        "params": s.params.model_dump_json() if s.params else None,
         "step": s.step, "version": s.version, "next_group_id": s.next_group_id,
         "next_episode_id": s.next_episode_id, "rng_counter": s.rng_counter, "cursors": s.cursors,
         "groups": [_group_to_dict(g) for g in s.groups.values()],
@@ -172,7 +175,7 @@ def state_from_dict(d: dict) -> State:
     if d.get("reducer_version") != REDUCER_VERSION:
         raise ValueError(f"state from reducer {d.get('reducer_version')!r}, this code is {REDUCER_VERSION}")
     return State(
-        params=CoreParams.model_validate(d["params"]) if d["params"] else None,
+        params=CoreParams.model_validate_json(d["params"]) if d["params"] else None,
         step=d["step"], version=d["version"], next_group_id=d["next_group_id"],
         next_episode_id=d["next_episode_id"], rng_counter=d["rng_counter"], cursors=d["cursors"],
         groups={g["group_id"]: _group_from_dict(g) for g in d["groups"]},
