@@ -57,9 +57,15 @@ def decide(state: State, event, batch_payloads: dict[int, bytes] | None = None) 
 
 
 def _accepted(s: State, e) -> bool:
-    """False for results nobody waits for any more (late completions, cancelled groups)."""
+    """False for results nobody waits for any more (late completions, cancelled groups). A
+    completion naming another group than the one its episode was dispatched into is refused:
+    the trace would be filed under one group and judged under the other."""
     if e.kind == "episode_completed":
-        return e.episode_id in s.inflight
+        group_id = s.inflight.get(e.episode_id)
+        if group_id is not None and group_id != e.group_id:
+            raise ValueError(f"episode {e.episode_id} completed for group {e.group_id}, "
+                             f"but it was dispatched into group {group_id}")
+        return group_id is not None
     if e.kind == "group_finalized":
         group = s.groups.get(e.group_id)
         return group is not None and group.finalizing

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from orchestrator.core import events as ev
-from orchestrator.core.state import conservation
+from orchestrator.core.state import conservation, state_hash
 
 # --- rule 1: dispatch ----------------------------------------------------------------------------
 
@@ -275,6 +275,16 @@ def test_late_completion_of_a_cancelled_episode_is_ignored(driver):
     before = d.state.acct.completed
     d.feed(ev.EpisodeCompleted(episode_id=1, group_id=1, ok=True, policy_start=0, policy_end=0))
     assert d.state.acct.completed == before and d.state.acct.late == 1
+
+
+def test_a_completion_for_another_group_than_its_dispatch_is_refused_before_any_change(driver):
+    d = driver(group_size=2, batch_size=100, max_inflight=4)
+    d.start()
+    assert d.state.inflight[1] == 1 and d.state.inflight[3] == 2
+    before = state_hash(d.state)
+    with pytest.raises(ValueError, match="episode 1 completed for group 2, but it was dispatched into group 1"):
+        d.feed(ev.EpisodeCompleted(episode_id=1, group_id=2, ok=True, policy_start=0, policy_end=0))
+    assert state_hash(d.state) == before
 
 
 def test_decisions_are_not_inputs(driver):
