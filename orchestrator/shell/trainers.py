@@ -79,6 +79,10 @@ class ProcessTrainer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                # Its own session: a Ctrl-C in the terminal reaches the orchestrator only, which
+                # drains and then stops the trainer itself. The child's parent watchdog still
+                # ends it if the orchestrator dies.
+                start_new_session=True,
             )
         finally:
             log.close()
