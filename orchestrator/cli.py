@@ -43,17 +43,19 @@ def main() -> None:
 @click.option("--inference", "inference_urls", metavar="URL1,URL2,...",
               help="sample with these OpenAI-compatible endpoints (orch serve, vLLM, SGLang); shorthand for inference.endpoints")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), help="continue the run in this directory")
-@click.option("--progress-every", type=int, default=1, show_default=True, help="print a progress line every N steps")
+@click.option("--progress-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="print a progress line every N steps")
 @click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path), help="also write the final summary as JSON")
 def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, max_steps, inference_urls, resume_dir,
                 progress_every, json_summary) -> None:
     """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
     from orchestrator.shell.progress import Progress
     from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_job
-    from orchestrator.shell.trainers import TrainerFailed
-    from orchestrator.shell.loop import FinalizeError, StalledError
+    from orchestrator.shell.loop import FinalizeError
     from replay.fold import FoldError
 
+    if json_summary is not None and not json_summary.parent.is_dir():  # found out now, not after the run
+        fail(f"--json-summary {json_summary}: no such directory {json_summary.parent}", EXIT_USAGE)
     sets = list(overrides)
     if env_name:
         sets.append(f'envs={{"{env_name}": 1.0}}')
@@ -70,7 +72,10 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
             if name or runs_dir:
                 fail("--resume takes the run directory; do not combine it with --name/--runs-dir", EXIT_USAGE)
             run = resume_run(resume_dir, sets, config_file)
-            click.echo(f"orch: resuming {run.run_dir} from event {run.resumed_from} (step {run.state.step}, version {run.state.version})")
+            if run.resumed_from is None:
+                click.echo(f"orch: starting {run.run_dir} (it stopped before its first event was committed)")
+            else:
+                click.echo(f"orch: resuming {run.run_dir} from event {run.resumed_from} (step {run.state.step}, version {run.state.version})")
         else:
             sets.append(f"name={name or time.strftime('run-%Y%m%d-%H%M%S')}")
             if runs_dir:
@@ -83,8 +88,8 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
     try:
         with run.log:
             orch = run_job(run, progress)
-    except (TrainerFailed, StalledError, LogError) as err:
-        fail(str(err))
+    except _run_errors() as err:
+        fail(str(err) or type(err).__name__)
     except FinalizeError as err:
         traceback.print_exception(err.__cause__, file=sys.stderr)
         fail(str(err))
@@ -94,13 +99,31 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
     if json_summary:
         import orjson
 
-        json_summary.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        try:
+            json_summary.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        except OSError as err:
+            fail(f"cannot write --json-summary {json_summary}: {err.strerror}")
     state = orch.state
     if state.stop_reason == "interrupted":
         click.echo(f"orch: stopped on interrupt; resume with `orch run --resume {run.run_dir}`", err=True)
         sys.exit(EXIT_INTERRUPTED)
     if state.stop_reason != "completed":
         fail(f"run stopped: {state.stop_reason}")
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """What ends a run with one line, not a traceback: a failed trainer or log, a stall, a bounded
+    wait that ran out (TimeoutError: weights never published, rollouts that would not stop; its
+    message says what it waited for), an inference backend that failed. Evaluated when an error
+    is caught, so the inference client (httpx) is not imported by runs that do not use it."""
+    from orchestrator.shell.loop import StalledError
+    from orchestrator.shell.trainers import TrainerFailed
+
+    errors: list[type[BaseException]] = [TrainerFailed, StalledError, LogError, TimeoutError]
+    client = sys.modules.get("orchestrator.inference.client")
+    if client is not None:
+        errors.append(client.InferenceError)
+    return tuple(errors)
 
 
 @main.command("trainer")

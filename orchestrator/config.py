@@ -144,6 +144,13 @@ class RunConfig(_Section):
             raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
         if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
+        if self.trainer.kind == "fake" and "reverse_text" in self.envs:
+            raise ValueError("reverse_text samples from the trainer's published weights, which the fake trainer "
+                             "never writes; use trainer.kind='embedded' (or the fake env)")
+        try:  # the core's own cross-checks (e.g. an algorithm that must finalize in the background)
+            self.core_params()
+        except ValidationError as err:
+            raise ValueError(_format_validation_error(err).removeprefix("invalid config: ")) from None
         return self
 
     @property
@@ -188,8 +195,9 @@ def config_hash(config_json: bytes) -> str:
 def _format_validation_error(err: ValidationError) -> str:
     parts = []
     for item in err.errors():
-        where = ".".join(str(x) for x in item["loc"]) or "config"
-        parts.append(f"{where}: {item['msg']}")
+        message = item["msg"].removeprefix("Value error, ")  # a validator's own message
+        where = ".".join(str(x) for x in item["loc"])
+        parts.append(f"{where}: {message}" if where else message)
     return "invalid config: " + "; ".join(parts)
 
 

@@ -134,8 +134,6 @@ class Orchestrator:
         owned = [loop.create_task(self._forward_outcomes(), name="orch-outcomes"),
                  loop.create_task(self.trainer.run(self.state.version), name="orch-trainer")]
         try:
-            if first_input.kind == "run_resumed":  # before anything new ships: trainers read in order
-                self.rematerialize_batches()
             await self._handle([first_input])
             while not self.state.stopped:
                 self._wake.clear()
@@ -296,7 +294,9 @@ class Orchestrator:
             atomic_write_bytes(batch_path(self.run_dir, step), payload, durable=False)
 
     def rematerialize_batches(self) -> int:
-        """Resume: rewrite shipped-but-untrained batch files that are missing or partial."""
+        """Resume: rewrite shipped-but-untrained batch files that are missing or partial. Called
+        before the trainer starts (it could read a partial file) and before anything new ships
+        (trainers read in order)."""
         rewritten = 0
         for step in sorted(self.state.shipped_batches):
             payload = self.batch_payload(step, self.state.shipped_batches[step])

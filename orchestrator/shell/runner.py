@@ -46,7 +46,10 @@ def create_run(config: RunConfig) -> OpenedRun:
     db = run_dir / EVENTS_DB
     if db.exists():
         raise RunDirError(f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
     config_json = config.to_json()
     try:
         log = EventLog.create(db, meta={**LOG_MAGIC_META, "config": config_json.decode(),
@@ -63,29 +66,39 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         raise RunDirError(f"cannot resume {run_dir}: no such run directory")
     if not db.exists():
         raise RunDirError(f"cannot resume {run_dir}: it holds no {EVENTS_DB}")
-    try:
-        log = EventLog.open(db)
+    requested = _resume_config(db, run_dir, overrides, config_file)
+    try:  # with the durability asked for now (an operational field a resume may change)
+        log = EventLog.open(db, durability=requested.log.durability)
     except LogNotFoundError as err:
         raise RunDirError(str(err)) from None
     try:
-        meta = log.meta
-        if meta.get("app") != "orch" or "config" not in meta:
-            raise RunDirError(f"{db} is an event log, but not one written by `orch run`")
-        stored = load_config(base=orjson.loads(meta["config"]))
-        requested = load_config(config_file, overrides, base=None if config_file else stored.model_dump(mode="json"))
-        requested = requested.model_copy(update={"runs_dir": run_dir.parent, "name": run_dir.name})
-        changed = meaning_changes(stored, requested)
-        if changed:
-            raise ConfigError(f"config changed on resume in fields that alter the run: {', '.join(changed)} (only max_steps and operational fields may change)")
         with tuned_gc():
             folded = fold_log(log)
-        if folded.state.params is None:
-            raise RunDirError(f"{db} has no run_started event; nothing to resume")
+        if folded.state.params is None:  # it stopped before its first event was committed
+            return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None)
         first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
         return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq)
     except BaseException:
         log.close()
         raise
+
+
+def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: Path | None) -> RunConfig:
+    """The stored config with the overrides applied; ConfigError if they change its meaning."""
+    try:
+        with EventLog.open_reader(db) as reader:
+            meta = reader.meta
+    except LogNotFoundError as err:
+        raise RunDirError(str(err)) from None
+    if meta.get("app") != "orch" or "config" not in meta:
+        raise RunDirError(f"{db} is an event log, but not one written by `orch run`")
+    stored = load_config(base=orjson.loads(meta["config"]))
+    requested = load_config(config_file, overrides, base=None if config_file else stored.model_dump(mode="json"))
+    requested = requested.model_copy(update={"runs_dir": run_dir.parent, "name": run_dir.name})
+    changed = meaning_changes(stored, requested)
+    if changed:
+        raise ConfigError(f"config changed on resume in fields that alter the run: {', '.join(changed)} (only max_steps and operational fields may change)")
+    return requested
 
 
 def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
@@ -195,6 +208,8 @@ async def _run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
         loop.add_signal_handler(sig, on_signal, sig.name)
     trainer = orch.trainer
     try:
+        if run.first_input.kind == "run_resumed":
+            orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
         if isinstance(trainer, ProcessTrainer):
             trainer.start()
         if orch.hooks.on_version is not None:  # EmbeddedRollouts or InferenceRollouts

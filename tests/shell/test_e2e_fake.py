@@ -67,6 +67,25 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
     assert result.stderr.strip().splitlines() == ["orch: error: invalid config: batch.size: Input should be greater than or equal to 1"]
 
 
+@pytest.mark.parametrize("args, code, message", [
+    (["--progress-every", "0"], 2, "Error: Invalid value for '--progress-every': 0 is not in the range x>=1."),
+    (["--json-summary", "{tmp}/nodir/s.json"], 2, "orch: error: --json-summary {tmp}/nodir/s.json: no such directory {tmp}/nodir"),
+    (["--runs-dir", "{tmp}/afile/sub", "--name", "r"], 1,
+     "orch: error: cannot create the run directory {tmp}/afile/sub/r: Not a directory"),
+    (["--set", "algorithm.name=gar", "--set", "algorithm.finalize_in_background=false"], 2,
+     "orch: error: invalid config: algorithm 'gar' calls a grader and must finalize in the background"),
+    (["--env", "reverse_text"], 2, "orch: error: invalid config: reverse_text samples from the trainer's published "
+     "weights, which the fake trainer never writes; use trainer.kind='embedded' (or the fake env)"),
+])
+def test_user_mistakes_are_one_line_before_anything_runs(tmp_path, args, code, message):
+    (tmp_path / "afile").write_text("")
+    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path / "runs"),
+                  *[a.format(tmp=tmp_path) for a in args])
+    assert result.returncode == code
+    assert result.stderr.strip().splitlines()[-1] == message.format(tmp=tmp_path)
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+
+
 def test_existing_run_needs_resume_and_missing_resume_is_an_error(tmp_path):
     args = ("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r")
     assert orch(*args).returncode == 0

@@ -14,7 +14,9 @@ import orjson
 import pytest
 
 from eventlog import EventLog
+from orchestrator.config import load_config
 from orchestrator.core.state import state_hash
+from orchestrator.shell.runner import create_run, resume_run
 from replay.fold import fold_log
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 
@@ -150,3 +152,29 @@ def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_id
     result = orch("run", "--resume", str(run_dir), "--set", "trainer.step_time_s=0.01")
     assert result.returncode == 0, result.stderr
     assert_log_invariants(run_dir, 8, max_off_policy=4, target_lag=2)  # checks every file's sha256
+
+
+def test_a_run_stopped_before_its_first_commit_is_started_by_resume(tmp_path):
+    """A failure or Ctrl-C before `run_started` is committed (e.g. during the embedded trainer's
+    warm start) leaves a log with no event: `--resume` starts the run from the stored config."""
+    config = load_config(None, [f"runs_dir={tmp_path}", "name=r", 'envs={"fake": 1.0}', "trainer.kind=fake",
+                                "max_steps=3", "batch.size=16"])
+    create_run(config).log.close()
+    again = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", "r")
+    assert again.returncode == 1 and "--resume" in again.stderr
+    resumed = orch("run", "--resume", str(tmp_path / "r"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "stopped before its first event was committed" in resumed.stdout
+    assert_log_invariants(tmp_path / "r", 3, max_off_policy=2, target_lag=1)
+
+
+def test_resume_opens_the_log_with_the_durability_asked_for(tmp_path):
+    args = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r"]
+    assert orch(*args, "--set", "log.durability=normal").returncode == 0
+    for asked, pragma in (["log.durability=full"], 2), ([], 1), (["log.durability=normal"], 1):
+        run = resume_run(tmp_path / "r", asked)
+        try:
+            assert run.log.durability == run.config.log.durability
+            assert run.log._live_conn().execute("PRAGMA synchronous").fetchone()[0] == pragma
+        finally:
+            run.log.close()
