@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,51 +180,74 @@ def run_on_new_loop(coro):
         return runner.run(coro)
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def run_job(run: OpenedRun, progress: Progress | None) -> Orchestrator:
-    """Run `run` to its end on a new event loop (what `orch run` does)."""
-    return run_on_new_loop(run_async(run, progress))
+    """Run `run` to its end on a new event loop (what `orch run` does).
+
+    A SIGINT/SIGTERM that arrives before the loop's own handlers are installed is kept and
+    handled as if it came just after, rather than falling to Python's or asyncio's default
+    handler (which abort at once)."""
+    early: list[str] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: early.append(signal.Signals(signum).name))
+                for sig in _STOP_SIGNALS}
+    try:
+        return run_on_new_loop(run_async(run, progress, early))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-async def run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
+async def run_async(run: OpenedRun, progress: Progress | None, early_signals: Sequence[str] = ()) -> Orchestrator:
     with tuned_gc():
-        return await _run_async(run, progress)
+        return await _run_async(run, progress, early_signals)
 
 
-async def _run_async(run: OpenedRun, progress: Progress | None) -> Orchestrator:
-    orch = build_orchestrator(run, progress)
+async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: Sequence[str]) -> Orchestrator:
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     interrupts = 0
+    orch: Orchestrator | None = None
 
     def on_signal(signame: str) -> None:
         nonlocal interrupts
         interrupts += 1
         if interrupts == 1:
             print(f"\norch: {signame}: draining and stopping (again to abort)", flush=True)
-            orch.request_stop("interrupted")
+            if orch is not None:
+                orch.request_stop("interrupted")
         else:
             main.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # Before the (slow: torch) build. The loop runs the handler at its next await, after it.
+    for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig.name)
-    trainer = orch.trainer
+    for signame in list(early_signals):
+        on_signal(signame)
     try:
-        if run.first_input.kind == "run_resumed":
-            orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
-        if isinstance(trainer, ProcessTrainer):
-            trainer.start()
-        if orch.hooks.on_version is not None:  # EmbeddedRollouts or InferenceRollouts
-            # Version 0 is the trainer's warm start; the run resumes from the newest version.
-            await orch.hooks.on_version(run.state.version, health_check=trainer.check)
-        await orch.run(run.first_input)
-        return orch
+        orch = build_orchestrator(run, progress)
+        if interrupts:
+            orch.request_stop("interrupted")
+        trainer = orch.trainer
+        try:
+            if run.first_input.kind == "run_resumed":
+                orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
+            if isinstance(trainer, ProcessTrainer):
+                trainer.start()
+            if orch.hooks.on_version is not None:  # EmbeddedRollouts or InferenceRollouts
+                # Version 0 is the trainer's warm start; the run resumes from the newest version.
+                await orch.hooks.on_version(run.state.version, health_check=trainer.check)
+            await orch.run(run.first_input)
+            return orch
+        finally:
+            clean = orch.state.stop_reason == "completed"
+            await trainer.stop(run.config.trainer.exit_timeout_s if clean else 0.0)
+            if hasattr(orch.hooks.rollout, "aclose"):  # InferenceRollouts: endpoint report, HTTP client
+                print(orch.hooks.rollout.report(), file=sys.stderr, flush=True)
+                await orch.hooks.rollout.aclose()
+            if isinstance(orch.hooks.rollout, EmbeddedRollouts):
+                await asyncio.to_thread(orch.hooks.rollout.close)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
-        clean = orch.state.stop_reason == "completed"
-        await trainer.stop(run.config.trainer.exit_timeout_s if clean else 0.0)
-        if hasattr(orch.hooks.rollout, "aclose"):  # InferenceRollouts: endpoint report, HTTP client
-            print(orch.hooks.rollout.report(), file=sys.stderr, flush=True)
-            await orch.hooks.rollout.aclose()
-        if isinstance(orch.hooks.rollout, EmbeddedRollouts):
-            await asyncio.to_thread(orch.hooks.rollout.close)

@@ -112,6 +112,26 @@ def test_ctrl_c_drains_and_stops_within_a_bound_then_resume_finishes(tmp_path):
     assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)
 
 
+def test_terminal_ctrl_c_during_start_up_stops_cleanly_then_resume_finishes(tmp_path):
+    """Ctrl-C in a terminal signals the whole process group, while torch loads and the trainer
+    warms up: the run stops on interrupt (130, not 'aborted', not 'trainer failed'), leaves no
+    process, and --resume finishes it (from an empty log if nothing had been committed)."""
+    run_dir = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path), "--name", "r",
+                             *SMALL, "--max-steps", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_until(lambda: (run_dir / "events.db").exists(), 60, "the run's log")  # then torch loads
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    stderr = proc.stderr.read()
+    assert proc.returncode == 130, stderr
+    assert "stopped on interrupt" in stderr and "aborted" not in stderr and "Traceback" not in stderr
+    wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "no process left")
+    resumed = orch("run", "--resume", str(run_dir), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_log_invariants(run_dir, 2, max_off_policy=2, target_lag=1)
+
+
 def test_sigkill_then_resume_of_the_embedded_job(tmp_path):
     run_dir = tmp_path / "r"
     proc = spawn_run(tmp_path, "--max-steps", "6")
