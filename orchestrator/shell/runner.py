@@ -103,6 +103,7 @@ def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: P
 
 
 def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
+    from orchestrator.embedded.defaults import KEEP_WEIGHTS as DEFAULT_KEEP_WEIGHTS
     from orchestrator.embedded.trainer import TrainerConfig, write_trainer_config
 
     write_trainer_config(run_dir, TrainerConfig(
@@ -111,6 +112,9 @@ def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
         env_max_len=config.reverse_text.max_len, temperature=config.rollout.temperature,
         max_new_tokens=config.rollout.max_new_tokens,
         batch_wait_timeout_s=config.trainer.publish_timeout_s, parent_pid=os.getpid(),
+        # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
+        # crash); a resume reloads the newest recorded one, which must still be on disk.
+        keep_weights=max(DEFAULT_KEEP_WEIGHTS, config.off_policy.target_lag + 2),
     ))
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.config import ConfigError, load_config, meaning_changes
 from orchestrator.inference.rollouts import InferenceRollouts
-from orchestrator.shell.runner import build_orchestrator, create_run
+from orchestrator.shell.runner import build_orchestrator, create_run, write_embedded_trainer_config
 from orchestrator.shell.torchrun_trainer import TorchrunTrainer, torchrun_command
 from orchestrator.shell.trainers import ProcessTrainer
 
@@ -55,3 +55,14 @@ def test_cli_inference_shorthand(tmp_path):
     result = CliRunner().invoke(main, ["run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path),
                                        "--inference", "http://a:1, http://b:2"])
     assert result.exit_code == 2 and "inference endpoints sample reverse_text episodes only" in result.output
+
+
+@pytest.mark.parametrize("target_lag, kept", [(0, 3), (1, 3), (4, 6)])
+def test_the_trainer_keeps_every_version_a_resume_may_reload(tmp_path, target_lag, kept):
+    """After a crash the trainer may have published target_lag + 1 versions the log has not
+    recorded; the newest recorded one, which a resume reloads, must still be on disk."""
+    from orchestrator.embedded.trainer import read_trainer_config  # imports torch
+
+    config = load_config(overrides=[f"off_policy.target_lag={target_lag}"])
+    write_embedded_trainer_config(config, tmp_path)
+    assert read_trainer_config(tmp_path).keep_weights == kept
