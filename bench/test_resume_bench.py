@@ -58,7 +58,8 @@ def logs():
     CACHE.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, n in SIZES.items():
-        path = CACHE / f"resume-{name}.db"
+        # Keyed by the reducer version: the stored state hash and snapshot are in its format.
+        path = CACHE / f"resume-{name}-{REDUCER_VERSION}.db"
         if not path.exists():
             started = time.perf_counter()
             build_log(path, n)
