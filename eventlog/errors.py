@@ -14,6 +14,7 @@ __all__ = [
     "CorruptLogError",
     "WriterLockedError",
     "ReadOnlyLocationError",
+    "StorageError",
     "LogNotFoundError",
     "LogExistsError",
     "InvalidEventError",
@@ -54,6 +55,11 @@ class WriterLockedError(LogError):
 
 class ReadOnlyLocationError(LogError):
     """The log cannot be created or written at that location (permissions, read-only fs)."""
+
+
+class StorageError(LogError):
+    """The storage refused the operation: disk or quota full, an I/O error, or the database held
+    by another connection past the busy timeout. A failed commit stored nothing."""
 
 
 class LogNotFoundError(LogError):

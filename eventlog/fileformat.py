@@ -18,6 +18,7 @@ from .errors import (
     NewerFormatError,
     NotSQLiteError,
     ReadOnlyLocationError,
+    StorageError,
 )
 
 MAGIC = "orch-eventlog"
@@ -38,6 +39,7 @@ _HEADER_LEN = 100
 # Primary SQLite result codes (the low byte of an extended code).
 _SQLITE_PERM, _SQLITE_READONLY, _SQLITE_CORRUPT = 3, 8, 11
 _SQLITE_CANTOPEN, _SQLITE_NOTADB = 14, 26
+_SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_IOERR, _SQLITE_FULL = 5, 6, 10, 13
 
 
 def check_header(path: str) -> None:
@@ -103,6 +105,12 @@ def translate(exc: sqlite3.Error, path: str) -> LogError | sqlite3.Error:
         return ReadOnlyLocationError(f"cannot write {path}: {msg}")
     if primary == _SQLITE_CANTOPEN:
         return ReadOnlyLocationError(f"cannot open {path} (or its -wal/-shm files) for writing: {msg}")
+    if primary == _SQLITE_FULL:
+        return StorageError(f"cannot write {path}: the disk or quota is full ({msg})")
+    if primary == _SQLITE_IOERR:
+        return StorageError(f"I/O error on {path}: {msg}")
+    if primary in (_SQLITE_BUSY, _SQLITE_LOCKED):
+        return StorageError(f"{path} is held by another connection past the busy timeout: {msg}")
     return exc
 
 

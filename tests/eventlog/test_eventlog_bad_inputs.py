@@ -22,6 +22,7 @@ from eventlog import (
     NewerFormatError,
     NotSQLiteError,
     ReadOnlyLocationError,
+    StorageError,
     WriterLockedError,
 )
 
@@ -259,3 +260,35 @@ def test_leftovers_of_a_killed_create_are_cleaned_by_the_next_writer(path):
     with EventLog.open(path) as lg:
         assert lg.last_seq == 1
     assert not os.path.exists(stale) and not os.path.exists(stale + "-journal")
+
+
+def test_a_commit_blocked_past_the_busy_timeout_is_a_one_line_storage_error_and_stores_nothing(tmp_path, monkeypatch):
+    import eventlog.log
+
+    monkeypatch.setattr(eventlog.log, "_BUSY_TIMEOUT_S", 0.1)
+    path = str(tmp_path / "e.db")
+    log = EventLog.create(path)
+    log.append("a", {"i": 1})
+    log.commit()
+    intruder = sqlite3.connect(path, isolation_level=None)
+    intruder.execute("BEGIN IMMEDIATE")  # holds the write lock, as a foreign connection could
+    log.append("a", {"i": 2})
+    err = raises_one_line(StorageError, log.commit)
+    assert "busy timeout" in str(err)
+    intruder.execute("ROLLBACK")
+    intruder.close()
+    assert log.next_seq == 2  # nothing of the failed commit was stored; the log goes on
+    log.append("a", {"i": 3})
+    assert log.commit() == 2
+    assert [r.data for r in log.read()] == [{"i": 1}, {"i": 3}]
+    log.close()
+
+
+@pytest.mark.parametrize("code, words", [(13, "disk or quota is full"), (10, "I/O error"), (5, "busy timeout")])
+def test_storage_failures_translate_to_one_line_errors(code, words):
+    from eventlog.fileformat import translate
+
+    exc = sqlite3.OperationalError("database or disk is full")
+    exc.sqlite_errorcode = code
+    err = translate(exc, "/x/events.db")
+    assert isinstance(err, StorageError) and words in str(err) and "\n" not in str(err)
