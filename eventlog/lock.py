@@ -21,8 +21,9 @@ _READ_ONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def lock_path_for(db_path: str) -> str:
-    """Path of the sidecar lock file of a log."""
-    return db_path + ".lock"
+    """Path of the sidecar lock file of a log: next to the file itself, so that a symlink to the
+    log takes the same lock."""
+    return os.path.realpath(db_path) + ".lock"
 
 
 def _describe_holder(fd: int) -> tuple[int | None, str | None]:

@@ -174,6 +174,14 @@ def test_second_writer_in_same_process(log, path):
     EventLog.open(path).close()  # released by close()
 
 
+def test_a_symlink_to_the_log_takes_the_same_writer_lock(log, path, tmp_path):
+    alias = tmp_path / "alias.db"
+    alias.symlink_to(path)
+    raises_one_line(WriterLockedError, EventLog.open, str(alias))
+    log.close()
+    EventLog.open(str(alias)).close()
+
+
 def test_writer_in_another_process_then_sigkill_releases(path):
     make_log(path, 1)
     proc = spawn_child("hold", path)
