@@ -163,8 +163,10 @@ class Reexecutor:
             {"from": str(self.source.path), "finalize": self.options.finalize,
              "settle_order": self.options.settle_order, "seed": self.options.seed},
             option=orjson.OPT_SORT_KEYS).decode()
-        if self.db.parent != Path("") and not self.db.parent.exists():
-            self.db.parent.mkdir(parents=True)
+        try:
+            self.db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ReplayInputError(f"--out: cannot create {self.db.parent}: {err.strerror}") from None
         try:
             return EventLog.create(self.db, meta=meta, durability="normal")
         except LogError as err:

@@ -115,6 +115,12 @@ def test_bad_options_exit_2(tmp_path, good, other, cli, args, fragment):
     assert not (tmp_path / "x").exists()
 
 
+def test_an_out_that_cannot_be_created_exits_2(tmp_path, good, cli):
+    (tmp_path / "afile").write_text("")
+    assert_bad_input(cli(good, "--reexecute", "--finalize", "inline", "--out", tmp_path / "afile" / "new"),
+                     "--out: cannot create", "Not a directory")
+
+
 def test_unknown_option_and_level_are_usage_errors(good, cli):
     assert cli(good, "--bogus").exit_code == 2
     assert cli("--diff", good, good, "--level", "nonsense").exit_code == 2
