@@ -20,7 +20,7 @@ from orchestrator.core.events import EVENT_TYPES, encode_event
 from orchestrator.core.state import State
 from replay.diff import Divergence, Side, structural_diff
 from replay.inputs import classify, decode
-from replay.source import guarded
+from replay.source import guarded, row_data
 
 
 @dataclass
@@ -38,7 +38,7 @@ class CheckResult:
 
 def _side_of_row(row: tuple) -> Side:
     seq, _ts, kind, data = row
-    return Side(seq, kind, orjson.loads(data))
+    return Side(seq, kind, row_data(seq, data))
 
 
 def _side_of_event(seq: int, event) -> Side:

@@ -30,14 +30,13 @@ from typing import Any
 import orjson
 
 from eventlog import EventLog
-from replay.source import ReplayInputError, guarded
+from replay.source import ReplayInputError, guarded, row_data
 
 LEVELS = ("batches", "accounting", "curriculum", "events")
 # Never compared: wall-clock durations (none are logged today; listed so a future one is masked)
 # and positions in a particular log (`run_resumed.from_seq` names a seq of *that* log).
 MASKED_FIELDS = frozenset({"ts", "duration_s", "elapsed_s", "wall_s", "latency_s", "from_seq"})
 MAX_FIELD_DIFFS = 25
-_loads = orjson.loads
 _MISSING = "<missing>"
 
 
@@ -169,10 +168,7 @@ def _side(row: tuple | None) -> Side | None:
     if row is None:
         return None
     seq, _ts, kind, data = row
-    try:
-        return Side(seq, kind, normalize(_loads(data)))
-    except orjson.JSONDecodeError as err:
-        raise ReplayInputError(f"seq {seq}: event data is not JSON ({err})") from None
+    return Side(seq, kind, normalize(row_data(seq, data)))
 
 
 def _compare_rows(ra: Iterator[tuple], rb: Iterator[tuple], what: Callable[[int, Side], str],

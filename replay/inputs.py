@@ -10,18 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import orjson
-
 from orchestrator.core.events import INPUT_KINDS, decode_event
-from replay.source import ReplayInputError, one_line
+from replay.source import ReplayInputError, one_line, row_data
 
 
 def is_inline_result(kind: str, seq: int, data: bytes, prev: tuple | None) -> bool:
     """True for a `group_finalized` decided inline (right after its finalize_started)."""
     if kind != "group_finalized" or prev is None or prev[2] != "finalize_started" or prev[0] != seq - 1:
         return False
-    started = orjson.loads(prev[3])
-    return started.get("background") is False and started.get("group_id") == orjson.loads(data).get("group_id")
+    started = row_data(prev[0], prev[3])
+    return started.get("background") is False and started.get("group_id") == row_data(seq, data).get("group_id")
 
 
 def classify(rows: Iterator[tuple]) -> Iterator[tuple[bool, tuple]]:

@@ -11,6 +11,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
+
 from eventlog import EventLog, LogError
 
 EVENTS_DB = "events.db"
@@ -24,6 +26,14 @@ class ReplayInputError(ValueError):
 
 def one_line(message: str) -> str:
     return " ".join(str(message).split())
+
+
+def row_data(seq: int, data: bytes | str):
+    """A log row's data as JSON values; ReplayInputError (one line) if it is not JSON."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as err:
+        raise ReplayInputError(f"seq {seq}: event data is not JSON ({err})") from None
 
 
 def resolve_db(path: str | os.PathLike) -> Path:
