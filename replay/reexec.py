@@ -43,6 +43,7 @@ import orjson
 from pydantic import ValidationError
 
 from eventlog import EventLog, LogError
+from eventlog.lock import lock_path_for
 from orchestrator.core import events as ev
 from orchestrator.core.algorithms import INLINE_SCORERS
 from orchestrator.core.decide import decide
@@ -274,8 +275,14 @@ class Reexecutor:
         try:
             self._run()
             self.log.commit()
-        finally:
+        except BaseException:
+            # A half-written log must not pass for a result, nor keep its --out taken.
+            self.log.discard()
             self.log.close()
+            for path in (self.db, Path(f"{self.db}-wal"), Path(f"{self.db}-shm"), Path(lock_path_for(str(self.db)))):
+                path.unlink(missing_ok=True)
+            raise
+        self.log.close()
         self.report.stopped, self.report.stop_reason = self.state.stopped, self.state.stop_reason
         return self.report
 

@@ -95,17 +95,19 @@ def test_an_undecodable_event_exits_2(tmp_path, good, cli):
     assert_bad_input(cli(bad, "--check"), "seq 5")
 
 
-@pytest.mark.parametrize("seq", [1, 6])  # an input, a decision
-def test_an_event_whose_data_is_not_json_exits_2_in_every_mode_that_reads_it(tmp_path, good, cli, seq):
+@pytest.mark.parametrize("kind", ["episode_completed", "episode_dispatched"])  # an input, a decision
+def test_an_event_whose_data_is_not_json_exits_2_in_every_mode_that_reads_it(tmp_path, good, cli, kind):
     bad = tmp_path / "bad.db"
     shutil.copy(good, bad)
     with sqlite3.connect(bad) as db:
+        (seq,) = db.execute("SELECT min(seq) FROM events WHERE kind = ? AND seq > 100", (kind,)).fetchone()
         db.execute("UPDATE events SET data = '{not json' WHERE seq = ?", (seq,))
     modes = [[bad], [bad, "--check"], ["--diff", bad, good, "--level", "events"]]
-    if seq == 1:  # re-execution reads the recorded inputs only
+    if kind == "episode_completed":  # re-execution reads the recorded inputs only
         modes.append([bad, "--reexecute", "--finalize", "inline", "--out", tmp_path / "new"])
     for args in modes:
         assert_bad_input(cli(*args), f"seq {seq}")
+    assert not (tmp_path / "new" / "events.db").exists()  # a failed re-execution leaves no log
 
 
 @pytest.mark.parametrize("args,fragment", [
