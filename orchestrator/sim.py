@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from orchestrator.core import events as ev
 from orchestrator.core.algorithms import grpo_advantages
 from orchestrator.core.decide import decide
-from orchestrator.core.state import State
+from orchestrator.core.state import State, finalizes_in_background
 
 
 @dataclass
@@ -52,7 +52,7 @@ class SimWorld:
         for decision in decisions:
             if decision.kind == "episode_dispatched":
                 self.dispatch_version[decision.episode_id] = decision.policy_version
-            elif decision.kind == "finalize_started" and decision.background:
+            elif decision.kind == "finalize_started" and finalizes_in_background(self.state, decision):
                 self._finalize_in_background(decision)
         return decisions
 

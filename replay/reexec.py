@@ -47,7 +47,7 @@ from eventlog.lock import lock_path_for
 from orchestrator.core import events as ev
 from orchestrator.core.algorithms import INLINE_SCORERS
 from orchestrator.core.decide import decide
-from orchestrator.core.state import State
+from orchestrator.core.state import State, finalizes_in_background
 from replay.inputs import classify, decode, is_inline_result
 from replay.source import EVENTS_DB, REEXECUTED_META, ReplayInputError, guarded, one_line
 
@@ -189,7 +189,7 @@ class Reexecutor:
         for decision in decisions:
             self._append(decision)
         for decision in decisions:
-            if decision.kind == "finalize_started" and decision.background:
+            if decision.kind == "finalize_started" and finalizes_in_background(self.state, decision):
                 self._finalize_requested(decision)
             elif decision.kind == "group_cancelled" and self.options.settle_order != "recorded":
                 self._forget(decision.group_id)

@@ -115,6 +115,14 @@ class State:
     acct: Accounting = field(default_factory=Accounting)
 
 
+def finalizes_in_background(s: State, started) -> bool:
+    """Does a `finalize_started` decision call for a background grader, once every decision of
+    its input is applied? Not for a group that a later decision of the same input cancelled (a
+    resume that re-finalizes, then drains). The shells (loop, sim, replay) all ask this."""
+    group = s.groups.get(started.group_id)
+    return started.background and group is not None and group.finalizing
+
+
 def min_fresh_version(params: CoreParams, step: int) -> int:
     """Oldest policy version a trace may start from to train in batch `step`."""
     return (step - 1) - params.max_off_policy_steps

@@ -18,7 +18,7 @@ from orchestrator.config import RunConfig
 from orchestrator.core import events as ev
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
 from orchestrator.core.decide import decide
-from orchestrator.core.state import REDUCER_VERSION, ShippedSample, State, state_bytes
+from orchestrator.core.state import REDUCER_VERSION, ShippedSample, State, finalizes_in_background, state_bytes
 from orchestrator.embedded.files import atomic_write_bytes, batch_path
 from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.shell.algorithms import Algorithm
@@ -264,8 +264,7 @@ class Orchestrator:
         elif kind == "episode_cancelled":
             self.stream.cancel(e.episode_id)
         elif kind == "finalize_started":
-            group = state.groups.get(e.group_id)
-            if e.background and group is not None and group.finalizing:
+            if finalizes_in_background(state, e):
                 self.finalizer.start(e.group_id, [state.traces[t] for t in e.trace_ids])
         elif kind == "group_cancelled":
             self.finalizer.cancel(e.group_id)
