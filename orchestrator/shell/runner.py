@@ -212,27 +212,24 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     interrupts = 0
-    orch: Orchestrator | None = None
 
     def on_signal(signame: str) -> None:
         nonlocal interrupts
         interrupts += 1
         if interrupts == 1:
             print(f"\norch: {signame}: draining and stopping (again to abort)", flush=True)
-            if orch is not None:
-                orch.request_stop("interrupted")
+            orch.request_stop("interrupted")
         else:
             main.cancel()
 
-    # Before the (slow: torch) build. The loop runs the handler at its next await, after it.
+    # Before the (slow: torch) build; the loop runs the handler at its next await, after the
+    # build, as it does the signals that came before the loop ran.
     for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig.name)
-    for signame in list(early_signals):
-        on_signal(signame)
     try:
         orch = build_orchestrator(run, progress)
-        if interrupts:
-            orch.request_stop("interrupted")
+        for signame in list(early_signals):
+            on_signal(signame)
         trainer = orch.trainer
         try:
             if run.first_input.kind == "run_resumed":
