@@ -105,7 +105,7 @@ def update_dispatch_gate(d: _Decisions) -> None:
     s = d.state
     is_open, reason = dispatch_gate(s)
     if (is_open, reason) != (s.gate_open, s.gate_reason):
-        d.emit(ev.trusted_event(ev.GateChanged, open=is_open, reason=reason))
+        d.emit(ev.GateChanged.trusted(open=is_open, reason=reason))
 
 
 def dispatch_train_episodes(d: _Decisions) -> None:
@@ -116,7 +116,7 @@ def dispatch_train_episodes(d: _Decisions) -> None:
     while s.gate_open and len(s.inflight) < max_inflight:
         group_id = min(s.unfilled) if s.unfilled else start_train_group(d)
         group = s.groups[group_id]
-        d.emit(ev.trusted_event(ev.EpisodeDispatched,
+        d.emit(ev.EpisodeDispatched.trusted(
             episode_id=s.next_episode_id, group_id=group_id, attempt=group.attempts,
             policy_version=s.version,
         ))
@@ -127,7 +127,7 @@ def start_train_group(d: _Decisions) -> int:
     s, p = d.state, d.state.params
     env = choose_by_ratio(p.env_ratios, uniform(p.seed, s.rng_counter))
     group_id = s.next_group_id
-    d.emit(ev.trusted_event(ev.GroupDispatched,
+    d.emit(ev.GroupDispatched.trusted(
         group_id=group_id, env=env, task_id=s.cursors[env], group_size=p.group_size,
         policy_version=s.version,
     ))
@@ -166,14 +166,14 @@ def finalize_group(d: _Decisions, group: Group) -> None:
     if not survivors:
         settle_group(d, group)
         return
-    d.emit(ev.trusted_event(ev.FinalizeStarted,
+    d.emit(ev.FinalizeStarted.trusted(
         group_id=group.group_id, background=p.finalize_in_background, trace_ids=survivors,
     ))
     if p.finalize_in_background:
         return  # the shell scores it; the result comes back as a `group_finalized` input
     rewards = [s.traces[trace_id].reward for trace_id in survivors]
     advantages = INLINE_SCORERS[p.algorithm](rewards)
-    d.emit(ev.trusted_event(ev.GroupFinalized,
+    d.emit(ev.GroupFinalized.trusted(
         group_id=group.group_id, trace_ids=survivors, advantages=advantages,
     ))
     settle_group(d, group)
@@ -214,7 +214,7 @@ def settle_group(d: _Decisions, group: Group) -> None:
             dropped.setdefault("stale", []).append(trace_id)
         else:
             inserted.append(trace_id)
-    d.emit(ev.trusted_event(ev.GroupSettled,
+    d.emit(ev.GroupSettled.trusted(
         group_id=group.group_id, admitted=admitted, trace_ids=inserted, dropped=dropped,
     ))
     stop_if_zero_output(d)
@@ -235,7 +235,7 @@ def sweep_stale_pending(d: _Decisions) -> None:
     oldest = min_fresh_version(s.params, s.step)
     stale = [q.trace_id for q in s.pending.values() if q.policy_start < oldest]
     if stale:
-        d.emit(ev.trusted_event(ev.TracesDropped, trace_ids=stale, reason="stale"))
+        d.emit(ev.TracesDropped.trusted(trace_ids=stale, reason="stale"))
 
 
 def cancel_stale_finalizing(d: _Decisions) -> None:
@@ -244,7 +244,7 @@ def cancel_stale_finalizing(d: _Decisions) -> None:
     oldest = min_fresh_version(s.params, s.step)
     for group in [g for g in s.groups.values() if g.background]:
         if all(s.traces[t].policy_start < oldest for t in group.survivors):
-            d.emit(ev.trusted_event(ev.GroupCancelled,
+            d.emit(ev.GroupCancelled.trusted(
                 group_id=group.group_id, reason="stale", count=len(group.members),
             ))
             stop_if_zero_output(d)
@@ -309,7 +309,7 @@ def ship_batch(d: _Decisions) -> None:
     payload = encode_batch(step, records)
     if d.batch_payloads is not None:
         d.batch_payloads[step] = payload
-    d.emit(ev.trusted_event(ev.BatchShipped,
+    d.emit(ev.BatchShipped.trusted(
         step=step, trace_ids=[q.trace_id for q in shipped], pruned_ids=[q.trace_id for q in pruned],
         sha256=batch_sha256(payload), n_tokens=n_tokens,
         off_policy_max=max(lags, default=0), off_policy_mean=sum(lags) / len(lags) if lags else 0.0,
@@ -336,18 +336,18 @@ def cancel_everything(d: _Decisions, reason: str) -> None:
     """Cancel in-flight episodes, open and finalizing groups, and the queue; wait for none."""
     s = d.state
     for episode_id in list(s.inflight):
-        d.emit(ev.trusted_event(ev.EpisodeCancelled, episode_id=episode_id, reason=reason))
+        d.emit(ev.EpisodeCancelled.trusted(episode_id=episode_id, reason=reason))
     for group in list(s.groups.values()):
-        d.emit(ev.trusted_event(ev.GroupCancelled,
+        d.emit(ev.GroupCancelled.trusted(
             group_id=group.group_id, reason=reason, count=len(group.members),
         ))
     if s.pending:
-        d.emit(ev.trusted_event(ev.TracesDropped, trace_ids=list(s.pending), reason=reason))
+        d.emit(ev.TracesDropped.trusted(trace_ids=list(s.pending), reason=reason))
 
 
 def start_drain(d: _Decisions) -> None:
     """At max_steps: stop dispatch and cancel work whose batches would be dropped anyway."""
-    d.emit(ev.trusted_event(ev.DrainStarted, reason="max_steps"))
+    d.emit(ev.DrainStarted.trusted(reason="max_steps"))
     cancel_everything(d, "drain")
     update_dispatch_gate(d)
 
@@ -356,16 +356,16 @@ def finish_drain(d: _Decisions) -> None:
     """Stop once the trainer has trained on the last batch (the ship hold saw it coming)."""
     s = d.state
     if s.draining and not s.stopped and s.version >= s.params.max_steps:
-        d.emit(ev.trusted_event(ev.RunStopped, reason="completed"))
+        d.emit(ev.RunStopped.trusted(reason="completed"))
 
 
 def stop_run(d: _Decisions, reason: str, error: bool = False) -> None:
     s = d.state
     if not s.draining:
-        d.emit(ev.trusted_event(ev.DrainStarted, reason=reason))
+        d.emit(ev.DrainStarted.trusted(reason=reason))
     cancel_everything(d, "stop")
     update_dispatch_gate(d)
-    d.emit(ev.trusted_event(ev.RunStopped, reason=reason, error=error))
+    d.emit(ev.RunStopped.trusted(reason=reason, error=error))
 
 
 def on_stop_requested(d: _Decisions, e: ev.StopRequested) -> None:
@@ -379,16 +379,16 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     """Re-run lost episodes, keep fresh members, re-finalize, sweep the queue."""
     s = d.state
     for episode_id in list(s.inflight):
-        d.emit(ev.trusted_event(ev.EpisodeCancelled, episode_id=episode_id, reason="resume"))
+        d.emit(ev.EpisodeCancelled.trusted(episode_id=episode_id, reason="resume"))
     oldest = min_fresh_version(s.params, s.step)
     stale_members = [
         trace_id for group in s.groups.values() if not group.finalizing
         for trace_id in group.members if s.traces[trace_id].policy_start < oldest
     ]
     if stale_members:
-        d.emit(ev.trusted_event(ev.TracesDropped, trace_ids=stale_members, reason="stale"))
+        d.emit(ev.TracesDropped.trusted(trace_ids=stale_members, reason="stale"))
     for group in [g for g in s.groups.values() if g.finalizing]:
-        d.emit(ev.trusted_event(ev.FinalizeStarted,
+        d.emit(ev.FinalizeStarted.trusted(
             group_id=group.group_id, background=True, trace_ids=group.survivors,
         ))
     sweep_stale_pending(d)

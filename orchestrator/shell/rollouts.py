@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from orchestrator.config import FakeEnvConfig
-from orchestrator.core.events import EpisodeCompleted, trusted_event
+from orchestrator.core.events import EpisodeCompleted
 
 
 class RolloutRequest(NamedTuple):
@@ -72,8 +72,8 @@ class FakeEnvRollouts:
         n_total = cfg.prompt_tokens + n_sampled
         # Valid by construction (aligned lists, finite floats), so not validated again: an
         # instant env should cost next to nothing beside the orchestrator it exercises.
-        return trusted_event(
-            EpisodeCompleted, episode_id=req.episode_id, group_id=req.group_id, ok=True,
+        return EpisodeCompleted.trusted(
+            episode_id=req.episode_id, group_id=req.group_id, ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
             reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
             token_ids=list(noise[:n_total]),

@@ -3,6 +3,8 @@ determinism / inline-vs-background equivalence over many seeds."""
 
 from __future__ import annotations
 
+import inspect
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -108,7 +110,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def decisions_equal_their_validated_copies(self):
-        """The core builds its decisions without validation (`events.trusted_event`)."""
+        """The core builds its decisions without validation (`Event.trusted`)."""
         log = self.world.log
         for event in log[self.checked:]:
             if event.kind not in ev.INPUT_KINDS:
@@ -229,7 +231,7 @@ def test_trusted_decoding_round_trips_every_kind_exactly():
 
 
 def test_events_built_without_validation_share_their_classs_fields_set_and_copies_do_not():
-    built = ev.trusted_event(ev.EpisodeCancelled, episode_id=1, reason="drain")
+    built = ev.EpisodeCancelled.trusted(episode_id=1, reason="drain")
     decoded = ev.decode_trusted(*ev.encode_event(ev.EpisodeCancelled(episode_id=2, reason="stop")))
     assert built.model_fields_set is decoded.model_fields_set == set(ev.EpisodeCancelled.model_fields)
     assert built.model_dump(exclude_unset=True) == built.model_dump()  # every field counts as set
@@ -265,3 +267,22 @@ def test_encoding_is_byte_for_byte_pydantics_for_any_field_values(data, cls):
     kind, encoded = ev.encode_event(event)
     assert encoded == event.__pydantic_serializer__.to_json(event)
     assert ev.decode_event(kind, encoded) == event
+    trusted = cls.trusted(**{name: value for name, value in event.__dict__.items() if name != "kind"})
+    assert trusted == event and ev.encode_event(trusted) == (kind, encoded)
+
+
+@pytest.mark.parametrize("cls", list(ev.EVENT_TYPES.values()), ids=list(ev.EVENT_TYPES))
+def test_trusted_constructor_takes_each_field_with_its_plain_default(cls):
+    """`cls.trusted` is generated from the class: the same fields, in the same order, the same
+    defaults; a required field or one with a default factory must be given."""
+    signature = inspect.signature(cls.trusted)
+    fields = {name: info for name, info in cls.model_fields.items() if name != "kind"}
+    assert list(signature.parameters) == list(fields)
+    for name, param in signature.parameters.items():
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY
+        info = fields[name]
+        plain = not info.is_required() and info.default_factory is None
+        assert param.default is (info.default if plain else inspect.Parameter.empty), name
+    if any(param.default is inspect.Parameter.empty for param in signature.parameters.values()):
+        with pytest.raises(TypeError, match="missing"):
+            cls.trusted()
