@@ -46,14 +46,17 @@ class FakeEnvRollouts:
 
     def __init__(self, config: FakeEnvConfig, seed: int, version_now: Callable[[], int]):
         self.config, self.seed, self.version_now = config, seed, version_now
-        self._noise_len = config.prompt_tokens + 2 * config.max_tokens
-        # Per episode only the draws differ; each episode gets a copy of its mask.
+        self._draw_size = _UNIFORMS.size + config.prompt_tokens + config.max_tokens  # uniforms, token ids
+        # Per episode only the draws differ; each episode gets a copy of its mask, and its
+        # sampled logprobs are a slice of a fixed pool at a drawn offset (a list built per token
+        # was a tenth of the instant pipeline's time).
         self._masks = [[0] * config.prompt_tokens + [1] * n for n in range(config.max_tokens + 1)]
         self._prompt_logprobs = [0.0] * config.prompt_tokens
+        self._logprob_pool = [-((i * 167) % 256) / 64 for i in range(256 + config.max_tokens)]
 
     def _draws(self, req: RolloutRequest) -> tuple[tuple[int, ...], bytes]:
         key = b"%d/%d/%d" % (self.seed, req.episode_id, req.attempt)
-        size = _UNIFORMS.size + self._noise_len
+        size = self._draw_size
         raw = hashlib.blake2b(key, digest_size=64).digest()  # block 0 (its salt is all zeros)
         for block in range(1, -(-size // 64)):
             raw += hashlib.blake2b(key, digest_size=64, salt=block.to_bytes(16, "little")).digest()
@@ -61,7 +64,7 @@ class FakeEnvRollouts:
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         cfg = self.config
-        (latency, error, empty, length, reward), noise = self._draws(req)
+        (latency, error, empty, length, reward, logprob_offset), token_ids = self._draws(req)
         policy_start = self.version_now()
         if cfg.latency_s > 0:
             jitter = 2 * latency / _U32 - 1
@@ -76,16 +79,15 @@ class FakeEnvRollouts:
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
             reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
-            token_ids=list(noise[:n_total]),
+            token_ids=list(token_ids[:n_total]),
             mask=self._masks[n_sampled][:],
-            logprobs=self._prompt_logprobs + [_LOGPROB_OF_BYTE[b] for b in noise[n_total:n_total + n_sampled]],
+            logprobs=self._prompt_logprobs + self._logprob_pool[logprob_offset % 256:logprob_offset % 256 + n_sampled],
             policy_start=policy_start, policy_end=self.version_now(),
         )
 
 
-_UNIFORMS = struct.Struct("<5I")  # latency, error, empty, length, reward: uniform over 2**32
+_UNIFORMS = struct.Struct("<6I")  # latency, error, empty, length, reward, logprob offset: over 2**32
 _U32 = 4294967296.0
-_LOGPROB_OF_BYTE = tuple(-b / 64 for b in range(256))
 
 
 SAMPLING_THREADS = 32
