@@ -164,17 +164,19 @@ def _rows(log: EventLog, kinds: tuple[str, ...] | None = None, chunk_size: int =
     return guarded(log.read_raw(kinds=kinds, chunk_size=chunk_size), log.path)
 
 
-def _side(row: tuple | None) -> Side | None:
+def _side(row: tuple | None, source: str) -> Side | None:
     if row is None:
         return None
     seq, _ts, kind, data = row
-    return Side(seq, kind, normalize(row_data(seq, data)))
+    return Side(seq, kind, normalize(row_data(seq, data, source)))
 
 
-def _compare_rows(ra: Iterator[tuple], rb: Iterator[tuple], what: Callable[[int, Side], str],
+def _compare_rows(a_log: EventLog, b_log: EventLog, kinds: tuple[str, ...] | None, what: Callable[[int, Side], str],
                   key: Callable[[Side], Any] | None = None, chunk: int = 4096) -> tuple[int, Divergence | None]:
-    """Lockstep over two row streams, a bounded chunk of each at a time; (items compared, first
-    divergence or None). Equal chunks (same kinds, same data bytes; ts ignored) are skipped whole."""
+    """Lockstep over the two logs' rows (of `kinds`, or all), a bounded chunk of each at a time;
+    (items compared, first divergence or None). Equal chunks (same kinds, same data bytes; ts
+    ignored) are skipped whole."""
+    ra, rb = _rows(a_log, kinds, chunk), _rows(b_log, kinds, chunk)
     index = 0
     while True:
         ca, cb = list(islice(ra, chunk)), list(islice(rb, chunk))
@@ -188,7 +190,7 @@ def _compare_rows(ra: Iterator[tuple], rb: Iterator[tuple], what: Callable[[int,
                 if x[2] == y[2] and x[3] == y[3]:
                     index += 1
                     continue  # same kind, same bytes: equal
-                a, b = _side(x), _side(y)
+                a, b = _side(x, a_log.path), _side(y, b_log.path)
                 if key is not None:
                     if key(a) == key(b):
                         index += 1
@@ -197,7 +199,7 @@ def _compare_rows(ra: Iterator[tuple], rb: Iterator[tuple], what: Callable[[int,
                     index += 1
                     continue  # equal once masked fields are gone
                 return index, _divergence(what(index, a), index, a, b, key)
-            a, b = _side(x), _side(y)
+            a, b = _side(x, a_log.path), _side(y, b_log.path)
             present = a or b
             note = f"run {'A' if a is None else 'B'} has no {what(index, present)}: it ended first"
             return index, _divergence(what(index, present), index, a, b, note=note)
@@ -208,7 +210,7 @@ def _batch_what(i: int, s: Side) -> str:
 
 
 def diff_batches(a: EventLog, b: EventLog) -> DiffResult:
-    n, div = _compare_rows(_rows(a, ("batch_shipped",)), _rows(b, ("batch_shipped",)), _batch_what)
+    n, div = _compare_rows(a, b, ("batch_shipped",), _batch_what)
     return DiffResult("batches", a.path, b.path, div is None, n, div)
 
 
@@ -217,14 +219,12 @@ def _curriculum_key(s: Side) -> dict:
 
 
 def diff_curriculum(a: EventLog, b: EventLog) -> DiffResult:
-    n, div = _compare_rows(_rows(a, ("group_dispatched",)), _rows(b, ("group_dispatched",)),
-                           lambda i, s: f"group dispatch #{i + 1}", key=_curriculum_key)
+    n, div = _compare_rows(a, b, ("group_dispatched",), lambda i, s: f"group dispatch #{i + 1}", key=_curriculum_key)
     return DiffResult("curriculum", a.path, b.path, div is None, n, div)
 
 
 def diff_events(a: EventLog, b: EventLog, chunk_size: int = 4096) -> DiffResult:
-    n, div = _compare_rows(_rows(a, chunk_size=chunk_size), _rows(b, chunk_size=chunk_size),
-                           lambda i, s: f"event #{i + 1}")
+    n, div = _compare_rows(a, b, None, lambda i, s: f"event #{i + 1}", chunk=chunk_size)
     return DiffResult("events", a.path, b.path, div is None, n, div)
 
 
@@ -257,7 +257,7 @@ _MASK64 = (1 << 64) - 1
 
 def _items(log: EventLog, kinds: tuple[str, ...], explode) -> Iterator[tuple[Side, Any]]:
     for row in _rows(log, kinds):
-        side = _side(row)
+        side = _side(row, log.path)
         for item in explode(side):
             yield side, item
 

@@ -28,12 +28,14 @@ def one_line(message: str) -> str:
     return " ".join(str(message).split())
 
 
-def row_data(seq: int, data: bytes | str):
-    """A log row's data as JSON values; ReplayInputError (one line) if it is not JSON."""
+def row_data(seq: int, data: bytes | str, source: str | None = None):
+    """A log row's data as JSON values; ReplayInputError (one line, naming `source`, the log,
+    where two are read) if it is not JSON."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as err:
-        raise ReplayInputError(f"seq {seq}: event data is not JSON ({err})") from None
+        where = f"{source}: " if source is not None else ""
+        raise ReplayInputError(f"{where}seq {seq}: event data is not JSON ({err})") from None
 
 
 def resolve_db(path: str | os.PathLike) -> Path:
