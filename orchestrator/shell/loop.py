@@ -8,6 +8,7 @@ loop starts has an owner here that awaits or cancels it; `run()` never returns w
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,6 +27,7 @@ from orchestrator.shell.rollouts import RolloutRequest
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
 MAX_INPUTS_PER_ITERATION = 256  # bounds the synchronous decide work between two awaits
+SHUTDOWN_STEP_S = 10.0  # the longest each shutdown step waits for what it cancelled
 
 
 class StalledError(RuntimeError):
@@ -315,13 +317,19 @@ class Orchestrator:
     # --- shutdown: bounded, nothing left running -----------------------------------------------
 
     async def _shutdown(self, owned: list[asyncio.Task]) -> None:
+        """Every step runs, each bounded by SHUTDOWN_STEP_S. A rollout that ignores its
+        cancellation is reported, not raised: the run's own outcome stands (its events are all
+        committed), and the steps after it still run."""
         self._wake = None
-        await self.stream.aclose(timeout=10.0)
-        await self.finalizer.aclose(timeout_s=10.0)
+        try:
+            await self.stream.aclose(timeout=SHUTDOWN_STEP_S)
+        except TimeoutError as err:
+            print(f"orch: warning: {err}", file=sys.stderr, flush=True)
+        await self.finalizer.aclose(timeout_s=SHUTDOWN_STEP_S)
         reloads = list(self._reloads)
         for task in owned + reloads:
             task.cancel()
-        await asyncio.wait(owned + reloads, timeout=10.0)
+        await asyncio.wait(owned + reloads, timeout=SHUTDOWN_STEP_S)
         for task in owned + reloads:  # retrieve, so nothing is reported as never retrieved
             if task.done() and not task.cancelled():
                 task.exception()

@@ -178,10 +178,43 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+LEFTOVER_WAIT_S = 10.0  # at exit, the longest wait for tasks cancelled because they outlived the run
+
+
 def run_on_new_loop(coro):
-    """`asyncio.run(coro)` on the event loop `orch run` uses (`new_event_loop`)."""
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(coro)
+    """`asyncio.run(coro)` on the event loop `orch run` uses (`new_event_loop`), with a bounded
+    close. asyncio.run cancels the tasks still running when `coro` ends and then waits for them
+    without a bound: a task that ignores its cancellation (a rollout swallowing CancelledError)
+    would hang the exit forever. Here they are waited for at most LEFTOVER_WAIT_S, then named on
+    stderr and abandoned with the loop."""
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            loop.run_until_complete(_cancel_leftover_tasks(LEFTOVER_WAIT_S))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+
+async def _cancel_leftover_tasks(timeout_s: float) -> None:
+    leftovers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in leftovers:
+        task.cancel()
+    if not leftovers:
+        return
+    _, stuck = await asyncio.wait(leftovers, timeout=timeout_s)
+    for task in leftovers:  # retrieve, so nothing is reported as never retrieved
+        if task.done() and not task.cancelled():
+            task.exception()
+    if stuck:
+        for task in stuck:
+            task._log_destroy_pending = False  # named just below; asyncio would add a traceback each
+        names = ", ".join(sorted(task.get_name() for task in stuck))
+        print(f"orch: warning: {len(stuck)} task(s) still running {timeout_s:g}s after cancellation at exit, "
+              f"abandoned: {names}", file=sys.stderr, flush=True)
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
