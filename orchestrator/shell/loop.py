@@ -240,7 +240,7 @@ class Orchestrator:
         if any(decision.kind == "drain_started" for decision in decided):
             # The core already cancelled every in-flight episode; stop admission and let the
             # outcomes that completed meanwhile reach the core (it books them as late).
-            await self.stream.aclose_and_drain(timeout=10.0)
+            await self._drain_rollouts()
         if self.hooks.on_version is not None:
             for event in inputs:  # an input with an effect: inference loads the published weights
                 if event.kind == "version_published":
@@ -270,6 +270,14 @@ class Orchestrator:
                 self.finalizer.start(e.group_id, [state.traces[t] for t in e.trace_ids])
         elif kind == "group_cancelled":
             self.finalizer.cancel(e.group_id)
+
+    async def _drain_rollouts(self) -> None:
+        """Bounded by SHUTDOWN_STEP_S. A rollout that ignores its cancellation is reported, not
+        raised: its episode is already cancelled in the log, so the run goes on to its end."""
+        try:
+            await self.stream.aclose_and_drain(timeout=SHUTDOWN_STEP_S)
+        except TimeoutError as err:
+            _warn(err)
 
     def _spawn_reload(self, version: int) -> None:
         # Owned here: reloads are short, their errors surface in _raise_if_failed, and shutdown
@@ -324,7 +332,7 @@ class Orchestrator:
         try:
             await self.stream.aclose(timeout=SHUTDOWN_STEP_S)
         except TimeoutError as err:
-            print(f"orch: warning: {err}", file=sys.stderr, flush=True)
+            _warn(err)
         await self.finalizer.aclose(timeout_s=SHUTDOWN_STEP_S)
         reloads = list(self._reloads)
         for task in owned + reloads:
@@ -333,3 +341,7 @@ class Orchestrator:
         for task in owned + reloads:  # retrieve, so nothing is reported as never retrieved
             if task.done() and not task.cancelled():
                 task.exception()
+
+
+def _warn(problem: object) -> None:
+    print(f"orch: warning: {problem}", file=sys.stderr, flush=True)

@@ -21,9 +21,16 @@ SCRIPT = textwrap.dedent('''
     loop.SHUTDOWN_STEP_S = runner.LEFTOVER_WAIT_S = 0.5
     fake = rollouts.FakeEnvRollouts.__call__
 
+    stuck_from, stop_when_stuck = int(sys.argv[2]), sys.argv[3] == "stop"
+    orchestrators = []
+    build = runner.build_orchestrator
+    runner.build_orchestrator = lambda *args: orchestrators.append(build(*args)) or orchestrators[-1]
+
     async def stubborn(self, req):
-        if req.episode_id < 20:
+        if req.episode_id < stuck_from:
             return await fake(self, req)
+        if stop_when_stuck and req.episode_id == stuck_from:  # as Ctrl-C would: drain, then stop
+            asyncio.get_running_loop().call_later(0.2, orchestrators[0].request_stop, "asked")
         while True:
             try:
                 await asyncio.sleep(3600)
@@ -32,25 +39,44 @@ SCRIPT = textwrap.dedent('''
 
     rollouts.FakeEnvRollouts.__call__ = stubborn
     config = load_config(None, [f"runs_dir={sys.argv[1]}", "name=stuck", 'envs={"fake": 1.0}', "trainer.kind=fake",
-                                "max_steps=4", "batch.size=8", "rollout.max_inflight=16", "trainer.publish_timeout_s=1"])
+                                "max_steps=50", "batch.size=8", "rollout.max_inflight=16",
+                                "trainer.publish_timeout_s=1"])
     config.run_dir.mkdir(parents=True)
     log = EventLog.create(config.run_dir / "events.db", durability="full")
     run = runner.OpenedRun(config, config.run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
     try:
-        runner.run_job(run, None)
+        print(f"stopped: {runner.run_job(run, None).state.stop_reason}")
     except Exception as err:
         print(f"raised {type(err).__name__}: {err}")
 ''')
 
 
-def test_a_rollout_that_ignores_cancellation_is_abandoned_and_the_runs_own_error_stands(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60)
+def _run_with_stuck_rollouts(tmp_path, stuck_from: int, then: str) -> tuple[str, list[str]]:
+    args = [sys.executable, "-c", SCRIPT, str(tmp_path), str(stuck_from), then]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    # The run stalled (every episode after the 20th hangs): that error, not the shutdown's, is raised.
-    assert done.stdout.startswith("raised StalledError: no progress"), done.stdout
-    warnings = done.stderr.splitlines()
-    assert len(warnings) == 2, done.stderr
-    assert re.fullmatch(r"orch: warning: rollout stream close: \d+ rollout task\(s\) still running 0\.5s after "
-                        r"cancellation \(fn is ignoring CancelledError\?\)", warnings[0]), warnings[0]
-    assert re.match(r"orch: warning: \d+ task\(s\) still running 0\.5s after cancellation at exit, abandoned: Task-",
-                    warnings[1]), warnings[1]
+    return done.stdout, done.stderr.splitlines()
+
+
+STREAM_CLOSE = (r"orch: warning: rollout stream close: \d+ rollout task\(s\) still running 0\.5s after "
+                r"cancellation \(fn is ignoring CancelledError\?\)")
+ABANDONED = r"orch: warning: \d+ task\(s\) still running 0\.5s after cancellation at exit, abandoned: Task-"
+
+
+def test_a_rollout_that_ignores_cancellation_is_abandoned_and_the_runs_own_error_stands(tmp_path):
+    # Every episode after the 20th hangs: the run stalls, and that error, not the shutdown's, is raised.
+    stdout, warnings = _run_with_stuck_rollouts(tmp_path, stuck_from=20, then="stall")
+    assert stdout.startswith("raised StalledError: no progress"), stdout
+    assert len(warnings) == 2, warnings
+    assert re.fullmatch(STREAM_CLOSE, warnings[0]), warnings[0]
+    assert re.match(ABANDONED, warnings[1]), warnings[1]
+
+
+def test_a_rollout_that_ignores_cancellation_at_drain_does_not_fail_the_stop(tmp_path):
+    # A stop is asked for while the hanging episodes are in flight: the drain cancels them, waits
+    # a bounded time, and the run stops as asked, its run_stopped logged.
+    stdout, warnings = _run_with_stuck_rollouts(tmp_path, stuck_from=20, then="stop")
+    assert stdout == "stopped: asked\n", (stdout, warnings)
+    assert len(warnings) == 3, warnings
+    assert all(re.fullmatch(STREAM_CLOSE, line) for line in warnings[:2]), warnings
+    assert re.match(ABANDONED, warnings[2]), warnings[2]
