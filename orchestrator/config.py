@@ -10,6 +10,7 @@ import hashlib
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -109,6 +110,32 @@ class InferenceSection(_Section):
     backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
     max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")
     pin_groups: bool = Field(True, description="send a group's episodes to one endpoint (prefix-cache reuse)")
+
+    @model_validator(mode="after")
+    def _endpoints_are_urls(self) -> InferenceSection:
+        seen: dict[str, str] = {}
+        for url in self.endpoints:
+            base = endpoint_base_url(url)
+            parts = urlsplit(base)
+            try:
+                parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
+            except ValueError:
+                raise ValueError(f"endpoint {url!r} has an invalid port") from None
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"endpoint {url!r} is not an http(s)://host[:port] URL")
+            if base in seen:
+                raise ValueError(f"endpoints {seen[base]!r} and {url!r} are the same")
+            seen[base] = url
+        return self
+
+
+def endpoint_base_url(url: str) -> str:
+    """An endpoint as the client addresses it: scheme added (http), trailing `/` and `/v1` removed."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
 
 
 class LogConfig(_Section):

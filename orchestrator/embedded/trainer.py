@@ -97,6 +97,11 @@ class TrainerError(RuntimeError):
     """A clear, user-facing trainer failure (bad batch, timeout, config mismatch)."""
 
 
+class TrainerSetupError(TrainerError):
+    """The run dir has no usable trainer.json: a user mistake (`orch trainer` pointed at the
+    wrong directory), reported in one line without a traceback."""
+
+
 def write_trainer_config(run_dir: str | os.PathLike, config: TrainerConfig) -> Path:
     path = Path(run_dir) / files.TRAINER_CONFIG_FILE
     files.atomic_write_bytes(path, config.model_dump_json(indent=2).encode())
@@ -106,11 +111,11 @@ def write_trainer_config(run_dir: str | os.PathLike, config: TrainerConfig) -> P
 def read_trainer_config(run_dir: str | os.PathLike) -> TrainerConfig:
     path = Path(run_dir) / files.TRAINER_CONFIG_FILE
     if not path.is_file():
-        raise TrainerError(f"no trainer config at {path} (the orchestrator writes it before spawning)")
+        raise TrainerSetupError(f"no trainer config at {path} (the orchestrator writes it before spawning)")
     try:
         return TrainerConfig.model_validate_json(path.read_bytes())
     except ValidationError as exc:
-        raise TrainerError(f"invalid {path}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
+        raise TrainerSetupError(f"invalid {path}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
 
 
 # --------------------------------------------------------------------------------------- batches
@@ -521,7 +526,7 @@ def warm_start(model: Policy, config: TrainerConfig, eval_n: int = 64) -> dict[s
 def exit_code_of(body: Callable[[], None], where: str = "") -> int:
     """Run `body` and turn its outcome into the trainer's exit code: 0, 130 on interrupt, or 1
     after a one-line `orch trainer: error: ...` summary (what the orchestrator quotes) plus the
-    traceback. Every failure is reported, never swallowed."""
+    traceback (none for a setup mistake). Every failure is reported, never swallowed."""
     try:
         body()
         return EXIT_OK
@@ -531,8 +536,9 @@ def exit_code_of(body: Callable[[], None], where: str = "") -> int:
     except Exception as exc:  # noqa: BLE001 - reported in full just below
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"orch trainer: error: {where}{msg}", file=sys.stderr, flush=True)
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
+        if not isinstance(exc, TrainerSetupError):
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
         return EXIT_ERROR
 
 

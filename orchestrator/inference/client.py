@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 import httpx
 
+from orchestrator.config import endpoint_base_url
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 
 WeightSync = Literal["orch", "vllm_lora", "sglang", "none"]
@@ -131,7 +132,7 @@ class InferenceClient:
             raise ValueError("InferenceClient needs at least one endpoint URL")
         if max_attempts < 1 or timeout_s <= 0 or connect_timeout_s <= 0 or backoff_s <= 0:
             raise ValueError("max_attempts >= 1 and positive timeouts/backoff are required")
-        self.endpoints = [Endpoint(_base_url(u), i) for i, u in enumerate(urls)]
+        self.endpoints = [Endpoint(endpoint_base_url(u), i) for i, u in enumerate(urls)]
         if len({e.url for e in self.endpoints}) != len(self.endpoints):
             raise ValueError(f"duplicate inference endpoints in {urls}")
         self.model, self.weight_sync = model, weight_sync
@@ -389,15 +390,6 @@ def lora_name(version: int) -> str:
 
 def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-
-
-def _base_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if url.endswith("/v1"):
-        url = url[:-3]
-    if not url.startswith(("http://", "https://")):
-        url = "http://" + url
-    return url
 
 
 def _error_message(resp: httpx.Response) -> str:

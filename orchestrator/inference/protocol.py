@@ -9,7 +9,7 @@ Request (``POST /v1/completions``, JSON; unknown fields are ignored, as vLLM doe
     max_tokens   int >= 1 (default 16)
     temperature  float > 0 (default 1.0); logprobs are those of softmax(logits / temperature)
     logprobs     int 0..20 or null (default null): include the per-token logprobs block
-    seed         int, optional: the sampling seed (same weights + request -> same completion)
+    seed         int in [0, 2**63), optional: the sampling seed (same weights + request -> same completion)
     return_tokens_as_token_ids  bool (vLLM): ``logprobs.tokens`` entries become ``"token_id:N"``
     return_token_ids            bool (vLLM >= 0.10.2): accepted; orch serve always returns ids
     top_p must be 1, stop must be empty, stream/echo must be false (else 400).
@@ -109,8 +109,10 @@ def parse_completion_request(body: Any) -> CompletionParams:
     if best_of not in (None, n):
         raise ProtocolError("'best_of' must equal 'n' when given")
     seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise ProtocolError(f"'seed' must be an integer, got {seed!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+        # torch.Generator.manual_seed refuses the rest, and a request is sampled in a batch with
+        # others: caught here, one caller's bad seed cannot fail the batch it would join.
+        raise ProtocolError(f"'seed' must be an integer in [0, 2**63), got {seed!r}")
     return CompletionParams(
         model=model, prompts=prompts, n=n, max_tokens=_int(body, "max_tokens", 16, 1),
         temperature=float(temperature), logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),

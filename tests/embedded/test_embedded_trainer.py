@@ -100,7 +100,8 @@ def test_bad_batch_is_a_clear_error(tmp_path, capsys, mutate, message):
 
 def test_missing_config_and_wait_timeout_are_clear_errors(tmp_path, capsys):
     assert run_trainer(tmp_path) == 1
-    assert "no trainer config" in capsys.readouterr().err.splitlines()[0]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "no trainer config" in err[0]  # a setup mistake: one line, no traceback
     write_trainer_config(tmp_path, tiny_trainer_config(batch_wait_timeout_s=0.2))
     t0 = time.monotonic()
     assert run_trainer(tmp_path) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -21,6 +22,22 @@ def test_defaults_keep_the_embedded_single_process_job():
 def test_endpoints_need_reverse_text():
     with pytest.raises(ConfigError, match="inference endpoints sample reverse_text episodes only"):
         load_config(overrides=['envs={"fake": 1}', "trainer.kind=fake", 'inference.endpoints=["http://x:1"]'])
+
+
+@pytest.mark.parametrize("endpoints, message", [
+    (["http://127.0.0.1:9", "127.0.0.1:9/"], "endpoints 'http://127.0.0.1:9' and '127.0.0.1:9/' are the same"),
+    (["http://h:1/v1", "h:1"], "endpoints 'http://h:1/v1' and 'h:1' are the same"),
+    (["http://127.0.0.1:80x0"], "endpoint 'http://127.0.0.1:80x0' has an invalid port"),
+    (["http://127.0.0.1:99999"], "endpoint 'http://127.0.0.1:99999' has an invalid port"),
+    (["ftp://x"], "endpoint 'ftp://x' is not an http(s)://host[:port] URL"),
+    (["http://"], "endpoint 'http://' is not an http(s)://host[:port] URL"),
+])
+def test_endpoints_must_be_distinct_http_urls(endpoints, message):
+    """Checked with the config (exit 2 before anything runs): the client used to raise at build
+    time (a traceback) or fail each request until the publish timeout."""
+    quoted = ",".join(f'"{url}"' for url in endpoints)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=[f"inference.endpoints=[{quoted}]"])
 
 
 def test_endpoints_and_ranks_may_change_on_resume_but_the_weight_protocol_may_not():

@@ -29,6 +29,8 @@ def test_request_defaults_and_prompt_forms():
     ({"prompt": "a", "stop": ["x"]}, "stop"),
     ({"prompt": "a", "logprobs": 21}, "'logprobs'"),
     ({"prompt": "a", "seed": "1"}, "'seed'"),
+    ({"prompt": "a", "seed": 2**64}, r"'seed' must be an integer in \[0, 2\*\*63\)"),  # would fail its batch
+    ({"prompt": "a", "seed": -1}, "'seed'"),
     ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
 ])
 def test_bad_requests_name_the_field(body, message):
