@@ -114,8 +114,8 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
 def _run_errors() -> tuple[type[BaseException], ...]:
     """What ends a run with one line, not a traceback: a failed trainer or log, a stall, a bounded
     wait that ran out (TimeoutError: weights never published, rollouts that would not stop; its
-    message says what it waited for), an inference backend that failed. Evaluated when an error
-    is caught, so the inference client (httpx) is not imported by runs that do not use it."""
+    message says what it waited for), an inference backend or env server that failed. Evaluated
+    when an error is caught, so httpx is not imported by runs that do not use it."""
     from orchestrator.shell.loop import StalledError
     from orchestrator.shell.trainers import TrainerFailed
 
@@ -123,6 +123,9 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     client = sys.modules.get("orchestrator.inference.client")
     if client is not None:
         errors.append(client.InferenceError)
+    env_client = sys.modules.get("orchestrator.rollouts.env_client")
+    if env_client is not None:
+        errors.append(env_client.EnvServerError)
     return tuple(errors)
 
 

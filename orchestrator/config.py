@@ -32,7 +32,14 @@ class RolloutConfig(_Section):
     max_inflight: int = Field(128, ge=1, description="in-flight episode permits")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the embedded policy")
     max_new_tokens: int = Field(48, ge=1, description="completion length cap of the embedded policy (answers need <= 38)")
-    env_server: str | None = Field(None, description="URL of an `orch env-server` (else envs run in-process)")
+    env_server: str | None = Field(None, description="URL of an `orch env-server` serving reverse_text (else envs "
+                                   "run in-process)")
+
+    @model_validator(mode="after")
+    def _env_server_is_a_url(self) -> RolloutConfig:
+        if self.env_server is not None:
+            check_http_url(self.env_server, f"env_server {self.env_server!r}")
+        return self
 
 
 class BatchConfig(_Section):
@@ -116,17 +123,22 @@ class InferenceSection(_Section):
         seen: dict[str, str] = {}
         for url in self.endpoints:
             base = endpoint_base_url(url)
-            parts = urlsplit(base)
-            try:
-                parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
-            except ValueError:
-                raise ValueError(f"endpoint {url!r} has an invalid port") from None
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"endpoint {url!r} is not an http(s)://host[:port] URL")
+            check_http_url(base, f"endpoint {url!r}")
             if base in seen:
                 raise ValueError(f"endpoints {seen[base]!r} and {url!r} are the same")
             seen[base] = url
         return self
+
+
+def check_http_url(url: str, what: str) -> None:
+    """ValueError naming `what` unless `url` is http(s)://host[:port][/path] with a valid port."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
+    except ValueError:
+        raise ValueError(f"{what} has an invalid port") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} is not an http(s)://host[:port] URL")
 
 
 def endpoint_base_url(url: str) -> str:
@@ -171,6 +183,8 @@ class RunConfig(_Section):
             raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
         if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
+        if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
+            raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
         if self.trainer.kind == "fake" and "reverse_text" in self.envs:
             raise ValueError("reverse_text samples from the trainer's published weights, which the fake trainer "
                              "never writes; use trainer.kind='embedded' (or the fake env)")

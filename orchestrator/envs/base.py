@@ -3,6 +3,10 @@
 An env never samples from the policy itself; the rollout worker asks the policy for a completion
 of ``task.prompt`` and hands the text back to :meth:`TextEnv.score`. Tasks are a pure function of
 ``(seed, index)`` so a resumed or re-executed run sees exactly the same tasks.
+
+Rollout workers reach an env through the async :class:`RolloutEnv`: :class:`InProcessEnv` for an
+env in this process, or ``orchestrator.rollouts.env_client.HttpEnvClient`` for one behind
+``orch env-server`` (``rollout.env_server``).
 """
 
 from __future__ import annotations
@@ -29,3 +33,24 @@ class TextEnv(Protocol):
     def score(self, task: Task, completion: str) -> float:
         """Reward in [0, 1] for ``completion`` as an answer to ``task``."""
         ...
+
+
+class RolloutEnv(Protocol):
+    """A `TextEnv` as the rollout workers call it: awaited, so it may live in another process."""
+
+    async def task(self, index: int) -> Task: ...
+
+    async def score(self, task: Task, completion: str) -> float: ...
+
+
+class InProcessEnv:
+    """A `TextEnv` of this process behind the `RolloutEnv` interface."""
+
+    def __init__(self, env: TextEnv) -> None:
+        self.env = env
+
+    async def task(self, index: int) -> Task:
+        return self.env.task(index)
+
+    async def score(self, task: Task, completion: str) -> float:
+        return self.env.score(task, completion)

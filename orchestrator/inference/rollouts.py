@@ -66,7 +66,7 @@ class InferenceRollouts:
 
     async def __call__(self, req) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
-        task = self.env.task(req.task_id)
+        task = await self.env.task(req.task_id)
         prompt_ids = encode_prompt(task.prompt)
         seed = ((self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt) & 0x7FFF_FFFF_FFFF_FFFF
         done = await self.client.complete(prompt_ids, n=1, temperature=self.temperature,
@@ -76,7 +76,7 @@ class InferenceRollouts:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
-            reward=self.env.score(task, choice.text), token_ids=prompt_ids + choice.token_ids,
+            reward=await self.env.score(task, choice.text), token_ids=prompt_ids + choice.token_ids,
             mask=[0] * len(prompt_ids) + [1] * len(choice.token_ids),
             logprobs=[0.0] * len(prompt_ids) + choice.logprobs,
             policy_start=done.policy_start, policy_end=done.policy_end, temperature=self.temperature,

@@ -142,7 +142,7 @@ class EmbeddedRollouts:
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
-        task = self.env.task(req.task_id)
+        task = await self.env.task(req.task_id)
         seed = (self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt
         # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
         sample = functools.partial(self.sampler.sample_coalesced, task.prompt, 1, temperature=self.temperature,
@@ -151,7 +151,7 @@ class EmbeddedRollouts:
         version = completion.policy_version
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
-            reward=self.env.score(task, completion.text), token_ids=completion.token_ids,
+            reward=await self.env.score(task, completion.text), token_ids=completion.token_ids,
             mask=completion.mask, logprobs=completion.full_logprobs, policy_start=version,
             policy_end=version, temperature=self.temperature,
         )

@@ -142,9 +142,7 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
     if set(config.envs) == {"fake"}:
         rollout = FakeEnvRollouts(config.fake_env, config.seed, version_now)
     else:
-        from orchestrator.envs.reverse_text import ReverseTextEnv
-
-        env = ReverseTextEnv(seed=config.seed, min_len=config.reverse_text.min_len, max_len=config.reverse_text.max_len)
+        env = _rollout_env(config)
         if config.inference.endpoints:  # OpenAI-compatible servers (orch serve, vLLM, SGLang)
             from orchestrator.inference.client import InferenceClient
             from orchestrator.inference.rollouts import InferenceRollouts
@@ -166,6 +164,36 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
                         algorithm=make_algorithm(config), trainer=trainer, progress=progress)
     holder["orch"] = orch
     return orch
+
+
+def _rollout_env(config: RunConfig):
+    """The reverse_text env the rollout workers call: in this process, or behind the
+    `orch env-server` at `rollout.env_server` (checked by `_check_env_server` before the run)."""
+    if config.rollout.env_server is not None:
+        from orchestrator.rollouts.env_client import HttpEnvClient
+
+        return HttpEnvClient(config.rollout.env_server)
+    from orchestrator.envs.base import InProcessEnv
+    from orchestrator.envs.reverse_text import ReverseTextEnv
+
+    return InProcessEnv(ReverseTextEnv(seed=config.seed, min_len=config.reverse_text.min_len,
+                                       max_len=config.reverse_text.max_len))
+
+
+def _env_client_of(rollout):
+    """The env server client the rollout workers use, if any (closed by the runner at the end)."""
+    module = sys.modules.get("orchestrator.rollouts.env_client")
+    env = getattr(rollout, "env", None)
+    return env if module is not None and isinstance(env, module.HttpEnvClient) else None
+
+
+async def _check_env_server(client) -> None:
+    """Fail before the run, in one line, if the env server is unreachable or serves another env."""
+    from orchestrator.rollouts.env_client import EnvServerError
+
+    served = (await client.health()).get("env")
+    if served != "reverse_text":
+        raise EnvServerError(f"{client.base_url} serves env {served!r}, not 'reverse_text'")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -264,7 +292,10 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
         for signame in list(early_signals):
             on_signal(signame)
         trainer = orch.trainer
+        env_client = _env_client_of(orch.hooks.rollout)
         try:
+            if env_client is not None:
+                await _check_env_server(env_client)
             if run.first_input.kind == "run_resumed":
                 orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
             if isinstance(trainer, ProcessTrainer):
@@ -282,6 +313,8 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
                 await orch.hooks.rollout.aclose()
             if isinstance(orch.hooks.rollout, EmbeddedRollouts):
                 await asyncio.to_thread(orch.hooks.rollout.close)
+            if env_client is not None:
+                await env_client.aclose()
     finally:
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)

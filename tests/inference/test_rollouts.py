@@ -3,26 +3,40 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
 from orchestrator.embedded.policy import load_policy, sequence_logprobs
 from orchestrator.embedded.tokenizer import decode, encode_prompt
+from orchestrator.envs.base import InProcessEnv
 from orchestrator.envs.reverse_text import ReverseTextEnv
 from orchestrator.inference.client import InferenceClient
 from orchestrator.inference.rollouts import InferenceRollouts
+from orchestrator.rollouts.env_client import HttpEnvClient
+from orchestrator.rollouts.env_server import create_app, running_server
 from orchestrator.shell.rollouts import RolloutRequest
 from tests.inference.util import publish, run, serving
 
 
-def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path):
+@contextlib.contextmanager
+def _rollout_env(where: str, env: ReverseTextEnv):
+    if where == "in-process":
+        yield lambda: InProcessEnv(env)
+    else:  # the same env behind `orch env-server`
+        with running_server(create_app(env)) as server:
+            yield lambda: HttpEnvClient(server.base_url)
+
+
+@pytest.mark.parametrize("where", ["in-process", "env-server"])
+def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, where):
     publish(tmp_path, 0)
     env = ReverseTextEnv(seed=3)
     checks = []
-    with serving() as a, serving() as b:
+    with serving() as a, serving() as b, _rollout_env(where, env) as rollout_env:
         async def main():
             client = InferenceClient([a.base_url, b.base_url])
-            backend = InferenceRollouts(tmp_path, env, client, temperature=0.8, max_new_tokens=20, seed=5,
+            backend = InferenceRollouts(tmp_path, rollout_env(), client, temperature=0.8, max_new_tokens=20, seed=5,
                                         load_timeout_s=5)
             try:
                 await backend.load(0, health_check=lambda: checks.append(1))
@@ -37,6 +51,8 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path):
                 return eps, later
             finally:
                 await backend.aclose()
+                if where == "env-server":
+                    await backend.env.aclose()
         eps, later = run(main())
     models = {v: load_policy(tmp_path / "weights" / f"step_{v}") for v in (0, 1)}
     for ep in eps + [later]:

@@ -76,6 +76,10 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
      "orch: error: invalid config: algorithm 'gar' calls a grader and must finalize in the background"),
     (["--env", "reverse_text"], 2, "orch: error: invalid config: reverse_text samples from the trainer's published "
      "weights, which the fake trainer never writes; use trainer.kind='embedded' (or the fake env)"),
+    (["--set", "rollout.env_server=http://127.0.0.1:9"], 2,
+     "orch: error: invalid config: rollout.env_server serves reverse_text episodes only (the fake env runs in-process)"),
+    (["--set", "rollout.env_server=localhost:9"], 2,
+     "orch: error: invalid config: rollout: env_server 'localhost:9' is not an http(s)://host[:port] URL"),
 ])
 def test_user_mistakes_are_one_line_before_anything_runs(tmp_path, args, code, message):
     (tmp_path / "afile").write_text("")
@@ -93,3 +97,12 @@ def test_existing_run_needs_resume_and_missing_resume_is_an_error(tmp_path):
     assert again.returncode == 1 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
     missing = orch("run", "--resume", str(tmp_path / "nope"))
     assert missing.returncode == 1 and "no such run directory" in missing.stderr
+
+
+def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_path):
+    result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "1",
+                  "--set", "rollout.env_server=http://127.0.0.1:9")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "orch: error: GET http://127.0.0.1:9/health: env server unreachable"), result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "r" / "trainer.log").exists()

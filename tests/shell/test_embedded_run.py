@@ -143,3 +143,18 @@ def test_sigkill_then_resume_of_the_embedded_job(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)
     assert processes_mentioning(str(run_dir)) == []
+
+
+def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
+    """`rollout.env_server`: tasks and rewards come from `orch env-server` over HTTP."""
+    from orchestrator.rollouts.env_server import create_app, make_env, running_server
+
+    app = create_app(make_env("reverse_text", seed=0))
+    with running_server(app) as server:
+        result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "2", *SMALL,
+                      "--set", f"rollout.env_server={server.base_url}", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert_log_invariants(tmp_path / "r", 2, max_off_policy=2, target_lag=1)
+    db = sqlite3.connect(tmp_path / "r" / "events.db")
+    completed = db.execute("SELECT count(*) FROM events WHERE kind = 'episode_completed'").fetchone()[0]
+    assert app.state.stats["task"] >= completed >= 64 and app.state.stats["score_completed"] >= completed
