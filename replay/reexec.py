@@ -243,7 +243,7 @@ class Reexecutor:
             try:
                 params = ev.CoreParams.model_validate({**event.params.model_dump(), "finalize_in_background": background})
             except ValidationError as err:
-                msg = "; ".join(e["msg"] for e in err.errors())
+                msg = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())  # the validator's own
                 raise ReplayInputError(one_line(f"cannot re-execute with --finalize {self.options.finalize}: {msg}")) from None
             self.algorithm = params.algorithm
             return ev.RunStarted(schema_version=event.schema_version, params=params)

@@ -191,7 +191,7 @@ class Orchestrator:
         except TimeoutError:
             idle = time.monotonic() - self._last_input_at
             if idle > self.stall_timeout_s:
-                raise StalledError(f"no progress for {idle:.0f}s while waiting for {self.waiting_for()}") from None
+                raise StalledError(f"no progress for {idle:.1f}s while waiting for {self.waiting_for()}") from None
 
     def waiting_for(self) -> str:
         s = self.state

@@ -159,3 +159,9 @@ def test_run_dir_is_accepted(tmp_path, good, cli):
     run.mkdir()
     shutil.copy(good, run / "events.db")
     assert cli("--diff", run, good, "--level", "events").exit_code == 0
+
+
+def test_reexecuting_a_gar_run_inline_is_one_line_with_the_rules_own_words(tmp_path, cli):
+    gar = sim_log(tmp_path / "gar.db", sim_params(0, algorithm="gar", finalize_in_background=True), 0)
+    assert_bad_input(cli(gar, "--reexecute", "--finalize", "inline", "--out", tmp_path / "x"),
+                     "cannot re-execute with --finalize inline: algorithm 'gar' calls a grader")
