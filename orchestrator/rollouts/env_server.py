@@ -20,6 +20,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -245,6 +247,24 @@ def _bound_port(server: uvicorn.Server) -> int:
     return server.servers[0].sockets[0].getsockname()[1]
 
 
+class ListenError(OSError):
+    """The server's address cannot be bound (in use, not local, not permitted)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 if ``host`` has a colon), as uvicorn binds its own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 async def serve(
     app: ASGIApp,
     *,
@@ -255,9 +275,11 @@ async def serve(
     startup_timeout: float = 30.0,
 ) -> None:
     """Run ``app`` with uvicorn on this loop until the server exits (SIGINT/SIGTERM in the main
-    thread). ``on_ready(base_url)`` is called once it listens (the real port when ``port=0``)."""
+    thread). ``on_ready(base_url)`` is called once it listens (the real port when ``port=0``).
+    Raises ListenError (one line) if ``host:port`` cannot be bound."""
+    sock = listening_socket(host, port)  # here, not in uvicorn: it calls sys.exit inside its task
     server = uvicorn.Server(_config(app, host, port, log_level))
-    task = asyncio.ensure_future(server.serve())
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + startup_timeout
     while not server.started:
@@ -340,7 +362,11 @@ def env_server_command(env_name: str, host: str, port: int, seed: int, score_del
     def ready(base_url: str) -> None:
         click.echo(f"env-server {env_name} (seed {seed}) listening on {base_url}", err=False)
 
-    asyncio.run(serve(app, host=host, port=port, log_level=log_level, on_ready=ready))
+    try:
+        asyncio.run(serve(app, host=host, port=port, log_level=log_level, on_ready=ready))
+    except ListenError as exc:  # a user mistake (port in use): one line, like `orch run`'s errors
+        click.echo(f"orch: error: env-server: {exc}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # python -m orchestrator.rollouts.env_server

@@ -215,3 +215,18 @@ def test_cli_serves_over_http_in_a_subprocess(arun):
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@pytest.mark.parametrize("command", [["orchestrator.rollouts.env_server"], ["orchestrator.cli", "serve"]])
+def test_a_port_in_use_is_one_line_and_exit_1(command):
+    """uvicorn would call sys.exit inside its serve task: two tracebacks and an unretrieved task."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", *command, "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"orch: error: {'serve' if 'serve' in command else 'env-server'}: cannot listen on 127.0.0.1:{port}: "
+        "Address already in use"], done.stderr
