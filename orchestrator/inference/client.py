@@ -326,8 +326,12 @@ class InferenceClient:
             else:
                 answers[ep.url] = res
         if not any(isinstance(v, int) and v >= version for v in answers.values()):
-            raise InferenceError(f"no inference endpoint confirmed weights version {version} ({path}): "
-                                 + "; ".join(f"{u}: {a}" for u, a in answers.items()))
+            # Every endpoint refused the load itself (4xx, malformed answer): asking again will
+            # not help, so the caller fails at once rather than at its timeout.
+            refused = all(isinstance(res, InferenceRequestError) for res in results)
+            raise (InferenceRequestError if refused else InferenceError)(
+                f"no inference endpoint confirmed weights version {version} ({path}): "
+                + "; ".join(f"{u}: {a}" for u, a in answers.items()))
         return answers
 
     async def _load_one(self, ep: Endpoint, version: int, path: str) -> int:

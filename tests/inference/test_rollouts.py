@@ -67,3 +67,31 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, wher
         assert ep.policy_end == version == (1 if ep is later else 0)
         assert ep.logprobs[n:] == pytest.approx(sequence_logprobs(models[version], ep.token_ids, n, 0.8), abs=1e-4)
     assert 2 in checks  # the trainer's health is checked while waiting for a publication
+
+
+def test_a_load_every_endpoint_refuses_fails_at_once_not_at_the_timeout(tmp_path):
+    """A 4xx on every endpoint's load (e.g. it cannot see the run dir) is not retried."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from orchestrator.inference.client import InferenceRequestError
+
+    async def refuse(request):
+        return JSONResponse({"error": {"message": "not a published weights directory"}}, status_code=409)
+
+    publish(tmp_path, 0)
+    with running_server(Starlette(routes=[Route("/update_weights", refuse, methods=["POST"])])) as server:
+        async def main():
+            client = InferenceClient([server.base_url])
+            backend = InferenceRollouts(tmp_path, None, client, temperature=1.0, max_new_tokens=4, seed=0,
+                                        load_timeout_s=60)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                with pytest.raises(InferenceRequestError, match="HTTP 409.*not a published weights directory"):
+                    await backend.load(0)
+                return loop.time() - started
+            finally:
+                await client.aclose()
+        assert run(main()) < 10  # the load timeout is 60 s
