@@ -271,12 +271,20 @@ class InferenceClient:
             try:
                 version = await self._ensure_version(ep)
                 request = dict(body)
-                if self.weight_sync == "vllm_lora" and version >= 0:
-                    request["model"] = lora_name(version)
+                adapter = lora_name(version) if self.weight_sync == "vllm_lora" and version >= 0 else None
+                if adapter is not None:
+                    request["model"] = adapter
                 elif self.model is not None:
                     request["model"] = self.model
                 start_version = self._known_version(ep)
-                answer = await self._call(ep, "POST", "/v1/completions", request)
+                try:
+                    answer = await self._call(ep, "POST", "/v1/completions", request)
+                except InferenceRequestError as exc:
+                    if adapter is None or exc.status_code != 404:
+                        raise
+                    # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
+                    # down, it gets the adapter again before it next serves (_ensure_version).
+                    raise _Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
                 try:
                     choices, reported = parse_completion(answer, n * (len(prompt) if _is_batch(prompt) else 1),
                                                          where=f"{ep.url}/v1/completions")

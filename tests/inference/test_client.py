@@ -286,3 +286,45 @@ def test_sglang_weight_sync_reloads_from_disk_and_bounds_the_version():
                     await client.load(3, "/ckpt/bad")
         run(main())
     assert paths == ["/ckpt/step_2", "/ckpt/bad"]
+
+
+def _vllm_standin(loaded: list[str]):
+    """vLLM's LoRA endpoints, as far as the client uses them: 404 for an adapter not loaded."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def load(request):
+        loaded.append((await request.json())["lora_name"])
+        return JSONResponse({})
+
+    async def complete(request):
+        model = (await request.json()).get("model")
+        if model not in loaded:
+            return JSONResponse({"error": {"message": f"The model `{model}` does not exist."}}, status_code=404)
+        return JSONResponse({"choices": [{"index": 0, "text": "x", "token_ids": [5],
+                                          "logprobs": {"token_logprobs": [-0.1]}}]})
+
+    return Starlette(routes=[Route("/v1/load_lora_adapter", load, methods=["POST"]),
+                             Route("/v1/completions", complete, methods=["POST"])])
+
+
+def test_vllm_lora_an_endpoint_restarted_unseen_gets_its_adapter_again():
+    """Found by review: it answered 404 to every request for the adapter it had lost, forever."""
+    from orchestrator.rollouts.env_server import running_server
+
+    port, before, after = free_port(), [], []
+    loop = asyncio.new_event_loop()  # one client across both server processes
+    try:
+        client = InferenceClient([f"http://127.0.0.1:{port}"], weight_sync="vllm_lora", backoff_s=0.05)
+        with running_server(_vllm_standin(before), port=port):
+            loop.run_until_complete(client.load(1, "/adapters/step_1"))
+            first = loop.run_until_complete(client.complete([1, 2], seed=1))
+        with running_server(_vllm_standin(after), port=port):  # same endpoint, fresh process: no adapter
+            second = loop.run_until_complete(client.complete([1, 2], seed=1))
+        loop.run_until_complete(client.aclose())
+    finally:
+        loop.close()
+    assert (first.policy_start, first.attempts, before) == (1, 1, ["step_1"])
+    assert (second.policy_start, second.attempts, client.retries) == (1, 2, 1)
+    assert after == ["step_1"]  # loaded again on the restarted endpoint
