@@ -57,6 +57,8 @@ def check_header(path: str) -> None:
         raise NotSQLiteError(f"{path} is a directory, not an SQLite event log") from None
     except PermissionError as e:
         raise LogError(f"cannot read {path}: {e.strerror}") from None
+    if not header:  # CorruptLogError still: a run's events.db cut to nothing is a damaged log
+        raise CorruptLogError(f"{path} is empty (0 bytes): a truncated log, or not an event log at all")
     if len(header) < _HEADER_LEN:
         if _SQLITE_HEADER.startswith(header[: len(_SQLITE_HEADER)]):
             raise CorruptLogError(f"{path} is truncated ({size} bytes, shorter than an SQLite header)")

@@ -123,7 +123,8 @@ def test_truncated(path, opener, keep):
     size = os.path.getsize(path)
     new_size = {"empty": 0, "50 bytes": 50, "part page": size - 1000, "whole pages": size - 8192}[keep]
     os.truncate(path, new_size)
-    raises_one_line(CorruptLogError, OPENERS[opener], path)
+    err = raises_one_line(CorruptLogError, OPENERS[opener], path)
+    assert ("is empty (0 bytes)" in str(err)) == (keep == "empty"), err
 
 
 def test_corrupted_pages_fail_open_or_verify(path):
