@@ -131,13 +131,15 @@ class InferenceSection(_Section):
 
 
 def check_http_url(url: str, what: str) -> None:
-    """ValueError naming `what` unless `url` is http(s)://host[:port][/path] with a valid port."""
-    parts = urlsplit(url)
+    """ValueError naming `what` unless `url` is http(s)://host[:port][/path] with a valid port
+    (no spaces, user, query or fragment)."""
     try:
+        parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
     except ValueError:
-        raise ValueError(f"{what} has an invalid port") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} has an invalid host or port") from None
+    if (parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url)
+            or "@" in parts.netloc or parts.query or parts.fragment or parts.netloc.endswith(":")):
         raise ValueError(f"{what} is not an http(s)://host[:port] URL")
 
 

@@ -35,6 +35,12 @@ class ReverseTextEnv:
             raise ValueError(f"reverse_text: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
         self.seed, self.min_len, self.max_len, self.alphabet = seed, min_len, max_len, alphabet
 
+    @property
+    def params(self) -> dict[str, int]:
+        """What its tasks are a function of (besides the index): an env server reports it, so a
+        run can check that the server's tasks are the ones it asks for."""
+        return {"seed": self.seed, "min_len": self.min_len, "max_len": self.max_len}
+
     def task(self, index: int) -> Task:
         # A private RNG per task: tasks depend only on (seed, index), never on call order.
         rng = random.Random(f"reverse_text/{self.seed}/{index}")

@@ -71,6 +71,9 @@ class InferenceUnavailable(InferenceError):
     """Every attempt failed on transport or server errors (endpoints down, timeouts, 5xx)."""
 
 
+_MAY_PASS = frozenset({404, 408, 409, 429})  # a refused weight load that a later try may get through
+
+
 class _Retryable(Exception):
     def __init__(self, message: str, kind: str):
         super().__init__(message)
@@ -280,8 +283,8 @@ class InferenceClient:
                 try:
                     answer = await self._call(ep, "POST", "/v1/completions", request)
                 except InferenceRequestError as exc:
-                    if adapter is None or exc.status_code != 404:
-                        raise
+                    if adapter is None or exc.status_code != 404 or adapter not in str(exc):
+                        raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
                     # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
                     # down, it gets the adapter again before it next serves (_ensure_version).
                     raise _Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
@@ -334,9 +337,11 @@ class InferenceClient:
             else:
                 answers[ep.url] = res
         if not any(isinstance(v, int) and v >= version for v in answers.values()):
-            # Every endpoint refused the load itself (4xx, malformed answer): asking again will
-            # not help, so the caller fails at once rather than at its timeout.
-            refused = all(isinstance(res, InferenceRequestError) for res in results)
+            # Every endpoint refused the load itself for good (a malformed request or answer, no
+            # permission): asking again will not help, so the caller fails at once rather than at
+            # its timeout. A 404/409/408/429 may pass (weights not yet visible to the server).
+            refused = all(isinstance(res, InferenceRequestError) and res.status_code not in _MAY_PASS
+                          for res in results)
             raise (InferenceRequestError if refused else InferenceError)(
                 f"no inference endpoint confirmed weights version {version} ({path}): "
                 + "; ".join(f"{u}: {a}" for u, a in answers.items()))

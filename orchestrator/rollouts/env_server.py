@@ -5,7 +5,7 @@ Endpoints (JSON):
 * ``POST /task  {"index": i}`` -> ``{"env", "index", "prompt", "answer"}``
 * ``POST /score {"index": i, "completion": str[, "env": name][, "delay_s": float]}`` -> ``{"reward"}``
   (``delay_s`` overrides the server's ``score_delay_s``: a simulated slow grader)
-* ``GET /health`` -> ``{"status": "ok", "env": name}``
+* ``GET /health`` -> ``{"status": "ok", "env": name, "params": {...}}`` (what its tasks depend on)
 * ``GET /stats`` -> request counters, including ``score_cancelled`` (handlers cancelled because the
   client went away)
 
@@ -55,9 +55,9 @@ log = logging.getLogger(__name__)
 
 MAX_DELAY_S = 3600.0
 
-#: name -> factory(seed) for the envs an env server can host. Extend with :func:`register_env`.
-ENV_FACTORIES: dict[str, Callable[[int], TextEnv]] = {
-    "reverse_text": lambda seed: ReverseTextEnv(seed=seed),
+#: name -> factory(seed, **options) for the envs an env server can host. Extend with :func:`register_env`.
+ENV_FACTORIES: dict[str, Callable[..., TextEnv]] = {
+    "reverse_text": lambda seed, **options: ReverseTextEnv(seed=seed, **options),
 }
 
 
@@ -67,12 +67,12 @@ def register_env(name: str, factory: Callable[[int], TextEnv]) -> None:
     ENV_FACTORIES[name] = factory
 
 
-def make_env(name: str, seed: int = 0) -> TextEnv:
+def make_env(name: str, seed: int = 0, **options) -> TextEnv:
     try:
         factory = ENV_FACTORIES[name]
     except KeyError:
         raise ValueError(f"unknown env {name!r}; known: {', '.join(sorted(ENV_FACTORIES))}") from None
-    return factory(seed)
+    return factory(seed, **options)
 
 
 def disconnect_cancelling_app(routes: list[Route], stats: dict[str, int]) -> Starlette:
@@ -224,7 +224,7 @@ def create_app(env: TextEnv, *, score_delay_s: float = 0.0) -> Starlette:
         return JSONResponse({"reward": reward})
 
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "env": env.name})
+        return JSONResponse({"status": "ok", "env": env.name, "params": getattr(env, "params", None)})
 
     app = disconnect_cancelling_app([
         Route("/task", task, methods=["POST"]),
@@ -344,12 +344,16 @@ def running_server(
     "--score-delay-s", default=0.0, show_default=True, type=click.FloatRange(0, MAX_DELAY_S),
     help="Simulated grader latency added to every /score.",
 )
+@click.option("--min-len", type=click.IntRange(1), help="reverse_text: shortest prompt (default 3).")
+@click.option("--max-len", type=click.IntRange(1), help="reverse_text: longest prompt (default 6).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def env_server_command(env_name: str, host: str, port: int, seed: int, score_delay_s: float, log_level: str) -> None:
+def env_server_command(env_name: str, host: str, port: int, seed: int, score_delay_s: float,
+                       min_len: int | None, max_len: int | None, log_level: str) -> None:
     """Serve an env over HTTP (POST /task, POST /score, GET /health, GET /stats)."""
+    options = {k: v for k, v in (("min_len", min_len), ("max_len", max_len)) if v is not None}
     try:
-        env = make_env(env_name, seed)
+        env = make_env(env_name, seed, **options)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--env") from None
     app = create_app(env, score_delay_s=score_delay_s)

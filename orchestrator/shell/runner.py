@@ -187,13 +187,20 @@ def _env_client_of(rollout):
     return env if module is not None and isinstance(env, module.HttpEnvClient) else None
 
 
-async def _check_env_server(client) -> None:
-    """Fail before the run, in one line, if the env server is unreachable or serves another env."""
+async def _check_env_server(client, config: RunConfig) -> None:
+    """Fail before the run, in one line, if the env server is unreachable or does not serve the
+    tasks this run asks for (reverse_text, with the run's seed and prompt lengths)."""
     from orchestrator.rollouts.env_client import EnvServerError
 
-    served = (await client.health()).get("env")
+    health = await client.health()
+    served = health.get("env") if isinstance(health, dict) else None
     if served != "reverse_text":
         raise EnvServerError(f"{client.base_url} serves env {served!r}, not 'reverse_text'")
+    wanted = {"seed": config.seed, "min_len": config.reverse_text.min_len, "max_len": config.reverse_text.max_len}
+    if health.get("params") != wanted:
+        raise EnvServerError(f"{client.base_url} serves reverse_text tasks of {health.get('params')}, this run's are "
+                             f"{wanted}: start it with --seed {config.seed} --min-len {wanted['min_len']} "
+                             f"--max-len {wanted['max_len']}")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -214,7 +221,7 @@ def run_on_new_loop(coro):
     close. asyncio.run cancels the tasks still running when `coro` ends and then waits for them
     without a bound: a task that ignores its cancellation (a rollout swallowing CancelledError)
     would hang the exit forever. Here they are waited for at most LEFTOVER_WAIT_S, then named on
-    stderr and abandoned with the loop."""
+    stderr and abandoned with the loop; the wait for worker threads is bounded the same way."""
     loop = new_event_loop()
     try:
         return loop.run_until_complete(coro)
@@ -222,9 +229,19 @@ def run_on_new_loop(coro):
         try:
             loop.run_until_complete(_cancel_leftover_tasks(LEFTOVER_WAIT_S))
             loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.run_until_complete(_shutdown_default_executor(loop, LEFTOVER_WAIT_S))
         finally:
             loop.close()
+
+
+async def _shutdown_default_executor(loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    """Join the `to_thread` workers, waiting at most `timeout_s`. A thread cannot be cancelled:
+    one still busy is named in a warning, and Python joins it again at interpreter exit."""
+    try:
+        await asyncio.wait_for(loop.shutdown_default_executor(), timeout_s)
+    except TimeoutError:
+        print(f"orch: warning: a worker thread (log commit, file write) was still busy {timeout_s:g}s after the "
+              "run ended; the process exits once it returns", file=sys.stderr, flush=True)
 
 
 async def _cancel_leftover_tasks(timeout_s: float) -> None:
@@ -234,9 +251,11 @@ async def _cancel_leftover_tasks(timeout_s: float) -> None:
     if not leftovers:
         return
     _, stuck = await asyncio.wait(leftovers, timeout=timeout_s)
-    for task in leftovers:  # retrieve, so nothing is reported as never retrieved
-        if task.done() and not task.cancelled():
-            task.exception()
+    loop = asyncio.get_running_loop()
+    for task in leftovers:  # an error on the way out is reported, as asyncio.run reports it
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler({"message": "unhandled exception during orch shutdown",
+                                         "exception": task.exception(), "task": task})
     if stuck:
         for task in stuck:
             task._log_destroy_pending = False  # named just below; asyncio would add a traceback each
@@ -295,7 +314,7 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
         env_client = _env_client_of(orch.hooks.rollout)
         try:
             if env_client is not None:
-                await _check_env_server(env_client)
+                await _check_env_server(env_client, run.config)
             if run.first_input.kind == "run_resumed":
                 orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
             if isinstance(trainer, ProcessTrainer):

@@ -27,8 +27,13 @@ def test_endpoints_need_reverse_text():
 @pytest.mark.parametrize("endpoints, message", [
     (["http://127.0.0.1:9", "127.0.0.1:9/"], "endpoints 'http://127.0.0.1:9' and '127.0.0.1:9/' are the same"),
     (["http://h:1/v1", "h:1"], "endpoints 'http://h:1/v1' and 'h:1' are the same"),
-    (["http://127.0.0.1:80x0"], "endpoint 'http://127.0.0.1:80x0' has an invalid port"),
-    (["http://127.0.0.1:99999"], "endpoint 'http://127.0.0.1:99999' has an invalid port"),
+    (["http://127.0.0.1:80x0"], "endpoint 'http://127.0.0.1:80x0' has an invalid host or port"),
+    (["http://127.0.0.1:99999"], "endpoint 'http://127.0.0.1:99999' has an invalid host or port"),
+    (["http://[::1"], "endpoint 'http://[::1' has an invalid host or port"),
+    (["http://h :1"], "endpoint 'http://h :1' is not an http(s)://host[:port] URL"),
+    (["http://user@h:1"], "endpoint 'http://user@h:1' is not an http(s)://host[:port] URL"),
+    (["http://h:1/?x=1"], "endpoint 'http://h:1/?x=1' is not an http(s)://host[:port] URL"),
+    (["http://h:"], "endpoint 'http://h:' is not an http(s)://host[:port] URL"),
     (["ftp://x"], "endpoint 'ftp://x' is not an http(s)://host[:port] URL"),
     (["http://"], "endpoint 'http://' is not an http(s)://host[:port] URL"),
 ])

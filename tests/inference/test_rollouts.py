@@ -69,29 +69,33 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, wher
     assert 2 in checks  # the trainer's health is checked while waiting for a publication
 
 
-def test_a_load_every_endpoint_refuses_fails_at_once_not_at_the_timeout(tmp_path):
-    """A 4xx on every endpoint's load (e.g. it cannot see the run dir) is not retried."""
+@pytest.mark.parametrize("status, fails_at_once", [(403, True), (400, True), (409, False), (404, False)])
+def test_a_load_every_endpoint_refuses_for_good_fails_at_once(tmp_path, status, fails_at_once):
+    """A refusal that cannot pass later (400, 403) is not retried until the timeout; one that may
+    (409, 404: weights not yet visible to a server on a lagging shared file system) is."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from orchestrator.inference.client import InferenceRequestError
+    from orchestrator.inference.client import InferenceError, InferenceRequestError
 
     async def refuse(request):
-        return JSONResponse({"error": {"message": "not a published weights directory"}}, status_code=409)
+        return JSONResponse({"error": {"message": "not a published weights directory"}}, status_code=status)
 
     publish(tmp_path, 0)
     with running_server(Starlette(routes=[Route("/update_weights", refuse, methods=["POST"])])) as server:
         async def main():
             client = InferenceClient([server.base_url])
             backend = InferenceRollouts(tmp_path, None, client, temperature=1.0, max_new_tokens=4, seed=0,
-                                        load_timeout_s=60)
+                                        load_timeout_s=3 if not fails_at_once else 60)
             loop = asyncio.get_running_loop()
             started = loop.time()
             try:
-                with pytest.raises(InferenceRequestError, match="HTTP 409.*not a published weights directory"):
+                with pytest.raises(InferenceError, match=f"HTTP {status}.*not a published weights directory") as err:
                     await backend.load(0)
-                return loop.time() - started
+                return loop.time() - started, err.value
             finally:
                 await client.aclose()
-        assert run(main()) < 10  # the load timeout is 60 s
+        elapsed, error = run(main())
+    assert isinstance(error, InferenceRequestError) == fails_at_once
+    assert elapsed < 10 if fails_at_once else elapsed >= 3  # the load timeout is 60 s / 3 s

@@ -80,3 +80,24 @@ def test_a_rollout_that_ignores_cancellation_at_drain_does_not_fail_the_stop(tmp
     assert len(warnings) == 3, warnings
     assert all(re.fullmatch(STREAM_CLOSE, line) for line in warnings[:2]), warnings
     assert re.match(ABANDONED, warnings[2]), warnings[2]
+
+
+def test_an_error_raised_by_a_leftover_task_on_its_way_out_is_reported(caplog):
+    """As asyncio.run reports it (review: the bounded close first retrieved it silently)."""
+    import asyncio
+
+    from orchestrator.shell.runner import run_on_new_loop
+
+    async def main():
+        async def fails_when_cancelled():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                raise RuntimeError("boom on the way out") from None
+
+        asyncio.get_running_loop().create_task(fails_when_cancelled())  # left behind on purpose
+        await asyncio.sleep(0)
+        return 7
+
+    assert run_on_new_loop(main()) == 7
+    assert "unhandled exception during orch shutdown" in caplog.text and "boom on the way out" in caplog.text
