@@ -51,7 +51,8 @@ def test_task_score_round_trip(arun, server):
 
     async def main():
         async with HttpEnvClient(server.base_url) as client:
-            assert await client.health() == {"status": "ok", "env": "reverse_text"}
+            assert await client.health() == {"status": "ok", "env": "reverse_text",
+                                             "params": {"seed": SEED, "min_len": 3, "max_len": 6}}
             for index in (0, 3, 12345):
                 task = await client.task(index)
                 assert task == env.task(index)
