@@ -277,7 +277,7 @@ class Orchestrator:
         try:
             await self.stream.aclose_and_drain(timeout=SHUTDOWN_STEP_S)
         except TimeoutError as err:
-            _warn(err)
+            warn(err)
 
     def _spawn_reload(self, version: int) -> None:
         # Owned here: reloads are short, their errors surface in _raise_if_failed, and shutdown
@@ -332,7 +332,7 @@ class Orchestrator:
         try:
             await self.stream.aclose(timeout=SHUTDOWN_STEP_S)
         except TimeoutError as err:
-            _warn(err)
+            warn(err)
         await self.finalizer.aclose(timeout_s=SHUTDOWN_STEP_S)
         reloads = list(self._reloads)
         for task in owned + reloads:
@@ -343,5 +343,6 @@ class Orchestrator:
                 task.exception()
 
 
-def _warn(problem: object) -> None:
+def warn(problem: object) -> None:
+    """A problem that does not stop the run, in one line on stderr."""
     print(f"orch: warning: {problem}", file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.state import State
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.shell.algorithms import make_algorithm
-from orchestrator.shell.loop import LoopHooks, Orchestrator
+from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
 from orchestrator.shell.progress import Progress
 from orchestrator.shell.rollouts import EmbeddedRollouts, FakeEnvRollouts
 from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer
@@ -240,8 +240,8 @@ async def _shutdown_default_executor(loop: asyncio.AbstractEventLoop, timeout_s:
     try:
         await asyncio.wait_for(loop.shutdown_default_executor(), timeout_s)
     except TimeoutError:
-        print(f"orch: warning: a worker thread (log commit, file write) was still busy {timeout_s:g}s after the "
-              "run ended; the process exits once it returns", file=sys.stderr, flush=True)
+        warn(f"a worker thread (log commit, file write) was still busy {timeout_s:g}s after the run ended; "
+             "the process exits once it returns")
 
 
 async def _cancel_leftover_tasks(timeout_s: float) -> None:
@@ -260,8 +260,7 @@ async def _cancel_leftover_tasks(timeout_s: float) -> None:
         for task in stuck:
             task._log_destroy_pending = False  # named just below; asyncio would add a traceback each
         names = ", ".join(sorted(task.get_name() for task in stuck))
-        print(f"orch: warning: {len(stuck)} task(s) still running {timeout_s:g}s after cancellation at exit, "
-              f"abandoned: {names}", file=sys.stderr, flush=True)
+        warn(f"{len(stuck)} task(s) still running {timeout_s:g}s after cancellation at exit, abandoned: {names}")
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
