@@ -285,7 +285,7 @@ def _construct(cls: type[_Model], fields: dict) -> _Model:
     its type, in declaration order. Its `model_fields_set` is one set of all the class's fields,
     shared by the class's events: pydantic adds to the set of a frozen model only on a copy
     (`model_copy`), and not building one per event is 3.5% of the core's time."""
-    event = _new(cls)
+    event = _new(cls)  # the same four slots as `_trusted_constructor`'s generated code sets
     _set(event, "__dict__", fields)
     _set(event, "__pydantic_fields_set__", _ALL_FIELDS[cls])
     _set(event, "__pydantic_extra__", None)
@@ -326,7 +326,7 @@ def _trusted_constructor(cls: type[_Model]) -> Callable[..., _Model]:
     namespace = {"_new": _new, "_set": _set, "_cls": cls, "_all_fields": _ALL_FIELDS[cls], **defaults}
     exec(source, namespace)  # noqa: S102 - the source is built from the class's own field names
     trusted = namespace["trusted"]
-    trusted.__qualname__ = f"{cls.__name__}.trusted"
+    trusted.__qualname__, trusted.__module__ = f"{cls.__name__}.trusted", __name__
     return trusted
 
 
