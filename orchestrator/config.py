@@ -120,14 +120,22 @@ class InferenceSection(_Section):
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> InferenceSection:
-        seen: dict[str, str] = {}
-        for url in self.endpoints:
-            base = endpoint_base_url(url)
-            check_http_url(base, f"endpoint {url!r}")
-            if base in seen:
-                raise ValueError(f"endpoints {seen[base]!r} and {url!r} are the same")
-            seen[base] = url
+        endpoint_base_urls(self.endpoints)
         return self
+
+
+def endpoint_base_urls(urls: list[str]) -> list[str]:
+    """The endpoints as the client addresses them (`endpoint_base_url`); ValueError naming the
+    URL if one is not an http(s) URL or two are the same endpoint. The config checks it (exit 2
+    before anything runs) and the client, also usable on its own, builds on it."""
+    seen: dict[str, str] = {}
+    for url in urls:
+        base = endpoint_base_url(url)
+        check_http_url(base, f"endpoint {url!r}")
+        if base in seen:
+            raise ValueError(f"endpoints {seen[base]!r} and {url!r} are the same")
+        seen[base] = url
+    return list(seen)
 
 
 def check_http_url(url: str, what: str) -> None:

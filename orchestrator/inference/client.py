@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 import httpx
 
-from orchestrator.config import endpoint_base_url
+from orchestrator.config import endpoint_base_urls
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 
 WeightSync = Literal["orch", "vllm_lora", "sglang", "none"]
@@ -135,9 +135,7 @@ class InferenceClient:
             raise ValueError("InferenceClient needs at least one endpoint URL")
         if max_attempts < 1 or timeout_s <= 0 or connect_timeout_s <= 0 or backoff_s <= 0:
             raise ValueError("max_attempts >= 1 and positive timeouts/backoff are required")
-        self.endpoints = [Endpoint(endpoint_base_url(u), i) for i, u in enumerate(urls)]
-        if len({e.url for e in self.endpoints}) != len(self.endpoints):
-            raise ValueError(f"duplicate inference endpoints in {urls}")
+        self.endpoints = [Endpoint(url, i) for i, url in enumerate(endpoint_base_urls(urls))]
         self.model, self.weight_sync = model, weight_sync
         self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
         self.max_attempts, self.backoff_s, self.max_backoff_s = max_attempts, backoff_s, max_backoff_s
