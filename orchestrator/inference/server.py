@@ -22,7 +22,6 @@ stdout line says where it listens). Each process uses ``--threads`` torch thread
 from __future__ import annotations
 
 import asyncio
-import sys
 import logging
 import os
 import re
@@ -46,7 +45,7 @@ from orchestrator.inference.protocol import (
     error_body,
     parse_completion_request,
 )
-from orchestrator.rollouts.env_server import ListenError, disconnect_cancelling_app, serve
+from orchestrator.rollouts.env_server import disconnect_cancelling_app, serve_command_line
 
 log = logging.getLogger(__name__)
 
@@ -356,11 +355,7 @@ def serve_command(host, port, weights, version, model_name, max_batch, threads, 
     def ready(base_url: str) -> None:
         click.echo(f"orch serve: listening on {base_url} (model {model_name}, version {server.sampler.version})")
 
-    try:
-        asyncio.run(serve(create_app(server), host=host, port=port, log_level=log_level, on_ready=ready))
-    except ListenError as exc:  # a user mistake (port in use): one line, like `orch run`'s errors
-        click.echo(f"orch: error: serve: {exc}", err=True)
-        sys.exit(1)
+    serve_command_line(create_app(server), "serve", host=host, port=port, log_level=log_level, on_ready=ready)
 
 
 if __name__ == "__main__":  # python -m orchestrator.inference.server

@@ -296,6 +296,17 @@ async def serve(
     await task
 
 
+def serve_command_line(app: ASGIApp, command: str, *, host: str, port: int, log_level: str,
+                       on_ready: Callable[[str], None]) -> None:
+    """`serve` for a CLI command (`orch env-server`, `orch serve`): an address that cannot be
+    bound (a port in use) is one line, `orch: error: COMMAND: ...`, and exit 1."""
+    try:
+        asyncio.run(serve(app, host=host, port=port, log_level=log_level, on_ready=on_ready))
+    except ListenError as exc:
+        click.echo(f"orch: error: {command}: {exc}", err=True)
+        sys.exit(1)
+
+
 class RunningServer:
     """A uvicorn server running in a background thread (tests, embedded use)."""
 
@@ -366,11 +377,7 @@ def env_server_command(env_name: str, host: str, port: int, seed: int, score_del
     def ready(base_url: str) -> None:
         click.echo(f"env-server {env_name} (seed {seed}) listening on {base_url}", err=False)
 
-    try:
-        asyncio.run(serve(app, host=host, port=port, log_level=log_level, on_ready=ready))
-    except ListenError as exc:  # a user mistake (port in use): one line, like `orch run`'s errors
-        click.echo(f"orch: error: env-server: {exc}", err=True)
-        sys.exit(1)
+    serve_command_line(app, "env-server", host=host, port=port, log_level=log_level, on_ready=ready)
 
 
 if __name__ == "__main__":  # python -m orchestrator.rollouts.env_server

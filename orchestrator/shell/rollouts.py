@@ -73,6 +73,7 @@ class FakeEnvRollouts:
             raise FakeEpisodeError(f"fake env: episode {req.episode_id} failed (error_rate={cfg.error_rate})")
         n_sampled = 0 if empty / _U32 < cfg.empty_rate else cfg.min_tokens + int(length / _U32 * (cfg.max_tokens - cfg.min_tokens + 1))
         n_total = cfg.prompt_tokens + n_sampled
+        offset = logprob_offset % 256
         # Valid by construction (aligned lists, finite floats), so not validated again: an
         # instant env should cost next to nothing beside the orchestrator it exercises.
         return EpisodeCompleted.trusted(
@@ -81,7 +82,7 @@ class FakeEnvRollouts:
             reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
             token_ids=list(token_ids[:n_total]),
             mask=self._masks[n_sampled][:],
-            logprobs=self._prompt_logprobs + self._logprob_pool[logprob_offset % 256:logprob_offset % 256 + n_sampled],
+            logprobs=self._prompt_logprobs + self._logprob_pool[offset:offset + n_sampled],
             policy_start=policy_start, policy_end=self.version_now(),
         )
 
