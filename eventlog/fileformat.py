@@ -96,12 +96,14 @@ def wal_has_frames(path: str) -> bool:
         return False
 
 
-def translate(exc: sqlite3.Error, path: str) -> LogError | sqlite3.Error:
-    """Map an sqlite3 error to the typed LogError it stands for (or return it unchanged)."""
+def translate(exc: sqlite3.Error, path: str) -> LogError:
+    """Map an sqlite3 error to the typed LogError it stands for (a plain LogError if none)."""
     code = getattr(exc, "sqlite_errorcode", None)
     primary = code & 0xFF if code is not None else None
     msg = str(exc)
     if primary in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "malformed" in msg:
+        return CorruptLogError(f"{path} is corrupted: {msg}")
+    if "decode to UTF-8" in msg:  # raised by the driver for a text column that is not UTF-8
         return CorruptLogError(f"{path} is corrupted: {msg}")
     if primary in (_SQLITE_READONLY, _SQLITE_PERM):
         return ReadOnlyLocationError(f"cannot write {path}: {msg}")
@@ -113,7 +115,7 @@ def translate(exc: sqlite3.Error, path: str) -> LogError | sqlite3.Error:
         return StorageError(f"I/O error on {path}: {msg}")
     if primary in (_SQLITE_BUSY, _SQLITE_LOCKED):
         return StorageError(f"{path} is held by another connection past the busy timeout: {msg}")
-    return exc
+    return LogError(f"{path}: {msg}")
 
 
 def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
@@ -156,5 +158,6 @@ def check_version(raw: str | None, path: str) -> int:
 
 
 def _as_log_error(exc: sqlite3.DatabaseError, path: str) -> LogError:
+    """While checking a file: an error with no more specific type means the file is broken."""
     err = translate(exc, path)
-    return err if isinstance(err, LogError) else CorruptLogError(f"{path}: {exc}")
+    return err if type(err) is not LogError else CorruptLogError(f"{path}: {exc}")

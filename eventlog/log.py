@@ -179,6 +179,7 @@ class EventLog:
         self._last = 0
         self._next = 1
         self._commits_since_wal_check = 0
+        self._pinned_end: int | None = None  # open_reader(pinned=True)
         if self._writer:
             self._last = self._committed_bounds(conn)
             self._next = self._last + 1
@@ -219,9 +220,24 @@ class EventLog:
             raise
 
     @classmethod
-    def open_reader(cls, path: str | os.PathLike) -> "EventLog":
-        """Open an existing log read-only; never takes the writer lock."""
-        path = os.fspath(path)
+    def open_reader(cls, path: str | os.PathLike, pinned: bool = False) -> "EventLog":
+        """Open an existing log read-only; never takes the writer lock.
+
+        ``pinned``: every read stops at the last seq committed now, however far a live writer
+        gets meanwhile (a stable view for a tool that reads a log several times, without holding
+        a read transaction, which would pin the WAL).
+        """
+        log = cls._open_reader(os.fspath(path))
+        if pinned:
+            try:
+                log._pinned_end = log.last_seq
+            except BaseException:
+                log.close()
+                raise
+        return log
+
+    @classmethod
+    def _open_reader(cls, path: str) -> "EventLog":
         fileformat.check_header(path)
         conn = cls._connect_reader(path)
         try:
@@ -347,7 +363,7 @@ class EventLog:
         """Last committed seq (0 when empty). Live for readers, cached for the writer."""
         if self._writer:
             return self._last
-        return self._query_one("SELECT coalesce(max(seq), 0) FROM events")
+        return self._end(self._live_conn())
 
     @property
     def next_seq(self) -> int:
@@ -454,7 +470,19 @@ class EventLog:
         Streams in chunks of ``chunk_size`` rows from a separate read connection.
         """
         for rows in self._chunks(start, stop, kinds, chunk_size, "data"):
-            yield from [_new_tuple(Record, (s, t, k, _loads(d))) for s, t, k, d in rows]
+            try:
+                records = [_new_tuple(Record, (s, t, k, _loads(d))) for s, t, k, d in rows]
+            except orjson.JSONDecodeError:
+                raise self._not_json(rows) from None
+            yield from records
+
+    def _not_json(self, rows: list[tuple]) -> CorruptLogError:
+        for seq, _, _, data in rows:
+            try:
+                _loads(data)
+            except orjson.JSONDecodeError as e:
+                return CorruptLogError(f"{self.path} is corrupted: the data of seq {seq} is not JSON ({e})")
+        raise AssertionError("a chunk failed to decode, but each of its rows decodes")
 
     def read_raw(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
                  chunk_size: int = 4096) -> Iterator[tuple[int, float, str, bytes]]:
@@ -470,7 +498,7 @@ class EventLog:
         if chunk_size < 1:
             raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
         conn = self._read_conn()
-        last = self._query_one("SELECT coalesce(max(seq), 0) FROM events", conn)
+        last = self._end(conn)
         stop = last if stop is None else min(stop, last)
         sql = "SELECT kind, CAST(data AS BLOB) FROM events WHERE seq >= ? AND seq < ? ORDER BY seq"
         for first in range(max(int(start), 1), stop + 1, chunk_size):
@@ -499,8 +527,8 @@ class EventLog:
         if kinds:
             sql += f" AND kind IN ({','.join('?' * len(kinds))})"
         sql += " ORDER BY seq LIMIT ?"
-        if stop is None:
-            stop = self._query_one("SELECT coalesce(max(seq), 0) FROM events", conn)
+        end = self._end(conn)
+        stop = end if stop is None else min(stop, end)
         cursor = max(int(start), 1)
         while cursor <= stop:
             try:
@@ -509,6 +537,8 @@ class EventLog:
                 raise self._error(e) from None
             if not rows:
                 return
+            if not kinds and (rows[0][0] != cursor or rows[-1][0] - cursor + 1 != len(rows)):
+                raise CorruptLogError(f"{self.path}: seqs {cursor}..{rows[-1][0]} are not contiguous")
             yield rows
             if len(rows) < chunk_size:
                 return
@@ -550,7 +580,7 @@ class EventLog:
         committed event are ignored (they are caches).
         """
         conn = self._read_conn()
-        limit = self._query_one("SELECT coalesce(max(seq), 0) FROM events", conn)
+        limit = self._end(conn)
         if max_seq is not None:
             limit = min(limit, max_seq)
         try:
@@ -664,6 +694,12 @@ class EventLog:
         if self._rconn is None:
             self._rconn = self._connect_reader(self.path)
         return self._rconn
+
+    def _end(self, conn: sqlite3.Connection) -> int:
+        """The last seq a read may return: the last committed, or the pinned one."""
+        if self._pinned_end is not None:
+            return self._pinned_end
+        return self._query_one("SELECT coalesce(max(seq), 0) FROM events", conn)
 
     def _query_one(self, sql: str, conn: sqlite3.Connection | None = None) -> Any:
         conn = conn or self._live_conn()

@@ -173,7 +173,11 @@ def _reexecute(run: Path, out: Path, finalize: str, settle_order: str, seed: int
                   + (f"stopped: {report.stop_reason}" if report.stopped else "not stopped"))
     if report.halted is not None:
         h = report.halted
-        console.print(f"DIVERGENT: the re-executed run cannot accept the recorded input at seq {h['seq']} "
-                      f"({h['kind']}): {h['reason']}")
+        if h["kind"] == h["input_kind"]:
+            console.print(f"DIVERGENT: the re-executed run cannot accept the recorded input at seq {h['seq']} "
+                          f"({h['kind']}): {h['reason']}")
+        else:  # a decision made on that input is the one nobody can answer
+            console.print(f"DIVERGENT: the re-executed run cannot serve its {h['kind']} decision on the recorded "
+                          f"input at seq {h['seq']} ({h['input_kind']}): {h['reason']}")
     render_result(result, console)
     return EXIT_OK if ok else EXIT_DIVERGENT

@@ -20,9 +20,16 @@ class Folded:
 
 def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True) -> Folded:
     """The state after event `at` (default: the last committed one), from the newest usable
-    snapshot; an event that fails to decode or fold raises FoldError naming its seq."""
+    snapshot (one whose state does not load is ignored, as the log ignores one whose hash does
+    not match: snapshots are caches); an event that fails to decode or fold raises FoldError
+    naming its seq."""
     snapshot = log.load_snapshot(REDUCER_VERSION, max_seq=at) if use_snapshots else None
-    state = state_from_bytes(snapshot.state) if snapshot else State()
+    state = State()
+    if snapshot is not None:
+        try:
+            state = state_from_bytes(snapshot.state)
+        except Exception:  # noqa: BLE001 - a cache: one this code cannot read is not used
+            snapshot = None
     start = snapshot.seq + 1 if snapshot else 1
     with paused_gc():
         count = fold_rows(state, log.read_bodies(start=start, stop=at), first_seq=start)

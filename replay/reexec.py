@@ -89,7 +89,9 @@ class ReexecReport:
     events_written: int = 0
     stopped: bool = False
     stop_reason: str | None = None
-    halted: dict | None = None  # {seq, kind, data, reason}: the recorded input the new run could not accept
+    # {seq, input_kind, kind, data, reason}: the recorded input at `seq` (of `input_kind`) that the
+    # new run could not accept, or whose decision of `kind` (with `data`) nobody could answer
+    halted: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,7 +154,7 @@ class Reexecutor:
         self.now: deque = deque()  # results to deliver before the next recorded input
         self.scheduled: dict[int, tuple[int, object]] = {}  # recorded seq -> (group id, result)
         self.held: list = []  # shuffled: results waiting for a random delivery point
-        self.cursor = 0  # seq of the recorded row being processed
+        self.cursor, self.cursor_kind = 0, ""  # the recorded row being processed
         self.algorithm = "grpo"
         self.source_background = False
 
@@ -294,7 +296,7 @@ class Reexecutor:
                 if not is_input:
                     continue
                 seq, _ts, kind, _data = row
-                self.cursor = seq
+                self.cursor, self.cursor_kind = seq, kind
                 if kind in ("group_finalized", "finalize_failed"):
                     scheduled = self.scheduled.pop(seq, None)
                     if scheduled is not None and not inline:
@@ -305,14 +307,15 @@ class Reexecutor:
                 try:
                     event = self._admit(event)
                 except _Halt as halt:
-                    self.report.halted = {"seq": seq, "kind": kind, "data": orjson.loads(row[3]), "reason": halt.reason}
+                    self.report.halted = {"seq": seq, "input_kind": kind, "kind": kind, "data": orjson.loads(row[3]),
+                                          "reason": halt.reason}
                     return
                 try:
                     self._feed(event)
                 except _Halt:
                     raise
                 except Exception as err:  # the core refused a recorded input: a divergence, not a crash
-                    self.report.halted = {"seq": seq, "kind": kind, "data": orjson.loads(row[3]),
+                    self.report.halted = {"seq": seq, "input_kind": kind, "kind": kind, "data": orjson.loads(row[3]),
                                           "reason": f"the core raised on this input: {type(err).__name__}: {err}"}
                     return
                 self.report.inputs_fed += 1
@@ -325,7 +328,8 @@ class Reexecutor:
                 self._feed(self.held.pop(self.rng.randrange(len(self.held))))
         except _Halt as halt:
             # Decided while handling the recorded input at `cursor`: the request nobody can answer.
-            self.report.halted = {"seq": self.cursor, "kind": halt.kind, "data": halt.data, "reason": halt.reason}
+            self.report.halted = {"seq": self.cursor, "input_kind": self.cursor_kind, "kind": halt.kind,
+                                  "data": halt.data, "reason": halt.reason}
 
 
 def reexecute(source: EventLog, out: str | os.PathLike, options: ReexecOptions) -> ReexecReport:

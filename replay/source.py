@@ -52,10 +52,11 @@ def resolve_db(path: str | os.PathLike) -> Path:
 
 
 def open_run(path: str | os.PathLike) -> EventLog:
-    """A read-only handle on RUN's log, checked to be an orch log."""
+    """A read-only handle on RUN's log, checked to be an orch log, pinned at the last event
+    committed now: a run still writing it cannot make one command's reads disagree."""
     db = resolve_db(path)
     try:
-        log = EventLog.open_reader(db)
+        log = EventLog.open_reader(db, pinned=True)
     except LogError as err:
         raise ReplayInputError(one_line(str(err))) from None
     try:

@@ -16,6 +16,7 @@ from eventlog import (
     InvalidArgumentError,
     InvalidEventError,
     LogClosedError,
+    LogError,
     NotWriterError,
     Record,
     Snapshot,
@@ -196,8 +197,9 @@ def test_failing_batch_stores_nothing_and_next_commit_continues(log, path):
         log.append("ok", i + 1)
     log.append("boom", 99)  # fails in the middle of the batch
     log.append("ok", 5)
-    with pytest.raises(sqlite3.IntegrityError, match="boom refused"):
+    with pytest.raises(LogError, match="boom refused") as refused:  # typed, the driver's error chained
         log.commit()
+    assert isinstance(refused.value.__cause__, sqlite3.IntegrityError)
     assert (log.last_seq, log.next_seq, log.pending) == (1, 2, 0)
     assert seqs(EventLog.open_reader(path)) == [1]
     assert log.append("ok", "after") == 2

@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from eventlog import EventLog
+from eventlog import EventLog, LogError
 
 payloads = st.one_of(
     st.integers(-5, 5), st.text(max_size=4), st.lists(st.integers(0, 9), max_size=4),
@@ -55,8 +55,8 @@ class LogMachine(RuleBasedStateMachine):
         self.log.append("boom", 0)
         try:
             self.log.commit()
-        except sqlite3.IntegrityError:
-            pass
+        except LogError as err:  # typed, SQLite's refusal chained
+            assert isinstance(err.__cause__, sqlite3.IntegrityError)
         else:
             raise AssertionError("commit of a 'boom' batch succeeded")
         self.pending = []  # the whole batch is gone

@@ -119,6 +119,12 @@ def test_gar_never_reruns_the_grader(tmp_path, cli):
     report = _reexec(src, tmp_path / "shuf", "background", "shuffled", 0)
     assert report.halted is not None and report.halted["kind"] == "finalize_started"
     assert "never re-runs a grader" in report.halted["reason"]
+    by_seq = {seq: kind for seq, kind, _ in rows(src)}
+    assert report.halted["input_kind"] == by_seq[report.halted["seq"]] != "finalize_started"
+    result = cli(src, "--reexecute", "--finalize", "background", "--settle-order", "shuffled", "--seed", 0,
+                 "--out", tmp_path / "shuf-cli")
+    assert result.exit_code == 1 and (f"cannot serve its finalize_started decision on the recorded input at seq "
+                                      f"{report.halted['seq']} ({report.halted['input_kind']})") in " ".join(result.stdout.split())
     # gar cannot finalize inline at all: bad input, nothing created
     result = cli(src, "--reexecute", "--finalize", "inline", "--out", tmp_path / "inline")
     assert result.exit_code == 2 and not (tmp_path / "inline").exists()
