@@ -7,6 +7,7 @@ stderr and exit non-zero; a traceback is printed only for a genuine crash.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 import traceback
@@ -67,6 +68,8 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
         import orjson
 
         sets.append("inference.endpoints=" + orjson.dumps([u.strip() for u in inference_urls.split(",") if u.strip()]).decode())
+    # Until the run installs its own handlers: SIGTERM as Ctrl-C, an exit with a message.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if resume_dir is not None:
             if name or runs_dir:
@@ -84,15 +87,18 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
             click.echo(f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, {run.config.max_steps} steps)")
     except (ConfigError, RunDirError, LogError, FoldError) as err:
         fail(str(err), EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR)
+    except KeyboardInterrupt:  # e.g. while a resume folds a long log: nothing was logged yet
+        fail("interrupted before the run started; nothing was logged", EXIT_INTERRUPTED)
     progress = Progress(every=progress_every)
+    resume_hint = f"continue it with `orch run --resume {run.run_dir}` once fixed"
     try:
         with run.log:
             orch = run_job(run, progress)
     except _run_errors() as err:
-        fail(str(err) or type(err).__name__)
+        fail(f"{str(err) or type(err).__name__} ({resume_hint})")
     except FinalizeError as err:
         traceback.print_exception(err.__cause__, file=sys.stderr)
-        fail(str(err))
+        fail(f"{err} ({resume_hint})")
     except (KeyboardInterrupt, asyncio.CancelledError):
         fail("aborted (second interrupt); resume with `orch run --resume " + str(run.run_dir) + "`", EXIT_INTERRUPTED)
     summary = progress.summary(orch.state, run.run_dir)
@@ -111,15 +117,20 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
         fail(f"run stopped: {state.stop_reason}")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _run_errors() -> tuple[type[BaseException], ...]:
-    """What ends a run with one line, not a traceback: a failed trainer or log, a stall, a bounded
-    wait that ran out (TimeoutError: weights never published, rollouts that would not stop; its
-    message says what it waited for), an inference backend or env server that failed. Evaluated
-    when an error is caught, so httpx is not imported by runs that do not use it."""
-    from orchestrator.shell.loop import StalledError
+    """What ends a run with one line, not a traceback: a failed trainer or log, a batch file that
+    cannot be written, a stall, a bounded wait that ran out (TimeoutError: weights never
+    published, rollouts that would not stop; its message says what it waited for), an inference
+    backend or env server that failed. Evaluated when an error is caught, so httpx is not
+    imported by runs that do not use it."""
+    from orchestrator.shell.loop import BatchFileError, StalledError
     from orchestrator.shell.trainers import TrainerFailed
 
-    errors: list[type[BaseException]] = [TrainerFailed, StalledError, LogError, TimeoutError]
+    errors: list[type[BaseException]] = [TrainerFailed, StalledError, BatchFileError, LogError, TimeoutError]
     client = sys.modules.get("orchestrator.inference.client")
     if client is not None:
         errors.append(client.InferenceError)

@@ -232,7 +232,7 @@ KNOWN_ENVS = frozenset({"reverse_text", "fake"})
 
 # Fields a resume may change: they alter how the run is operated, not what it computes.
 RESUMABLE_FIELDS = frozenset({
-    "max_steps", "runs_dir", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s", "trainer.step_time_s",
+    "max_steps", "runs_dir", "name", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s", "trainer.step_time_s",
     "trainer.exit_timeout_s", "rollout.env_server",
     "trainer.nproc", "trainer.ddp_backend", "inference.endpoints", "inference.request_timeout_s",
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",

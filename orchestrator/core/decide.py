@@ -353,9 +353,10 @@ def start_drain(d: _Decisions) -> None:
 
 
 def finish_drain(d: _Decisions) -> None:
-    """Stop once the trainer has trained on the last batch (the ship hold saw it coming)."""
+    """Stop once the trainer has trained on the last batch shipped (the ship hold saw it coming).
+    That is batch max_steps, unless a resume lowered max_steps below what had already shipped."""
     s = d.state
-    if s.draining and not s.stopped and s.version >= s.params.max_steps:
+    if s.draining and not s.stopped and s.version >= s.step - 1:
         d.emit(ev.RunStopped.trusted(reason="completed"))
 
 

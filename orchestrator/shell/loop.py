@@ -38,6 +38,11 @@ class FinalizeError(RuntimeError):
     """A background finalize raised; chained to the original exception and its traceback."""
 
 
+class BatchFileError(RuntimeError):
+    """A shipped batch's file could not be written (disk full, permissions). The batch is in the
+    log: a resume writes the file again."""
+
+
 @dataclass
 class LoopHooks:
     """Effects owned by other components, injected so tests and benchmarks can swap them."""
@@ -300,7 +305,14 @@ class Orchestrator:
         Not fsynced: the log is durable and a file can be rebuilt from it; one that a power loss
         leaves missing or partial fails its sha256 on resume and is re-written."""
         for step, payload in batches:
-            atomic_write_bytes(batch_path(self.run_dir, step), payload, durable=False)
+            self._write_batch(step, payload)
+
+    def _write_batch(self, step: int, payload: bytes) -> None:
+        path = batch_path(self.run_dir, step)
+        try:
+            atomic_write_bytes(path, payload, durable=False)
+        except OSError as err:
+            raise BatchFileError(f"cannot write the batch file {path}: {err.strerror or err}") from err
 
     def rematerialize_batches(self) -> int:
         """Resume: rewrite shipped-but-untrained batch files that are missing or partial. Called
@@ -311,8 +323,8 @@ class Orchestrator:
             payload = self.batch_payload(step, self.state.shipped_batches[step])
             sha = batch_sha256(payload)
             path = batch_path(self.run_dir, step)
-            if not path.exists() or batch_sha256(path.read_bytes()) != sha:
-                atomic_write_bytes(path, payload, durable=False)
+            if not path.is_file() or batch_sha256(path.read_bytes()) != sha:
+                self._write_batch(step, payload)
                 rewritten += 1
             self.trainer.batch_written(step, sha)
         return rewritten

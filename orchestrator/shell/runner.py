@@ -77,6 +77,10 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
             folded = fold_log(log)
         if folded.state.params is None:  # it stopped before its first event was committed
             return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None)
+        shipped = folded.state.step - 1
+        if requested.max_steps < shipped:  # the trainer (told max_steps) would never train them all
+            raise ConfigError(f"max_steps {requested.max_steps} is below the {shipped} batches {run_dir} already "
+                              f"shipped; resume with --max-steps {shipped} or more")
         first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
         return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq)
     except BaseException:
@@ -93,7 +97,16 @@ def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: P
         raise RunDirError(str(err)) from None
     if meta.get("app") != "orch" or "config" not in meta:
         raise RunDirError(f"{db} is an event log, but not one written by `orch run`")
-    stored = load_config(base=orjson.loads(meta["config"]))
+    try:
+        stored_json = orjson.loads(meta["config"])
+    except orjson.JSONDecodeError:
+        stored_json = None
+    if not isinstance(stored_json, dict):
+        raise RunDirError(f"{db} is corrupted: the run's stored config is not a JSON object")
+    try:
+        stored = load_config(base=stored_json)
+    except ConfigError as err:
+        raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
     requested = load_config(config_file, overrides, base=None if config_file else stored.model_dump(mode="json"))
     requested = requested.model_copy(update={"runs_dir": run_dir.parent, "name": run_dir.name})
     changed = meaning_changes(stored, requested)

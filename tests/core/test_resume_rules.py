@@ -79,3 +79,16 @@ def test_finalizing_groups_are_finalized_again_and_inflight_episodes_rerun(drive
     out = d.feed(ev.GroupFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))
     assert [e.kind for e in out][0] == "group_settled" and list(d.state.pending) == [1, 2]
     assert conservation(d.state)[0]
+
+
+def test_a_resume_that_lowers_max_steps_stops_only_once_every_shipped_batch_is_trained(driver):
+    """Drain at once (max_steps is behind), but rule 9's stop waits for the last batch shipped."""
+    d = driver(group_size=2, batch_size=2, max_inflight=8, max_off_policy_steps=5, target_lag=3, max_steps=10)
+    d.start()
+    for group_id in (1, 2, 3):
+        d.complete_group(group_id, [0.0, 1.0])
+    assert (d.state.step, d.state.version) == (4, 0)  # batches 1-3 shipped, none trained yet
+    out = crash_and_resume(d, max_steps=1)
+    assert "drain_started" in d.kinds(out) and "run_stopped" not in d.kinds(out)
+    assert "run_stopped" not in d.kinds(d.publish(1) + d.publish(2))
+    assert d.of(d.publish(3), "run_stopped")[0].reason == "completed"

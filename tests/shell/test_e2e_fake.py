@@ -118,4 +118,62 @@ def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"orch: error: {server.base_url} serves reverse_text tasks of {{'seed': 1, 'min_len': 3, 'max_len': 9}}, "
-        "this run's are {'seed': 0, 'min_len': 3, 'max_len': 6}: start it with --seed 0 --min-len 3 --max-len 6")
+        "this run's are {'seed': 0, 'min_len': 3, 'max_len': 6}: start it with --seed 0 --min-len 3 --max-len 6 "
+        f"(continue it with `orch run --resume {tmp_path / 'r'}` once fixed)")
+
+
+def _fake_run(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
+    return orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", name,
+                "--set", "batch.size=16", *args)
+
+
+def test_a_renamed_run_dir_resumes_and_max_steps_below_the_shipped_batches_is_refused(tmp_path):
+    assert _fake_run(tmp_path, "a", "--max-steps", "3").returncode == 0
+    moved = tmp_path / "b"
+    (tmp_path / "a").rename(moved)
+    lowered = orch("run", "--resume", str(moved), "--max-steps", "2")
+    assert lowered.returncode == 2 and lowered.stderr.strip().splitlines() == [
+        f"orch: error: max_steps 2 is below the 3 batches {moved} already shipped; resume with --max-steps 3 or more"]
+    resumed = orch("run", "--resume", str(moved), "--max-steps", "5")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_log_invariants(moved, 5, 2, 1)
+
+
+def test_a_stored_config_that_is_not_json_is_one_line(tmp_path):
+    assert _fake_run(tmp_path, "r", "--max-steps", "1").returncode == 0
+    with sqlite3.connect(tmp_path / "r" / "events.db") as db:
+        db.execute("UPDATE meta SET value = '{bad' WHERE key = 'config'")
+    result = orch("run", "--resume", str(tmp_path / "r"))
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"orch: error: {tmp_path / 'r' / 'events.db'} is corrupted: the run's stored config is not a JSON object"]
+
+
+def test_a_batch_file_that_cannot_be_written_is_one_line_and_the_resume_writes_it(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "batches").write_text("not a directory")
+    result = _fake_run(tmp_path, "r", "--max-steps", "2")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"orch: error: cannot write the batch file {run_dir}/batches/")
+    assert result.stderr.strip().endswith(f"(continue it with `orch run --resume {run_dir}` once fixed)")
+    (run_dir / "batches").unlink()
+    resumed = orch("run", "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert_log_invariants(run_dir, 2, 2, 1)
+
+
+def test_an_interrupt_before_the_run_starts_exits_130_with_one_line(tmp_path, monkeypatch):
+    """E.g. Ctrl-C or SIGTERM while a resume folds a long log (before the run's own handlers)."""
+    from click.testing import CliRunner
+
+    from orchestrator import cli
+    from orchestrator.shell import runner
+
+    def interrupted_fold(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "resume_run", interrupted_fold)
+    (tmp_path / "r").mkdir()
+    result = CliRunner().invoke(cli.main, ["run", "--resume", str(tmp_path / "r")])
+    assert result.exit_code == 130
+    assert result.stderr.strip().splitlines() == ["orch: error: interrupted before the run started; nothing was logged"]
