@@ -53,6 +53,12 @@ def batch_path(run_dir: str | os.PathLike, step: int) -> Path:
     return batches_dir(run_dir) / f"step_{step}.json"
 
 
+def batch_steps_on_disk(run_dir: str | os.PathLike) -> list[int]:
+    """The steps of the batch files in the run dir (written ones, not temporary siblings)."""
+    names = (path.name for path in batches_dir(run_dir).glob("step_*.json"))
+    return [int(name[5:-5]) for name in names if name[5:-5].isdigit()]
+
+
 def weights_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "weights"
 

@@ -16,6 +16,7 @@ from eventlog import EventLog, LogExistsError, LogNotFoundError
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes
 from orchestrator.core import events as ev
 from orchestrator.core.state import State
+from orchestrator.embedded.files import batch_steps_on_disk, batches_dir
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.shell.algorithms import make_algorithm
 from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
@@ -78,6 +79,7 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         if folded.state.params is None:  # it stopped before its first event was committed
             return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None)
         shipped = folded.state.step - 1
+        _check_no_batch_file_beyond(run_dir, shipped)
         if requested.max_steps < shipped:  # the trainer (told max_steps) would never train them all
             raise ConfigError(f"max_steps {requested.max_steps} is below the {shipped} batches {run_dir} already "
                               f"shipped; resume with --max-steps {shipped} or more")
@@ -86,6 +88,17 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
     except BaseException:
         log.close()
         raise
+
+
+def _check_no_batch_file_beyond(run_dir: Path, shipped: int) -> None:
+    """A batch file is written only after its batch_shipped event is committed, so one past the
+    log's last shipped step means the log lost committed events (a deleted or damaged -wal file).
+    Refused rather than overwritten: the trainer may have trained on it."""
+    beyond = sorted(step for step in batch_steps_on_disk(run_dir) if step > shipped)
+    if beyond:
+        raise RunDirError(f"{batches_dir(run_dir)} holds batch files for steps {beyond[0]}..{beyond[-1]}, but the log "
+                          f"shipped only up to step {shipped}: it lost committed events (its -wal file deleted or "
+                          "damaged?); move those files away to resume from the log as it is")
 
 
 def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: Path | None) -> RunConfig:

@@ -177,3 +177,16 @@ def test_an_interrupt_before_the_run_starts_exits_130_with_one_line(tmp_path, mo
     result = CliRunner().invoke(cli.main, ["run", "--resume", str(tmp_path / "r")])
     assert result.exit_code == 130
     assert result.stderr.strip().splitlines() == ["orch: error: interrupted before the run started; nothing was logged"]
+
+
+def test_a_batch_file_past_the_logs_last_shipped_step_refuses_the_resume(tmp_path):
+    """Batch files are written after their batch_shipped is committed: one past the log's last
+    shipped step means the log lost committed events. Not overwritten: the trainer may have used it."""
+    assert _fake_run(tmp_path, "r", "--max-steps", "2").returncode == 0
+    batches = tmp_path / "r" / "batches"
+    (batches / "step_4.json").write_bytes((batches / "step_2.json").read_bytes())
+    result = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "6")
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"orch: error: {batches} holds batch files for steps 4..4, but the log shipped only up to step 2: it lost "
+        "committed events (its -wal file deleted or damaged?); move those files away to resume from the log as it is"]
+    assert (batches / "step_4.json").read_bytes() == (batches / "step_2.json").read_bytes()
