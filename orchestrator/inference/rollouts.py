@@ -23,6 +23,7 @@ from orchestrator.core.events import EpisodeCompleted
 from orchestrator.embedded.files import is_stable, weights_dir
 from orchestrator.embedded.tokenizer import encode_prompt
 from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
+from orchestrator.shell.loop import warn
 
 
 class InferenceRollouts:
@@ -49,18 +50,23 @@ class InferenceRollouts:
             if loop.time() > deadline:
                 raise TimeoutError(f"waited {self.load_timeout_s:.0f}s for the trainer to publish {wdir}")
             await asyncio.sleep(0.05)
+        pause = self.client.backoff_s
         while True:
             try:
                 await self.client.load(version, str(wdir))
                 break
             except InferenceRequestError:
                 raise
-            except InferenceError:
+            except InferenceError as err:
                 if health_check is not None:
                     health_check()
                 if loop.time() > deadline:
                     raise
-                await asyncio.sleep(0.5)
+                if pause == self.client.backoff_s:  # the first failure: say what the run waits for
+                    warn(f"{err}; retrying for up to {deadline - loop.time():.0f}s more (endpoints may be starting)")
+                # Endpoints still starting up: probe again with backoff, as requests do.
+                await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+                pause = min(2 * pause, self.client.max_backoff_s)
         self.version = max(self.version, version)
         self._loaded.set()
 

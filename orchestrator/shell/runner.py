@@ -317,6 +317,7 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     interrupts = 0
+    warm_start: asyncio.Task | None = None
 
     def on_signal(signame: str) -> None:
         nonlocal interrupts
@@ -324,6 +325,8 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
         if interrupts == 1:
             print(f"\norch: {signame}: draining and stopping (again to abort)", flush=True)
             orch.request_stop("interrupted")
+            if warm_start is not None:  # no use waiting for weights: the run stops at its first event
+                warm_start.cancel()
         else:
             main.cancel()
 
@@ -344,9 +347,16 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
                 orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
             if isinstance(trainer, ProcessTrainer):
                 trainer.start()
-            if orch.hooks.on_version is not None:  # EmbeddedRollouts or InferenceRollouts
+            if orch.hooks.on_version is not None and not interrupts:  # EmbeddedRollouts or InferenceRollouts
                 # Version 0 is the trainer's warm start; the run resumes from the newest version.
-                await orch.hooks.on_version(run.state.version, health_check=trainer.check)
+                warm_start = loop.create_task(orch.hooks.on_version(run.state.version, health_check=trainer.check))
+                try:
+                    await warm_start
+                except asyncio.CancelledError:
+                    if main.cancelling() or not warm_start.cancelled():
+                        raise
+                    # Cancelled by an interrupt: the stop it requested ends the run at its first event.
+                warm_start = None
             await orch.run(run.first_input)
             return orch
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 
 import pytest
 
@@ -99,3 +100,37 @@ def test_a_load_every_endpoint_refuses_for_good_fails_at_once(tmp_path, status, 
         elapsed, error = run(main())
     assert isinstance(error, InferenceRequestError) == fails_at_once
     assert elapsed < 10 if fails_at_once else elapsed >= 3  # the load timeout is 60 s / 3 s
+
+
+def test_the_first_weights_are_waited_for_with_backoff_and_one_warning(tmp_path, capsys):
+    """Endpoints still starting: the load is retried with the client's backoff (not every half
+    second for the whole publish timeout), and the wait is announced once."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from orchestrator.inference.client import InferenceError
+
+    hits = []
+
+    async def not_yet(request):
+        hits.append(request)
+        return JSONResponse({"error": {"message": "still starting"}}, status_code=409)
+
+    publish(tmp_path, 0)
+    with running_server(Starlette(routes=[Route("/update_weights", not_yet, methods=["POST"])])) as server:
+        async def main():
+            client = InferenceClient([server.base_url], backoff_s=0.25, max_backoff_s=1.0)
+            backend = InferenceRollouts(tmp_path, None, client, temperature=1.0, max_new_tokens=4, seed=0,
+                                        load_timeout_s=3.5)
+            try:
+                with pytest.raises(InferenceError, match="HTTP 409"):
+                    await backend.load(0)
+            finally:
+                await client.aclose()
+        run(main())
+    # pauses 0.25, 0.5, 1, 1, 1 (capped): about 6 tries in 3.5 s; every 0.5 s would be 8
+    assert 4 <= len(hits) <= 7, len(hits)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("orch: warning:")]
+    assert len(warnings) == 1 and re.search(r"HTTP 409.*; retrying for up to \d+s more \(endpoints may be starting\)$",
+                                            warnings[0]), warnings

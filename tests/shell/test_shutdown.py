@@ -10,6 +10,9 @@ import subprocess
 import sys
 import textwrap
 
+from eventlog import EventLog
+from replay.fold import fold_log
+
 SCRIPT = textwrap.dedent('''
     import asyncio, sys
     from eventlog import EventLog
@@ -101,3 +104,38 @@ def test_an_error_raised_by_a_leftover_task_on_its_way_out_is_reported(caplog):
 
     assert run_on_new_loop(main()) == 7
     assert "unhandled exception during orch shutdown" in caplog.text and "boom on the way out" in caplog.text
+
+
+WARM_START_SCRIPT = textwrap.dedent('''
+    import asyncio, os, signal, sys
+    from orchestrator import cli
+    from orchestrator.shell import runner
+
+    build = runner.build_orchestrator
+
+    def with_weights_that_never_come(*args):
+        orch = build(*args)
+
+        async def never_loads(version, health_check=None):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while waiting for the first weights
+            await asyncio.sleep(3600)
+
+        orch.hooks.on_version = never_loads
+        return orch
+
+    runner.build_orchestrator = with_weights_that_never_come
+    cli.main(["run", "--env", "fake", "--trainer", "fake", "--runs-dir", sys.argv[1], "--name", "r",
+              "--set", "trainer.publish_timeout_s=120"])
+''')
+
+
+def test_ctrl_c_while_waiting_for_the_first_weights_stops_at_once(tmp_path):
+    """The warm-start wait (trainer or inference endpoints, up to publish_timeout_s) is cancelled:
+    the run logs its first event, drains, stops as interrupted and exits 130."""
+    done = subprocess.run([sys.executable, "-c", WARM_START_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 130, (done.stdout, done.stderr)
+    assert "orch: SIGINT: draining and stopping" in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == f"orch: stopped on interrupt; resume with `orch run --resume {tmp_path / 'r'}`"
+    with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
+        assert fold_log(log).state.stop_reason == "interrupted"
