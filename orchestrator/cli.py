@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
 import click
+import orjson
 
 from eventlog import LogError
 from orchestrator.config import ConfigError, load_config
@@ -55,24 +57,24 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
     from orchestrator.shell.loop import FinalizeError
     from replay.fold import FoldError
 
-    if json_summary is not None and not json_summary.parent.is_dir():  # found out now, not after the run
-        fail(f"--json-summary {json_summary}: no such directory {json_summary.parent}", EXIT_USAGE)
-    sets = list(overrides)
-    if env_name:
-        sets.append(f'envs={{"{env_name}": 1.0}}')
-    if trainer_kind:
-        sets.append(f"trainer.kind={trainer_kind}")
-    if max_steps is not None:
-        sets.append(f"max_steps={max_steps}")
-    if inference_urls:
-        import orjson
-
-        sets.append("inference.endpoints=" + orjson.dumps([u.strip() for u in inference_urls.split(",") if u.strip()]).decode())
+    if json_summary is not None:  # found out now, not after the run
+        if not json_summary.parent.is_dir():
+            fail(f"--json-summary {json_summary}: no such directory {json_summary.parent}", EXIT_USAGE)
+        try:  # a real probe: permission bits say little to root or on /proc
+            tempfile.TemporaryFile(dir=json_summary.parent).close()
+        except OSError as err:
+            fail(f"--json-summary {json_summary}: cannot write in {json_summary.parent}: {err.strerror}", EXIT_USAGE)
+    if resume_dir is None and name is None and not any(text.partition("=")[0].strip() == "name" for text in overrides):
+        name = time.strftime("run-%Y%m%d-%H%M%S")
+    sets = list(overrides) + _shorthand_overrides(overrides, env_name=env_name, trainer_kind=trainer_kind,
+                                                  max_steps=max_steps, inference_urls=inference_urls,
+                                                  name=None if resume_dir else name,
+                                                  runs_dir=None if resume_dir else runs_dir)
     # Until the run installs its own handlers: SIGTERM as Ctrl-C, an exit with a message.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if resume_dir is not None:
-            if name or runs_dir:
+            if name is not None or runs_dir is not None:
                 fail("--resume takes the run directory; do not combine it with --name/--runs-dir", EXIT_USAGE)
             run = resume_run(resume_dir, sets, config_file)
             if run.resumed_from is None:
@@ -80,9 +82,6 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
             else:
                 click.echo(f"orch: resuming {run.run_dir} from event {run.resumed_from} (step {run.state.step}, version {run.state.version})")
         else:
-            sets.append(f"name={name or time.strftime('run-%Y%m%d-%H%M%S')}")
-            if runs_dir:
-                sets.append(f"runs_dir={runs_dir}")
             run = create_run(load_config(config_file, sets))
             click.echo(f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, {run.config.max_steps} steps)")
     except (ConfigError, RunDirError, LogError, FoldError) as err:
@@ -103,8 +102,6 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
         fail("aborted (second interrupt); resume with `orch run --resume " + str(run.run_dir) + "`", EXIT_INTERRUPTED)
     summary = progress.summary(orch.state, run.run_dir)
     if json_summary:
-        import orjson
-
         try:
             json_summary.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
         except OSError as err:
@@ -115,6 +112,30 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
         sys.exit(EXIT_INTERRUPTED)
     if state.stop_reason != "completed":
         fail(f"run stopped: {state.stop_reason}")
+
+
+def _shorthand_overrides(overrides: tuple[str, ...], **flags) -> list[str]:
+    """The `--set` equivalents of the shorthand flags given; a flag and a `--set` of the same key
+    is a usage error (which should win is a guess)."""
+    keys = {"env_name": ("--env", "envs"), "trainer_kind": ("--trainer", "trainer.kind"),
+            "max_steps": ("--max-steps", "max_steps"), "inference_urls": ("--inference", "inference.endpoints"),
+            "name": ("--name", "name"), "runs_dir": ("--runs-dir", "runs_dir")}
+    set_keys = {text.partition("=")[0].strip() for text in overrides}
+    sets = []
+    for param, value in flags.items():
+        if value is None:
+            continue
+        flag, key = keys[param]
+        if key in set_keys:
+            fail(f"{flag} and --set {key}=... both set {key}: give one", EXIT_USAGE)
+        if param == "env_name":
+            value = {value: 1.0}
+        elif param == "inference_urls":
+            value = [url.strip() for url in value.split(",") if url.strip()]
+            if not value:
+                fail(f"--inference {flags['inference_urls']!r}: no endpoint URL", EXIT_USAGE)
+        sets.append(f"{key}={orjson.dumps(str(value) if isinstance(value, Path) else value).decode()}")
+    return sets
 
 
 def _interrupt(signum, frame) -> None:

@@ -278,20 +278,39 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: Path | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
-    """The config from `base` (e.g. a stored one) or a TOML file, then `--set` overrides."""
-    data: dict = dict(base or {})
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    """`base` (e.g. a resumed run's stored config; else the defaults), with the TOML file's
+    values laid over it, then the `--set` overrides."""
+    data: dict = _merged(base or {}, _read_toml(path)) if path is not None else dict(base or {})
     apply_overrides(data, list(overrides))
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over`'s values laid over `base`, section by section; `envs` (a mapping of names, not a
+    section) is replaced whole."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "envs":
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:

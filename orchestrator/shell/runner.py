@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -43,7 +44,13 @@ class OpenedRun:
     resumed_from: int | None
 
 
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")
+
+
 def create_run(config: RunConfig) -> OpenedRun:
+    if not _RUN_NAME.fullmatch(config.name):  # one directory under runs_dir, safe to paste in a shell
+        raise ConfigError(f"invalid run name {config.name!r}: letters, digits and ._+=@- only, not starting with "
+                          "'.' or '-', at most 200 characters")
     run_dir = config.run_dir
     db = run_dir / EVENTS_DB
     if db.exists():
@@ -120,7 +127,7 @@ def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: P
         stored = load_config(base=stored_json)
     except ConfigError as err:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
-    requested = load_config(config_file, overrides, base=None if config_file else stored.model_dump(mode="json"))
+    requested = load_config(config_file, overrides, base=stored.model_dump(mode="json"))
     requested = requested.model_copy(update={"runs_dir": run_dir.parent, "name": run_dir.name})
     changed = meaning_changes(stored, requested)
     if changed:

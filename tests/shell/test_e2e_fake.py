@@ -80,9 +80,21 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
      "orch: error: invalid config: rollout.env_server serves reverse_text episodes only (the fake env runs in-process)"),
     (["--set", "rollout.env_server=localhost:9"], 2,
      "orch: error: invalid config: rollout: env_server 'localhost:9' is not an http(s)://host[:port] URL"),
+    (["--name", "../escape"], 2, "orch: error: invalid run name '../escape': letters, digits and ._+=@- only, "
+     "not starting with '.' or '-', at most 200 characters"),
+    (["--name", "."], 2, "orch: error: invalid run name '.': letters, digits and ._+=@- only, "
+     "not starting with '.' or '-', at most 200 characters"),
+    (["--name", "x" * 300], 2, "orch: error: invalid run name '" + "x" * 300 + "': letters, digits and ._+=@- only, "
+     "not starting with '.' or '-', at most 200 characters"),
+    (["--set", "max_steps=5"], 2, "orch: error: --max-steps and --set max_steps=... both set max_steps: give one"),
+    (["--set", "envs=[]"], 2, "orch: error: --env and --set envs=... both set envs: give one"),
+    (["--inference", ","], 2, "orch: error: --inference ',': no endpoint URL"),
+    (["--config", "{tmp}/binary.toml"], 2,
+     "orch: error: config file {tmp}/binary.toml is not UTF-8 text (invalid start byte at byte 0)"),
 ])
 def test_user_mistakes_are_one_line_before_anything_runs(tmp_path, args, code, message):
     (tmp_path / "afile").write_text("")
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
     result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path / "runs"),
                   *[a.format(tmp=tmp_path) for a in args])
     assert result.returncode == code
@@ -190,3 +202,20 @@ def test_a_batch_file_past_the_logs_last_shipped_step_refuses_the_resume(tmp_pat
         f"orch: error: {batches} holds batch files for steps 4..4, but the log shipped only up to step 2: it lost "
         "committed events (its -wal file deleted or damaged?); move those files away to resume from the log as it is"]
     assert (batches / "step_4.json").read_bytes() == (batches / "step_2.json").read_bytes()
+
+
+def test_a_json_summary_dir_that_cannot_be_written_is_found_before_the_run(tmp_path):
+    result = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--json-summary", "/proc/s.json")
+    assert result.returncode == 2 and not (tmp_path / "r").exists()
+    assert result.stderr.strip().splitlines()[-1].startswith("orch: error: --json-summary /proc/s.json: cannot write in /proc: ")
+
+
+def test_set_name_names_the_run_and_a_resume_config_file_is_laid_over_the_stored_config(tmp_path):
+    assert _fake_run(tmp_path, "x", "--max-steps", "2").returncode == 0  # --name x
+    named = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--max-steps", "1",
+                 "--set", "name=by-set")
+    assert named.returncode == 0 and (tmp_path / "by-set" / "events.db").exists(), named.stderr
+    (tmp_path / "more.toml").write_text("max_steps = 4\n")  # says nothing of envs, trainer or batch size
+    resumed = orch("run", "--resume", str(tmp_path / "x"), "--config", str(tmp_path / "more.toml"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert_log_invariants(tmp_path / "x", 4, 2, 1)
