@@ -325,7 +325,7 @@ _STEP_DIR = re.compile(r"step_(\d+)$")
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = pick a free port.")
-@click.option("--weights", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="published weights dir to start with (e.g. runs/R/weights/step_0); else wait for /update_weights")
 @click.option("--version", "version", type=click.IntRange(0), help="version of --weights (default: N of step_N)")
 @click.option("--model-name", default=DEFAULT_MODEL_NAME, show_default=True, help="the served model id")

@@ -305,6 +305,9 @@ def serve_command_line(app: ASGIApp, command: str, *, host: str, port: int, log_
     except ListenError as exc:
         click.echo(f"orch: error: {command}: {exc}", err=True)
         sys.exit(1)
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C
+        click.echo(f"orch {command}: stopped on interrupt", err=True)
+        sys.exit(130)
 
 
 class RunningServer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -211,9 +212,13 @@ def test_cli_serves_over_http_in_a_subprocess(arun):
                 assert await client.score(task, task.answer) == 1.0
 
         arun(main)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a graceful stop, one line, exit 130 (not click's "Aborted!")
+        assert proc.wait(10) == 130
+        assert proc.stdout.read().strip().splitlines()[-1] == "orch env-server: stopped on interrupt"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
 
