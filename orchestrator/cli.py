@@ -126,8 +126,9 @@ def _shorthand_overrides(overrides: tuple[str, ...], **flags) -> list[str]:
         if value is None:
             continue
         flag, key = keys[param]
-        if key in set_keys:
-            fail(f"{flag} and --set {key}=... both set {key}: give one", EXIT_USAGE)
+        for other in set_keys:  # the same key, its section, or a key inside it
+            if other == key or key.startswith(other + ".") or other.startswith(key + "."):
+                fail(f"{flag} and --set {other}=... both set {key}: give one", EXIT_USAGE)
         if param == "env_name":
             value = {value: 1.0}
         elif param == "inference_urls":

@@ -50,7 +50,7 @@ class InferenceRollouts:
             if loop.time() > deadline:
                 raise TimeoutError(f"waited {self.load_timeout_s:.0f}s for the trainer to publish {wdir}")
             await asyncio.sleep(0.05)
-        pause = self.client.backoff_s
+        pause, warned = self.client.backoff_s, False
         while True:
             try:
                 await self.client.load(version, str(wdir))
@@ -62,7 +62,8 @@ class InferenceRollouts:
                     health_check()
                 if loop.time() > deadline:
                     raise
-                if pause == self.client.backoff_s:  # the first failure: say what the run waits for
+                if not warned:  # the first failure: say what the run waits for
+                    warned = True
                     warn(f"{err}; retrying for up to {deadline - loop.time():.0f}s more (endpoints may be starting)")
                 # Endpoints still starting up: probe again with backoff, as requests do.
                 await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))

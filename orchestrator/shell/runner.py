@@ -44,7 +44,7 @@ class OpenedRun:
     resumed_from: int | None
 
 
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")
+_RUN_NAME = re.compile(r"[A-Za-z0-9_+=@][A-Za-z0-9._+=@-]{0,199}")
 
 
 def create_run(config: RunConfig) -> OpenedRun:
@@ -85,6 +85,9 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
             folded = fold_log(log)
         if folded.state.params is None:  # it stopped before its first event was committed
             return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None)
+        # max_steps defaults to the run's current one (a resume may have raised it), not to the
+        # one it was created with.
+        requested = _resume_config(db, run_dir, overrides, config_file, max_steps=folded.state.params.max_steps)
         shipped = folded.state.step - 1
         _check_no_batch_file_beyond(run_dir, shipped)
         if requested.max_steps < shipped:  # the trainer (told max_steps) would never train them all
@@ -108,8 +111,10 @@ def _check_no_batch_file_beyond(run_dir: Path, shipped: int) -> None:
                           "damaged?); move those files away to resume from the log as it is")
 
 
-def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: Path | None) -> RunConfig:
-    """The stored config with the overrides applied; ConfigError if they change its meaning."""
+def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: Path | None,
+                   max_steps: int | None = None) -> RunConfig:
+    """The stored config (with `max_steps`, the run's current one, if given) with the overrides
+    applied; ConfigError if they change its meaning."""
     try:
         with EventLog.open_reader(db) as reader:
             meta = reader.meta
@@ -127,7 +132,8 @@ def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: P
         stored = load_config(base=stored_json)
     except ConfigError as err:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
-    requested = load_config(config_file, overrides, base=stored.model_dump(mode="json"))
+    base = stored.model_dump(mode="json") | ({} if max_steps is None else {"max_steps": max_steps})
+    requested = load_config(config_file, overrides, base=base)
     requested = requested.model_copy(update={"runs_dir": run_dir.parent, "name": run_dir.name})
     changed = meaning_changes(stored, requested)
     if changed:

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from eventlog import EventLog
+from eventlog import CorruptLogError, EventLog
 from orchestrator.core import events as ev
 from orchestrator.core.state import REDUCER_VERSION, state_hash
 from replay.diff import diff_logs
@@ -45,6 +45,7 @@ def test_a_live_log_is_read_as_of_the_command_start(tmp_path, level):
         assert a.last_seq == b.last_seq == half
         assert len(list(a.read_raw())) == len(list(a.read_bodies())) == half
         assert fold_log(a).seq == half
+        assert a.verify().ok and a.verify().last_seq == half
         assert diff_logs(a, b, level).equivalent
     with EventLog.open_reader(tmp_path / "live.db") as unpinned:
         assert unpinned.last_seq == len(events)
@@ -94,6 +95,11 @@ def test_a_missing_seq_is_a_corrupted_log_in_every_mode(tmp_path, cli):
         result = cli(*args)
         assert result.exit_code == 2, (args, result.output)
         assert result.stderr.count("\n") == 1 and "not contiguous" in result.stderr
+    with EventLog.open_reader(src) as log:  # a range that lies wholly in the gap
+        with pytest.raises(CorruptLogError, match="seqs 300..300 are missing"):
+            list(log.read(start=300, stop=300))
+        with pytest.raises(CorruptLogError, match="seqs 300..301 are not contiguous"):
+            list(log.read_raw(start=300, stop=301, chunk_size=1))
 
 
 def test_event_data_that_is_not_json_is_named_by_read(tmp_path):

@@ -88,6 +88,8 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
      "not starting with '.' or '-', at most 200 characters"),
     (["--set", "max_steps=5"], 2, "orch: error: --max-steps and --set max_steps=... both set max_steps: give one"),
     (["--set", "envs=[]"], 2, "orch: error: --env and --set envs=... both set envs: give one"),
+    (["--set", "envs.reverse_text=0.5"], 2, "orch: error: --env and --set envs.reverse_text=... both set envs: give one"),
+    (["--set", "trainer=[]"], 2, "orch: error: --trainer and --set trainer=... both set trainer.kind: give one"),
     (["--inference", ","], 2, "orch: error: --inference ',': no endpoint URL"),
     (["--config", "{tmp}/binary.toml"], 2,
      "orch: error: config file {tmp}/binary.toml is not UTF-8 text (invalid start byte at byte 0)"),
@@ -219,3 +221,11 @@ def test_set_name_names_the_run_and_a_resume_config_file_is_laid_over_the_stored
     resumed = orch("run", "--resume", str(tmp_path / "x"), "--config", str(tmp_path / "more.toml"))
     assert resumed.returncode == 0, resumed.stderr
     assert_log_invariants(tmp_path / "x", 4, 2, 1)
+
+
+def test_a_plain_resume_keeps_the_max_steps_an_earlier_resume_raised(tmp_path):
+    assert _fake_run(tmp_path, "_r", "--max-steps", "2").returncode == 0  # a name may start with "_"
+    assert orch("run", "--resume", str(tmp_path / "_r"), "--max-steps", "4").returncode == 0
+    again = orch("run", "--resume", str(tmp_path / "_r"))  # what the stop and error lines tell users to run
+    assert again.returncode == 0, again.stderr
+    assert_log_invariants(tmp_path / "_r", 4, 2, 1)
