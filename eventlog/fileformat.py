@@ -101,9 +101,8 @@ def translate(exc: sqlite3.Error, path: str) -> LogError:
     code = getattr(exc, "sqlite_errorcode", None)
     primary = code & 0xFF if code is not None else None
     msg = str(exc)
-    if primary in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "malformed" in msg:
-        return CorruptLogError(f"{path} is corrupted: {msg}")
-    if "decode to UTF-8" in msg:  # raised by the driver for a text column that is not UTF-8
+    # "decode to UTF-8": the driver's error for a text column that is not UTF-8
+    if primary in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "malformed" in msg or "decode to UTF-8" in msg:
         return CorruptLogError(f"{path} is corrupted: {msg}")
     if primary in (_SQLITE_READONLY, _SQLITE_PERM):
         return ReadOnlyLocationError(f"cannot write {path}: {msg}")

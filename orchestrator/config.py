@@ -6,6 +6,7 @@ part the core folds (it travels in `run_started`, so a log is self-describing).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import tomllib
 from pathlib import Path
@@ -267,20 +268,27 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {text!r}: {part!r} is not a section")
-            node = child
-        node[path[-1]] = value
+        _set_path(data, path, value, f"--set {text!r}")
     return data
+
+
+def _set_path(data: dict, path: list[str], value: Any, source: str) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {part!r} is not a section")
+        node = child
+    node[path[-1]] = value
 
 
 def load_config(path: Path | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
     """`base` (e.g. a resumed run's stored config; else the defaults), with the TOML file's
     values laid over it, then the `--set` overrides."""
-    data: dict = _merged(base or {}, _read_toml(path)) if path is not None else dict(base or {})
+    data: dict = copy.deepcopy(base or {})
+    if path is not None:
+        for name, value in _flatten(_read_toml(path)).items():
+            _set_path(data, name.split("."), value, f"config file {path}")
     apply_overrides(data, list(overrides))
     try:
         return RunConfig.model_validate(data)
@@ -299,18 +307,6 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
-
-
-def _merged(base: dict, over: dict) -> dict:
-    """`over`'s values laid over `base`, section by section; `envs` (a mapping of names, not a
-    section) is replaced whole."""
-    merged = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "envs":
-            merged[key] = _merged(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
 
 
 def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:

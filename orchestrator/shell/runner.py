@@ -75,7 +75,8 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         raise RunDirError(f"cannot resume {run_dir}: no such run directory")
     if not db.exists():
         raise RunDirError(f"cannot resume {run_dir}: it holds no {EVENTS_DB}")
-    requested = _resume_config(db, run_dir, overrides, config_file)
+    stored = _stored_config(db)
+    requested = _requested_config(stored, run_dir, overrides, config_file)
     try:  # with the durability asked for now (an operational field a resume may change)
         log = EventLog.open(db, durability=requested.log.durability)
     except LogNotFoundError as err:
@@ -87,7 +88,7 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
             return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None)
         # max_steps defaults to the run's current one (a resume may have raised it), not to the
         # one it was created with.
-        requested = _resume_config(db, run_dir, overrides, config_file, max_steps=folded.state.params.max_steps)
+        requested = _requested_config(stored, run_dir, overrides, config_file, max_steps=folded.state.params.max_steps)
         shipped = folded.state.step - 1
         _check_no_batch_file_beyond(run_dir, shipped)
         if requested.max_steps < shipped:  # the trainer (told max_steps) would never train them all
@@ -111,10 +112,8 @@ def _check_no_batch_file_beyond(run_dir: Path, shipped: int) -> None:
                           "damaged?); move those files away to resume from the log as it is")
 
 
-def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: Path | None,
-                   max_steps: int | None = None) -> RunConfig:
-    """The stored config (with `max_steps`, the run's current one, if given) with the overrides
-    applied; ConfigError if they change its meaning."""
+def _stored_config(db: Path) -> RunConfig:
+    """The config the run was created with, from the log's meta table."""
     try:
         with EventLog.open_reader(db) as reader:
             meta = reader.meta
@@ -129,9 +128,15 @@ def _resume_config(db: Path, run_dir: Path, overrides: list[str], config_file: P
     if not isinstance(stored_json, dict):
         raise RunDirError(f"{db} is corrupted: the run's stored config is not a JSON object")
     try:
-        stored = load_config(base=stored_json)
+        return load_config(base=stored_json)
     except ConfigError as err:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
+
+
+def _requested_config(stored: RunConfig, run_dir: Path, overrides: list[str], config_file: Path | None,
+                      max_steps: int | None = None) -> RunConfig:
+    """The stored config (with `max_steps`, the run's current one, if given) with the overrides
+    applied; ConfigError if they change its meaning."""
     base = stored.model_dump(mode="json") | ({} if max_steps is None else {"max_steps": max_steps})
     requested = load_config(config_file, overrides, base=base)
     requested = requested.model_copy(update={"runs_dir": run_dir.parent, "name": run_dir.name})
