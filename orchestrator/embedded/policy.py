@@ -397,14 +397,15 @@ class EmbeddedSampler:
         with self._lock:
             return self._version
 
-    def reload(self, wdir: str | os.PathLike, version: int) -> None:
+    def reload(self, wdir: str | os.PathLike, version: int, replace: bool = False) -> None:
         """Load ``wdir`` (must be STABLE) and make it current. A version older than the current
-        one is ignored (reloads may race); raises if the directory is not published."""
+        one is ignored (reloads may race) unless ``replace`` (another run's weights); raises if
+        the directory is not published."""
         if not files.is_stable(wdir):
             raise FileNotFoundError(f"sampler: {wdir} has no {files.STABLE} marker (not published)")
         model = load_policy(wdir)
         with self._lock:
-            if self._model is None or version >= self._version:
+            if self._model is None or version >= self._version or replace:
                 self._model, self._version = model, version
 
     def current(self) -> tuple[Policy, int]:

@@ -42,6 +42,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -75,9 +76,10 @@ _MAY_PASS = frozenset({404, 408, 409, 429})  # a refused weight load that a late
 
 
 class _Retryable(Exception):
-    def __init__(self, message: str, kind: str):
+    def __init__(self, message: str, kind: str, counted: bool = False):
         super().__init__(message)
         self.message, self.kind = message, kind
+        self.counted = counted  # the endpoint was already marked down for this failure
 
 
 @dataclass(eq=False)
@@ -292,7 +294,8 @@ class InferenceClient:
                 except ProtocolError as exc:
                     raise InferenceRequestError(str(exc)) from None
             except _Retryable as exc:
-                self.mark_down(ep, exc.message, exc.kind)
+                if not exc.counted:
+                    self.mark_down(ep, exc.message, exc.kind)
                 errors.append(exc.message)
                 tried.add(ep)
                 if attempt >= self.max_attempts:
@@ -357,6 +360,10 @@ class InferenceClient:
                     if not isinstance(confirmed, int) or confirmed < version:
                         raise InferenceRequestError(f"{ep.url}/update_weights: asked for version {version}, "
                                                     f"the endpoint answered {answer!r}")
+                    served = answer.get("path")
+                    if isinstance(served, str) and Path(served).parent != Path(path).parent:
+                        raise InferenceRequestError(f"{ep.url}/update_weights: asked for {path}, the endpoint "
+                                                    f"serves {served}, another run's weights")
                 elif self.weight_sync == "sglang":
                     answer = await self._call(ep, "POST", "/update_weights_from_disk", {"model_path": path},
                                               timeout=self.load_timeout_s)
@@ -392,7 +399,7 @@ class InferenceClient:
         try:
             return await self._load_one(ep, version, path)
         except InferenceUnavailable as exc:
-            raise _Retryable(str(exc), "weight sync") from None
+            raise _Retryable(str(exc), "weight sync", counted=True) from None
         except InferenceRequestError:
             if ep.version >= 0:
                 return ep.version

@@ -91,9 +91,10 @@ class PolicyServer:
     def loaded(self) -> bool:
         return self.sampler.version >= 0
 
-    def load_blocking(self, path: str | os.PathLike, version: int) -> None:
-        """Load ``path`` as ``version`` (startup, or from a worker thread)."""
-        self.sampler.reload(path, version)
+    def load_blocking(self, path: str | os.PathLike, version: int, replace: bool = False) -> None:
+        """Load ``path`` as ``version`` (startup, or from a worker thread); ``replace``: even if
+        older than the current version."""
+        self.sampler.reload(path, version, replace=replace)
         self.paths[version] = str(path)
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
@@ -101,8 +102,11 @@ class PolicyServer:
             self._reload_lock = asyncio.Lock()
         async with self._reload_lock:  # one load at a time; the sampler keeps serving meanwhile
             current = self.sampler.version
-            if version > current or not self.loaded:
-                await asyncio.to_thread(self.load_blocking, path, version)
+            # A lower version from the same run is an out-of-order load: ignored. From another
+            # weights dir it is a new run reusing this server: loaded.
+            other_run = Path(path).parent != Path(self.paths.get(current, path)).parent
+            if version > current or not self.loaded or other_run:
+                await asyncio.to_thread(self.load_blocking, path, version, other_run)
                 self.stats["reloads"] += 1
             now = self.sampler.version
         return {"version": now, "requested": version, "ignored": version < now, "path": self.paths.get(now)}

@@ -23,7 +23,7 @@ from orchestrator.shell.algorithms import make_algorithm
 from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
 from orchestrator.shell.progress import Progress
 from orchestrator.shell.rollouts import EmbeddedRollouts, FakeEnvRollouts
-from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer
+from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer, TrainerFailed
 from replay.fold import fold_log
 
 EVENTS_DB = "events.db"
@@ -150,7 +150,7 @@ def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
     from orchestrator.embedded.defaults import KEEP_WEIGHTS as DEFAULT_KEEP_WEIGHTS
     from orchestrator.embedded.trainer import TrainerConfig, write_trainer_config
 
-    write_trainer_config(run_dir, TrainerConfig(
+    config_for_trainer = TrainerConfig(
         max_steps=config.max_steps, lr=config.trainer.lr, seed=config.seed,
         sft_steps=config.trainer.sft_steps, env_min_len=config.reverse_text.min_len,
         env_max_len=config.reverse_text.max_len, temperature=config.rollout.temperature,
@@ -159,7 +159,11 @@ def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
         # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
         # crash); a resume reloads the newest recorded one, which must still be on disk.
         keep_weights=max(DEFAULT_KEEP_WEIGHTS, config.off_policy.target_lag + 2),
-    ))
+    )
+    try:
+        write_trainer_config(run_dir, config_for_trainer)
+    except OSError as err:  # e.g. a directory in its place: one line, like the trainer's own failures
+        raise TrainerFailed(f"cannot write the trainer's config in {run_dir}: {err.strerror or err}") from err
 
 
 def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrator:

@@ -17,8 +17,6 @@ Supervision of the process tree (orchestrator -> torchrun agent -> N ranks):
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,13 +35,5 @@ class TorchrunTrainer(ProcessTrainer):
         super().__init__(run_dir, publish, poll_s)
         self.nproc, self.backend = nproc, backend
 
-    def start(self) -> None:
-        log = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(
-                torchrun_command(self.run_dir, self.nproc, self.backend),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        finally:
-            log.close()
+    def command(self) -> list[str]:
+        return torchrun_command(self.run_dir, self.nproc, self.backend)

@@ -72,13 +72,18 @@ class ProcessTrainer:
         self.log_path = run_dir / "trainer.log"
         self.proc: subprocess.Popen | None = None
         self._published = -1
+        self._log_start = 0  # where this process's output starts in trainer.log (appended to)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)]
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
         try:
+            self._log_start = log.seek(0, os.SEEK_END)
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 # Its own session: a Ctrl-C in the terminal reaches the orchestrator only, which
                 # drains and then stops the trainer itself. The child's parent watchdog still
                 # ends it if the orchestrator dies.
@@ -102,22 +107,27 @@ class ProcessTrainer:
             await asyncio.sleep(self.poll_s)
 
     def _last_error_line(self) -> str:
+        """The last error line this trainer process wrote (not an earlier one's: the log is
+        appended to across resumes)."""
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                lines = log.read().decode(errors="replace").splitlines()
         except OSError:
             return "(no trainer.log)"
         for marker in ("orch trainer: error:", "error"):  # its own one-line summary first
             for line in reversed(lines):
                 if marker in line.lower():
                     return line.strip()
-        return lines[-1].strip() if lines else "(trainer.log is empty)"
+        return lines[-1].strip() if lines else "(it wrote nothing to trainer.log)"
 
     def check(self) -> None:
         if self.proc is None:
             return
         code = self.proc.poll()
         if code not in (None, 0):
-            raise TrainerFailed(f"trainer exited with code {code}: {self._last_error_line()} (see {self.log_path})")
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            raise TrainerFailed(f"trainer {how}: {self._last_error_line()} (see {self.log_path})")
 
     def exited_ok(self) -> bool:
         return self.proc is not None and self.proc.poll() == 0

@@ -328,3 +328,34 @@ def test_vllm_lora_an_endpoint_restarted_unseen_gets_its_adapter_again():
     assert (first.policy_start, first.attempts, before) == (1, 1, ["step_1"])
     assert (second.policy_start, second.attempts, client.retries) == (1, 2, 1)
     assert after == ["step_1"]  # loaded again on the restarted endpoint
+
+
+def test_an_endpoint_serving_another_runs_weights_is_refused():
+    """An endpoint that answers a load with another weights dir (an older `orch serve`, or one
+    shared with another run) would sample from the wrong policy: the load fails at once."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def keeps_its_own(request):
+        return JSONResponse({"version": 3, "requested": 0, "ignored": True, "path": "/runs/a/weights/step_3"})
+
+    from orchestrator.rollouts.env_server import running_server
+
+    with running_server(Starlette(routes=[Route("/update_weights", keeps_its_own, methods=["POST"])])) as server:
+        async def main():
+            async with InferenceClient([server.base_url]) as client:
+                with pytest.raises(InferenceRequestError, match="serves /runs/a/weights/step_3, another run's weights"):
+                    await client.load(0, "/runs/b/weights/step_0")
+        run(main())
+
+
+def test_a_failed_weight_sync_before_a_request_is_counted_once():
+    async def main():
+        async with InferenceClient([f"http://127.0.0.1:{free_port()}"], max_attempts=1) as client:
+            client.target = (0, "/runs/a/weights/step_0")
+            with pytest.raises(InferenceError):
+                await ask(client)
+            (status,) = client.status()
+            assert status["failures"] == 1 and status["error_kinds"] == {"ConnectError /update_weights": 1}, status
+    run(main())

@@ -111,3 +111,19 @@ def test_concurrent_requests_share_sampling_calls_and_stay_seeded(weights):
         for seed, c in zip((0, 1, 5), alone):  # a request's sample does not depend on its batch
             assert c["token_ids"] == batched[seed]["token_ids"]
             assert c["logprobs"]["token_logprobs"] == pytest.approx(batched[seed]["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_a_server_reused_by_another_run_loads_that_runs_weights(weights, tmp_path):
+    """A lower version from the same run is an out-of-order load (ignored); from another run's
+    weights dir it is a new run starting on this server: its step_0 replaces the old run's step_1."""
+    other = publish(tmp_path / "other-run", 0, seed=7)
+    with serving() as srv:
+        url = srv.base_url
+        for v in (0, 1):
+            post(url, "/update_weights", {"path": str(weights[v]), "version": v})
+        answer = post(url, "/update_weights", {"path": str(other), "version": 0}).json()
+        assert answer == {"version": 0, "requested": 0, "ignored": False, "path": str(other)}
+        out = post(url, "/v1/completions", {"prompt": [1, 8, 9, 3], "max_tokens": 8, "logprobs": 0, "seed": 3}).json()
+        recomputed = sequence_logprobs(load_policy(other), [1, 8, 9, 3] + out["choices"][0]["token_ids"], 4, 1.0)
+        assert out["policy_version"] == 0
+        assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(recomputed, abs=1e-4)
