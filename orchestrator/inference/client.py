@@ -96,6 +96,9 @@ class Endpoint:
     version: int = -1  # newest weight version this endpoint confirmed (-1: unknown)
     error_kinds: dict[str, int] = field(default_factory=dict)  # failure kind -> count
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    # A down endpoint whose backoff ran out is tried by one request, the probe; the others wait
+    # for its result instead of each spending an attempt on it.
+    probe: asyncio.Future | None = field(default=None, repr=False)
 
     def up(self, now: float) -> bool:
         return now >= self.down_until
@@ -176,7 +179,7 @@ class InferenceClient:
     def pick(self, pin: Any = None, avoid: frozenset[Endpoint] = frozenset()) -> Endpoint | None:
         """The endpoint for the next request (None when every endpoint is down)."""
         now = time.monotonic()
-        up = [e for e in self.endpoints if e.up(now)]
+        up = [e for e in self.endpoints if e.up(now) and e.probe is None]
         if not up:
             return None
         preferred = [e for e in up if e not in avoid] or up
@@ -215,8 +218,15 @@ class InferenceClient:
         ep.down_until = 0.0
 
     async def _wait_for_an_endpoint(self) -> None:
+        """Until a probe ends or the first backoff runs out (cancellable)."""
         now = time.monotonic()
-        await asyncio.sleep(max(0.0, min(e.down_until for e in self.endpoints) - now))
+        probes = [e.probe for e in self.endpoints if e.probe is not None]
+        backoffs = [e.down_until for e in self.endpoints if e.probe is None]
+        delay = max(0.0, min(backoffs) - now) if backoffs else None
+        if probes:
+            await asyncio.wait(probes, timeout=delay)
+        else:
+            await asyncio.sleep(delay)
 
     # -- HTTP -------------------------------------------------------------------------------------
     async def _call(self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
@@ -269,6 +279,9 @@ class InferenceClient:
             attempt += 1
             if attempt > 1:
                 self.retries += 1
+            probing = ep.failures > 0
+            if probing:
+                ep.probe = asyncio.get_running_loop().create_future()
             ep.inflight += 1
             ep.assigned += 1
             try:
@@ -305,6 +318,9 @@ class InferenceClient:
                 continue
             finally:
                 ep.inflight -= 1
+                if probing:  # succeeded, failed or cancelled: the waiting requests look again
+                    ep.probe.set_result(None)
+                    ep.probe = None
             self.mark_up(ep)
             ep.completed += 1
             if reported is not None:

@@ -359,3 +359,25 @@ def test_a_failed_weight_sync_before_a_request_is_counted_once():
             (status,) = client.status()
             assert status["failures"] == 1 and status["error_kinds"] == {"ConnectError /update_weights": 1}, status
     run(main())
+
+
+def test_a_down_endpoint_is_probed_by_one_request_while_the_others_wait():
+    """When its backoff runs out, one request probes a down endpoint; the others wait for that
+    probe instead of each spending an attempt on it (which failed every waiting request)."""
+    async def main():
+        async with InferenceClient([f"http://127.0.0.1:{free_port()}"], backoff_s=0.2, max_backoff_s=0.4,
+                                   max_attempts=3) as client:
+            requests = [asyncio.ensure_future(ask(client)) for _ in range(20)]
+            await asyncio.sleep(1.5)
+            failed = sum(1 for r in requests if r.done())
+            for r in requests:
+                r.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+            (status,) = client.status()
+            return failed, status["failures"]
+
+    failed, attempts = run(main())
+    # 20 at once, then one probe per backoff (0.2, 0.4, 0.4, ...): about 24 attempts in 1.5 s;
+    # each request probing on its own would spend its 3 attempts and fail within ~0.6 s (60)
+    assert attempts <= 28, attempts
+    assert failed <= 3, failed  # only probers spend attempts, one at a time
