@@ -64,9 +64,10 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
             tempfile.TemporaryFile(dir=json_summary.parent).close()
         except OSError as err:
             fail(f"--json-summary {json_summary}: cannot write in {json_summary.parent}: {err.strerror}", EXIT_USAGE)
-    if resume_dir is None and name is None and not any(text.partition("=")[0].strip() == "name" for text in overrides):
+    set_keys = {text.partition("=")[0].strip() for text in overrides}
+    if resume_dir is None and name is None and "name" not in set_keys:
         name = time.strftime("run-%Y%m%d-%H%M%S")
-    sets = list(overrides) + _shorthand_overrides(overrides, env_name=env_name, trainer_kind=trainer_kind,
+    sets = list(overrides) + _shorthand_overrides(set_keys, env_name=env_name, trainer_kind=trainer_kind,
                                                   max_steps=max_steps, inference_urls=inference_urls,
                                                   name=None if resume_dir else name,
                                                   runs_dir=None if resume_dir else runs_dir)
@@ -114,13 +115,12 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
         fail(f"run stopped: {state.stop_reason}")
 
 
-def _shorthand_overrides(overrides: tuple[str, ...], **flags) -> list[str]:
+def _shorthand_overrides(set_keys: set[str], **flags) -> list[str]:
     """The `--set` equivalents of the shorthand flags given; a flag and a `--set` of the same key
     is a usage error (which should win is a guess)."""
     keys = {"env_name": ("--env", "envs"), "trainer_kind": ("--trainer", "trainer.kind"),
             "max_steps": ("--max-steps", "max_steps"), "inference_urls": ("--inference", "inference.endpoints"),
             "name": ("--name", "name"), "runs_dir": ("--runs-dir", "runs_dir")}
-    set_keys = {text.partition("=")[0].strip() for text in overrides}
     sets = []
     for param, value in flags.items():
         if value is None:
