@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator.embedded import files
+from orchestrator import rundir as files
 from orchestrator.embedded.policy import Policy, PolicyConfig, token_logprobs
 from orchestrator.embedded.trainer import (
     Batch,

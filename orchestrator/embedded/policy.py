@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from orchestrator.embedded import files
+from orchestrator import rundir as files
 from orchestrator.embedded.tokenizer import BOS, EOS, PAD, SEP, VOCAB_SIZE, decode, encode_prompt
 
 

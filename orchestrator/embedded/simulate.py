@@ -26,7 +26,8 @@ import click
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.embedded import defaults, files
+from orchestrator import rundir as files
+from orchestrator.embedded import defaults
 from orchestrator.embedded.policy import EmbeddedSampler
 from orchestrator.embedded.trainer import DEFAULT_TRAINER_CONFIG, Trainer, TrainerConfig, write_trainer_config
 from orchestrator.envs.reverse_text import ReverseTextEnv

@@ -4,7 +4,7 @@ Run it as ``orch trainer --run-dir RUN_DIR`` (:data:`trainer_command`) or call
 :func:`run_trainer` (returns the exit code). Its configuration is ``RUN_DIR/trainer.json``
 (:class:`TrainerConfig`; write it with :func:`write_trainer_config`).
 
-Lifecycle (file contracts in :mod:`orchestrator.embedded.files`):
+Lifecycle (file contracts in :mod:`orchestrator.rundir`):
 
 1. No checkpoint in ``RUN_DIR/trainer_ckpt/``: build the policy (seeded), run a short supervised
    warm start on reverse_text tasks (``sft_steps``), checkpoint step 0, publish ``weights/step_0``.
@@ -37,7 +37,8 @@ import orjson
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from orchestrator.embedded import defaults, files
+from orchestrator import rundir as files
+from orchestrator.embedded import defaults
 from orchestrator.embedded.policy import (
     Policy,
     PolicyConfig,

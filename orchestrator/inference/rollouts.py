@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.core.events import EpisodeCompleted
-from orchestrator.embedded.files import is_stable, weights_dir
+from orchestrator.rundir import is_stable, weights_dir
 from orchestrator.embedded.tokenizer import encode_prompt
 from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
 from orchestrator.shell.loop import warn

@@ -276,7 +276,7 @@ def create_app(server: PolicyServer) -> Starlette:
         })
 
     async def update_weights(request: Request) -> JSONResponse:
-        from orchestrator.embedded.files import is_stable
+        from orchestrator.rundir import is_stable
 
         try:
             body = await _json(request)

@@ -20,7 +20,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
 from orchestrator.core.decide import decide
 from orchestrator.core.state import REDUCER_VERSION, ShippedSample, State, finalizes_in_background, state_bytes
-from orchestrator.embedded.files import atomic_write_bytes, batch_path
+from orchestrator.rundir import atomic_write_bytes, batch_path
 from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.shell.algorithms import Algorithm
 from orchestrator.shell.rollouts import RolloutRequest

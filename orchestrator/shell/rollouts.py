@@ -121,7 +121,7 @@ class EmbeddedRollouts:
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
         """Make `version` current (waits, bounded, for its STABLE marker; `health_check` raises
         if the trainer that should publish it has died)."""
-        from orchestrator.embedded.files import is_stable, weights_dir
+        from orchestrator.rundir import is_stable, weights_dir
 
         wdir = weights_dir(self.run_dir, version)
         async with self._reload_lock:

@@ -17,7 +17,7 @@ from eventlog import EventLog, LogExistsError, LogNotFoundError
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes
 from orchestrator.core import events as ev
 from orchestrator.core.state import State
-from orchestrator.embedded.files import batch_steps_on_disk, batches_dir
+from orchestrator.rundir import batch_steps_on_disk, batches_dir
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.shell.algorithms import make_algorithm
 from orchestrator.shell.loop import LoopHooks, Orchestrator, warn

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.embedded.files import batch_path, latest_stable_version
+from orchestrator.rundir import batch_path, latest_stable_version
 
 
 class TrainerFailed(RuntimeError):

@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from orchestrator.embedded import files
+from orchestrator import rundir as files
 from orchestrator.embedded.policy import (
     EmbeddedSampler,
     PolicyConfig,

@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from orchestrator.embedded import files
+from orchestrator import rundir as files
 from orchestrator.embedded.simulate import SimConfig, grpo_advantages, simulate
 from orchestrator.embedded.trainer import DEFAULT_TRAINER_CONFIG
 

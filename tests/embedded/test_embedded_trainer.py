@@ -12,7 +12,7 @@ import orjson
 import pytest
 import torch
 
-from orchestrator.embedded import files
+from orchestrator import rundir as files
 from orchestrator.embedded.policy import load_policy
 from orchestrator.embedded.trainer import Trainer, run_trainer, write_trainer_config
 

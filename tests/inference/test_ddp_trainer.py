@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from orchestrator.embedded import files
+from orchestrator import rundir as files
 from orchestrator.embedded.policy import load_policy, sample_group
 from orchestrator.embedded.trainer import TrainerConfig, run_trainer, write_trainer_config
 from orchestrator.envs.reverse_text import ReverseTextEnv

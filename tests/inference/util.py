@@ -17,7 +17,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from orchestrator.embedded.files import mark_stable, weights_dir  # noqa: E402
+from orchestrator.rundir import mark_stable, weights_dir  # noqa: E402
 from orchestrator.embedded.policy import PolicyConfig, build_policy, save_weights  # noqa: E402
 from orchestrator.inference.server import PolicyServer, create_app  # noqa: E402
 from orchestrator.rollouts.env_server import running_server  # noqa: E402

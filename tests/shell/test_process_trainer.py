@@ -43,7 +43,7 @@ def test_a_trainer_killed_by_a_signal_says_so(tmp_path):
 
 def test_a_trainer_config_that_cannot_be_written_is_a_trainer_failure(tmp_path):
     from orchestrator.config import load_config
-    from orchestrator.embedded.files import TRAINER_CONFIG_FILE
+    from orchestrator.rundir import TRAINER_CONFIG_FILE
     from orchestrator.shell.runner import write_embedded_trainer_config
 
     (tmp_path / TRAINER_CONFIG_FILE).mkdir()  # in the way

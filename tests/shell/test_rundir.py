@@ -5,7 +5,7 @@ import os
 import orjson
 import pytest
 
-from orchestrator.embedded import files
+from orchestrator import rundir as files
 from orchestrator.embedded.policy import build_policy, load_policy
 from orchestrator.embedded.trainer import Trainer
 
