@@ -78,12 +78,15 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
             if name is not None or runs_dir is not None:
                 fail("--resume takes the run directory; do not combine it with --name/--runs-dir", EXIT_USAGE)
             run = resume_run(resume_dir, sets, config_file)
+            _check_inference(run.config)
             if run.resumed_from is None:
                 click.echo(f"orch: starting {run.run_dir} (it stopped before its first event was committed)")
             else:
                 click.echo(f"orch: resuming {run.run_dir} from event {run.resumed_from} (step {run.state.step}, version {run.state.version})")
         else:
-            run = create_run(load_config(config_file, sets))
+            config = load_config(config_file, sets)
+            _check_inference(config)
+            run = create_run(config)
             click.echo(f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, {run.config.max_steps} steps)")
     except (ConfigError, RunDirError, LogError, FoldError) as err:
         fail(str(err), EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR)
@@ -137,6 +140,14 @@ def _shorthand_overrides(set_keys: set[str], **flags) -> list[str]:
                 fail(f"--inference {flags['inference_urls']!r}: no endpoint URL", EXIT_USAGE)
         sets.append(f"{key}={orjson.dumps(str(value) if isinstance(value, Path) else value).decode()}")
     return sets
+
+
+def _check_inference(config) -> None:
+    """The model dir and vLLM launch of a run that samples through endpoints (one line if wrong)."""
+    if config.inference.enabled:
+        from orchestrator.inference.rollouts import check_inference
+
+        check_inference(config)
 
 
 def _interrupt(signum, frame) -> None:

@@ -94,6 +94,14 @@ class ReverseTextConfig(_Section):
     max_len: int = Field(6, ge=1)
 
 
+class ModelSection(_Section):
+    """The model a run trains and samples: a local Hugging Face model dir."""
+
+    path: Path | None = Field(None, description="a local Hugging Face model dir (config.json, weights, tokenizer); "
+                              "None: the tiny reverse_text model, built locally once and cached under "
+                              "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)")
+
+
 class TrainerSection(_Section):
     kind: Literal["embedded", "fake"] = Field("embedded", description="torch trainer process or in-process fake")
     step_time_s: float = Field(0.0, ge=0, description="fake trainer: time per optimizer step")
@@ -105,24 +113,66 @@ class TrainerSection(_Section):
     ddp_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="DDP backend (auto: nccl with CUDA, else gloo)")
 
 
+class LaunchSection(_Section):
+    """vLLM servers that `orch run` starts itself (and stops at the end); 0 servers = none."""
+
+    servers: int = Field(0, ge=0, description="vLLM servers to start (their URLs become the endpoints)")
+    host: str = Field("127.0.0.1", description="address the servers bind")
+    ports: list[int] = Field(default_factory=list, description="one port per server (empty: free ports)")
+    gpus: list[str] = Field(default_factory=list, description="CUDA_VISIBLE_DEVICES of each server, e.g. [\"0\", "
+                            "\"1\"] (empty: vLLM on the CPU)")
+    extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` flags, e.g. "
+                                  "[\"--dtype\", \"float32\", \"--enforce-eager\"]")
+    env: dict[str, str] = Field(default_factory=dict, description="more environment variables for the servers")
+    cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of a CPU server (GiB of KV cache)")
+    max_lora_rank: int = Field(16, ge=1, description="--max-lora-rank (vllm_lora): at least the trainer's rank")
+    ready_timeout_s: float = Field(600.0, gt=0, description="max wait for every server's /health")
+    stop_timeout_s: float = Field(20.0, gt=0, description="SIGTERM, then SIGKILL after this long")
+
+    @model_validator(mode="after")
+    def _one_port_and_gpu_set_per_server(self) -> LaunchSection:
+        for name, values in (("ports", self.ports), ("gpus", self.gpus)):
+            if values and len(values) != self.servers:
+                raise ValueError(f"inference.launch.{name} has {len(values)} entries for {self.servers} server(s)")
+        if any(not 0 < port < 65536 for port in self.ports) or len(set(self.ports)) != len(self.ports):
+            raise ValueError("inference.launch.ports must be distinct ports in 1..65535")
+        return self
+
+
 class InferenceSection(_Section):
     """OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) instead of the in-process sampler."""
 
     endpoints: list[str] = Field(default_factory=list, description="base URLs (http://host:port); empty = embedded sampler")
     model: str | None = Field(None, description="model name sent with each request (None: the server's own)")
-    weight_sync: Literal["orch", "vllm_lora", "sglang", "none"] = Field(
-        "orch", description="how endpoints load weights/step_N: orch /update_weights, vLLM LoRA adapters, "
+    weight_sync: Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"] = Field(
+        "orch", description="how endpoints load weights/step_N: orch /update_weights, vLLM full reload "
+        "(/pause, reload_weights, /reset_prefix_cache, /resume), vLLM LoRA adapters, "
         "SGLang /update_weights_from_disk, or not at all")
+    max_loras: int = Field(2, ge=2, description="vllm_lora: adapters an endpoint holds at most (--max-loras): the "
+                           "newest and those requests still use")
     request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
     max_attempts: int = Field(3, ge=1, description="attempts per completion, over all endpoints (transport/5xx errors)")
     backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
     max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")
     pin_groups: bool = Field(True, description="send a group's episodes to one endpoint (prefix-cache reuse)")
+    launch: LaunchSection = Field(default_factory=LaunchSection)
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> InferenceSection:
         endpoint_base_urls(self.endpoints)
+        if self.launch.servers:
+            if self.endpoints:
+                raise ValueError("give inference.endpoints or inference.launch.servers, not both (launched servers "
+                                 "are the endpoints)")
+            if self.weight_sync not in ("vllm_reload", "vllm_lora", "none"):
+                raise ValueError(f"launched vLLM servers sync weights with weight_sync 'vllm_reload' or 'vllm_lora' "
+                                 f"(or 'none'), not {self.weight_sync!r}")
         return self
+
+    @property
+    def enabled(self) -> bool:
+        """Episodes are sampled by endpoints (given or launched), not in-process."""
+        return bool(self.endpoints or self.launch.servers)
 
 
 def endpoint_base_urls(urls: list[str]) -> list[str]:
@@ -181,6 +231,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
     reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig)
+    model: ModelSection = Field(default_factory=ModelSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     log: LogConfig = Field(default_factory=LogConfig)
     inference: InferenceSection = Field(default_factory=InferenceSection)
@@ -192,7 +243,7 @@ class RunConfig(_Section):
             raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
         if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
             raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
-        if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
+        if self.inference.enabled and set(self.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
         if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
             raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
@@ -237,7 +288,10 @@ RESUMABLE_FIELDS = frozenset({
     "trainer.exit_timeout_s", "rollout.env_server",
     "trainer.nproc", "trainer.ddp_backend", "inference.endpoints", "inference.request_timeout_s",
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
+    "inference.max_loras",
 })
+# Sections a resume may change whole: how the run's servers are started, not what they compute.
+RESUMABLE_SECTIONS = ("inference.launch.",)
 
 
 def config_hash(config_json: bytes) -> str:
@@ -324,4 +378,5 @@ def meaning_changes(stored: RunConfig, requested: RunConfig) -> list[str]:
     """Fields that differ between two configs and would change what the run computes."""
     old = _flatten(stored.model_dump(mode="json"))
     new = _flatten(requested.model_dump(mode="json"))
-    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS)
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS
+                  and not k.startswith(RESUMABLE_SECTIONS))

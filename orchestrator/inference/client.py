@@ -23,9 +23,16 @@ server catches up), and every completion reports the version it was sampled with
 
 * ``"orch"``: ``POST /update_weights {"path", "version"}`` -> ``{"version": N}``; completions
   carry ``policy_version`` (`orch serve`).
+* ``"vllm_reload"``: vLLM full weights (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait`` ->
+  ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}`` ->
+  ``POST /reset_prefix_cache`` -> ``POST /resume``. The endpoint's requests in flight end first
+  and none is sent until it resumed, so a completion's version is the one it was sent at.
 * ``"vllm_lora"``: ``POST /v1/load_lora_adapter {"lora_name": "step_N", "lora_path": dir}``
   (vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name
-  ``model="step_N"``, so the version of a completion is exactly the adapter it asked for.
+  ``model="step_N"``, so the version of a completion is exactly the adapter it asked for. Every
+  version is an adapter (step_0 too: no base-model request shares vLLM-CPU's batches with
+  adapter ones, which gives those wrong logprobs); adapters no request uses any more are
+  unloaded (``/v1/unload_lora_adapter``), so an endpoint holds at most ``max_loras``.
 * ``"sglang"``: ``POST /update_weights_from_disk {"model_path": dir}`` -> ``{"success": true}``
   (SGLang reloads full weights in place; the version is the one it confirmed, bounded by the
   versions known when the request was sent and when it returned, as below).
@@ -48,9 +55,13 @@ from typing import Any, Literal
 import httpx
 
 from orchestrator.config import endpoint_base_urls
-from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
+from orchestrator.inference.protocol import (
+    ParsedChoice,
+    ProtocolError,
+    parse_completion,
+)
 
-WeightSync = Literal["orch", "vllm_lora", "sglang", "none"]
+WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
 
 log = logging.getLogger("orch.inference")
@@ -99,6 +110,14 @@ class Endpoint:
     # A down endpoint whose backoff ran out is tried by one request, the probe; the others wait
     # for its result instead of each spending an attempt on it.
     probe: asyncio.Future | None = field(default=None, repr=False)
+    sending: int = 0  # completion calls sent and not answered yet
+    idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while sending == 0
+    reloading: asyncio.Event | None = field(default=None, repr=False)  # vllm_reload: set (and dropped) once done
+    adapters: dict[int, int] = field(default_factory=dict)  # vllm_lora: version loaded -> its requests in flight
+    adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
+
+    def __post_init__(self) -> None:
+        self.idle.set()
 
     def up(self, now: float) -> bool:
         return now >= self.down_until
@@ -135,6 +154,7 @@ class InferenceClient:
         max_backoff_s: float = 30.0,
         pin_groups: bool = True,
         max_connections: int = 256,
+        max_loras: int = 2,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one endpoint URL")
@@ -145,6 +165,9 @@ class InferenceClient:
         self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
         self.max_attempts, self.backoff_s, self.max_backoff_s = max_attempts, backoff_s, max_backoff_s
         self.pin_groups = pin_groups
+        if max_loras < 2:
+            raise ValueError("max_loras >= 2: the adapter being replaced stays loaded while its requests finish")
+        self.max_loras = max_loras
         self.target: tuple[int, str] | None = None  # (version, weights dir) every endpoint should hold
         self._pins: OrderedDict[Any, Endpoint] = OrderedDict()
         self._ids = itertools.count()
@@ -254,6 +277,37 @@ class InferenceClient:
         except ValueError:
             raise _Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 
+    # -- checks -----------------------------------------------------------------------------------
+    async def check_vllm_endpoints(self, model_dir: Path) -> None:
+        """InferenceRequestError (one line) if a reachable endpoint serves another model than
+        ``model_dir`` (or ``model``, when given), or lacks the routes of this weight sync. One not
+        reachable yet is left to the weight loads, which wait for endpoints that are starting."""
+        for ep in self.endpoints:
+            try:
+                listed = await self._call(ep, "GET", "/v1/models")
+            except _Retryable:
+                continue
+            bases = [m for m in listed.get("data", []) if isinstance(m, dict) and m.get("parent") is None] \
+                if isinstance(listed, dict) else []
+            names = {str(m.get(key)) for m in bases for key in ("id", "root")}
+            if not (self.model in names or any(_same_path(name, model_dir) for name in names)):
+                served = ", ".join(sorted(names)) or repr(listed)[:200]
+                raise InferenceRequestError(f"{ep.url} serves {served}, not this run's model {self.model or model_dir}"
+                                            + ("" if self.model else " (set inference.model to its served name)"))
+            if self.weight_sync == "vllm_reload":
+                probe, needs = ("GET", "/is_paused", None), "VLLM_SERVER_DEV_MODE=1"
+            else:
+                probe, needs = ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}), \
+                    "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            try:
+                await self._call(ep, *probe)
+            except InferenceRequestError as exc:
+                if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
+                    raise InferenceRequestError(f"{ep.url} lacks {probe[1]} ({exc}): weight_sync "
+                                                f"{self.weight_sync!r} needs vLLM started with {needs}") from None
+            except _Retryable:
+                continue
+
     # -- completions ------------------------------------------------------------------------------
     async def complete(self, prompt: str | list[int], *, n: int = 1, temperature: float = 1.0, max_tokens: int = 16,
                        seed: int | None = None, pin: Any = None, extra: dict[str, Any] | None = None) -> Completion:
@@ -285,27 +339,7 @@ class InferenceClient:
             ep.inflight += 1
             ep.assigned += 1
             try:
-                version = await self._ensure_version(ep)
-                request = dict(body)
-                adapter = lora_name(version) if self.weight_sync == "vllm_lora" and version >= 0 else None
-                if adapter is not None:
-                    request["model"] = adapter
-                elif self.model is not None:
-                    request["model"] = self.model
-                start_version = self._known_version(ep)
-                try:
-                    answer = await self._call(ep, "POST", "/v1/completions", request)
-                except InferenceRequestError as exc:
-                    if adapter is None or exc.status_code != 404 or adapter not in str(exc):
-                        raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
-                    # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
-                    # down, it gets the adapter again before it next serves (_ensure_version).
-                    raise _Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
-                try:
-                    choices, reported = parse_completion(answer, n * (len(prompt) if _is_batch(prompt) else 1),
-                                                         where=f"{ep.url}/v1/completions")
-                except ProtocolError as exc:
-                    raise InferenceRequestError(str(exc)) from None
+                choices, sampled_by, ended_at = await self._sample(ep, body, n * (len(prompt) if _is_batch(prompt) else 1))
             except _Retryable as exc:
                 if not exc.counted:
                     self.mark_down(ep, exc.message, exc.kind)
@@ -323,11 +357,54 @@ class InferenceClient:
                     ep.probe = None
             self.mark_up(ep)
             ep.completed += 1
-            if reported is not None:
-                return Completion(ep.url, choices, reported, reported, attempt)
-            if self.weight_sync == "vllm_lora" and version >= 0:
-                return Completion(ep.url, choices, version, version, attempt)
-            return Completion(ep.url, choices, start_version, max(start_version, self._known_version(ep)), attempt)
+            return Completion(ep.url, choices, sampled_by, ended_at, attempt)
+
+    async def _sample(self, ep: Endpoint, body: dict[str, Any], expected: int) -> tuple[list[ParsedChoice], int, int]:
+        """One ``/v1/completions`` call on ``ep`` at its newest version: (choices, version that
+        sampled them, version known when they came back)."""
+        version = await self._ensure_version(ep)
+        request = dict(body)
+        adapter = None
+        if self.weight_sync == "vllm_lora":
+            if version < 0:  # a base-model request would share vLLM-CPU's batches with adapter ones
+                raise InferenceRequestError(f"{ep.url} holds no adapter yet: vllm_lora sends no base-model request")
+            adapter = request["model"] = lora_name(version)
+        elif self.model is not None:
+            request["model"] = self.model
+        if self.weight_sync == "vllm_reload":
+            # Exact versions: a reload waits for the requests in flight, and none is sent during it.
+            while ep.reloading is not None:
+                await ep.reloading.wait()
+        start_version = self._known_version(ep)
+        ep.sending += 1
+        ep.idle.clear()
+        if adapter is not None:
+            ep.adapters[version] = ep.adapters.get(version, 0) + 1
+        try:
+            answer = await self._call(ep, "POST", "/v1/completions", request)
+        except InferenceRequestError as exc:
+            if adapter is None or exc.status_code != 404 or adapter not in str(exc):
+                raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
+            # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
+            # down, it gets the adapter again before it next serves (_ensure_version).
+            raise _Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
+        finally:
+            ep.sending -= 1
+            if ep.sending == 0:
+                ep.idle.set()
+            if adapter is not None:
+                ep.adapters[version] -= 1
+                if ep.adapters[version] == 0:
+                    ep.adapter_released.set()
+        try:
+            choices, reported = parse_completion(answer, expected, where=f"{ep.url}/v1/completions")
+        except ProtocolError as exc:
+            raise InferenceRequestError(str(exc)) from None
+        if reported is not None:
+            return choices, reported, reported
+        if self.weight_sync in ("vllm_lora", "vllm_reload"):
+            return choices, start_version, start_version
+        return choices, start_version, max(start_version, self._known_version(ep))
 
     def _known_version(self, ep: Endpoint) -> int:
         if self.weight_sync == "none":
@@ -370,37 +447,100 @@ class InferenceClient:
                 return ep.version
             try:
                 if self.weight_sync == "orch":
-                    answer = await self._call(ep, "POST", "/update_weights", {"path": path, "version": version},
-                                              timeout=self.load_timeout_s)
-                    confirmed = answer.get("version") if isinstance(answer, dict) else None
-                    if not isinstance(confirmed, int) or confirmed < version:
-                        raise InferenceRequestError(f"{ep.url}/update_weights: asked for version {version}, "
-                                                    f"the endpoint answered {answer!r}")
-                    served = answer.get("path")
-                    if isinstance(served, str) and Path(served).parent != Path(path).parent:
-                        raise InferenceRequestError(f"{ep.url}/update_weights: asked for {path}, the endpoint "
-                                                    f"serves {served}, another run's weights")
+                    confirmed = await self._update_orch_serve(ep, version, path)
                 elif self.weight_sync == "sglang":
                     answer = await self._call(ep, "POST", "/update_weights_from_disk", {"model_path": path},
                                               timeout=self.load_timeout_s)
                     if not (isinstance(answer, dict) and answer.get("success") is True):
                         raise InferenceRequestError(f"{ep.url}/update_weights_from_disk refused {path}: {answer!r}")
                     confirmed = version
-                else:  # vllm_lora: adapters are immutable, one name per version
-                    try:
-                        await self._call(ep, "POST", "/v1/load_lora_adapter",
-                                         {"lora_name": lora_name(version), "lora_path": path},
-                                         timeout=self.load_timeout_s)
-                    except InferenceRequestError as exc:
-                        if "already" not in str(exc):  # vLLM: "... has already been loaded" is a yes
-                            raise
-                    confirmed = version
+                elif self.weight_sync == "vllm_reload":
+                    confirmed = await self._reload_vllm(ep, version, path)
+                else:
+                    confirmed = await self._load_adapter(ep, version, path)
             except _Retryable as exc:
                 self.mark_down(ep, exc.message, exc.kind)
                 raise InferenceUnavailable(exc.message) from None
             ep.version = max(ep.version, confirmed)
             self.mark_up(ep)
             return ep.version
+
+    async def _update_orch_serve(self, ep: Endpoint, version: int, path: str) -> int:
+        answer = await self._call(ep, "POST", "/update_weights", {"path": path, "version": version},
+                                  timeout=self.load_timeout_s)
+        confirmed = answer.get("version") if isinstance(answer, dict) else None
+        if not isinstance(confirmed, int) or confirmed < version:
+            raise InferenceRequestError(f"{ep.url}/update_weights: asked for version {version}, "
+                                        f"the endpoint answered {answer!r}")
+        served = answer.get("path")
+        if isinstance(served, str) and Path(served).parent != Path(path).parent:
+            raise InferenceRequestError(f"{ep.url}/update_weights: asked for {path}, the endpoint "
+                                        f"serves {served}, another run's weights")
+        return confirmed
+
+    async def _reload_vllm(self, ep: Endpoint, version: int, path: str) -> int:
+        """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1). The endpoint's requests in flight end
+        with the old weights, none is sent until it resumed, so each completion's version is exact."""
+        check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
+        ep.reloading = asyncio.Event()
+        try:
+            try:
+                await asyncio.wait_for(ep.idle.wait(), self.load_timeout_s)
+            except TimeoutError:
+                raise _Retryable(f"{ep.url}: its requests in flight did not end within {self.load_timeout_s:g}s "
+                                 f"of the reload of version {version}", "reload drain") from None
+            await self._call(ep, "POST", "/pause?mode=wait", timeout=self.load_timeout_s)
+            await self._call(ep, "POST", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": path}}, timeout=self.load_timeout_s)
+            # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
+            answer = await self._call(ep, "POST", "/reset_prefix_cache", timeout=self.load_timeout_s)
+            if not (isinstance(answer, dict) and answer.get("success") is True):
+                raise InferenceRequestError(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
+            await self._call(ep, "POST", "/resume", timeout=self.load_timeout_s)
+            return version
+        finally:
+            ep.reloading.set()
+            ep.reloading = None
+
+    async def _load_adapter(self, ep: Endpoint, version: int, path: str) -> int:
+        """vLLM LoRA (``--enable-lora``, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): version N is the
+        adapter ``step_N``. Adapters no request uses any more are unloaded first, and the load waits
+        for room, so an endpoint never holds more than ``max_loras``."""
+        check_weights_dir(path, "adapter_config.json", "a PEFT adapter dir")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.load_timeout_s
+        await self._unload_unused(ep)
+        while len(ep.adapters) >= self.max_loras:
+            ep.adapter_released.clear()
+            try:
+                await asyncio.wait_for(ep.adapter_released.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise _Retryable(f"{ep.url}: adapters {sorted(ep.adapters)} still in use {self.load_timeout_s:g}s "
+                                 f"after adapter {lora_name(version)} was asked for", "adapter room") from None
+            await self._unload_unused(ep)
+        try:
+            await self._call(ep, "POST", "/v1/load_lora_adapter", {"lora_name": lora_name(version), "lora_path": path},
+                             timeout=self.load_timeout_s)
+        except InferenceRequestError as exc:
+            if "already" not in str(exc):  # vLLM: "... has already been loaded" is a yes
+                raise
+        ep.adapters.setdefault(version, 0)
+        ep.version = max(ep.version, version)
+        await self._unload_unused(ep)
+        return version
+
+    async def _unload_unused(self, ep: Endpoint) -> None:
+        """Unload every adapter but the newest that no request in flight uses."""
+        newest = max(ep.adapters, default=-1)
+        for old in sorted(v for v, users in ep.adapters.items() if users == 0 and v != newest):
+            try:
+                await self._call(ep, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name(old)},
+                                 timeout=self.load_timeout_s)
+            except InferenceRequestError as exc:
+                if exc.status_code != 404:  # 404: it is gone already (the server restarted)
+                    raise
+            if ep.adapters.get(old) == 0:  # no request took it up meanwhile (it cannot: not the newest)
+                del ep.adapters[old]
 
     async def _ensure_version(self, ep: Endpoint) -> int:
         """Before a request: bring ``ep`` to the target version if it has not confirmed it.
@@ -422,8 +562,23 @@ class InferenceClient:
             raise
 
 
+def check_weights_dir(path: str, marker: str, what: str) -> None:
+    """InferenceRequestError unless ``path`` holds ``marker`` and a ``*.safetensors`` file."""
+    wdir = Path(path)
+    if not (wdir / marker).is_file() or not any(wdir.glob("*.safetensors")):
+        raise InferenceRequestError(f"{wdir} is not {what} ({marker} and *.safetensors): the trainer publishes "
+                                    "another kind of weights than this weight_sync loads")
+
+
 def lora_name(version: int) -> str:
     return f"step_{version}"
+
+
+def _same_path(name: str, path: Path) -> bool:
+    try:
+        return Path(name).resolve() == Path(path).resolve()
+    except (OSError, ValueError):
+        return False
 
 
 def _is_batch(prompt: Any) -> bool:

@@ -4,8 +4,9 @@ The same interface as ``orchestrator.shell.rollouts.EmbeddedRollouts`` (``await 
 ``EpisodeCompleted``; ``await backend.load(version, health_check)``), but the sampling happens in
 other processes (`orch serve`, vLLM, SGLang) through :class:`~.client.InferenceClient`.
 
-An episode: the env's task -> its prompt rendered with the embedded tokenizer (the trainer's
-vocabulary) and sent as token ids -> one completion (seeded by run seed, episode and attempt; the
+An episode: the env's task -> its prompt rendered as token ids (with the model dir's tokenizer and
+chat template, as the trainer renders it; `orch serve`'s embedded policy: its own char tokenizer)
+and sent as token ids -> one completion (seeded by run seed, episode and attempt; the
 group id pins the group to one endpoint) -> scored by the env -> ``EpisodeCompleted`` with the
 prompt + completion ids, mask, per-token logprobs and the version the endpoint reports. A request
 whose endpoint fails is re-sent to another endpoint (same episode, same seed); when the client
@@ -19,26 +20,106 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.config import ConfigError, RunConfig
 from orchestrator.core.events import EpisodeCompleted
+from orchestrator.inference.client import (
+    InferenceClient,
+    InferenceError,
+    InferenceRequestError,
+)
 from orchestrator.rundir import is_stable, weights_dir
-from orchestrator.embedded.tokenizer import encode_prompt
-from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
 from orchestrator.shell.loop import warn
+
+VLLM_MODES = ("vllm_reload", "vllm_lora")
+
+
+def build_inference_rollouts(config: RunConfig, run_dir: Path, env) -> InferenceRollouts:
+    """The endpoints backend of a run: the client of its endpoints (given, or the vLLM servers
+    of ``inference.launch``, started by :meth:`InferenceRollouts.start`)."""
+    inf = config.inference
+    model_dir = run_model_dir(config)
+    launcher, urls = None, inf.endpoints
+    if inf.launch.servers:
+        from orchestrator.inference.vllm_launch import VllmLauncher
+
+        launcher = VllmLauncher(inf.launch, model_dir, run_dir, inf.weight_sync, inf.max_loras)
+        urls = launcher.urls
+    client = InferenceClient(urls, model=inf.model, weight_sync=inf.weight_sync, timeout_s=inf.request_timeout_s,
+                             load_timeout_s=config.trainer.publish_timeout_s, max_attempts=inf.max_attempts,
+                             backoff_s=inf.backoff_s, max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups,
+                             max_loras=inf.max_loras)
+    return InferenceRollouts(run_dir, env, client, temperature=config.rollout.temperature,
+                             max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
+                             load_timeout_s=config.trainer.publish_timeout_s, model_dir=model_dir, launcher=launcher)
+
+
+def run_model_dir(config: RunConfig) -> Path | None:
+    """The HF model dir the endpoints serve (``model.path``); None for `orch serve`'s own policy."""
+    if config.model.path is not None:
+        return Path(config.model.path).resolve()
+    if config.inference.weight_sync in VLLM_MODES:
+        raise ConfigError(f"weight_sync {config.inference.weight_sync!r} serves a Hugging Face model: set model.path")
+    return None
+
+
+def check_inference(config: RunConfig) -> None:
+    """Before anything runs: ConfigError (one line) for a model dir or launch that cannot work."""
+    if not config.inference.enabled:
+        return
+    model_dir = run_model_dir(config)
+    if model_dir is not None:
+        from orchestrator.inference.vllm_launch import check_launch, model_head_dim
+
+        model_head_dim(model_dir)  # a readable config.json
+        check_launch(config, model_dir)
+
+
+def prompt_renderer(model_dir: Path | None):
+    """text -> prompt token ids: the model's chat template (a user turn, the assistant's opened),
+    else the embedded policy's char tokenizer (`orch serve`)."""
+    if model_dir is None:
+        from orchestrator.embedded.tokenizer import encode_prompt
+
+        return encode_prompt
+    from transformers import AutoTokenizer
+
+    from orchestrator.hf.tiny_model import render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not tokenizer.chat_template:
+        raise ConfigError(f"the tokenizer of {model_dir} has no chat template, and reverse_text gives messages")
+    return lambda text: list(render_prompt(tokenizer, text))
 
 
 class InferenceRollouts:
     def __init__(self, run_dir: str | os.PathLike, env, client: InferenceClient, *, temperature: float,
-                 max_new_tokens: int, seed: int, load_timeout_s: float):
+                 max_new_tokens: int, seed: int, load_timeout_s: float, model_dir: Path | None = None,
+                 launcher=None):
         self.run_dir, self.env, self.client, self.seed = Path(run_dir).resolve(), env, client, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
+        self.model_dir, self.launcher = model_dir, launcher
+        self.encode_prompt = prompt_renderer(model_dir)
         self._loaded = asyncio.Event()
+        self._ready = launcher is None  # launched servers: once they answered /health
         self.version = -1  # newest version confirmed by at least one endpoint
+
+    async def start(self) -> None:
+        """Before the run: start the launched servers (:meth:`load` waits for them), or check that
+        the given vLLM endpoints serve this run's model with the weight sync it asks for."""
+        if self.launcher is not None:
+            self.launcher.start()
+        elif self.model_dir is not None and self.client.weight_sync in VLLM_MODES:
+            await self.client.check_vllm_endpoints(self.model_dir)
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
         """Wait (bounded) for ``weights/step_{version}/STABLE``, then have every endpoint load it;
         returns once the endpoints answered (at least one confirmation, else it retries until
         ``load_timeout_s``: endpoints may still be starting). Loads of successive versions may
-        overlap: an endpoint slow to answer one load does not hold the others back."""
+        overlap: an endpoint slow to answer one load does not hold the others back. The first
+        load waits for launched servers first (their own bound: ``ready_timeout_s``)."""
+        if not self._ready:
+            await self.launcher.wait_ready(health_check)
+            self._ready = True
         wdir = weights_dir(self.run_dir, version)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.load_timeout_s
@@ -74,7 +155,7 @@ class InferenceRollouts:
     async def __call__(self, req) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         task = await self.env.task(req.task_id)
-        prompt_ids = encode_prompt(task.prompt)
+        prompt_ids = self.encode_prompt(task.prompt)
         seed = ((self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt) & 0x7FFF_FFFF_FFFF_FFFF
         done = await self.client.complete(prompt_ids, n=1, temperature=self.temperature,
                                           max_tokens=self.max_new_tokens, seed=seed, pin=req.group_id)
@@ -93,4 +174,8 @@ class InferenceRollouts:
         return "orch: inference: " + self.client.report()
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        try:
+            await self.client.aclose()
+        finally:
+            if self.launcher is not None:
+                self.launcher.stop()

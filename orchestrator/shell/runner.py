@@ -191,18 +191,10 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
         rollout = FakeEnvRollouts(config.fake_env, config.seed, version_now)
     else:
         env = _rollout_env(config)
-        if config.inference.endpoints:  # OpenAI-compatible servers (orch serve, vLLM, SGLang)
-            from orchestrator.inference.client import InferenceClient
-            from orchestrator.inference.rollouts import InferenceRollouts
+        if config.inference.enabled:  # OpenAI-compatible servers (orch serve, vLLM given or launched, SGLang)
+            from orchestrator.inference.rollouts import build_inference_rollouts
 
-            inf = config.inference
-            client = InferenceClient(inf.endpoints, model=inf.model, weight_sync=inf.weight_sync,
-                                     timeout_s=inf.request_timeout_s, load_timeout_s=config.trainer.publish_timeout_s,
-                                     max_attempts=inf.max_attempts, backoff_s=inf.backoff_s,
-                                     max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups)
-            rollout = InferenceRollouts(run_dir, env, client, temperature=config.rollout.temperature,
-                                        max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
-                                        load_timeout_s=config.trainer.publish_timeout_s)
+            rollout = build_inference_rollouts(config, run_dir, env)
         else:
             rollout = EmbeddedRollouts(run_dir, env, temperature=config.rollout.temperature,
                                        max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
@@ -367,6 +359,8 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
                 await _check_env_server(env_client, run.config)
             if run.first_input.kind == "run_resumed":
                 orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
+            if hasattr(orch.hooks.rollout, "start"):  # InferenceRollouts: launch or check its servers
+                await orch.hooks.rollout.start()
             if isinstance(trainer, ProcessTrainer):
                 trainer.start()
             if orch.hooks.on_version is not None and not interrupts:  # EmbeddedRollouts or InferenceRollouts
