@@ -252,8 +252,10 @@ class InferenceClient:
             await asyncio.sleep(delay)
 
     # -- HTTP -------------------------------------------------------------------------------------
-    async def _call(self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        """One HTTP call; transport errors and 5xx -> _Retryable, 4xx -> InferenceRequestError."""
+    async def _call(self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None,
+                    text: bool = False) -> Any:
+        """One HTTP call; transport errors and 5xx -> _Retryable, 4xx -> InferenceRequestError.
+        The answer's JSON, or its text with ``text`` (vLLM's LoRA routes answer in plain text)."""
         url = ep.url + path
         try:
             kwargs: dict[str, Any] = {"json": body} if body is not None else {}
@@ -272,6 +274,8 @@ class InferenceClient:
         if resp.status_code >= 400:
             raise InferenceRequestError(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
                                         resp.status_code)
+        if text:
+            return resp.text
         try:
             return resp.json()
         except ValueError:
@@ -297,7 +301,7 @@ class InferenceClient:
             if self.weight_sync == "vllm_reload":
                 probe, needs = ("GET", "/is_paused", None), "VLLM_SERVER_DEV_MODE=1"
             else:
-                probe, needs = ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}), \
+                probe, needs = ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}, None, True), \
                     "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
             try:
                 await self._call(ep, *probe)
@@ -507,9 +511,11 @@ class InferenceClient:
         adapter ``step_N``. Adapters no request uses any more are unloaded first, and the load waits
         for room, so an endpoint never holds more than ``max_loras``."""
         check_weights_dir(path, "adapter_config.json", "a PEFT adapter dir")
+        if ep.version < 0:  # a new client, or the endpoint failed: what it holds is unknown
+            await self._adopt_listed_adapters(ep)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.load_timeout_s
-        await self._unload_unused(ep)
+        await self._unload_unused(ep, keep=ep.version)
         while len(ep.adapters) >= self.max_loras:
             ep.adapter_released.clear()
             try:
@@ -517,29 +523,35 @@ class InferenceClient:
             except TimeoutError:
                 raise _Retryable(f"{ep.url}: adapters {sorted(ep.adapters)} still in use {self.load_timeout_s:g}s "
                                  f"after adapter {lora_name(version)} was asked for", "adapter room") from None
-            await self._unload_unused(ep)
-        try:
-            await self._call(ep, "POST", "/v1/load_lora_adapter", {"lora_name": lora_name(version), "lora_path": path},
-                             timeout=self.load_timeout_s)
-        except InferenceRequestError as exc:
-            if "already" not in str(exc):  # vLLM: "... has already been loaded" is a yes
-                raise
+            await self._unload_unused(ep, keep=ep.version)
+        # In place: a step_N left by an earlier run of this name (a crash before N was recorded)
+        # is replaced rather than kept.
+        await self._call(ep, "POST", "/v1/load_lora_adapter",
+                         {"lora_name": lora_name(version), "lora_path": path, "load_inplace": True},
+                         timeout=self.load_timeout_s, text=True)
         ep.adapters.setdefault(version, 0)
-        ep.version = max(ep.version, version)
-        await self._unload_unused(ep)
+        await self._unload_unused(ep, keep=version)
         return version
 
-    async def _unload_unused(self, ep: Endpoint) -> None:
-        """Unload every adapter but the newest that no request in flight uses."""
-        newest = max(ep.adapters, default=-1)
-        for old in sorted(v for v, users in ep.adapters.items() if users == 0 and v != newest):
+    async def _adopt_listed_adapters(self, ep: Endpoint) -> None:
+        """Count the ``step_N`` adapters the endpoint lists as loaded, so they are unloaded too."""
+        listed = await self._call(ep, "GET", "/v1/models")
+        for entry in listed.get("data", []) if isinstance(listed, dict) else []:
+            name = entry.get("id") if isinstance(entry, dict) and entry.get("parent") is not None else None
+            version = adapter_version(name) if isinstance(name, str) else None
+            if version is not None:
+                ep.adapters.setdefault(version, 0)
+
+    async def _unload_unused(self, ep: Endpoint, keep: int) -> None:
+        """Unload every adapter but ``keep`` that no request in flight uses."""
+        for old in sorted(v for v, users in ep.adapters.items() if users == 0 and v != keep):
             try:
                 await self._call(ep, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name(old)},
-                                 timeout=self.load_timeout_s)
+                                 timeout=self.load_timeout_s, text=True)
             except InferenceRequestError as exc:
                 if exc.status_code != 404:  # 404: it is gone already (the server restarted)
                     raise
-            if ep.adapters.get(old) == 0:  # no request took it up meanwhile (it cannot: not the newest)
+            if ep.adapters.get(old) == 0:  # no request took it up meanwhile (only `keep` can be taken)
                 del ep.adapters[old]
 
     async def _ensure_version(self, ep: Endpoint) -> int:
@@ -572,6 +584,12 @@ def check_weights_dir(path: str, marker: str, what: str) -> None:
 
 def lora_name(version: int) -> str:
     return f"step_{version}"
+
+
+def adapter_version(name: str) -> int | None:
+    """N of an adapter named ``step_N`` (see :func:`lora_name`), else None."""
+    prefix, _, number = name.partition("_")
+    return int(number) if prefix == "step" and number.isdigit() else None
 
 
 def _same_path(name: str, path: Path) -> bool:

@@ -203,11 +203,11 @@ class VllmLauncher:
             server.proc.wait()
         for server in running:  # until the killed members are reaped, so none is seen after stop()
             deadline = time.monotonic() + GROUP_EXIT_WAIT_S
-            while _group_alive(server.proc.pid) and time.monotonic() < deadline:
+            while group_alive(server.proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -26,8 +26,8 @@ VERSIONS = 4
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("model"))
+def base():
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from orchestrator.config import LaunchSection
-from orchestrator.inference.vllm_launch import VllmLauncher, _group_alive
+from orchestrator.inference.vllm_launch import VllmLauncher, group_alive
 from orchestrator.rundir import mark_stable, weights_dir
 
 torch.set_num_threads(1)
@@ -25,14 +26,21 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "128"]
 
 
-def tiny_model(cache: Path) -> Path:
-    """The tiny reverse_text model (warm-started), built once into ``cache``."""
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orch-tests"
+
+
+def tiny_model() -> Path:
+    """The tiny reverse_text model (warm-started; seeded, so the same every time), built once
+    into the tests' cache: a build takes 8 s alone, minutes on a busy machine."""
     from orchestrator.hf.tiny_model import build_tiny_model
 
-    model_dir = cache / "tiny-model"
+    model_dir = CACHE / "tiny-model-seed0"
     if not (model_dir / "model.safetensors").is_file():
-        build_tiny_model(cache / "tiny-model.tmp", log=lambda _: None)
-        os.replace(cache / "tiny-model.tmp", model_dir)
+        tmp = CACHE / f"tiny-model-seed0.tmp{os.getpid()}"
+        build_tiny_model(tmp, log=lambda _: None)
+        with contextlib.suppress(OSError):  # another session built it meanwhile: keep that one
+            os.replace(tmp, model_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
     return model_dir
 
 
@@ -111,7 +119,7 @@ def launched(model_dir: Path, log_dir: Path, weight_sync: str, servers: int = 1,
 def groups_alive(launcher: VllmLauncher) -> list[int]:
     """The process groups of the launcher's servers that still have a member (the api server, or
     the engine core and workers it forked)."""
-    return [s.proc.pid for s in launcher.servers if _group_alive(s.proc.pid)]
+    return [s.proc.pid for s in launcher.servers if group_alive(s.proc.pid)]
 
 
 def k3_kl(sampled: list[float], recomputed: list[float]) -> float:
