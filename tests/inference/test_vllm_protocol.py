@@ -1,0 +1,133 @@
+"""What a real vLLM 0.32 server answered (tests/inference/data/, recorded): parsed as the client
+parses it, and replayed to the client by a server that answers only with those recordings, so the
+weight-sync sequences run in the fast suite too (the slow tests run them against vLLM itself)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from orchestrator.inference.client import InferenceClient, InferenceRequestError
+from orchestrator.inference.protocol import parse_completion
+from orchestrator.rollouts.env_server import running_server
+from tests.inference.util import run
+
+DATA = Path(__file__).parent / "data"
+
+
+def recorded(name: str) -> dict:
+    return json.loads((DATA / f"vllm-0.32-{name}.json").read_text())
+
+
+def test_a_recorded_completion_parses_to_its_token_ids_logprobs_and_prompt():
+    rec = recorded("completion")
+    choices, version = parse_completion(rec["response"], expected=rec["request"]["n"])
+    assert version is None  # vLLM does not say which weights sampled: the client knows
+    for choice, raw in zip(choices, rec["response"]["choices"], strict=True):
+        assert choice.token_ids == raw["token_ids"]
+        assert choice.logprobs == raw["logprobs"]["token_logprobs"]  # the sampled token's, not the top-1's
+        assert choice.prompt_ids == rec["request"]["prompt"]
+        assert choice.token_ids[-1] == 257 and choice.finish_reason == "stop"  # <|im_end|>, kept for training
+        assert choice.text.startswith("<reversed_text>")  # special tokens are not in the text
+    # logprobs: 1 lists the top token beside the sampled one where they differ; the parse ignores it.
+    assert any(len(top) == 2 for top in rec["response"]["choices"][0]["logprobs"]["top_logprobs"])
+
+
+def replaying_vllm(calls: list[str], dev_mode: bool = True) -> Starlette:
+    """Answers each route with what vLLM answered it (recorded); without ``dev_mode`` (vLLM
+    started without VLLM_SERVER_DEV_MODE=1) the weight-reload routes are missing."""
+    reload_seq = recorded("reload_sequence")
+
+    def replay(step: dict) -> Response:
+        return Response(step["text"], status_code=step["status"], media_type="application/json")
+
+    async def handle(request: Request) -> Response:
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        calls.append(path)
+        body = await request.json() if request.method == "POST" and await request.body() else None
+        if path == "/v1/completions":
+            rec = recorded("completion_lora" if str(body.get("model")).startswith("step_") else "completion")
+            assert set(body) <= set(rec["request"]) | {"model"}, body  # nothing vLLM was not sent
+            return JSONResponse(rec["response"])
+        if path == "/v1/load_lora_adapter":
+            return Response(recorded("lora_load_ok")["text"])
+        if path == "/v1/unload_lora_adapter":
+            return Response(recorded("lora_unload_ok")["text"])
+        if path == "/v1/models":
+            return JSONResponse(recorded("models_with_adapters")["response"])
+        for step in reload_seq.values():
+            if step["request"]["path"] == path and dev_mode:
+                return replay(step)
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+    return Starlette(routes=[Route("/{path:path}", handle, methods=["GET", "POST"])])
+
+
+def hf_dir(path: Path, marker: str) -> str:
+    path.mkdir(parents=True)
+    (path / marker).write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+def test_a_reload_is_pause_reload_reset_resume_and_completions_report_its_version(tmp_path):
+    calls: list[str] = []
+    step_1 = hf_dir(tmp_path / "step_1", "config.json")
+    with running_server(replaying_vllm(calls)) as vllm:
+        async def main():
+            async with InferenceClient([vllm.base_url], weight_sync="vllm_reload") as client:
+                await client.load(1, step_1)
+                return await client.complete(recorded("completion")["request"]["prompt"], n=2, seed=7)
+        done = run(main())
+    assert calls == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume", "/v1/completions"]
+    assert (done.policy_start, done.policy_end) == (1, 1)
+
+
+def test_lora_loads_unloads_and_adopts_what_the_server_lists(tmp_path):
+    """A new client finds step_0 and step_1 listed (an earlier run's): loading step_2 unloads
+    both once it holds, keeping at most max_loras."""
+    calls: list[str] = []
+    step_2 = hf_dir(tmp_path / "step_2", "adapter_config.json")
+    with running_server(replaying_vllm(calls)) as vllm:
+        async def main():
+            async with InferenceClient([vllm.base_url], weight_sync="vllm_lora", max_loras=2) as client:
+                await client.load(2, step_2)
+                return await client.complete([1, 2, 3], seed=7), client.endpoints[0].adapters
+        done, adapters = run(main())
+    assert calls == ["/v1/models", "/v1/unload_lora_adapter", "/v1/unload_lora_adapter", "/v1/load_lora_adapter",
+                     "/v1/completions"]
+    assert done.policy_start == 2 and adapters == {2: 0}
+
+
+def test_a_weights_dir_of_the_wrong_kind_is_refused_before_any_call(tmp_path):
+    calls: list[str] = []
+    adapter = hf_dir(tmp_path / "step_1", "adapter_config.json")
+    with running_server(replaying_vllm(calls)) as vllm:
+        async def main():
+            async with InferenceClient([vllm.base_url], weight_sync="vllm_reload") as client:
+                await client.load(1, adapter)
+        with pytest.raises(InferenceRequestError, match="is not an HF model dir"):
+            run(main())
+    assert calls == []  # vLLM's engine dies on a reload_weights it cannot read
+
+
+def test_an_endpoint_serving_another_model_or_lacking_the_routes_is_named(tmp_path):
+    calls: list[str] = []
+    with running_server(replaying_vllm(calls)) as vllm:
+        async def check(model_dir, weight_sync, model=None):
+            async with InferenceClient([vllm.base_url], weight_sync=weight_sync, model=model) as client:
+                await client.check_vllm_endpoints(Path(model_dir))
+        with pytest.raises(InferenceRequestError, match=f"{vllm.base_url} serves /models/tiny, not this run's model"):
+            run(check(tmp_path, "vllm_reload"))
+        run(check(tmp_path, "vllm_reload", model="/models/tiny"))  # the served name, given
+        run(check(tmp_path, "vllm_lora", model="/models/tiny"))
+    assert calls == ["/v1/models"] * 2 + ["/is_paused", "/v1/models", "/v1/unload_lora_adapter"]
+    with running_server(replaying_vllm(calls, dev_mode=False)) as vllm:
+        with pytest.raises(InferenceRequestError, match="needs vLLM started with VLLM_SERVER_DEV_MODE=1"):
+            run(check(tmp_path, "vllm_reload", model="/models/tiny"))
