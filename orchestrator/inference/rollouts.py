@@ -44,13 +44,17 @@ def build_inference_rollouts(config: RunConfig, run_dir: Path, env) -> Inference
 
         launcher = VllmLauncher(inf.launch, model_dir, run_dir, inf.weight_sync, inf.max_loras)
         urls = launcher.urls
-    client = InferenceClient(urls, model=inf.model, weight_sync=inf.weight_sync, timeout_s=inf.request_timeout_s,
-                             load_timeout_s=config.trainer.publish_timeout_s, max_attempts=inf.max_attempts,
-                             backoff_s=inf.backoff_s, max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups,
-                             max_loras=inf.max_loras)
-    return InferenceRollouts(run_dir, env, client, temperature=config.rollout.temperature,
+    return InferenceRollouts(run_dir, env, make_client(config, urls), temperature=config.rollout.temperature,
                              max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                              load_timeout_s=config.trainer.publish_timeout_s, model_dir=model_dir, launcher=launcher)
+
+
+def make_client(config: RunConfig, urls: list[str]) -> InferenceClient:
+    inf = config.inference
+    return InferenceClient(urls, model=inf.model, weight_sync=inf.weight_sync, timeout_s=inf.request_timeout_s,
+                           load_timeout_s=config.trainer.publish_timeout_s, max_attempts=inf.max_attempts,
+                           backoff_s=inf.backoff_s, max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups,
+                           max_loras=inf.max_loras)
 
 
 def run_model_dir(config: RunConfig) -> Path | None:
@@ -63,15 +67,27 @@ def run_model_dir(config: RunConfig) -> Path | None:
 
 
 def check_inference(config: RunConfig) -> None:
-    """Before anything runs: ConfigError (one line) for a model dir or launch that cannot work."""
+    """Before anything runs, ConfigError (one line) for: a model dir that is not an HF model, a
+    tokenizer without a chat template, a launch that cannot work (`check_launch`), a given vLLM
+    endpoint that serves another model or lacks the routes of the weight sync."""
     if not config.inference.enabled:
         return
     model_dir = run_model_dir(config)
-    if model_dir is not None:
-        from orchestrator.inference.vllm_launch import check_launch, model_head_dim
+    if model_dir is None:
+        return
+    from orchestrator.inference.vllm_launch import check_launch, model_head_dim
 
-        model_head_dim(model_dir)  # a readable config.json
-        check_launch(config, model_dir)
+    model_head_dim(model_dir)  # a readable config.json
+    prompt_renderer(model_dir)
+    check_launch(config, model_dir)
+    if config.inference.endpoints and config.inference.weight_sync in VLLM_MODES:
+        async def check() -> None:
+            async with make_client(config, config.inference.endpoints) as client:
+                await client.check_vllm_endpoints(model_dir)
+        try:
+            asyncio.run(check())
+        except InferenceRequestError as err:
+            raise ConfigError(str(err)) from None
 
 
 def prompt_renderer(model_dir: Path | None):
@@ -104,12 +120,9 @@ class InferenceRollouts:
         self.version = -1  # newest version confirmed by at least one endpoint
 
     async def start(self) -> None:
-        """Before the run: start the launched servers (:meth:`load` waits for them), or check that
-        the given vLLM endpoints serve this run's model with the weight sync it asks for."""
+        """Before the run: start the launched servers (:meth:`load` waits for them)."""
         if self.launcher is not None:
             self.launcher.start()
-        elif self.model_dir is not None and self.client.weight_sync in VLLM_MODES:
-            await self.client.check_vllm_endpoints(self.model_dir)
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
         """Wait (bounded) for ``weights/step_{version}/STABLE``, then have every endpoint load it;

