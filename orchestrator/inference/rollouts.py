@@ -107,6 +107,11 @@ def prompt_renderer(model_dir: Path | None):
     return lambda text: list(render_prompt(tokenizer, text))
 
 
+def episode_seed(run_seed: int, episode_id: int, attempt: int) -> int:
+    """The sampling seed of an episode's attempt: the same on every endpoint it is sent to."""
+    return ((run_seed << 32) ^ (episode_id << 4) ^ attempt) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 class InferenceRollouts:
     def __init__(self, run_dir: str | os.PathLike, env, client: InferenceClient, *, temperature: float,
                  max_new_tokens: int, seed: int, load_timeout_s: float, model_dir: Path | None = None,
@@ -169,7 +174,7 @@ class InferenceRollouts:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         task = await self.env.task(req.task_id)
         prompt_ids = self.encode_prompt(task.prompt)
-        seed = ((self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt) & 0x7FFF_FFFF_FFFF_FFFF
+        seed = episode_seed(self.seed, req.episode_id, req.attempt)
         done = await self.client.complete(prompt_ids, n=1, temperature=self.temperature,
                                           max_tokens=self.max_new_tokens, seed=seed, pin=req.group_id)
         (choice,) = done.choices

@@ -104,9 +104,12 @@ def load_version(wdir: Path, base: Path, lora: bool):
 
 
 @contextlib.contextmanager
-def launched(model_dir: Path, log_dir: Path, weight_sync: str, servers: int = 1, max_loras: int = 2) -> Iterator[VllmLauncher]:
-    """vLLM servers started by orch's launcher, ready; always stopped."""
-    launch = LaunchSection(servers=servers, extra_args=CPU_ARGS, max_lora_rank=LORA_RANK, ready_timeout_s=240)
+def launched(model_dir: Path, log_dir: Path, weight_sync: str, servers: int = 1, max_loras: int = 2,
+             dev_mode: bool = False) -> Iterator[VllmLauncher]:
+    """vLLM servers started by orch's launcher, ready; always stopped. ``dev_mode``: the reload
+    routes too (a LoRA server that also reloads full weights)."""
+    launch = LaunchSection(servers=servers, extra_args=CPU_ARGS, max_lora_rank=LORA_RANK, ready_timeout_s=300,
+                           env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})
     launcher = VllmLauncher(launch, model_dir, log_dir, weight_sync, max_loras)
     try:
         launcher.start()
