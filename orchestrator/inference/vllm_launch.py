@@ -133,6 +133,7 @@ class VllmLauncher:
     def environment(self, server: Server) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")  # a local model dir: nothing to fetch
+        env["PYTHONUNBUFFERED"] = "1"  # its log is read while it runs (and after a crash)
         if self.weight_sync == "vllm_reload":
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.weight_sync == "vllm_lora":

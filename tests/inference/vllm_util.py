@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 LORA_RANK = 8
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "128"]
+CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]  # as examples/reverse_text_vllm.toml
 
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orch-tests"
