@@ -19,17 +19,11 @@ from tests.inference.vllm_util import (
     needs_vllm,
     publish_lora,
     recompute_logprobs,
-    tiny_model,
 )
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 VERSIONS = 5
 MAX_LORAS = 2
-
-
-@pytest.fixture(scope="module")
-def base():
-    return tiny_model()
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,10 @@ from tests.inference.vllm_util import (
     needs_vllm,
     publish_full,
     recompute_logprobs,
-    tiny_model,
 )
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 VERSIONS = 4
-
-
-@pytest.fixture(scope="module")
-def base():
-    return tiny_model()
 
 
 @pytest.fixture(scope="module")
