@@ -250,6 +250,16 @@ def _vllm_standin(loaded: list[str]):
         loaded.append((await request.json())["lora_name"])
         return JSONResponse({})
 
+    async def unload(request):
+        name = (await request.json())["lora_name"]
+        if name not in loaded:
+            return JSONResponse({"error": {"message": f"The lora adapter '{name}' cannot be found."}}, status_code=404)
+        loaded.remove(name)
+        return JSONResponse({})
+
+    async def models(request):
+        return JSONResponse({"data": [{"id": "base", "parent": None}] + [{"id": n, "parent": "base"} for n in loaded]})
+
     async def complete(request):
         model = (await request.json()).get("model")
         if model not in loaded:
@@ -258,7 +268,8 @@ def _vllm_standin(loaded: list[str]):
                                           "logprobs": {"token_logprobs": [-0.1]}}]})
 
     return Starlette(routes=[Route("/v1/load_lora_adapter", load, methods=["POST"]),
-                             Route("/v1/completions", complete, methods=["POST"])])
+                             Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
+                             Route("/v1/models", models), Route("/v1/completions", complete, methods=["POST"])])
 
 
 def test_vllm_lora_an_endpoint_restarted_unseen_gets_its_adapter_again(tmp_path):
