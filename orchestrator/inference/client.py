@@ -55,11 +55,7 @@ from typing import Any, Literal
 import httpx
 
 from orchestrator.config import endpoint_base_urls
-from orchestrator.inference.protocol import (
-    ParsedChoice,
-    ProtocolError,
-    parse_completion,
-)
+from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
