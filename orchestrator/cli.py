@@ -115,7 +115,8 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
         click.echo(f"orch: stopped on interrupt; resume with `orch run --resume {run.run_dir}`", err=True)
         sys.exit(EXIT_INTERRUPTED)
     if state.stop_reason != "completed":
-        fail(f"run stopped: {state.stop_reason}")
+        cause = f" (the last failed episode: {orch.last_episode_error})" if orch.last_episode_error else ""
+        fail(f"run stopped: {state.stop_reason}{cause}")
 
 
 def _shorthand_overrides(set_keys: set[str], **flags) -> list[str]:

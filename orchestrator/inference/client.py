@@ -14,7 +14,8 @@ request is retried on another endpoint, at most ``max_attempts`` attempts in all
 retried: ``CancelledError`` propagates, httpx drops the connection and the server's disconnect
 middleware cancels the handler. A down endpoint is tried again once its backoff expires (the next
 request that picks it is the probe); when every endpoint is down a request waits for the first
-one to come back, still within its attempts.
+one to come back, still within its attempts, and for at most ``timeout_s`` (then
+:class:`InferenceUnavailable` names every endpoint and its last error).
 
 Weight updates (the contract): :meth:`InferenceClient.load` (version N, the published
 ``weights/step_N`` dir) is sent to every endpoint and returns once they answered; an endpoint
@@ -236,12 +237,12 @@ class InferenceClient:
         ep.failures = 0
         ep.down_until = 0.0
 
-    async def _wait_for_an_endpoint(self) -> None:
-        """Until a probe ends or the first backoff runs out (cancellable)."""
+    async def _wait_for_an_endpoint(self, at_most_s: float) -> None:
+        """Until a probe ends or the first backoff runs out, at most ``at_most_s`` (cancellable)."""
         now = time.monotonic()
         probes = [e.probe for e in self.endpoints if e.probe is not None]
         backoffs = [e.down_until for e in self.endpoints if e.probe is None]
-        delay = max(0.0, min(backoffs) - now) if backoffs else None
+        delay = min(max(0.0, min(backoffs) - now) if backoffs else at_most_s, at_most_s)
         if probes:
             await asyncio.wait(probes, timeout=delay)
         else:
@@ -325,11 +326,19 @@ class InferenceClient:
         errors: list[str] = []
         tried: set[Endpoint] = set()
         attempt = 0
+        waiting_since: float | None = None
         while True:
             ep = self.pick(pin, frozenset(tried))
-            if ep is None:  # all down: wait (cancellable) for the first backoff to expire
-                await self._wait_for_an_endpoint()
+            if ep is None:  # all down: wait (cancellable) for the first backoff to expire, or a probe
+                now = time.monotonic()
+                waiting_since = now if waiting_since is None else waiting_since
+                if now - waiting_since >= self.timeout_s:  # as long as the request itself may take
+                    raise InferenceUnavailable(
+                        f"every inference endpoint down for {now - waiting_since:.0f}s: "
+                        + "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)) from None
+                await self._wait_for_an_endpoint(waiting_since + self.timeout_s - now)
                 continue
+            waiting_since = None
             attempt += 1
             if attempt > 1:
                 self.retries += 1

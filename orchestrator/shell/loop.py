@@ -110,6 +110,7 @@ class Orchestrator:
         self._last_input_at = time.monotonic()
         self._reloads: set[asyncio.Task] = set()  # inference weight reloads in progress
         self._reload_error: BaseException | None = None
+        self.last_episode_error: str | None = None  # what a run stopped for zero output last failed on
         self.events_logged = 0
 
     # --- inputs from the outside world (called on the loop thread) ---------------------------
@@ -183,10 +184,10 @@ class Orchestrator:
         if outcome.exception is None:
             return outcome.result
         exc = outcome.exception
+        self.last_episode_error = f"{type(exc).__name__}: {exc}"
         return ev.EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=False,
-            policy_start=req.policy_version, policy_end=self.state.version,
-            error=f"{type(exc).__name__}: {exc}",
+            policy_start=req.policy_version, policy_end=self.state.version, error=self.last_episode_error,
         )
 
     async def _wait_for_inputs(self) -> None:

@@ -350,3 +350,23 @@ def test_a_down_endpoint_is_probed_by_one_request_while_the_others_wait():
     # each request probing on its own would spend its 3 attempts and fail within ~0.6 s (60)
     assert attempts <= 28, attempts
     assert failed <= 3, failed  # only probers spend attempts, one at a time
+
+
+def test_requests_waiting_for_a_down_endpoint_give_up_after_their_timeout():
+    """The requests that wait for another's probe (not spending attempts) wait at most the
+    request timeout, then fail naming each endpoint and its last error: with the only endpoint
+    gone for good, a run's episodes end instead of waiting for ever."""
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def main():
+        async with InferenceClient([url], timeout_s=1.0, backoff_s=0.2, max_backoff_s=0.4, max_attempts=1000) as client:
+            requests = [asyncio.ensure_future(ask(client)) for _ in range(20)]
+            await asyncio.wait(requests, timeout=5)  # the prober of the moment may still be probing
+            for r in requests:
+                r.cancel()
+            return await asyncio.gather(*requests, return_exceptions=True)
+
+    errors = run(main())
+    waited = [e for e in errors if isinstance(e, InferenceUnavailable) and "every inference endpoint down for" in str(e)]
+    assert len(waited) >= 15, errors
+    assert all(f"{url}: POST {url}/v1/completions: ConnectError" in str(e) for e in waited), waited[0]
