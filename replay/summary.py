@@ -6,6 +6,7 @@ from typing import Any
 
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
+from orchestrator.shell.progress import eval_figures_line, eval_result_dict
 from replay.fold import Folded, FoldError, fold_log
 from replay.source import REEXECUTED_META, ReplayInputError, one_line
 
@@ -70,8 +71,24 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
         "finalizing_per_env": dict(s.finalizing),
         "shipped_untrained_steps": list(s.shipped_batches),
         "accounting": _acct(s),
+        "evals": _evals(s),
         "conservation": {"holds": holds, **terms},
         "state_hash": state_hash(s),
+    }
+
+
+def _evals(s: State) -> dict[str, Any] | None:
+    """Eval results per version, the evals still open, and the evals' own accounting (None: the
+    run has no evals)."""
+    if s.params is None or s.params.eval is None:
+        return None
+    e = s.evals
+    return {
+        "results": [eval_result_dict(r) for r in e.results],
+        "open": [{"eval_id": x.eval_id, "env": x.env, "version": x.version, "samples": x.size,
+                  "scored": len(x.scored), "failures": x.failures, "off_version": x.off_version,
+                  "inflight": len(x.inflight)} for x in e.open.values()],
+        "accounting": {name: getattr(e.acct, name) for name in type(e.acct).__slots__},  # type: ignore[attr-defined]
     }
 
 
@@ -94,6 +111,10 @@ def _print_items(console, title: str, columns: tuple[str, ...], rows: list[tuple
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _ids(ids: list[int], limit: int = 12) -> str:
@@ -148,6 +169,16 @@ def render(summary: dict[str, Any], console) -> None:
                  [(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["background"]),
                    _ids(g["survivors"]), str(g["scored"]), g["error"] or "")
                   for g in summary["finalizing_groups"]])
+    evals = summary.get("evals")
+    if evals is not None:
+        _print_items(console, "evals (per version)", ("env", "version", "reward", "pass@1", "pass@k", "scored", "tokens"),
+                     [(r["env"], str(r["version"]), _figure(r["reward_mean"]), _figure(r["pass_at_1"]),
+                       _figure(r["pass_at_k"]) + f" (k={r['k']})", str(r["scored"]), str(r["tokens"]))
+                      for r in evals["results"]], justify="right")
+        _print_items(console, "evals open", ("eval", "env", "version", "samples", "scored", "failures",
+                                             "off version", "in flight"),
+                     [tuple(str(x[k]) for k in ("eval_id", "env", "version", "samples", "scored", "failures",
+                                                "off_version", "inflight")) for x in evals["open"]])
     t = Table(title="accounting", title_justify="left", show_header=False)
     t.add_column("total", style="bold")
     t.add_column("value", justify="right")
