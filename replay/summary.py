@@ -6,7 +6,7 @@ from typing import Any
 
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
-from orchestrator.shell.progress import eval_figures_line, eval_result_dict
+from orchestrator.shell.progress import eval_result_dict
 from replay.fold import Folded, FoldError, fold_log
 from replay.source import REEXECUTED_META, ReplayInputError, one_line
 
@@ -171,7 +171,8 @@ def render(summary: dict[str, Any], console) -> None:
                   for g in summary["finalizing_groups"]])
     evals = summary.get("evals")
     if evals is not None:
-        _print_items(console, "evals (per version)", ("env", "version", "reward", "pass@1", "pass@k", "scored", "tokens"),
+        _print_items(console, "evals (per version)",
+                     ("env", "version", "reward", "pass@1", "pass@k", "scored", "tokens"),
                      [(r["env"], str(r["version"]), _figure(r["reward_mean"]), _figure(r["pass_at_1"]),
                        _figure(r["pass_at_k"]) + f" (k={r['k']})", str(r["scored"]), str(r["tokens"]))
                       for r in evals["results"]], justify="right")

@@ -87,7 +87,7 @@ def eval_figures(x: Eval) -> dict:
                      "tokens": sum(x.scored[i][2] for i in samples)}
     if samples and all(success is not None for success in successes):
         solved: dict[int, bool] = {}
-        for i, success in zip(samples, successes):
+        for i, success in zip(samples, successes, strict=True):
             task = i // x.samples_per_task
             solved[task] = solved.get(task, False) or success
         figures["pass_at_1"] = sum(successes) / len(successes)

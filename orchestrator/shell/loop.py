@@ -141,7 +141,8 @@ class Orchestrator:
         # Evals have a stream of their own: the drain closes the train stream, while evals go on
         # to the end's eval (docs/evals.md). The core caps what is in flight; so does the stream.
         self.eval_feed: ExampleFeed = ExampleFeed()
-        self.eval_stream = run_examples(self.eval_feed, self.hooks.rollout, max_concurrency=self.config.eval.max_inflight)
+        self.eval_stream = run_examples(self.eval_feed, self.hooks.rollout,
+                                        max_concurrency=self.config.eval.max_inflight)
         loop = asyncio.get_running_loop()
         owned = [loop.create_task(self._forward_outcomes(self.stream), name="orch-outcomes"),
                  loop.create_task(self._forward_outcomes(self.eval_stream), name="orch-eval-outcomes"),

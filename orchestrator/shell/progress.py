@@ -83,5 +83,6 @@ def eval_figures_line(r) -> str:
     def fig(value) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    return (f"reward {fig(get('reward_mean'))} | pass@1 {fig(get('pass_at_1'))} | pass@{get('k')} {fig(get('pass_at_k'))} "
+    return (f"reward {fig(get('reward_mean'))} | pass@1 {fig(get('pass_at_1'))} "
+            f"| pass@{get('k')} {fig(get('pass_at_k'))} "
             f"| {get('scored')} scored, {get('tokens')} tokens")

@@ -69,7 +69,8 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     summary_path = tmp_path / "summary.json"
     result = orch(*FAKE_EVALS, "--max-steps", "7", "--runs-dir", str(tmp_path), "--name", "r", "--set", "eval.every=3",
                   "--set", "fake_env.latency_s=0.002", "--set", "fake_env.error_rate=0.05",
-                  "--set", "eval.max_inflight=5", "--set", "trainer.step_time_s=0.1", "--json-summary", str(summary_path))
+                  "--set", "eval.max_inflight=5", "--set", "trainer.step_time_s=0.1",
+                  "--json-summary", str(summary_path))
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "r"
     assert_log_invariants(run_dir, 7, max_off_policy=2, target_lag=1)
@@ -80,7 +81,8 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     # Eval traffic stays apart: its episodes never reach a batch, its tasks are held out.
     eval_episodes = {e for (e,) in rows(run_dir, "SELECT json_extract(data, '$.episode_id') FROM events "
                                                  "WHERE kind = 'eval_episode_dispatched'")}
-    (peak,) = rows(run_dir, "SELECT max(json_extract(data, '$.task_id')) FROM events WHERE kind = 'eval_episode_dispatched'")[0]
+    (peak,) = rows(run_dir, "SELECT max(json_extract(data, '$.task_id')) FROM events "
+                            "WHERE kind = 'eval_episode_dispatched'")[0]
     assert peak < 0
     shipped = {t for (ids,) in rows(run_dir, "SELECT json_extract(data, '$.trace_ids') FROM events "
                                              "WHERE kind = 'batch_shipped'") for t in orjson.loads(ids)}
@@ -112,8 +114,8 @@ def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishe
             if not (run_dir / "events.db").exists():
                 return False
             try:
-                counts = dict(rows(run_dir, "SELECT kind, count(*) FROM events WHERE kind IN "
-                                            "('eval_started', 'eval_completed', 'eval_episode_dispatched') GROUP BY kind"))
+                counts = dict(rows(run_dir, "SELECT kind, count(*) FROM events WHERE kind IN ('eval_started', "
+                                            "'eval_completed', 'eval_episode_dispatched') GROUP BY kind"))
             except sqlite3.Error:
                 return False
             return counts.get("eval_episode_dispatched", 0) > 8 and counts.get("eval_completed", 0) < counts.get(
