@@ -88,7 +88,7 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
                                              "WHERE kind = 'batch_shipped'") for t in orjson.loads(ids)}
     assert eval_episodes and eval_episodes.isdisjoint(shipped)
     # Shown: the progress lines, the summary, `orch replay`.
-    assert "eval fake v7 | reward" in result.stdout and "| eval v3 " in result.stdout
+    assert all(f"eval fake v{v} | reward" in result.stdout for v in (0, 3, 6, 7))
     summary = orjson.loads(summary_path.read_bytes())
     assert [r["version"] for r in summary["evals"]] == [0, 3, 6, 7] and summary["conservation"]
     replayed = orch("replay", str(run_dir), "--json")
@@ -144,6 +144,26 @@ def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishe
     with EventLog.open_reader(run_dir / "events.db") as log:
         holds, terms = conservation(fold_log(log, use_snapshots=False).state)
     assert holds and terms["eval_rerun"] == len(rerun), terms
+
+
+def test_the_progress_line_ends_with_the_newest_eval_result():
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.shell.progress import Progress
+    from orchestrator.sim import SimWorld
+    from tests.core.test_evals import sim_params
+
+    world = SimWorld(sim_params(1), seed=1)
+    world.run()
+    out = io.StringIO()
+    progress = Progress(Console(file=out, width=300))
+    progress.on_batch(next(e for e in reversed(world.log) if e.kind == "batch_shipped"), world.state, None)
+    newest = world.state.evals.results[-1]
+    assert out.getvalue().rstrip().endswith(f"| eval v{newest.version} {newest.reward_mean:.3f}")
+    progress.summary(world.state, "r")
+    assert f"eval a v{newest.version}" in out.getvalue()
 
 
 @pytest.mark.parametrize("args, message", [
