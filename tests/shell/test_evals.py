@@ -270,6 +270,26 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
     assert (result.policy_start, result.policy_end) == (1, 1) and result.success == (off_pin.reward == 1.0)
 
 
+def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pin():
+    from orchestrator.inference.client import InferenceClient
+    from orchestrator.rollouts.env_server import running_server
+    from tests.inference.test_client import vllm_like_app
+    from tests.inference.util import run
+
+    loaded: list[str] = []
+    with running_server(vllm_like_app(loaded)) as vllm:
+        async def main():
+            async with InferenceClient([vllm.base_url], weight_sync="vllm_lora") as client:
+                await client.load(3, "/ckpt/step_3")
+                await client.load(4, "/ckpt/step_4")
+                pinned = await client.complete([1, 2], at_version=3)
+                newest = await client.complete([1, 2])
+                ahead = await client.complete([1, 2], at_version=9)  # not held yet: the newest it has
+                return [(c.policy_start, c.policy_end) for c in (pinned, newest, ahead)]
+
+        assert run(main()) == [(3, 3), (4, 4), (4, 4)]
+
+
 @pytest.mark.slow
 def test_the_embedded_default_run_shows_the_learned_gain_on_held_out_tasks(tmp_path):
     """`orch run` (reverse_text, the embedded policy and trainer) with evals: the end's eval
