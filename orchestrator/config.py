@@ -1,6 +1,6 @@
 """Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
 
-Every knob of DESIGN §3 is a field here with a documented default; `core_params()` extracts the
+Every knob of the rules (docs/rules.md) is a field here with a documented default; `core_params()` extracts the
 part the core folds (it travels in `run_started`, so a log is self-describing).
 """
 
