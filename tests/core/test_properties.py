@@ -274,6 +274,8 @@ _FINITE = st.floats(allow_nan=False, allow_infinity=False)  # events refuse NaN 
 def _values_of(annotation):
     if annotation is float:
         return _FINITE
+    if annotation == float | None:
+        return st.none() | _FINITE
     if annotation == list[float]:
         return st.lists(_FINITE, max_size=4)
     return st.from_type(annotation)
