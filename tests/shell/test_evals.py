@@ -146,6 +146,15 @@ def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishe
     assert holds and terms["eval_rerun"] == len(rerun), terms
 
 
+def test_a_resume_refuses_to_change_the_eval_section(tmp_path):
+    result = orch(*FAKE_EVALS, "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r")
+    assert result.returncode == 0, result.stderr
+    changed = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "3", "--set", "eval.every=5")
+    assert changed.returncode == 2
+    assert changed.stderr.strip().splitlines() == ["orch: error: config changed on resume in fields that alter the run: "
+                                                   "eval.every (only max_steps and operational fields may change)"]
+
+
 def test_the_progress_line_ends_with_the_newest_eval_result():
     import io
 
