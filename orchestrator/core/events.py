@@ -80,7 +80,9 @@ class CoreParams(_Model):
     zero_output_batches: int = Field(
         10, ge=1, description="batch-equivalents of zero output in a row that stop the run"
     )
-    eval: EvalParams | None = Field(None, description="evaluations on a schedule (None: none)")
+    # Left out of the JSON while None: a run without evals logs the `run_started` it always did.
+    eval: EvalParams | None = Field(None, exclude_if=lambda value: value is None,
+                                    description="evaluations on a schedule (None: none)")
 
     @model_validator(mode="after")
     def _check(self) -> CoreParams:

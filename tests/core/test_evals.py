@@ -223,6 +223,8 @@ def test_evals_off_decide_nothing_about_evals():
     world = SimWorld(sim_params(2, eval=None), seed=2)
     world.run()
     assert not [e for e in world.log if e.kind.startswith("eval_")]
+    # `run_started` is the bytes it was before evals existed: no `eval` key (the same-events digests).
+    assert b'"eval"' not in ev.encode_event(world.log[0])[1]
     assert "eval_dispatched" not in conservation(world.state)[1]
 
 
