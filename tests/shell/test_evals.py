@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventlog import EventLog
-from orchestrator.core.state import conservation
+from orchestrator.core.events import decode_event
+from orchestrator.core.evolve import evolve
+from orchestrator.core.state import State, conservation
 from orchestrator.envs.reverse_text import ReverseTextEnv, is_held_out
 from orchestrator.rollouts.collect import Outcome
 from orchestrator.shell.evals import eval_result
@@ -96,6 +98,14 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     shown = orjson.loads(replayed.stdout)["evals"]
     assert shown["results"] == summary["evals"] and not shown["open"]
     assert shown["accounting"]["reported"] == sum(r["scored"] for r in results)
+    # Limited by the eval concurrency (5), apart from the train permits (16).
+    state, eval_peak = State(), 0
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        for record in log.read_raw():
+            evolve(state, decode_event(record[2], record[3]))
+            eval_peak = max(eval_peak, len(state.evals.inflight))
+            assert len(state.inflight) <= 16
+    assert eval_peak == 5
     check = orch("replay", str(run_dir), "--check", "--json")  # the same inputs give the same events
     assert check.returncode == 0 and orjson.loads(check.stdout)["deterministic"], check.stdout
     diff = orch("replay", "--diff", str(run_dir), str(run_dir), "--level", "evals")
