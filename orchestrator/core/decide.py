@@ -359,8 +359,9 @@ def start_drain(d: _Decisions) -> None:
 
 
 def finish_drain(d: _Decisions) -> None:
-    """Stop once the trainer has trained on the last batch shipped (the ship hold saw it coming).
-    That is batch max_steps, unless a resume lowered max_steps below what had already shipped."""
+    """Stop once the trainer has trained on the last batch shipped (the ship hold saw it coming)
+    and the evals still owed, the end's included, have reported (docs/evals.md). That is batch
+    max_steps, unless a resume lowered max_steps below what had already shipped."""
     s = d.state
     if s.draining and not s.stopped and s.version >= s.step - 1 and not evals_pending(s):
         d.emit(ev.RunStopped.trusted(reason="completed"))
