@@ -170,8 +170,8 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
     config, run_dir = run.config, run.run_dir
     holder: dict[str, Orchestrator] = {}
 
-    def publish(version: int) -> None:
-        holder["orch"].publish_version(version)
+    def publish(version: int, metrics: dict | None) -> None:
+        holder["orch"].publish_version(version, metrics)
 
     def version_now() -> int:
         return holder["orch"].state.version
