@@ -166,6 +166,39 @@ class LogConfig(_Section):
     snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
 
 
+class WandbSection(_Section):
+    """Log the run's per-step figures to Weights & Biases (needs `pip install 'orch[wandb]'`)."""
+
+    project: str = Field("orch", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user; None: your default)")
+    name: str | None = Field(None, description="W&B run name (None: the orch run's name)")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (None: WANDB_MODE, else online); offline needs no network")
+    dir: Path | None = Field(None, description="where W&B keeps its files (None: WANDB_DIR, else the run dir)")
+
+
+class TensorBoardSection(_Section):
+    """Log the run's per-step figures as TensorBoard scalars."""
+
+    log_dir: Path | None = Field(None, description="TensorBoard log dir (None: RUN_DIR/tensorboard)")
+
+
+class MetricsConfig(_Section):
+    """Metric sinks, off unless their section is given (`--set metrics.tensorboard=true`,
+    `--set metrics.wandb.project=NAME`); each is fed the rows of orchestrator/observe/rows.py."""
+
+    wandb: WandbSection | None = Field(None, description="W&B sink (off when absent)")
+    tensorboard: TensorBoardSection | None = Field(None, description="TensorBoard sink (off when absent)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switches(cls, data: Any) -> Any:
+        """`true` turns a sink on with its defaults, `false` off."""
+        if isinstance(data, dict):
+            data = {k: ({} if v is True else None if v is False else v) for k, v in data.items()}
+        return data
+
+
 class RunConfig(_Section):
     name: str = Field("default", description="run directory name under runs_dir")
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
@@ -184,6 +217,7 @@ class RunConfig(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     log: LogConfig = Field(default_factory=LogConfig)
     inference: InferenceSection = Field(default_factory=InferenceSection)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _known_envs(self) -> RunConfig:
@@ -238,6 +272,7 @@ RESUMABLE_FIELDS = frozenset({
     "trainer.nproc", "trainer.ddp_backend", "inference.endpoints", "inference.request_timeout_s",
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
 })
+RESUMABLE_SECTIONS = frozenset({"metrics"})  # every field inside them may change on resume
 
 
 def config_hash(config_json: bytes) -> str:
@@ -324,4 +359,5 @@ def meaning_changes(stored: RunConfig, requested: RunConfig) -> list[str]:
     """Fields that differ between two configs and would change what the run computes."""
     old = _flatten(stored.model_dump(mode="json"))
     new = _flatten(requested.model_dump(mode="json"))
-    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS)
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS
+                  and k.partition(".")[0] not in RESUMABLE_SECTIONS)
