@@ -183,10 +183,13 @@ def trainer_command(run_dir: Path) -> None:
 
 def _register_commands() -> None:
     from orchestrator.inference.server import serve_command
+    from orchestrator.observe.cli import export_command, plot_command
     from orchestrator.rollouts.env_server import env_server_command
     from replay.cli import replay_command
 
     main.add_command(env_server_command, "env-server")
+    main.add_command(export_command, "export")
+    main.add_command(plot_command, "plot")
     main.add_command(replay_command, "replay")
     main.add_command(serve_command, "serve")
 

@@ -9,15 +9,19 @@ finalizing mean what they mean in the run) and returns the rows it completes, ea
   `batch/tokens`), the queue right after it (`queue/buffered`: completed episodes waiting to
   train, queued or held by finalizing groups; `queue/finalizing`: groups finalizing in the
   background; `version`), the waste so far (`waste/dropped`: completed episodes that will never
-  train, every reason; `waste/pct`: that share of the completions), and the throughput since the
-  previous ship (`throughput/episodes_per_s`, `throughput/tokens_per_s`: completions logged and
-  their sampled tokens, over the `ts` gap between the two ships, or since the run (re)started);
+  train, every reason; `waste/pct`: that share of the completions), and the throughput over the
+  last THROUGHPUT_WINDOW ships (`throughput/episodes_per_s`, `throughput/tokens_per_s`:
+  completions logged and their sampled tokens since the ship that many steps back, or since the
+  run (re)started, over the `ts` gap; over one ship it would read zero whenever two batches ship
+  in one commit);
 * at `version_published` N with metrics: `trainer/NAME` for each figure the trainer reported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from eventlog import EventLog
 from orchestrator.core import events as ev
@@ -30,14 +34,17 @@ ROW_NAMES = ("reward/mean", "lag/max", "lag/mean", "batch/samples", "batch/token
              "queue/finalizing", "version", "waste/dropped", "waste/pct", "throughput/episodes_per_s",
              "throughput/tokens_per_s")
 TRAINER_PREFIX = "trainer/"
+T = TypeVar("T")
+THROUGHPUT_WINDOW = 5
 
 
 class StepRows:
     def __init__(self) -> None:
         self.state = State()
-        self._since_ts: float | None = None  # when the current throughput window began
-        self._episodes = 0  # completions logged in the window
+        self._episodes = 0  # completions logged since the run (re)started
         self._tokens = 0  # their sampled tokens
+        # (ts, episodes, tokens) at the (re)start and at each ship since: the last few
+        self._marks: deque[tuple[float, int, int]] = deque(maxlen=THROUGHPUT_WINDOW)
 
     def feed(self, ts: float, event) -> list[Row]:
         evolve(self.state, event)
@@ -50,7 +57,9 @@ class StepRows:
         elif kind == "version_published" and event.metrics:
             return [(event.version, TRAINER_PREFIX + name, value) for name, value in event.metrics.items()]
         elif kind in ("run_started", "run_resumed"):  # the time between a stop and its resume is no one's
-            self._since_ts, self._episodes, self._tokens = ts, 0, 0
+            self._episodes = self._tokens = 0
+            self._marks.clear()
+            self._marks.append((ts, 0, 0))
         return []
 
     def _ship_rows(self, ts: float, e: ev.BatchShipped) -> list[Row]:
@@ -62,24 +71,30 @@ class StepRows:
                 (e.step, "queue/finalizing", sum(s.finalizing.values())), (e.step, "version", s.version),
                 (e.step, "waste/dropped", dropped),
                 (e.step, "waste/pct", 100.0 * dropped / s.acct.completed if s.acct.completed else 0.0)]
-        if self._since_ts is not None and ts > self._since_ts:
-            elapsed = ts - self._since_ts
-            rows += [(e.step, "throughput/episodes_per_s", self._episodes / elapsed),
-                     (e.step, "throughput/tokens_per_s", self._tokens / elapsed)]
-        self._since_ts, self._episodes, self._tokens = ts, 0, 0
+        if self._marks and ts > self._marks[0][0]:
+            since, episodes, tokens = self._marks[0]
+            rows += [(e.step, "throughput/episodes_per_s", (self._episodes - episodes) / (ts - since)),
+                     (e.step, "throughput/tokens_per_s", (self._tokens - tokens) / (ts - since))]
+        self._marks.append((ts, self._episodes, self._tokens))
         return rows
+
+
+def fold_events(log: EventLog, consume: Callable[[float, object], Iterable[T] | None], start: int = 1,
+                stop: int | None = None) -> Iterator[tuple[int, float, T]]:
+    """Hand each of the log's events `start..stop` to `consume(ts, event)`, in log order, and yield
+    (seq, ts, item) for what it returns. FoldError names the seq of an event this code cannot read
+    or fold."""
+    for seq, ts, kind, data in log.read_raw(start, stop):
+        try:
+            out = consume(ts, ev.decode_trusted(kind, data))
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise FoldError(seq, kind, err) from None
+        for item in out or ():
+            yield seq, ts, item
 
 
 def log_rows(log: EventLog, rows: StepRows | None = None, start: int = 1,
              stop: int | None = None) -> Iterator[tuple[int, float, Row]]:
     """(seq and ts of the event that completed it, row) for every row of the log's events
-    `start..stop`, in log order, folded into `rows` (a new StepRows by default). FoldError names
-    the seq of an event this code cannot read or fold."""
-    rows = StepRows() if rows is None else rows
-    for seq, ts, kind, data in log.read_raw(start, stop):
-        try:
-            completed = rows.feed(ts, ev.decode_trusted(kind, data))
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
-            raise FoldError(seq, kind, err) from None
-        for row in completed:
-            yield seq, ts, row
+    `start..stop`, folded into `rows` (a new StepRows by default)."""
+    return fold_events(log, (StepRows() if rows is None else rows).feed, start, stop)
