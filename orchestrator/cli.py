@@ -100,7 +100,7 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
     progress = Progress(every=progress_every)
     resume_hint = f"continue it with `orch run --resume {run.run_dir}` once fixed"
     try:
-        with run.log:
+        with run.log, progress.live(run.config.max_steps, run.state.step - 1):
             orch = run_job(run, progress)
     except _run_errors() as err:
         fail(f"{str(err) or type(err).__name__} ({resume_hint})")
