@@ -28,6 +28,7 @@ place, fsync the parent directory. A reader therefore sees either nothing or the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -180,9 +181,9 @@ def read_metrics(wdir: str | os.PathLike) -> tuple[dict[str, int | float] | None
         raw = (Path(wdir) / METRICS_FILE).read_bytes()
     except FileNotFoundError:
         return None, []
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+    try:  # the stdlib's parser: it reads the NaN and Infinity a trainer's json.dump writes (refused below)
+        doc = json.loads(raw)
+    except ValueError:
         doc = None
     if not isinstance(doc, dict):
         return None, ["*"]

@@ -138,6 +138,16 @@ def _ignore(ts: float, e) -> None:
     """Events with nothing for the tables (gate changes, drain, stop, start and resume markers)."""
 
 
+def metric_types(versions) -> dict[str, type]:
+    """A column per trainer metric: INTEGER if every version reported it as an int, else REAL."""
+    types: dict[str, type] = {}
+    for version in versions:
+        for name, value in version.items():
+            if name not in VERSION_COLUMNS:
+                types[name] = int if type(value) is int and types.get(name, int) is int else float
+    return types
+
+
 def export_run(log: EventLog, out: Path) -> dict[str, int]:
     """Write `log`'s tables into a new SQLite file `out` (built aside, then renamed into place, so a
     failed export leaves nothing); return the row count of each table."""
@@ -150,8 +160,7 @@ def export_run(log: EventLog, out: Path) -> dict[str, int]:
     tmp.unlink(missing_ok=True)
     try:
         db = sqlite_utils.Database(tmp)
-        metric_columns = {name: float for version in export.versions.values() for name in version
-                          if name not in VERSION_COLUMNS}
+        metric_columns = metric_types(export.versions.values())
         tables = (("episodes", export.episodes.values(), "id", EPISODE_COLUMNS),
                   ("groups", export.groups.values(), "id", GROUP_COLUMNS),
                   ("batches", export.batches, "step", BATCH_COLUMNS),
