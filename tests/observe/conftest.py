@@ -35,7 +35,7 @@ def run_fake(runs_dir: Path, name: str, *extra: str, steps: int = STEPS, env: di
     return runs_dir / name
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Two busy runs of different seeds; `a` also fed TensorBoard."""
     runs_dir = tmp_path_factory.mktemp("runs")
