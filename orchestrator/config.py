@@ -310,7 +310,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def _set_path(data: dict, path: list[str], value: Any, source: str) -> None:
     node = data
     for part in path[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an optional section that is off (metrics.wandb)
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"{source}: {part!r} is not a section")
         node = child
