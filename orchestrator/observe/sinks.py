@@ -92,7 +92,7 @@ class WandbSink:
                 resume="allow", mode=section.mode, dir=str(section.dir or os.environ.get("WANDB_DIR") or run_dir),
                 config=orjson.loads(identity["config"]),
             )
-        except Exception as err:  # noqa: BLE001 - wandb's errors have no common base; each is one line here
+        except Exception as err:
             raise SinkFailed(f"metrics.wandb: cannot start the W&B run {run_id}: {' '.join(str(err).split())}") from err
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")

@@ -3,12 +3,11 @@
 import math
 
 import orjson
+from conftest import make_samples, tiny_trainer_config
 
 from orchestrator import rundir as files
 from orchestrator.embedded.policy import load_policy
 from orchestrator.embedded.trainer import Trainer
-
-from conftest import make_samples, tiny_trainer_config
 
 
 def test_each_trained_step_publishes_its_metrics_the_warm_start_none(tmp_path):
