@@ -24,8 +24,8 @@ BUSY = ["--set", "algorithm.name=gar", "--set", "algorithm.grader.delay_s=0.002"
 
 
 def orch(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], check=False, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], check=False, capture_output=True,
+                          text=True, timeout=timeout, env=env)
 
 
 def run_fake(runs_dir: Path, name: str, *extra: str, steps: int = STEPS, env: dict | None = None) -> Path:

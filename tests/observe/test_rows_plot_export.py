@@ -105,7 +105,8 @@ def test_export_counts_and_sums_equal_the_log(runs, tmp_path):
     by_reason = dict(x.execute("SELECT reason, count(*) FROM episodes WHERE fate = 'dropped' GROUP BY reason"))
     assert by_reason == acct.dropped and acct.dropped.get("stale") and acct.dropped.get("failed")
     assert one(x, "SELECT count(*) FROM episodes WHERE fate = 'cancelled'") == events("episode_cancelled")
-    late = one(log, "SELECT count(*) FROM events c WHERE c.kind = 'episode_completed' AND EXISTS (SELECT 1 FROM events x"
+    late = one(log, "SELECT count(*) FROM events c WHERE c.kind = 'episode_completed'"
+                    " AND EXISTS (SELECT 1 FROM events x"
                     " WHERE x.kind = 'episode_cancelled' AND x.seq < c.seq"
                     " AND json_extract(x.data, '$.episode_id') = json_extract(c.data, '$.episode_id'))")
     assert one(x, "SELECT sum(late) FROM episodes") == late > 0
@@ -130,7 +131,8 @@ def test_export_counts_and_sums_equal_the_log(runs, tmp_path):
     # types, indexes and full-text search on the error messages
     columns = {name: kind for _, name, kind, *_ in x.execute("PRAGMA table_info(episodes)")}
     assert (columns["reward"], columns["step"], columns["fate"]) == ("REAL", "INTEGER", "TEXT")
-    assert {"idx_episodes_group_id", "idx_episodes_fate_reason"} <= {r[1] for r in x.execute("PRAGMA index_list(episodes)")}
+    indexes = {row[1] for row in x.execute("PRAGMA index_list(episodes)")}
+    assert {"idx_episodes_group_id", "idx_episodes_fate_reason"} <= indexes
     failed = one(x, "SELECT count(*) FROM episodes WHERE error LIKE '%error_rate%'")
     assert failed == acct.failures > 0
     assert one(x, "SELECT count(*) FROM episodes_fts WHERE episodes_fts MATCH 'error_rate'") == failed

@@ -102,8 +102,8 @@ def test_a_sink_that_is_not_installed_is_one_line_before_anything_runs(tmp_path,
 
     real = sinks.importlib.util.find_spec
     monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    result = CliRunner().invoke(cli.main, ["run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path / "runs"),
-                                           "--set", "metrics.wandb.project=p"])
+    result = CliRunner().invoke(cli.main, ["run", "--env", "fake", "--trainer", "fake",
+                                           "--runs-dir", str(tmp_path / "runs"), "--set", "metrics.wandb.project=p"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "orch: error: metrics.wandb needs the wandb package: pip install 'orch[wandb]'"]

@@ -51,7 +51,8 @@ def _publish_weights(run_dir, version, metrics_bytes=None):
 @pytest.mark.parametrize("written, logged, warning", [
     (b'{"loss": 0.5, "tokens": 12}', {"loss": 0.5, "tokens": 12}, None),
     (None, None, None),  # a trainer that reports nothing (a warm start)
-    (b'{"loss": NaN, "grad_norm": 1.5, "note": "x", "flag": true}', {"grad_norm": 1.5}, "non-finite or non-numeric loss, note, flag"),
+    (b'{"loss": NaN, "grad_norm": 1.5, "note": "x", "flag": true}', {"grad_norm": 1.5},
+     "non-finite or non-numeric loss, note, flag"),
     (b'[1, 2]', None, "is not a JSON object"),
     (b'{"loss": 1e999}', {}, "non-finite or non-numeric loss"),
 ])
