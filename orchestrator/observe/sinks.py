@@ -86,14 +86,11 @@ class WandbSink:
 
         run_id = wandb_run_id(identity["config_hash"])
         self.target = f"wandb:{section.entity or ''}/{section.project}/{run_id}"
-        try:
-            self.run = wandb.init(
-                project=section.project, entity=section.entity, name=section.name or identity["name"], id=run_id,
-                resume="allow", mode=section.mode, dir=str(section.dir or os.environ.get("WANDB_DIR") or run_dir),
-                config=orjson.loads(identity["config"]),
-            )
-        except Exception as err:
-            raise SinkFailed(f"metrics.wandb: cannot start the W&B run {run_id}: {' '.join(str(err).split())}") from err
+        self.run = wandb.init(
+            project=section.project, entity=section.entity, name=section.name or identity["name"], id=run_id,
+            resume="allow", mode=section.mode, dir=str(section.dir or os.environ.get("WANDB_DIR") or run_dir),
+            config=orjson.loads(identity["config"]),
+        )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -147,31 +144,46 @@ class SinkFeeder:
         for seq, ts, group in _grouped(log_rows(self.reader, self.rows, self.folded + 1, last_seq)):
             for sink in self.sinks:
                 if seq > self.cursors[sink.target]:
-                    sink.write(group, ts)
+                    _guarded(sink, sink.write, group, ts)
         self.folded = last_seq
         for sink in self.sinks:
-            sink.flush()
+            _guarded(sink, sink.flush)
             self.cursors[sink.target] = max(self.cursors[sink.target], last_seq)
         atomic_write_bytes(self.cursors_path, orjson.dumps({**read_cursors(self.cursors_path), **self.cursors}))
 
     async def feed(self, last_seq: int) -> None:
         await asyncio.to_thread(self.catch_up, last_seq)
 
-    async def aclose(self, last_seq: int, warn: Callable[[str], None], timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    async def aclose(self, last_seq: int, warn: Callable[[object], None], timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Write what is left and close every sink, waiting at most `timeout_s` (a W&B upload can
         be slow); past it, say so and go on (what was logged is in the log)."""
         try:
             await asyncio.wait_for(asyncio.to_thread(self._finish, last_seq), timeout_s)
         except TimeoutError:
             warn(f"the metric sinks were still writing {timeout_s:g}s after the run ended; left to finish on their own")
+        except SinkFailed as err:  # the run's own outcome stands; what the sink missed is in the log
+            warn(err)
 
     def _finish(self, last_seq: int) -> None:
         try:
             self.catch_up(last_seq)
         finally:
             for sink in self.sinks:
-                sink.close()
+                _guarded(sink, sink.close)
             self.reader.close()
+
+
+def _guarded(sink, call, *args) -> None:
+    """`call(*args)`; a sink's own error (a W&B upload, a full disk) as SinkFailed naming the sink.
+    The run stops on it in one line and a resume writes what the sink missed."""
+    try:
+        call(*args)
+    except Exception as err:  # noqa: BLE001 - any error of a third-party sink, reported in one line
+        raise SinkFailed(f"metric sink {sink.target} failed: {type(err).__name__}: {_one_line(err)}") from err
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
 
 
 def _grouped(rows) -> list[tuple[int, float, list[Row]]]:
@@ -199,7 +211,10 @@ def build_feeder(metrics, run_dir: Path, log: EventLog) -> SinkFeeder | None:
     sinks = []
     try:
         for name, section in configured:
-            sinks.append(SINKS[name](section, run_dir, identity))
+            try:
+                sinks.append(SINKS[name](section, run_dir, identity))
+            except Exception as err:  # noqa: BLE001 - a third-party sink's errors have no common base
+                raise SinkFailed(f"metrics.{name}: cannot start: {type(err).__name__}: {_one_line(err)}") from err
         return SinkFeeder(Path(log.path), run_dir, sinks)
     except BaseException:
         for sink in sinks:

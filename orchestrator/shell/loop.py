@@ -248,10 +248,10 @@ class Orchestrator:
             # The core already cancelled every in-flight episode; stop admission and let the
             # outcomes that completed meanwhile reach the core (it books them as late).
             await self._drain_rollouts()
-        published = [event.version for event in inputs if event.kind == "version_published"]
         if self.hooks.on_version is not None:
-            for version in published:  # an input with an effect: inference loads the published weights
-                self._spawn_reload(version)
+            for event in inputs:  # an input with an effect: inference loads the published weights
+                if event.kind == "version_published":
+                    self._spawn_reload(event.version)
         if shipped:  # file I/O off the loop thread; the trainer hears of it afterwards
             batches = [(e.step, batch_payloads[e.step]) for e in shipped]
             await asyncio.to_thread(self._write_batches, batches)
@@ -259,8 +259,8 @@ class Orchestrator:
                 self.trainer.batch_written(e.step, e.sha256)
                 if self.progress is not None:
                     self.progress.on_batch(e, self.state, self)
-        if self.sinks is not None and (shipped or published):  # the commits that complete rows
-            await self.sinks.feed(log.last_seq)
+        if self.sinks is not None and (shipped or any(event.kind == "version_published" for event in inputs)):
+            await self.sinks.feed(log.last_seq)  # the commits that complete rows
         if self.config.log.snapshot_every and log.last_seq - self._last_snapshot_seq >= self.config.log.snapshot_every:
             self._save_snapshot()
 

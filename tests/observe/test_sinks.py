@@ -120,3 +120,13 @@ def test_sinks_are_operational_config_a_resume_may_turn_on_or_off():
     assert on.metrics.tensorboard.log_dir is None and on.metrics.wandb.mode == "offline"
     assert meaning_changes(stored, on) == [] and meaning_changes(on, stored) == []
     assert meaning_changes(stored, on.model_copy(update={"seed": 5})) == ["seed"]
+
+
+def test_a_sink_that_cannot_start_is_one_line_with_the_resume_hint(tmp_path):
+    (tmp_path / "afile").write_text("")
+    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path),
+                  "--name", "r", "--set", f"metrics.tensorboard.log_dir={tmp_path / 'afile' / 'tb'}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"orch: error: metrics.tensorboard: cannot start: NotADirectoryError: [Errno 20] Not a directory: "
+        f"'{tmp_path / 'afile' / 'tb'}' (continue it with `orch run --resume {tmp_path / 'r'}` once fixed)"]
