@@ -36,7 +36,8 @@ class SinkUnavailable(ValueError):
 
 
 class SinkFailed(RuntimeError):
-    """A sink could not start (e.g. W&B online without a login); one-line message."""
+    """A sink could not start (W&B online without a login, a log dir that is a file) or failed
+    while writing; one-line message naming it."""
 
 
 class Sink(Protocol):
@@ -128,7 +129,7 @@ def check_installed(metrics) -> None:
 class SinkFeeder:
     """Feeds the configured sinks from the run's log (see the module docs)."""
 
-    def __init__(self, db: Path, run_dir: Path, sinks: list):
+    def __init__(self, db: Path, run_dir: Path, sinks: list[Sink]):
         self.reader = EventLog.open_reader(db)
         self.cursors_path = run_dir / CURSORS_FILE
         self.sinks = sinks
@@ -149,7 +150,11 @@ class SinkFeeder:
         for sink in self.sinks:
             _guarded(sink, sink.flush)
             self.cursors[sink.target] = max(self.cursors[sink.target], last_seq)
-        atomic_write_bytes(self.cursors_path, orjson.dumps({**read_cursors(self.cursors_path), **self.cursors}))
+        try:
+            atomic_write_bytes(self.cursors_path, orjson.dumps({**read_cursors(self.cursors_path), **self.cursors}))
+        except OSError as err:
+            raise SinkFailed(f"cannot record what the metric sinks have had in {self.cursors_path}: "
+                             f"{err.strerror or err}") from err
 
     async def feed(self, last_seq: int) -> None:
         await asyncio.to_thread(self.catch_up, last_seq)
@@ -168,9 +173,15 @@ class SinkFeeder:
         try:
             self.catch_up(last_seq)
         finally:
-            for sink in self.sinks:
-                _guarded(sink, sink.close)
+            failures = []
+            for sink in self.sinks:  # every one is closed, whichever fails
+                try:
+                    _guarded(sink, sink.close)
+                except SinkFailed as err:
+                    failures.append(err)
             self.reader.close()
+            if failures:
+                raise failures[0]
 
 
 def _guarded(sink, call, *args) -> None:
@@ -208,7 +219,7 @@ def build_feeder(metrics, run_dir: Path, log: EventLog) -> SinkFeeder | None:
         return None
     meta = log.meta
     identity = {"name": run_dir.name, "config_hash": meta["config_hash"], "config": meta["config"]}
-    sinks = []
+    sinks: list[Sink] = []
     try:
         for name, section in configured:
             try:
