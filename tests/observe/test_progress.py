@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import io
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
 
 from rich.console import Console
 
@@ -55,3 +61,33 @@ def test_orch_run_in_a_pipe_prints_plain_lines(tmp_path):
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in steps] == ["step    1/3", "step    2/3", "step    3/3"]
     assert "ETA" not in result.stdout and "\x1b" not in result.stdout
+
+
+def test_orch_run_on_a_terminal_shows_the_live_bar(tmp_path):
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--env", "fake", "--trainer", "fake",
+                             "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r"],
+                            stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                            env={**os.environ, "COLUMNS": "160"})
+    os.close(follower)
+    chunks = []
+    try:
+        while True:  # until the child closes its end of the terminal
+            if not select.select([leader], [], [], 120)[0]:
+                raise AssertionError("orch run wrote nothing for 120 s")
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every writer is gone
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.wait(timeout=120) == 0
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    assert "step    3/3 | reward" in plain
+    bars = [part for part in re.split(r"[\r\n]", plain) if "ETA" in part]
+    assert bars and "3/3" in bars[-1]  # the live bar, complete at the end
