@@ -30,15 +30,14 @@ from orchestrator.core.state import State
 from orchestrator.shell.progress import buffered_episodes
 
 Row = tuple[int, str, float]
-ROW_NAMES = ("reward/mean", "lag/max", "lag/mean", "batch/samples", "batch/tokens", "queue/buffered",
-             "queue/finalizing", "version", "waste/dropped", "waste/pct", "throughput/episodes_per_s",
-             "throughput/tokens_per_s")
 TRAINER_PREFIX = "trainer/"
 T = TypeVar("T")
 THROUGHPUT_WINDOW = 5
 
 
 class StepRows:
+    """Fold a run's events in log order (`feed`), returning the rows each one completes."""
+
     def __init__(self) -> None:
         self.state = State()
         self._episodes = 0  # completions logged since the run (re)started
