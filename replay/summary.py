@@ -8,7 +8,7 @@ from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
 from orchestrator.shell.progress import eval_result_dict
 from replay.fold import Folded, FoldError, fold_log
-from replay.source import REEXECUTED_META, ReplayInputError, one_line
+from replay.source import REEXECUTED_META, ReplayInputError, one_line, row_data
 
 
 def fold_run(log: EventLog, at: int | None = None) -> Folded:
@@ -72,6 +72,7 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
         "shipped_untrained_steps": list(s.shipped_batches),
         "accounting": _acct(s),
         "evals": _evals(s),
+        "trainer_metrics": trainer_metrics(log, folded.seq),
         "conservation": {"holds": holds, **terms},
         "state_hash": state_hash(s),
     }
@@ -90,6 +91,21 @@ def _evals(s: State) -> dict[str, Any] | None:
                   "inflight": len(x.inflight)} for x in e.open.values()],
         "accounting": {name: getattr(e.acct, name) for name in type(e.acct).__slots__},  # type: ignore[attr-defined]
     }
+def trainer_metrics(log: EventLog, at: int) -> dict[int, dict[str, float]]:
+    """version -> the figures the trainer reported with it (`version_published.metrics`), up to
+    seq `at`; versions published without any are left out."""
+    out = {}
+    try:
+        for seq, _ts, _kind, data in log.read_raw(1, at, kinds=("version_published",)):
+            event = row_data(seq, data, str(log.path))
+            if isinstance(event, dict) and isinstance(event.get("metrics"), dict):
+                out[event["version"]] = event["metrics"]
+    except LogError as err:
+        raise ReplayInputError(one_line(str(err))) from None
+    return out
+
+
+TRAINER_METRICS_SHOWN = 10  # the table shows the newest versions; --json has them all
 
 
 def _acct(s: State) -> dict[str, Any]:
@@ -113,8 +129,10 @@ def _print_items(console, title: str, columns: tuple[str, ...], rows: list[tuple
     console.print(table)
 
 
-def _figure(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _figure(value) -> str:
+    if value is None:
+        return ""
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
 
 
 def _ids(ids: list[int], limit: int = 12) -> str:
@@ -180,6 +198,12 @@ def render(summary: dict[str, Any], console) -> None:
                                              "off version", "in flight"),
                      [tuple(str(x[k]) for k in ("eval_id", "env", "version", "samples", "scored", "failures",
                                                 "off_version", "inflight")) for x in evals["open"]])
+    metrics = summary["trainer_metrics"]
+    names = list(dict.fromkeys(name for figures in metrics.values() for name in figures))
+    shown = sorted(metrics)[-TRAINER_METRICS_SHOWN:]
+    _print_items(console, f"trainer metrics (the newest {len(shown)} of {len(metrics)} versions)"
+                 if len(shown) < len(metrics) else "trainer metrics", ("version", *names),
+                 [(str(v), *(_figure(metrics[v].get(name)) for name in names)) for v in shown], justify="right")
     t = Table(title="accounting", title_justify="left", show_header=False)
     t.add_column("total", style="bold")
     t.add_column("value", justify="right")
