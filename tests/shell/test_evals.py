@@ -106,6 +106,17 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
             eval_peak = max(eval_peak, len(state.evals.inflight))
             assert len(state.inflight) <= 16
     assert eval_peak == 5
+    # The rows the metric sinks and `orch plot` get: the eval curve per version.
+    from orchestrator.observe.plot import plot_runs, series
+
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        curves = series(log)
+    assert curves["eval/fake/reward_mean"] == ([0, 3, 6, 7], [r["reward_mean"] for r in results])
+    assert "eval/fake/pass_at_k" not in curves  # the fake env has no success notion
+    figure = plot_runs([("r", curves)], tmp_path / "plot.png")
+    (panel,) = [ax for ax in figure.axes if ax.get_title().startswith("held-out evals")]
+    (line,) = panel.get_lines()
+    assert list(line.get_xdata()) == [0, 3, 6, 7] and line.get_label() == "r: fake reward"
     check = orch("replay", str(run_dir), "--check", "--json")  # the same inputs give the same events
     assert check.returncode == 0 and orjson.loads(check.stdout)["deterministic"], check.stdout
     diff = orch("replay", "--diff", str(run_dir), str(run_dir), "--level", "evals")
