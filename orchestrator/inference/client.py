@@ -311,11 +311,16 @@ class InferenceClient:
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(self, prompt: str | list[int], *, n: int = 1, temperature: float = 1.0, max_tokens: int = 16,
-                       seed: int | None = None, pin: Any = None, extra: dict[str, Any] | None = None) -> Completion:
+                       seed: int | None = None, pin: Any = None, extra: dict[str, Any] | None = None,
+                       at_version: int | None = None) -> Completion:
         """Sample ``n`` completions of ``prompt`` (text or token ids) with token ids and logprobs.
 
         Retried on another endpoint after a transport/server failure (at most ``max_attempts``
-        attempts); the same ``seed`` is sent each time.
+        attempts); the same ``seed`` is sent each time. ``at_version`` (an eval pinned to it): with
+        ``vllm_lora`` the adapter of that version is asked for while the endpoint holds it (adapters
+        are immutable, one per version; unused old ones are unloaded); the other modes sample with
+        the weights the endpoint holds.
+        The completion reports the version that sampled it either way.
         """
         body: dict[str, Any] = {"prompt": prompt, "n": n, "temperature": temperature, "max_tokens": max_tokens,
                                 "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
@@ -348,7 +353,8 @@ class InferenceClient:
             ep.inflight += 1
             ep.assigned += 1
             try:
-                choices, sampled_by, ended_at = await self._sample(ep, body, n * (len(prompt) if _is_batch(prompt) else 1))
+                choices, sampled_by, ended_at = await self._sample(ep, body, n * (len(prompt) if _is_batch(prompt) else 1),
+                                                                  at_version)
             except _Retryable as exc:
                 if not exc.counted:
                     self.mark_down(ep, exc.message, exc.kind)
@@ -368,10 +374,14 @@ class InferenceClient:
             ep.completed += 1
             return Completion(ep.url, choices, sampled_by, ended_at, attempt)
 
-    async def _sample(self, ep: Endpoint, body: dict[str, Any], expected: int) -> tuple[list[ParsedChoice], int, int]:
-        """One ``/v1/completions`` call on ``ep`` at its newest version: (choices, version that
-        sampled them, version known when they came back)."""
+    async def _sample(self, ep: Endpoint, body: dict[str, Any], expected: int,
+                      at_version: int | None) -> tuple[list[ParsedChoice], int, int]:
+        """One ``/v1/completions`` call on ``ep`` at its newest version (vllm_lora: at
+        ``at_version`` while the endpoint still holds its adapter): (choices, version that sampled
+        them, version known when they came back)."""
         version = await self._ensure_version(ep)
+        if at_version is not None and self.weight_sync == "vllm_lora" and at_version in ep.adapters:
+            version = min(version, at_version)
         request = dict(body)
         adapter = None
         if self.weight_sync == "vllm_lora":
