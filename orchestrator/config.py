@@ -283,7 +283,8 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, inline or in the background")
     fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
     reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig, description="the `reverse_text` env: reverse a short random string (the embedded job)")
-    model: ModelSection = Field(default_factory=ModelSection, description="the Hugging Face model the run trains and samples")
+    model: ModelSection = Field(default_factory=ModelSection,
+                                description="the Hugging Face model the run trains and samples")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)
