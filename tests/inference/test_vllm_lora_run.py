@@ -1,0 +1,45 @@
+"""`orch run` end to end with LoRA: the hf trainer publishes every version as a PEFT adapter
+(step_0 a zero one), a vLLM-CPU server that orch starts loads each as adapter step_N and unloads
+those no request uses any more."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from tests.inference.test_vllm_run import check_completion_versions, orch_run_cmd
+from tests.inference.util import REPO
+from tests.inference.vllm_util import LORA_RANK, needs_vllm, tiny_model
+from tests.shell.test_e2e_fake import assert_log_invariants
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+# The runs train with the hf trainer (branch `hf`), which publishes the HF weights vLLM loads.
+pytest.importorskip("orchestrator.hf.trainer", reason="the hf trainer is not in this tree yet")
+STEPS = 6
+MAX_LORAS = 2
+
+
+def test_a_lora_run_samples_each_version_from_its_adapter_and_keeps_at_most_max_loras(tmp_path):
+    done = subprocess.run(orch_run_cmd(
+        "--config", str(REPO / "examples" / "reverse_text_vllm.toml"), "--runs-dir", str(tmp_path), "--name", "r",
+        "--max-steps", str(STEPS), "--set", f"model.path={tiny_model()}", "--set", "log.durability=normal",
+        "--set", "inference.weight_sync=vllm_lora", "--set", f"inference.max_loras={MAX_LORAS}",
+        "--set", f"trainer.lora.rank={LORA_RANK}", "--set", f"inference.launch.max_lora_rank={LORA_RANK}",
+        "--set", "batch.size=64"), capture_output=True, text=True, cwd=REPO, timeout=1200, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "r"
+    assert_log_invariants(run_dir, STEPS, max_off_policy=2, target_lag=1)
+    assert check_completion_versions(run_dir, lora=True) >= 8
+    # What the server held, from its own log: never more than max_loras adapters at once.
+    held, most, loaded = set(), 0, []
+    for line in (run_dir / "logs" / "vllm-0.log").read_text().splitlines():
+        if m := re.search(r"Loaded new LoRA adapter: name '(step_\d+)'", line):
+            held.add(m[1])
+            loaded.append(m[1])
+        elif m := re.search(r"Removed LoRA adapter: name '(step_\d+)'", line):
+            held.discard(m[1])
+        most = max(most, len(held))
+    assert loaded[0] == "step_0" and len(set(loaded)) >= STEPS - 1, loaded
+    assert most <= MAX_LORAS

