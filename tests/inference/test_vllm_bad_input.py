@@ -90,3 +90,26 @@ def test_a_head_dim_the_cpu_backend_does_not_support(tmp_path):
     # On GPUs the CPU backend's limits do not apply: no error from this check.
     check_inference(load_config(None, [f"model.path={model}", "inference.weight_sync=vllm_lora",
                                        "inference.launch.servers=1", 'inference.launch.gpus=["0"]']))
+
+
+@needs_vllm
+def test_a_launched_server_that_exits_is_one_error_naming_it_and_its_log(tmp_path):
+    """A server that dies before it serves (here: a flag vLLM does not know) ends the wait at
+    once with its exit code, its last log line and where the log is; its process group is gone."""
+    import asyncio
+
+    from orchestrator.config import LaunchSection
+    from orchestrator.inference.vllm_launch import LaunchError, VllmLauncher, group_alive
+
+    launcher = VllmLauncher(LaunchSection(servers=1, extra_args=["--no-such-flag"], ready_timeout_s=120),
+                            model_dir(tmp_path / "m"), tmp_path / "run", "vllm_reload", 2)
+    try:
+        launcher.start()
+        with pytest.raises(LaunchError) as err:
+            asyncio.run(launcher.wait_ready())
+    finally:
+        launcher.stop()
+    message = str(err.value)
+    assert message.startswith(f"vLLM server 0 ({launcher.urls[0]}) exited with code ") and "--no-such-flag" in message
+    assert str(tmp_path / "run" / "logs" / "vllm-0.log") in message
+    assert not group_alive(launcher.servers[0].proc.pid)
