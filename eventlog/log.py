@@ -57,12 +57,12 @@ _SYNC = {"full": "FULL", "normal": "NORMAL"}
 # each statement step and must take it back afterwards; while the event loop is busy, every
 # take-back can wait for the interpreter's switch interval (5 ms). One step per row
 # (executemany) made a 500-row commit take 400 ms next to a busy thread; 256 rows per step
-# makes it 35 ms, and 20% faster on an idle interpreter too.
+# makes it 35 ms, and is faster on an idle interpreter too.
 _MAX_ROWS_PER_INSERT = 256
 _BUSY_TIMEOUT_S = 5.0
 _MAX_SEQ = (1 << 63) - 1
 # New logs use 16 KiB pages: a sequential read of the log (a fold) walks a quarter as many
-# pages as with SQLite's 4 KiB default, 15-25% faster on the 1M-event bench log.
+# pages as with SQLite's 4 KiB default (bench/test_replay_bench.py measures the fold).
 _PAGE_SIZE = 16384
 # Passive auto-checkpoint every ~4 MiB of WAL (SQLite's default), and a WAL
 # truncated back to this size whenever it is reset.

@@ -6,7 +6,7 @@ from typing import Any
 
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
-from replay.fold import Folded, FoldError, fold_log
+from orchestrator.fold import Folded, FoldError, fold_log
 from replay.source import REEXECUTED_META, ReplayInputError, one_line
 
 
@@ -14,18 +14,22 @@ def fold_run(log: EventLog, at: int | None = None) -> Folded:
     """fold_log with input checks and errors mapped to ReplayInputError."""
     try:
         last = log.last_seq
-        if at is not None and not 0 <= at <= last:
-            raise ReplayInputError(f"--at {at} is outside the log (seq 0..{last})")
-        return fold_log(log, at=at)
+        if at is not None and not 1 <= at <= last:  # before seq 1 there is no run yet
+            raise ReplayInputError(f"--at {at} is outside the log (seq 1..{last})")
+        folded = fold_log(log, at=at)
     except LogError as err:
         raise ReplayInputError(one_line(str(err))) from None
     except FoldError as err:  # an event the reducer cannot take
         raise ReplayInputError(one_line(f"{log.path}: {err}")) from None
+    if folded.state is None:
+        raise ReplayInputError(f"{log.path} holds no event yet: no run to summarize")
+    return folded
 
 
 def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
     """Everything `orch replay RUN` shows; JSON-ready, deterministic for a given log and seq."""
-    s: State = folded.state
+    s = folded.state
+    assert s is not None, "fold_run gives a state"
     holds, terms = conservation(s)
     meta = log.meta
     groups_open, groups_finalizing = [], []
@@ -55,10 +59,10 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
         "from_snapshot": folded.from_snapshot,
         "events_folded": folded.events_folded,
         "reexecuted": meta.get(REEXECUTED_META),
-        "params": p.model_dump() if p else None,
+        "params": p.model_dump(),
         "step": s.step,
         "version": s.version,
-        "min_fresh_version": min_fresh_version(p, s.step) if p else None,
+        "min_fresh_version": min_fresh_version(p, s.step),
         "gate": {"open": s.gate_open, "reason": s.gate_reason},
         "draining": s.draining,
         "stopped": s.stopped,
