@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench clean
+.PHONY: run test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/python -m mypy orchestrator/core eventlog replay
 
 bench: $(STAMP)
 	mkdir -p bench/results

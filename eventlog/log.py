@@ -413,7 +413,7 @@ class EventLog:
             raise self._not_writable()
         if type(kind) is not str or not kind:
             raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
-        if type(data_json) is not str:
+        if not isinstance(data_json, str):
             try:
                 data_json = data_json.decode()
             except (AttributeError, UnicodeDecodeError) as e:
@@ -456,7 +456,7 @@ class EventLog:
     def _rederive_seq(self) -> None:
         """After a failed commit: the seq counter follows what is actually stored."""
         try:
-            self._last = self._conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            self._last = self._live_conn().execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         except sqlite3.Error:
             pass  # the original error is the one worth reporting
         self._next = self._last + 1
@@ -628,7 +628,7 @@ class EventLog:
         if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
             raise InvalidArgumentError(f"unknown checkpoint mode {mode!r}")
         try:
-            return tuple(self._conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone())
+            return tuple(self._live_conn().execute(f"PRAGMA wal_checkpoint({mode})").fetchone())
         except sqlite3.Error as e:
             raise self._error(e) from None
 
@@ -640,7 +640,7 @@ class EventLog:
                 return
         except OSError:
             return
-        conn = self._conn
+        conn = self._live_conn()
         try:
             # Short busy wait: the appending loop must not stall behind a slow reader.
             conn.execute(f"PRAGMA busy_timeout={_FORCE_CHECKPOINT_BUSY_MS}")
@@ -718,7 +718,7 @@ class EventLog:
     def _transact(self, work: Callable[[sqlite3.Connection], object]) -> None:
         """Run ``work(conn)`` in one BEGIN IMMEDIATE transaction. On any failure it is rolled
         back and the error propagates (SQLite errors as typed LogErrors)."""
-        conn = self._conn
+        conn = self._live_conn()
         try:
             conn.execute("BEGIN IMMEDIATE")
             work(conn)

@@ -19,7 +19,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.decide import decide
 from orchestrator.core.events import EVENT_TYPES, INPUT_KINDS, encode_event
 from orchestrator.core.state import State, initial_state
-from replay.diff import Divergence, Side, structural_diff
+from replay.diff import Divergence, Side, divergence_of
 from replay.inputs import decode
 from replay.source import guarded, row_data
 
@@ -48,10 +48,9 @@ def _side_of_event(seq: int, event) -> Side:
 
 
 def _diverged(what: str, recorded: Side | None, derived: Side | None, note: str) -> Divergence:
-    fields, more = [], 0
-    if recorded is not None and derived is not None:
-        fields, more = structural_diff({"kind": recorded.kind, **recorded.data}, {"kind": derived.kind, **derived.data})
-    return Divergence(what, recorded.seq if recorded else derived.seq, recorded, derived, fields, more, note)
+    at = recorded or derived
+    assert at is not None, "a divergence has a recorded or a derived event"
+    return divergence_of(what, at.seq, recorded, derived, note=note)
 
 
 def _state_for(first: ev.Event) -> State:

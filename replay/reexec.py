@@ -153,9 +153,10 @@ class Reexecutor:
         self.state: State  # made by `_check_params` from RUN's run_started
         self.results = RecordedResults(source)
         self.rng = random.Random(options.seed)
-        self.now: deque = deque()  # results to deliver before the next recorded input
-        self.scheduled: dict[int, tuple[int, object]] = {}  # recorded seq -> (group id, result)
-        self.held: list = []  # shuffled: results waiting for a random delivery point
+        self.now: deque[ev.BackgroundFinalized | ev.FinalizeFailed] = deque()  # before the next recorded input
+        # recorded seq -> (group id, result)
+        self.scheduled: dict[int, tuple[int, ev.BackgroundFinalized | ev.FinalizeFailed]] = {}
+        self.held: list[ev.BackgroundFinalized | ev.FinalizeFailed] = []  # shuffled: waiting for a random delivery point
         self.cursor, self.cursor_kind = 0, ""  # the recorded row being processed
         self.algorithm = "grpo"
         self.source_background = False

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
 from orchestrator.fold import Folded, FoldError, fold_log
 from replay.source import REEXECUTED_META, ReplayInputError, one_line
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 
 def fold_run(log: EventLog, at: int | None = None) -> Folded:
@@ -82,11 +85,11 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
 def _acct(s: State) -> dict[str, Any]:
     a = s.acct
     return {name: (dict(getattr(a, name)) if isinstance(getattr(a, name), dict) else getattr(a, name))
-            for name in type(a).__slots__}  # type: ignore[attr-defined]
+            for name in type(a).__slots__}
 
 
 def _print_items(console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]],
-                 justify: str = "left") -> None:
+                 justify: JustifyMethod = "left") -> None:
     """A titled table of items, printed only when there are any."""
     from rich.table import Table
 

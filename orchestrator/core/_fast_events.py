@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import orjson
 from pydantic import BaseModel
 
 from orchestrator.core.events import _NESTED_KINDS, EVENT_TYPES, EpisodeCompleted, _Model
+
+if TYPE_CHECKING:
+    from orchestrator.core.state import Trace
 
 _new = object.__new__
 # Setters of the four slots every pydantic model instance has, taken from their descriptors:
@@ -94,7 +97,7 @@ def unvalidated_constructor(cls: type[_Model]) -> Callable[..., _Model]:
 
 _ALL_FIELDS = {cls: set(cls.model_fields) for cls in EVENT_TYPES.values()}  # every field's name
 for _cls in EVENT_TYPES.values():
-    _cls.unvalidated = staticmethod(unvalidated_constructor(_cls))  # type: ignore[assignment]
+    _cls.unvalidated = staticmethod(unvalidated_constructor(_cls))
 
 
 # ---------------------------------------------------------------- fold views
@@ -124,6 +127,32 @@ class TraceView(msgspec.Struct, gc=False):
     def model(self) -> EpisodeCompleted:
         return decode_unvalidated("episode_completed", self.data)  # type: ignore[return-value]
 
+    # The rest of a `Trace`, for a reader inside a fold (the fold itself never reads them): from
+    # the full event, decoded on each access.
+    @property
+    def reward(self) -> float:
+        return self.model().reward
+
+    @property
+    def mask(self) -> list[int]:
+        return self.model().mask
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.model().logprobs
+
+    @property
+    def temperature(self) -> float:
+        return self.model().temperature
+
+    @property
+    def sampled_tokens(self) -> int:
+        return self.model().sampled_tokens
+
+
+if TYPE_CHECKING:
+    _A_TRACE_VIEW_IS_A_TRACE: type[Trace] = TraceView
+
 
 _decode_trace_view = msgspec.json.Decoder(TraceView).decode
 
@@ -136,14 +165,15 @@ def trace_view(data: bytes) -> TraceView:
 
 def _flat_view_decoder(cls: type[_Model]) -> Callable[[bytes], msgspec.Struct]:
     """A decoder of `cls`'s rows into a Struct with its fields (same types and defaults)."""
-    fields = []
+    fields: list[tuple[Any, ...]] = []
     for name, info in cls.model_fields.items():
         if name == "kind":
             continue
         if info.is_required():
             fields.append((name, info.annotation))
         elif info.default_factory is not None:
-            fields.append((name, info.annotation, msgspec.field(default_factory=info.default_factory)))
+            factory = functools.partial(info.get_default, call_default_factory=True)
+            fields.append((name, info.annotation, msgspec.field(default_factory=factory)))
         else:
             fields.append((name, info.annotation, info.default))
     view = msgspec.defstruct(f"{cls.__name__}View", fields, kw_only=True, gc=False, module=__name__)

@@ -14,7 +14,7 @@ that skip validation (`Event.unvalidated`) and the fold views are in `_fast_even
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, ClassVar, Literal, Self, Union
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Self, Union
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
@@ -38,6 +38,8 @@ class _Model(BaseModel):
     # Frozen: the same object lives in the log buffer and in the state. NaN/Inf are refused at
     # construction, so an encoded event is always valid JSON.
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    if TYPE_CHECKING:
+        kind: str  # an event's discriminator: a Literal field of each event class
     # `cls(**fields)` without validation, for values valid by construction; every event class
     # gets its own (`_fast_events.unvalidated_constructor`).
     unvalidated: ClassVar[Callable[..., Self]]
@@ -280,7 +282,7 @@ def encode_event(event: _Model) -> tuple[str, bytes]:
             return kind, b"{" + orjson.dumps(event.__dict__)[_KIND_HEAD_LENGTH[kind]:]
         except orjson.JSONEncodeError:  # an int beyond 64 bits, or a field left unset
             pass
-    return kind, event.__pydantic_serializer__.to_json(event)  # type: ignore[attr-defined]
+    return kind, event.__pydantic_serializer__.to_json(event)
 
 
 def decode_event(kind: str, data: bytes | str) -> _Model:

@@ -11,7 +11,7 @@ from typing import Any
 
 from orchestrator.core import events as ev
 from orchestrator.core._fast_events import FOLD_VIEWS, TraceView
-from orchestrator.core.state import Group, QueuedTrace, ShippedSample, State, initial_state
+from orchestrator.core.state import Group, QueuedTrace, ShippedSample, State, Trace, initial_state
 
 _ZERO_OUTPUT_CANCEL_REASONS = ("stale", "overload")
 
@@ -50,7 +50,7 @@ def _episode_dispatched(s: State, e: ev.EpisodeDispatched) -> None:
         s.unfilled.pop(group_id, None)
 
 
-def _episode_completed(s: State, e: ev.EpisodeCompleted) -> None:
+def _episode_completed(s: State, e: Trace) -> None:
     group_id = s.inflight.pop(e.episode_id, None)
     if group_id is None:  # cancelled (or re-run) while it was finishing: ignored, counted
         s.acct.late += 1

@@ -217,7 +217,7 @@ def state_to_dict(s: State) -> dict[str, Any]:
         "stopped": s.stopped, "stop_reason": s.stop_reason,
         "finalize_errors": [[g, e] for g, e in s.finalize_errors.items()],
         "last_reward_mean": s.last_reward_mean,
-        "acct": {name: getattr(acct, name) for name in Accounting.__slots__},  # type: ignore[attr-defined]
+        "acct": {name: getattr(acct, name) for name in Accounting.__slots__},
     }
 
 
