@@ -64,6 +64,14 @@ def test_a_row_that_cannot_be_folded_names_its_seq(sim_log, row, error):
     assert str(info.value).startswith(error) and info.value.seq == 12
 
 
+def test_a_log_of_another_format_version_is_refused_naming_it(sim_log):
+    """Version 1 logged background results as `group_finalized`: its rows are not read as version 2."""
+    rows = [ev.encode_event(sim_log[0].model_copy(update={"schema_version": 1}))]
+    with pytest.raises(FoldError, match=r"seq 1: cannot fold the 'run_started' event: ValueError: an orch log of "
+                                        r"format version 1; this orch reads version 2 only"):
+        fold_rows(None, rows)
+
+
 def test_decide_hands_out_the_batch_file_its_sha256_covers(sim_log):
     """The shell writes the bytes `decide` hashed (no second encoding); rebuilding them from the
     state, as a resume does, gives the same bytes."""
