@@ -7,8 +7,8 @@ property tests, the replay equivalence matrix and the core benchmark all drive t
 
 `settle="immediate"` delivers each background finalize result right after its
 `finalize_started` (before any other input); `settle="random"` holds results and delivers them
-later in random order, like slow graders would. The world is an `EffectPort`: the effect
-interpreter tells it what each decision calls for.
+later in random order, like slow graders would. The world is an effect port: the effect
+interpreter (orchestrator.effects) tells it what each decision calls for.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.advantages import grpo_advantages
 from orchestrator.core.decide import decide
 from orchestrator.core.state import Group, State, Trace, initial_state
-from orchestrator.effects import perform
+from orchestrator.effects import IgnoringPort, perform
 
 
 @dataclass
@@ -36,7 +36,7 @@ class SimOptions:
     reward_levels: int = 4  # rewards are k / reward_levels, so ties (zero advantages) happen
 
 
-class SimWorld:
+class SimWorld(IgnoringPort):
     def __init__(self, params: ev.CoreParams, seed: int = 0, options: SimOptions | None = None,
                  scorer: Callable[[list[float]], list[float]] = grpo_advantages, state: State | None = None):
         self.params, self.options, self.scorer = params, options or SimOptions(), scorer
@@ -55,7 +55,9 @@ class SimWorld:
         perform(self.state, [event, *decisions], self)
         return decisions
 
-    # --- the effect port: only rollouts and background finalizes need the world -----------------
+    # --- the effect port: the world answers rollouts and background finalizes; the rest (no
+    # files, no inference, a trainer that publishes on its own schedule) needs nothing of it. A
+    # held result of a cancelled group is still delivered, late, as a slow grader's would be.
 
     def start_rollout(self, dispatched: ev.EpisodeDispatched, group: Group) -> None:
         self.dispatch_version[dispatched.episode_id] = dispatched.policy_version
@@ -67,27 +69,6 @@ class SimWorld:
             self.feed(result)
         else:
             self.held_results.append(result)
-
-    def cancel_rollout(self, episode_id: int) -> None:
-        """A cancelled episode is no longer in flight: the world never completes it."""
-
-    def cancel_finalize(self, group_id: int) -> None:
-        """A held result of a cancelled group is still delivered, late, as a slow grader's would be."""
-
-    def write_batch(self, shipped: ev.BatchShipped) -> None:
-        """No files: the shipped batch is in the log."""
-
-    def notify_trainer(self, shipped: ev.BatchShipped) -> None:
-        """The simulated trainer publishes on its own schedule (`advance`)."""
-
-    def load_version(self, version: int) -> None:
-        """Episodes start from the newest version at once."""
-
-    def drain(self) -> None:
-        """Nothing to stop admitting: the world only completes in-flight episodes."""
-
-    def snapshot(self) -> None:
-        """The log is a list: nothing to cache."""
 
     def start(self) -> None:
         self.started = True

@@ -26,8 +26,9 @@ Delivery order (`settle_order`):
   each recorded input every held result has a `deliver_p` chance), the rest at the end.
 
 Re-executing a background run inline skips RUN's recorded `background_finalized`/`finalize_failed`
-inputs: the inline path decides its own. The re-executor is an `EffectPort`: the effect
-interpreter tells it when a decision asks for a background finalize, or cancels one. A recorded input the new run cannot accept (a
+inputs: the inline path decides its own. The re-executor is an effect port: the effect
+interpreter (orchestrator.effects) tells it when a decision asks for a background finalize, or
+cancels one. A recorded input the new run cannot accept (a
 completion of an episode it never dispatched, or dispatched into another group) stops the
 re-execution and is reported as the divergence, never a crash. Like the shell, a group that the
 new run cancels gets no result.
@@ -49,8 +50,8 @@ from eventlog.lock import lock_path_for
 from orchestrator.core import events as ev
 from orchestrator.core.advantages import INLINE_SCORERS
 from orchestrator.core.decide import decide
-from orchestrator.core.state import Group, State, Trace, initial_state
-from orchestrator.effects import perform
+from orchestrator.core.state import State, Trace, initial_state
+from orchestrator.effects import IgnoringPort, perform
 from replay.inputs import decode
 from replay.source import EVENTS_DB, REEXECUTED_META, ReplayInputError, guarded, one_line
 
@@ -145,7 +146,7 @@ def out_db_path(out: str | os.PathLike) -> Path:
     return p if p.suffix == ".db" else p / EVENTS_DB
 
 
-class Reexecutor:
+class Reexecutor(IgnoringPort):
     def __init__(self, source: EventLog, out: str | os.PathLike, options: ReexecOptions):
         self.source, self.options = source, options
         self.db = out_db_path(out)
@@ -197,7 +198,8 @@ class Reexecutor:
         while self.now:
             self._feed(self.now.popleft())
 
-    # --- the effect port: only background finalizes need an answer -------------------------------
+    # --- the effect port: only background finalizes need an answer; completions and publishes
+    # are recorded inputs, and a re-executed log is compared, not resumed (no files, no snapshot).
 
     def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
         self._finalize_requested(started, traces)
@@ -205,27 +207,6 @@ class Reexecutor:
     def cancel_finalize(self, group_id: int) -> None:
         if self.options.settle_order != "recorded":
             self._forget(group_id)
-
-    def start_rollout(self, dispatched: ev.EpisodeDispatched, group: Group) -> None:
-        """Its completion is a recorded input."""
-
-    def cancel_rollout(self, episode_id: int) -> None:
-        """A recorded completion of a cancelled episode is fed all the same, and booked as late."""
-
-    def write_batch(self, shipped: ev.BatchShipped) -> None:
-        """No files: `--diff` compares the batches' sha256 in the logs."""
-
-    def notify_trainer(self, shipped: ev.BatchShipped) -> None:
-        """The trainer's publishes are recorded inputs."""
-
-    def load_version(self, version: int) -> None:
-        """No inference: completions are recorded."""
-
-    def drain(self) -> None:
-        """No rollouts to stop admitting."""
-
-    def snapshot(self) -> None:
-        """A re-executed log is compared, not resumed: no snapshot."""
 
     def _forget(self, group_id: int) -> None:
         """The shell cancels a cancelled group's finalize task: its result never comes. (With the
