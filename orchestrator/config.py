@@ -1,6 +1,6 @@
 """Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
 
-Every knob of DESIGN §3 is a field here with a documented default; `core_params()` extracts the
+Every knob of the rules (docs/rules.md) is a field here with a documented default; `core_params()` extracts the
 part the core folds (it travels in `run_started`, so a log is self-describing).
 """
 
@@ -78,9 +78,9 @@ class FakeEnvConfig(_Section):
     latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
     error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")
     empty_rate: float = Field(0.0, ge=0, le=1, description="probability an episode samples no token")
-    prompt_tokens: int = Field(8, ge=0)
-    min_tokens: int = Field(4, ge=1, description="completion length range")
-    max_tokens: int = Field(16, ge=1)
+    prompt_tokens: int = Field(8, ge=0, description="prompt length of every fake episode, in tokens")
+    min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
+    max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
 
     @model_validator(mode="after")
     def _range(self) -> FakeEnvConfig:
@@ -90,8 +90,8 @@ class FakeEnvConfig(_Section):
 
 
 class ReverseTextConfig(_Section):
-    min_len: int = Field(3, ge=1)
-    max_len: int = Field(6, ge=1)
+    min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
+    max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
 
 
 class TrainerSection(_Section):
@@ -167,7 +167,7 @@ class LogConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = Field("default", description="run directory name under runs_dir")
+    name: str = Field("default", description="run directory name under runs_dir (`orch run` without --name: run-YYYYmmdd-HHMMSS)")
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
     seed: int = Field(0, description="seeds the core RNG, the envs and the policy")
     max_steps: int = Field(40, ge=1, description="batches to ship, then drain and stop")
@@ -175,14 +175,14 @@ class RunConfig(_Section):
         default_factory=lambda: {"reverse_text": 1.0}, description="train env -> dispatch ratio"
     )
     zero_output_batches: int = Field(10, ge=1, description="batch-equivalents of zero output that stop the run")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    batch: BatchConfig = Field(default_factory=BatchConfig)
-    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="groups, permits and sampling")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="how the pending queue is cut into batches")
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="how far the rollouts may run ahead of the trainer")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, inline or in the background")
     fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
-    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig)
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    log: LogConfig = Field(default_factory=LogConfig)
+    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig, description="the `reverse_text` env: reverse a short random string (the embedded job)")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
+    log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)
 
     @model_validator(mode="after")

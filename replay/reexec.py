@@ -157,7 +157,7 @@ class Reexecutor(IgnoringPort):
         self.now: deque[ev.BackgroundFinalized | ev.FinalizeFailed] = deque()  # before the next recorded input
         # recorded seq -> (group id, result)
         self.scheduled: dict[int, tuple[int, ev.BackgroundFinalized | ev.FinalizeFailed]] = {}
-        self.held: list[ev.BackgroundFinalized | ev.FinalizeFailed] = []  # shuffled: waiting for a random delivery point
+        self.held: list[ev.BackgroundFinalized | ev.FinalizeFailed] = []  # shuffled: to deliver at random points
         self.cursor, self.cursor_kind = 0, ""  # the recorded row being processed
         self.algorithm = "grpo"
         self.source_background = False

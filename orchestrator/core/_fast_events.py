@@ -104,7 +104,8 @@ for _cls in EVENT_TYPES.values():
 # A fold (resume, replay) applies the reducer to every logged event but keeps almost none of
 # them: nearly every trace ships or drops before the end of the log. So a fold reads each row as
 # a msgspec Struct of just the fields the reducer reads (type-checked, unknown keys skipped
-# without being built: cheaper than a dict of every field, much cheaper than a model), and builds the models only for the traces still held in the state at the end
+# without being built: cheaper than a dict of every field, much cheaper than a model), and builds
+# the models only for the traces still held in the state at the end
 # (`TraceView.model`).
 
 

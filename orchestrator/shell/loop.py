@@ -21,8 +21,8 @@ from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
 from orchestrator.core.decide import decide
 from orchestrator.core.state import REDUCER_VERSION, Group, ShippedSample, State, Trace, state_bytes
 from orchestrator.effects import perform
-from orchestrator.rundir import atomic_write_bytes, batch_path
 from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
+from orchestrator.rundir import atomic_write_bytes, batch_path
 from orchestrator.shell.algorithms import Algorithm
 from orchestrator.shell.rollouts import RolloutRequest
 
@@ -261,8 +261,8 @@ class Orchestrator:
             self.trainer.batch_written(e.step, e.sha256)
             if self.progress is not None:
                 self.progress.on_batch(e, self.state, self)
-        due = self.config.log.snapshot_every and log.last_seq - self._last_snapshot_seq >= self.config.log.snapshot_every
-        if due or self._snapshot_due:
+        every = self.config.log.snapshot_every
+        if self._snapshot_due or (every and log.last_seq - self._last_snapshot_seq >= every):
             self._snapshot_due = False
             self._save_snapshot()
 

@@ -46,7 +46,8 @@ SCRIPT = textwrap.dedent('''
                                 "trainer.publish_timeout_s=1"])
     config.run_dir.mkdir(parents=True)
     log = EventLog.create(config.run_dir / "events.db", durability="full")
-    run = runner.OpenedRun(config, config.run_dir, log, initial_state(config.core_params()), ev.RunStarted(params=config.core_params()), None)
+    params = config.core_params()
+    run = runner.OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
     try:
         print(f"stopped: {runner.run_job(run, None).state.stop_reason}")
     except Exception as err:
