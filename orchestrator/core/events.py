@@ -2,8 +2,8 @@
 
 An event is either an *input* (a fact from the outside world: a finished episode, a background
 finalize result, a published version, a stop request, a start/resume marker) or a *decision*
-that `decide` derived from one, and its kind says which: an input's class derives from `Input`, a
-decision's from `Decision` (`INPUT_KINDS`). Both are logged; `evolve` folds both. A group scored
+that `decide` derived from one, and its kind says which: each event class's `role` (the kinds
+whose role is "input" are `INPUT_KINDS`). Both are logged; `evolve` folds both. A group scored
 inline is the decision `group_finalized`; the same result from a background finalize is the input
 `background_finalized`.
 
@@ -43,14 +43,10 @@ class _Model(BaseModel):
     # `cls(**fields)` without validation, for values valid by construction; every event class
     # gets its own (`_fast_events.unvalidated_constructor`).
     unvalidated: ClassVar[Callable[..., Self]]
-
-
-class Input(_Model):
-    """A fact from the outside world, handed to `decide`."""
-
-
-class Decision(_Model):
-    """What `decide` derived from an input."""
+    # An event's role: "input" (a fact from the outside world, handed to `decide`) or "decision"
+    # (what `decide` derived from one). A class attribute rather than two base classes: a deeper
+    # class hierarchy slows every attribute lookup of the core.
+    role: ClassVar[Literal["input", "decision"]]
 
 
 class CoreParams(_Model):
@@ -97,19 +93,22 @@ class CoreParams(_Model):
         return self
 
 
-class RunStarted(Input):
+class RunStarted(_Model):
+    role = "input"
     kind: Literal["run_started"] = Field("run_started", exclude=True)
     schema_version: int = EVENT_SCHEMA_VERSION
     params: CoreParams
 
 
-class RunResumed(Input):
+class RunResumed(_Model):
+    role = "input"
     kind: Literal["run_resumed"] = Field("run_resumed", exclude=True)
     from_seq: int
     max_steps: int
 
 
-class GroupDispatched(Decision):
+class GroupDispatched(_Model):
+    role = "decision"
     kind: Literal["group_dispatched"] = Field("group_dispatched", exclude=True)
     group_id: int
     env: str
@@ -118,7 +117,8 @@ class GroupDispatched(Decision):
     policy_version: int
 
 
-class EpisodeDispatched(Decision):
+class EpisodeDispatched(_Model):
+    role = "decision"
     kind: Literal["episode_dispatched"] = Field("episode_dispatched", exclude=True)
     episode_id: int
     group_id: int
@@ -126,7 +126,8 @@ class EpisodeDispatched(Decision):
     policy_version: int
 
 
-class EpisodeCompleted(Input):
+class EpisodeCompleted(_Model):
+    role = "input"
     kind: Literal["episode_completed"] = Field("episode_completed", exclude=True)
     episode_id: int
     group_id: int
@@ -155,28 +156,33 @@ class EpisodeCompleted(Input):
         return sum(self.mask)
 
 
-class EpisodeCancelled(Decision):
+class EpisodeCancelled(_Model):
+    role = "decision"
     kind: Literal["episode_cancelled"] = Field("episode_cancelled", exclude=True)
     episode_id: int
     reason: Literal["drain", "stop", "resume", "group_cancelled"]
 
 
-class FinalizeStarted(Decision):
+class FinalizeStarted(_Model):
+    role = "decision"
     kind: Literal["finalize_started"] = Field("finalize_started", exclude=True)
     group_id: int
     background: bool
     trace_ids: list[int]
 
 
-class GroupFinalized(Decision):
+class GroupFinalized(_Model):
+    role = "decision"
     kind: Literal["group_finalized"] = Field("group_finalized", exclude=True)
     group_id: int
     trace_ids: list[int]
     advantages: list[float]
 
 
-class BackgroundFinalized(Input):
+class BackgroundFinalized(_Model):
     """A background finalize's result: what `group_finalized` decides on the inline path."""
+
+    role = "input"
 
     kind: Literal["background_finalized"] = Field("background_finalized", exclude=True)
     group_id: int
@@ -184,13 +190,15 @@ class BackgroundFinalized(Input):
     advantages: list[float]
 
 
-class FinalizeFailed(Input):
+class FinalizeFailed(_Model):
+    role = "input"
     kind: Literal["finalize_failed"] = Field("finalize_failed", exclude=True)
     group_id: int
     error: str
 
 
-class GroupSettled(Decision):
+class GroupSettled(_Model):
+    role = "decision"
     kind: Literal["group_settled"] = Field("group_settled", exclude=True)
     group_id: int
     admitted: bool
@@ -198,31 +206,36 @@ class GroupSettled(Decision):
     dropped: dict[str, list[int]] = Field(default_factory=dict)  # reason -> completed episodes not queued
 
 
-class GroupCancelled(Decision):
+class GroupCancelled(_Model):
+    role = "decision"
     kind: Literal["group_cancelled"] = Field("group_cancelled", exclude=True)
     group_id: int
     reason: Literal["stale", "overload", "drain", "stop"]
     count: int  # completed episodes of the group that will never train
 
 
-class TracesDropped(Decision):
+class TracesDropped(_Model):
+    role = "decision"
     kind: Literal["traces_dropped"] = Field("traces_dropped", exclude=True)
     trace_ids: list[int]
     reason: Literal["stale", "drain", "stop"]
 
 
-class GateChanged(Decision):
+class GateChanged(_Model):
+    role = "decision"
     kind: Literal["gate_changed"] = Field("gate_changed", exclude=True)
     open: bool
     reason: str
 
 
-class VersionPublished(Input):
+class VersionPublished(_Model):
+    role = "input"
     kind: Literal["version_published"] = Field("version_published", exclude=True)
     version: int
 
 
-class BatchShipped(Decision):
+class BatchShipped(_Model):
+    role = "decision"
     kind: Literal["batch_shipped"] = Field("batch_shipped", exclude=True)
     step: int
     trace_ids: list[int]  # shipped, in batch order
@@ -234,17 +247,20 @@ class BatchShipped(Decision):
     reward_mean: float
 
 
-class DrainStarted(Decision):
+class DrainStarted(_Model):
+    role = "decision"
     kind: Literal["drain_started"] = Field("drain_started", exclude=True)
     reason: str
 
 
-class StopRequested(Input):
+class StopRequested(_Model):
+    role = "input"
     kind: Literal["stop_requested"] = Field("stop_requested", exclude=True)
     reason: str
 
 
-class RunStopped(Decision):
+class RunStopped(_Model):
+    role = "decision"
     kind: Literal["run_stopped"] = Field("run_stopped", exclude=True)
     reason: str
     error: bool = False
@@ -264,7 +280,8 @@ EVENT_TYPES: dict[str, type[_Model]] = {
     cls.model_fields["kind"].default: cls for cls in Event.__origin__.__args__  # type: ignore[attr-defined]
 }
 # Facts from the outside world; everything else is decided by the core.
-INPUT_KINDS = frozenset(kind for kind, cls in EVENT_TYPES.items() if issubclass(cls, Input))
+assert all(getattr(cls, "role", None) in ("input", "decision") for cls in EVENT_TYPES.values()), "a kind lacks a role"
+INPUT_KINDS = frozenset(kind for kind, cls in EVENT_TYPES.items() if cls.role == "input")
 
 _NESTED_KINDS = frozenset({"run_started"})
 # An event's fields are its __dict__, `kind` first, in declaration order, so its data is the

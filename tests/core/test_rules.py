@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from orchestrator.core import events as ev
+from orchestrator.core.decide import decide
 from orchestrator.core.state import conservation, state_hash
 
 # --- rule 1: dispatch ----------------------------------------------------------------------------
@@ -292,3 +293,15 @@ def test_decisions_are_not_inputs(driver):
     d.start()
     with pytest.raises(ValueError, match="not an input"):
         d.feed(ev.DrainStarted(reason="x"))
+
+
+def test_a_scored_group_is_a_decision_inline_and_an_input_only_from_the_background(driver):
+    """The role is the kind's: `decide` refuses the inline kind as an input."""
+    assert (ev.GroupFinalized.role, ev.BackgroundFinalized.role) == ("decision", "input")
+    d = driver(group_size=1, batch_size=100, max_inflight=1, finalize_in_background=True)
+    d.start()
+    d.complete(1)
+    with pytest.raises(ValueError, match="'group_finalized' is a decision, not an input"):
+        decide(d.state, ev.GroupFinalized(group_id=1, trace_ids=[1], advantages=[0.5]))
+    settled = d.of(d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1], advantages=[0.5])), "group_settled")
+    assert settled and settled[0].trace_ids == [1]
