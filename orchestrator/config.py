@@ -17,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from orchestrator.core.advantages import BACKGROUND_ONLY
-from orchestrator.core.events import CoreParams
+from orchestrator.core.events import CoreParams, EvalParams
 
 
 class ConfigError(ValueError):
@@ -161,9 +161,61 @@ def endpoint_base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
+class EvalConfig(_Section):
+    """Evaluations on a schedule (docs/evals.md): held-out tasks sampled beside training, outside
+    the train gate, never trained on. Off while `envs` is empty (the default)."""
+
+    envs: list[str] = Field(default_factory=list, description="envs to evaluate (train envs); empty = no evals")
+    every: int = Field(10, ge=1, description="an eval every N published versions, plus version 0 and the last")
+    num_tasks: int = Field(32, ge=1, description="held-out tasks per eval (the same ones at every version)")
+    samples_per_task: int = Field(4, ge=1, description="samples per task (the k of pass@k)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of eval episodes")
+    max_inflight: int = Field(16, ge=1, description="eval episodes in flight at once (apart from rollout.max_inflight)")
+
+    def core_params(self) -> EvalParams | None:
+        if not self.envs:
+            return None
+        return EvalParams(envs=self.envs, every=self.every, num_tasks=self.num_tasks,
+                          samples_per_task=self.samples_per_task, temperature=self.temperature,
+                          max_inflight=self.max_inflight)
+
+
 class LogConfig(_Section):
     durability: Literal["full", "normal"] = Field("full", description="SQLite synchronous=FULL or NORMAL")
     snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
+
+
+class WandbSection(_Section):
+    """Log the run's per-step figures to Weights & Biases (needs `pip install 'orch[wandb]'`)."""
+
+    project: str = Field("orch", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user; None: your default)")
+    name: str | None = Field(None, description="W&B run name (None: the orch run's name)")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (None: WANDB_MODE, else online); offline needs no network")
+    dir: Path | None = Field(None, description="where W&B keeps its files (None: WANDB_DIR, else the run dir)")
+
+
+class TensorBoardSection(_Section):
+    """Log the run's per-step figures as TensorBoard scalars."""
+
+    log_dir: Path | None = Field(None, description="TensorBoard log dir (None: RUN_DIR/tensorboard)")
+
+
+class MetricsConfig(_Section):
+    """Metric sinks, off unless their section is given (`--set metrics.tensorboard=true`,
+    `--set metrics.wandb.project=NAME`); each is fed the rows of orchestrator/observe/rows.py."""
+
+    wandb: WandbSection | None = Field(None, description="W&B sink (off when absent)")
+    tensorboard: TensorBoardSection | None = Field(None, description="TensorBoard sink (off when absent)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switches(cls, data: Any) -> Any:
+        """`true` turns a sink on with its defaults, `false` off."""
+        if isinstance(data, dict):
+            data = {k: ({} if v is True else None if v is False else v) for k, v in data.items()}
+        return data
 
 
 class RunConfig(_Section):
@@ -184,16 +236,21 @@ class RunConfig(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluations on a schedule, off by default: docs/evals.md")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
 
     @model_validator(mode="after")
     def _known_envs(self) -> RunConfig:
-        unknown = sorted(set(self.envs) - KNOWN_ENVS)
+        unknown = sorted((set(self.envs) | set(self.eval.envs)) - KNOWN_ENVS)
         if unknown:
             raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
         if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
             raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
         if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
+        if self.rollout.env_server is not None and self.eval.envs:
+            raise ValueError("evals need held-out tasks (negative indices), which rollout.env_server does not serve; "
+                             "run the env in-process for evals")
         if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
             raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
         if self.trainer.kind == "fake" and "reverse_text" in self.envs:
@@ -222,7 +279,7 @@ class RunConfig(_Section):
             max_off_policy_steps=self.off_policy.max_off_policy_steps,
             max_finalizing_groups=self.algorithm.max_finalizing_groups, max_steps=self.max_steps,
             algorithm=self.algorithm.name, finalize_in_background=self.finalize_in_background(),
-            zero_output_batches=self.zero_output_batches,
+            zero_output_batches=self.zero_output_batches, eval=self.eval.core_params(),
         )
 
     def to_json(self) -> bytes:
@@ -238,6 +295,7 @@ RESUMABLE_FIELDS = frozenset({
     "trainer.nproc", "trainer.ddp_backend", "inference.endpoints", "inference.request_timeout_s",
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
 })
+RESUMABLE_SECTIONS = frozenset({"metrics"})  # every field inside them may change on resume
 
 
 def config_hash(config_json: bytes) -> str:
@@ -275,7 +333,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def _set_path(data: dict, path: list[str], value: Any, source: str) -> None:
     node = data
     for part in path[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an optional section that is off (metrics.wandb)
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"{source}: {part!r} is not a section")
         node = child
@@ -324,4 +384,5 @@ def meaning_changes(stored: RunConfig, requested: RunConfig) -> list[str]:
     """Fields that differ between two configs and would change what the run computes."""
     old = _flatten(stored.model_dump(mode="json"))
     new = _flatten(requested.model_dump(mode="json"))
-    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS)
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS
+                  and k.partition(".")[0] not in RESUMABLE_SECTIONS)

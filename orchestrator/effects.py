@@ -23,6 +23,15 @@ class EffectPort(Protocol):
     def cancel_rollout(self, episode_id: int) -> None:
         """Cancel the episode's rollout; its completion, if one still comes, is late."""
 
+    def start_eval_rollout(self, dispatched: ev.EvalEpisodeDispatched) -> None:
+        """Run the eval episode, pinned to its eval's version."""
+
+    def cancel_eval_rollout(self, episode_id: int) -> None:
+        """Cancel the eval episode's rollout; its eval stays open."""
+
+    def report_eval(self, completed: ev.EvalCompleted) -> None:
+        """Show an eval's result."""
+
     def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
         """Score the group in the background; the result comes back as an input."""
 
@@ -51,6 +60,9 @@ class IgnoringPort:
 
     def start_rollout(self, dispatched: ev.EpisodeDispatched, group: Group) -> None: ...
     def cancel_rollout(self, episode_id: int) -> None: ...
+    def start_eval_rollout(self, dispatched: ev.EvalEpisodeDispatched) -> None: ...
+    def cancel_eval_rollout(self, episode_id: int) -> None: ...
+    def report_eval(self, completed: ev.EvalCompleted) -> None: ...
     def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None: ...
     def cancel_finalize(self, group_id: int) -> None: ...
     def write_batch(self, shipped: ev.BatchShipped) -> None: ...
@@ -67,6 +79,19 @@ def _start_rollout(s: State, e: ev.EpisodeDispatched, port: EffectPort) -> None:
 
 def _cancel_rollout(s: State, e: ev.EpisodeCancelled, port: EffectPort) -> None:
     port.cancel_rollout(e.episode_id)
+
+
+def _start_eval_rollout(s: State, e: ev.EvalEpisodeDispatched, port: EffectPort) -> None:
+    if e.episode_id in s.evals.inflight:  # not cancelled by a later decision of the same step
+        port.start_eval_rollout(e)
+
+
+def _cancel_eval_rollout(s: State, e: ev.EvalEpisodeCancelled, port: EffectPort) -> None:
+    port.cancel_eval_rollout(e.episode_id)
+
+
+def _report_eval(s: State, e: ev.EvalCompleted, port: EffectPort) -> None:
+    port.report_eval(e)
 
 
 def _start_finalize(s: State, e: ev.FinalizeStarted, port: EffectPort) -> None:
@@ -98,6 +123,8 @@ def _snapshot(s: State, e: ev.RunStopped, port: EffectPort) -> None:
 # only input with an effect.
 _EFFECTS: dict[str, Callable[[State, Any, EffectPort], None]] = {
     "episode_dispatched": _start_rollout, "episode_cancelled": _cancel_rollout,
+    "eval_episode_dispatched": _start_eval_rollout, "eval_episode_cancelled": _cancel_eval_rollout,
+    "eval_completed": _report_eval,
     "finalize_started": _start_finalize, "group_cancelled": _cancel_finalize,
     "batch_shipped": _write_batch, "version_published": _load_version,
     "drain_started": _drain, "run_stopped": _snapshot,

@@ -24,6 +24,7 @@ from orchestrator.effects import perform
 from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.rundir import atomic_write_bytes, batch_path
 from orchestrator.shell.algorithms import Algorithm
+from orchestrator.shell.evals import eval_request, eval_result
 from orchestrator.shell.rollouts import RolloutRequest
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
@@ -97,13 +98,14 @@ class BackgroundFinalizer:
 
 class Orchestrator:
     def __init__(self, config: RunConfig, run_dir: Path, log, state: State, *, hooks: LoopHooks,
-                 algorithm: Algorithm, trainer, progress=None, stall_timeout_s: float | None = None):
+                 algorithm: Algorithm, trainer, progress=None, stall_timeout_s: float | None = None, sinks=None):
         self.config, self.run_dir, self.log, self.state = config, run_dir, log, state
         self.hooks, self.trainer, self.progress = hooks, trainer, progress
+        self.sinks = sinks  # observe.sinks.SinkFeeder: metric sinks fed from the committed log
         self.stall_timeout_s = stall_timeout_s or config.trainer.publish_timeout_s
         self._finalized: deque = deque()  # background results: settled before rollout outputs
         self._outcomes: deque[Outcome] = deque()
-        self._versions: deque[int] = deque()
+        self._versions: deque[tuple[int, dict | None]] = deque()  # (version, the trainer's metrics)
         self._control: deque = deque()  # stop requests
         self._wake: asyncio.Event | None = None
         self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized)
@@ -116,7 +118,7 @@ class Orchestrator:
         self._batch_payloads: dict[int, bytes] = {}
         self._batches_to_write: list[tuple[int, bytes]] = []
         self._batches_to_announce: list[ev.BatchShipped] = []
-        self._versions_to_load: list[int] = []
+        self._versions_published: list[int] = []
         self._drain_due = self._snapshot_due = False
 
     # --- inputs from the outside world (called on the loop thread) ---------------------------
@@ -129,8 +131,8 @@ class Orchestrator:
         self._finalized.append(event)
         self._poke()
 
-    def publish_version(self, version: int) -> None:
-        self._versions.append(version)
+    def publish_version(self, version: int, metrics: dict | None = None) -> None:
+        self._versions.append((version, metrics))
         self._poke()
 
     def request_stop(self, reason: str) -> None:
@@ -144,8 +146,14 @@ class Orchestrator:
         self._wake = asyncio.Event()
         self.feed: ExampleFeed = ExampleFeed()
         self.stream = run_examples(self.feed, self.hooks.rollout)
+        # Evals have a stream of their own: the drain closes the train stream, while evals go on
+        # to the end's eval (docs/evals.md). The core caps what is in flight; so does the stream.
+        self.eval_feed: ExampleFeed = ExampleFeed()
+        self.eval_stream = run_examples(self.eval_feed, self.hooks.rollout,
+                                        max_concurrency=self.config.eval.max_inflight)
         loop = asyncio.get_running_loop()
-        owned = [loop.create_task(self._forward_outcomes(), name="orch-outcomes"),
+        owned = [loop.create_task(self._forward_outcomes(self.stream), name="orch-outcomes"),
+                 loop.create_task(self._forward_outcomes(self.eval_stream), name="orch-eval-outcomes"),
                  loop.create_task(self.trainer.run(self.state.version), name="orch-trainer")]
         try:
             await self._handle([first_input])
@@ -162,8 +170,7 @@ class Orchestrator:
         finally:
             await self._shutdown(owned)
 
-    async def _forward_outcomes(self) -> None:
-        stream = self.stream
+    async def _forward_outcomes(self, stream) -> None:
         while await stream.wait_ready(None):
             self._outcomes.extend(stream.take_ready())
             self._poke()
@@ -177,15 +184,18 @@ class Orchestrator:
         for _ in range(min(len(outcomes), MAX_INPUTS_PER_ITERATION)):
             inputs.append(self._completion_of(outcomes.popleft()))
         while self._versions:
-            inputs.append(ev.VersionPublished(version=self._versions.popleft()))
+            version, metrics = self._versions.popleft()
+            inputs.append(ev.VersionPublished(version=version, metrics=metrics))
         while self._control:
             inputs.append(self._control.popleft())
         if inputs:
             self._last_input_at = time.monotonic()
         return inputs
 
-    def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted:
+    def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted | ev.EvalEpisodeCompleted:
         req: RolloutRequest = outcome.example
+        if req.eval_id is not None:
+            return eval_result(outcome)
         if outcome.exception is None:
             return outcome.result
         exc = outcome.exception
@@ -209,6 +219,8 @@ class Orchestrator:
         parts = []
         if s.inflight:
             parts.append(f"{len(s.inflight)} in-flight episodes")
+        if s.evals.inflight:
+            parts.append(f"{len(s.evals.inflight)} in-flight eval episodes")
         if self.finalizer.tasks:
             parts.append(f"{len(self.finalizer.tasks)} finalizing groups")
         parts.append(f"the trainer to publish version {s.version + 1}")
@@ -250,9 +262,10 @@ class Orchestrator:
         if self._drain_due:
             self._drain_due = False
             await self._drain_rollouts()
-        versions, self._versions_to_load = self._versions_to_load, []
-        for version in versions:
-            self._spawn_reload(version)
+        versions, self._versions_published = self._versions_published, []
+        if self.hooks.on_version is not None:  # inference loads the published weights
+            for version in versions:
+                self._spawn_reload(version)
         batches, self._batches_to_write = self._batches_to_write, []
         if batches:  # file I/O off the loop thread; the trainer hears of them afterwards
             await asyncio.to_thread(self._write_batches, batches)
@@ -261,6 +274,8 @@ class Orchestrator:
             self.trainer.batch_written(e.step, e.sha256)
             if self.progress is not None:
                 self.progress.on_batch(e, self.state, self)
+        if self.sinks is not None and (announced or versions):
+            await self.sinks.feed(log.last_seq)  # the commits that complete rows
         every = self.config.log.snapshot_every
         if self._snapshot_due or (every and log.last_seq - self._last_snapshot_seq >= every):
             self._snapshot_due = False
@@ -276,6 +291,16 @@ class Orchestrator:
     def cancel_rollout(self, episode_id: int) -> None:
         self.stream.cancel(episode_id)
 
+    def start_eval_rollout(self, dispatched: ev.EvalEpisodeDispatched) -> None:
+        self.eval_feed.put(eval_request(self.state, dispatched), key=dispatched.episode_id)
+
+    def cancel_eval_rollout(self, episode_id: int) -> None:
+        self.eval_stream.cancel(episode_id)
+
+    def report_eval(self, completed: ev.EvalCompleted) -> None:
+        if self.progress is not None:
+            self.progress.on_eval(completed)
+
     def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
         self.finalizer.start(started.group_id, traces)
 
@@ -289,8 +314,7 @@ class Orchestrator:
         self._batches_to_announce.append(shipped)
 
     def load_version(self, version: int) -> None:
-        if self.hooks.on_version is not None:  # inference loads the published weights
-            self._versions_to_load.append(version)
+        self._versions_published.append(version)
 
     def drain(self) -> None:
         # The core already cancelled every in-flight episode; admission stops and the outcomes
@@ -365,10 +389,11 @@ class Orchestrator:
         cancellation is reported, not raised: the run's own outcome stands (its events are all
         committed), and the steps after it still run."""
         self._wake = None
-        try:
-            await self.stream.aclose(timeout=SHUTDOWN_STEP_S)
-        except TimeoutError as err:
-            warn(err)
+        for stream in (self.stream, self.eval_stream):
+            try:
+                await stream.aclose(timeout=SHUTDOWN_STEP_S)
+            except TimeoutError as err:
+                warn(err)
         await self.finalizer.aclose(timeout_s=SHUTDOWN_STEP_S)
         reloads = list(self._reloads)
         for task in owned + reloads:

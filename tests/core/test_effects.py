@@ -19,6 +19,15 @@ class RecordingPort:
     def cancel_rollout(self, episode_id: int) -> None:
         self.calls.append(("cancel_rollout", episode_id))
 
+    def start_eval_rollout(self, dispatched: ev.EvalEpisodeDispatched) -> None:
+        self.calls.append(("start_eval_rollout", dispatched.episode_id))
+
+    def cancel_eval_rollout(self, episode_id: int) -> None:
+        self.calls.append(("cancel_eval_rollout", episode_id))
+
+    def report_eval(self, completed: ev.EvalCompleted) -> None:
+        self.calls.append(("report_eval", completed.eval_id))
+
     def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
         self.calls.append(("start_finalize", (started.group_id, [t.episode_id for t in traces])))
 
@@ -114,3 +123,27 @@ def test_batches_are_all_written_before_the_trainer_hears_of_one_and_publishes_l
     writes = [i for i, (name, _) in enumerate(port.calls) if name == "write_batch"]
     notes = [i for i, (name, _) in enumerate(port.calls) if name == "notify_trainer"]
     assert writes and len(writes) == len(notes) and max(writes) < min(notes)
+
+
+def test_eval_episodes_start_a_finished_eval_is_reported_and_a_stop_cancels_the_rest(driver):
+    eval_params = ev.EvalParams(envs=["a"], every=1, num_tasks=1, samples_per_task=2, max_inflight=2)
+
+    def started_eval():
+        d = driver(group_size=2, batch_size=100, max_inflight=2, eval=eval_params)
+        port = step(d, ev.RunStarted(params=d.params))  # version 0 is evaluated at once
+        started = [arg for name, arg in port.calls if name == "start_eval_rollout"]
+        assert len(started) == 2 and set(started) == set(d.state.evals.inflight)
+        return d, started
+
+    def completed(d, episode_id):
+        eval_id = d.state.evals.inflight[episode_id]
+        return ev.EvalEpisodeCompleted(episode_id=episode_id, eval_id=eval_id, ok=True, reward=1.0, success=True,
+                                       sampled_tokens=2, policy_start=0, policy_end=0)
+
+    d, (first, second) = started_eval()
+    eval_id = d.state.evals.inflight[first]
+    assert step(d, completed(d, first)).calls == []  # one sample of two: nothing to report yet
+    assert step(d, completed(d, second)).calls == [("report_eval", eval_id)]
+    d, (first, second) = started_eval()
+    port = step(d, ev.StopRequested(reason="test"))
+    assert [arg for name, arg in port.calls if name == "cancel_eval_rollout"] == [first, second]
