@@ -36,6 +36,7 @@ run-vllm: $(VLLM_STAMP)
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
+	$(BIN)/python -m mypy orchestrator/core eventlog replay
 
 test: $(VLLM_STAMP) lint
 	$(BIN)/python -m pytest -q
