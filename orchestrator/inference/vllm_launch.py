@@ -123,8 +123,10 @@ class VllmLauncher:
         return [s.url for s in self.servers]
 
     def command(self, server: Server) -> list[str]:
+        # processed_logprobs: the logprobs of the distribution sampled from (after temperature), which
+        # the trainer's importance ratios need; vLLM's default gives the raw model's.
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--host", self.launch.host, "--port", str(server.port)]
+               "--host", self.launch.host, "--port", str(server.port), "--logprobs-mode", "processed_logprobs"]
         if self.weight_sync == "vllm_lora":
             cmd += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank",
                     str(self.launch.max_lora_rank)]

@@ -88,14 +88,17 @@ def test_every_completion_comes_from_the_version_it_reports_while_versions_chang
     assert seen >= {1, 2, 3}, seen  # the loads landed between requests, not after them all
 
 
-def test_sampled_and_recomputed_logprobs_agree_k3_kl(server, versions, tokenizer, record_property):
-    """At equal weights, the sampler's logprobs and a transformers recompute: k3 KL < 1e-3 (fp32)."""
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_sampled_and_recomputed_logprobs_agree_k3_kl(server, versions, tokenizer, record_property, temperature):
+    """At equal weights, the sampler's logprobs and a transformers recompute: k3 KL < 1e-3 (fp32),
+    at a temperature below 1 too (the launcher asks vLLM for the sampled distribution's logprobs)."""
     batch = prompts(tokenizer, 64, seed=2)
 
     async def main():
         async with InferenceClient(server.urls, weight_sync="vllm_reload") as client:
             await client.load(VERSIONS - 1, str(versions[-1]))
-            return await asyncio.gather(*(client.complete(p, max_tokens=16, seed=i) for i, p in enumerate(batch)))
+            return await asyncio.gather(*(client.complete(p, max_tokens=16, seed=i, temperature=temperature)
+                                          for i, p in enumerate(batch)))
 
     done = asyncio.run(asyncio.wait_for(main(), 120))
     model = load_model(versions[-1])
@@ -103,9 +106,10 @@ def test_sampled_and_recomputed_logprobs_agree_k3_kl(server, versions, tokenizer
     for prompt, completion in zip(batch, done):
         (choice,) = completion.choices
         sampled += choice.logprobs
-        recomputed += recompute_logprobs(model, prompt, choice.token_ids)
+        recomputed += recompute_logprobs(model, prompt, choice.token_ids, temperature=temperature)
     kl = k3_kl(sampled, recomputed)
-    print(f"\nvLLM-CPU sampled vs transformers recomputed logprobs: k3 KL {kl:.2e} over {len(sampled)} tokens, "
+    print(f"\nvLLM-CPU sampled vs transformers recomputed logprobs at temperature {temperature}: k3 KL {kl:.2e} "
+          f"over {len(sampled)} tokens, "
           f"max |diff| {max(abs(a - b) for a, b in zip(sampled, recomputed)):.2e}")
     record_property("k3_kl", kl)
     assert kl < 1e-3
