@@ -6,7 +6,8 @@ stream is `[input, *decisions]`, and folding it from the previous state gives th
 
 Order for every input: evolve the input; the input's own rule, which ends with the common tail
 when it changed anything the tail reads: ship what is ready and released (rules 6-7), re-check
-the gate and refill free permits (rule 1), finish a drain (rule 9). A completion refills its
+the gate and refill free permits (rule 1), finish a drain (rule 9); with the dispatch capacity
+on, the tail re-checks and refills before the ship as well (see `common_tail`). A completion refills its
 permit *before* its group is finalized: that makes inline and background finalization dispatch
 the same episodes at the same points, so both ship identical batches (seed 000).
 """
@@ -78,9 +79,17 @@ def refill(d: _Decisions) -> None:
 
 
 def common_tail(d: _Decisions) -> None:
-    """What every rule ends with once it changed something the shipping rules read."""
+    """What every rule ends with once it changed something the shipping rules read.
+
+    With the dispatch capacity on, the permits are refilled before the ship too: a batch that
+    was ready before its hold released ships at the publish that releases it and advances the
+    step past target_lag, closing the gate; the capacity that publish freed would then wait a
+    whole trainer step, and the next batch with it. Before the ship the gate is open, and what
+    it dispatches trains one step later, within max_off_policy_steps (the capacity counts it)."""
     if d.state.stopped:
         return
+    if d.state.params.capacity == "staleness":
+        refill(d)
     ship_ready_batches(d)
     refill(d)
     finish_drain(d)
@@ -108,7 +117,8 @@ def capacity_has_room(s: State) -> bool:
     shipped or dropped fill every step that could still train a sample dispatched now?
 
     A sample dispatched at version v trains at the latest in step v + max_off_policy_steps + 1,
-    so the steps from `step` to that one can take `accepting` batches more. Against them count,
+    so the steps from `step` to that one (and to max_steps) can take `accepting` batches more.
+    Against them count,
     in batch units (samples, or tokens with `token_batch_size`), the queue as it stands and every
     sample the open and finalizing groups will still bring (`grouped_samples`: in flight,
     completed, and not yet dispatched), the latter at the units a settled completion turned out
@@ -127,7 +137,7 @@ def capacity_has_room(s: State) -> bool:
     Starting a group re-checks the gate at once; every other rule that changes what this reads
     (step, version, the queue, groups settled or cancelled) ends by re-checking it."""
     p, acct = s.params, s.acct
-    accepting = p.max_off_policy_steps + 1 - ((s.step - 1) - s.version)
+    accepting = min(p.max_off_policy_steps + 1 - ((s.step - 1) - s.version), p.max_steps + 1 - s.step)
     if accepting <= 0:
         return False
     if p.token_batch_size is None:
