@@ -22,7 +22,6 @@ from replay.diff import Divergence, Side, structural_diff
 from replay.inputs import classify, decode
 from replay.source import guarded, row_data
 
-
 # A rule that a run's parameters switch on is checked as the run had it: a log written before
 # the rule has no such parameter, folds with the rule off, and the check says so.
 CAPACITY_OFF_NOTE = ("rule 1 (d), the dispatch capacity, is off in this log (its run_started sets no capacity: "

@@ -7,9 +7,10 @@ stream is `[input, *decisions]`, and folding it from the previous state gives th
 Order for every input: evolve the input; the input's own rule, which ends with the common tail
 when it changed anything the tail reads: ship what is ready and released (rules 6-7), re-check
 the gate and refill free permits (rule 1), finish a drain (rule 9); with the dispatch capacity
-on, the tail re-checks and refills before the ship as well (see `common_tail`). A completion refills its
-permit *before* its group is finalized: that makes inline and background finalization dispatch
-the same episodes at the same points, so both ship identical batches (seed 000).
+on, the tail re-checks and refills before the ship as well (see `common_tail`). A completion
+refills its permit *before* its group is finalized: that makes inline and background
+finalization dispatch the same episodes at the same points, so both ship identical batches
+(seed 000).
 """
 
 from __future__ import annotations
@@ -117,12 +118,12 @@ def capacity_has_room(s: State) -> bool:
     shipped or dropped fill every step that could still train a sample dispatched now?
 
     A sample dispatched at version v trains at the latest in step v + max_off_policy_steps + 1,
-    so the steps from `step` to that one (and to max_steps) can take `accepting` batches more.
-    Against them count,
-    in batch units (samples, or tokens with `token_batch_size`), the queue as it stands and every
-    sample the open and finalizing groups will still bring (`grouped_samples`: in flight,
-    completed, and not yet dispatched), the latter at the units a settled completion turned out
-    to bring the queue so far: queued units over completions judged on their content. That
+    so the steps from `step` to that one (none past max_steps) can take `accepting` batches
+    more. Against them count, in batch units (samples, or tokens with `token_batch_size`), the
+    queue as it stands and every sample the open and finalizing groups will still bring
+    (`grouped_samples`: in flight, completed, and not yet dispatched), the latter at the units a
+    settled completion turned out to bring the queue so far: queued units over completions
+    judged on their content. That
     rate over-provisions for rejected groups, failures and settle-time pruning, and it is a
     ratio of integer counters, so the decision is exact and deterministic. Its prior, one batch
     of `batch_size` samples that filled one batch, sets the start (full admission; in tokens,
