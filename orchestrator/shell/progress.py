@@ -51,7 +51,7 @@ class Progress:
         self.warn = warn
         self.rewards: dict[int, float] = {}
         self.started = self._last = time.monotonic()
-        # (completed, dropped for the settings' reasons) after each of the last steps
+        # (shipped + dropped, dropped for the settings' reasons) after each of the last steps
         self._recent: deque[tuple[int, dict[str, int]]] = deque(maxlen=WASTE_WINDOW_STEPS + 1)
         self._warned_at: int | None = None  # step of the last waste warning
         self._bar: Bar | None = None
@@ -100,27 +100,29 @@ class Progress:
         self.console.print(f"eval {event.env} v{event.version} | {eval_figures_line(event)}")
 
     def _check_waste(self, step: int, acct: Accounting) -> None:
-        """Warn when more than WASTE_WARNING_SHARE of the last steps' completions were dropped,
-        naming what drives each of the main reasons; at most once per window."""
+        """Warn when more than WASTE_WARNING_SHARE of the completions whose fate the last steps
+        decided (shipped or dropped) were dropped, naming what drives each of the main reasons;
+        at most once per window. (Against the completions of the window alone, drops of earlier
+        completions could make the share exceed one.)"""
         dropped = dropped_for_settings(acct)
-        self._recent.append((acct.completed, dropped))
+        self._recent.append((acct.shipped + sum(acct.dropped.values()), dropped))
         if len(self._recent) <= WASTE_WINDOW_STEPS:
             return
         if self._warned_at is not None and step - self._warned_at < WASTE_WINDOW_STEPS:
             return
-        completed_before, dropped_before = self._recent[0]
-        completed = acct.completed - completed_before
+        decided_before, dropped_before = self._recent[0]
+        decided = self._recent[-1][0] - decided_before
         recent = {reason: n - dropped_before.get(reason, 0) for reason, n in dropped.items()}
         recent = {reason: n for reason, n in sorted(recent.items(), key=lambda kv: -kv[1]) if n > 0}
-        share = waste_share(sum(recent.values()), completed)
+        total = sum(recent.values())
+        share = waste_share(total, decided)
         if share <= WASTE_WARNING_SHARE:
             return
         self._warned_at = step
-        total = sum(recent.values())
         causes = "; ".join(f"{reason} {n}: {DROP_CAUSES[reason]}" for reason, n in recent.items()
                            if 10 * n >= total)  # the reasons that matter, not every stray drop
-        self.warn(f"{share:.0%} of the {completed} completions of the last {WASTE_WINDOW_STEPS} steps were "
-                  f"dropped (step {step}); {causes}")
+        self.warn(f"{share:.0%} of the {decided} completions shipped or dropped in the last {WASTE_WINDOW_STEPS} "
+                  f"steps were dropped (step {step}); {causes}")
 
     def summary(self, state: State, run_dir) -> dict:
         steps = sorted(self.rewards)
