@@ -26,7 +26,7 @@ import pytest
 from eventlog import EventLog
 from orchestrator.config import load_config
 from orchestrator.core import events as ev
-from orchestrator.core.state import State, conservation
+from orchestrator.core.state import conservation, initial_state
 from orchestrator.shell.runner import OpenedRun, run_job
 
 ISSUE_SCENARIO = {
@@ -54,7 +54,8 @@ def run_once(tmp_path, name: str, max_steps: int, sets: dict, capacity: str) -> 
     config = load_config(None, overrides + [f"{key}={value}" for key, value in sets.items()])
     config.run_dir.mkdir(parents=True)
     log = EventLog.create(config.run_dir / "events.db", durability="full")
-    run = OpenedRun(config, config.run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+    params = config.core_params()
+    run = OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
     started = time.perf_counter()
     try:
         orch = run_job(run, None)

@@ -12,7 +12,6 @@ from orchestrator.config import load_config, meaning_changes, with_added_fields
 from orchestrator.core import events as ev
 from orchestrator.core.decide import capacity_has_room, dispatch_gate
 from orchestrator.core.evolve import fold_rows
-from orchestrator.core.state import State
 from orchestrator.sim import SimOptions, TimedSimWorld
 
 VARIED = [0.0, 0.25, 0.5, 1.0]  # rewards with spread: admitted, no zero advantage
@@ -101,12 +100,9 @@ def test_the_capacity_travels_in_run_started_and_off_is_written_as_before_the_ru
     assert b"capacity" not in ev.encode_event(off)[1]
     assert orjson.loads(ev.encode_event(on)[1])["params"]["capacity"] == "staleness"
     # A log written before the rule: no such field, so it folds (and resumes, and checks) as off.
-    kind, data = ev.encode_event(off)
-    state = State()
-    fold_rows(state, [(kind, data)])
+    state, _ = fold_rows(None, [ev.encode_event(off)])
     assert state.params.capacity == "off"
-    state = State()
-    fold_rows(state, [ev.encode_event(on)])
+    state, _ = fold_rows(None, [ev.encode_event(on)])
     assert state.params.capacity == "staleness"
 
 
