@@ -286,6 +286,8 @@ def _values_of(annotation):
         return st.none() | _FINITE
     if annotation == list[float]:
         return st.lists(_FINITE, max_size=4)
+    if annotation == dict[str, int | float] | None:  # version_published's trainer metrics
+        return st.none() | st.dictionaries(st.text(max_size=8), st.integers() | _FINITE, max_size=3)
     return st.from_type(annotation)
 
 
