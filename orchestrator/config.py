@@ -1,7 +1,10 @@
 """Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
 
 Every knob of DESIGN §3 is a field here with a documented default; `core_params()` extracts the
-part the core folds (it travels in `run_started`, so a log is self-describing).
+part the core folds (it travels in `run_started`, so a log is self-describing). The components'
+sections come from their registries (`orchestrator.components`): `trainer.<kind>`,
+`inference.<kind>`, `env.<name>` and `algorithm.<name>`, each the component's own config model,
+which also checks what the component supports.
 """
 
 from __future__ import annotations
@@ -11,21 +14,19 @@ import hashlib
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
+from orchestrator.components import ALGORITHMS, ENVS, INFERENCE, TRAINERS, Component, Registry
+from orchestrator.components import Section as _Section
 from orchestrator.core.algorithms import BACKGROUND_ONLY
 from orchestrator.core.events import CoreParams
+from orchestrator.inference.endpoints_config import check_http_url
 
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; its message is one line."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RolloutConfig(_Section):
@@ -54,111 +55,61 @@ class OffPolicyConfig(_Section):
     max_off_policy_steps: int = Field(2, ge=0, description="oldest usable policy: (step-1) - this")
 
 
-class GraderConfig(_Section):
-    """The simulated slow grader used by `gar` (a real judge endpoint can replace it)."""
+def _with_components(name: str, base: type[_Section], registry: Registry) -> type[_Section]:
+    """`base` with one field per registered component of `registry`: its config section."""
+    fields: dict[str, Any] = {
+        component: (model, Field(default_factory=model, description=(model.__doc__ or "").strip().splitlines()[0]))
+        for component, model in registry.configs().items()
+    }
+    return create_model(name, __base__=base, **fields)
 
-    delay_s: float = Field(0.05, ge=0, description="mean grader latency")
-    jitter_s: float = Field(0.02, ge=0, description="uniform +- jitter on the latency")
-    failure_rate: float = Field(0.0, ge=0, le=1, description="probability a grader call raises")
-    rank_noise: float = Field(0.1, ge=0, description="noise added to rewards before ranking")
-    rank_weight: float = Field(0.5, ge=0, le=1, description="gar blend: weight of the grader rank")
 
-
-class AlgorithmConfig(_Section):
-    name: Literal["grpo", "gar"] = Field("grpo", description="grpo (inline) or gar (grader, background)")
+class _AlgorithmChoice(_Section):
+    name: str = Field("grpo", description="the algorithm: " + ", ".join(ALGORITHMS.names()))
     finalize_in_background: bool | None = Field(None, description="override the algorithm's class flag")
     max_finalizing_groups: int = Field(64, ge=1, description="finalizing groups per env that close the gate")
-    grader: GraderConfig = Field(default_factory=GraderConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        ALGORITHMS.check_known(name)
+        return name
+
+    def chosen(self) -> Component:
+        return getattr(self, self.name)
 
 
-class FakeEnvConfig(_Section):
-    """The `fake` env: seeded synthetic episodes, no model (tests and benchmarks)."""
-
-    latency_s: float = Field(0.0, ge=0, description="mean episode latency (0 = instant)")
-    latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
-    error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")
-    empty_rate: float = Field(0.0, ge=0, le=1, description="probability an episode samples no token")
-    prompt_tokens: int = Field(8, ge=0)
-    min_tokens: int = Field(4, ge=1, description="completion length range")
-    max_tokens: int = Field(16, ge=1)
-
-    @model_validator(mode="after")
-    def _range(self) -> FakeEnvConfig:
-        if self.min_tokens > self.max_tokens:
-            raise ValueError("fake_env.min_tokens must be <= fake_env.max_tokens")
-        return self
-
-
-class ReverseTextConfig(_Section):
-    min_len: int = Field(3, ge=1)
-    max_len: int = Field(6, ge=1)
-
-
-class TrainerSection(_Section):
-    kind: Literal["embedded", "fake"] = Field("embedded", description="torch trainer process or in-process fake")
-    step_time_s: float = Field(0.0, ge=0, description="fake trainer: time per optimizer step")
-    lr: float = Field(2e-3, gt=0, description="embedded trainer: learning rate")
-    sft_steps: int = Field(400, ge=0, description="embedded trainer: most warm-start steps (it stops at a loss of 0.12)")
+class _TrainerChoice(_Section):
+    kind: str = Field("embedded", description="the trainer: " + ", ".join(TRAINERS.names()))
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
-    nproc: int = Field(1, ge=1, description="embedded trainer: ranks under torchrun (DDP); 1 = one plain process")
-    ddp_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="DDP backend (auto: nccl with CUDA, else gloo)")
+
+    @field_validator("kind")
+    @classmethod
+    def _known(cls, kind: str) -> str:
+        TRAINERS.check_known(kind)
+        return kind
+
+    def chosen(self) -> Component:
+        return getattr(self, self.kind)
 
 
-class InferenceSection(_Section):
-    """OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) instead of the in-process sampler."""
+class _InferenceChoice(_Section):
+    kind: str | None = Field(None, description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for "
+                             "the fake env, openai when inference.openai.endpoints is set, else embedded)")
 
-    endpoints: list[str] = Field(default_factory=list, description="base URLs (http://host:port); empty = embedded sampler")
-    model: str | None = Field(None, description="model name sent with each request (None: the server's own)")
-    weight_sync: Literal["orch", "vllm_lora", "sglang", "none"] = Field(
-        "orch", description="how endpoints load weights/step_N: orch /update_weights, vLLM LoRA adapters, "
-        "SGLang /update_weights_from_disk, or not at all")
-    request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
-    max_attempts: int = Field(3, ge=1, description="attempts per completion, over all endpoints (transport/5xx errors)")
-    backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
-    max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")
-    pin_groups: bool = Field(True, description="send a group's episodes to one endpoint (prefix-cache reuse)")
-
-    @model_validator(mode="after")
-    def _endpoints_are_urls(self) -> InferenceSection:
-        endpoint_base_urls(self.endpoints)
-        return self
+    @field_validator("kind")
+    @classmethod
+    def _known(cls, kind: str | None) -> str | None:
+        if kind is not None:
+            INFERENCE.check_known(kind)
+        return kind
 
 
-def endpoint_base_urls(urls: list[str]) -> list[str]:
-    """The endpoints as the client addresses them (`endpoint_base_url`); ValueError naming the
-    URL if one is not an http(s) URL or two are the same endpoint. The config checks it (exit 2
-    before anything runs) and the client, also usable on its own, builds on it."""
-    seen: dict[str, str] = {}
-    for url in urls:
-        base = endpoint_base_url(url)
-        check_http_url(base, f"endpoint {url!r}")
-        if base in seen:
-            raise ValueError(f"endpoints {seen[base]!r} and {url!r} are the same")
-        seen[base] = url
-    return list(seen)
-
-
-def check_http_url(url: str, what: str) -> None:
-    """ValueError naming `what` unless `url` is http(s)://host[:port][/path] with a valid port
-    (no spaces, user, query or fragment)."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
-    except ValueError:
-        raise ValueError(f"{what} has an invalid host or port") from None
-    if (parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url)
-            or "@" in parts.netloc or parts.query or parts.fragment or parts.netloc.endswith(":")):
-        raise ValueError(f"{what} is not an http(s)://host[:port] URL")
-
-
-def endpoint_base_url(url: str) -> str:
-    """An endpoint as the client addresses it: scheme added (http), trailing `/` and `/v1` removed."""
-    url = url.strip()
-    if "://" not in url:
-        url = "http://" + url
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
+AlgorithmConfig = _with_components("AlgorithmConfig", _AlgorithmChoice, ALGORITHMS)
+TrainerSection = _with_components("TrainerSection", _TrainerChoice, TRAINERS)
+InferenceSection = _with_components("InferenceSection", _InferenceChoice, INFERENCE)
+EnvSection = _with_components("EnvSection", _Section, ENVS)
 
 
 class LogConfig(_Section):
@@ -179,26 +130,22 @@ class RunConfig(_Section):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
-    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig)
+    env: EnvSection = Field(default_factory=EnvSection, description="each env's own settings")
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     log: LogConfig = Field(default_factory=LogConfig)
     inference: InferenceSection = Field(default_factory=InferenceSection)
 
+    @field_validator("envs")
+    @classmethod
+    def _known_envs(cls, envs: dict[str, float]) -> dict[str, float]:
+        for name in envs:
+            ENVS.check_known(name)
+        return envs
+
     @model_validator(mode="after")
-    def _known_envs(self) -> RunConfig:
-        unknown = sorted(set(self.envs) - KNOWN_ENVS)
-        if unknown:
-            raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
-        if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
-            raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
-        if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
-            raise ValueError("inference endpoints sample reverse_text episodes only")
-        if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
-            raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
-        if self.trainer.kind == "fake" and "reverse_text" in self.envs:
-            raise ValueError("reverse_text samples from the trainer's published weights, which the fake trainer "
-                             "never writes; use trainer.kind='embedded' (or the fake env)")
+    def _components_support_the_run(self) -> RunConfig:
+        for component in self.chosen_components():
+            component.check(self)
         try:  # the core's own cross-checks (e.g. an algorithm that must finalize in the background)
             self.core_params()
         except ValidationError as err:
@@ -208,6 +155,25 @@ class RunConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return self.runs_dir / self.name
+
+    def inference_kind(self) -> str:
+        if self.inference.kind is not None:
+            return self.inference.kind
+        if self.inference.openai.endpoints:
+            return "openai"
+        return "fake" if set(self.envs) == {"fake"} else "embedded"
+
+    def inference_backend(self) -> Component:
+        return getattr(self.inference, self.inference_kind())
+
+    def env_components(self) -> dict[str, Component]:
+        return {name: getattr(self.env, name) for name in self.envs}
+
+    def chosen_components(self) -> list[Component]:
+        """What this run is made of, each checking what it supports (the sampler first: what it
+        samples decides which other combinations make sense)."""
+        return [self.inference_backend(), self.trainer.chosen(), *self.env_components().values(),
+                self.algorithm.chosen()]
 
     def finalize_in_background(self) -> bool:
         flag = self.algorithm.finalize_in_background
@@ -229,15 +195,19 @@ class RunConfig(_Section):
         return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
 
 
-KNOWN_ENVS = frozenset({"reverse_text", "fake"})
+def _resumable_fields() -> frozenset[str]:
+    """Fields a resume may change: they alter how the run is operated, not what it computes
+    (each component names its own)."""
+    fields = {"max_steps", "runs_dir", "name", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s",
+              "trainer.exit_timeout_s", "rollout.env_server", "inference.kind"}
+    for section, registry in (("trainer", TRAINERS), ("inference", INFERENCE), ("env", ENVS),
+                              ("algorithm", ALGORITHMS)):
+        for name, model in registry.configs().items():
+            fields.update(f"{section}.{name}.{field}" for field in model.resumable)
+    return frozenset(fields)
 
-# Fields a resume may change: they alter how the run is operated, not what it computes.
-RESUMABLE_FIELDS = frozenset({
-    "max_steps", "runs_dir", "name", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s", "trainer.step_time_s",
-    "trainer.exit_timeout_s", "rollout.env_server",
-    "trainer.nproc", "trainer.ddp_backend", "inference.endpoints", "inference.request_timeout_s",
-    "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
-})
+
+RESUMABLE_FIELDS = _resumable_fields()
 
 
 def config_hash(config_json: bytes) -> str:

@@ -4,8 +4,8 @@
   any OpenAI-compatible server that returns token ids and per-token logprobs (no torch).
 * :mod:`.client`   - :class:`~.client.InferenceClient`: several endpoints, least-loaded routing,
   per-group pinning, bounded retries, health tracking, the weight-update contract (no torch).
-* :mod:`.rollouts` - :class:`~.rollouts.InferenceRollouts`: the rollout backend of `orch run`
-  that samples through the client (same interface as ``EmbeddedRollouts``).
+* :mod:`.rollouts` - :class:`~.rollouts.EndpointsBackend`: the rollout backend of `orch run`
+  that samples through the client (same interface as ``EmbeddedBackend``).
 * :mod:`.server`   - `orch serve`: the embedded torch policy behind ``POST /v1/completions``.
 
 The weight-update contract (DESIGN section 3 rule 8): the trainer publishes

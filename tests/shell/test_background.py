@@ -6,8 +6,8 @@ import sqlite3
 import time
 
 from eventlog import EventLog
-from orchestrator.core.evolve import evolve
 from orchestrator.core.events import decode_event
+from orchestrator.core.evolve import evolve
 from orchestrator.core.state import State, conservation
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 
@@ -18,7 +18,7 @@ GAR = ["run", "--env", "fake", "--trainer", "fake", "--set", "algorithm.name=gar
 def test_a_failing_grader_stops_the_run_with_its_error_and_logs_finalize_failed(tmp_path):
     started = time.monotonic()
     result = orch(*GAR, "--max-steps", "50", "--runs-dir", str(tmp_path), "--name", "r",
-                  "--set", "algorithm.grader.failure_rate=1.0", "--set", "algorithm.grader.delay_s=0.01")
+                  "--set", "algorithm.gar.failure_rate=1.0", "--set", "algorithm.gar.delay_s=0.01")
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("orch: error: background finalize of group") and "GraderError: grader failed" in last
@@ -31,8 +31,8 @@ def test_a_failing_grader_stops_the_run_with_its_error_and_logs_finalize_failed(
 def test_finalizing_is_bounded_by_the_cap_plus_groups_in_flight_and_the_gate_says_why(tmp_path):
     cap, inflight, group_size = 2, 32, 4
     result = orch(*GAR, "--max-steps", "25", "--runs-dir", str(tmp_path), "--name", "r",
-                  "--set", f"algorithm.max_finalizing_groups={cap}", "--set", "algorithm.grader.delay_s=0.03",
-                  "--set", "fake_env.latency_s=0.002")
+                  "--set", f"algorithm.max_finalizing_groups={cap}", "--set", "algorithm.gar.delay_s=0.03",
+                  "--set", "env.fake.latency_s=0.002")
     assert result.returncode == 0, result.stderr
     assert_log_invariants(tmp_path / "r", 25, max_off_policy=2, target_lag=1)
     state, peak, cap_closures = State(), 0, 0
@@ -50,8 +50,8 @@ def test_finalizing_is_bounded_by_the_cap_plus_groups_in_flight_and_the_gate_say
 def test_drain_cancels_finalizing_groups_without_waiting_for_their_grader(tmp_path):
     started = time.monotonic()
     result = orch(*GAR, "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r",
-                  "--set", "algorithm.grader.delay_s=2.0", "--set", "algorithm.grader.jitter_s=1.99",
-                  "--set", "off_policy.max_off_policy_steps=8", "--set", "fake_env.latency_s=0.01")
+                  "--set", "algorithm.gar.delay_s=2.0", "--set", "algorithm.gar.jitter_s=1.99",
+                  "--set", "off_policy.max_off_policy_steps=8", "--set", "env.fake.latency_s=0.01")
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     db = sqlite3.connect(tmp_path / "r" / "events.db")

@@ -1,74 +1,78 @@
-"""Trainer backends and the weight watcher.
-
-Both backends turn "the trainer finished step N" into one call of `publish(N)`, which the main
-loop turns into a `version_published` input (rule 8: the version advances at confirmation).
-
-* `FakeTrainer`: in-process; reads each shipped batch file in order (checking its sha256 against
-  the log), waits `step_time_s`, publishes N. A real code path for tests and benchmarks.
-* `ProcessTrainer`: supervises `orch trainer` (torch) as a child process; a `WeightWatcher`
-  polls `weights/step_N/STABLE` markers. A crash of the child is noticed within one poll.
-"""
+"""`embedded`: the torch trainer process (`orch trainer`, or its DDP ranks under torchrun)
+supervised as a child; a poll of `weights/step_N/STABLE` markers publishes each version. A crash
+of the child is noticed within one poll."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from orchestrator.rundir import batch_path, latest_stable_version
+from pydantic import Field
+
+from orchestrator.components import BuildContext, TrainerComponent
+from orchestrator.rundir import latest_stable_version
+from orchestrator.trainers import TrainerFailed
+
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
 
 
-class TrainerFailed(RuntimeError):
-    """The trainer died or stopped answering; the message says why, in one line."""
+class EmbeddedTrainerConfig(TrainerComponent):
+    """The embedded torch trainer process (reverse_text)."""
+
+    resumable: ClassVar[frozenset[str]] = frozenset({"nproc", "ddp_backend"})
+    lr: float = Field(2e-3, gt=0, description="learning rate")
+    sft_steps: int = Field(400, ge=0, description="most warm-start steps (it stops at a loss of 0.12)")
+    nproc: int = Field(1, ge=1, description="ranks under torchrun (DDP); 1 = one plain process")
+    ddp_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="DDP backend (auto: nccl with CUDA, else gloo)")
+
+    def check(self, run: RunConfig) -> None:
+        if set(run.envs) != {"reverse_text"}:
+            raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
+
+    def build(self, ctx: BuildContext) -> ProcessTrainer:
+        write_embedded_trainer_config(ctx.config, ctx.run_dir)
+        if self.nproc > 1:  # DDP under torchrun, supervised the same way
+            from orchestrator.trainers.torchrun import TorchrunTrainer
+
+            return TorchrunTrainer(ctx.run_dir, self.nproc, self.ddp_backend)
+        return ProcessTrainer(ctx.run_dir)
 
 
-class FakeTrainer:
-    def __init__(self, run_dir: Path, step_time_s: float, publish: Callable[[int], None]):
-        self.run_dir, self.step_time_s, self.publish = run_dir, step_time_s, publish
-        self._shipped: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
+    from orchestrator.embedded.defaults import KEEP_WEIGHTS as DEFAULT_KEEP_WEIGHTS
+    from orchestrator.embedded.trainer import (  # torch
+        TrainerConfig,
+        write_trainer_config,
+    )
 
-    def batch_written(self, step: int, sha256: str) -> None:
-        self._shipped.put_nowait((step, sha256))
-
-    async def run(self, version: int) -> None:
-        """Train on shipped batches in step order, forever (the owner cancels it)."""
-        expected = version + 1
-        while True:
-            step, sha256 = await self._shipped.get()
-            if step < expected:  # re-announced after a resume; already trained
-                continue
-            if step != expected:
-                raise TrainerFailed(f"fake trainer: got batch {step} while waiting for batch {expected}")
-            await asyncio.to_thread(self._read_batch, step, sha256)
-            if self.step_time_s:
-                await asyncio.sleep(self.step_time_s)
-            self.publish(step)
-            expected = step + 1
-
-    def _read_batch(self, step: int, sha256: str) -> None:
-        # The logged sha256 covers the whole file, its step included: matching it proves the file
-        # is batch `step`, as the orchestrator shipped it.
-        payload = batch_path(self.run_dir, step).read_bytes()
-        if hashlib.sha256(payload).hexdigest() != sha256:
-            raise TrainerFailed(f"fake trainer: batch {step} on disk does not match its logged sha256")
-
-    def check(self) -> None:
-        """In-process: failures surface through its task."""
-
-    async def stop(self, timeout_s: float) -> None:
-        """Nothing to stop beyond its task, which the loop owns."""
+    ours, env = config.trainer.embedded, config.env.reverse_text
+    config_for_trainer = TrainerConfig(
+        max_steps=config.max_steps, lr=ours.lr, seed=config.seed, sft_steps=ours.sft_steps,
+        env_min_len=env.min_len, env_max_len=env.max_len, temperature=config.rollout.temperature,
+        max_new_tokens=config.rollout.max_new_tokens,
+        batch_wait_timeout_s=config.trainer.publish_timeout_s, parent_pid=os.getpid(),
+        # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
+        # crash); a resume reloads the newest recorded one, which must still be on disk.
+        keep_weights=max(DEFAULT_KEEP_WEIGHTS, config.off_policy.target_lag + 2),
+    )
+    try:
+        write_trainer_config(run_dir, config_for_trainer)
+    except OSError as err:  # e.g. a directory in its place: one line, like the trainer's own failures
+        raise TrainerFailed(f"cannot write the trainer's config in {run_dir}: {err.strerror or err}") from err
 
 
 class ProcessTrainer:
     """`orch trainer --run-dir D` as a supervised child process."""
 
-    def __init__(self, run_dir: Path, publish: Callable[[int], None], poll_s: float = 0.05):
-        self.run_dir, self.publish, self.poll_s = run_dir, publish, poll_s
+    def __init__(self, run_dir: Path, poll_s: float = 0.05):
+        self.run_dir, self.poll_s = run_dir, poll_s
         self.log_path = run_dir / "trainer.log"
         self.proc: subprocess.Popen | None = None
         self._published = -1
@@ -77,7 +81,7 @@ class ProcessTrainer:
     def command(self) -> list[str]:
         return [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)]
 
-    def start(self) -> None:
+    async def start(self) -> None:
         log = open(self.log_path, "ab")
         try:
             self._log_start = log.seek(0, os.SEEK_END)
@@ -95,7 +99,7 @@ class ProcessTrainer:
     def batch_written(self, step: int, sha256: str) -> None:
         """The child polls the batch directory itself."""
 
-    async def run(self, version: int) -> None:
+    async def run(self, version: int, publish: Callable[[int], None]) -> None:
         """Watch for STABLE markers and the child's health, forever (the owner cancels it)."""
         self._published = version
         while True:
@@ -103,7 +107,7 @@ class ProcessTrainer:
             newest = await asyncio.to_thread(latest_stable_version, self.run_dir)
             if newest is not None and newest > self._published:
                 self._published = newest
-                self.publish(newest)
+                publish(newest)
             await asyncio.sleep(self.poll_s)
 
     def _last_error_line(self) -> str:
