@@ -179,6 +179,11 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._table)
 
+    def module(self, name: str) -> str:
+        """The module that holds `name`'s config model (imported by `config`)."""
+        self.check_known(name)
+        return self._table[name].partition(":")[0]
+
     def check_known(self, name: str) -> None:
         if name not in self._table:
             raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")

@@ -20,12 +20,11 @@ from orchestrator.core import events as ev
 from orchestrator.core.state import State
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
-from orchestrator.rundir import batch_steps_on_disk, batches_dir
+from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 from orchestrator.shell.loop import Orchestrator
 from orchestrator.shell.progress import Progress
 from replay.fold import fold_log
 
-EVENTS_DB = "events.db"
 LOG_MAGIC_META = {"app": "orch", "schema_version": str(ev.EVENT_SCHEMA_VERSION)}
 
 
@@ -51,7 +50,7 @@ def create_run(config: RunConfig) -> OpenedRun:
         raise ConfigError(f"invalid run name {config.name!r}: letters, digits and ._+=@- only, not starting with "
                           "'.' or '-', at most 200 characters")
     run_dir = config.run_dir
-    db = run_dir / EVENTS_DB
+    db = events_db(run_dir)
     if db.exists():
         raise RunDirError(f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name")
     try:
@@ -69,7 +68,7 @@ def create_run(config: RunConfig) -> OpenedRun:
 
 
 def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
-    db = run_dir / EVENTS_DB
+    db = events_db(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"cannot resume {run_dir}: no such run directory")
     if not db.exists():

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field
 
 from orchestrator.components import BuildContext, TrainerComponent
-from orchestrator.rundir import latest_stable_version
+from orchestrator.rundir import latest_stable_version, trainer_log
 from orchestrator.trainers import TrainerFailed
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class ProcessTrainer:
 
     def __init__(self, run_dir: Path, poll_s: float = 0.05):
         self.run_dir, self.poll_s = run_dir, poll_s
-        self.log_path = run_dir / "trainer.log"
+        self.log_path = trainer_log(run_dir)
         self.proc: subprocess.Popen | None = None
         self._published = -1
         self._log_start = 0  # where this process's output starts in trainer.log (appended to)
