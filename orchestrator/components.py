@@ -12,11 +12,11 @@ Adding a component is adding a module and one line of its kind's table. E.g. a t
 
     # orchestrator/hf/config.py
     class HFTrainerConfig(TrainerComponent):
-        '''The transformers trainer process (full or LoRA).'''
+        '''The transformers trainer process (full or LoRA).'''  # first line: the section's description
 
+        resumable: ClassVar[frozenset[str]] = frozenset()  # its fields a resume may change
         model: str = Field("Qwen/Qwen3-0.6B", description="model to train")
         lora_rank: int | None = Field(None, ge=1, description="LoRA rank (None: full fine-tuning)")
-        resumable = frozenset({"lora_rank"})  # fields a resume may change (operational only)
 
         def check(self, run) -> None:
             if "fake" in run.envs:
@@ -33,6 +33,23 @@ Adding a component is adding a module and one line of its kind's table. E.g. a t
 `orch run --set trainer.kind=hf --set trainer.hf.lora_rank=16` then selects it; `trainer.kind=nope`
 is `orch: error: invalid config: trainer.kind: unknown trainer 'nope'; known: embedded, fake, hf`.
 The runner looks every component up here by the config's names and owns nothing kind-specific.
+
+What each kind builds:
+
+* a trainer (`TrainerComponent.build` -> `Trainer`): `trainers/process.py` supervises a child
+  process that reads batch files (`orchestrator.rundir.batch_samples`, the schema every trainer
+  shares) and publishes `rundir.weights_dir(run_dir, N)` then `rundir.mark_stable`; set
+  `writes_weights = False` if it publishes versions without weights (the fake trainer);
+* an inference backend (`InferenceComponent.build(ctx, envs)` -> `InferenceBackend`): samples one
+  episode per `RolloutRequest` from `envs[request.env]`; `follows_weights` says whether the run
+  waits for and loads each published version;
+* an env (`EnvComponent.open(ctx)`): an async context manager around the `RolloutEnv` (in this
+  process or a client of `orch env-server`), checked before the run, closed after it;
+* an algorithm (`AlgorithmComponent.build` -> `Algorithm`); its name must also be one the core
+  knows (`orchestrator.core.algorithms`), which folds its advantages.
+
+The runner enters them on one `AsyncExitStack` (envs, sampler, trainer) and leaves them in the
+reverse order; a component that fails raises a `ComponentFailed` (one line) and the run ends.
 """
 
 from __future__ import annotations
@@ -41,7 +58,7 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -98,6 +115,7 @@ class BuildContext:
 
 
 # ------------------------------------------------------------------------------------ interfaces
+@runtime_checkable
 class Trainer(Protocol):
     """Turns shipped batch files into published versions: `publish(N)` once step N's weights
     are out (rule 8: the version advances at confirmation)."""
@@ -118,6 +136,7 @@ class Trainer(Protocol):
         """Let it exit cleanly within `timeout_s`, then end it: nothing is left running."""
 
 
+@runtime_checkable
 class InferenceBackend(Protocol):
     """Samples episodes: `await backend(request)` -> `EpisodeCompleted` (raising = a failed episode)."""
 
@@ -133,6 +152,7 @@ class InferenceBackend(Protocol):
         """Release what it holds (threads, connections); reports what the run should know."""
 
 
+@runtime_checkable
 class Algorithm(Protocol):
     """Advantages of a closed group. Background-finalized algorithms run `finalize_group`
     concurrently for many groups, results coming back in any order."""
@@ -181,16 +201,18 @@ class Registry:
 
     def module(self, name: str) -> str:
         """The module that holds `name`'s config model (imported by `config`)."""
-        self.check_known(name)
+        self.known(name)
         return self._table[name].partition(":")[0]
 
-    def check_known(self, name: str) -> None:
+    def known(self, name: str) -> str:
+        """`name`, if it is one of this registry's (else ValueError listing the known ones)."""
         if name not in self._table:
             raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+        return name
 
     def config(self, name: str) -> type[Component]:
         """The config model of `name` (ValueError listing the known names if there is none)."""
-        self.check_known(name)
+        self.known(name)
         if name not in self._loaded:
             module, _, attr = self._table[name].partition(":")
             self._loaded[name] = getattr(importlib.import_module(module), attr)

@@ -13,10 +13,10 @@ import copy
 import hashlib
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, create_model, field_validator, model_validator
 
 from orchestrator.components import ALGORITHMS, ENVS, INFERENCE, TRAINERS, Component, Registry
 from orchestrator.components import Section as _Section
@@ -64,46 +64,33 @@ def _with_components(name: str, base: type[_Section], registry: Registry) -> typ
     return create_model(name, __base__=base, **fields)
 
 
+def _name_in(registry: Registry) -> Any:
+    """A field holding the name of one of `registry`'s components (else a one-line error)."""
+    return Annotated[str, AfterValidator(registry.known)]
+
+
 class _AlgorithmChoice(_Section):
-    name: str = Field("grpo", description="the algorithm: " + ", ".join(ALGORITHMS.names()))
+    name: _name_in(ALGORITHMS) = Field("grpo", description="the algorithm: " + ", ".join(ALGORITHMS.names()))
     finalize_in_background: bool | None = Field(None, description="override the algorithm's class flag")
     max_finalizing_groups: int = Field(64, ge=1, description="finalizing groups per env that close the gate")
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        ALGORITHMS.check_known(name)
-        return name
 
     def chosen(self) -> Component:
         return getattr(self, self.name)
 
 
 class _TrainerChoice(_Section):
-    kind: str = Field("embedded", description="the trainer: " + ", ".join(TRAINERS.names()))
+    kind: _name_in(TRAINERS) = Field("embedded", description="the trainer: " + ", ".join(TRAINERS.names()))
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
-
-    @field_validator("kind")
-    @classmethod
-    def _known(cls, kind: str) -> str:
-        TRAINERS.check_known(kind)
-        return kind
 
     def chosen(self) -> Component:
         return getattr(self, self.kind)
 
 
 class _InferenceChoice(_Section):
-    kind: str | None = Field(None, description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for "
-                             "the fake env, openai when inference.openai.endpoints is set, else embedded)")
-
-    @field_validator("kind")
-    @classmethod
-    def _known(cls, kind: str | None) -> str | None:
-        if kind is not None:
-            INFERENCE.check_known(kind)
-        return kind
+    kind: _name_in(INFERENCE) | None = Field(
+        None, description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for the fake env, openai "
+        "when inference.openai.endpoints is set, else embedded)")
 
 
 AlgorithmConfig = _with_components("AlgorithmConfig", _AlgorithmChoice, ALGORITHMS)
@@ -139,7 +126,7 @@ class RunConfig(_Section):
     @classmethod
     def _known_envs(cls, envs: dict[str, float]) -> dict[str, float]:
         for name in envs:
-            ENVS.check_known(name)
+            ENVS.known(name)
         return envs
 
     @model_validator(mode="after")

@@ -173,7 +173,7 @@ async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop where it is installed (Linux, macOS): its task and callback machinery gives the
-    loop 15-30% more episodes/s (bench/test_core_bench.py); asyncio's own loop elsewhere."""
+    loop more episodes/s (measured by bench/test_core_bench.py); asyncio's own loop elsewhere."""
     try:
         import uvloop
     except ImportError:
