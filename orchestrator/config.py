@@ -1,6 +1,6 @@
 """Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
 
-Every knob of DESIGN §3 is a field here with a documented default; `core_params()` extracts the
+Every knob of the rules (docs/rules.md) is a field here with a documented default; `core_params()` extracts the
 part the core folds (it travels in `run_started`, so a log is self-describing). The components'
 sections come from their registries (`orchestrator.components`): `trainer.<kind>`,
 `inference.<kind>`, `env.<name>` and `algorithm.<name>`, each the component's own config model,
@@ -64,8 +64,11 @@ def _with_components(name: str, base: type[_Section], registry: Registry) -> typ
     return create_model(name, __base__=base, **fields)
 
 
-def _name_in(registry: Registry) -> Any:
-    """A field holding the name of one of `registry`'s components (else a one-line error)."""
+def _name_in(registry: Registry, *, optional: bool = False) -> Any:
+    """A field holding the name of one of `registry`'s components (else a one-line error), or
+    None if `optional`."""
+    if optional:
+        return Annotated[str | None, AfterValidator(lambda name: None if name is None else registry.known(name))]
     return Annotated[str, AfterValidator(registry.known)]
 
 
@@ -88,7 +91,7 @@ class _TrainerChoice(_Section):
 
 
 class _InferenceChoice(_Section):
-    kind: _name_in(INFERENCE) | None = Field(
+    kind: _name_in(INFERENCE, optional=True) = Field(
         None, description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for the fake env, openai "
         "when inference.openai.endpoints is set, else embedded)")
 
@@ -105,7 +108,8 @@ class LogConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = Field("default", description="run directory name under runs_dir")
+    name: str = Field("default", description="run directory name under runs_dir "
+                      "(`orch run` without --name: run-YYYYmmdd-HHMMSS)")
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
     seed: int = Field(0, description="seeds the core RNG, the envs and the policy")
     max_steps: int = Field(40, ge=1, description="batches to ship, then drain and stop")
@@ -113,14 +117,19 @@ class RunConfig(_Section):
         default_factory=lambda: {"reverse_text": 1.0}, description="train env -> dispatch ratio"
     )
     zero_output_batches: int = Field(10, ge=1, description="batch-equivalents of zero output that stop the run")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    batch: BatchConfig = Field(default_factory=BatchConfig)
-    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    env: EnvSection = Field(default_factory=EnvSection, description="each env's own settings")
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    log: LogConfig = Field(default_factory=LogConfig)
-    inference: InferenceSection = Field(default_factory=InferenceSection)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="groups, permits and sampling")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="how the pending queue is cut into batches")
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig,
+                                        description="how far the rollouts may run ahead of the trainer")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, "
+                                       "inline or in the background; `algorithm.<name>`: each algorithm's own settings")
+    env: EnvSection = Field(default_factory=EnvSection,
+                            description="each env's own settings (`env.<name>`; `envs` picks the ones a run uses)")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the "
+                                    "batches and publishes weights; `trainer.<kind>`: each trainer's own settings")
+    log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
+    inference: InferenceSection = Field(default_factory=InferenceSection, description="the sampler of the episodes; "
+                                        "`inference.<kind>`: each backend's own settings")
 
     @field_validator("envs")
     @classmethod

@@ -27,9 +27,9 @@ class FakeEnvConfig(EnvComponent):
     latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
     error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")
     empty_rate: float = Field(0.0, ge=0, le=1, description="probability an episode samples no token")
-    prompt_tokens: int = Field(8, ge=0)
-    min_tokens: int = Field(4, ge=1, description="completion length range")
-    max_tokens: int = Field(16, ge=1)
+    prompt_tokens: int = Field(8, ge=0, description="prompt length of every fake episode, in tokens")
+    min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
+    max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
 
     @model_validator(mode="after")
     def _range(self) -> FakeEnvConfig:
@@ -39,7 +39,8 @@ class FakeEnvConfig(EnvComponent):
 
     def check(self, run: RunConfig) -> None:
         if run.inference_kind() != "fake":
-            raise ValueError(f"the fake env's episodes come whole from inference.kind='fake', not {run.inference_kind()!r}")
+            raise ValueError("the fake env's episodes come whole from inference.kind='fake', "
+                             f"not {run.inference_kind()!r}")
 
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv | None]:

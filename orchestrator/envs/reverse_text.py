@@ -64,8 +64,8 @@ class ReverseTextEnv:
 class ReverseTextConfig(EnvComponent):
     """reverse_text tasks: in this process, or behind the `orch env-server` at `rollout.env_server`."""
 
-    min_len: int = Field(3, ge=1)
-    max_len: int = Field(6, ge=1)
+    min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
+    max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
 
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:
@@ -90,6 +90,6 @@ class ReverseTextConfig(EnvComponent):
             raise EnvServerError(f"{client.base_url} serves env {served!r}, not 'reverse_text'")
         wanted = {"seed": seed, "min_len": self.min_len, "max_len": self.max_len}
         if health.get("params") != wanted:
-            raise EnvServerError(f"{client.base_url} serves reverse_text tasks of {health.get('params')}, this run's are "
-                                 f"{wanted}: start it with --seed {seed} --min-len {wanted['min_len']} "
+            raise EnvServerError(f"{client.base_url} serves reverse_text tasks of {health.get('params')}, this run's "
+                                 f"are {wanted}: start it with --seed {seed} --min-len {wanted['min_len']} "
                                  f"--max-len {wanted['max_len']}")

@@ -157,7 +157,8 @@ async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
     """Build the run's components; `stack` closes them at the end, in the reverse order: the
     trainer stops first (cleanly only after a completed run), then the sampler, then the envs."""
     config = run.config
-    ctx = BuildContext(config, run.run_dir, version_now=lambda: run.state.version)  # evolve updates it in place
+    # The state is the loop's own (evolve updates it in place): its version is the one the run holds.
+    ctx = BuildContext(config, run.run_dir, version_now=lambda: run.state.version)
     envs = {name: await stack.enter_async_context(env.open(ctx)) for name, env in config.env_components().items()}
     backend = config.inference_backend().build(ctx, envs)
     stack.push_async_callback(backend.aclose)

@@ -30,7 +30,8 @@ class EmbeddedTrainerConfig(TrainerComponent):
     lr: float = Field(2e-3, gt=0, description="learning rate")
     sft_steps: int = Field(400, ge=0, description="most warm-start steps (it stops at a loss of 0.12)")
     nproc: int = Field(1, ge=1, description="ranks under torchrun (DDP); 1 = one plain process")
-    ddp_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="DDP backend (auto: nccl with CUDA, else gloo)")
+    ddp_backend: Literal["auto", "gloo", "nccl"] = Field("auto",
+                                                         description="DDP backend (auto: nccl with CUDA, else gloo)")
 
     def check(self, run: RunConfig) -> None:
         if set(run.envs) != {"reverse_text"}:

@@ -64,7 +64,8 @@ def test_the_fake_env_needs_its_own_episode_source():
     config = load_config(overrides=FAKE)
     elsewhere = config.model_copy(update={"inference": config.inference.model_copy(update={"kind": "embedded"})})
     config.env.fake.check(config)
-    with pytest.raises(ValueError, match=r"^the fake env's episodes come whole from inference.kind='fake', not 'embedded'$"):
+    with pytest.raises(ValueError, match=r"^the fake env's episodes come whole from inference.kind='fake', not "
+                                         r"'embedded'$"):
         elsewhere.env.fake.check(elsewhere)
 
 
