@@ -100,7 +100,7 @@ class Orchestrator:
         self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized)
         self._last_snapshot_seq = log.last_seq
         self._last_input_at = time.monotonic()
-        self._tasks: asyncio.TaskGroup | None = None  # owns the run's tasks (but finalizes)
+        self._tasks: asyncio.TaskGroup | None = None  # owns the run's tasks (the finalizer owns its own)
         self._running: set[asyncio.Task] = set()  # its tasks not done yet, cancelled at shutdown
         self._task_error: Exception | None = None  # the first failure of one of them
         self.events_logged = 0
