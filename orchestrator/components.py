@@ -41,7 +41,7 @@ What each kind builds:
   shares) and publishes `rundir.weights_dir(run_dir, N)` then `rundir.mark_stable`; set
   `writes_weights = False` if it publishes versions without weights (the fake trainer);
 * an inference backend (`InferenceComponent.build(ctx, envs)` -> `InferenceBackend`): samples one
-  episode per `RolloutRequest` from `envs[request.env]`; `follows_weights` says whether the run
+  episode per `RolloutRequest` for the task of `envs[request.env]`; `follows_weights` says whether the run
   waits for and loads each published version;
 * an env (`EnvComponent.open(ctx)`): an async context manager around the `RolloutEnv` (in this
   process or a client of `orch env-server`), checked before the run, closed after it;
@@ -123,16 +123,16 @@ class Trainer(Protocol):
     async def start(self) -> None:
         """Start what runs outside this process (after a resume re-announced its batches)."""
 
-    def batch_written(self, step: int, sha256: str) -> None:
+    def batch_written(self, step: int, sha256: str, /) -> None:
         """Batch `step` is on disk with this sha256 (announced in step order)."""
 
-    async def run(self, version: int, publish: Callable[[int], None]) -> None:
+    async def run(self, version: int, publish: Callable[[int], None], /) -> None:
         """Train from `version` on, forever, calling `publish`; the loop owns and cancels it."""
 
     def check(self) -> None:
         """Raise if the trainer has failed (called at every loop iteration and while waiting)."""
 
-    async def stop(self, timeout_s: float) -> None:
+    async def stop(self, timeout_s: float, /) -> None:
         """Let it exit cleanly within `timeout_s`, then end it: nothing is left running."""
 
 
@@ -142,9 +142,9 @@ class InferenceBackend(Protocol):
 
     follows_weights: ClassVar[bool]  # samples the trainer's published weights: `load` each version
 
-    async def __call__(self, request: RolloutRequest) -> EpisodeCompleted: ...
+    async def __call__(self, request: RolloutRequest, /) -> EpisodeCompleted: ...
 
-    async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
+    async def load(self, version: int, /, health_check: Callable[[], None] | None = None) -> None:
         """Make `version` current (bounded wait for its weights; `health_check` raises if the
         trainer that should publish them died). Called only if `follows_weights`."""
 
@@ -157,10 +157,10 @@ class Algorithm(Protocol):
     """Advantages of a closed group. Background-finalized algorithms run `finalize_group`
     concurrently for many groups, results coming back in any order."""
 
-    name: str
-    finalize_in_background: bool
+    name: ClassVar[str]
+    finalize_in_background: ClassVar[bool]
 
-    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]: ...
+    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted], /) -> list[float]: ...
 
 
 # ------------------------------------------------------------------------ the kinds' component bases
@@ -173,6 +173,7 @@ class TrainerComponent(Component):
 
 class InferenceComponent(Component):
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> InferenceBackend:
+        """`envs`: the run's envs that have a task source (`EnvComponent.open` gave one)."""
         raise NotImplementedError
 
 

@@ -18,7 +18,18 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import AfterValidator, Field, ValidationError, create_model, field_validator, model_validator
 
-from orchestrator.components import ALGORITHMS, ENVS, INFERENCE, TRAINERS, Component, Registry
+from orchestrator.components import (
+    ALGORITHMS,
+    ENVS,
+    INFERENCE,
+    TRAINERS,
+    AlgorithmComponent,
+    Component,
+    EnvComponent,
+    InferenceComponent,
+    Registry,
+    TrainerComponent,
+)
 from orchestrator.components import Section as _Section
 from orchestrator.core.algorithms import BACKGROUND_ONLY
 from orchestrator.core.events import CoreParams
@@ -77,7 +88,7 @@ class _AlgorithmChoice(_Section):
     finalize_in_background: bool | None = Field(None, description="override the algorithm's class flag")
     max_finalizing_groups: int = Field(64, ge=1, description="finalizing groups per env that close the gate")
 
-    def chosen(self) -> Component:
+    def chosen(self) -> AlgorithmComponent:
         return getattr(self, self.name)
 
 
@@ -86,7 +97,7 @@ class _TrainerChoice(_Section):
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
 
-    def chosen(self) -> Component:
+    def chosen(self) -> TrainerComponent:
         return getattr(self, self.kind)
 
 
@@ -159,10 +170,10 @@ class RunConfig(_Section):
             return "openai"
         return "fake" if set(self.envs) == {"fake"} else "embedded"
 
-    def inference_backend(self) -> Component:
+    def inference_backend(self) -> InferenceComponent:
         return getattr(self.inference, self.inference_kind())
 
-    def env_components(self) -> dict[str, Component]:
+    def env_components(self) -> dict[str, EnvComponent]:
         return {name: getattr(self.env, name) for name in self.envs}
 
     def chosen_components(self) -> list[Component]:

@@ -43,7 +43,7 @@ class GARConfig(AlgorithmComponent):
 
 
 class GRPO:
-    name = "grpo"
+    name: ClassVar[str] = "grpo"
     finalize_in_background: ClassVar[bool] = False
 
     async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
@@ -86,7 +86,7 @@ class SimulatedGrader:
 class GAR:
     """Grader-ranked group advantage redistribution; see core.algorithms.gar_advantages."""
 
-    name = "gar"
+    name: ClassVar[str] = "gar"
     finalize_in_background: ClassVar[bool] = True
 
     def __init__(self, grader: Grader, rank_weight: float):

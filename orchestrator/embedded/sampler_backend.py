@@ -27,7 +27,7 @@ class EmbeddedSamplerConfig(InferenceComponent):
     def check(self, run: RunConfig) -> None:
         check_samples_published_weights(run, "the embedded sampler")
 
-    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | None]) -> EmbeddedBackend:
+    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EmbeddedBackend:
         config = ctx.config
         return EmbeddedBackend(ctx.run_dir, envs, temperature=config.rollout.temperature,
                                max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
@@ -55,7 +55,7 @@ class EmbeddedBackend:
 
     follows_weights: ClassVar[bool] = True
 
-    def __init__(self, run_dir: Path, envs: Mapping[str, RolloutEnv | None], *, temperature: float,
+    def __init__(self, run_dir: Path, envs: Mapping[str, RolloutEnv], *, temperature: float,
                  max_new_tokens: int, seed: int, load_timeout_s: float):
         import torch
 

@@ -58,7 +58,7 @@ class FakeEpisodesConfig(InferenceComponent):
         if run.rollout.env_server is not None:
             raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
 
-    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | None]) -> FakeEpisodes:
+    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> FakeEpisodes:
         return FakeEpisodes(ctx.config.env.fake, ctx.config.seed, ctx.version_now)
 
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class EndpointsBackend:
     follows_weights: ClassVar[bool] = True
 
-    def __init__(self, run_dir: str | os.PathLike, envs: Mapping[str, RolloutEnv | None], client: InferenceClient, *,
+    def __init__(self, run_dir: str | os.PathLike, envs: Mapping[str, RolloutEnv], client: InferenceClient, *,
                  temperature: float, max_new_tokens: int, seed: int, load_timeout_s: float):
         self.run_dir, self.envs, self.client, self.seed = Path(run_dir).resolve(), envs, client, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s

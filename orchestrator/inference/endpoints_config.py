@@ -49,7 +49,7 @@ class EndpointsConfig(InferenceComponent):
             raise ValueError("inference.kind='openai' needs inference.openai.endpoints")
         check_samples_published_weights(run, "inference endpoints")
 
-    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | None]) -> EndpointsBackend:
+    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EndpointsBackend:
         from orchestrator.inference.client import InferenceClient  # httpx: only now
         from orchestrator.inference.endpoints_backend import EndpointsBackend
 

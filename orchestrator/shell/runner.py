@@ -159,7 +159,11 @@ async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
     config = run.config
     # The state is the loop's own (evolve updates it in place): its version is the one the run holds.
     ctx = BuildContext(config, run.run_dir, version_now=lambda: run.state.version)
-    envs = {name: await stack.enter_async_context(env.open(ctx)) for name, env in config.env_components().items()}
+    envs = {}  # those with a task source of their own
+    for name, env in config.env_components().items():
+        opened = await stack.enter_async_context(env.open(ctx))
+        if opened is not None:
+            envs[name] = opened
     backend = config.inference_backend().build(ctx, envs)
     stack.push_async_callback(backend.aclose)
     trainer = config.trainer.chosen().build(ctx)
@@ -323,11 +327,12 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
             await parts.trainer.start()
             if parts.backend.follows_weights and not interrupts:
                 # Version 0 is the trainer's warm start; the run resumes from the newest version.
-                warm_start = loop.create_task(parts.backend.load(run.state.version, health_check=parts.trainer.check))
+                warm_start = waiting = loop.create_task(parts.backend.load(run.state.version,
+                                                                           health_check=parts.trainer.check))
                 try:
-                    await warm_start
+                    await waiting
                 except asyncio.CancelledError:
-                    if main.cancelling() or not warm_start.cancelled():
+                    if main.cancelling() or not waiting.cancelled():
                         raise
                     # Cancelled by an interrupt: the stop it requested ends the run at its first event.
                 warm_start = None
