@@ -104,7 +104,8 @@ class FakeEpisodes:
             await asyncio.sleep(max(0.0, cfg.latency_s + jitter * cfg.latency_jitter_s))
         if error / _U32 < cfg.error_rate:
             raise FakeEpisodeError(f"fake env: episode {req.episode_id} failed (error_rate={cfg.error_rate})")
-        n_sampled = 0 if empty / _U32 < cfg.empty_rate else cfg.min_tokens + int(length / _U32 * (cfg.max_tokens - cfg.min_tokens + 1))
+        spread = cfg.max_tokens - cfg.min_tokens + 1
+        n_sampled = 0 if empty / _U32 < cfg.empty_rate else cfg.min_tokens + int(length / _U32 * spread)
         n_total = cfg.prompt_tokens + n_sampled
         offset = logprob_offset % 256
         # Valid by construction (aligned lists, finite floats), so not validated again: an

@@ -18,7 +18,8 @@ from orchestrator.trainers.torchrun import TorchrunTrainer, torchrun_command
 
 def test_defaults_keep_the_embedded_single_process_job():
     c = load_config()
-    assert c.inference.openai.endpoints == [] and c.inference.openai.weight_sync == "orch" and c.trainer.embedded.nproc == 1
+    assert c.inference.openai.endpoints == [] and c.inference.openai.weight_sync == "orch"
+    assert c.inference_kind() == "embedded" and c.trainer.kind == "embedded" and c.trainer.embedded.nproc == 1
 
 
 def test_endpoints_need_reverse_text():
