@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 import sys
-from contextlib import AsyncExitStack
 
 import pytest
 
 from orchestrator.config import ConfigError, load_config, meaning_changes
 from orchestrator.inference.endpoints_backend import EndpointsBackend
-from orchestrator.shell.runner import create_run, open_parts
 from orchestrator.trainers.process import ProcessTrainer, write_embedded_trainer_config
 from orchestrator.trainers.torchrun import TorchrunTrainer, torchrun_command
+from tests.shell.test_components import parts_of
 
 
 def test_defaults_keep_the_embedded_single_process_job():
@@ -60,17 +58,10 @@ def test_endpoints_and_ranks_may_change_on_resume_but_the_weight_protocol_may_no
 def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
     config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.openai.endpoints=["127.0.0.1:9/v1"]',
                                     "trainer.embedded.nproc=2", "trainer.embedded.ddp_backend=gloo"])
-    run = create_run(config)
-
-    async def parts():
-        async with AsyncExitStack() as stack:
-            return await open_parts(run, stack)
-
-    with run.log:
-        parts = asyncio.run(parts())
-        assert isinstance(parts.backend, EndpointsBackend) and parts.backend.follows_weights
-        assert [e.url for e in parts.backend.client.endpoints] == ["http://127.0.0.1:9"]
-        assert isinstance(parts.trainer, TorchrunTrainer) and isinstance(parts.trainer, ProcessTrainer)
+    parts = parts_of(config)
+    assert isinstance(parts.backend, EndpointsBackend) and parts.backend.follows_weights
+    assert [e.url for e in parts.backend.client.endpoints] == ["http://127.0.0.1:9"]
+    assert isinstance(parts.trainer, TorchrunTrainer) and isinstance(parts.trainer, ProcessTrainer)
     assert torchrun_command(tmp_path, 2, "gloo") == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
         "-m", "orchestrator.embedded.ddp", "--run-dir", str(tmp_path), "--backend", "gloo"]

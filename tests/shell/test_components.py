@@ -26,7 +26,7 @@ from orchestrator.components import (
 from orchestrator.config import RESUMABLE_FIELDS, ConfigError, _TrainerChoice, _with_components, load_config
 from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.finalizers import GAR
-from orchestrator.shell.runner import create_run, open_parts
+from orchestrator.shell.runner import RunParts, create_run, open_parts
 from orchestrator.trainers.fake import FakeTrainer
 
 FAKE = ['envs={"fake": 1}', "trainer.kind=fake"]
@@ -111,17 +111,21 @@ def test_a_component_added_to_a_table_gets_its_section_validated():
         section.model_validate({"probe": {"width": 1}})
 
 
-def test_the_fake_parts_are_built_from_the_config_and_follow_the_interfaces(tmp_path):
-    config = load_config(overrides=[*FAKE, f"runs_dir={tmp_path}", "name=r", "algorithm.name=gar",
-                                    "trainer.fake.step_time_s=0.5"])
+def parts_of(config) -> RunParts:
+    """The parts a new run of `config` is built of (built, then closed again)."""
     run = create_run(config)
 
-    async def parts():
+    async def parts() -> RunParts:
         async with AsyncExitStack() as stack:
             return await open_parts(run, stack)
 
     with run.log:
-        parts = asyncio.run(parts())
+        return asyncio.run(parts())
+
+
+def test_the_fake_parts_are_built_from_the_config_and_follow_the_interfaces(tmp_path):
+    parts = parts_of(load_config(overrides=[*FAKE, f"runs_dir={tmp_path}", "name=r", "algorithm.name=gar",
+                                            "trainer.fake.step_time_s=0.5"]))
     assert isinstance(parts.trainer, FakeTrainer) and parts.trainer.step_time_s == 0.5
     assert isinstance(parts.backend, FakeEpisodes) and not parts.backend.follows_weights
     assert isinstance(parts.algorithm, GAR)
