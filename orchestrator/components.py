@@ -104,6 +104,9 @@ class RolloutRequest(NamedTuple):
     policy_version: int
 
 
+Publish = Callable[[int, "dict[str, int | float] | None"], None]  # (version, the trainer's metrics for it)
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What a factory gets: the run's config and directory, and the policy version the run holds
@@ -117,8 +120,9 @@ class BuildContext:
 # ------------------------------------------------------------------------------------ interfaces
 @runtime_checkable
 class Trainer(Protocol):
-    """Turns shipped batch files into published versions: `publish(N)` once step N's weights
-    are out (rule 8: the version advances at confirmation)."""
+    """Turns shipped batch files into published versions: `publish(N, metrics)` once step N's
+    weights are out (rule 8: the version advances at confirmation), with the trainer's figures of
+    that step (`orchestrator.rundir.TRAINER_METRICS`; None if it has none)."""
 
     async def start(self) -> None:
         """Start what runs outside this process (after a resume re-announced its batches)."""
@@ -126,7 +130,7 @@ class Trainer(Protocol):
     def batch_written(self, step: int, sha256: str, /) -> None:
         """Batch `step` is on disk with this sha256 (announced in step order)."""
 
-    async def run(self, version: int, publish: Callable[[int], None], /) -> None:
+    async def run(self, version: int, publish: Publish, /) -> None:
         """Train from `version` on, forever, calling `publish`; the loop owns and cancels it."""
 
     def check(self) -> None:

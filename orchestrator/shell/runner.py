@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -20,9 +21,13 @@ from orchestrator.core import events as ev
 from orchestrator.core.state import State
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
+from orchestrator.observe.sinks import build_feeder
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 from orchestrator.shell.loop import Orchestrator
 from orchestrator.shell.progress import Progress
+
+if TYPE_CHECKING:
+    from orchestrator.observe.sinks import SinkFeeder
 from replay.fold import fold_log
 
 LOG_MAGIC_META = {"app": "orch", "schema_version": str(ev.EVENT_SCHEMA_VERSION)}
@@ -151,12 +156,17 @@ class RunParts:
     trainer: Trainer
     backend: InferenceBackend
     algorithm: Algorithm
+    sinks: SinkFeeder | None  # the metric sinks the config turns on
 
 
 async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
     """Build the run's components; `stack` closes them at the end, in the reverse order: the
-    trainer stops first (cleanly only after a completed run), then the sampler, then the envs."""
+    trainer stops first (cleanly only after a completed run), then the sampler, then the envs,
+    then the metric sinks write what the log holds by then."""
     config = run.config
+    sinks = build_feeder(config.metrics, run.run_dir, run.log)
+    if sinks is not None:
+        stack.push_async_callback(lambda: sinks.aclose(run.log.last_seq, warn))
     # The state is the loop's own (evolve updates it in place): its version is the one the run holds.
     ctx = BuildContext(config, run.run_dir, version_now=lambda: run.state.version)
     envs = {}  # those with a task source of their own
@@ -173,7 +183,7 @@ async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
         await trainer.stop(config.trainer.exit_timeout_s if clean else 0.0)
 
     stack.push_async_callback(stop_trainer)
-    return RunParts(trainer, backend, config.algorithm.chosen().build(ctx))
+    return RunParts(trainer, backend, config.algorithm.chosen().build(ctx), sinks)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -319,7 +329,7 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
         async with AsyncExitStack() as stack:
             parts = await open_parts(run, stack)
             orch = Orchestrator(run.config, run.run_dir, run.log, run.state, backend=parts.backend,
-                                algorithm=parts.algorithm, trainer=parts.trainer, progress=progress)
+                                algorithm=parts.algorithm, trainer=parts.trainer, progress=progress, sinks=parts.sinks)
             if interrupts:
                 orch.request_stop("interrupted")
             if run.first_input.kind == "run_resumed":

@@ -1,6 +1,6 @@
 """`embedded`: the torch trainer process (`orch trainer`, or its DDP ranks under torchrun)
-supervised as a child; a poll of `weights/step_N/STABLE` markers publishes each version. A crash
-of the child is noticed within one poll."""
+supervised as a child; a poll of `weights/step_N/STABLE` markers publishes each version with the
+step's `metrics.json` beside the marker. A crash of the child is noticed within one poll."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from orchestrator.components import BuildContext, TrainerComponent
-from orchestrator.rundir import latest_stable_version, trainer_log
+from orchestrator.components import BuildContext, Publish, TrainerComponent
+from orchestrator.notices import warn
+from orchestrator.rundir import latest_stable_version, read_metrics, trainer_log, weights_dir
 from orchestrator.trainers import TrainerFailed
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class ProcessTrainer:
     def batch_written(self, step: int, sha256: str) -> None:
         """The child polls the batch directory itself."""
 
-    async def run(self, version: int, publish: Callable[[int], None]) -> None:
+    async def run(self, version: int, publish: Publish) -> None:
         """Watch for STABLE markers and the child's health, forever (the owner cancels it)."""
         self._published = version
         while True:
@@ -108,8 +108,19 @@ class ProcessTrainer:
             newest = await asyncio.to_thread(latest_stable_version, self.run_dir)
             if newest is not None and newest > self._published:
                 self._published = newest
-                publish(newest)
+                publish(newest, await asyncio.to_thread(self._metrics_of, newest))
             await asyncio.sleep(self.poll_s)
+
+    def _metrics_of(self, version: int) -> dict[str, int | float] | None:
+        """The figures the trainer wrote beside version `version`'s marker (None: it wrote none,
+        e.g. for its warm start). Entries that are not finite numbers are left out, with a warning:
+        a NaN loss is the trainer's news, not a reason to stop the run."""
+        wdir = weights_dir(self.run_dir, version)
+        metrics, refused = read_metrics(wdir)
+        if refused:
+            what = "is not a JSON object" if refused == ["*"] else f"has non-finite or non-numeric {', '.join(refused)}"
+            warn(f"{wdir}/metrics.json {what}; left out of the log")
+        return metrics
 
     def _last_error_line(self) -> str:
         """The last error line this trainer process wrote (not an earlier one's: the log is
