@@ -102,6 +102,10 @@ class RolloutRequest(NamedTuple):
     task_id: int
     attempt: int
     policy_version: int
+    # An eval episode (docs/evals.md): sampled by `policy_version` exactly where the backend can
+    # hold it, at the eval's own temperature. None for train episodes.
+    eval_id: int | None = None
+    temperature: float | None = None
 
 
 Publish = Callable[[int, "dict[str, int | float] | None"], None]  # (version, the trainer's metrics for it)

@@ -32,7 +32,7 @@ from orchestrator.components import (
 )
 from orchestrator.components import Section as _Section
 from orchestrator.core.algorithms import BACKGROUND_ONLY
-from orchestrator.core.events import CoreParams
+from orchestrator.core.events import CoreParams, EvalParams
 from orchestrator.inference.endpoints_config import check_http_url
 
 
@@ -113,6 +113,32 @@ InferenceSection = _with_components("InferenceSection", _InferenceChoice, INFERE
 EnvSection = _with_components("EnvSection", _Section, ENVS)
 
 
+class EvalConfig(_Section):
+    """Evaluations on a schedule (docs/evals.md): held-out tasks sampled beside training, outside
+    the train gate, never trained on. Off while `envs` is empty (the default)."""
+
+    envs: list[str] = Field(default_factory=list, description="envs to evaluate (train envs); empty = no evals")
+    every: int = Field(10, ge=1, description="an eval every N published versions, plus version 0 and the last")
+    num_tasks: int = Field(32, ge=1, description="held-out tasks per eval (the same ones at every version)")
+    samples_per_task: int = Field(4, ge=1, description="samples per task (the k of pass@k)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of eval episodes")
+    max_inflight: int = Field(16, ge=1, description="eval episodes in flight at once (apart from rollout.max_inflight)")
+
+    @field_validator("envs")
+    @classmethod
+    def _known_envs(cls, envs: list[str]) -> list[str]:
+        for name in envs:
+            ENVS.known(name)
+        return envs
+
+    def core_params(self) -> EvalParams | None:
+        if not self.envs:
+            return None
+        return EvalParams(envs=self.envs, every=self.every, num_tasks=self.num_tasks,
+                          samples_per_task=self.samples_per_task, temperature=self.temperature,
+                          max_inflight=self.max_inflight)
+
+
 class LogConfig(_Section):
     durability: Literal["full", "normal"] = Field("full", description="SQLite synchronous=FULL or NORMAL")
     snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
@@ -174,6 +200,8 @@ class RunConfig(_Section):
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection, description="the sampler of the episodes; "
                                         "`inference.<kind>`: each backend's own settings")
+    eval: EvalConfig = Field(default_factory=EvalConfig,
+                             description="evaluations on a schedule, off by default: docs/evals.md")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig,
                                    description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
 
@@ -230,7 +258,7 @@ class RunConfig(_Section):
             max_off_policy_steps=self.off_policy.max_off_policy_steps,
             max_finalizing_groups=self.algorithm.max_finalizing_groups, max_steps=self.max_steps,
             algorithm=self.algorithm.name, finalize_in_background=self.finalize_in_background(),
-            zero_output_batches=self.zero_output_batches,
+            zero_output_batches=self.zero_output_batches, eval=self.eval.core_params(),
         )
 
     def to_json(self) -> bytes:

@@ -15,6 +15,7 @@ from orchestrator.rundir import is_stable, weights_dir
 
 if TYPE_CHECKING:
     from orchestrator.config import RunConfig
+    from orchestrator.embedded.policy import EmbeddedSampler
     from orchestrator.envs.base import RolloutEnv
 
 
@@ -71,6 +72,8 @@ class EmbeddedBackend:
         self.sampler = EmbeddedSampler()
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
+        self._pinned: EmbeddedSampler | None = None  # the version the current eval is pinned to
+        self._pinned_lock = asyncio.Lock()
         # Sampling threads mostly wait for the coalescing leader; their own pool keeps them from
         # starving weight reloads (which use the loop's default executor).
         self._pool = ThreadPoolExecutor(max_workers=SAMPLING_THREADS, thread_name_prefix="orch-sampler")
@@ -96,13 +99,28 @@ class EmbeddedBackend:
         """Stop the sampling threads (a running forward pass finishes; nothing new starts)."""
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
 
+    async def _sampler_at(self, version: int):
+        """The policy at exactly `version`, for an eval episode: a sampler of its own, loaded from
+        `weights/step_{version}` and kept for the eval's next samples (the train sampler moves on
+        to newer versions meanwhile). A version whose weights the trainer already pruned fails
+        the episode."""
+        from orchestrator.embedded.policy import EmbeddedSampler
+
+        async with self._pinned_lock:
+            if self._pinned is None or self._pinned.version != version:
+                self._pinned = await asyncio.to_thread(EmbeddedSampler.from_weights, weights_dir(self.run_dir, version),
+                                                       version)
+            return self._pinned
+
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         env = self.envs[req.env]
         task = await env.task(req.task_id)
         seed = (self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt
+        sampler = self.sampler if req.eval_id is None else await self._sampler_at(req.policy_version)
+        temperature = self.temperature if req.temperature is None else req.temperature
         # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
-        sample = functools.partial(self.sampler.sample_coalesced, task.prompt, 1, temperature=self.temperature,
+        sample = functools.partial(sampler.sample_coalesced, task.prompt, 1, temperature=temperature,
                                    max_new_tokens=self.max_new_tokens, seed=seed)
         (completion,) = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
         version = completion.policy_version
@@ -110,5 +128,5 @@ class EmbeddedBackend:
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
             reward=await env.score(task, completion.text), token_ids=completion.token_ids,
             mask=completion.mask, logprobs=completion.full_logprobs, policy_start=version,
-            policy_end=version, temperature=self.temperature,
+            policy_end=version, temperature=temperature,
         )

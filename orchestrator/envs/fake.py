@@ -98,7 +98,9 @@ class FakeEpisodes:
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         cfg = self.config
         (latency, error, empty, length, reward, logprob_offset), token_ids = self._draws(req)
-        policy_start = self.version_now()
+        # The fake sampler holds any version: an eval episode is sampled by the one it is pinned to.
+        pinned = req.eval_id is not None
+        policy_start = req.policy_version if pinned else self.version_now()
         if cfg.latency_s > 0:
             jitter = 2 * latency / _U32 - 1
             await asyncio.sleep(max(0.0, cfg.latency_s + jitter * cfg.latency_jitter_s))
@@ -117,7 +119,7 @@ class FakeEpisodes:
             token_ids=list(token_ids[:n_total]),
             mask=self._masks[n_sampled][:],
             logprobs=self._prompt_logprobs + self._logprob_pool[offset:offset + n_sampled],
-            policy_start=policy_start, policy_end=self.version_now(),
+            policy_start=policy_start, policy_end=policy_start if pinned else self.version_now(),
         )
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:

@@ -24,6 +24,7 @@ from orchestrator.core.decide import decide
 from orchestrator.core.state import REDUCER_VERSION, ShippedSample, State, finalizes_in_background, state_bytes
 from orchestrator.notices import warn
 from orchestrator.rundir import atomic_write_bytes, batch_path
+from orchestrator.shell.evals import eval_request, eval_result
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
 MAX_INPUTS_PER_ITERATION = 256  # bounds the synchronous decide work between two awaits
@@ -133,9 +134,14 @@ class Orchestrator:
         self._wake = asyncio.Event()
         self.feed: ExampleFeed = ExampleFeed()
         self.stream = run_examples(self.feed, self.backend)
+        # Evals have a stream of their own: the drain closes the train stream, while evals go on
+        # to the end's eval (docs/evals.md). The core caps what is in flight; so does the stream.
+        self.eval_feed: ExampleFeed = ExampleFeed()
+        self.eval_stream = run_examples(self.eval_feed, self.backend, max_concurrency=self.config.eval.max_inflight)
         error: Exception | None = None
         async with asyncio.TaskGroup() as self._tasks:
-            self._start(self._forward_outcomes(), "orch-outcomes")
+            self._start(self._forward_outcomes(self.stream), "orch-outcomes")
+            self._start(self._forward_outcomes(self.eval_stream), "orch-eval-outcomes")
             self._start(self.trainer.run(self.state.version, self.publish_version), "orch-trainer")
             try:
                 await self._drive(first_input)
@@ -175,8 +181,7 @@ class Orchestrator:
                 self._task_error = exc
             self._poke()
 
-    async def _forward_outcomes(self) -> None:
-        stream = self.stream
+    async def _forward_outcomes(self, stream) -> None:
         while await stream.wait_ready(None):
             self._outcomes.extend(stream.take_ready())
             self._poke()
@@ -198,8 +203,10 @@ class Orchestrator:
             self._last_input_at = time.monotonic()
         return inputs
 
-    def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted:
+    def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted | ev.EvalEpisodeCompleted:
         req: RolloutRequest = outcome.example
+        if req.eval_id is not None:
+            return eval_result(outcome)
         if outcome.exception is None:
             return outcome.result
         exc = outcome.exception
@@ -223,6 +230,8 @@ class Orchestrator:
         parts = []
         if s.inflight:
             parts.append(f"{len(s.inflight)} in-flight episodes")
+        if s.evals.inflight:
+            parts.append(f"{len(s.evals.inflight)} in-flight eval episodes")
         if self.finalizer.tasks:
             parts.append(f"{len(self.finalizer.tasks)} finalizing groups")
         parts.append(f"the trainer to publish version {s.version + 1}")
@@ -289,6 +298,13 @@ class Orchestrator:
                 self.feed.put(req, key=e.episode_id)
         elif kind == "episode_cancelled":
             self.stream.cancel(e.episode_id)
+        elif kind == "eval_episode_dispatched":
+            if e.episode_id in state.evals.inflight:  # not already cancelled in the same iteration
+                self.eval_feed.put(eval_request(state, e), key=e.episode_id)
+        elif kind == "eval_episode_cancelled":
+            self.eval_stream.cancel(e.episode_id)
+        elif kind == "eval_completed" and self.progress is not None:
+            self.progress.on_eval(e)
         elif kind == "finalize_started":
             if finalizes_in_background(state, e):
                 self.finalizer.start(e.group_id, [state.traces[t] for t in e.trace_ids])
@@ -352,10 +368,11 @@ class Orchestrator:
         outcome stands (its events are all committed), and the steps after it still run. The task
         group then waits for its tasks, which honour their cancellation."""
         self._wake = None
-        try:
-            await self.stream.aclose(timeout=SHUTDOWN_STEP_S)
-        except TimeoutError as err:
-            warn(err)
+        for stream in (self.stream, self.eval_stream):
+            try:
+                await stream.aclose(timeout=SHUTDOWN_STEP_S)
+            except TimeoutError as err:
+                warn(err)
         await self.finalizer.aclose(timeout_s=SHUTDOWN_STEP_S)
         for task in list(self._running):
             task.cancel()
