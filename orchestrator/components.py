@@ -46,7 +46,7 @@ What each kind builds:
 * an env (`EnvComponent.open(ctx)`): an async context manager around the `RolloutEnv` (in this
   process or a client of `orch env-server`), checked before the run, closed after it;
 * an algorithm (`AlgorithmComponent.build` -> `Algorithm`); its name must also be one the core
-  knows (`orchestrator.core.algorithms`), which folds its advantages.
+  knows (`orchestrator.core.advantages`), which folds its advantages.
 
 The runner enters them on one `AsyncExitStack` (envs, sampler, trainer) and leaves them in the
 reverse order; a component that fails raises a `ComponentFailed` (one line) and the run ends.

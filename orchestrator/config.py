@@ -31,7 +31,7 @@ from orchestrator.components import (
     TrainerComponent,
 )
 from orchestrator.components import Section as _Section
-from orchestrator.core.algorithms import BACKGROUND_ONLY
+from orchestrator.core.advantages import BACKGROUND_ONLY
 from orchestrator.core.events import CoreParams, EvalParams
 from orchestrator.inference.endpoints_config import check_http_url
 

@@ -4,7 +4,7 @@ from `orchestrator.components.ALGORITHMS`.
 
 Background-finalized algorithms run `finalize_group` concurrently for many groups, and results
 come back in any order: a stateful algorithm must tolerate interleaved groups. The advantage
-arithmetic itself is the core's (orchestrator.core.algorithms), so inline and background agree.
+arithmetic itself is the core's (orchestrator.core.advantages), so inline and background agree.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 from pydantic import Field
 
 from orchestrator.components import AlgorithmComponent, BuildContext
-from orchestrator.core.algorithms import gar_advantages, grpo_advantages
+from orchestrator.core.advantages import gar_advantages, grpo_advantages
 from orchestrator.core.events import EpisodeCompleted
 
 
@@ -84,7 +84,7 @@ class SimulatedGrader:
 
 
 class GAR:
-    """Grader-ranked group advantage redistribution; see core.algorithms.gar_advantages."""
+    """Grader-ranked group advantage redistribution; see core.advantages.gar_advantages."""
 
     name: ClassVar[str] = "gar"
     finalize_in_background: ClassVar[bool] = True

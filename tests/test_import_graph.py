@@ -17,9 +17,6 @@ from orchestrator.components import ALGORITHMS, ENVS, INFERENCE, TRAINERS
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("orchestrator", "eventlog", "replay")
 CLI = "orchestrator.cli"  # the composition root of `orch`: its commands come from every package
-# Pending: the fold moves from replay into orchestrator (another change of issue 18); until then
-# the runner folds a log to resume it with replay's fold.
-PENDING = {("orchestrator.shell.runner", "replay.fold")}
 
 
 def _front_end(module: str) -> bool:
@@ -79,11 +76,11 @@ def module_imports() -> list[tuple[str, str]]:
 
 def package_graph(layers_only: bool = False) -> dict[str, dict[str, str]]:
     """node -> {imported node: one module-level import that makes the edge, for the message}.
-    `layers_only`: without the front ends' imports (roots: nothing but the CLI imports them) and
-    the pending one, which are not edges between layers."""
+    `layers_only`: without the front ends' imports (roots: nothing but the CLI imports them),
+    which are not edges between layers."""
     graph: dict[str, dict[str, str]] = defaultdict(dict)
     for module, target in module_imports():
-        if layers_only and (_front_end(module) or (module, target) in PENDING):
+        if layers_only and _front_end(module):
             continue
         if _node(target) != _node(module):
             graph[_node(module)].setdefault(_node(target), f"{module} imports {target}")
@@ -110,8 +107,7 @@ def test_the_event_log_imports_nothing_of_orchestrator_or_replay():
 
 def test_orchestrator_does_not_import_replay_but_from_its_command_line():
     bad = [f"{module} imports {target}" for module, target in module_imports()
-           if module.startswith("orchestrator") and target.split(".")[0] == "replay" and not _front_end(module)
-           and (module, target) not in PENDING]
+           if module.startswith("orchestrator") and target.split(".")[0] == "replay" and not _front_end(module)]
     assert bad == []
 
 
@@ -156,8 +152,8 @@ def test_no_cycle_between_packages():
 
 
 def test_the_graph_sees_imports_inside_functions_and_from_relative_imports():
-    """The reader itself: a function-level import is an edge (runner -> replay today, or the
-    config's registries), and no edge comes from an annotation-only import."""
+    """The reader itself: a function-level import is an edge (the CLI's commands, the config's
+    registries), and no edge comes from an annotation-only import."""
     graph = package_graph()
     assert "orchestrator.trainers" in graph["orchestrator.config"]  # through the trainer registry
     assert "orchestrator.config" not in graph.get("orchestrator.trainers", {})  # TYPE_CHECKING only

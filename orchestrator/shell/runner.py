@@ -18,17 +18,17 @@ from eventlog import EventLog, LogExistsError, LogNotFoundError
 from orchestrator.components import Algorithm, BuildContext, InferenceBackend, Trainer
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes
 from orchestrator.core import events as ev
-from orchestrator.core.state import State
+from orchestrator.core.state import State, initial_state
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
 from orchestrator.observe.sinks import build_feeder
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 from orchestrator.shell.loop import Orchestrator
 from orchestrator.shell.progress import Progress
+from orchestrator.fold import fold_log
 
 if TYPE_CHECKING:
     from orchestrator.observe.sinks import SinkFeeder
-from replay.fold import fold_log
 
 LOG_MAGIC_META = {"app": "orch", "schema_version": str(ev.EVENT_SCHEMA_VERSION)}
 
@@ -69,7 +69,8 @@ def create_run(config: RunConfig) -> OpenedRun:
                               durability=config.log.durability)
     except LogExistsError as err:
         raise RunDirError(str(err)) from None
-    return OpenedRun(config, run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+    params = config.core_params()
+    return OpenedRun(config, run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
 
 
 def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
@@ -87,8 +88,9 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
     try:
         with tuned_gc():
             folded = fold_log(log)
-        if folded.state.params is None:  # it stopped before its first event was committed
-            return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None)
+        if folded.state is None:  # it stopped before its first event was committed
+            params = requested.core_params()
+            return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
         # max_steps defaults to the run's current one (a resume may have raised it), not to the
         # one it was created with.
         requested = _requested_config(stored, run_dir, overrides, config_file, max_steps=folded.state.params.max_steps)

@@ -9,11 +9,11 @@ import sqlite3
 from eventlog import EventLog
 from orchestrator.config import load_config
 from orchestrator.core import events as ev
-from orchestrator.core.state import State, state_hash
+from orchestrator.core.state import initial_state, state_hash
 from orchestrator.envs.fake import FakeEpisodes
+from orchestrator.fold import fold_log
 from orchestrator.shell.runner import OpenedRun, run_job
 from orchestrator.trainers.fake import FakeTrainer
-from replay.fold import fold_log
 
 
 def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
@@ -41,7 +41,8 @@ def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
 
     monkeypatch.setattr(FakeEpisodes, "__call__", rollout)
     monkeypatch.setattr(FakeTrainer, "batch_written", batch_written)
-    run = OpenedRun(config, config.run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+    params = config.core_params()
+    run = OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
     orch = run_job(run, None)
     log.close()
     assert orch.state.stop_reason == "completed"
