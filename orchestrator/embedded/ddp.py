@@ -1,6 +1,6 @@
 """The embedded trainer under ``torchrun`` (DDP): same files, same steps, N processes.
 
-Launch (what ``orch run`` does with ``trainer.nproc = N > 1``)::
+Launch (what ``orch run`` does with ``trainer.embedded.nproc = N > 1``)::
 
     python -m torch.distributed.run --standalone --nproc-per-node N --max-restarts 0 \\
         -m orchestrator.embedded.ddp --run-dir RUN_DIR [--backend auto|gloo|nccl]

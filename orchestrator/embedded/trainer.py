@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import click
-import orjson
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -135,32 +134,16 @@ class Batch:
         return int(self.mask.sum())
 
 
-_REQUIRED = ("token_ids", "mask", "logprobs", "advantage", "temperature")
-
-
 def parse_batch(raw: bytes, expected_step: int, where: str = "batch") -> Batch:
-    """Validate and tensorize a format-1 batch; raises :class:`TrainerError` naming the problem."""
+    """Validate and tensorize a batch file (its schema: `orchestrator.rundir.batch_samples`);
+    raises :class:`TrainerError` naming the problem."""
     try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise TrainerError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise TrainerError(f"{where}: top level must be an object")
-    if doc.get("format") != files.BATCH_FORMAT:
-        raise TrainerError(f"{where}: format must be {files.BATCH_FORMAT}, got {doc.get('format')!r}")
-    if doc.get("step") != expected_step:
-        raise TrainerError(f"{where}: step must be {expected_step}, got {doc.get('step')!r}")
-    samples = doc.get("samples")
-    if not isinstance(samples, list):
-        raise TrainerError(f"{where}: 'samples' must be a list")
+        samples = files.batch_samples(raw, expected_step, where)
+    except files.BatchFileError as exc:
+        raise TrainerError(str(exc)) from exc
     seqs, masks, lps, advs, temps, rewards = [], [], [], [], [], []
     for i, s in enumerate(samples):
-        tag = f"{where}: sample {i} (trace_id {s.get('trace_id') if isinstance(s, dict) else '?'})"
-        if not isinstance(s, dict):
-            raise TrainerError(f"{tag}: must be an object")
-        missing = [k for k in _REQUIRED if k not in s]
-        if missing:
-            raise TrainerError(f"{tag}: missing field(s) {missing}")
+        tag = files.sample_tag(where, i, s)
         ids, mask, lp = s["token_ids"], s["mask"], s["logprobs"]
         if not (isinstance(ids, list) and isinstance(mask, list) and isinstance(lp, list)):
             raise TrainerError(f"{tag}: token_ids, mask and logprobs must be lists")

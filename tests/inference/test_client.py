@@ -265,7 +265,7 @@ def test_sglang_weight_sync_reloads_from_disk_and_bounds_the_version():
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from orchestrator.rollouts.env_server import running_server
+    from orchestrator.envs.server import running_server
 
     paths: list[str] = []
 
@@ -327,7 +327,7 @@ def _vllm_standin(loaded: list[str]):
 def test_vllm_lora_an_endpoint_restarted_unseen_gets_its_adapter_again(tmp_path):
     """Found by review: it answered 404 to every request for the adapter it had lost, forever.
     (A stand-in: restarting a real vLLM server on the same port takes a minute.)"""
-    from orchestrator.rollouts.env_server import running_server
+    from orchestrator.envs.server import running_server
 
     adapter = tmp_path / "step_1"  # the files the client checks before it asks for a load
     adapter.mkdir()
@@ -361,7 +361,7 @@ def test_an_endpoint_serving_another_runs_weights_is_refused():
     async def keeps_its_own(request):
         return JSONResponse({"version": 3, "requested": 0, "ignored": True, "path": "/runs/a/weights/step_3"})
 
-    from orchestrator.rollouts.env_server import running_server
+    from orchestrator.envs.server import running_server
 
     with running_server(Starlette(routes=[Route("/update_weights", keeps_its_own, methods=["POST"])])) as server:
         async def main():

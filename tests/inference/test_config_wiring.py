@@ -1,4 +1,4 @@
-"""Config knobs and wiring: `inference.*`, `trainer.nproc`, `orch run --inference`, the torchrun command."""
+"""Config knobs and wiring: `inference.*`, `trainer.embedded.nproc`, `orch run --inference`, the torchrun command."""
 
 from __future__ import annotations
 
@@ -8,20 +8,21 @@ import sys
 import pytest
 
 from orchestrator.config import ConfigError, load_config, meaning_changes
-from orchestrator.inference.rollouts import InferenceRollouts
-from orchestrator.shell.runner import build_orchestrator, create_run, write_embedded_trainer_config
-from orchestrator.shell.torchrun_trainer import TorchrunTrainer, torchrun_command
-from orchestrator.shell.trainers import ProcessTrainer
+from orchestrator.inference.endpoints_backend import EndpointsBackend
+from orchestrator.trainers.process import ProcessTrainer, write_embedded_trainer_config
+from orchestrator.trainers.torchrun import TorchrunTrainer, torchrun_command
+from tests.shell.test_components import parts_of
 
 
 def test_defaults_keep_the_embedded_single_process_job():
     c = load_config()
-    assert c.inference.endpoints == [] and c.inference.weight_sync == "orch" and c.trainer.nproc == 1
+    assert c.inference.openai.endpoints == [] and c.inference.openai.weight_sync == "orch"
+    assert c.inference_kind() == "embedded" and c.trainer.kind == "embedded" and c.trainer.embedded.nproc == 1
 
 
 def test_endpoints_need_reverse_text():
     with pytest.raises(ConfigError, match="inference endpoints sample reverse_text episodes only"):
-        load_config(overrides=['envs={"fake": 1}', "trainer.kind=fake", 'inference.endpoints=["http://x:1"]'])
+        load_config(overrides=['envs={"fake": 1}', "trainer.kind=fake", 'inference.openai.endpoints=["http://x:1"]'])
 
 
 @pytest.mark.parametrize("endpoints, message", [
@@ -42,27 +43,25 @@ def test_endpoints_must_be_distinct_http_urls(endpoints, message):
     time (a traceback) or fail each request until the publish timeout."""
     quoted = ",".join(f'"{url}"' for url in endpoints)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(overrides=[f"inference.endpoints=[{quoted}]"])
+        load_config(overrides=[f"inference.openai.endpoints=[{quoted}]"])
 
 
 def test_endpoints_and_ranks_may_change_on_resume_but_the_weight_protocol_may_not():
     a = load_config()
-    b = load_config(overrides=['inference.endpoints=["http://a:1","http://b:2"]', "trainer.nproc=4",
-                               "inference.max_attempts=5"])
+    b = load_config(overrides=['inference.openai.endpoints=["http://a:1","http://b:2"]', "trainer.embedded.nproc=4",
+                               "inference.openai.max_attempts=5"])
     assert meaning_changes(a, b) == []
-    assert meaning_changes(a, load_config(overrides=["inference.weight_sync=none"])) == ["inference.weight_sync"]
+    changed = meaning_changes(a, load_config(overrides=["inference.openai.weight_sync=none"]))
+    assert changed == ["inference.openai.weight_sync"]
 
 
-def test_build_orchestrator_picks_the_endpoints_backend_and_torchrun(tmp_path):
-    config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.endpoints=["127.0.0.1:9/v1"]',
-                                    "trainer.nproc=2", "trainer.ddp_backend=gloo"])
-    run = create_run(config)
-    with run.log:
-        orch = build_orchestrator(run, None)
-        assert isinstance(orch.hooks.rollout, InferenceRollouts)
-        assert orch.hooks.on_version == orch.hooks.rollout.load
-        assert [e.url for e in orch.hooks.rollout.client.endpoints] == ["http://127.0.0.1:9"]
-        assert isinstance(orch.trainer, TorchrunTrainer) and isinstance(orch.trainer, ProcessTrainer)
+def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
+    config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.openai.endpoints=["127.0.0.1:9/v1"]',
+                                    "trainer.embedded.nproc=2", "trainer.embedded.ddp_backend=gloo"])
+    parts = parts_of(config)
+    assert isinstance(parts.backend, EndpointsBackend) and parts.backend.follows_weights
+    assert [e.url for e in parts.backend.client.endpoints] == ["http://127.0.0.1:9"]
+    assert isinstance(parts.trainer, TorchrunTrainer) and isinstance(parts.trainer, ProcessTrainer)
     assert torchrun_command(tmp_path, 2, "gloo") == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
         "-m", "orchestrator.embedded.ddp", "--run-dir", str(tmp_path), "--backend", "gloo"]

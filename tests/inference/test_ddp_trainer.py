@@ -15,8 +15,8 @@ from orchestrator import rundir as files
 from orchestrator.embedded.policy import load_policy, sample_group
 from orchestrator.embedded.trainer import TrainerConfig, run_trainer, write_trainer_config
 from orchestrator.envs.reverse_text import ReverseTextEnv
-from orchestrator.shell.torchrun_trainer import TorchrunTrainer, torchrun_command
-from orchestrator.shell.trainers import TrainerFailed
+from orchestrator.trainers import TrainerFailed
+from orchestrator.trainers.torchrun import TorchrunTrainer, torchrun_command
 from tests.inference.util import REPO, TINY, processes_mentioning
 
 pytestmark = pytest.mark.slow
@@ -103,8 +103,8 @@ def test_two_ranks_train_like_one_process(tmp_path, capsys):
 
 def _trainer(run_dir, **kw) -> TorchrunTrainer:
     write_trainer_config(run_dir, tiny_config(parent_pid=os.getpid(), **kw))
-    trainer = TorchrunTrainer(run_dir, lambda version: None, nproc=2, backend="gloo")
-    trainer.start()
+    trainer = TorchrunTrainer(run_dir, nproc=2, backend="gloo")
+    asyncio.run(trainer.start())
     return trainer
 
 

@@ -37,9 +37,9 @@ def test_run_on_two_servers_and_a_torchrun_trainer_survives_losing_a_server(tmp_
         urls = [s.wait_ready() for s in servers]
         cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path), "--name", "r",
                "--max-steps", str(STEPS), "--inference", ",".join(urls), "--progress-every", "1",
-               "--set", "trainer.nproc=2", "--set", "rollout.group_size=4", "--set", "batch.size=16",
+               "--set", "trainer.embedded.nproc=2", "--set", "rollout.group_size=4", "--set", "batch.size=16",
                "--set", "rollout.max_inflight=32", "--set", "log.durability=normal",
-               "--set", "inference.backoff_s=0.5", "--set", "trainer.publish_timeout_s=120"]
+               "--set", "inference.openai.backoff_s=0.5", "--set", "trainer.publish_timeout_s=120"]
         t0 = time.monotonic()
         run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         try:

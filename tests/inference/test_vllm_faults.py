@@ -31,9 +31,10 @@ def servers(tmp_path_factory):
 def start_run(runs, name: str, urls: list[str], *sets: str) -> subprocess.Popen:
     return subprocess.Popen(orch_run_cmd(
         "--runs-dir", str(runs), "--name", name, "--max-steps", str(STEPS), "--set", f"model.path={tiny_model()}",
-        "--set", "inference.weight_sync=vllm_reload", "--set", f"inference.endpoints={list(urls)!r}".replace("'", '"'),
-        "--set", "batch.size=64", "--set", "log.durability=normal", "--set", "inference.backoff_s=0.2",
-        "--set", "inference.max_backoff_s=1", "--set", "zero_output_batches=2", *sets),
+        "--set", "inference.openai.weight_sync=vllm_reload",
+        "--set", f"inference.openai.endpoints={list(urls)!r}".replace("'", '"'),
+        "--set", "batch.size=64", "--set", "log.durability=normal", "--set", "inference.openai.backoff_s=0.2",
+        "--set", "inference.openai.max_backoff_s=1", "--set", "zero_output_batches=2", *sets),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
@@ -66,7 +67,7 @@ def test_with_two_endpoints_the_run_goes_on_on_the_other(servers, tmp_path):
 def test_with_one_endpoint_the_run_ends_in_one_line_naming_it(servers, tmp_path):
     (_, only) = servers.servers
     # A request waits for a down endpoint as long as it may take (request_timeout_s), then fails.
-    run = start_run(tmp_path, "one", [only.url], "--set", "inference.request_timeout_s=10")
+    run = start_run(tmp_path, "one", [only.url], "--set", "inference.openai.request_timeout_s=10")
     out, err = kill_when_shipped(run, tmp_path / "one" / "events.db", 1, only)
     assert run.returncode != 0
     errors = [line for line in err.splitlines() if line.startswith("orch: error: ")]

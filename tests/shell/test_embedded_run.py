@@ -18,7 +18,7 @@ from tests.shell.test_e2e_fake import assert_log_invariants, orch
 pytestmark = pytest.mark.slow
 
 SMALL = ["--set", "batch.size=32", "--set", "rollout.group_size=4", "--set", "rollout.max_inflight=32",
-         "--set", "trainer.sft_steps=60", "--set", "trainer.publish_timeout_s=120"]
+         "--set", "trainer.embedded.sft_steps=60", "--set", "trainer.publish_timeout_s=120"]
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -146,7 +146,7 @@ def test_sigkill_then_resume_of_the_embedded_job(tmp_path):
 
 def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
     """`rollout.env_server`: tasks and rewards come from `orch env-server` over HTTP."""
-    from orchestrator.rollouts.env_server import create_app, make_env, running_server
+    from orchestrator.envs.server import create_app, make_env, running_server
 
     app = create_app(make_env("reverse_text", seed=0))
     with running_server(app) as server:

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import pytest
 
-from orchestrator.shell.trainers import ProcessTrainer, TrainerFailed
+from orchestrator.trainers import TrainerFailed
+from orchestrator.trainers.process import ProcessTrainer
 
 
 class ScriptTrainer(ProcessTrainer):
     """The supervision of `orch trainer`, around a one-line script instead."""
 
     def __init__(self, run_dir, script: str):
-        super().__init__(run_dir, publish=lambda version: None)
+        super().__init__(run_dir)
         self.script = script
 
     def command(self) -> list[str]:
@@ -22,7 +24,7 @@ class ScriptTrainer(ProcessTrainer):
 
 def _failure(run_dir, script: str) -> str:
     trainer = ScriptTrainer(run_dir, script)
-    trainer.start()
+    asyncio.run(trainer.start())
     trainer.proc.wait(30)
     with pytest.raises(TrainerFailed) as failed:
         trainer.check()
@@ -44,7 +46,7 @@ def test_a_trainer_killed_by_a_signal_says_so(tmp_path):
 def test_a_trainer_config_that_cannot_be_written_is_a_trainer_failure(tmp_path):
     from orchestrator.config import load_config
     from orchestrator.rundir import TRAINER_CONFIG_FILE
-    from orchestrator.shell.runner import write_embedded_trainer_config
+    from orchestrator.trainers.process import write_embedded_trainer_config
 
     (tmp_path / TRAINER_CONFIG_FILE).mkdir()  # in the way
     with pytest.raises(TrainerFailed, match=f"cannot write the trainer's config in {tmp_path}: "):

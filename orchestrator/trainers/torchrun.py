@@ -1,4 +1,5 @@
-"""`TorchrunTrainer`: the embedded trainer under torchrun (DDP), supervised like `ProcessTrainer`.
+"""`TorchrunTrainer`: the embedded trainer under torchrun (DDP), supervised like `ProcessTrainer`
+(`trainer.embedded.nproc` > 1).
 
 The child is ``python -m torch.distributed.run --standalone --nproc-per-node N --max-restarts 0
 -m orchestrator.embedded.ddp --run-dir RUN_DIR``; weights are watched exactly as for the
@@ -20,7 +21,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from orchestrator.shell.trainers import ProcessTrainer, Publish
+from orchestrator.trainers.process import ProcessTrainer
 
 
 def torchrun_command(run_dir: Path, nproc: int, backend: str = "auto") -> list[str]:
@@ -29,9 +30,8 @@ def torchrun_command(run_dir: Path, nproc: int, backend: str = "auto") -> list[s
 
 
 class TorchrunTrainer(ProcessTrainer):
-    def __init__(self, run_dir: Path, publish: Publish, nproc: int, backend: str = "auto",
-                 poll_s: float = 0.05):
-        super().__init__(run_dir, publish, poll_s)
+    def __init__(self, run_dir: Path, nproc: int, backend: str = "auto", poll_s: float = 0.05):
+        super().__init__(run_dir, poll_s)
         self.nproc, self.backend = nproc, backend
 
     def command(self) -> list[str]:

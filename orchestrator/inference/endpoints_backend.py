@@ -1,8 +1,8 @@
-"""`InferenceRollouts`: reverse_text episodes sampled by OpenAI-compatible endpoints.
+"""`EndpointsBackend`: episodes sampled by OpenAI-compatible endpoints (inference backend `openai`).
 
-The same interface as ``orchestrator.shell.rollouts.EmbeddedRollouts`` (``await backend(req)`` ->
-``EpisodeCompleted``; ``await backend.load(version, health_check)``), but the sampling happens in
-other processes (`orch serve`, vLLM, SGLang) through :class:`~.client.InferenceClient`.
+An ``orchestrator.components.InferenceBackend`` like the embedded one, but the sampling happens
+in other processes (`orch serve`, vLLM, SGLang; given, or started by the run:
+``inference.openai.launch``) through :class:`~.client.InferenceClient`.
 
 An episode: the env's task -> its prompt rendered as token ids (with the model dir's tokenizer and
 chat template, as the trainer renders it; `orch serve`'s embedded policy: its own char tokenizer)
@@ -10,47 +10,49 @@ and sent as token ids -> one completion (seeded by run seed, episode and attempt
 group id pins the group to one endpoint) -> scored by the env -> ``EpisodeCompleted`` with the
 prompt + completion ids, mask, per-token logprobs and the version the endpoint reports. A request
 whose endpoint fails is re-sent to another endpoint (same episode, same seed); when the client
-gives up, the exception becomes an errored episode (ok=False) in the loop.
+gives up, the episode fails like any other (the core counts and drops it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
-from orchestrator.config import ConfigError, RunConfig
+from orchestrator.components import BuildContext, ConfigError, RolloutRequest
 from orchestrator.core.events import EpisodeCompleted
-from orchestrator.inference.client import (
-    InferenceClient,
-    InferenceError,
-    InferenceRequestError,
-)
+from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
+from orchestrator.inference.endpoints_config import VLLM_MODES, EndpointsConfig
+from orchestrator.notices import report, warn
 from orchestrator.rundir import is_stable, weights_dir
-from orchestrator.shell.loop import warn
 
-VLLM_MODES = ("vllm_reload", "vllm_lora")
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
+    from orchestrator.envs.base import RolloutEnv
+    from orchestrator.inference.vllm_launch import VllmLauncher
 
 
-def build_inference_rollouts(config: RunConfig, run_dir: Path, env) -> InferenceRollouts:
-    """The endpoints backend of a run: the client of its endpoints (given, or the vLLM servers
-    of ``inference.launch``, started by :meth:`InferenceRollouts.start`)."""
-    inf = config.inference
+def build_endpoints_backend(section: EndpointsConfig, ctx: BuildContext,
+                            envs: Mapping[str, RolloutEnv]) -> EndpointsBackend:
+    """The `openai` backend of a run: the client of its endpoints (given, or the vLLM servers of
+    ``inference.openai.launch``, started at the backend's first load)."""
+    config = ctx.config
     model_dir = run_model_dir(config)
-    launcher, urls = None, inf.endpoints
-    if inf.launch.servers:
+    launcher, urls = None, section.endpoints
+    if section.launch.servers:
         from orchestrator.inference.vllm_launch import VllmLauncher
 
-        launcher = VllmLauncher(inf.launch, model_dir, run_dir, inf.weight_sync, inf.max_loras)
+        launcher = VllmLauncher(section.launch, model_dir, ctx.run_dir, section.weight_sync, section.max_loras)
         urls = launcher.urls
-    return InferenceRollouts(run_dir, env, make_client(config, urls), temperature=config.rollout.temperature,
-                             max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
-                             load_timeout_s=config.trainer.publish_timeout_s, model_dir=model_dir, launcher=launcher)
+    return EndpointsBackend(ctx.run_dir, envs, make_client(config, urls), temperature=config.rollout.temperature,
+                            max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
+                            load_timeout_s=config.trainer.publish_timeout_s, model_dir=model_dir, launcher=launcher)
 
 
 def make_client(config: RunConfig, urls: list[str]) -> InferenceClient:
-    inf = config.inference
+    inf = config.inference.openai
     return InferenceClient(urls, model=inf.model, weight_sync=inf.weight_sync, timeout_s=inf.request_timeout_s,
                            load_timeout_s=config.trainer.publish_timeout_s, max_attempts=inf.max_attempts,
                            backoff_s=inf.backoff_s, max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups,
@@ -58,20 +60,16 @@ def make_client(config: RunConfig, urls: list[str]) -> InferenceClient:
 
 
 def run_model_dir(config: RunConfig) -> Path | None:
-    """The HF model dir the endpoints serve (``model.path``); None for `orch serve`'s own policy."""
-    if config.model.path is not None:
-        return Path(config.model.path).resolve()
-    if config.inference.weight_sync in VLLM_MODES:
-        raise ConfigError(f"weight_sync {config.inference.weight_sync!r} serves a Hugging Face model: set model.path")
-    return None
+    """The HF model dir the endpoints serve (``model.path``; the config's check requires it for
+    the vLLM weight syncs); None for `orch serve`'s own policy."""
+    return None if config.model.path is None else Path(config.model.path).resolve()
 
 
 def check_inference(config: RunConfig) -> None:
     """Before anything runs, ConfigError (one line) for: a model dir that is not an HF model, a
     tokenizer without a chat template, a launch that cannot work (`check_launch`), a given vLLM
-    endpoint that serves another model or lacks the routes of the weight sync."""
-    if not config.inference.enabled:
-        return
+    endpoint that serves another model or lacks the routes of the weight sync. (What needs no
+    file nor server is checked with the config: `EndpointsConfig.check`.)"""
     model_dir = run_model_dir(config)
     if model_dir is None:
         return
@@ -80,9 +78,10 @@ def check_inference(config: RunConfig) -> None:
     model_head_dim(model_dir)  # a readable config.json
     prompt_renderer(model_dir)
     check_launch(config, model_dir)
-    if config.inference.endpoints and config.inference.weight_sync in VLLM_MODES:
+    inf = config.inference.openai
+    if inf.endpoints and inf.weight_sync in VLLM_MODES:
         async def check() -> None:
-            async with make_client(config, config.inference.endpoints) as client:
+            async with make_client(config, inf.endpoints) as client:
                 await client.check_vllm_endpoints(model_dir)
         try:
             asyncio.run(check())
@@ -112,11 +111,13 @@ def episode_seed(run_seed: int, episode_id: int, attempt: int) -> int:
     return ((run_seed << 32) ^ (episode_id << 4) ^ attempt) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-class InferenceRollouts:
-    def __init__(self, run_dir: str | os.PathLike, env, client: InferenceClient, *, temperature: float,
-                 max_new_tokens: int, seed: int, load_timeout_s: float, model_dir: Path | None = None,
-                 launcher=None):
-        self.run_dir, self.env, self.client, self.seed = Path(run_dir).resolve(), env, client, seed
+class EndpointsBackend:
+    follows_weights: ClassVar[bool] = True
+
+    def __init__(self, run_dir: str | os.PathLike, envs: Mapping[str, RolloutEnv], client: InferenceClient, *,
+                 temperature: float, max_new_tokens: int, seed: int, load_timeout_s: float,
+                 model_dir: Path | None = None, launcher: VllmLauncher | None = None):
+        self.run_dir, self.envs, self.client, self.seed = Path(run_dir).resolve(), envs, client, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
         self.model_dir, self.launcher = model_dir, launcher
         self.encode_prompt = prompt_renderer(model_dir)
@@ -124,18 +125,15 @@ class InferenceRollouts:
         self._ready = launcher is None  # launched servers: once they answered /health
         self.version = -1  # newest version confirmed by at least one endpoint
 
-    async def start(self) -> None:
-        """Before the run: start the launched servers (:meth:`load` waits for them)."""
-        if self.launcher is not None:
-            self.launcher.start()
-
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
         """Wait (bounded) for ``weights/step_{version}/STABLE``, then have every endpoint load it;
         returns once the endpoints answered (at least one confirmation, else it retries until
         ``load_timeout_s``: endpoints may still be starting). Loads of successive versions may
         overlap: an endpoint slow to answer one load does not hold the others back. The first
-        load waits for launched servers first (their own bound: ``ready_timeout_s``)."""
+        load starts the launched servers and waits for them (their own bound: ``ready_timeout_s``)."""
         if not self._ready:
+            if not self.launcher.started:
+                self.launcher.start()
             await self.launcher.wait_ready(health_check)
             self._ready = True
         wdir = weights_dir(self.run_dir, version)
@@ -170,9 +168,10 @@ class InferenceRollouts:
         self.version = max(self.version, version)
         self._loaded.set()
 
-    async def __call__(self, req) -> EpisodeCompleted:
+    async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
-        task = await self.env.task(req.task_id)
+        env = self.envs[req.env]
+        task = await env.task(req.task_id)
         prompt_ids = self.encode_prompt(task.prompt)
         seed = episode_seed(self.seed, req.episode_id, req.attempt)
         # An eval episode (req.eval_id) goes the same way at its own temperature, asking for its
@@ -188,16 +187,15 @@ class InferenceRollouts:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
-            reward=await self.env.score(task, choice.text), token_ids=prompt_ids + choice.token_ids,
+            reward=await env.score(task, choice.text), token_ids=prompt_ids + choice.token_ids,
             mask=[0] * len(prompt_ids) + [1] * len(choice.token_ids),
             logprobs=[0.0] * len(prompt_ids) + choice.logprobs,
             policy_start=done.policy_start, policy_end=done.policy_end, temperature=temperature,
         )
 
-    def report(self) -> str:
-        return "orch: inference: " + self.client.report()
-
     async def aclose(self) -> None:
+        """Report how each endpoint fared, then close the HTTP client and stop launched servers."""
+        report("orch: inference: " + self.client.report())
         try:
             await self.client.aclose()
         finally:
