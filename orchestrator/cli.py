@@ -41,7 +41,7 @@ def main() -> None:
 @click.option("--name", help="run name (default: run-YYYYmmdd-HHMMSS)")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), help="where runs live (default: runs)")
 @click.option("--env", "env_name", type=click.Choice(["reverse_text", "fake"]), help="shorthand for envs={ENV: 1}")
-@click.option("--trainer", "trainer_kind", type=click.Choice(["embedded", "fake"]), help="shorthand for trainer.kind")
+@click.option("--trainer", "trainer_kind", type=click.Choice(["hf", "fake"]), help="shorthand for trainer.kind")
 @click.option("--max-steps", type=int, help="shorthand for max_steps")
 @click.option("--inference", "inference_urls", metavar="URL1,URL2,...",
               help="sample with these OpenAI-compatible endpoints (orch serve, vLLM, SGLang); shorthand for inference.endpoints")
@@ -166,10 +166,25 @@ def _run_errors() -> tuple[type[BaseException], ...]:
 @click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="run directory holding trainer.json, batches/ and weights/")
 def trainer_command(run_dir: Path) -> None:
-    """Embedded torch trainer: batches/step_N.json -> weights/step_N (+ STABLE)."""
-    from orchestrator.embedded.trainer import run_trainer  # torch is imported only here
+    """The hf (transformers) trainer: batches/step_N.json -> weights/step_N (+ STABLE)."""
+    from orchestrator.hf.trainer import run_trainer  # torch is imported only here
 
     sys.exit(run_trainer(run_dir))
+
+
+@main.command("tiny-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True, help="initialisation and warm-start data")
+@click.option("--target-reward", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="the supervised warm start stops at this sampled mean reward")
+def tiny_model_command(out_dir: Path, seed: int, target_reward: float) -> None:
+    """Build the tiny reverse_text model (a char-level Llama + tokenizer, with a supervised warm
+    start) into OUT_DIR, an ordinary HF model dir; no download."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        fail(f"{out_dir} exists and is not empty; pick a new directory", EXIT_USAGE)
+    from orchestrator.hf.tiny_model import build_tiny_model
+
+    build_tiny_model(out_dir, seed=seed, target_reward=target_reward, log=click.echo)
 
 
 def _register_commands() -> None:

@@ -94,15 +94,47 @@ class ReverseTextConfig(_Section):
     max_len: int = Field(6, ge=1)
 
 
+class ModelSection(_Section):
+    """The model a run trains and samples: a local Hugging Face model dir."""
+
+    path: Path | None = Field(None, description="a local Hugging Face model dir (config.json, weights, tokenizer); "
+                              "None: the tiny reverse_text model, built locally once and cached under "
+                              "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)")
+
+
+class LoraSection(_Section):
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (the update is scaled by alpha / rank)")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="names of the modules that get adapters (as PEFT matches them)")
+
+
 class TrainerSection(_Section):
-    kind: Literal["embedded", "fake"] = Field("embedded", description="torch trainer process or in-process fake")
+    kind: Literal["hf", "fake"] = Field("hf", description="the transformers trainer process, or the in-process fake")
     step_time_s: float = Field(0.0, ge=0, description="fake trainer: time per optimizer step")
-    lr: float = Field(2e-3, gt=0, description="embedded trainer: learning rate")
-    sft_steps: int = Field(400, ge=0, description="embedded trainer: most warm-start steps (it stops at a loss of 0.12)")
+    lr: float = Field(5e-4, gt=0, description="hf trainer: AdamW learning rate")
+    lr_warmup_steps: int = Field(5, ge=0, description="hf trainer: the lr ramps linearly over the first steps")
+    clip_eps: float = Field(0.2, gt=0, description="hf trainer: PPO clip, the ratio is clipped to [1-eps, 1+eps]")
+    lora: LoraSection = Field(default_factory=LoraSection)
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
-    nproc: int = Field(1, ge=1, description="embedded trainer: ranks under torchrun (DDP); 1 = one plain process")
-    ddp_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="DDP backend (auto: nccl with CUDA, else gloo)")
+    nproc: int = Field(1, ge=1, description="hf trainer: ranks per node under torchrun; 1 (one node) = one plain process")
+    distributed: Literal["ddp", "fsdp"] = Field("ddp", description="how ranks share the model: DDP replicas or FSDP2 "
+                                                "(torch.distributed.fsdp.fully_shard) shards")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process group backend (auto: nccl with CUDA, "
+                                                     "else gloo)")
+    nnodes: int = Field(1, ge=1, description="torchrun nodes; > 1 needs rdzv_endpoint and the run dir on a shared "
+                        "filesystem (the other nodes run the torchrun command of docs/hf.md)")
+    node_rank: int = Field(0, ge=0, description="this node's rank among nnodes (orch run is node 0)")
+    rdzv_endpoint: str | None = Field(None, description="torchrun c10d rendezvous host:port (multi-node)")
+
+    @model_validator(mode="after")
+    def _multi_node(self) -> TrainerSection:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("trainer.nnodes > 1 needs trainer.rdzv_endpoint (host:port of the rendezvous)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"trainer.node_rank {self.node_rank} must be < trainer.nnodes {self.nnodes}")
+        return self
 
 
 class InferenceSection(_Section):
@@ -181,6 +213,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
     reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig)
+    model: ModelSection = Field(default_factory=ModelSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     log: LogConfig = Field(default_factory=LogConfig)
     inference: InferenceSection = Field(default_factory=InferenceSection)
@@ -190,15 +223,15 @@ class RunConfig(_Section):
         unknown = sorted(set(self.envs) - KNOWN_ENVS)
         if unknown:
             raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
-        if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
-            raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
+        if self.trainer.kind == "hf" and set(self.envs) != {"reverse_text"}:
+            raise ValueError("the hf trainer learns reverse_text only; use trainer.kind='fake' for other envs")
         if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
         if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
             raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
         if self.trainer.kind == "fake" and "reverse_text" in self.envs:
             raise ValueError("reverse_text samples from the trainer's published weights, which the fake trainer "
-                             "never writes; use trainer.kind='embedded' (or the fake env)")
+                             "never writes; use trainer.kind='hf' (or the fake env)")
         try:  # the core's own cross-checks (e.g. an algorithm that must finalize in the background)
             self.core_params()
         except ValidationError as err:
@@ -235,7 +268,8 @@ KNOWN_ENVS = frozenset({"reverse_text", "fake"})
 RESUMABLE_FIELDS = frozenset({
     "max_steps", "runs_dir", "name", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s", "trainer.step_time_s",
     "trainer.exit_timeout_s", "rollout.env_server",
-    "trainer.nproc", "trainer.ddp_backend", "inference.endpoints", "inference.request_timeout_s",
+    "trainer.nproc", "trainer.distributed", "trainer.backend", "trainer.nnodes", "trainer.node_rank",
+    "trainer.rdzv_endpoint", "inference.endpoints", "inference.request_timeout_s",
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
 })
 

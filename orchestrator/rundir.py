@@ -2,13 +2,24 @@
 
 Layout of a run directory (``RUN_DIR``)::
 
-    trainer.json                 TrainerConfig (written by the orchestrator before it spawns the trainer)
+    trainer.json                 the trainer's config (orchestrator.hf.trainer.TrainerConfig), written by the
+                                 orchestrator before it spawns the trainer
     batches/step_N.json          batch N (orjson; written atomically by the orchestrator)
-    weights/step_N/              policy after training on batches 1..N (step_0 = warm start)
-        model.pt                 state_dict (torch.save)
-        policy.json              PolicyConfig
+    weights/step_N/              the policy after training on batches 1..N (step_0 = the model as loaded)
+        full fine-tuning:        an HF model dir: config.json, model.safetensors, generation_config.json,
+                                 tokenizer files (save_pretrained, safe_serialization)
+        LoRA:                    a PEFT adapter dir: adapter_config.json, adapter_model.safetensors
+                                 (every version is one; step_0's B matrices are zero)
+        metrics.json             (N >= 1) the trainer's figures of step N, one JSON object:
+                                 {"step", "loss", "grad_norm", "entropy" (mean over sampled tokens, nats),
+                                  "mismatch_kl" (k3 estimate of KL(sampler || trainer) on the sampled
+                                  tokens, before the update), "clipfrac", "ratio_max", "lr", "samples",
+                                  "tokens", "adv_abs_mean", "reward_mean" (or null), "step_time_s",
+                                  "wait_s", "ranks"}
         STABLE                   marker, written (tmp + fsync + rename) only after the files above
-    trainer_ckpt/ckpt.pt         trainer checkpoint (model + optimizer + step), replaced atomically
+    trainer_ckpt/ckpt.pt         trainer checkpoint (trained weights + AdamW state + step + model hash),
+                                 replaced atomically
+    trainer.log                  the trainer's stdout and stderr (every rank's)
 
 Batch file (format 1)::
 
@@ -37,6 +48,8 @@ import orjson
 
 BATCH_FORMAT = 1
 STABLE = "STABLE"
+METRICS_FILE = "metrics.json"
+# The files of a weights dir of `orch serve`'s own policy (orchestrator.embedded.policy).
 MODEL_FILE = "model.pt"
 POLICY_FILE = "policy.json"
 CKPT_FILE = "ckpt.pt"

@@ -46,7 +46,8 @@ class ReverseTextEnv:
         rng = random.Random(f"reverse_text/{self.seed}/{index}")
         length = rng.randint(self.min_len, self.max_len)
         prompt = "".join(rng.choice(self.alphabet) for _ in range(length))
-        return Task(env=self.name, index=index, prompt=prompt, answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG)
+        return Task(env=self.name, index=index, prompt=prompt, answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG,
+                    messages=[{"role": "user", "content": prompt}])
 
     def score(self, task: Task, completion: str) -> float:
         return reversal_reward(completion, task.prompt)

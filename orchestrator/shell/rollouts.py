@@ -95,23 +95,30 @@ SAMPLING_THREADS = 32
 
 
 class EmbeddedRollouts:
-    """reverse_text episodes sampled from the embedded torch policy, off the event loop.
+    """Episodes sampled in this process from the run's HF model (orchestrator.hf.sampler), off
+    the event loop.
 
-    The sampler starts on `weights/step_0` (the trainer's warm start) and reloads whenever a
-    version is published; each episode reports the version it was actually sampled with.
+    The sampler starts on `weights/step_0` (the model as the trainer loaded it) and reloads
+    whenever a version is published; each episode reports the version it was actually sampled
+    with. Prompts are rendered once (chat template for an env's messages) and sent as token ids;
+    the completion's ids and logprobs are the sampler's own, never re-tokenized.
     """
 
-    def __init__(self, run_dir, env, *, temperature: float, max_new_tokens: int, seed: int, load_timeout_s: float):
+    def __init__(self, run_dir, env, *, model_path, temperature: float, max_new_tokens: int, seed: int,
+                 load_timeout_s: float):
         import torch
 
-        from orchestrator.embedded.policy import EmbeddedSampler  # torch: only for this backend
+        from orchestrator.hf.model import load_tokenizer
+        from orchestrator.hf.sampler import Sampler  # torch: only for this backend
 
-        # Many small forward passes from several threads: intra-op threads only contend (a
-        # 40-step run spent ~3x longer per step with torch's default thread count).
+        # Batched forward passes beside a trainer process on a shared CPU: more intra-op threads
+        # only contend with it.
         torch.set_num_threads(1)
         self.run_dir, self.env, self.seed = run_dir, env, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
-        self.sampler = EmbeddedSampler()
+        self.tokenizer = load_tokenizer(model_path)
+        self.sampler = Sampler(model_path, eos_id=self.tokenizer.eos_token_id,
+                               pad_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         # Sampling threads mostly wait for the coalescing leader; their own pool keeps them from
@@ -142,17 +149,21 @@ class EmbeddedRollouts:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
+        from orchestrator.hf.model import render_prompt
+
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         task = await self.env.task(req.task_id)
+        prompt_ids = render_prompt(self.tokenizer, task.prompt, task.messages)
         seed = (self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt
         # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
-        sample = functools.partial(self.sampler.sample_coalesced, task.prompt, 1, temperature=self.temperature,
+        sample = functools.partial(self.sampler.sample_coalesced, prompt_ids, temperature=self.temperature,
                                    max_new_tokens=self.max_new_tokens, seed=seed)
-        (completion,) = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
-        version = completion.policy_version
+        completion = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
-            reward=await self.env.score(task, completion.text), token_ids=completion.token_ids,
-            mask=completion.mask, logprobs=completion.full_logprobs, policy_start=version,
-            policy_end=version, temperature=self.temperature,
+            reward=await self.env.score(task, text), token_ids=prompt_ids + completion.token_ids,
+            mask=[0] * len(prompt_ids) + [1] * len(completion.token_ids),
+            logprobs=[0.0] * len(prompt_ids) + completion.logprobs, policy_start=completion.version,
+            policy_end=completion.version, temperature=self.temperature,
         )

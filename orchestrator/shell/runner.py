@@ -19,6 +19,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.state import State
 from orchestrator.rundir import batch_steps_on_disk, batches_dir
 from orchestrator.gc_tuning import tuned_gc
+from orchestrator.hf.model import PreparedModel
 from orchestrator.shell.algorithms import make_algorithm
 from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
 from orchestrator.shell.progress import Progress
@@ -42,6 +43,33 @@ class OpenedRun:
     state: State
     first_input: object
     resumed_from: int | None
+    model: PreparedModel | None = None  # the hf trainer's model dir, checked and hashed
+
+
+MODEL_HASH_META = "model_sha256"
+
+
+def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
+    """The hf trainer's model dir, checked before anything runs (ConfigError: one line); on a
+    resume, also the one the run started from (its hash as stored in the log's meta)."""
+    if config.trainer.kind != "hf":
+        return None
+    from orchestrator.envs.reverse_text import ReverseTextEnv
+    from orchestrator.hf.model import ModelError
+    from orchestrator.hf.model import prepare_model as prepare_hf_model
+
+    lora = config.trainer.lora
+    try:
+        path, sha256 = prepare_hf_model(
+            config.model.path, config.runs_dir / ".cache",
+            env_gives_messages=ReverseTextEnv().task(0).messages is not None,
+            lora_targets=lora.target_modules if lora.rank else None)
+    except ModelError as err:
+        raise ConfigError(str(err)) from None
+    if stored_hash is not None and sha256 != stored_hash:
+        raise ConfigError(f"the model dir {path} changed since the run started (its files' sha256 is {sha256[:12]}, "
+                          f"the run's was {stored_hash[:12]}); restore it, or start a new run")
+    return PreparedModel(path, sha256)
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_+=@][A-Za-z0-9._+=@-]{0,199}")
@@ -59,14 +87,17 @@ def create_run(config: RunConfig) -> OpenedRun:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
+    model = prepare_model(config)
     config_json = config.to_json()
+    model_meta = {} if model is None else {MODEL_HASH_META: model.sha256}
     try:
         log = EventLog.create(db, meta={**LOG_MAGIC_META, "config": config_json.decode(),
-                                        "config_hash": config_hash(config_json), "seed": str(config.seed)},
+                                        "config_hash": config_hash(config_json), "seed": str(config.seed),
+                                        **model_meta},
                               durability=config.log.durability)
     except LogExistsError as err:
         raise RunDirError(str(err)) from None
-    return OpenedRun(config, run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+    return OpenedRun(config, run_dir, log, State(), ev.RunStarted(params=config.core_params()), None, model)
 
 
 def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
@@ -75,8 +106,9 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         raise RunDirError(f"cannot resume {run_dir}: no such run directory")
     if not db.exists():
         raise RunDirError(f"cannot resume {run_dir}: it holds no {EVENTS_DB}")
-    stored = _stored_config(db)
+    stored, stored_model_hash = _stored_config(db)
     requested = _requested_config(stored, run_dir, overrides, config_file)
+    model = prepare_model(requested, stored_model_hash)
     try:  # with the durability asked for now (an operational field a resume may change)
         log = EventLog.open(db, durability=requested.log.durability)
     except LogNotFoundError as err:
@@ -85,7 +117,8 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         with tuned_gc():
             folded = fold_log(log)
         if folded.state.params is None:  # it stopped before its first event was committed
-            return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None)
+            return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None,
+                             model)
         # max_steps defaults to the run's current one (a resume may have raised it), not to the
         # one it was created with.
         requested = _requested_config(stored, run_dir, overrides, config_file, max_steps=folded.state.params.max_steps)
@@ -95,7 +128,7 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
             raise ConfigError(f"max_steps {requested.max_steps} is below the {shipped} batches {run_dir} already "
                               f"shipped; resume with --max-steps {shipped} or more")
         first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
-        return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq)
+        return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq, model)
     except BaseException:
         log.close()
         raise
@@ -112,8 +145,8 @@ def _check_no_batch_file_beyond(run_dir: Path, shipped: int) -> None:
                           "damaged?); move those files away to resume from the log as it is")
 
 
-def _stored_config(db: Path) -> RunConfig:
-    """The config the run was created with, from the log's meta table."""
+def _stored_config(db: Path) -> tuple[RunConfig, str | None]:
+    """The config the run was created with and its model's hash, from the log's meta table."""
     try:
         with EventLog.open_reader(db) as reader:
             meta = reader.meta
@@ -128,7 +161,7 @@ def _stored_config(db: Path) -> RunConfig:
     if not isinstance(stored_json, dict):
         raise RunDirError(f"{db} is corrupted: the run's stored config is not a JSON object")
     try:
-        return load_config(base=stored_json)
+        return load_config(base=stored_json), meta.get(MODEL_HASH_META)
     except ConfigError as err:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
 
@@ -146,19 +179,18 @@ def _requested_config(stored: RunConfig, run_dir: Path, overrides: list[str], co
     return requested
 
 
-def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
-    from orchestrator.embedded.defaults import KEEP_WEIGHTS as DEFAULT_KEEP_WEIGHTS
-    from orchestrator.embedded.trainer import TrainerConfig, write_trainer_config
+def write_hf_trainer_config(config: RunConfig, run_dir: Path, model_path: Path, model_hash: str) -> None:
+    from orchestrator.hf.trainer import TrainerConfig, write_trainer_config
 
+    trainer = config.trainer
     config_for_trainer = TrainerConfig(
-        max_steps=config.max_steps, lr=config.trainer.lr, seed=config.seed,
-        sft_steps=config.trainer.sft_steps, env_min_len=config.reverse_text.min_len,
-        env_max_len=config.reverse_text.max_len, temperature=config.rollout.temperature,
-        max_new_tokens=config.rollout.max_new_tokens,
-        batch_wait_timeout_s=config.trainer.publish_timeout_s, parent_pid=os.getpid(),
+        model_path=model_path.resolve(), model_hash=model_hash, max_steps=config.max_steps, lr=trainer.lr,
+        lr_warmup_steps=trainer.lr_warmup_steps, clip_eps=trainer.clip_eps, lora=trainer.lora,
+        distributed=trainer.distributed, backend=trainer.backend, seed=config.seed,
+        batch_wait_timeout_s=trainer.publish_timeout_s, parent_pid=os.getpid(),
         # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
         # crash); a resume reloads the newest recorded one, which must still be on disk.
-        keep_weights=max(DEFAULT_KEEP_WEIGHTS, config.off_policy.target_lag + 2),
+        keep_weights=max(3, config.off_policy.target_lag + 2),
     )
     try:
         write_trainer_config(run_dir, config_for_trainer)
@@ -180,11 +212,12 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
     if config.trainer.kind == "fake":
         trainer = FakeTrainer(run_dir, config.trainer.step_time_s, publish)
     else:
-        write_embedded_trainer_config(config, run_dir)
-        if config.trainer.nproc > 1:  # DDP under torchrun, supervised the same way
+        assert run.model is not None
+        write_hf_trainer_config(config, run_dir, run.model.path, run.model.sha256)
+        if config.trainer.nproc > 1 or config.trainer.nnodes > 1:  # under torchrun, supervised the same way
             from orchestrator.shell.torchrun_trainer import TorchrunTrainer
 
-            trainer = TorchrunTrainer(run_dir, publish, config.trainer.nproc, config.trainer.ddp_backend)
+            trainer = TorchrunTrainer(run_dir, publish, config.trainer)
         else:
             trainer = ProcessTrainer(run_dir, publish)
     if set(config.envs) == {"fake"}:
@@ -204,7 +237,7 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
                                         max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                         load_timeout_s=config.trainer.publish_timeout_s)
         else:
-            rollout = EmbeddedRollouts(run_dir, env, temperature=config.rollout.temperature,
+            rollout = EmbeddedRollouts(run_dir, env, model_path=run.model.path, temperature=config.rollout.temperature,
                                        max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                        load_timeout_s=config.trainer.publish_timeout_s)
         on_version = rollout.load
