@@ -61,9 +61,17 @@ def model_dir_hash(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def quiet_transformers() -> None:
+    """No progress bars (a weight load per version would fill the logs with them)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
+    quiet_transformers()
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as err:
@@ -75,6 +83,7 @@ def load_model(path: str | os.PathLike):
     import torch
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from orchestrator import rundir
+from orchestrator.hf.model import load_model
 
 
 @dataclass(frozen=True)
@@ -70,15 +71,12 @@ def sample(model, prompts: list[list[int]], seeds: list[int], *, temperature: fl
 
 def load_version(wdir: Path, base_path: Path):
     """The model of a published version: an HF dir, or a PEFT adapter over the base model."""
-    from transformers import AutoModelForCausalLM
-
     if (wdir / "adapter_config.json").is_file():
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
-        model = PeftModel.from_pretrained(base, str(wdir))
+        model = PeftModel.from_pretrained(load_model(base_path), str(wdir))
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(wdir), dtype=torch.float32)
+        model = load_model(wdir)
     return model.eval()
 
 
@@ -167,7 +165,8 @@ class _Request:
     __slots__ = ("prompt_ids", "temperature", "max_new_tokens", "seed", "result")
 
     def __init__(self, prompt_ids: list[int], temperature: float, max_new_tokens: int, seed: int):
-        self.prompt_ids, self.temperature, self.max_new_tokens, self.seed = prompt_ids, temperature, max_new_tokens, seed
+        self.prompt_ids, self.temperature = prompt_ids, temperature
+        self.max_new_tokens, self.seed = max_new_tokens, seed
         self.result: Completion | BaseException | None = None
 
     def outcome(self) -> Completion:

@@ -164,5 +164,6 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, target_reward
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    log(f"tiny-model: wrote {out} after {report['sft_steps']} sft steps (sampled reward {report['sampled_reward']:.3f})")
+    log(f"tiny-model: wrote {out} after {report['sft_steps']} sft steps "
+        f"(sampled reward {report['sampled_reward']:.3f})")
     return out

@@ -142,7 +142,8 @@ class Trainer:
             self.step = 0
             self.save_checkpoint()
         n_train = sum(p.numel() for p in params)
-        self.log(f"trainer: {config.model_path} ({'LoRA rank %d' % config.lora.rank if config.lora.rank else 'full'}, "
+        how = f"LoRA rank {config.lora.rank}" if config.lora.rank else "full"
+        self.log(f"trainer: {config.model_path} ({how}, "
                  f"{n_train} trained parameters), {ranks.world} rank(s) ({ranks.backend}, {ranks.device.type}"
                  f"{', ' + config.distributed if ranks.world > 1 else ''}), at step {self.step}")
         self.publish(self.step, None)

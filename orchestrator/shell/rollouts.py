@@ -11,8 +11,8 @@ import asyncio
 import functools
 import hashlib
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from orchestrator.config import FakeEnvConfig
@@ -117,8 +117,8 @@ class EmbeddedRollouts:
         self.run_dir, self.env, self.seed = run_dir, env, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
         self.tokenizer = load_tokenizer(model_path)
-        self.sampler = Sampler(model_path, eos_id=self.tokenizer.eos_token_id,
-                               pad_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        pad_id = self.tokenizer.pad_token_id
+        self.sampler = Sampler(model_path, eos_id=self.tokenizer.eos_token_id, pad_id=0 if pad_id is None else pad_id)
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         # Sampling threads mostly wait for the coalescing leader; their own pool keeps them from

@@ -17,9 +17,9 @@ from eventlog import EventLog, LogExistsError, LogNotFoundError
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes
 from orchestrator.core import events as ev
 from orchestrator.core.state import State
-from orchestrator.rundir import batch_steps_on_disk, batches_dir
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.hf.model import PreparedModel
+from orchestrator.rundir import batch_steps_on_disk, batches_dir
 from orchestrator.shell.algorithms import make_algorithm
 from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
 from orchestrator.shell.progress import Progress
@@ -237,7 +237,8 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
                                         max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                         load_timeout_s=config.trainer.publish_timeout_s)
         else:
-            rollout = EmbeddedRollouts(run_dir, env, model_path=run.model.path, temperature=config.rollout.temperature,
+            rollout = EmbeddedRollouts(run_dir, env, model_path=run.model.path,
+                                       temperature=config.rollout.temperature,
                                        max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                        load_timeout_s=config.trainer.publish_timeout_s)
         on_version = rollout.load

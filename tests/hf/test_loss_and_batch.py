@@ -8,13 +8,12 @@ import re
 import orjson
 import pytest
 import torch
+from hf_helpers import VARIANTS, samples, started_trainer, trainer_config
 
 from orchestrator.hf.batch import BatchError, parse_batch
 from orchestrator.hf.loss import pg_loss, token_logprobs
 from orchestrator.hf.process import TrainerError
 from orchestrator.rundir import write_batch_file
-
-from conftest import VARIANTS, samples, started_trainer, trainer_config
 
 VOCAB = 300
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import orjson
 import pytest
 import torch
+from hf_helpers import samples, started_trainer, trainer_config
 from transformers import AutoModelForCausalLM
 
 from orchestrator import rundir
 from orchestrator.rundir import write_batch_file
-
-from conftest import samples, started_trainer, trainer_config
 
 
 def _train(trainer, steps: range, advantages=(1.0, -1.0, 0.5, -0.5)) -> None:

@@ -8,15 +8,17 @@ import sys
 import pytest
 
 from orchestrator.config import ConfigError, load_config, meaning_changes
+from orchestrator.hf.distributed import torchrun_command
 from orchestrator.inference.rollouts import InferenceRollouts
-from orchestrator.shell.runner import build_orchestrator, create_run, write_embedded_trainer_config
-from orchestrator.shell.torchrun_trainer import TorchrunTrainer, torchrun_command
+from orchestrator.shell.runner import build_orchestrator, create_run, write_hf_trainer_config
+from orchestrator.shell.torchrun_trainer import TorchrunTrainer
 from orchestrator.shell.trainers import ProcessTrainer
 
 
 def test_defaults_keep_the_embedded_single_process_job():
     c = load_config()
     assert c.inference.endpoints == [] and c.inference.weight_sync == "orch" and c.trainer.nproc == 1
+    assert c.trainer.kind == "hf" and c.model.path is None and c.trainer.lora.rank == 0
 
 
 def test_endpoints_need_reverse_text():
@@ -48,14 +50,19 @@ def test_endpoints_must_be_distinct_http_urls(endpoints, message):
 def test_endpoints_and_ranks_may_change_on_resume_but_the_weight_protocol_may_not():
     a = load_config()
     b = load_config(overrides=['inference.endpoints=["http://a:1","http://b:2"]', "trainer.nproc=4",
-                               "inference.max_attempts=5"])
+                               "inference.max_attempts=5", "trainer.distributed=fsdp", "trainer.backend=gloo"])
     assert meaning_changes(a, b) == []
     assert meaning_changes(a, load_config(overrides=["inference.weight_sync=none"])) == ["inference.weight_sync"]
 
 
 def test_build_orchestrator_picks_the_endpoints_backend_and_torchrun(tmp_path):
+    from orchestrator.hf.tiny_model import build_untrained
+
+    model, tokenizer = build_untrained()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
     config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.endpoints=["127.0.0.1:9/v1"]',
-                                    "trainer.nproc=2", "trainer.ddp_backend=gloo"])
+                                    "trainer.nproc=2", "trainer.backend=gloo", f"model.path={tmp_path / 'model'}"])
     run = create_run(config)
     with run.log:
         orch = build_orchestrator(run, None)
@@ -63,9 +70,12 @@ def test_build_orchestrator_picks_the_endpoints_backend_and_torchrun(tmp_path):
         assert orch.hooks.on_version == orch.hooks.rollout.load
         assert [e.url for e in orch.hooks.rollout.client.endpoints] == ["http://127.0.0.1:9"]
         assert isinstance(orch.trainer, TorchrunTrainer) and isinstance(orch.trainer, ProcessTrainer)
-    assert torchrun_command(tmp_path, 2, "gloo") == [
+    assert orch.trainer.command() == torchrun_command(tmp_path / "r", nproc=2) == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-        "-m", "orchestrator.embedded.ddp", "--run-dir", str(tmp_path), "--backend", "gloo"]
+        "-m", "orchestrator.hf.trainer", "--run-dir", str(tmp_path / "r")]
+    assert torchrun_command(tmp_path, nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="h:29400")[3:9] == [
+        "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "--rdzv-id=orch",
+        "--nproc-per-node=4"]
 
 
 def test_cli_inference_shorthand(tmp_path):
@@ -83,8 +93,8 @@ def test_cli_inference_shorthand(tmp_path):
 def test_the_trainer_keeps_every_version_a_resume_may_reload(tmp_path, target_lag, kept):
     """After a crash the trainer may have published target_lag + 1 versions the log has not
     recorded; the newest recorded one, which a resume reloads, must still be on disk."""
-    from orchestrator.embedded.trainer import read_trainer_config  # imports torch
+    from orchestrator.hf.trainer import read_trainer_config  # imports torch
 
     config = load_config(overrides=[f"off_policy.target_lag={target_lag}"])
-    write_embedded_trainer_config(config, tmp_path)
+    write_hf_trainer_config(config, tmp_path, tmp_path / "model", "")
     assert read_trainer_config(tmp_path).keep_weights == kept
