@@ -100,6 +100,8 @@ class ModelSection(_Section):
     path: Path | None = Field(None, description="a local Hugging Face model dir (config.json, weights, tokenizer); "
                               "None: the tiny reverse_text model, built locally once and cached under "
                               "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra variables of the chat "
+                                                 "template (e.g. Qwen3's {\"enable_thinking\": false})")
 
 
 class LoraSection(_Section):
@@ -115,6 +117,8 @@ class TrainerSection(_Section):
     lr: float = Field(5e-4, gt=0, description="hf trainer: AdamW learning rate")
     lr_warmup_steps: int = Field(5, ge=0, description="hf trainer: the lr ramps linearly over the first steps")
     clip_eps: float = Field(0.2, gt=0, description="hf trainer: PPO clip, the ratio is clipped to [1-eps, 1+eps]")
+    micro_batch_size: int = Field(0, ge=0, description="hf trainer: samples per forward/backward, gradients "
+                                  "accumulated over a rank's share of the batch (0: the whole share at once)")
     lora: LoraSection = Field(default_factory=LoraSection)
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")

@@ -13,9 +13,11 @@ the lr schedule and AdamW see the same gradients on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +41,9 @@ class Ranks:
     def from_env(cls, backend: str, timeout_s: float) -> Ranks:
         """One process, or this rank of torchrun's (RANK/WORLD_SIZE/LOCAL_RANK), its process group
         initialised (`backend` auto: NCCL with CUDA, else gloo)."""
-        if "WORLD_SIZE" not in os.environ:
-            return cls()
+        if "WORLD_SIZE" not in os.environ:  # one process: on the GPU if there is one (and not gloo)
+            on_gpu = backend != "gloo" and torch.cuda.is_available()
+            return cls(device=torch.device("cuda", 0) if on_gpu else torch.device("cpu"))
         import torch.distributed as dist
 
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -75,6 +78,22 @@ class Ranks:
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+
+    @contextlib.contextmanager
+    def gradient_sync(self, module: torch.nn.Module, sync: bool) -> Iterator[None]:
+        """Backward passes inside reduce gradients across ranks only if `sync` (micro-batches
+        accumulate locally and the last one reduces the sum)."""
+        if self.world == 1 or sync:
+            yield
+        elif hasattr(module, "no_sync"):  # DDP
+            with module.no_sync():
+                yield
+        else:  # FSDP2
+            module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                module.set_requires_gradient_sync(True)
 
     def shard(self, batch: Batch) -> Batch:
         """Samples ``rank::world``; a zero-weight row (no sampled token) if none falls here, so

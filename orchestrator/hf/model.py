@@ -92,12 +92,13 @@ def check_chat_template(tokenizer, path: str | os.PathLike) -> None:
         raise ModelError(f"model.path {path}: the env gives chat messages, but the tokenizer has no chat template")
 
 
-def render_prompt(tokenizer, prompt: str, messages: list[dict] | None) -> list[int]:
-    """The prompt's token ids: `messages` through the chat template (the assistant's turn opened),
-    else the text's tokens (no special tokens added)."""
+def render_prompt(tokenizer, prompt: str, messages: list[dict] | None, **template_kwargs) -> list[int]:
+    """The prompt's token ids: `messages` through the chat template (the assistant's turn opened;
+    `template_kwargs` are the template's extra variables), else the text's tokens (no special
+    tokens added)."""
     if messages is not None:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+                                                  return_dict=False, **template_kwargs))
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 

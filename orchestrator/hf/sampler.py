@@ -23,6 +23,8 @@ import torch
 from orchestrator import rundir
 from orchestrator.hf.model import load_model
 
+CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -35,21 +37,23 @@ class Completion:
 def sample(model, prompts: list[list[int]], seeds: list[int], *, temperature: float, max_new_tokens: int,
            eos_id: int, pad_id: int) -> list[tuple[list[int], list[float]]]:
     """(completion ids, their logprobs) per prompt; a row stops at `eos_id` (kept) or the cap."""
+    device = next(model.parameters()).device
     rows, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     attention = torch.zeros((rows, width), dtype=torch.long)
     for i, prompt in enumerate(prompts):  # left padding: every row continues at the last column
         ids[i, width - len(prompt):] = torch.tensor(prompt)
         attention[i, width - len(prompt):] = 1
+    ids, attention = ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     generators = [torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF) for seed in seeds]
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
     past, logits, next_position = out.past_key_values, out.logits[:, -1], positions[:, -1] + 1
-    done = torch.zeros(rows, dtype=torch.bool)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens, logprobs = [], []
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).view(-1, 1)
+        uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).view(-1, 1).to(device)
         cdf = logp.exp().cumsum(-1)
         drawn = torch.searchsorted(cdf, uniforms * cdf[:, -1:]).clamp(max=logp.shape[-1] - 1)
         tokens.append(drawn.view(-1))
@@ -57,7 +61,7 @@ def sample(model, prompts: list[list[int]], seeds: list[int], *, temperature: fl
         done = done | (drawn.view(-1) == eos_id)
         if bool(done.all()):
             break
-        attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long)], dim=1)
+        attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=1)
         out = model(input_ids=drawn, attention_mask=attention, position_ids=next_position.view(-1, 1),
                     past_key_values=past, use_cache=True)
         past, logits, next_position = out.past_key_values, out.logits[:, -1], next_position + 1
@@ -69,15 +73,16 @@ def sample(model, prompts: list[list[int]], seeds: list[int], *, temperature: fl
     return results
 
 
-def load_version(wdir: Path, base_path: Path):
-    """The model of a published version: an HF dir, or a PEFT adapter over the base model."""
+def load_version(wdir: Path, base_path: Path, device: torch.device = CPU):
+    """The model of a published version (an HF dir, or a PEFT adapter over the base model) on
+    `device`."""
     if (wdir / "adapter_config.json").is_file():
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(load_model(base_path), str(wdir))
     else:
         model = load_model(wdir)
-    return model.eval()
+    return model.to(device).eval()
 
 
 class Sampler:
@@ -87,8 +92,9 @@ class Sampler:
     takes that pair once, so each completion comes from exactly one version, which it reports.
     """
 
-    def __init__(self, base_path: str | os.PathLike, eos_id: int, pad_id: int):
-        self.base_path, self.eos_id, self.pad_id = Path(base_path), eos_id, pad_id
+    def __init__(self, base_path: str | os.PathLike, eos_id: int, pad_id: int,
+                 device: torch.device = CPU):
+        self.base_path, self.eos_id, self.pad_id, self.device = Path(base_path), eos_id, pad_id, device
         self._lock = threading.Lock()
         self._model, self._version = None, -1
         self._queue_cv = threading.Condition()
@@ -107,7 +113,7 @@ class Sampler:
         wdir = Path(wdir)
         if not rundir.is_stable(wdir):
             raise FileNotFoundError(f"sampler: {wdir} has no {rundir.STABLE} marker (not published)")
-        model = load_version(wdir, self.base_path)
+        model = load_version(wdir, self.base_path, self.device)
         with self._lock:
             if version >= self._version:
                 self._model, self._version = model, version

@@ -54,6 +54,8 @@ class TrainerConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     clip_eps: float = Field(0.2, gt=0, description="PPO clip: ratio clipped to [1-eps, 1+eps]")
     grad_clip: float = Field(1.0, gt=0, description="max grad norm per optimizer step")
+    micro_batch_size: int = Field(0, ge=0, description="samples per forward/backward, gradients accumulated over "
+                                  "a rank's share of the batch (0: the whole share at once)")
     lora: LoraSection = Field(default_factory=LoraSection)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -166,23 +168,24 @@ class Trainer:
             self.log(f"trainer step={batch.step}: batch has no sampled tokens; weights unchanged")
         else:
             local = ranks.shard(batch)
-            dev = ranks.device
-            module.train()
-            logits = module(input_ids=local.ids.to(dev), attention_mask=local.attention.to(dev)).logits
-            new_lp, entropy = token_logprobs(logits, local.ids.to(dev), local.temperature.to(dev))
-            mask = local.mask.to(dev)
-            loss, info = pg_loss(new_lp, local.old_logprobs.to(dev), local.advantages.to(dev), mask,
-                                 self.config.clip_eps, n_tokens=total_tokens)
+            size = self.config.micro_batch_size or len(local.ids)
+            chunks = [local.rows(torch.arange(i, min(i + size, len(local.ids))))
+                      for i in range(0, len(local.ids), size)]
             self.optimizer.zero_grad(set_to_none=True)
-            (loss * ranks.world).backward()  # the ranks' gradients are averaged: see .distributed
+            module.train()
+            ratio_max = float("-inf")
+            for k, chunk in enumerate(chunks):
+                with ranks.gradient_sync(module, k == len(chunks) - 1):  # reduce once, after the last
+                    *shares, chunk_ratio_max = self._backward(chunk, total_tokens)
+                sums = [a + b for a, b in zip(sums, shares, strict=True)]
+                ratio_max = max(ratio_max, chunk_ratio_max)
             grad_norm = full_value(torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip))
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
             module.eval()
-            entropy_sum = float((entropy.detach() * mask).sum()) / total_tokens
-            sums = ranks.sum([float(loss.detach()), info["clipfrac"], info["mismatch_kl"], entropy_sum])
-            ratio_max = ranks.max(info["ratio_max"])
+            ratio_max = ranks.max(ratio_max)
+            sums = ranks.sum(sums)
         loss_v, clipfrac, mismatch_kl, entropy_v = sums
         adv = batch.advantages
         return {
@@ -193,6 +196,21 @@ class Trainer:
             "reward_mean": sum(batch.rewards) / len(batch.rewards) if batch.rewards else None,
             "step_time_s": time.perf_counter() - t0, "ranks": ranks.world,
         }
+
+    def _backward(self, chunk: Batch, total_tokens: int) -> list[float]:
+        """Forward and backward of one micro-batch; its [loss, clipfrac, mismatch_kl, entropy]
+        shares of the batch's means, and its largest ratio."""
+        dev, world = self.ranks.device, self.ranks.world
+        ids = chunk.ids.to(dev)
+        logits = self.module(input_ids=ids, attention_mask=chunk.attention.to(dev)).logits
+        new_lp, entropy = token_logprobs(logits, ids, chunk.temperature.to(dev))
+        del logits  # the [B, T, vocab] activations are the largest tensors of a step
+        mask = chunk.mask.to(dev)
+        loss, info = pg_loss(new_lp, chunk.old_logprobs.to(dev), chunk.advantages.to(dev), mask,
+                             self.config.clip_eps, n_tokens=total_tokens)
+        (loss * world).backward()  # the ranks' gradients are averaged: see .distributed
+        entropy_share = float((entropy.detach() * mask).sum()) / total_tokens
+        return [float(loss.detach()), info["clipfrac"], info["mismatch_kl"], entropy_share, info["ratio_max"]]
 
     def train_step(self, step: int) -> dict:
         """Wait for batch `step`, train on it, checkpoint, publish ``weights/step_{step}``."""

@@ -104,21 +104,23 @@ class EmbeddedRollouts:
     the completion's ids and logprobs are the sampler's own, never re-tokenized.
     """
 
-    def __init__(self, run_dir, env, *, model_path, temperature: float, max_new_tokens: int, seed: int,
-                 load_timeout_s: float):
+    def __init__(self, run_dir, env, *, model_path, chat_template_kwargs: dict, temperature: float,
+                 max_new_tokens: int, seed: int, load_timeout_s: float):
         import torch
 
         from orchestrator.hf.model import load_tokenizer
         from orchestrator.hf.sampler import Sampler  # torch: only for this backend
 
         # Batched forward passes beside a trainer process on a shared CPU: more intra-op threads
-        # only contend with it.
+        # only contend with it. On a GPU box the model samples on the first GPU.
         torch.set_num_threads(1)
-        self.run_dir, self.env, self.seed = run_dir, env, seed
+        self.run_dir, self.env, self.seed, self.chat_template_kwargs = run_dir, env, seed, chat_template_kwargs
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
         self.tokenizer = load_tokenizer(model_path)
         pad_id = self.tokenizer.pad_token_id
-        self.sampler = Sampler(model_path, eos_id=self.tokenizer.eos_token_id, pad_id=0 if pad_id is None else pad_id)
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.sampler = Sampler(model_path, eos_id=self.tokenizer.eos_token_id, pad_id=0 if pad_id is None else pad_id,
+                               device=device)
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         # Sampling threads mostly wait for the coalescing leader; their own pool keeps them from
@@ -153,7 +155,7 @@ class EmbeddedRollouts:
 
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         task = await self.env.task(req.task_id)
-        prompt_ids = render_prompt(self.tokenizer, task.prompt, task.messages)
+        prompt_ids = render_prompt(self.tokenizer, task.prompt, task.messages, **self.chat_template_kwargs)
         seed = (self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt
         # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
         sample = functools.partial(self.sampler.sample_coalesced, prompt_ids, temperature=self.temperature,

@@ -83,11 +83,11 @@ def create_run(config: RunConfig) -> OpenedRun:
     db = run_dir / EVENTS_DB
     if db.exists():
         raise RunDirError(f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name")
+    model = prepare_model(config)  # before the run dir exists: a bad model leaves nothing behind
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
-    model = prepare_model(config)
     config_json = config.to_json()
     model_meta = {} if model is None else {MODEL_HASH_META: model.sha256}
     try:
@@ -186,6 +186,7 @@ def write_hf_trainer_config(config: RunConfig, run_dir: Path, model_path: Path, 
     config_for_trainer = TrainerConfig(
         model_path=model_path.resolve(), model_hash=model_hash, max_steps=config.max_steps, lr=trainer.lr,
         lr_warmup_steps=trainer.lr_warmup_steps, clip_eps=trainer.clip_eps, lora=trainer.lora,
+        micro_batch_size=trainer.micro_batch_size,
         distributed=trainer.distributed, backend=trainer.backend, seed=config.seed,
         batch_wait_timeout_s=trainer.publish_timeout_s, parent_pid=os.getpid(),
         # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
@@ -238,6 +239,7 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
                                         load_timeout_s=config.trainer.publish_timeout_s)
         else:
             rollout = EmbeddedRollouts(run_dir, env, model_path=run.model.path,
+                                       chat_template_kwargs=config.model.chat_template_kwargs,
                                        temperature=config.rollout.temperature,
                                        max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                        load_timeout_s=config.trainer.publish_timeout_s)
