@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench clean
+.PHONY: run lint test test-slow bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/orch run
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow
 

@@ -16,8 +16,6 @@ import asyncio
 import statistics
 import time
 
-import pytest
-
 from eventlog import EventLog
 from eventlog.memory import MemoryLog
 from orchestrator.config import load_config
@@ -130,7 +128,7 @@ def test_event_loop_lag_with_4k_in_flight(benchmark, tmp_path):
 
     orch, samples = benchmark.pedantic(lambda: run_on_new_loop(main()), rounds=1, iterations=1)
     samples.sort()
-    p99 = samples[int(len(samples) * 0.99)]
-    benchmark.extra_info.update(lag_p99_ms=round(p99 * 1000, 2), lag_p50_ms=round(samples[len(samples) // 2] * 1000, 2),
+    p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+    benchmark.extra_info.update(lag_p99_ms=round(p99 * 1000, 2), lag_p50_ms=round(p50 * 1000, 2),
                                 episodes=orch.state.acct.completed)
-    print(f"\nevent-loop lag with 4096 in flight: p50 {samples[len(samples) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
+    print(f"\nevent-loop lag with 4096 in flight: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")

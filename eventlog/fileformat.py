@@ -1,6 +1,6 @@
 """On-disk format: schema, meta keys, and the checks that classify a bad file.
 
-The format is public (DESIGN §4): users query it with any SQLite tool, so the
+The format is public (docs/log-format.md): users query it with any SQLite tool, so the
 schema stays plain and the identifying marks live in the ``meta`` table.
 """
 

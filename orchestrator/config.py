@@ -1,6 +1,6 @@
 """Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
 
-Every knob of DESIGN §3 is a field here with a documented default; `core_params()` extracts the
+Every knob of the rules (docs/rules.md) is a field here with a documented default; `core_params()` extracts the
 part the core folds (it travels in `run_started`, so a log is self-describing).
 """
 
@@ -78,9 +78,9 @@ class FakeEnvConfig(_Section):
     latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
     error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")
     empty_rate: float = Field(0.0, ge=0, le=1, description="probability an episode samples no token")
-    prompt_tokens: int = Field(8, ge=0)
-    min_tokens: int = Field(4, ge=1, description="completion length range")
-    max_tokens: int = Field(16, ge=1)
+    prompt_tokens: int = Field(8, ge=0, description="prompt length of every fake episode, in tokens")
+    min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
+    max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
 
     @model_validator(mode="after")
     def _range(self) -> FakeEnvConfig:
@@ -90,8 +90,8 @@ class FakeEnvConfig(_Section):
 
 
 class ReverseTextConfig(_Section):
-    min_len: int = Field(3, ge=1)
-    max_len: int = Field(6, ge=1)
+    min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
+    max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
 
 
 class ModelSection(_Section):
@@ -119,7 +119,7 @@ class TrainerSection(_Section):
     clip_eps: float = Field(0.2, gt=0, description="hf trainer: PPO clip, the ratio is clipped to [1-eps, 1+eps]")
     micro_batch_size: int = Field(0, ge=0, description="hf trainer: samples per forward/backward, gradients "
                                   "accumulated over a rank's share of the batch (0: the whole share at once)")
-    lora: LoraSection = Field(default_factory=LoraSection)
+    lora: LoraSection = Field(default_factory=LoraSection, description="hf trainer: LoRA adapters instead of full fine-tuning")
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
     nproc: int = Field(1, ge=1, description="hf trainer: ranks per node under torchrun; 1 (one node) = one plain process")
@@ -202,8 +202,41 @@ class LogConfig(_Section):
     snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
 
 
+class WandbSection(_Section):
+    """Log the run's per-step figures to Weights & Biases (needs `pip install 'orch[wandb]'`)."""
+
+    project: str = Field("orch", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user; None: your default)")
+    name: str | None = Field(None, description="W&B run name (None: the orch run's name)")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (None: WANDB_MODE, else online); offline needs no network")
+    dir: Path | None = Field(None, description="where W&B keeps its files (None: WANDB_DIR, else the run dir)")
+
+
+class TensorBoardSection(_Section):
+    """Log the run's per-step figures as TensorBoard scalars."""
+
+    log_dir: Path | None = Field(None, description="TensorBoard log dir (None: RUN_DIR/tensorboard)")
+
+
+class MetricsConfig(_Section):
+    """Metric sinks, off unless their section is given (`--set metrics.tensorboard=true`,
+    `--set metrics.wandb.project=NAME`); each is fed the rows of orchestrator/observe/rows.py."""
+
+    wandb: WandbSection | None = Field(None, description="W&B sink (off when absent)")
+    tensorboard: TensorBoardSection | None = Field(None, description="TensorBoard sink (off when absent)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switches(cls, data: Any) -> Any:
+        """`true` turns a sink on with its defaults, `false` off."""
+        if isinstance(data, dict):
+            data = {k: ({} if v is True else None if v is False else v) for k, v in data.items()}
+        return data
+
+
 class RunConfig(_Section):
-    name: str = Field("default", description="run directory name under runs_dir")
+    name: str = Field("default", description="run directory name under runs_dir (`orch run` without --name: run-YYYYmmdd-HHMMSS)")
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
     seed: int = Field(0, description="seeds the core RNG, the envs and the policy")
     max_steps: int = Field(40, ge=1, description="batches to ship, then drain and stop")
@@ -211,16 +244,17 @@ class RunConfig(_Section):
         default_factory=lambda: {"reverse_text": 1.0}, description="train env -> dispatch ratio"
     )
     zero_output_batches: int = Field(10, ge=1, description="batch-equivalents of zero output that stop the run")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    batch: BatchConfig = Field(default_factory=BatchConfig)
-    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="groups, permits and sampling")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="how the pending queue is cut into batches")
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="how far the rollouts may run ahead of the trainer")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, inline or in the background")
     fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
-    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig)
-    model: ModelSection = Field(default_factory=ModelSection)
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    log: LogConfig = Field(default_factory=LogConfig)
+    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig, description="the `reverse_text` env: reverse a short random string (the embedded job)")
+    model: ModelSection = Field(default_factory=ModelSection, description="the Hugging Face model dir the hf trainer trains and the embedded sampler samples: docs/hf.md")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
+    log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
 
     @model_validator(mode="after")
     def _known_envs(self) -> RunConfig:
@@ -276,6 +310,7 @@ RESUMABLE_FIELDS = frozenset({
     "trainer.rdzv_endpoint", "inference.endpoints", "inference.request_timeout_s",
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
 })
+RESUMABLE_SECTIONS = frozenset({"metrics"})  # every field inside them may change on resume
 
 
 def config_hash(config_json: bytes) -> str:
@@ -313,7 +348,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def _set_path(data: dict, path: list[str], value: Any, source: str) -> None:
     node = data
     for part in path[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an optional section that is off (metrics.wandb)
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"{source}: {part!r} is not a section")
         node = child
@@ -362,4 +399,5 @@ def meaning_changes(stored: RunConfig, requested: RunConfig) -> list[str]:
     """Fields that differ between two configs and would change what the run computes."""
     old = _flatten(stored.model_dump(mode="json"))
     new = _flatten(requested.model_dump(mode="json"))
-    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS)
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS
+                  and k.partition(".")[0] not in RESUMABLE_SECTIONS)

@@ -1,4 +1,4 @@
-"""decide(state, input) -> decisions: the rules of DESIGN §3, one small function per rule.
+"""decide(state, input) -> decisions: the rules of docs/rules.md, one small function per rule.
 
 `decide` folds the input and every decision it emits into `state` through `evolve` as it goes, so
 a later rule sees what an earlier one decided; the state changes only in `evolve`. The logged

@@ -1,4 +1,4 @@
-"""The event catalogue (DESIGN §4): one pydantic model per kind, a discriminated union on `kind`.
+"""The event catalogue (docs/log-format.md): one pydantic model per kind, a discriminated union on `kind`.
 
 An event is either an *input* (a fact from the outside world: a finished episode, a background
 finalize result, a published version, a stop request, a start/resume marker) or a *decision*
@@ -31,7 +31,7 @@ class _Model(BaseModel):
 
 
 class CoreParams(_Model):
-    """Every knob of the rules in DESIGN §3. Carried by `run_started`, so a log folds on its own."""
+    """Every knob of the rules in docs/rules.md. Carried by `run_started`, so a log folds on its own."""
 
     seed: int = Field(0, description="seeds env choice and everything random in the core")
     env_ratios: dict[str, float] = Field(
@@ -188,6 +188,9 @@ class GateChanged(_Model):
 class VersionPublished(_Model):
     kind: Literal["version_published"] = Field("version_published", exclude=True)
     version: int
+    # The trainer's figures for the step that made this version (rundir.TRAINER_METRICS), as it
+    # reported them; None before a trainer reported any (and in older logs). No rule reads them.
+    metrics: dict[str, int | float] | None = None
 
 
 class BatchShipped(_Model):

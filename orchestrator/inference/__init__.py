@@ -8,7 +8,7 @@
   that samples through the client (same interface as ``EmbeddedRollouts``).
 * :mod:`.server`   - `orch serve`: the embedded torch policy behind ``POST /v1/completions``.
 
-The weight-update contract (DESIGN section 3 rule 8): the trainer publishes
+The weight-update contract (docs/scaling-out.md; docs/rules.md rule 8): the trainer publishes
 ``RUN_DIR/weights/step_N`` then its ``STABLE`` marker; the orchestrator publishes version N at the
 marker, then tells every endpoint to load that directory and waits for each confirmation
 (``POST /update_weights {"path", "version"}`` -> ``{"version": N}``). Every completion reports the

@@ -19,16 +19,15 @@ Supervision of the process tree (orchestrator -> torchrun agent -> N ranks):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.config import TrainerSection
 from orchestrator.hf.distributed import torchrun_command
-from orchestrator.shell.trainers import ProcessTrainer
+from orchestrator.shell.trainers import ProcessTrainer, Publish
 
 
 class TorchrunTrainer(ProcessTrainer):
-    def __init__(self, run_dir: Path, publish: Callable[[int], None], section: TrainerSection, poll_s: float = 0.05):
+    def __init__(self, run_dir: Path, publish: Publish, section: TrainerSection, poll_s: float = 0.05):
         super().__init__(run_dir, publish, poll_s)
         self.section = section
 

@@ -1,4 +1,4 @@
-"""One focused test per rule of DESIGN §3 (inline path unless stated)."""
+"""One focused test per rule of docs/rules.md (inline path unless stated)."""
 
 from __future__ import annotations
 

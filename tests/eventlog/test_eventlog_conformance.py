@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import threading
-import time
 
 import orjson
 import pytest
@@ -318,17 +317,16 @@ def test_reader_sees_new_commits_and_cannot_write(log, path):
 
 
 def test_reader_never_blocks_on_an_open_write_transaction(filled, path):
-    """A writer mid-transaction (holding SQLite's write lock) does not stall readers."""
+    """A writer mid-transaction (holding SQLite's write lock) does not stall readers: a reader that
+    waited for the lock would never get it while the transaction stays open, and would fail."""
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
     other.execute("INSERT INTO events VALUES (101, 0, 'uncommitted', '{}')")
     try:
-        t0 = time.monotonic()
         reader = EventLog.open_reader(path)
         assert reader.last_seq == 100
         assert len(list(reader.read())) == 100
         assert len(list(filled.read())) == 100
-        assert time.monotonic() - t0 < 1.0
         reader.close()
     finally:
         other.execute("ROLLBACK")

@@ -27,7 +27,7 @@ from orchestrator.rollouts.env_server import (
 )
 
 SEED = 7
-CANCEL_BOUND_S = 2.0  # generous: measured in milliseconds on loopback
+CANCEL_BOUND_S = 10.0  # a hang guard: an uncancelled handler sleeps 60 s and never counts as cancelled
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +36,14 @@ def server() -> Iterator[RunningServer]:
         yield srv
 
 
-async def _wait_for(predicate, bound: float, what: str) -> float:
-    """Poll an async predicate until true; returns the time it took."""
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    while not await predicate():
-        if loop.time() - t0 > bound:
-            raise AssertionError(f"{what}: not within {bound}s")
-        await asyncio.sleep(0.005)
-    return loop.time() - t0
+async def _wait_for(predicate, bound: float, what: str) -> None:
+    """Poll an async predicate until true, for at most `bound` seconds."""
+    try:
+        async with asyncio.timeout(bound):
+            while not await predicate():
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {bound}s") from None
 
 
 def test_task_score_round_trip(arun, server):
@@ -109,13 +108,12 @@ def test_cancelled_request_cancels_server_handler_and_is_not_retried(arun, serve
             async def server_cancelled():
                 return (await client.stats())["score_cancelled"] == before["score_cancelled"] + 1
 
-            took = await _wait_for(server_cancelled, CANCEL_BOUND_S, "server handler cancelled")
+            await _wait_for(server_cancelled, CANCEL_BOUND_S, "server handler cancelled")
             await asyncio.sleep(0.3)  # a retry would show up as a second start
             after = await client.stats()
             assert after["score_started"] == before["score_started"] + 1, "cancelled request was retried"
             assert after["score_completed"] == before["score_completed"]
             assert after["disconnect_cancels"] == before["disconnect_cancels"] + 1
-            assert took < CANCEL_BOUND_S
             # the client is still usable after a cancelled call (new connection)
             assert await client.score(task, task.answer) == 1.0
 
@@ -142,9 +140,7 @@ def test_rollout_stream_close_and_drain_over_http(arun, server):
                 return (await client.stats())["score_started"] >= s0["score_started"] + 6
 
             await _wait_for(all_started, 5, "6 handlers started")
-            t0 = time.monotonic()
-            await stream.aclose()
-            assert time.monotonic() - t0 < 1.0
+            await stream.aclose()  # the rollouts take 60 s: returning within the test's bound means withdrawn
 
             async def all_cancelled():
                 return (await client.stats())["score_cancelled"] >= s0["score_cancelled"] + 6

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-import time
 
 from eventlog import EventLog
 from orchestrator.core.evolve import evolve
@@ -16,14 +15,12 @@ GAR = ["run", "--env", "fake", "--trainer", "fake", "--set", "algorithm.name=gar
 
 
 def test_a_failing_grader_stops_the_run_with_its_error_and_logs_finalize_failed(tmp_path):
-    started = time.monotonic()
     result = orch(*GAR, "--max-steps", "50", "--runs-dir", str(tmp_path), "--name", "r",
-                  "--set", "algorithm.grader.failure_rate=1.0", "--set", "algorithm.grader.delay_s=0.01")
+                  "--set", "algorithm.grader.failure_rate=1.0", "--set", "algorithm.grader.delay_s=0.01", timeout=30)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("orch: error: background finalize of group") and "GraderError: grader failed" in last
     assert "Traceback" in result.stderr  # the original traceback, not swallowed
-    assert time.monotonic() - started < 30
     db = sqlite3.connect(tmp_path / "r" / "events.db")
     assert db.execute("SELECT count(*) FROM events WHERE kind = 'finalize_failed'").fetchone()[0] >= 1
 
@@ -48,17 +45,22 @@ def test_finalizing_is_bounded_by_the_cap_plus_groups_in_flight_and_the_gate_say
 
 
 def test_drain_cancels_finalizing_groups_without_waiting_for_their_grader(tmp_path):
-    started = time.monotonic()
+    # graders of up to 4 s: cancelled at the drain, not awaited one after another (the bound)
     result = orch(*GAR, "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r",
                   "--set", "algorithm.grader.delay_s=2.0", "--set", "algorithm.grader.jitter_s=1.99",
-                  "--set", "off_policy.max_off_policy_steps=8", "--set", "fake_env.latency_s=0.01")
-    elapsed = time.monotonic() - started
+                  "--set", "off_policy.max_off_policy_steps=8", "--set", "fake_env.latency_s=0.01", timeout=20)
     assert result.returncode == 0, result.stderr
     db = sqlite3.connect(tmp_path / "r" / "events.db")
     drained = db.execute("SELECT count(*) FROM events WHERE kind = 'group_cancelled'"
                          " AND json_extract(data, '$.reason') = 'drain'").fetchone()[0]
     assert drained > 0
-    assert elapsed < 20  # graders of up to 4 s were cancelled, not awaited one after another
+    # no drained group's grader result came back: the logged order shows they were cancelled
+    late = db.execute(
+        "SELECT count(*) FROM events f JOIN events c"
+        " ON json_extract(f.data, '$.group_id') = json_extract(c.data, '$.group_id')"
+        " WHERE f.kind = 'group_finalized' AND f.seq > c.seq"
+        " AND c.kind = 'group_cancelled' AND json_extract(c.data, '$.reason') = 'drain'").fetchone()[0]
+    assert late == 0
     with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
         state = State()
         for record in log.read_raw():

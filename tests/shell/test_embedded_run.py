@@ -113,10 +113,9 @@ def test_ctrl_c_drains_and_stops_within_a_bound_then_resume_finishes(tmp_path):
     run_dir = tmp_path / "r"
     proc = spawn_run(tmp_path, "--max-steps", "6")
     wait_until(lambda: shipped_steps(run_dir) >= 2, 120, "batch 2")
-    started = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=30)
-    assert proc.returncode == 130 and time.monotonic() - started < 30
+    proc.wait(timeout=30)  # drains and stops within a bound
+    assert proc.returncode == 130
     wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "no process left")
     resumed = orch("run", "--resume", str(run_dir), timeout=300)
     assert resumed.returncode == 0, resumed.stderr

@@ -1,0 +1,43 @@
+"""The user docs: the generated configuration reference is current, and no link leaves the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from orchestrator import config_docs
+
+ROOT = Path(__file__).resolve().parent.parent
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def user_docs() -> list[Path]:
+    top = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "bench" / "README.md"]
+    return top + sorted((ROOT / "docs").glob("*.md"))
+
+
+def test_the_configuration_reference_is_generated_from_the_current_config():
+    committed = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert committed == config_docs.render(), f"docs/configuration.md is stale: run `{config_docs.COMMAND}`"
+
+
+def test_every_config_field_has_a_description():
+    assert config_docs.undescribed_fields() == []
+
+
+def test_the_reference_lists_every_leaf_field_once():
+    text = config_docs.render()
+    keys = re.findall(r"^\| `([a-z_.]+)` \|", text, flags=re.MULTILINE)
+    assert len(keys) == len(set(keys))
+    assert {"seed", "batch.size", "algorithm.grader.rank_weight", "inference.endpoints"} <= set(keys)
+    assert "rollout" not in keys and "algorithm.grader" not in keys  # sections are headings, not rows
+
+
+def test_links_in_the_docs_point_to_files_inside_the_repository():
+    for doc in user_docs():
+        for target in LINK.findall(doc.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+://|#|mailto:", target):
+                continue
+            path = (doc.parent / target.split("#")[0]).resolve()
+            assert path.is_relative_to(ROOT), f"{doc.relative_to(ROOT)} links outside the repository: {target}"
+            assert path.exists(), f"{doc.relative_to(ROOT)} links to a missing file: {target}"
