@@ -119,10 +119,11 @@ class TrainerSection(_Section):
     clip_eps: float = Field(0.2, gt=0, description="hf trainer: PPO clip, the ratio is clipped to [1-eps, 1+eps]")
     micro_batch_size: int = Field(0, ge=0, description="hf trainer: samples per forward/backward, gradients "
                                   "accumulated over a rank's share of the batch (0: the whole share at once)")
-    lora: LoraSection = Field(default_factory=LoraSection, description="hf trainer: LoRA adapters instead of full fine-tuning")
+    lora: LoraSection = Field(default_factory=LoraSection,
+                              description="hf trainer: LoRA adapters instead of full fine-tuning")
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
-    nproc: int = Field(1, ge=1, description="hf trainer: ranks per node under torchrun; 1 (one node) = one plain process")
+    nproc: int = Field(1, ge=1, description="hf trainer: ranks per node under torchrun; 1 (one node): one process")
     distributed: Literal["ddp", "fsdp"] = Field("ddp", description="how ranks share the model: DDP replicas or FSDP2 "
                                                 "(torch.distributed.fsdp.fully_shard) shards")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process group backend (auto: nccl with CUDA, "
@@ -250,7 +251,8 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, inline or in the background")
     fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
     reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig, description="the `reverse_text` env: reverse a short random string (the embedded job)")
-    model: ModelSection = Field(default_factory=ModelSection, description="the Hugging Face model dir the hf trainer trains and the embedded sampler samples: docs/hf.md")
+    model: ModelSection = Field(default_factory=ModelSection,
+                                description="the Hugging Face model dir the run trains and samples: docs/hf.md")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)

@@ -36,8 +36,16 @@ class Batch:
 
     def rows(self, index: torch.Tensor) -> Batch:
         """The samples at `index` (a rank's shard)."""
-        return Batch(self.step, self.ids[index], self.attention[index], self.mask[index],
-                     self.old_logprobs[index], self.advantages[index], self.temperature[index], None)
+        return Batch(
+            self.step,
+            self.ids[index],
+            self.attention[index],
+            self.mask[index],
+            self.old_logprobs[index],
+            self.advantages[index],
+            self.temperature[index],
+            None,
+        )
 
 
 REQUIRED_FIELDS = ("token_ids", "mask", "logprobs", "advantage", "temperature")

@@ -39,16 +39,24 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "module", module)  # DDP holds the model in .module; FSDP2 wraps in place
 
 
-def save(run_dir: str | os.PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-         model_hash: str, write: bool) -> None:
+def save(
+    run_dir: str | os.PathLike,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    model_hash: str,
+    write: bool,
+) -> None:
     """Gather (every rank) and write (`write`: rank 0) the checkpoint of `step`."""
     model_state = trained_state_dict(module)
     optim_state = get_optimizer_state_dict(module, optimizer, options=_FULL)
     if not write:
         return
     buf = io.BytesIO()
-    torch.save({"format": CKPT_FORMAT, "step": step, "model": model_state, "optimizer": optim_state,
-                "model_hash": model_hash}, buf)
+    torch.save(
+        {"format": CKPT_FORMAT, "step": step, "model": model_state, "optimizer": optim_state, "model_hash": model_hash},
+        buf,
+    )
     rundir.atomic_write_bytes(path(run_dir), buf.getvalue())
 
 

@@ -136,12 +136,37 @@ def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def torchrun_command(run_dir: Path, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                     rdzv_endpoint: str | None = None, rdzv_id: str = "orch") -> list[str]:
+def torchrun_command(
+    run_dir: Path,
+    *,
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "orch",
+) -> list[str]:
     """``python -m torch.distributed.run ... -m orchestrator.hf.trainer --run-dir RUN_DIR``:
     standalone on one node, else a c10d rendezvous at `rdzv_endpoint` shared by `nnodes` nodes."""
-    where = (["--standalone"] if nnodes == 1 and rdzv_endpoint is None else
-             [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
-              f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"])
-    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}", "--max-restarts=0",
-            "-m", "orchestrator.hf.trainer", "--run-dir", str(run_dir)]
+    where = (
+        ["--standalone"]
+        if nnodes == 1 and rdzv_endpoint is None
+        else [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--rdzv-id={rdzv_id}",
+        ]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "-m",
+        "orchestrator.hf.trainer",
+        "--run-dir",
+        str(run_dir),
+    ]

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
-                   temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy), both [B, T]: position t holds log p(ids[t] | ids[:t]) and the entropy
     of that distribution, under ``log_softmax(logits[t-1] / temperature)``; position 0 holds 0.
     `logits` [B, T, V] are the model's outputs on `ids` [B, T]; `temperature` is [B]."""

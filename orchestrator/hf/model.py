@@ -97,8 +97,11 @@ def render_prompt(tokenizer, prompt: str, messages: list[dict] | None, **templat
     `template_kwargs` are the template's extra variables), else the text's tokens (no special
     tokens added)."""
     if messages is not None:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False, **template_kwargs))
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+            )
+        )
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
@@ -108,8 +111,10 @@ def check_lora_targets(model, target_modules: list[str], path: str | os.PathLike
     unknown = [t for t in target_modules if t not in leaves]
     if unknown:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m).__name__ == "Linear"})
-        raise ModelError(f"trainer.lora.target_modules {unknown}: the model at {path} has no such modules "
-                         f"(its linear layers: {linear})")
+        raise ModelError(
+            f"trainer.lora.target_modules {unknown}: the model at {path} has no such modules "
+            f"(its linear layers: {linear})"
+        )
 
 
 def tiny_model_dir(cache_root: str | os.PathLike, seed: int = 0, target_reward: float = 0.5) -> Path:
@@ -129,8 +134,9 @@ def ensure_tiny_model(cache_root: str | os.PathLike, seed: int = 0, target_rewar
         return dest
     log(f"orch: building the tiny reverse_text model (with its warm start) into {dest}")
     try:
-        atomic_write_dir(dest, lambda tmp: build_tiny_model(tmp, seed=seed, target_reward=target_reward,
-                                                            log=lambda line: None))
+        atomic_write_dir(
+            dest, lambda tmp: build_tiny_model(tmp, seed=seed, target_reward=target_reward, log=lambda line: None)
+        )
     except FileExistsError:  # another run built it meanwhile
         pass
     return dest
@@ -141,8 +147,9 @@ class PreparedModel(NamedTuple):
     sha256: str
 
 
-def prepare_model(path: Path | None, cache_root: Path, *, env_gives_messages: bool, lora_targets: list[str] | None,
-                  log=print) -> PreparedModel:
+def prepare_model(
+    path: Path | None, cache_root: Path, *, env_gives_messages: bool, lora_targets: list[str] | None, log=print
+) -> PreparedModel:
     """The run's model dir, checked before anything runs: `path`, or the tiny model (built and
     cached under `cache_root` on first use); an HF model dir whose tokenizer loads (with a chat
     template if the env gives messages) and whose modules include the LoRA targets. Hashed, so

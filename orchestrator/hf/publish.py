@@ -19,8 +19,9 @@ import torch
 from orchestrator import rundir
 
 
-def publish(run_dir: str | os.PathLike, version: int, model, tokenizer, state: dict[str, torch.Tensor],
-            metrics: dict | None) -> Path:
+def publish(
+    run_dir: str | os.PathLike, version: int, model, tokenizer, state: dict[str, torch.Tensor], metrics: dict | None
+) -> Path:
     """Write version `version` from `state` (the trained parameters' full state dict) unless it
     is already published; `model` is the unwrapped HF (or PEFT) model. Idempotent."""
     wdir = rundir.weights_dir(run_dir, version)

@@ -34,16 +34,24 @@ class Completion:
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], seeds: list[int], *, temperature: float, max_new_tokens: int,
-           eos_id: int, pad_id: int) -> list[tuple[list[int], list[float]]]:
+def sample(
+    model,
+    prompts: list[list[int]],
+    seeds: list[int],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+) -> list[tuple[list[int], list[float]]]:
     """(completion ids, their logprobs) per prompt; a row stops at `eos_id` (kept) or the cap."""
     device = next(model.parameters()).device
     rows, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     attention = torch.zeros((rows, width), dtype=torch.long)
     for i, prompt in enumerate(prompts):  # left padding: every row continues at the last column
-        ids[i, width - len(prompt):] = torch.tensor(prompt)
-        attention[i, width - len(prompt):] = 1
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        attention[i, width - len(prompt) :] = 1
     ids, attention = ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     generators = [torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF) for seed in seeds]
@@ -62,8 +70,13 @@ def sample(model, prompts: list[list[int]], seeds: list[int], *, temperature: fl
         if bool(done.all()):
             break
         attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=1)
-        out = model(input_ids=drawn, attention_mask=attention, position_ids=next_position.view(-1, 1),
-                    past_key_values=past, use_cache=True)
+        out = model(
+            input_ids=drawn,
+            attention_mask=attention,
+            position_ids=next_position.view(-1, 1),
+            past_key_values=past,
+            use_cache=True,
+        )
         past, logits, next_position = out.past_key_values, out.logits[:, -1], next_position + 1
     token_rows, logprob_rows = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
     results = []
@@ -92,8 +105,7 @@ class Sampler:
     takes that pair once, so each completion comes from exactly one version, which it reports.
     """
 
-    def __init__(self, base_path: str | os.PathLike, eos_id: int, pad_id: int,
-                 device: torch.device = CPU):
+    def __init__(self, base_path: str | os.PathLike, eos_id: int, pad_id: int, device: torch.device = CPU):
         self.base_path, self.eos_id, self.pad_id, self.device = Path(base_path), eos_id, pad_id, device
         self._lock = threading.Lock()
         self._model, self._version = None, -1
@@ -118,8 +130,9 @@ class Sampler:
             if version >= self._version:
                 self._model, self._version = model, version
 
-    def sample_coalesced(self, prompt_ids: list[int], *, temperature: float, max_new_tokens: int,
-                         seed: int) -> Completion:
+    def sample_coalesced(
+        self, prompt_ids: list[int], *, temperature: float, max_new_tokens: int, seed: int
+    ) -> Completion:
         """One completion of `prompt_ids`; concurrent callers are sampled in one batch. Blocking
         (worker threads): the first caller to find no batch running leads, samples every pending
         request, hands out the results, and repeats while requests arrived meanwhile."""
@@ -156,9 +169,15 @@ class Sampler:
             by_params.setdefault((r.temperature, r.max_new_tokens), []).append(r)
         for (temperature, max_new_tokens), requests in by_params.items():
             try:
-                results = sample(model, [r.prompt_ids for r in requests], [r.seed for r in requests],
-                                 temperature=temperature, max_new_tokens=max_new_tokens, eos_id=self.eos_id,
-                                 pad_id=self.pad_id)
+                results = sample(
+                    model,
+                    [r.prompt_ids for r in requests],
+                    [r.seed for r in requests],
+                    temperature=temperature,
+                    max_new_tokens=max_new_tokens,
+                    eos_id=self.eos_id,
+                    pad_id=self.pad_id,
+                )
             except Exception as exc:  # noqa: BLE001 - each request of the batch gets the error
                 for r in requests:
                     r.result = exc

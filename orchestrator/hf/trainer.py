@@ -54,8 +54,12 @@ class TrainerConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     clip_eps: float = Field(0.2, gt=0, description="PPO clip: ratio clipped to [1-eps, 1+eps]")
     grad_clip: float = Field(1.0, gt=0, description="max grad norm per optimizer step")
-    micro_batch_size: int = Field(0, ge=0, description="samples per forward/backward, gradients accumulated over "
-                                  "a rank's share of the batch (0: the whole share at once)")
+    micro_batch_size: int = Field(
+        0,
+        ge=0,
+        description="samples per forward/backward, gradients accumulated over "
+        "a rank's share of the batch (0: the whole share at once)",
+    )
     lora: LoraSection = Field(default_factory=LoraSection)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -96,8 +100,17 @@ def build_model(config: TrainerConfig):
 
     check_lora_targets(model, lora.target_modules, config.model_path)
     torch.manual_seed(config.seed)  # the A matrices: the same on every rank and every start
-    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
-                                            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            target_modules=lora.target_modules,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        ),
+    )
 
 
 class Trainer:
@@ -129,8 +142,10 @@ class Trainer:
         ckpt = checkpoint.read(self.run_dir)
         if ckpt is not None:
             if config.model_hash and ckpt.get("model_hash") != config.model_hash:
-                raise TrainerSetupError(f"the checkpoint in {checkpoint.path(self.run_dir)} was trained from another "
-                                        f"model than the one now at {config.model_path}")
+                raise TrainerSetupError(
+                    f"the checkpoint in {checkpoint.path(self.run_dir)} was trained from another "
+                    f"model than the one now at {config.model_path}"
+                )
             checkpoint.load_weights(self.model, ckpt)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.module = ranks.wrap(self.model, config.distributed)
@@ -145,9 +160,11 @@ class Trainer:
             self.save_checkpoint()
         n_train = sum(p.numel() for p in params)
         how = f"LoRA rank {config.lora.rank}" if config.lora.rank else "full"
-        self.log(f"trainer: {config.model_path} ({how}, "
-                 f"{n_train} trained parameters), {ranks.world} rank(s) ({ranks.backend}, {ranks.device.type}"
-                 f"{', ' + config.distributed if ranks.world > 1 else ''}), at step {self.step}")
+        self.log(
+            f"trainer: {config.model_path} ({how}, "
+            f"{n_train} trained parameters), {ranks.world} rank(s) ({ranks.backend}, {ranks.device.type}"
+            f"{', ' + config.distributed if ranks.world > 1 else ''}), at step {self.step}"
+        )
         self.publish(self.step, None)
         return self.step
 
@@ -169,8 +186,9 @@ class Trainer:
         else:
             local = ranks.shard(batch)
             size = self.config.micro_batch_size or len(local.ids)
-            chunks = [local.rows(torch.arange(i, min(i + size, len(local.ids))))
-                      for i in range(0, len(local.ids), size)]
+            chunks = [
+                local.rows(torch.arange(i, min(i + size, len(local.ids)))) for i in range(0, len(local.ids), size)
+            ]
             self.optimizer.zero_grad(set_to_none=True)
             module.train()
             ratio_max = float("-inf")
@@ -189,12 +207,20 @@ class Trainer:
         loss_v, clipfrac, mismatch_kl, entropy_v = sums
         adv = batch.advantages
         return {
-            "step": batch.step, "loss": loss_v, "grad_norm": grad_norm, "entropy": entropy_v,
-            "mismatch_kl": mismatch_kl, "clipfrac": clipfrac, "ratio_max": ratio_max, "lr": lr,
-            "samples": int(batch.ids.shape[0]), "tokens": total_tokens,
+            "step": batch.step,
+            "loss": loss_v,
+            "grad_norm": grad_norm,
+            "entropy": entropy_v,
+            "mismatch_kl": mismatch_kl,
+            "clipfrac": clipfrac,
+            "ratio_max": ratio_max,
+            "lr": lr,
+            "samples": int(batch.ids.shape[0]),
+            "tokens": total_tokens,
             "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
             "reward_mean": sum(batch.rewards) / len(batch.rewards) if batch.rewards else None,
-            "step_time_s": time.perf_counter() - t0, "ranks": ranks.world,
+            "step_time_s": time.perf_counter() - t0,
+            "ranks": ranks.world,
         }
 
     def _backward(self, chunk: Batch, total_tokens: int) -> list[float]:
@@ -206,8 +232,14 @@ class Trainer:
         new_lp, entropy = token_logprobs(logits, ids, chunk.temperature.to(dev))
         del logits  # the [B, T, vocab] activations are the largest tensors of a step
         mask = chunk.mask.to(dev)
-        loss, info = pg_loss(new_lp, chunk.old_logprobs.to(dev), chunk.advantages.to(dev), mask,
-                             self.config.clip_eps, n_tokens=total_tokens)
+        loss, info = pg_loss(
+            new_lp,
+            chunk.old_logprobs.to(dev),
+            chunk.advantages.to(dev),
+            mask,
+            self.config.clip_eps,
+            n_tokens=total_tokens,
+        )
         (loss * world).backward()  # the ranks' gradients are averaged: see .distributed
         entropy_share = float((entropy.detach() * mask).sum()) / total_tokens
         return [float(loss.detach()), info["clipfrac"], info["mismatch_kl"], entropy_share, info["ratio_max"]]
@@ -239,18 +271,22 @@ class Trainer:
         while not path.is_file():
             now = time.monotonic()
             if now - start > cfg.batch_wait_timeout_s:
-                raise TrainerError(f"timed out after {cfg.batch_wait_timeout_s:.0f}s waiting for {path} "
-                                   f"(newest published version: {self.step})")
+                raise TrainerError(
+                    f"timed out after {cfg.batch_wait_timeout_s:.0f}s waiting for {path} "
+                    f"(newest published version: {self.step})"
+                )
             if now >= next_note:
-                self.log(f"trainer waiting for {path} ({now - start:.0f}s so far, timeout "
-                         f"{cfg.batch_wait_timeout_s:.0f}s)")
+                self.log(
+                    f"trainer waiting for {path} ({now - start:.0f}s so far, timeout {cfg.batch_wait_timeout_s:.0f}s)"
+                )
                 next_note = now + 10.0
             time.sleep(cfg.poll_interval_s)
 
     # -- files ---------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        checkpoint.save(self.run_dir, self.module, self.optimizer, self.step, self.config.model_hash,
-                        write=self.ranks.is_main)
+        checkpoint.save(
+            self.run_dir, self.module, self.optimizer, self.step, self.config.model_hash, write=self.ranks.is_main
+        )
 
     def publish(self, version: int, metrics: dict | None) -> None:
         if rundir.is_stable(rundir.weights_dir(self.run_dir, version)):
@@ -279,10 +315,12 @@ def full_value(norm: torch.Tensor) -> float:
 
 def step_line(m: dict) -> str:
     reward = f" reward={m['reward_mean']:.3f}" if m["reward_mean"] is not None else ""
-    return (f"trainer step={m['step']} loss={m['loss']:+.4f} grad_norm={m['grad_norm']:.3f} "
-            f"entropy={m['entropy']:.3f} mismatch_kl={m['mismatch_kl']:.2e} clipfrac={m['clipfrac']:.3f} "
-            f"samples={m['samples']} tokens={m['tokens']}{reward} lr={m['lr']:.2e} wait={m['wait_s']:.2f}s "
-            f"train={m['step_time_s']:.3f}s ranks={m['ranks']}")
+    return (
+        f"trainer step={m['step']} loss={m['loss']:+.4f} grad_norm={m['grad_norm']:.3f} "
+        f"entropy={m['entropy']:.3f} mismatch_kl={m['mismatch_kl']:.2e} clipfrac={m['clipfrac']:.3f} "
+        f"samples={m['samples']} tokens={m['tokens']}{reward} lr={m['lr']:.2e} wait={m['wait_s']:.2f}s "
+        f"train={m['step_time_s']:.3f}s ranks={m['ranks']}"
+    )
 
 
 def run_trainer(run_dir: str | os.PathLike) -> int:
@@ -307,8 +345,12 @@ def run_trainer(run_dir: str | os.PathLike) -> int:
 
 
 @click.command("trainer")
-@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="run directory holding trainer.json, batches/ and weights/")
+@click.option(
+    "--run-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="run directory holding trainer.json, batches/ and weights/",
+)
 def trainer_command(run_dir: Path) -> None:
     """The hf trainer (one process, or one rank under torchrun): batches/step_N.json -> weights/step_N."""
     sys.exit(run_trainer(run_dir))

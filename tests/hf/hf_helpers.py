@@ -29,8 +29,15 @@ def write_untrained(path: Path) -> Path:
 
 
 def trainer_config(model_dir: Path, variant: str = "full", **kw) -> TrainerConfig:
-    base = dict(model_path=model_dir, max_steps=3, lr=1e-2, lr_warmup_steps=0, lora=VARIANTS[variant],
-                batch_wait_timeout_s=20.0, poll_interval_s=0.01)
+    base = dict(
+        model_path=model_dir,
+        max_steps=3,
+        lr=1e-2,
+        lr_warmup_steps=0,
+        lora=VARIANTS[variant],
+        batch_wait_timeout_s=20.0,
+        poll_interval_s=0.01,
+    )
     return TrainerConfig(**(base | kw))
 
 
@@ -52,7 +59,18 @@ def samples(model, tokenizer, advantages: list[float], temperature: float = 1.0)
         logits = model(input_ids=ids).logits
         lp, _ = token_logprobs(logits, ids, torch.tensor([temperature]))
         mask = [0] * len(prompt) + [1] * len(answer)
-        out.append({"trace_id": i, "group_id": i // 2, "env": "reverse_text", "token_ids": prompt + answer,
-                    "mask": mask, "logprobs": [x if m else 0.0 for x, m in zip(lp[0].tolist(), mask)],
-                    "advantage": adv, "policy_start": 0, "lag": 0, "temperature": temperature})
+        out.append(
+            {
+                "trace_id": i,
+                "group_id": i // 2,
+                "env": "reverse_text",
+                "token_ids": prompt + answer,
+                "mask": mask,
+                "logprobs": [x if m else 0.0 for x, m in zip(lp[0].tolist(), mask)],
+                "advantage": adv,
+                "policy_start": 0,
+                "lag": 0,
+                "temperature": temperature,
+            }
+        )
     return out

@@ -23,12 +23,15 @@ def _error_line(result) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: d, "is not a directory"),
-    (lambda d: (d.mkdir(), d)[1], "is not a Hugging Face model dir: it has no config.json"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text("{}"), d)[2], "config.json has no model_type"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "llama"}'), d)[2], "holds no weights"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d, "is not a directory"),
+        (lambda d: (d.mkdir(), d)[1], "is not a Hugging Face model dir: it has no config.json"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text("{}"), d)[2], "config.json has no model_type"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "llama"}'), d)[2], "holds no weights"),
+    ],
+)
 def test_a_model_path_that_is_not_a_model_dir(tmp_path, make, message):
     path = make(tmp_path / "model")
     result = _run("--runs-dir", str(tmp_path / "runs"), "--name", "r", "--set", f"model.path={path}")
@@ -45,13 +48,24 @@ def test_a_tokenizer_without_a_chat_template_when_the_env_gives_messages(tmp_pat
     config.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_bytes(orjson.dumps(config))
     result = _run("--runs-dir", str(tmp_path / "runs"), "--name", "r", "--set", f"model.path={plain}")
-    assert _error_line(result) == (f"orch: error: model.path {plain}: the env gives chat messages, but the "
-                                   "tokenizer has no chat template")
+    assert _error_line(result) == (
+        f"orch: error: model.path {plain}: the env gives chat messages, but the tokenizer has no chat template"
+    )
 
 
 def test_lora_targets_the_model_does_not_have(tmp_path, model_dir):
-    result = _run("--runs-dir", str(tmp_path / "runs"), "--name", "r", "--set", f"model.path={model_dir}",
-                  "--set", "trainer.lora.rank=4", "--set", 'trainer.lora.target_modules=["q_proj","c_attn"]')
+    result = _run(
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--name",
+        "r",
+        "--set",
+        f"model.path={model_dir}",
+        "--set",
+        "trainer.lora.rank=4",
+        "--set",
+        'trainer.lora.target_modules=["q_proj","c_attn"]',
+    )
     line = _error_line(result)
     assert line.startswith("orch: error: trainer.lora.target_modules ['c_attn']: the model at ")
     assert "q_proj" in line and "gate_proj" in line  # it lists the linear layers there are

@@ -26,8 +26,18 @@ def _weights(run_dir, version: int) -> dict[str, torch.Tensor]:
 
 
 def _prepare(run_dir, model_dir, variant: str, distributed: str, batches: list[list[dict]], micro: int = 0) -> None:
-    write_trainer_config(run_dir, trainer_config(model_dir, variant, max_steps=len(batches), distributed=distributed,
-                                                 backend="gloo", lr=1e-3, micro_batch_size=micro))
+    write_trainer_config(
+        run_dir,
+        trainer_config(
+            model_dir,
+            variant,
+            max_steps=len(batches),
+            distributed=distributed,
+            backend="gloo",
+            lr=1e-3,
+            micro_batch_size=micro,
+        ),
+    )
     for step, batch in enumerate(batches, 1):
         write_batch_file(run_dir, step, batch)
 
@@ -48,8 +58,9 @@ def test_micro_batches_take_the_whole_batch_update(tmp_path, model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, distributed, micro", [("full", "ddp", 2), ("full", "fsdp", 2), ("lora", "ddp", 0),
-                                                         ("lora", "fsdp", 0)])
+@pytest.mark.parametrize(
+    "variant, distributed, micro", [("full", "ddp", 2), ("full", "fsdp", 2), ("lora", "ddp", 0), ("lora", "fsdp", 0)]
+)
 def test_two_gloo_ranks_take_the_single_process_update(tmp_path, model_dir, variant, distributed, micro, capsys):
     from transformers import AutoModelForCausalLM
 

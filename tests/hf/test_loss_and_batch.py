@@ -77,18 +77,27 @@ def test_token_logprobs_are_the_temperature_scaled_log_softmax():
     assert lp[:, 0].eq(0).all()
 
 
-GOOD = {"token_ids": [1, 2, 3], "mask": [0, 1, 1], "logprobs": [0.0, -0.5, -1.0], "advantage": 0.5,
-        "temperature": 1.0, "trace_id": 7}
+GOOD = {
+    "token_ids": [1, 2, 3],
+    "mask": [0, 1, 1],
+    "logprobs": [0.0, -0.5, -1.0],
+    "advantage": 0.5,
+    "temperature": 1.0,
+    "trace_id": 7,
+}
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"token_ids": [1, 2]}, "lengths differ"),
-    ({"mask": [1, 1, 1]}, "mask[0] == 0"),
-    ({"token_ids": [1, 2, VOCAB]}, "vocabulary"),
-    ({"logprobs": [0.0, 0.5, -1.0]}, "<= 0"),
-    ({"advantage": float("nan")}, "finite"),
-    ({"temperature": 0}, "> 0"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"token_ids": [1, 2]}, "lengths differ"),
+        ({"mask": [1, 1, 1]}, "mask[0] == 0"),
+        ({"token_ids": [1, 2, VOCAB]}, "vocabulary"),
+        ({"logprobs": [0.0, 0.5, -1.0]}, "<= 0"),
+        ({"advantage": float("nan")}, "finite"),
+        ({"temperature": 0}, "> 0"),
+    ],
+)
 def test_a_bad_sample_is_named(change, message):
     with pytest.raises(BatchError, match=re.escape(message)) as err:
         parse_batch(_raw([GOOD, GOOD | change]), 1, VOCAB)
@@ -103,8 +112,17 @@ def test_a_missing_field_and_a_wrong_step_are_named():
 
 
 def test_ragged_samples_are_right_padded_with_an_attention_mask():
-    batch = parse_batch(_raw([GOOD, GOOD | {"token_ids": [4, 5, 6, 7], "mask": [0, 0, 1, 1],
-                                            "logprobs": [0.0, 0.0, -1.0, -2.0], "reward": 1.0}]), 1, VOCAB)
+    batch = parse_batch(
+        _raw(
+            [
+                GOOD,
+                GOOD
+                | {"token_ids": [4, 5, 6, 7], "mask": [0, 0, 1, 1], "logprobs": [0.0, 0.0, -1.0, -2.0], "reward": 1.0},
+            ]
+        ),
+        1,
+        VOCAB,
+    )
     assert batch.ids.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
     assert batch.attention.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
     assert batch.n_tokens == 4 and batch.rewards is None  # not every sample has a reward

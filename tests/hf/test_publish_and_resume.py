@@ -45,8 +45,9 @@ def test_lora_versions_are_peft_adapters_that_reload_bit_identically(tmp_path, m
         at_zero = PeftModel.from_pretrained(base, step0)(input_ids=ids).logits
     assert torch.equal(plain, at_zero)  # step_0's adapter is the zero update
     _train(trainer, range(1, 2))
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                        rundir.weights_dir(tmp_path, 1))
+    adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), rundir.weights_dir(tmp_path, 1)
+    )
     reloaded = {k: v for k, v in adapter.state_dict().items() if "lora_" in k}
     trained = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
     assert reloaded.keys() == trained.keys() and trained

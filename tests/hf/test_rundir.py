@@ -73,8 +73,15 @@ def test_weights_dir_appears_whole_and_stable_comes_last(tmp_path, monkeypatch):
     wdir = files.weights_dir(tmp_path, 0)
     events = []
     real_rename, real_mark = os.rename, files.mark_stable
-    contents = ["chat_template.jinja", "config.json", "generation_config.json", files.METRICS_FILE,
-                "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    contents = [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        files.METRICS_FILE,
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
     def rename(src, dst):
         if str(dst) == str(wdir):

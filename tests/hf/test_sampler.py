@@ -32,17 +32,25 @@ def warm():
 
 
 def _draw(model, tokenizer, temperature: float, seeds=range(16)):
-    prompts = [render_prompt(tokenizer, text, [{"role": "user", "content": text}])
-               for text in PROMPTS for _ in range(4)]
-    return prompts, sample(model, prompts, list(seeds), temperature=temperature, max_new_tokens=40,
-                           eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    prompts = [
+        render_prompt(tokenizer, text, [{"role": "user", "content": text}]) for text in PROMPTS for _ in range(4)
+    ]
+    return prompts, sample(
+        model,
+        prompts,
+        list(seeds),
+        temperature=temperature,
+        max_new_tokens=40,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+    )
 
 
 @torch.no_grad()
 def _recomputed(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
     ids = torch.tensor([prompt + completion])
     lp, _ = token_logprobs(model(input_ids=ids).logits, ids, torch.tensor([temperature]))
-    return lp[0, len(prompt):].tolist()
+    return lp[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -50,13 +58,16 @@ def test_sampled_logprobs_are_the_trainers_at_equal_weights(warm, temperature, c
     model, tokenizer = warm
     prompts, results = _draw(model, tokenizer, temperature)
     sampled = torch.tensor([x for _, lps in results for x in lps])
-    recomputed = torch.tensor([x for p, (ids, _) in zip(prompts, results)
-                               for x in _recomputed(model, p, ids, temperature)])
+    recomputed = torch.tensor(
+        [x for p, (ids, _) in zip(prompts, results) for x in _recomputed(model, p, ids, temperature)]
+    )
     log_ratio = recomputed - sampled
     k3 = float((log_ratio.exp() - 1 - log_ratio).mean())
     with capsys.disabled():
-        print(f"\nsampler vs trainer at T={temperature}: k3 KL {k3:.2e}, max |dlogprob| "
-              f"{float(log_ratio.abs().max()):.2e} over {len(sampled)} tokens")
+        print(
+            f"\nsampler vs trainer at T={temperature}: k3 KL {k3:.2e}, max |dlogprob| "
+            f"{float(log_ratio.abs().max()):.2e} over {len(sampled)} tokens"
+        )
     assert k3 < 1e-3 and float(log_ratio.abs().max()) < 1e-3
     ended = [ids for ids, _ in results if len(ids) < 40]
     assert ended and all(ids[-1] == tokenizer.eos_token_id for ids in ended)  # a row stops at <|im_end|>
@@ -74,7 +85,14 @@ def test_the_check_catches_a_temperature_mismatch(warm):
 def test_a_row_does_not_depend_on_its_batch(warm):
     model, tokenizer = warm
     prompts, batched = _draw(model, tokenizer, 1.0)
-    alone = sample(model, [prompts[5]], [5], temperature=1.0, max_new_tokens=40, eos_id=tokenizer.eos_token_id,
-                   pad_id=tokenizer.pad_token_id)
+    alone = sample(
+        model,
+        [prompts[5]],
+        [5],
+        temperature=1.0,
+        max_new_tokens=40,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+    )
     assert alone[0][0] == batched[5][0]
     assert alone[0][1] == pytest.approx(batched[5][1], abs=1e-4)
