@@ -96,3 +96,38 @@ def test_a_row_does_not_depend_on_its_batch(warm):
     )
     assert alone[0][0] == batched[5][0]
     assert alone[0][1] == pytest.approx(batched[5][1], abs=1e-4)
+
+
+def test_concurrent_callers_are_sampled_in_batches_without_changing_their_results(tmp_path, warm):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator import rundir
+    from orchestrator.hf.sampler import Sampler
+
+    model, tokenizer = warm
+    wdir = rundir.weights_dir(tmp_path, 2)
+    model.save_pretrained(wdir)
+    tokenizer.save_pretrained(wdir)
+    rundir.mark_stable(wdir)
+    sampler = Sampler(tmp_path, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    sampler.reload(wdir, 2)
+    prompts = [render_prompt(tokenizer, t, [{"role": "user", "content": t}]) for t in PROMPTS * 6]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(sampler.sample_coalesced, p, temperature=1.0, max_new_tokens=30, seed=i)
+            for i, p in enumerate(prompts)
+        ]
+        got = [f.result() for f in futures]
+    for i, (prompt, completion) in enumerate(zip(prompts, got)):
+        ((solo_ids, solo_lps),) = sample(
+            model,
+            [prompt],
+            [i],
+            temperature=1.0,
+            max_new_tokens=30,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+        )
+        assert completion.version == 2 and completion.token_ids == solo_ids
+        assert completion.logprobs == pytest.approx(solo_lps, abs=1e-4)
+    assert sampler.batches < len(prompts)  # concurrent requests were actually merged
