@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import sys
@@ -25,7 +24,7 @@ from orchestrator.shell.algorithms import make_algorithm
 from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
 from orchestrator.shell.progress import Progress
 from orchestrator.shell.rollouts import EmbeddedRollouts, FakeEnvRollouts
-from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer, TrainerFailed
+from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer
 from replay.fold import fold_log
 
 EVENTS_DB = "events.db"
@@ -51,26 +50,12 @@ MODEL_HASH_META = "model_sha256"
 
 
 def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
-    """The hf trainer's model dir, checked before anything runs (ConfigError: one line); on a
-    resume, also the one the run started from (its hash as stored in the log's meta)."""
+    """The hf trainer's model dir, checked before anything runs (ConfigError: one line)."""
     if config.trainer.kind != "hf":
         return None
-    from orchestrator.envs.reverse_text import ReverseTextEnv
-    from orchestrator.hf.model import ModelError
-    from orchestrator.hf.model import prepare_model as prepare_hf_model
+    from orchestrator.hf.component import prepare_model as prepare_hf_model
 
-    lora = config.trainer.lora
-    try:
-        path, sha256 = prepare_hf_model(
-            config.model.path, config.runs_dir / ".cache",
-            env_gives_messages=ReverseTextEnv().task(0).messages is not None,
-            lora_targets=lora.target_modules if lora.rank else None)
-    except ModelError as err:
-        raise ConfigError(str(err)) from None
-    if stored_hash is not None and sha256 != stored_hash:
-        raise ConfigError(f"the model dir {path} changed since the run started (its files' sha256 is {sha256[:12]}, "
-                          f"the run's was {stored_hash[:12]}); restore it, or start a new run")
-    return PreparedModel(path, sha256)
+    return prepare_hf_model(config, stored_hash)
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_+=@][A-Za-z0-9._+=@-]{0,199}")
@@ -180,26 +165,6 @@ def _requested_config(stored: RunConfig, run_dir: Path, overrides: list[str], co
     return requested
 
 
-def write_hf_trainer_config(config: RunConfig, run_dir: Path, model_path: Path, model_hash: str) -> None:
-    from orchestrator.hf.trainer import TrainerConfig, write_trainer_config
-
-    trainer = config.trainer
-    config_for_trainer = TrainerConfig(
-        model_path=model_path.resolve(), model_hash=model_hash, max_steps=config.max_steps, lr=trainer.lr,
-        lr_warmup_steps=trainer.lr_warmup_steps, clip_eps=trainer.clip_eps, lora=trainer.lora,
-        micro_batch_size=trainer.micro_batch_size,
-        distributed=trainer.distributed, backend=trainer.backend, seed=config.seed,
-        batch_wait_timeout_s=trainer.publish_timeout_s, parent_pid=os.getpid(),
-        # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
-        # crash); a resume reloads the newest recorded one, which must still be on disk.
-        keep_weights=max(3, config.off_policy.target_lag + 2),
-    )
-    try:
-        write_trainer_config(run_dir, config_for_trainer)
-    except OSError as err:  # e.g. a directory in its place: one line, like the trainer's own failures
-        raise TrainerFailed(f"cannot write the trainer's config in {run_dir}: {err.strerror or err}") from err
-
-
 def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrator:
     config, run_dir = run.config, run.run_dir
     holder: dict[str, Orchestrator] = {}
@@ -214,14 +179,10 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
     if config.trainer.kind == "fake":
         trainer = FakeTrainer(run_dir, config.trainer.step_time_s, publish)
     else:
-        assert run.model is not None
-        write_hf_trainer_config(config, run_dir, run.model.path, run.model.sha256)
-        if config.trainer.nproc > 1 or config.trainer.nnodes > 1:  # under torchrun, supervised the same way
-            from orchestrator.shell.torchrun_trainer import TorchrunTrainer
+        from orchestrator.hf.component import make_trainer
 
-            trainer = TorchrunTrainer(run_dir, publish, config.trainer)
-        else:
-            trainer = ProcessTrainer(run_dir, publish)
+        assert run.model is not None
+        trainer = make_trainer(config, run_dir, run.model, publish)
     if set(config.envs) == {"fake"}:
         rollout = FakeEnvRollouts(config.fake_env, config.seed, version_now)
     else:

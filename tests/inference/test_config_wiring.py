@@ -8,9 +8,11 @@ import sys
 import pytest
 
 from orchestrator.config import ConfigError, load_config, meaning_changes
+from orchestrator.hf.component import write_trainer_json
 from orchestrator.hf.distributed import torchrun_command
+from orchestrator.hf.model import PreparedModel
 from orchestrator.inference.rollouts import InferenceRollouts
-from orchestrator.shell.runner import build_orchestrator, create_run, write_hf_trainer_config
+from orchestrator.shell.runner import build_orchestrator, create_run
 from orchestrator.shell.torchrun_trainer import TorchrunTrainer
 from orchestrator.shell.trainers import ProcessTrainer
 
@@ -96,5 +98,5 @@ def test_the_trainer_keeps_every_version_a_resume_may_reload(tmp_path, target_la
     from orchestrator.hf.trainer import read_trainer_config  # imports torch
 
     config = load_config(overrides=[f"off_policy.target_lag={target_lag}"])
-    write_hf_trainer_config(config, tmp_path, tmp_path / "model", "")
+    write_trainer_json(config, tmp_path, PreparedModel(tmp_path / "model", ""))
     assert read_trainer_config(tmp_path).keep_weights == kept
