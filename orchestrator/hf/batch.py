@@ -35,7 +35,12 @@ class Batch:
         return int(self.mask.sum())
 
     def rows(self, index: torch.Tensor) -> Batch:
-        """The samples at `index` (a rank's shard)."""
+        """The samples at `index` (a rank's shard, a micro-batch); none: one zero-weight row (no
+        sampled token), so that a rank with nothing to train still joins its ranks' collectives."""
+        if len(index) == 0:
+            empty = self.rows(index.new_zeros(1))
+            empty.mask = torch.zeros_like(empty.mask)
+            return empty
         return Batch(
             self.step,
             self.ids[index],

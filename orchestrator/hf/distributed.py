@@ -95,15 +95,14 @@ class Ranks:
             finally:
                 module.set_requires_gradient_sync(True)
 
-    def shard(self, batch: Batch) -> Batch:
-        """Samples ``rank::world``; a zero-weight row (no sampled token) if none falls here, so
-        this rank still joins the collectives of the step."""
+    def shard(self, batch: Batch, micro_batch_size: int) -> list[Batch]:
+        """This rank's samples (``rank::world``) in micro-batches of `micro_batch_size` (0: one).
+        Every rank gets the same number of them, zero-weight rows where it has no samples left:
+        under FSDP each forward pass is a collective."""
         index = torch.arange(self.rank, batch.ids.shape[0], self.world)
-        if len(index) == 0:
-            dummy = batch.rows(torch.tensor([0]))
-            dummy.mask = torch.zeros_like(dummy.mask)
-            return dummy
-        return batch.rows(index)
+        most = -(-batch.ids.shape[0] // self.world)  # the largest share of a rank
+        size = micro_batch_size or max(most, 1)
+        return [batch.rows(index[i : i + size]) for i in range(0, max(most, 1), size)]
 
     def sum(self, values: list[float]) -> list[float]:
         return self._reduce(values, "SUM")

@@ -184,11 +184,7 @@ class Trainer:
         if total_tokens == 0:
             self.log(f"trainer step={batch.step}: batch has no sampled tokens; weights unchanged")
         else:
-            local = ranks.shard(batch)
-            size = self.config.micro_batch_size or len(local.ids)
-            chunks = [
-                local.rows(torch.arange(i, min(i + size, len(local.ids)))) for i in range(0, len(local.ids), size)
-            ]
+            chunks = ranks.shard(batch, self.config.micro_batch_size)
             self.optimizer.zero_grad(set_to_none=True)
             module.train()
             ratio_max = float("-inf")
