@@ -44,24 +44,19 @@ def prepare_model(config: RunConfig, stored_hash: str | None = None) -> Prepared
 def write_trainer_json(config: RunConfig, run_dir: Path, model: PreparedModel) -> None:
     from orchestrator.hf.trainer import TrainerConfig, write_trainer_config
 
-    trainer = config.trainer
+    # The trainer section's fields the trainer process reads under the same names.
+    same = {"lr", "lr_warmup_steps", "clip_eps", "lora", "micro_batch_size", "distributed", "backend"}
     config_for_trainer = TrainerConfig(
         model_path=model.path.resolve(),
         model_hash=model.sha256,
         max_steps=config.max_steps,
-        lr=trainer.lr,
-        lr_warmup_steps=trainer.lr_warmup_steps,
-        clip_eps=trainer.clip_eps,
-        lora=trainer.lora,
-        micro_batch_size=trainer.micro_batch_size,
-        distributed=trainer.distributed,
-        backend=trainer.backend,
         seed=config.seed,
-        batch_wait_timeout_s=trainer.publish_timeout_s,
+        batch_wait_timeout_s=config.trainer.publish_timeout_s,
         parent_pid=os.getpid(),
         # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
         # crash); a resume reloads the newest recorded one, which must still be on disk.
         keep_weights=max(3, config.off_policy.target_lag + 2),
+        **config.trainer.model_dump(include=same),
     )
     try:
         write_trainer_config(run_dir, config_for_trainer)
