@@ -30,17 +30,17 @@ from orchestrator.core.state import conservation, initial_state
 from orchestrator.shell.runner import OpenedRun, run_job
 
 ISSUE_SCENARIO = {
-    "fake_env.prompt_tokens": 1024, "fake_env.min_tokens": 4000, "fake_env.max_tokens": 16000,
-    "rollout.max_inflight": 512, "batch.size": 64, "fake_env.latency_s": 0.5, "fake_env.latency_jitter_s": 0.4,
-    "trainer.step_time_s": 0.5,
+    "env.fake.prompt_tokens": 1024, "env.fake.min_tokens": 4000, "env.fake.max_tokens": 16000,
+    "rollout.max_inflight": 512, "batch.size": 64, "env.fake.latency_s": 0.5, "env.fake.latency_jitter_s": 0.4,
+    "trainer.fake.step_time_s": 0.5,
 }
 SCENARIOS = {
     "trainer_bound": (12, ISSUE_SCENARIO),
-    "trainer_bound_short": (16, {**ISSUE_SCENARIO, "fake_env.prompt_tokens": 64, "fake_env.min_tokens": 16,
-                                 "fake_env.max_tokens": 64}),
-    "generation_bound": (12, {**ISSUE_SCENARIO, "trainer.step_time_s": 0.0}),
-    "generation_bound_short": (16, {**ISSUE_SCENARIO, "fake_env.prompt_tokens": 64, "fake_env.min_tokens": 16,
-                                    "fake_env.max_tokens": 64, "trainer.step_time_s": 0.0}),
+    "trainer_bound_short": (16, {**ISSUE_SCENARIO, "env.fake.prompt_tokens": 64, "env.fake.min_tokens": 16,
+                                 "env.fake.max_tokens": 64}),
+    "generation_bound": (12, {**ISSUE_SCENARIO, "trainer.fake.step_time_s": 0.0}),
+    "generation_bound_short": (16, {**ISSUE_SCENARIO, "env.fake.prompt_tokens": 64, "env.fake.min_tokens": 16,
+                                    "env.fake.max_tokens": 64, "trainer.fake.step_time_s": 0.0}),
 }
 
 

@@ -112,8 +112,8 @@ async def _lag_probe(samples: list[float], period: float, stop: asyncio.Event) -
 
 
 def test_event_loop_lag_with_4k_in_flight(benchmark, tmp_path):
-    config = _fake_config(tmp_path, "lag", 40, **{"rollout.max_inflight": 4096, "fake_env.latency_s": 0.5,
-                                                  "fake_env.latency_jitter_s": 0.45, "batch.size": 1024})
+    config = _fake_config(tmp_path, "lag", 40, **{"rollout.max_inflight": 4096, "env.fake.latency_s": 0.5,
+                                                  "env.fake.latency_jitter_s": 0.45, "batch.size": 1024})
 
     async def main():
         config.run_dir.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ from collections import deque
 
 import pytest
 
-from orchestrator.rollouts.collect import ExampleFeed, run_examples
-from orchestrator.rollouts.testing import arrival_workload
+from orchestrator.collection.collect import ExampleFeed, run_examples
+from orchestrator.collection.testing import arrival_workload
 
 N_ARRIVALS = 1024
 N_EXAMPLES = 20_000

@@ -19,6 +19,7 @@ import click
 import orjson
 
 from eventlog import LogError
+from orchestrator.components import ENVS, TRAINERS
 from orchestrator.config import ConfigError, load_config
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -40,11 +41,12 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (dotted), repeatable")
 @click.option("--name", help="run name (default: run-YYYYmmdd-HHMMSS)")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), help="where runs live (default: runs)")
-@click.option("--env", "env_name", type=click.Choice(["reverse_text", "fake"]), help="shorthand for envs={ENV: 1}")
-@click.option("--trainer", "trainer_kind", type=click.Choice(["hf", "fake"]), help="shorthand for trainer.kind")
+@click.option("--env", "env_name", type=click.Choice(ENVS.names()), help="shorthand for envs={ENV: 1}")
+@click.option("--trainer", "trainer_kind", type=click.Choice(TRAINERS.names()), help="shorthand for trainer.kind")
 @click.option("--max-steps", type=int, help="shorthand for max_steps")
 @click.option("--inference", "inference_urls", metavar="URL1,URL2,...",
-              help="sample with these OpenAI-compatible endpoints (orch serve, vLLM, SGLang); shorthand for inference.endpoints")
+              help="sample with these OpenAI-compatible endpoints (orch serve, vLLM, SGLang); shorthand for "
+              "inference.openai.endpoints")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), help="continue the run in this directory")
 @click.option("--progress-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="print a progress line every N steps")
@@ -53,9 +55,9 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
                 progress_every, json_summary) -> None:
     """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
     from orchestrator.observe.sinks import SinkUnavailable, check_installed
+    from orchestrator.shell.loop import FinalizeError
     from orchestrator.shell.progress import Progress
     from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_job
-    from orchestrator.shell.loop import FinalizeError
     from orchestrator.fold import FoldError
 
     if json_summary is not None:  # found out now, not after the run
@@ -127,7 +129,7 @@ def _shorthand_overrides(set_keys: set[str], **flags) -> list[str]:
     """The `--set` equivalents of the shorthand flags given; a flag and a `--set` of the same key
     is a usage error (which should win is a guess)."""
     keys = {"env_name": ("--env", "envs"), "trainer_kind": ("--trainer", "trainer.kind"),
-            "max_steps": ("--max-steps", "max_steps"), "inference_urls": ("--inference", "inference.endpoints"),
+            "max_steps": ("--max-steps", "max_steps"), "inference_urls": ("--inference", "inference.openai.endpoints"),
             "name": ("--name", "name"), "runs_dir": ("--runs-dir", "runs_dir")}
     sets = []
     for param, value in flags.items():
@@ -152,23 +154,15 @@ def _interrupt(signum, frame) -> None:
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
-    """What ends a run with one line, not a traceback: a failed trainer or log, a batch file that
-    cannot be written, a stall, a bounded wait that ran out (TimeoutError: weights never
-    published, rollouts that would not stop; its message says what it waited for), an inference
-    backend or env server that failed. Evaluated when an error is caught, so httpx is not
-    imported by runs that do not use it."""
+    """What ends a run with one line, not a traceback: a failed component (trainer, inference
+    backend, env server) or metric sink, or log, a batch file that cannot be written, a stall, a
+    bounded wait that ran out (TimeoutError: weights never published, rollouts that would not
+    stop; its message says what it waited for)."""
+    from orchestrator.components import ComponentFailed
     from orchestrator.observe.sinks import SinkFailed
     from orchestrator.shell.loop import BatchFileError, StalledError
-    from orchestrator.shell.trainers import TrainerFailed
 
-    errors: list[type[BaseException]] = [TrainerFailed, StalledError, BatchFileError, LogError, TimeoutError, SinkFailed]
-    client = sys.modules.get("orchestrator.inference.client")
-    if client is not None:
-        errors.append(client.InferenceError)
-    env_client = sys.modules.get("orchestrator.rollouts.env_client")
-    if env_client is not None:
-        errors.append(env_client.EnvServerError)
-    return tuple(errors)
+    return (ComponentFailed, StalledError, BatchFileError, LogError, TimeoutError, SinkFailed)
 
 
 @main.command("trainer")
@@ -197,9 +191,9 @@ def tiny_model_command(out_dir: Path, seed: int, target_reward: float) -> None:
 
 
 def _register_commands() -> None:
+    from orchestrator.envs.server import env_server_command
     from orchestrator.inference.server import serve_command
     from orchestrator.observe.cli import export_command, plot_command
-    from orchestrator.rollouts.env_server import env_server_command
     from replay.cli import replay_command
 
     main.add_command(env_server_command, "env-server")

@@ -1,7 +1,10 @@
 """Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
 
 Every knob of the rules (docs/rules.md) is a field here with a documented default; `core_params()` extracts the
-part the core folds (it travels in `run_started`, so a log is self-describing).
+part the core folds (it travels in `run_started`, so a log is self-describing). The components'
+sections come from their registries (`orchestrator.components`): `trainer.<kind>`,
+`inference.<kind>`, `env.<name>` and `algorithm.<name>`, each the component's own config model,
+which also checks what the component supports.
 """
 
 from __future__ import annotations
@@ -10,22 +13,31 @@ import copy
 import hashlib
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, ValidationError, create_model, field_validator, model_validator
 
+from orchestrator.components import (
+    ALGORITHMS,
+    ENVS,
+    INFERENCE,
+    TRAINERS,
+    AlgorithmComponent,
+    Component,
+    EnvComponent,
+    InferenceComponent,
+    Registry,
+    TrainerComponent,
+)
+from orchestrator.components import Section as _Section
 from orchestrator.core.advantages import BACKGROUND_ONLY
 from orchestrator.core.events import CoreParams, EvalParams
+from orchestrator.inference.endpoints_config import check_http_url
 
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; its message is one line."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RolloutConfig(_Section):
@@ -57,44 +69,30 @@ class OffPolicyConfig(_Section):
     max_off_policy_steps: int = Field(2, ge=0, description="oldest usable policy: (step-1) - this")
 
 
-class GraderConfig(_Section):
-    """The simulated slow grader used by `gar` (a real judge endpoint can replace it)."""
+def _with_components(name: str, base: type[_Section], registry: Registry) -> type[_Section]:
+    """`base` with one field per registered component of `registry`: its config section."""
+    fields: dict[str, Any] = {
+        component: (model, Field(default_factory=model, description=(model.__doc__ or "").strip().splitlines()[0]))
+        for component, model in registry.configs().items()
+    }
+    return create_model(name, __base__=base, **fields)
 
-    delay_s: float = Field(0.05, ge=0, description="mean grader latency")
-    jitter_s: float = Field(0.02, ge=0, description="uniform +- jitter on the latency")
-    failure_rate: float = Field(0.0, ge=0, le=1, description="probability a grader call raises")
-    rank_noise: float = Field(0.1, ge=0, description="noise added to rewards before ranking")
-    rank_weight: float = Field(0.5, ge=0, le=1, description="gar blend: weight of the grader rank")
+
+def _name_in(registry: Registry, *, optional: bool = False) -> Any:
+    """A field holding the name of one of `registry`'s components (else a one-line error), or
+    None if `optional`."""
+    if optional:
+        return Annotated[str | None, AfterValidator(lambda name: None if name is None else registry.known(name))]
+    return Annotated[str, AfterValidator(registry.known)]
 
 
-class AlgorithmConfig(_Section):
-    name: Literal["grpo", "gar"] = Field("grpo", description="grpo (inline) or gar (grader, background)")
+class _AlgorithmChoice(_Section):
+    name: _name_in(ALGORITHMS) = Field("grpo", description="the algorithm: " + ", ".join(ALGORITHMS.names()))
     finalize_in_background: bool | None = Field(None, description="override the algorithm's class flag")
     max_finalizing_groups: int = Field(64, ge=1, description="finalizing groups per env that close the gate")
-    grader: GraderConfig = Field(default_factory=GraderConfig)
 
-
-class FakeEnvConfig(_Section):
-    """The `fake` env: seeded synthetic episodes, no model (tests and benchmarks)."""
-
-    latency_s: float = Field(0.0, ge=0, description="mean episode latency (0 = instant)")
-    latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
-    error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")
-    empty_rate: float = Field(0.0, ge=0, le=1, description="probability an episode samples no token")
-    prompt_tokens: int = Field(8, ge=0, description="prompt length of every fake episode, in tokens")
-    min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
-    max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
-
-    @model_validator(mode="after")
-    def _range(self) -> FakeEnvConfig:
-        if self.min_tokens > self.max_tokens:
-            raise ValueError("fake_env.min_tokens must be <= fake_env.max_tokens")
-        return self
-
-
-class ReverseTextConfig(_Section):
-    min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
-    max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
+    def chosen(self) -> AlgorithmComponent:
+        return getattr(self, self.name)
 
 
 class ModelSection(_Section):
@@ -107,98 +105,25 @@ class ModelSection(_Section):
                                                  "template (e.g. Qwen3's {\"enable_thinking\": false})")
 
 
-class LoraSection(_Section):
-    rank: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha (the update is scaled by alpha / rank)")
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                      description="names of the modules that get adapters (as PEFT matches them)")
-
-
-class TrainerSection(_Section):
-    kind: Literal["hf", "fake"] = Field("hf", description="the transformers trainer process, or the in-process fake")
-    step_time_s: float = Field(0.0, ge=0, description="fake trainer: time per optimizer step")
-    lr: float = Field(5e-4, gt=0, description="hf trainer: AdamW learning rate")
-    lr_warmup_steps: int = Field(5, ge=0, description="hf trainer: the lr ramps linearly over the first steps")
-    clip_eps: float = Field(0.2, gt=0, description="hf trainer: PPO clip, the ratio is clipped to [1-eps, 1+eps]")
-    micro_batch_size: int = Field(0, ge=0, description="hf trainer: samples per forward/backward, gradients "
-                                  "accumulated over a rank's share of the batch (0: the whole share at once)")
-    lora: LoraSection = Field(default_factory=LoraSection,
-                              description="hf trainer: LoRA adapters instead of full fine-tuning")
+class _TrainerChoice(_Section):
+    kind: _name_in(TRAINERS) = Field("hf", description="the trainer: " + ", ".join(TRAINERS.names()))
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
-    nproc: int = Field(1, ge=1, description="hf trainer: ranks per node under torchrun; 1 (one node): one process")
-    distributed: Literal["ddp", "fsdp"] = Field("ddp", description="how ranks share the model: DDP replicas or FSDP2 "
-                                                "(torch.distributed.fsdp.fully_shard) shards")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process group backend (auto: nccl with CUDA, "
-                                                     "else gloo)")
-    nnodes: int = Field(1, ge=1, description="torchrun nodes; > 1 needs rdzv_endpoint and the run dir on a shared "
-                        "filesystem (the other nodes run the torchrun command of docs/hf.md)")
-    node_rank: int = Field(0, ge=0, description="this node's rank among nnodes (orch run is node 0)")
-    rdzv_endpoint: str | None = Field(None, description="torchrun c10d rendezvous host:port (multi-node)")
 
-    @model_validator(mode="after")
-    def _multi_node(self) -> TrainerSection:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("trainer.nnodes > 1 needs trainer.rdzv_endpoint (host:port of the rendezvous)")
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"trainer.node_rank {self.node_rank} must be < trainer.nnodes {self.nnodes}")
-        return self
+    def chosen(self) -> TrainerComponent:
+        return getattr(self, self.kind)
 
 
-class InferenceSection(_Section):
-    """OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) instead of the in-process sampler."""
-
-    endpoints: list[str] = Field(default_factory=list, description="base URLs (http://host:port); empty = embedded sampler")
-    model: str | None = Field(None, description="model name sent with each request (None: the server's own)")
-    weight_sync: Literal["orch", "vllm_lora", "sglang", "none"] = Field(
-        "orch", description="how endpoints load weights/step_N: orch /update_weights, vLLM LoRA adapters, "
-        "SGLang /update_weights_from_disk, or not at all")
-    request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
-    max_attempts: int = Field(3, ge=1, description="attempts per completion, over all endpoints (transport/5xx errors)")
-    backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
-    max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")
-    pin_groups: bool = Field(True, description="send a group's episodes to one endpoint (prefix-cache reuse)")
-
-    @model_validator(mode="after")
-    def _endpoints_are_urls(self) -> InferenceSection:
-        endpoint_base_urls(self.endpoints)
-        return self
+class _InferenceChoice(_Section):
+    kind: _name_in(INFERENCE, optional=True) = Field(
+        None, description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for the fake env, openai "
+        "when inference.openai.endpoints is set, else embedded)")
 
 
-def endpoint_base_urls(urls: list[str]) -> list[str]:
-    """The endpoints as the client addresses them (`endpoint_base_url`); ValueError naming the
-    URL if one is not an http(s) URL or two are the same endpoint. The config checks it (exit 2
-    before anything runs) and the client, also usable on its own, builds on it."""
-    seen: dict[str, str] = {}
-    for url in urls:
-        base = endpoint_base_url(url)
-        check_http_url(base, f"endpoint {url!r}")
-        if base in seen:
-            raise ValueError(f"endpoints {seen[base]!r} and {url!r} are the same")
-        seen[base] = url
-    return list(seen)
-
-
-def check_http_url(url: str, what: str) -> None:
-    """ValueError naming `what` unless `url` is http(s)://host[:port][/path] with a valid port
-    (no spaces, user, query or fragment)."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
-    except ValueError:
-        raise ValueError(f"{what} has an invalid host or port") from None
-    if (parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url)
-            or "@" in parts.netloc or parts.query or parts.fragment or parts.netloc.endswith(":")):
-        raise ValueError(f"{what} is not an http(s)://host[:port] URL")
-
-
-def endpoint_base_url(url: str) -> str:
-    """An endpoint as the client addresses it: scheme added (http), trailing `/` and `/v1` removed."""
-    url = url.strip()
-    if "://" not in url:
-        url = "http://" + url
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
+AlgorithmConfig = _with_components("AlgorithmConfig", _AlgorithmChoice, ALGORITHMS)
+TrainerSection = _with_components("TrainerSection", _TrainerChoice, TRAINERS)
+InferenceSection = _with_components("InferenceSection", _InferenceChoice, INFERENCE)
+EnvSection = _with_components("EnvSection", _Section, ENVS)
 
 
 class EvalConfig(_Section):
@@ -211,6 +136,13 @@ class EvalConfig(_Section):
     samples_per_task: int = Field(4, ge=1, description="samples per task (the k of pass@k)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of eval episodes")
     max_inflight: int = Field(16, ge=1, description="eval episodes in flight at once (apart from rollout.max_inflight)")
+
+    @field_validator("envs")
+    @classmethod
+    def _known_envs(cls, envs: list[str]) -> list[str]:
+        for name in envs:
+            ENVS.known(name)
+        return envs
 
     def core_params(self) -> EvalParams | None:
         if not self.envs:
@@ -259,7 +191,8 @@ class MetricsConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = Field("default", description="run directory name under runs_dir (`orch run` without --name: run-YYYYmmdd-HHMMSS)")
+    name: str = Field("default", description="run directory name under runs_dir "
+                      "(`orch run` without --name: run-YYYYmmdd-HHMMSS)")
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
     seed: int = Field(0, description="seeds the core RNG, the envs and the policy")
     max_steps: int = Field(40, ge=1, description="batches to ship, then drain and stop")
@@ -269,35 +202,35 @@ class RunConfig(_Section):
     zero_output_batches: int = Field(10, ge=1, description="batch-equivalents of zero output that stop the run")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="groups, permits and sampling")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="how the pending queue is cut into batches")
-    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="how far the rollouts may run ahead of the trainer")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, inline or in the background")
-    fake_env: FakeEnvConfig = Field(default_factory=FakeEnvConfig)
-    reverse_text: ReverseTextConfig = Field(default_factory=ReverseTextConfig, description="the `reverse_text` env: reverse a short random string (the embedded job)")
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig,
+                                        description="how far the rollouts may run ahead of the trainer")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, "
+                                       "inline or in the background; `algorithm.<name>`: each algorithm's own settings")
+    env: EnvSection = Field(default_factory=EnvSection,
+                            description="each env's own settings (`env.<name>`; `envs` picks the ones a run uses)")
     model: ModelSection = Field(default_factory=ModelSection,
                                 description="the Hugging Face model dir the run trains and samples: docs/hf.md")
-    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the "
+                                    "batches and publishes weights; `trainer.<kind>`: each trainer's own settings")
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
-    inference: InferenceSection = Field(default_factory=InferenceSection)
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluations on a schedule, off by default: docs/evals.md")
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
+    inference: InferenceSection = Field(default_factory=InferenceSection, description="the sampler of the episodes; "
+                                        "`inference.<kind>`: each backend's own settings")
+    eval: EvalConfig = Field(default_factory=EvalConfig,
+                             description="evaluations on a schedule, off by default: docs/evals.md")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig,
+                                   description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
+
+    @field_validator("envs")
+    @classmethod
+    def _known_envs(cls, envs: dict[str, float]) -> dict[str, float]:
+        for name in envs:
+            ENVS.known(name)
+        return envs
 
     @model_validator(mode="after")
-    def _known_envs(self) -> RunConfig:
-        unknown = sorted((set(self.envs) | set(self.eval.envs)) - KNOWN_ENVS)
-        if unknown:
-            raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
-        if self.trainer.kind == "hf" and set(self.envs) != {"reverse_text"}:
-            raise ValueError("the hf trainer learns reverse_text only; use trainer.kind='fake' for other envs")
-        if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
-            raise ValueError("inference endpoints sample reverse_text episodes only")
-        if self.rollout.env_server is not None and self.eval.envs:
-            raise ValueError("evals need held-out tasks (negative indices), which rollout.env_server does not serve; "
-                             "run the env in-process for evals")
-        if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
-            raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
-        if self.trainer.kind == "fake" and "reverse_text" in self.envs:
-            raise ValueError("reverse_text samples from the trainer's published weights, which the fake trainer "
-                             "never writes; use trainer.kind='hf' (or the fake env)")
+    def _components_support_the_run(self) -> RunConfig:
+        for component in self.chosen_components():
+            component.check(self)
         try:  # the core's own cross-checks (e.g. an algorithm that must finalize in the background)
             self.core_params()
         except ValidationError as err:
@@ -307,6 +240,25 @@ class RunConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return self.runs_dir / self.name
+
+    def inference_kind(self) -> str:
+        if self.inference.kind is not None:
+            return self.inference.kind
+        if self.inference.openai.endpoints:
+            return "openai"
+        return "fake" if set(self.envs) == {"fake"} else "embedded"
+
+    def inference_backend(self) -> InferenceComponent:
+        return getattr(self.inference, self.inference_kind())
+
+    def env_components(self) -> dict[str, EnvComponent]:
+        return {name: getattr(self.env, name) for name in self.envs}
+
+    def chosen_components(self) -> list[Component]:
+        """What this run is made of, each checking what it supports (the sampler first: what it
+        samples decides which other combinations make sense)."""
+        return [self.inference_backend(), self.trainer.chosen(), *self.env_components().values(),
+                self.algorithm.chosen()]
 
     def finalize_in_background(self) -> bool:
         flag = self.algorithm.finalize_in_background
@@ -329,16 +281,19 @@ class RunConfig(_Section):
         return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
 
 
-KNOWN_ENVS = frozenset({"reverse_text", "fake"})
+def _resumable_fields() -> frozenset[str]:
+    """Fields a resume may change: they alter how the run is operated, not what it computes
+    (each component names its own)."""
+    fields = {"max_steps", "runs_dir", "name", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s",
+              "trainer.exit_timeout_s", "rollout.env_server", "inference.kind"}
+    for section, registry in (("trainer", TRAINERS), ("inference", INFERENCE), ("env", ENVS),
+                              ("algorithm", ALGORITHMS)):
+        for name, model in registry.configs().items():
+            fields.update(f"{section}.{name}.{field}" for field in model.resumable)
+    return frozenset(fields)
 
-# Fields a resume may change: they alter how the run is operated, not what it computes.
-RESUMABLE_FIELDS = frozenset({
-    "max_steps", "runs_dir", "name", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s", "trainer.step_time_s",
-    "trainer.exit_timeout_s", "rollout.env_server",
-    "trainer.nproc", "trainer.distributed", "trainer.backend", "trainer.nnodes", "trainer.node_rank",
-    "trainer.rdzv_endpoint", "inference.endpoints", "inference.request_timeout_s",
-    "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
-})
+
+RESUMABLE_FIELDS = _resumable_fields()
 RESUMABLE_SECTIONS = frozenset({"metrics"})  # every field inside them may change on resume
 
 

@@ -1,9 +1,12 @@
-"""On-disk contracts between the orchestrator, the embedded sampler and the trainer process.
+"""On-disk contracts between the orchestrator, its samplers and its trainers: the one place for the
+run directory's paths, the batch file schema, the weights directories and the STABLE marker.
 
 Layout of a run directory (``RUN_DIR``)::
 
+    events.db                    the event log (eventlog; its -wal and -shm files beside it)
     trainer.json                 the trainer's config (orchestrator.hf.trainer.TrainerConfig), written by the
                                  orchestrator before it spawns the trainer
+    trainer.log                  the trainer process's output (appended to across resumes)
     batches/step_N.json          batch N (orjson; written atomically by the orchestrator)
     weights/step_N/              the policy after training on batches 1..N (step_0 = the model as loaded)
         full fine-tuning:        an HF model dir: config.json, model.safetensors, generation_config.json,
@@ -17,9 +20,9 @@ Layout of a run directory (``RUN_DIR``)::
         STABLE                   marker, written (tmp + fsync + rename) only after the files above
     trainer_ckpt/ckpt.pt         trainer checkpoint (trained weights + AdamW state + step + model hash),
                                  replaced atomically
-    trainer.log                  the trainer's stdout and stderr (every rank's)
 
-Batch file (format 1)::
+Batch file (format ``BATCH_FORMAT``; its canonical bytes, which the log's sha256 covers, are
+built by ``orchestrator.core.batch.encode_batch``)::
 
     {"format": 1, "step": N, "samples": [{"trace_id": int, "group_id": int, "env": str,
       "token_ids": [int, ...],   # prompt + completion
@@ -27,8 +30,9 @@ Batch file (format 1)::
       "logprobs": [float, ...],  # sampler logprob per token, 0.0 where mask is 0
       "advantage": float, "policy_start": int, "lag": int, "temperature": float}, ...]}
 
-Extra sample fields are ignored by the trainer, except an optional ``"reward": float`` that, when
-every sample has it, is averaged into the trainer's step line.
+``batch_samples`` checks a file against it for every trainer (the fields a trainer needs are
+``TRAINED_FIELDS``). Extra sample fields are ignored, except an optional ``"reward": float`` that,
+when every sample has it, is averaged into the hf trainer's step line.
 
 Every writer here is atomic: write a temp sibling, fsync it, ``os.replace``/``os.rename`` it into
 place, fsync the parent directory. A reader therefore sees either nothing or the whole file/dir.
@@ -46,7 +50,10 @@ from typing import Any
 
 import orjson
 
-BATCH_FORMAT = 1
+from orchestrator.core.batch import BATCH_FORMAT, encode_batch
+
+EVENTS_DB = "events.db"
+TRAINER_LOG = "trainer.log"
 STABLE = "STABLE"
 # The files of a weights dir of `orch serve`'s own policy (orchestrator.embedded.policy).
 MODEL_FILE = "model.pt"
@@ -64,6 +71,14 @@ _TMP_MARK = ".tmp-"
 
 
 # ---------------------------------------------------------------------------------------- paths
+def events_db(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / EVENTS_DB
+
+
+def trainer_log(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / TRAINER_LOG
+
+
 def batches_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "batches"
 
@@ -238,9 +253,46 @@ def clean_tmp(directory: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------------- batches
+TRAINED_FIELDS = ("token_ids", "mask", "logprobs", "advantage", "temperature")  # what every trainer reads
+
+
+class BatchFileError(ValueError):
+    """A batch file that does not follow the schema; the message names the file and the problem."""
+
+
+def batch_samples(raw: bytes, expected_step: int, where: str = "batch") -> list[dict[str, Any]]:
+    """The samples of a batch file's bytes, checked against the schema (format, step, a list of
+    objects that carry `TRAINED_FIELDS`); a trainer checks their values against its model."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BatchFileError(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise BatchFileError(f"{where}: top level must be an object")
+    if doc.get("format") != BATCH_FORMAT:
+        raise BatchFileError(f"{where}: format must be {BATCH_FORMAT}, got {doc.get('format')!r}")
+    if doc.get("step") != expected_step:
+        raise BatchFileError(f"{where}: step must be {expected_step}, got {doc.get('step')!r}")
+    samples = doc.get("samples")
+    if not isinstance(samples, list):
+        raise BatchFileError(f"{where}: 'samples' must be a list")
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, dict):
+            raise BatchFileError(f"{sample_tag(where, i, sample)}: must be an object")
+        missing = [k for k in TRAINED_FIELDS if k not in sample]
+        if missing:
+            raise BatchFileError(f"{sample_tag(where, i, sample)}: missing field(s) {missing}")
+    return samples
+
+
+def sample_tag(where: str, index: int, sample: Any) -> str:
+    """How an error names a sample of a batch file."""
+    return f"{where}: sample {index} (trace_id {sample.get('trace_id') if isinstance(sample, dict) else '?'})"
+
+
 def write_batch_file(run_dir: str | os.PathLike, step: int, samples: list[dict[str, Any]]) -> Path:
-    """Write ``batches/step_{step}.json`` atomically (format 1). Used by simulate and tests; the
-    orchestrator may use it too."""
+    """Write ``batches/step_{step}.json`` atomically, in its canonical bytes. Used by simulate and
+    tests; the orchestrator writes the bytes its log hashed (`orchestrator.shell.loop`)."""
     path = batch_path(run_dir, step)
-    atomic_write_bytes(path, orjson.dumps({"format": BATCH_FORMAT, "step": step, "samples": samples}))
+    atomic_write_bytes(path, encode_batch(step, samples))
     return path

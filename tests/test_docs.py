@@ -29,8 +29,8 @@ def test_the_reference_lists_every_leaf_field_once():
     text = config_docs.render()
     keys = re.findall(r"^\| `([a-z_.]+)` \|", text, flags=re.MULTILINE)
     assert len(keys) == len(set(keys))
-    assert {"seed", "batch.size", "algorithm.grader.rank_weight", "inference.endpoints"} <= set(keys)
-    assert "rollout" not in keys and "algorithm.grader" not in keys  # sections are headings, not rows
+    assert {"seed", "batch.size", "algorithm.gar.rank_weight", "inference.openai.endpoints"} <= set(keys)
+    assert "rollout" not in keys and "algorithm.gar" not in keys  # sections are headings, not rows
 
 
 def test_links_in_the_docs_point_to_files_inside_the_repository():

@@ -5,7 +5,7 @@ of ``task.prompt`` and hands the text back to :meth:`TextEnv.score`. Tasks are a
 ``(seed, index)`` so a resumed or re-executed run sees exactly the same tasks.
 
 Rollout workers reach an env through the async :class:`RolloutEnv`: :class:`InProcessEnv` for an
-env in this process, or ``orchestrator.rollouts.env_client.HttpEnvClient`` for one behind
+env in this process, or ``orchestrator.envs.client.HttpEnvClient`` for one behind
 ``orch env-server`` (``rollout.env_server``).
 """
 

@@ -12,8 +12,18 @@ import difflib
 import random
 import re
 import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
-from orchestrator.envs.base import Task
+from pydantic import Field
+
+from orchestrator.components import BuildContext, EnvComponent
+from orchestrator.envs.base import InProcessEnv, RolloutEnv, Task
+
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
+    from orchestrator.envs.client import HttpEnvClient
 
 OPEN_TAG = "<reversed_text>"
 CLOSE_TAG = "</reversed_text>"
@@ -78,3 +88,42 @@ class ReverseTextEnv:
 
     def score(self, task: Task, completion: str) -> float:
         return reversal_reward(completion, task.prompt)
+
+
+class ReverseTextConfig(EnvComponent):
+    """reverse_text tasks: in this process, or behind the `orch env-server` at `rollout.env_server`."""
+
+    min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
+    max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
+
+    def check(self, run: RunConfig) -> None:
+        if run.rollout.env_server is not None and run.eval.envs:
+            raise ValueError("evals need held-out tasks (negative indices), which rollout.env_server does not serve; "
+                             "run the env in-process for evals")
+
+    @asynccontextmanager
+    async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:
+        seed, server = ctx.config.seed, ctx.config.rollout.env_server
+        if server is None:
+            yield InProcessEnv(ReverseTextEnv(seed=seed, min_len=self.min_len, max_len=self.max_len))
+            return
+        from orchestrator.envs.client import HttpEnvClient  # httpx: only now
+
+        async with HttpEnvClient(server) as client:
+            await self._check_server(client, seed)
+            yield client
+
+    async def _check_server(self, client: HttpEnvClient, seed: int) -> None:
+        """Fail before the run, in one line, if the env server is unreachable or does not serve the
+        tasks this run asks for (reverse_text, with the run's seed and prompt lengths)."""
+        from orchestrator.envs.client import EnvServerError
+
+        health = await client.health()
+        served = health.get("env") if isinstance(health, dict) else None
+        if served != ReverseTextEnv.name:
+            raise EnvServerError(f"{client.base_url} serves env {served!r}, not 'reverse_text'")
+        wanted = {"seed": seed, "min_len": self.min_len, "max_len": self.max_len}
+        if health.get("params") != wanted:
+            raise EnvServerError(f"{client.base_url} serves reverse_text tasks of {health.get('params')}, this run's "
+                                 f"are {wanted}: start it with --seed {seed} --min-len {wanted['min_len']} "
+                                 f"--max-len {wanted['max_len']}")

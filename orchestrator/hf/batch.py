@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import orjson
 import torch
 
-from orchestrator.rundir import BATCH_FORMAT
+from orchestrator.rundir import BatchFileError, batch_samples, sample_tag
 
 
-class BatchError(ValueError):
+class BatchError(BatchFileError):
     """A batch file that breaks the schema; the message names the file, the sample and the field."""
 
 
@@ -53,36 +52,19 @@ class Batch:
         )
 
 
-REQUIRED_FIELDS = ("token_ids", "mask", "logprobs", "advantage", "temperature")
-
-
 def parse_batch(raw: bytes, expected_step: int, vocab_size: int, where: str = "batch") -> Batch:
     """Validate and tensorize a format-1 batch; raises :class:`BatchError` naming the problem."""
     try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BatchError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise BatchError(f"{where}: top level must be an object")
-    if doc.get("format") != BATCH_FORMAT:
-        raise BatchError(f"{where}: format must be {BATCH_FORMAT}, got {doc.get('format')!r}")
-    if doc.get("step") != expected_step:
-        raise BatchError(f"{where}: step must be {expected_step}, got {doc.get('step')!r}")
-    samples = doc.get("samples")
-    if not isinstance(samples, list):
-        raise BatchError(f"{where}: 'samples' must be a list")
+        samples = batch_samples(raw, expected_step, where)  # the schema every trainer shares
+    except BatchFileError as err:
+        raise BatchError(str(err)) from err
     for i, sample in enumerate(samples):
-        check_sample(sample, vocab_size, f"{where}: sample {i}")
+        check_sample(sample, vocab_size, sample_tag(where, i, sample))
     return tensorize(expected_step, samples)
 
 
-def check_sample(sample: object, vocab_size: int, where: str) -> None:
-    if not isinstance(sample, dict):
-        raise BatchError(f"{where}: must be an object")
-    tag = f"{where} (trace_id {sample.get('trace_id')})"
-    missing = [k for k in REQUIRED_FIELDS if k not in sample]
-    if missing:
-        raise BatchError(f"{tag}: missing field(s) {missing}")
+def check_sample(sample: dict, vocab_size: int, tag: str) -> None:
+    """A sample's values against the model (the schema checked it carries `TRAINED_FIELDS`)."""
     ids, mask, lp = sample["token_ids"], sample["mask"], sample["logprobs"]
     if not (isinstance(ids, list) and isinstance(mask, list) and isinstance(lp, list)):
         raise BatchError(f"{tag}: token_ids, mask and logprobs must be lists")

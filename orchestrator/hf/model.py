@@ -112,7 +112,7 @@ def check_lora_targets(model, target_modules: list[str], path: str | os.PathLike
     if unknown:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m).__name__ == "Linear"})
         raise ModelError(
-            f"trainer.lora.target_modules {unknown}: the model at {path} has no such modules "
+            f"trainer.hf.lora.target_modules {unknown}: the model at {path} has no such modules "
             f"(its linear layers: {linear})"
         )
 

@@ -31,7 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator import rundir
-from orchestrator.config import LoraSection
+from orchestrator.hf.config import LoraSection
 from orchestrator.hf import checkpoint
 from orchestrator.hf.batch import Batch, BatchError, parse_batch
 from orchestrator.hf.distributed import Ranks

@@ -4,8 +4,10 @@
   any OpenAI-compatible server that returns token ids and per-token logprobs (no torch).
 * :mod:`.client`   - :class:`~.client.InferenceClient`: several endpoints, least-loaded routing,
   per-group pinning, bounded retries, health tracking, the weight-update contract (no torch).
-* :mod:`.rollouts` - :class:`~.rollouts.InferenceRollouts`: the rollout backend of `orch run`
-  that samples through the client (same interface as ``EmbeddedRollouts``).
+* :mod:`.endpoints_config` - inference backend `openai` (`inference.openai.*`): its config, checks
+  and factory, and the endpoint URL rules (no httpx).
+* :mod:`.endpoints_backend` - :class:`~.endpoints_backend.EndpointsBackend`: that backend, which
+  samples through the client (an ``orchestrator.components.InferenceBackend``).
 * :mod:`.server`   - `orch serve`: the embedded torch policy behind ``POST /v1/completions``.
 
 The weight-update contract (docs/scaling-out.md; docs/rules.md rule 8): the trainer publishes

@@ -47,7 +47,8 @@ from typing import Any, Literal
 
 import httpx
 
-from orchestrator.config import endpoint_base_urls
+from orchestrator.components import ComponentFailed
+from orchestrator.inference.endpoints_config import endpoint_base_urls
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 
 WeightSync = Literal["orch", "vllm_lora", "sglang", "none"]
@@ -56,7 +57,7 @@ MAX_PINS = 65536
 log = logging.getLogger("orch.inference")
 
 
-class InferenceError(RuntimeError):
+class InferenceError(ComponentFailed):
     """Inference failed; the message names the endpoint(s) and what went wrong."""
 
 

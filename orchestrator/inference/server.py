@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from orchestrator.envs.server import disconnect_cancelling_app, serve_command_line
 from orchestrator.inference.protocol import (
     CompletionParams,
     ProtocolError,
@@ -45,7 +46,6 @@ from orchestrator.inference.protocol import (
     error_body,
     parse_completion_request,
 )
-from orchestrator.rollouts.env_server import disconnect_cancelling_app, serve_command_line
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ from orchestrator.core import decode_unvalidated
 from orchestrator.core import events as ev
 from orchestrator.core.evolve import FoldError, evolve_from
 from orchestrator.core.state import State
-from orchestrator.shell.progress import buffered_episodes
 
 Row = tuple[int, str, float]
 TRAINER_PREFIX = "trainer/"
@@ -38,6 +37,11 @@ EVAL_PREFIX = "eval/"
 EVAL_FIGURES = ("reward_mean", "pass_at_1", "pass_at_k")
 T = TypeVar("T")
 THROUGHPUT_WINDOW = 5
+
+
+def buffered_episodes(state: State) -> int:
+    """Completed episodes waiting to train: queued, or held by groups still finalizing."""
+    return len(state.pending) + sum(len(g.members) for g in state.groups.values() if g.finalizing)
 
 
 class StepRows:

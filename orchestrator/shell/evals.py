@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from orchestrator.collection.collect import Outcome
+from orchestrator.components import RolloutRequest
 from orchestrator.core import events as ev
 from orchestrator.core.state import State
 from orchestrator.envs.reverse_text import solved as reverse_text_solved
-from orchestrator.rollouts.collect import Outcome
-from orchestrator.shell.rollouts import RolloutRequest
 
 # env -> its success notion (the "pass" of pass@k); an env without one reports no pass@k.
 SUCCESS: dict[str, Callable[[float], bool]] = {"reverse_text": reverse_text_solved}

@@ -2,30 +2,30 @@
 
 Write-ahead: an effect (start or cancel a rollout, start or cancel a background finalize, write
 a batch file) is performed only after the events that call for it are committed. Every task the
-loop starts has an owner here that awaits or cancels it; `run()` never returns with one alive.
+loop starts has an owner here: the run's task group (the outcome forwarders, the trainer's task,
+weight reloads) or the background finalizer (algorithm code, closed with a bound since it may
+ignore its cancellation); `run()` never returns with one alive, and `_shutdown` is its order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
+from orchestrator.components import Algorithm, InferenceBackend, RolloutRequest, Trainer
 from orchestrator.config import RunConfig
 from orchestrator.core import events as ev
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
 from orchestrator.core.decide import decide
 from orchestrator.core.state import REDUCER_VERSION, Group, ShippedSample, State, Trace, state_bytes
 from orchestrator.effects import perform
-from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
+from orchestrator.notices import warn
 from orchestrator.rundir import atomic_write_bytes, batch_path
-from orchestrator.shell.algorithms import Algorithm
 from orchestrator.shell.evals import eval_request, eval_result
-from orchestrator.shell.rollouts import RolloutRequest
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
 MAX_INPUTS_PER_ITERATION = 256  # bounds the synchronous decide work between two awaits
@@ -43,14 +43,6 @@ class FinalizeError(RuntimeError):
 class BatchFileError(RuntimeError):
     """A shipped batch's file could not be written (disk full, permissions). The batch is in the
     log: a resume writes the file again."""
-
-
-@dataclass
-class LoopHooks:
-    """Effects owned by other components, injected so tests and benchmarks can swap them."""
-
-    rollout: Callable[[RolloutRequest], Awaitable[ev.EpisodeCompleted]]
-    on_version: Callable[[int], Awaitable[None]] | None = None  # e.g. reload inference weights
 
 
 class BackgroundFinalizer:
@@ -97,10 +89,11 @@ class BackgroundFinalizer:
 
 
 class Orchestrator:
-    def __init__(self, config: RunConfig, run_dir: Path, log, state: State, *, hooks: LoopHooks,
-                 algorithm: Algorithm, trainer, progress=None, stall_timeout_s: float | None = None, sinks=None):
+    def __init__(self, config: RunConfig, run_dir: Path, log, state: State, *, backend: InferenceBackend,
+                 algorithm: Algorithm, trainer: Trainer, progress=None, stall_timeout_s: float | None = None,
+                 sinks=None):
         self.config, self.run_dir, self.log, self.state = config, run_dir, log, state
-        self.hooks, self.trainer, self.progress = hooks, trainer, progress
+        self.backend, self.trainer, self.progress = backend, trainer, progress
         self.sinks = sinks  # observe.sinks.SinkFeeder: metric sinks fed from the committed log
         self.stall_timeout_s = stall_timeout_s or config.trainer.publish_timeout_s
         self._finalized: deque = deque()  # background results: settled before rollout outputs
@@ -111,8 +104,9 @@ class Orchestrator:
         self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized)
         self._last_snapshot_seq = log.last_seq
         self._last_input_at = time.monotonic()
-        self._reloads: set[asyncio.Task] = set()  # inference weight reloads in progress
-        self._reload_error: BaseException | None = None
+        self._tasks: asyncio.TaskGroup | None = None  # owns the run's tasks (the finalizer owns its own)
+        self._running: set[asyncio.Task] = set()  # its tasks not done yet, cancelled at shutdown
+        self._task_error: Exception | None = None  # the first failure of one of them
         self.events_logged = 0
         # What the effect interpreter asked for in this step that waits until its pass is over.
         self._batch_payloads: dict[int, bytes] = {}
@@ -142,33 +136,56 @@ class Orchestrator:
     # --- the loop ------------------------------------------------------------------------------
 
     async def run(self, first_input) -> State:
-        """Drive the run from `first_input` (run_started or run_resumed) until run_stopped."""
+        """Drive the run from `first_input` (run_started or run_resumed) until run_stopped; its
+        task group owns every task it starts, `_shutdown` stops them."""
         self._wake = asyncio.Event()
         self.feed: ExampleFeed = ExampleFeed()
-        self.stream = run_examples(self.feed, self.hooks.rollout)
+        self.stream = run_examples(self.feed, self.backend)
         # Evals have a stream of their own: the drain closes the train stream, while evals go on
         # to the end's eval (docs/evals.md). The core caps what is in flight; so does the stream.
         self.eval_feed: ExampleFeed = ExampleFeed()
-        self.eval_stream = run_examples(self.eval_feed, self.hooks.rollout,
-                                        max_concurrency=self.config.eval.max_inflight)
-        loop = asyncio.get_running_loop()
-        owned = [loop.create_task(self._forward_outcomes(self.stream), name="orch-outcomes"),
-                 loop.create_task(self._forward_outcomes(self.eval_stream), name="orch-eval-outcomes"),
-                 loop.create_task(self.trainer.run(self.state.version), name="orch-trainer")]
+        self.eval_stream = run_examples(self.eval_feed, self.backend, max_concurrency=self.config.eval.max_inflight)
+        error: Exception | None = None
+        async with asyncio.TaskGroup() as self._tasks:
+            self._start(self._forward_outcomes(self.stream), "orch-outcomes")
+            self._start(self._forward_outcomes(self.eval_stream), "orch-eval-outcomes")
+            self._start(self.trainer.run(self.state.version, self.publish_version), "orch-trainer")
+            try:
+                await self._drive(first_input)
+            except Exception as exc:  # raised once the group is closed: as itself, not in a group
+                error = exc
+            finally:
+                await self._shutdown()
+        if error is not None:
+            raise error
+        return self.state
+
+    async def _drive(self, first_input) -> None:
+        await self._handle([first_input])
+        while not self.state.stopped:
+            self._wake.clear()
+            inputs = self._take_inputs()
+            if inputs:
+                await self._handle(inputs)
+            if not self._finalized:  # a failure is logged (finalize_failed) before it is raised
+                self._raise_if_failed()
+            if not inputs and not self.state.stopped:
+                await self._wait_for_inputs()
+
+    def _start(self, work: Awaitable[None], name: str) -> None:
+        task = self._tasks.create_task(self._keeping_failure(work), name=name)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _keeping_failure(self, work: Awaitable[None]) -> None:
+        """A failure is kept for the loop to raise between two iterations (rule 10), never in the
+        middle of one (a commit in progress, its effects not yet performed)."""
         try:
-            await self._handle([first_input])
-            while not self.state.stopped:
-                self._wake.clear()
-                inputs = self._take_inputs()
-                if inputs:
-                    await self._handle(inputs)
-                if not self._finalized:  # a failure is logged (finalize_failed) before it is raised
-                    self._raise_if_failed(owned)
-                if not inputs and not self.state.stopped:
-                    await self._wait_for_inputs()
-            return self.state
-        finally:
-            await self._shutdown(owned)
+            await work
+        except Exception as exc:
+            if self._task_error is None:
+                self._task_error = exc
+            self._poke()
 
     async def _forward_outcomes(self, stream) -> None:
         while await stream.wait_ready(None):
@@ -226,18 +243,15 @@ class Orchestrator:
         parts.append(f"the trainer to publish version {s.version + 1}")
         return ", ".join(parts)
 
-    def _raise_if_failed(self, owned: list[asyncio.Task]) -> None:
+    def _raise_if_failed(self) -> None:
         """Rule 10: a background error surfaces here, at the next iteration, never swallowed."""
         if self.finalizer.error is not None:
             raise FinalizeError(
                 f"background finalize of group {self.finalizer.error_group} failed: "
                 f"{type(self.finalizer.error).__name__}: {self.finalizer.error}"
             ) from self.finalizer.error
-        if self._reload_error is not None:
-            raise self._reload_error
-        for task in owned:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+        if self._task_error is not None:
+            raise self._task_error
         self.trainer.check()
 
     # --- decide, log, act ----------------------------------------------------------------------
@@ -263,7 +277,7 @@ class Orchestrator:
             self._drain_due = False
             await self._drain_rollouts()
         versions, self._versions_published = self._versions_published, []
-        if self.hooks.on_version is not None:  # inference loads the published weights
+        if self.backend.follows_weights:  # inference loads the published weights
             for version in versions:
                 self._spawn_reload(version)
         batches, self._batches_to_write = self._batches_to_write, []
@@ -333,16 +347,7 @@ class Orchestrator:
             warn(err)
 
     def _spawn_reload(self, version: int) -> None:
-        # Owned here: reloads are short, their errors surface in _raise_if_failed, and shutdown
-        # cancels and awaits whatever is left.
-        task = asyncio.get_running_loop().create_task(self.hooks.on_version(version))
-        self._reloads.add(task)
-        task.add_done_callback(self._reload_done)
-
-    def _reload_done(self, task: asyncio.Task) -> None:
-        self._reloads.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._reload_error is None:
-            self._reload_error = task.exception()
+        self._start(self.backend.load(version), f"orch-reload-{version}")
 
     @staticmethod
     def batch_payload(step: int, samples: list[ShippedSample]) -> bytes:
@@ -384,10 +389,11 @@ class Orchestrator:
 
     # --- shutdown: bounded, nothing left running -----------------------------------------------
 
-    async def _shutdown(self, owned: list[asyncio.Task]) -> None:
-        """Every step runs, each bounded by SHUTDOWN_STEP_S. A rollout that ignores its
-        cancellation is reported, not raised: the run's own outcome stands (its events are all
-        committed), and the steps after it still run."""
+    async def _shutdown(self) -> None:
+        """The shutdown order. Every step runs; the first two are bounded by SHUTDOWN_STEP_S. A
+        rollout or finalize that ignores its cancellation is reported, not raised: the run's own
+        outcome stands (its events are all committed), and the steps after it still run. The task
+        group then waits for its tasks, which honour their cancellation."""
         self._wake = None
         for stream in (self.stream, self.eval_stream):
             try:
@@ -395,15 +401,5 @@ class Orchestrator:
             except TimeoutError as err:
                 warn(err)
         await self.finalizer.aclose(timeout_s=SHUTDOWN_STEP_S)
-        reloads = list(self._reloads)
-        for task in owned + reloads:
+        for task in list(self._running):
             task.cancel()
-        await asyncio.wait(owned + reloads, timeout=SHUTDOWN_STEP_S)
-        for task in owned + reloads:  # retrieve, so nothing is reported as never retrieved
-            if task.done() and not task.cancelled():
-                task.exception()
-
-
-def warn(problem: object) -> None:
-    """A problem that does not stop the run, in one line on stderr."""
-    print(f"orch: warning: {problem}", file=sys.stderr, flush=True)

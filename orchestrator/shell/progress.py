@@ -15,7 +15,8 @@ from rich.progress import Progress as Bar
 from rich.table import Table
 
 from orchestrator.core.state import Accounting, State, conservation, state_hash
-from orchestrator.shell.loop import warn
+from orchestrator.notices import warn
+from orchestrator.observe.rows import buffered_episodes
 
 WASTE_WINDOW_STEPS = 5  # the warning looks at the completions of this many steps
 WASTE_WARNING_SHARE = 0.2  # ... and warns when more than this share of them was dropped
@@ -38,10 +39,6 @@ def dropped_for_settings(acct: Accounting) -> dict[str, int]:
     """Completions dropped for a reason the run's settings drive (not its drain or stop)."""
     return {reason: n for reason, n in acct.dropped.items() if reason in DROP_CAUSES}
 
-
-def buffered_episodes(state: State) -> int:
-    """Completed episodes waiting to train: queued, or held by groups still finalizing."""
-    return len(state.pending) + sum(len(g.members) for g in state.groups.values() if g.finalizing)
 
 
 class Progress:

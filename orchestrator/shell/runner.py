@@ -1,33 +1,36 @@
-"""Compose a run: the run directory, its log, the backends, and the loop; create or resume."""
+"""Compose a run: the run directory, its log, the components its config names, and the loop;
+create or resume."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import signal
-import sys
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
 from eventlog import EventLog, LogExistsError, LogNotFoundError
+from orchestrator.components import Algorithm, BuildContext, InferenceBackend, Trainer
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes, with_added_fields
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
-from orchestrator.fold import fold_log
 from orchestrator.gc_tuning import tuned_gc
-from orchestrator.hf.model import PreparedModel
+from orchestrator.notices import warn
 from orchestrator.observe.sinks import build_feeder
-from orchestrator.rundir import batch_steps_on_disk, batches_dir
-from orchestrator.shell.algorithms import make_algorithm
-from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
+from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
+from orchestrator.shell.loop import Orchestrator
 from orchestrator.shell.progress import Progress
-from orchestrator.shell.rollouts import EmbeddedRollouts, FakeEnvRollouts
-from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer
+from orchestrator.fold import fold_log
 
-EVENTS_DB = "events.db"
+if TYPE_CHECKING:
+    from orchestrator.hf.model import PreparedModel
+    from orchestrator.observe.sinks import SinkFeeder
+
 LOG_MAGIC_META = {"app": "orch", "schema_version": str(ev.EVENT_SCHEMA_VERSION)}
 
 
@@ -54,8 +57,12 @@ def prepare_model(config: RunConfig, stored_hash: str | None = None) -> Prepared
     if config.trainer.kind != "hf":
         return None
     from orchestrator.hf.component import prepare_model as prepare_hf_model
+    from orchestrator.hf.model import ModelError
 
-    return prepare_hf_model(config, stored_hash)
+    try:
+        return prepare_hf_model(config, stored_hash)
+    except ModelError as err:
+        raise ConfigError(str(err)) from None
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_+=@][A-Za-z0-9._+=@-]{0,199}")
@@ -66,7 +73,7 @@ def create_run(config: RunConfig) -> OpenedRun:
         raise ConfigError(f"invalid run name {config.name!r}: letters, digits and ._+=@- only, not starting with "
                           "'.' or '-', at most 200 characters")
     run_dir = config.run_dir
-    db = run_dir / EVENTS_DB
+    db = events_db(run_dir)
     if db.exists():
         raise RunDirError(f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name")
     model = prepare_model(config)  # before the run dir exists: a bad model leaves nothing behind
@@ -88,7 +95,7 @@ def create_run(config: RunConfig) -> OpenedRun:
 
 
 def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
-    db = run_dir / EVENTS_DB
+    db = events_db(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"cannot resume {run_dir}: no such run directory")
     if not db.exists():
@@ -167,94 +174,46 @@ def _requested_config(stored: RunConfig, run_dir: Path, overrides: list[str], co
     return requested
 
 
-def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrator:
-    config, run_dir = run.config, run.run_dir
-    holder: dict[str, Orchestrator] = {}
+@dataclass
+class RunParts:
+    """The components a run is made of, as its config names them (`orchestrator.components`)."""
 
-    def publish(version: int, metrics: dict | None) -> None:
-        holder["orch"].publish_version(version, metrics)
-
-    def version_now() -> int:
-        return holder["orch"].state.version
-
-    on_version = None
-    if config.trainer.kind == "fake":
-        trainer = FakeTrainer(run_dir, config.trainer.step_time_s, publish)
-    else:
-        from orchestrator.hf.component import make_trainer
-
-        assert run.model is not None
-        trainer = make_trainer(config, run_dir, run.model, publish)
-    if set(config.envs) == {"fake"}:
-        rollout = FakeEnvRollouts(config.fake_env, config.seed, version_now)
-    else:
-        env = _rollout_env(config)
-        if config.inference.endpoints:  # OpenAI-compatible servers (orch serve, vLLM, SGLang)
-            from orchestrator.inference.client import InferenceClient
-            from orchestrator.inference.rollouts import InferenceRollouts
-
-            inf = config.inference
-            client = InferenceClient(inf.endpoints, model=inf.model, weight_sync=inf.weight_sync,
-                                     timeout_s=inf.request_timeout_s, load_timeout_s=config.trainer.publish_timeout_s,
-                                     max_attempts=inf.max_attempts, backoff_s=inf.backoff_s,
-                                     max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups)
-            rollout = InferenceRollouts(run_dir, env, client, temperature=config.rollout.temperature,
-                                        max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
-                                        load_timeout_s=config.trainer.publish_timeout_s)
-        else:
-            rollout = EmbeddedRollouts(run_dir, env, model_path=run.model.path,
-                                       chat_template_kwargs=config.model.chat_template_kwargs,
-                                       temperature=config.rollout.temperature,
-                                       max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
-                                       load_timeout_s=config.trainer.publish_timeout_s)
-        on_version = rollout.load
-    orch = Orchestrator(config, run_dir, run.log, run.state, hooks=LoopHooks(rollout, on_version),
-                        algorithm=make_algorithm(config), trainer=trainer, progress=progress,
-                        sinks=build_feeder(config.metrics, run_dir, run.log))
-    holder["orch"] = orch
-    return orch
+    trainer: Trainer
+    backend: InferenceBackend
+    algorithm: Algorithm
+    sinks: SinkFeeder | None  # the metric sinks the config turns on
 
 
-def _rollout_env(config: RunConfig):
-    """The reverse_text env the rollout workers call: in this process, or behind the
-    `orch env-server` at `rollout.env_server` (checked by `_check_env_server` before the run)."""
-    if config.rollout.env_server is not None:
-        from orchestrator.rollouts.env_client import HttpEnvClient
+async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
+    """Build the run's components; `stack` closes them at the end, in the reverse order: the
+    trainer stops first (cleanly only after a completed run), then the sampler, then the envs,
+    then the metric sinks write what the log holds by then."""
+    config = run.config
+    sinks = build_feeder(config.metrics, run.run_dir, run.log)
+    if sinks is not None:
+        stack.push_async_callback(lambda: sinks.aclose(run.log.last_seq, warn))
+    # The state is the loop's own (evolve updates it in place): its version is the one the run holds.
+    ctx = BuildContext(config, run.run_dir, version_now=lambda: run.state.version, model=run.model)
+    envs = {}  # those with a task source of their own
+    for name, env in config.env_components().items():
+        opened = await stack.enter_async_context(env.open(ctx))
+        if opened is not None:
+            envs[name] = opened
+    backend = config.inference_backend().build(ctx, envs)
+    stack.push_async_callback(backend.aclose)
+    trainer = config.trainer.chosen().build(ctx)
 
-        return HttpEnvClient(config.rollout.env_server)
-    from orchestrator.envs.base import InProcessEnv
-    from orchestrator.envs.reverse_text import ReverseTextEnv
+    async def stop_trainer() -> None:
+        clean = run.state.stop_reason == "completed"
+        await trainer.stop(config.trainer.exit_timeout_s if clean else 0.0)
 
-    return InProcessEnv(ReverseTextEnv(seed=config.seed, min_len=config.reverse_text.min_len,
-                                       max_len=config.reverse_text.max_len))
-
-
-def _env_client_of(rollout):
-    """The env server client the rollout workers use, if any (closed by the runner at the end)."""
-    module = sys.modules.get("orchestrator.rollouts.env_client")
-    env = getattr(rollout, "env", None)
-    return env if module is not None and isinstance(env, module.HttpEnvClient) else None
-
-
-async def _check_env_server(client, config: RunConfig) -> None:
-    """Fail before the run, in one line, if the env server is unreachable or does not serve the
-    tasks this run asks for (reverse_text, with the run's seed and prompt lengths)."""
-    from orchestrator.rollouts.env_client import EnvServerError
-
-    health = await client.health()
-    served = health.get("env") if isinstance(health, dict) else None
-    if served != "reverse_text":
-        raise EnvServerError(f"{client.base_url} serves env {served!r}, not 'reverse_text'")
-    wanted = {"seed": config.seed, "min_len": config.reverse_text.min_len, "max_len": config.reverse_text.max_len}
-    if health.get("params") != wanted:
-        raise EnvServerError(f"{client.base_url} serves reverse_text tasks of {health.get('params')}, this run's are "
-                             f"{wanted}: start it with --seed {config.seed} --min-len {wanted['min_len']} "
-                             f"--max-len {wanted['max_len']}")
+    stack.push_async_callback(stop_trainer)
+    return RunParts(trainer, backend, config.algorithm.chosen().build(ctx), sinks)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop where it is installed (Linux, macOS): its task and callback machinery gives the
-    loop 15-30% more episodes/s (bench/test_core_bench.py); asyncio's own loop elsewhere."""
+    loop more episodes/s (measured by bench/test_core_bench.py); asyncio's own loop elsewhere."""
     try:
         import uvloop
     except ImportError:
@@ -266,24 +225,33 @@ LEFTOVER_WAIT_S = 10.0  # at exit, the longest wait for tasks cancelled because 
 
 
 def run_on_new_loop(coro):
-    """`asyncio.run(coro)` on the event loop `orch run` uses (`new_event_loop`), with a bounded
-    close. asyncio.run cancels the tasks still running when `coro` ends and then waits for them
-    without a bound: a task that ignores its cancellation (a rollout swallowing CancelledError)
-    would hang the exit forever. Here they are waited for at most LEFTOVER_WAIT_S, then named on
-    stderr and abandoned with the loop; the wait for worker threads is bounded the same way."""
-    loop = new_event_loop()
+    """Run `coro` with `asyncio.Runner` on the event loop `orch run` uses (`new_event_loop`), with
+    a bounded close. The Runner's own close cancels the tasks still running when `coro` ends and
+    waits for them without a bound: a task that ignores its cancellation (a rollout swallowing
+    CancelledError) would hang the exit forever. So they are cancelled first here, waited for at
+    most LEFTOVER_WAIT_S, then named on stderr and abandoned with the loop; the wait for worker
+    threads is bounded the same way. Only a loop left with nothing running is closed by the Runner."""
+    runner = asyncio.Runner(loop_factory=new_event_loop)
     try:
-        return loop.run_until_complete(coro)
+        return runner.run(coro)
     finally:
-        try:
-            loop.run_until_complete(_cancel_leftover_tasks(LEFTOVER_WAIT_S))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(_shutdown_default_executor(loop, LEFTOVER_WAIT_S))
-        finally:
+        loop = runner.get_loop()
+        if runner.run(_close_leftovers(LEFTOVER_WAIT_S)):
+            runner.close()
+        else:
             loop.close()
 
 
-async def _shutdown_default_executor(loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+async def _close_leftovers(timeout_s: float) -> bool:
+    """Cancel the tasks left running, wait for them and for the worker threads (each at most
+    `timeout_s`); True if nothing is left, else what is left was named in a warning."""
+    tasks_done = await _cancel_leftover_tasks(timeout_s)
+    loop = asyncio.get_running_loop()
+    await loop.shutdown_asyncgens()
+    return await _shutdown_default_executor(loop, timeout_s) and tasks_done
+
+
+async def _shutdown_default_executor(loop: asyncio.AbstractEventLoop, timeout_s: float) -> bool:
     """Join the `to_thread` workers, waiting at most `timeout_s`. A thread cannot be cancelled:
     one still busy is named in a warning, and Python joins it again at interpreter exit."""
     try:
@@ -291,25 +259,46 @@ async def _shutdown_default_executor(loop: asyncio.AbstractEventLoop, timeout_s:
     except TimeoutError:
         warn(f"a worker thread (log commit, file write) was still busy {timeout_s:g}s after the run ended; "
              "the process exits once it returns")
+        return False
+    return True
 
 
-async def _cancel_leftover_tasks(timeout_s: float) -> None:
+async def _cancel_leftover_tasks(timeout_s: float) -> bool:
     leftovers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
     for task in leftovers:
         task.cancel()
     if not leftovers:
-        return
+        return True
     _, stuck = await asyncio.wait(leftovers, timeout=timeout_s)
     loop = asyncio.get_running_loop()
     for task in leftovers:  # an error on the way out is reported, as asyncio.run reports it
         if task.done() and not task.cancelled() and task.exception() is not None:
             loop.call_exception_handler({"message": "unhandled exception during orch shutdown",
                                          "exception": task.exception(), "task": task})
-    if stuck:
-        for task in stuck:
-            task._log_destroy_pending = False  # named just below; asyncio would add a traceback each
-        names = ", ".join(sorted(task.get_name() for task in stuck))
-        warn(f"{len(stuck)} task(s) still running {timeout_s:g}s after cancellation at exit, abandoned: {names}")
+    if not stuck:
+        return True
+    names = sorted(task.get_name() for task in stuck)
+    _quiet_about_destroying(loop, frozenset(names))
+    warn(f"{len(stuck)} task(s) still running {timeout_s:g}s after cancellation at exit, abandoned: {', '.join(names)}")
+    return False
+
+
+def _quiet_about_destroying(loop: asyncio.AbstractEventLoop, abandoned: frozenset[str]) -> None:
+    """Named in a warning already: asyncio would report each again when it is destroyed pending
+    (with a traceback). By name, so the handler holds no reference that keeps them alive."""
+    report = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        task = context.get("task")
+        if task is not None and task.get_name() in abandoned and context.get("message", "").startswith(
+                "Task was destroyed but it is pending"):
+            return
+        if report is not None:
+            report(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -340,6 +329,7 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     interrupts = 0
+    orch: Orchestrator | None = None
     warm_start: asyncio.Task | None = None
 
     def on_signal(signame: str) -> None:
@@ -347,53 +337,42 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
         interrupts += 1
         if interrupts == 1:
             print(f"\norch: {signame}: draining and stopping (again to abort)", flush=True)
-            orch.request_stop("interrupted")
+            if orch is not None:  # else asked for as soon as it is built
+                orch.request_stop("interrupted")
             if warm_start is not None:  # no use waiting for weights: the run stops at its first event
                 warm_start.cancel()
         else:
             main.cancel()
 
-    # Before the (slow: torch) build; the loop runs the handler at its next await, after the
-    # build, as it does the signals that came before the loop ran.
+    # Before the (slow: torch) build; the loop runs the handler at its next await, as it does
+    # the signals that came before the loop ran.
     for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
-        orch = build_orchestrator(run, progress)
-        for signame in list(early_signals):
+        for signame in early_signals:
             on_signal(signame)
-        trainer = orch.trainer
-        env_client = _env_client_of(orch.hooks.rollout)
-        try:
-            if env_client is not None:
-                await _check_env_server(env_client, run.config)
+        async with AsyncExitStack() as stack:
+            parts = await open_parts(run, stack)
+            orch = Orchestrator(run.config, run.run_dir, run.log, run.state, backend=parts.backend,
+                                algorithm=parts.algorithm, trainer=parts.trainer, progress=progress, sinks=parts.sinks)
+            if interrupts:
+                orch.request_stop("interrupted")
             if run.first_input.kind == "run_resumed":
                 orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
-            if isinstance(trainer, ProcessTrainer):
-                trainer.start()
-            if orch.hooks.on_version is not None and not interrupts:  # EmbeddedRollouts or InferenceRollouts
+            await parts.trainer.start()
+            if parts.backend.follows_weights and not interrupts:
                 # Version 0 is the trainer's warm start; the run resumes from the newest version.
-                warm_start = loop.create_task(orch.hooks.on_version(run.state.version, health_check=trainer.check))
+                warm_start = waiting = loop.create_task(parts.backend.load(run.state.version,
+                                                                           health_check=parts.trainer.check))
                 try:
-                    await warm_start
+                    await waiting
                 except asyncio.CancelledError:
-                    if main.cancelling() or not warm_start.cancelled():
+                    if main.cancelling() or not waiting.cancelled():
                         raise
                     # Cancelled by an interrupt: the stop it requested ends the run at its first event.
                 warm_start = None
             await orch.run(run.first_input)
             return orch
-        finally:
-            clean = orch.state.stop_reason == "completed"
-            await trainer.stop(run.config.trainer.exit_timeout_s if clean else 0.0)
-            if hasattr(orch.hooks.rollout, "aclose"):  # InferenceRollouts: endpoint report, HTTP client
-                print(orch.hooks.rollout.report(), file=sys.stderr, flush=True)
-                await orch.hooks.rollout.aclose()
-            if isinstance(orch.hooks.rollout, EmbeddedRollouts):
-                await asyncio.to_thread(orch.hooks.rollout.close)
-            if env_client is not None:
-                await env_client.aclose()
-            if orch.sinks is not None:
-                await orch.sinks.aclose(run.log.last_seq, warn)
     finally:
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)

@@ -62,12 +62,12 @@ def test_lora_targets_the_model_does_not_have(tmp_path, model_dir):
         "--set",
         f"model.path={model_dir}",
         "--set",
-        "trainer.lora.rank=4",
+        "trainer.hf.lora.rank=4",
         "--set",
-        'trainer.lora.target_modules=["q_proj","c_attn"]',
+        'trainer.hf.lora.target_modules=["q_proj","c_attn"]',
     )
     line = _error_line(result)
-    assert line.startswith("orch: error: trainer.lora.target_modules ['c_attn']: the model at ")
+    assert line.startswith("orch: error: trainer.hf.lora.target_modules ['c_attn']: the model at ")
     assert "q_proj" in line and "gate_proj" in line  # it lists the linear layers there are
 
 

@@ -2,13 +2,13 @@
 
 import os
 
-import orjson
 import pytest
 
 from orchestrator import rundir as files
 from orchestrator.hf.publish import prune, publish
 from orchestrator.hf.sampler import load_version
 from orchestrator.hf.tiny_model import build_untrained
+from orchestrator.core.batch import encode_batch
 
 MODEL, TOKENIZER = build_untrained(seed=0)
 
@@ -19,7 +19,7 @@ def _publish(run_dir, version):
 
 def test_atomic_write_bytes_is_complete_and_fsynced_before_it_becomes_visible(tmp_path, monkeypatch):
     target = tmp_path / "batches" / "step_1.json"
-    payload = orjson.dumps({"format": 1, "step": 1, "samples": [{"x": list(range(10000))}]})
+    payload = encode_batch(1, [{"x": list(range(10000))}])  # the canonical bytes, whose sha256 the log holds
     fsynced = []
     real_fsync, real_replace = os.fsync, os.replace
     seen = {}

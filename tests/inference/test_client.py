@@ -227,7 +227,7 @@ def vllm_like_app(loaded: list):
 
 
 def test_vllm_lora_weight_sync_names_the_adapter_of_each_version():
-    from orchestrator.rollouts.env_server import running_server
+    from orchestrator.envs.server import running_server
 
     loaded: list[str] = []
     with running_server(vllm_like_app(loaded)) as vllm:
@@ -261,7 +261,7 @@ def test_sglang_weight_sync_reloads_from_disk_and_bounds_the_version():
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from orchestrator.rollouts.env_server import running_server
+    from orchestrator.envs.server import running_server
 
     paths: list[str] = []
 
@@ -311,7 +311,7 @@ def _vllm_standin(loaded: list[str]):
 
 def test_vllm_lora_an_endpoint_restarted_unseen_gets_its_adapter_again():
     """Found by review: it answered 404 to every request for the adapter it had lost, forever."""
-    from orchestrator.rollouts.env_server import running_server
+    from orchestrator.envs.server import running_server
 
     port, before, after = free_port(), [], []
     loop = asyncio.new_event_loop()  # one client across both server processes
@@ -340,7 +340,7 @@ def test_an_endpoint_serving_another_runs_weights_is_refused():
     async def keeps_its_own(request):
         return JSONResponse({"version": 3, "requested": 0, "ignored": True, "path": "/runs/a/weights/step_3"})
 
-    from orchestrator.rollouts.env_server import running_server
+    from orchestrator.envs.server import running_server
 
     with running_server(Starlette(routes=[Route("/update_weights", keeps_its_own, methods=["POST"])])) as server:
         async def main():

@@ -1,4 +1,4 @@
-"""Config knobs and wiring: `inference.*`, `trainer.nproc`, `orch run --inference`, the torchrun command."""
+"""Config knobs and wiring: `inference.*`, `trainer.hf.*`, `orch run --inference`, the torchrun command."""
 
 from __future__ import annotations
 
@@ -11,21 +11,22 @@ from orchestrator.config import ConfigError, load_config, meaning_changes
 from orchestrator.hf.component import write_trainer_json
 from orchestrator.hf.distributed import torchrun_command
 from orchestrator.hf.model import PreparedModel
-from orchestrator.inference.rollouts import InferenceRollouts
-from orchestrator.shell.runner import build_orchestrator, create_run
-from orchestrator.shell.torchrun_trainer import TorchrunTrainer
-from orchestrator.shell.trainers import ProcessTrainer
+from orchestrator.inference.endpoints_backend import EndpointsBackend
+from orchestrator.trainers.process import ProcessTrainer
+from orchestrator.trainers.torchrun import TorchrunTrainer
+from tests.shell.test_components import parts_of
 
 
 def test_defaults_keep_the_embedded_single_process_job():
     c = load_config()
-    assert c.inference.endpoints == [] and c.inference.weight_sync == "orch" and c.trainer.nproc == 1
-    assert c.trainer.kind == "hf" and c.model.path is None and c.trainer.lora.rank == 0
+    assert c.inference.openai.endpoints == [] and c.inference.openai.weight_sync == "orch"
+    assert c.inference_kind() == "embedded" and c.trainer.kind == "hf" and c.trainer.hf.nproc == 1
+    assert c.model.path is None and c.trainer.hf.lora.rank == 0
 
 
 def test_endpoints_need_reverse_text():
     with pytest.raises(ConfigError, match="inference endpoints sample reverse_text episodes only"):
-        load_config(overrides=['envs={"fake": 1}', "trainer.kind=fake", 'inference.endpoints=["http://x:1"]'])
+        load_config(overrides=['envs={"fake": 1}', "trainer.kind=fake", 'inference.openai.endpoints=["http://x:1"]'])
 
 
 @pytest.mark.parametrize("endpoints, message", [
@@ -46,33 +47,32 @@ def test_endpoints_must_be_distinct_http_urls(endpoints, message):
     time (a traceback) or fail each request until the publish timeout."""
     quoted = ",".join(f'"{url}"' for url in endpoints)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(overrides=[f"inference.endpoints=[{quoted}]"])
+        load_config(overrides=[f"inference.openai.endpoints=[{quoted}]"])
 
 
 def test_endpoints_and_ranks_may_change_on_resume_but_the_weight_protocol_may_not():
     a = load_config()
-    b = load_config(overrides=['inference.endpoints=["http://a:1","http://b:2"]', "trainer.nproc=4",
-                               "inference.max_attempts=5", "trainer.distributed=fsdp", "trainer.backend=gloo"])
+    b = load_config(overrides=['inference.openai.endpoints=["http://a:1","http://b:2"]', "trainer.hf.nproc=4",
+                               "inference.openai.max_attempts=5", "trainer.hf.distributed=fsdp",
+                               "trainer.hf.backend=gloo"])
     assert meaning_changes(a, b) == []
-    assert meaning_changes(a, load_config(overrides=["inference.weight_sync=none"])) == ["inference.weight_sync"]
+    changed = meaning_changes(a, load_config(overrides=["inference.openai.weight_sync=none"]))
+    assert changed == ["inference.openai.weight_sync"]
 
 
-def test_build_orchestrator_picks_the_endpoints_backend_and_torchrun(tmp_path):
+def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
     from orchestrator.hf.tiny_model import build_untrained
 
     model, tokenizer = build_untrained()
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.endpoints=["127.0.0.1:9/v1"]',
-                                    "trainer.nproc=2", "trainer.backend=gloo", f"model.path={tmp_path / 'model'}"])
-    run = create_run(config)
-    with run.log:
-        orch = build_orchestrator(run, None)
-        assert isinstance(orch.hooks.rollout, InferenceRollouts)
-        assert orch.hooks.on_version == orch.hooks.rollout.load
-        assert [e.url for e in orch.hooks.rollout.client.endpoints] == ["http://127.0.0.1:9"]
-        assert isinstance(orch.trainer, TorchrunTrainer) and isinstance(orch.trainer, ProcessTrainer)
-    assert orch.trainer.command() == torchrun_command(tmp_path / "r", nproc=2) == [
+    config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.openai.endpoints=["127.0.0.1:9/v1"]',
+                                    "trainer.hf.nproc=2", "trainer.hf.backend=gloo", f"model.path={tmp_path / 'model'}"])
+    parts = parts_of(config)
+    assert isinstance(parts.backend, EndpointsBackend) and parts.backend.follows_weights
+    assert [e.url for e in parts.backend.client.endpoints] == ["http://127.0.0.1:9"]
+    assert isinstance(parts.trainer, TorchrunTrainer) and isinstance(parts.trainer, ProcessTrainer)
+    assert parts.trainer.command() == torchrun_command(tmp_path / "r", nproc=2) == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
         "-m", "orchestrator.hf.trainer", "--run-dir", str(tmp_path / "r")]
     assert torchrun_command(tmp_path, nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="h:29400")[3:9] == [

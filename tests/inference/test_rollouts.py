@@ -1,4 +1,4 @@
-"""InferenceRollouts: episodes from an endpoint, consistent with the policy and honest about versions."""
+"""EndpointsBackend: episodes from an endpoint, consistent with the policy and honest about versions."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import re
 
 import pytest
 
+from orchestrator.components import RolloutRequest
 from orchestrator.embedded.policy import load_policy, sequence_logprobs
 from orchestrator.embedded.tokenizer import decode, encode_prompt
 from orchestrator.envs.base import InProcessEnv
+from orchestrator.envs.client import HttpEnvClient
 from orchestrator.envs.reverse_text import ReverseTextEnv
+from orchestrator.envs.server import create_app, running_server
 from orchestrator.inference.client import InferenceClient
-from orchestrator.inference.rollouts import InferenceRollouts
-from orchestrator.rollouts.env_client import HttpEnvClient
-from orchestrator.rollouts.env_server import create_app, running_server
-from orchestrator.shell.rollouts import RolloutRequest
+from orchestrator.inference.endpoints_backend import EndpointsBackend
 from tests.inference.util import publish, run, serving
 
 
@@ -37,8 +37,8 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, wher
     with serving() as a, serving() as b, _rollout_env(where, env) as rollout_env:
         async def main():
             client = InferenceClient([a.base_url, b.base_url])
-            backend = InferenceRollouts(tmp_path, rollout_env(), client, temperature=0.8, max_new_tokens=20, seed=5,
-                                        load_timeout_s=5)
+            backend = EndpointsBackend(tmp_path, {"reverse_text": rollout_env()}, client, temperature=0.8,
+                                       max_new_tokens=20, seed=5, load_timeout_s=5)
             try:
                 await backend.load(0, health_check=lambda: checks.append(1))
                 eps = await asyncio.gather(*(backend(RolloutRequest(e, e // 4, "reverse_text", e // 4, 0, 0))
@@ -53,7 +53,7 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, wher
             finally:
                 await backend.aclose()
                 if where == "env-server":
-                    await backend.env.aclose()
+                    await backend.envs["reverse_text"].aclose()
         eps, later = run(main())
     models = {v: load_policy(tmp_path / "weights" / f"step_{v}") for v in (0, 1)}
     for ep in eps + [later]:
@@ -90,8 +90,8 @@ def test_a_load_every_endpoint_refuses_for_good_fails_at_once(tmp_path, status, 
     with running_server(Starlette(routes=[Route("/update_weights", refuse, methods=["POST"])])) as server:
         async def main():
             client = InferenceClient([server.base_url])
-            backend = InferenceRollouts(tmp_path, None, client, temperature=1.0, max_new_tokens=4, seed=0,
-                                        load_timeout_s=3 if not fails_at_once else 60)
+            backend = EndpointsBackend(tmp_path, {}, client, temperature=1.0, max_new_tokens=4, seed=0,
+                                       load_timeout_s=3 if not fails_at_once else 60)
             try:
                 with pytest.raises(InferenceError, match=f"HTTP {status}.*not a published weights directory") as err:
                     await backend.load(0)
@@ -125,8 +125,8 @@ def test_the_first_weights_are_waited_for_with_backoff_and_one_warning(tmp_path,
     with running_server(Starlette(routes=[Route("/update_weights", not_yet, methods=["POST"])])) as server:
         async def main():
             client = InferenceClient([server.base_url], backoff_s=backoff_s, max_backoff_s=max_backoff_s)
-            backend = InferenceRollouts(tmp_path, None, client, temperature=1.0, max_new_tokens=4, seed=0,
-                                        load_timeout_s=3.5)
+            backend = EndpointsBackend(tmp_path, {}, client, temperature=1.0, max_new_tokens=4, seed=0,
+                                       load_timeout_s=3.5)
             try:
                 with pytest.raises(InferenceError, match="HTTP 409"):
                     await backend.load(0)

@@ -11,16 +11,16 @@ import pytest
 
 from eventlog import EventLog
 from orchestrator.fold import fold_log
-from orchestrator.observe.rows import THROUGHPUT_WINDOW
-from orchestrator.shell.progress import buffered_episodes
+from orchestrator.observe.rows import THROUGHPUT_WINDOW, buffered_episodes
 
 STEPS = 10
 # A run with something in every panel: background finalizing (gar), failed and empty episodes,
 # stale drops and late completions (max_off_policy_steps 1 with a trainer slower than the env, and
 # no dispatch capacity to keep generation to what can train).
-BUSY = ["--set", "rollout.capacity=off", "--set", "algorithm.name=gar", "--set", "algorithm.grader.delay_s=0.002", "--set", "batch.size=32",
-        "--set", "fake_env.error_rate=0.05", "--set", "fake_env.empty_rate=0.05", "--set", "fake_env.latency_s=0.001",
-        "--set", "off_policy.max_off_policy_steps=1", "--set", "trainer.step_time_s=0.02",
+BUSY = ["--set", "rollout.capacity=off", "--set", "algorithm.name=gar", "--set", "algorithm.gar.delay_s=0.002",
+        "--set", "batch.size=32", "--set", "env.fake.error_rate=0.05", "--set", "env.fake.empty_rate=0.05",
+        "--set", "env.fake.latency_s=0.001", "--set", "off_policy.max_off_policy_steps=1",
+        "--set", "trainer.fake.step_time_s=0.02",
         "--set", "zero_output_batches=1000"]
 
 

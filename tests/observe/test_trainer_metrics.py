@@ -12,7 +12,8 @@ from orchestrator import rundir as files
 from orchestrator.core import events as ev
 from orchestrator.core._fast_events import FOLD_VIEWS, decode_unvalidated
 from orchestrator.core.batch import batch_sha256
-from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer
+from orchestrator.trainers.fake import FakeTrainer
+from orchestrator.trainers.process import ProcessTrainer
 
 
 def _batch(run_dir, step, masks):
@@ -25,10 +26,10 @@ def _batch(run_dir, step, masks):
 def test_fake_trainer_reports_the_batch_it_read_and_its_step_time(tmp_path):
     published = []
     ticks = itertools.count(step=0.25)  # each reading of the clock is 0.25 s later
-    trainer = FakeTrainer(tmp_path, 0.0, lambda v, m: published.append((v, m)), clock=lambda: next(ticks))
+    trainer = FakeTrainer(tmp_path, 0.0, clock=lambda: next(ticks))
 
     async def main():
-        task = asyncio.create_task(trainer.run(0))
+        task = asyncio.create_task(trainer.run(0, lambda v, m: published.append((v, m))))
         trainer.batch_written(1, _batch(tmp_path, 1, [[0, 1, 1], [0, 0, 1, 1, 1]]))
         trainer.batch_written(2, _batch(tmp_path, 2, []))
         async with asyncio.timeout(10):
@@ -59,11 +60,11 @@ def _publish_weights(run_dir, version, metrics_bytes=None):
 ])
 def test_process_trainer_publishes_the_metrics_beside_the_marker(tmp_path, capsys, written, logged, warning):
     published = []
-    watcher = ProcessTrainer(tmp_path, lambda v, m: published.append((v, m)), poll_s=0.01)
+    watcher = ProcessTrainer(tmp_path, poll_s=0.01)
     _publish_weights(tmp_path, 1, written)
 
     async def main():
-        task = asyncio.create_task(watcher.run(0))
+        task = asyncio.create_task(watcher.run(0, lambda v, m: published.append((v, m))))
         async with asyncio.timeout(10):
             while not published:
                 await asyncio.sleep(0.01)

@@ -72,7 +72,7 @@ def test_two_real_runs_and_background_runs(real_inline, tmp_path, cli):
     # A 10 ms grader beside an instant env and trainer: most finalizing groups go stale (51-92
     # stale cancels in 8 steps), and a run of 40 in a row would trip the zero-output guard,
     # which is right but not what this test is about.
-    gar = orch_run(tmp_path, "gar", "algorithm.name=gar", "algorithm.grader.delay_s=0.01", "zero_output_batches=1000",
+    gar = orch_run(tmp_path, "gar", "algorithm.name=gar", "algorithm.gar.delay_s=0.01", "zero_output_batches=1000",
                    max_steps=8)
     assert cli(gar, "--check").exit_code == 0
     code, out = cli.json(gar, "--reexecute", "--finalize", "background", "--out", tmp_path / "gar_re",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sqlite3
 
 from eventlog import EventLog
-from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.events import decode_event
+from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.state import conservation, initial_state
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 
@@ -16,7 +16,7 @@ GAR = ["run", "--env", "fake", "--trainer", "fake", "--set", "algorithm.name=gar
 
 def test_a_failing_grader_stops_the_run_with_its_error_and_logs_finalize_failed(tmp_path):
     result = orch(*GAR, "--max-steps", "50", "--runs-dir", str(tmp_path), "--name", "r",
-                  "--set", "algorithm.grader.failure_rate=1.0", "--set", "algorithm.grader.delay_s=0.01", timeout=30)
+                  "--set", "algorithm.gar.failure_rate=1.0", "--set", "algorithm.gar.delay_s=0.01", timeout=30)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("orch: error: background finalize of group") and "GraderError: grader failed" in last
@@ -28,8 +28,8 @@ def test_a_failing_grader_stops_the_run_with_its_error_and_logs_finalize_failed(
 def test_finalizing_is_bounded_by_the_cap_plus_groups_in_flight_and_the_gate_says_why(tmp_path):
     cap, inflight, group_size = 2, 32, 4
     result = orch(*GAR, "--max-steps", "25", "--runs-dir", str(tmp_path), "--name", "r",
-                  "--set", f"algorithm.max_finalizing_groups={cap}", "--set", "algorithm.grader.delay_s=0.03",
-                  "--set", "fake_env.latency_s=0.002")
+                  "--set", f"algorithm.max_finalizing_groups={cap}", "--set", "algorithm.gar.delay_s=0.03",
+                  "--set", "env.fake.latency_s=0.002")
     assert result.returncode == 0, result.stderr
     assert_log_invariants(tmp_path / "r", 25, max_off_policy=2, target_lag=1)
     peak, cap_closures = 0, 0
@@ -49,8 +49,8 @@ def test_drain_cancels_finalizing_groups_without_waiting_for_their_grader(tmp_pa
     # graders of up to 4 s: cancelled at the drain, not awaited one after another (the bound);
     # no dispatch capacity, so groups beyond the last step are still finalizing at the drain
     result = orch(*GAR, "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r", "--set", "rollout.capacity=off",
-                  "--set", "algorithm.grader.delay_s=2.0", "--set", "algorithm.grader.jitter_s=1.99",
-                  "--set", "off_policy.max_off_policy_steps=8", "--set", "fake_env.latency_s=0.01", timeout=20)
+                  "--set", "algorithm.gar.delay_s=2.0", "--set", "algorithm.gar.jitter_s=1.99",
+                  "--set", "off_policy.max_off_policy_steps=8", "--set", "env.fake.latency_s=0.01", timeout=20)
     assert result.returncode == 0, result.stderr
     db = sqlite3.connect(tmp_path / "r" / "events.db")
     drained = db.execute("SELECT count(*) FROM events WHERE kind = 'group_cancelled'"

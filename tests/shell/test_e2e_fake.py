@@ -47,14 +47,14 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
 
 @pytest.mark.parametrize("extra", [
     [],
-    ["--set", "algorithm.finalize_in_background=true", "--set", "fake_env.error_rate=0.05"],
-    ["--set", "algorithm.name=gar", "--set", "algorithm.grader.delay_s=0.005", "--set", "algorithm.max_finalizing_groups=2",
+    ["--set", "algorithm.finalize_in_background=true", "--set", "env.fake.error_rate=0.05"],
+    ["--set", "algorithm.name=gar", "--set", "algorithm.gar.delay_s=0.005", "--set", "algorithm.max_finalizing_groups=2",
      "--set", "batch.token_size=300"],
 ])
 def test_fake_run_keeps_every_invariant(tmp_path, extra):
     steps = 120
     result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", str(steps), "--runs-dir", str(tmp_path),
-                  "--name", "r", "--progress-every", "40", "--set", "batch.size=32", "--set", "fake_env.empty_rate=0.02",
+                  "--name", "r", "--progress-every", "40", "--set", "batch.size=32", "--set", "env.fake.empty_rate=0.02",
                   "--set", "off_policy.max_off_policy_steps=1", "--set", "zero_output_batches=100000", *extra)
     assert result.returncode == 0, result.stderr
     assert "step  120/120" in result.stdout
@@ -74,7 +74,7 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
      "orch: error: cannot create the run directory {tmp}/afile/sub/r: Not a directory"),
     (["--set", "algorithm.name=gar", "--set", "algorithm.finalize_in_background=false"], 2,
      "orch: error: invalid config: algorithm 'gar' calls a grader and must finalize in the background"),
-    (["--env", "reverse_text"], 2, "orch: error: invalid config: reverse_text samples from the trainer's published "
+    (["--env", "reverse_text"], 2, "orch: error: invalid config: the embedded sampler samples from the trainer's published "
      "weights, which the fake trainer never writes; use trainer.kind='hf' (or the fake env)"),
     (["--set", "rollout.env_server=http://127.0.0.1:9"], 2,
      "orch: error: invalid config: rollout.env_server serves reverse_text episodes only (the fake env runs in-process)"),
@@ -124,7 +124,7 @@ def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_pat
 
 def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
     """Tasks are a function of (seed, index) and the prompt lengths: the server must serve this run's."""
-    from orchestrator.rollouts.env_server import create_app, make_env, running_server
+    from orchestrator.envs.server import create_app, make_env, running_server
 
     with running_server(create_app(make_env("reverse_text", seed=1, max_len=9))) as server:
         result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "1",

@@ -157,7 +157,7 @@ def test_sigkill_then_resume_of_the_embedded_job(tmp_path):
 
 def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
     """`rollout.env_server`: tasks and rewards come from `orch env-server` over HTTP."""
-    from orchestrator.rollouts.env_server import create_app, make_env, running_server
+    from orchestrator.envs.server import create_app, make_env, running_server
 
     app = create_app(make_env("reverse_text", seed=0))
     with running_server(app) as server:

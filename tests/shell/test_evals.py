@@ -15,14 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventlog import EventLog
+from orchestrator.collection.collect import Outcome
+from orchestrator.components import RolloutRequest
 from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve_from
 from orchestrator.core.state import conservation
+from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.envs.reverse_text import ReverseTextEnv, is_held_out
 from orchestrator.fold import fold_log
-from orchestrator.rollouts.collect import Outcome
 from orchestrator.shell.evals import eval_result
-from orchestrator.shell.rollouts import FakeEnvRollouts, RolloutRequest
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 from tests.shell.test_resume import spawn
 
@@ -47,9 +48,9 @@ def test_seed_000_the_finalizing_cap_stops_train_dispatch_while_evals_keep_flowi
     """Seed 000 end to end: a slow grader and a cap of one finalizing group close the train gate
     (reason finalizing_cap); while it is closed, no train episode is dispatched, eval episodes are."""
     result = orch(*FAKE_EVALS, "--max-steps", "6", "--runs-dir", str(tmp_path), "--name", "r",
-                  "--set", "algorithm.name=gar", "--set", "algorithm.grader.delay_s=0.15",
-                  "--set", "algorithm.grader.jitter_s=0", "--set", "algorithm.max_finalizing_groups=1",
-                  "--set", "fake_env.latency_s=0.01", "--set", "eval.every=2", "--set", "eval.num_tasks=16",
+                  "--set", "algorithm.name=gar", "--set", "algorithm.gar.delay_s=0.15",
+                  "--set", "algorithm.gar.jitter_s=0", "--set", "algorithm.max_finalizing_groups=1",
+                  "--set", "env.fake.latency_s=0.01", "--set", "eval.every=2", "--set", "eval.num_tasks=16",
                   "--set", "eval.max_inflight=2")
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "r"
@@ -70,8 +71,8 @@ def test_seed_000_the_finalizing_cap_stops_train_dispatch_while_evals_keep_flowi
 def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     summary_path = tmp_path / "summary.json"
     result = orch(*FAKE_EVALS, "--max-steps", "7", "--runs-dir", str(tmp_path), "--name", "r", "--set", "eval.every=3",
-                  "--set", "fake_env.latency_s=0.002", "--set", "fake_env.error_rate=0.05",
-                  "--set", "eval.max_inflight=5", "--set", "trainer.step_time_s=0.1",
+                  "--set", "env.fake.latency_s=0.002", "--set", "env.fake.error_rate=0.05",
+                  "--set", "eval.max_inflight=5", "--set", "trainer.fake.step_time_s=0.1",
                   "--json-summary", str(summary_path))
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "r"
@@ -126,7 +127,7 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
 def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishes_it(tmp_path):
     run_dir = tmp_path / "r"
     proc = spawn(*FAKE_EVALS, "--max-steps", "4", "--runs-dir", str(tmp_path), "--name", "r",
-                 "--set", "fake_env.latency_s=0.05", "--set", "trainer.step_time_s=0.5", "--set", "eval.every=1",
+                 "--set", "env.fake.latency_s=0.05", "--set", "trainer.fake.step_time_s=0.5", "--set", "eval.every=1",
                  "--set", "eval.max_inflight=4")
     try:
         from tests.shell.test_embedded_run import wait_until
@@ -199,8 +200,8 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
 @pytest.mark.parametrize("args, message", [
     (["--set", 'eval.envs=["reverse_text"]'], "orch: error: invalid config: eval envs ['reverse_text'] must be train "
      "envs (['fake']): their rollouts run on the train envs' backends"),
-    (["--set", 'eval.envs=["nope"]'], "orch: error: invalid config: unknown env(s) ['nope']; known: ['fake', "
-     "'reverse_text']"),
+    (["--set", 'eval.envs=["nope"]'], "orch: error: invalid config: eval.envs: unknown env 'nope'; known: fake, "
+     "reverse_text"),
     (["--set", 'eval.envs=["fake"]', "--set", "eval.max_inflight=0"], "orch: error: invalid config: "
      "eval.max_inflight: Input should be greater than or equal to 1"),
 ])
@@ -238,9 +239,9 @@ def eval_req(episode_id: int, version: int, temperature: float = 0.7) -> Rollout
 
 
 def test_the_fake_env_samples_an_eval_episode_with_its_pinned_version():
-    from orchestrator.config import FakeEnvConfig
+    from orchestrator.envs.fake import FakeEnvConfig
 
-    backend = FakeEnvRollouts(FakeEnvConfig(), seed=1, version_now=lambda: 9)
+    backend = FakeEpisodes(FakeEnvConfig(), seed=1, version_now=lambda: 9)
     done = asyncio.run(backend(eval_req(5, version=3)._replace(env="fake")))
     assert (done.policy_start, done.policy_end) == (3, 3)
     train = asyncio.run(backend(eval_req(5, version=3)._replace(eval_id=None, temperature=None)))
@@ -254,15 +255,15 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
     import torch
 
     from orchestrator.embedded.policy import load_policy, sequence_logprobs
+    from orchestrator.embedded.sampler_backend import EmbeddedBackend
     from orchestrator.embedded.tokenizer import encode_prompt
     from orchestrator.envs.base import InProcessEnv
     from orchestrator.hf.loss import token_logprobs
     from orchestrator.hf.model import render_prompt
     from orchestrator.hf.tiny_model import build_untrained
     from orchestrator.inference.client import InferenceClient
-    from orchestrator.inference.rollouts import InferenceRollouts
+    from orchestrator.inference.endpoints_backend import EndpointsBackend
     from orchestrator.rundir import mark_stable, weights_dir
-    from orchestrator.shell.rollouts import EmbeddedRollouts
     from tests.inference.util import publish, run, serving
 
     env = ReverseTextEnv(seed=3)
@@ -285,13 +286,14 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
         assert done.logprobs[len(prompt) :] == pytest.approx(expected[0, len(prompt) :].tolist(), abs=1e-4)
 
     async def embedded():
-        backend = EmbeddedRollouts(hf_run, InProcessEnv(env), model_path=weights_dir(hf_run, 0), chat_template_kwargs={},
-                                   temperature=1.0, max_new_tokens=20, seed=5, load_timeout_s=5)
+        backend = EmbeddedBackend(hf_run, {"reverse_text": InProcessEnv(env)}, model_path=weights_dir(hf_run, 0),
+                                  chat_template_kwargs={}, temperature=1.0, max_new_tokens=20, seed=5,
+                                  load_timeout_s=5)
         try:
             await backend.load(1)  # the train sampler holds version 1
             return await asyncio.gather(*(backend(eval_req(e, version=0)) for e in range(4)))
         finally:
-            backend.close()
+            await backend.aclose()
 
     for done in run(embedded()):  # pinned to version 0 while the train sampler is at 1
         check_hf(done, 0, 0.7)
@@ -308,8 +310,9 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
 
     with serving() as server:
         async def endpoint():
-            backend = InferenceRollouts(tmp_path, InProcessEnv(env), InferenceClient([server.base_url]),
-                                        temperature=1.0, max_new_tokens=20, seed=5, load_timeout_s=5)
+            client = InferenceClient([server.base_url])
+            backend = EndpointsBackend(tmp_path, {"reverse_text": InProcessEnv(env)}, client, temperature=1.0,
+                                       max_new_tokens=20, seed=5, load_timeout_s=5)
             try:
                 await backend.load(1)
                 return await backend(eval_req(7, version=1, temperature=0.5)), await backend(eval_req(8, version=0))
@@ -325,8 +328,8 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
 
 
 def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pin():
+    from orchestrator.envs.server import running_server
     from orchestrator.inference.client import InferenceClient
-    from orchestrator.rollouts.env_server import running_server
     from tests.inference.test_client import vllm_like_app
     from tests.inference.util import run
 

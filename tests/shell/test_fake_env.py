@@ -7,15 +7,15 @@ import asyncio
 
 import pytest
 
-from orchestrator.config import FakeEnvConfig
+from orchestrator.components import RolloutRequest
 from orchestrator.core.events import EpisodeCompleted, encode_event
-from orchestrator.shell.rollouts import FakeEnvRollouts, RolloutRequest
+from orchestrator.envs.fake import FakeEnvConfig, FakeEpisodes
 
 
 @pytest.mark.parametrize("prompt_tokens, empty_rate", [(8, 0.2), (0, 0.5)])
 def test_fake_env_events_equal_their_validated_copies(prompt_tokens, empty_rate):
     config = FakeEnvConfig(prompt_tokens=prompt_tokens, empty_rate=empty_rate, min_tokens=1, max_tokens=6)
-    env = FakeEnvRollouts(config, seed=3, version_now=lambda: 2)
+    env = FakeEpisodes(config, seed=3, version_now=lambda: 2)
 
     async def episodes():
         return [await env(RolloutRequest(i, i // 4, "fake", i // 4, 0, 2)) for i in range(300)]

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import pytest
 
-from orchestrator.shell.trainers import ProcessTrainer, TrainerFailed
+from orchestrator.trainers import TrainerFailed
+from orchestrator.trainers.process import ProcessTrainer
 
 
 class ScriptTrainer(ProcessTrainer):
     """The supervision of `orch trainer`, around a one-line script instead."""
 
     def __init__(self, run_dir, script: str):
-        super().__init__(run_dir, publish=lambda version: None)
+        super().__init__(run_dir)
         self.script = script
 
     def command(self) -> list[str]:
@@ -22,7 +24,7 @@ class ScriptTrainer(ProcessTrainer):
 
 def _failure(run_dir, script: str) -> str:
     trainer = ScriptTrainer(run_dir, script)
-    trainer.start()
+    asyncio.run(trainer.start())
     trainer.proc.wait(30)
     with pytest.raises(TrainerFailed) as failed:
         trainer.check()

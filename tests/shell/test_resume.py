@@ -20,9 +20,9 @@ from orchestrator.fold import fold_log
 from orchestrator.shell.runner import create_run, resume_run
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 
-FAKE = ["--set", "fake_env.latency_s=0.004", "--set", "fake_env.latency_jitter_s=0.004",
-        "--set", "trainer.step_time_s=0.01", "--set", "batch.size=16", "--set", "rollout.group_size=4",
-        "--set", "fake_env.error_rate=0.03", "--set", "log.snapshot_every=500"]
+FAKE = ["--set", "env.fake.latency_s=0.004", "--set", "env.fake.latency_jitter_s=0.004",
+        "--set", "trainer.fake.step_time_s=0.01", "--set", "batch.size=16", "--set", "rollout.group_size=4",
+        "--set", "env.fake.error_rate=0.03", "--set", "log.snapshot_every=500"]
 
 
 def spawn(*args: str) -> subprocess.Popen:
@@ -85,7 +85,7 @@ def test_resume_continues_a_finished_run_with_more_steps_and_refuses_meaning_cha
 
 def test_second_writer_on_the_same_run_fails_at_once(tmp_path):
     args = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "100000", "--runs-dir", str(tmp_path),
-            "--name", "r", "--set", "fake_env.latency_s=0.01"]
+            "--name", "r", "--set", "env.fake.latency_s=0.01"]
     proc = spawn(*args)
     try:
         deadline = time.monotonic() + 20
@@ -132,7 +132,7 @@ def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, 
 def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_identically(tmp_path):
     run_dir = tmp_path / "r"
     proc = spawn("run", "--env", "fake", "--trainer", "fake", "--max-steps", "8", "--runs-dir", str(tmp_path),
-                 "--name", "r", "--set", "trainer.step_time_s=1.5", "--set", "batch.size=16",
+                 "--name", "r", "--set", "trainer.fake.step_time_s=1.5", "--set", "batch.size=16",
                  "--set", "off_policy.target_lag=2", "--set", "off_policy.max_off_policy_steps=4")
     deadline = time.monotonic() + 60
     untrained: list[int] = []
@@ -149,13 +149,13 @@ def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_id
     (run_dir / "batches" / f"step_{untrained[0]}.json").unlink()
     partial = run_dir / "batches" / f"step_{untrained[1]}.json"
     partial.write_bytes(partial.read_bytes()[:50])
-    result = orch("run", "--resume", str(run_dir), "--set", "trainer.step_time_s=0.01")
+    result = orch("run", "--resume", str(run_dir), "--set", "trainer.fake.step_time_s=0.01")
     assert result.returncode == 0, result.stderr
     assert_log_invariants(run_dir, 8, max_off_policy=4, target_lag=2)  # checks every file's sha256
 
 
 def test_a_run_stopped_before_its_first_commit_is_started_by_resume(tmp_path):
-    """A failure or Ctrl-C before `run_started` is committed (e.g. during the embedded trainer's
+    """A failure or Ctrl-C before `run_started` is committed (e.g. during the hf trainer's
     warm start) leaves a log with no event: `--resume` starts the run from the stored config."""
     config = load_config(None, [f"runs_dir={tmp_path}", "name=r", 'envs={"fake": 1.0}', "trainer.kind=fake",
                                 "max_steps=3", "batch.size=16"])

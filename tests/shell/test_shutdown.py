@@ -19,15 +19,21 @@ SCRIPT = textwrap.dedent('''
     from orchestrator.config import load_config
     from orchestrator.core import events as ev
     from orchestrator.core.state import initial_state
-    from orchestrator.shell import loop, rollouts, runner
+    from orchestrator.envs.fake import FakeEpisodes
+    from orchestrator.shell import loop, runner
 
     loop.SHUTDOWN_STEP_S = runner.LEFTOVER_WAIT_S = 0.5
-    fake = rollouts.FakeEnvRollouts.__call__
+    fake = FakeEpisodes.__call__
 
     stuck_from, stop_when_stuck = int(sys.argv[2]), sys.argv[3] == "stop"
     orchestrators = []
-    build = runner.build_orchestrator
-    runner.build_orchestrator = lambda *args: orchestrators.append(build(*args)) or orchestrators[-1]
+
+    class Orchestrator(runner.Orchestrator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            orchestrators.append(self)
+
+    runner.Orchestrator = Orchestrator
 
     async def stubborn(self, req):
         if req.episode_id < stuck_from:
@@ -40,7 +46,7 @@ SCRIPT = textwrap.dedent('''
             except asyncio.CancelledError:
                 pass  # ignores its cancellation
 
-    rollouts.FakeEnvRollouts.__call__ = stubborn
+    FakeEpisodes.__call__ = stubborn
     config = load_config(None, [f"runs_dir={sys.argv[1]}", "name=stuck", 'envs={"fake": 1.0}', "trainer.kind=fake",
                                 "max_steps=50", "batch.size=8", "rollout.max_inflight=16",
                                 "trainer.publish_timeout_s=1"])
@@ -110,21 +116,13 @@ def test_an_error_raised_by_a_leftover_task_on_its_way_out_is_reported(caplog):
 WARM_START_SCRIPT = textwrap.dedent('''
     import asyncio, os, signal, sys
     from orchestrator import cli
-    from orchestrator.shell import runner
+    from orchestrator.envs.fake import FakeEpisodes
 
-    build = runner.build_orchestrator
+    async def never_loads(self, version, health_check=None):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while waiting for the first weights
+        await asyncio.sleep(3600)
 
-    def with_weights_that_never_come(*args):
-        orch = build(*args)
-
-        async def never_loads(version, health_check=None):
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while waiting for the first weights
-            await asyncio.sleep(3600)
-
-        orch.hooks.on_version = never_loads
-        return orch
-
-    runner.build_orchestrator = with_weights_that_never_come
+    FakeEpisodes.follows_weights, FakeEpisodes.load = True, never_loads  # weights that never come
     cli.main(["run", "--env", "fake", "--trainer", "fake", "--runs-dir", sys.argv[1], "--name", "r",
               "--set", "trainer.publish_timeout_s=120"])
 ''')

@@ -10,9 +10,10 @@ from eventlog import EventLog
 from orchestrator.config import load_config
 from orchestrator.core import events as ev
 from orchestrator.core.state import initial_state, state_hash
+from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.fold import fold_log
-from orchestrator.shell import rollouts, trainers
 from orchestrator.shell.runner import OpenedRun, run_job
+from orchestrator.trainers.fake import FakeTrainer
 
 
 def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
@@ -27,7 +28,7 @@ def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
         sql = f"SELECT count(*) FROM events WHERE kind = ? AND json_extract(data, '$.{field}') = ?"
         return db.execute(sql, (kind, value)).fetchone()[0] == 1
 
-    fake_rollout, fake_announce = rollouts.FakeEnvRollouts.__call__, trainers.FakeTrainer.batch_written
+    fake_rollout, fake_announce = FakeEpisodes.__call__, FakeTrainer.batch_written
 
     async def rollout(self, req):
         started.append(committed("episode_dispatched", "episode_id", req.episode_id))
@@ -38,8 +39,8 @@ def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
         announced.append(committed("batch_shipped", "step", step) and batch_file.exists())
         fake_announce(self, step, sha256)
 
-    monkeypatch.setattr(rollouts.FakeEnvRollouts, "__call__", rollout)
-    monkeypatch.setattr(trainers.FakeTrainer, "batch_written", batch_written)
+    monkeypatch.setattr(FakeEpisodes, "__call__", rollout)
+    monkeypatch.setattr(FakeTrainer, "batch_written", batch_written)
     params = config.core_params()
     run = OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
     orch = run_job(run, None)

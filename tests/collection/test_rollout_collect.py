@@ -10,8 +10,8 @@ from collections import deque
 
 import pytest
 
-from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
-from orchestrator.rollouts.testing import arrival_workload, settle
+from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
+from orchestrator.collection.testing import arrival_workload, settle
 
 
 async def _gated(n: int):

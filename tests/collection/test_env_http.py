@@ -14,17 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from orchestrator.collection.collect import run_examples
+from orchestrator.envs.client import EnvServerError, EnvServerTimeout, HttpEnvClient
 from orchestrator.envs.reverse_text import ReverseTextEnv
-from orchestrator.rollouts.collect import run_examples
-from orchestrator.rollouts.env_client import EnvServerError, EnvServerTimeout, HttpEnvClient
-from orchestrator.rollouts.env_server import (
-    ENV_FACTORIES,
-    RunningServer,
-    create_app,
-    make_env,
-    register_env,
-    running_server,
-)
+from orchestrator.envs.server import ENV_FACTORIES, RunningServer, create_app, make_env, register_env, running_server
 
 SEED = 7
 CANCEL_BOUND_S = 10.0  # a hang guard: an uncancelled handler sleeps 60 s and never counts as cancelled
@@ -180,10 +173,10 @@ def test_env_registry():
 
 
 def test_cli_serves_over_http_in_a_subprocess(arun):
-    """`python -m orchestrator.rollouts.env_server` (the command behind `orch env-server`)."""
+    """`python -m orchestrator.envs.server` (the command behind `orch env-server`)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.rollouts.env_server", "--port", "0", "--seed", "3", "--log-level", "warning"],
+        [sys.executable, "-m", "orchestrator.envs.server", "--port", "0", "--seed", "3", "--log-level", "warning"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -219,7 +212,7 @@ def test_cli_serves_over_http_in_a_subprocess(arun):
             proc.stdout.close()
 
 
-@pytest.mark.parametrize("command", [["orchestrator.rollouts.env_server"], ["orchestrator.cli", "serve"]])
+@pytest.mark.parametrize("command", [["orchestrator.envs.server"], ["orchestrator.cli", "serve"]])
 def test_a_port_in_use_is_one_line_and_exit_1(command):
     """uvicorn would call sys.exit inside its serve task: two tracebacks and an unretrieved task."""
     with socket.socket() as taken:

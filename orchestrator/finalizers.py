@@ -1,5 +1,6 @@
-"""Algorithms as the shell sees them: an async `finalize_group` and the class flag that opts
-into background finalization (seed 000).
+"""The algorithms' group finalizers: an async `finalize_group` (advantages of a closed group) and
+the class flag that opts into background finalization (seed 000); `algorithm.name` picks one
+from `orchestrator.components.ALGORITHMS`.
 
 Background-finalized algorithms run `finalize_group` concurrently for many groups, and results
 come back in any order: a stateful algorithm must tolerate interleaved groups. The advantage
@@ -10,26 +11,40 @@ from __future__ import annotations
 
 import asyncio
 import random
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
-from orchestrator.config import GraderConfig, RunConfig
+from pydantic import Field
+
+from orchestrator.components import AlgorithmComponent, BuildContext
 from orchestrator.core.advantages import gar_advantages, grpo_advantages
 from orchestrator.core.events import EpisodeCompleted
 
 
-class Algorithm(ABC):
-    name: ClassVar[str]
+class GRPOConfig(AlgorithmComponent):
+    """grpo: advantage = reward - group mean (inline)."""
+
+    def build(self, ctx: BuildContext) -> GRPO:
+        return GRPO()
+
+
+class GARConfig(AlgorithmComponent):
+    """gar: the simulated slow grader's ranks blended with rewards (background); a real judge
+    endpoint can replace the grader."""
+
+    delay_s: float = Field(0.05, ge=0, description="mean grader latency")
+    jitter_s: float = Field(0.02, ge=0, description="uniform +- jitter on the latency")
+    failure_rate: float = Field(0.0, ge=0, le=1, description="probability a grader call raises")
+    rank_noise: float = Field(0.1, ge=0, description="noise added to rewards before ranking")
+    rank_weight: float = Field(0.5, ge=0, le=1, description="gar blend: weight of the grader rank")
+
+    def build(self, ctx: BuildContext) -> GAR:
+        return GAR(SimulatedGrader(self, ctx.config.seed), self.rank_weight)
+
+
+class GRPO:
+    name: ClassVar[str] = "grpo"
     finalize_in_background: ClassVar[bool] = False
-
-    @abstractmethod
-    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
-        """Advantages for `traces` (the group's survivors), in their order."""
-
-
-class GRPO(Algorithm):
-    name = "grpo"
 
     async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
         return grpo_advantages([t.reward for t in traces])
@@ -51,7 +66,7 @@ class SimulatedGrader:
     Seeded per group, so a group's ranks do not depend on which other groups are grading.
     """
 
-    def __init__(self, config: GraderConfig, seed: int):
+    def __init__(self, config: GARConfig, seed: int):
         self.config, self.seed = config, seed
 
     async def rank(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[int]:
@@ -68,11 +83,11 @@ class SimulatedGrader:
         return ranks
 
 
-class GAR(Algorithm):
+class GAR:
     """Grader-ranked group advantage redistribution; see core.advantages.gar_advantages."""
 
-    name = "gar"
-    finalize_in_background = True
+    name: ClassVar[str] = "gar"
+    finalize_in_background: ClassVar[bool] = True
 
     def __init__(self, grader: Grader, rank_weight: float):
         self.grader, self.rank_weight = grader, rank_weight
@@ -80,10 +95,3 @@ class GAR(Algorithm):
     async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
         ranks = await self.grader.rank(group_id, traces)
         return gar_advantages([t.reward for t in traces], ranks, self.rank_weight)
-
-
-def make_algorithm(config: RunConfig) -> Algorithm:
-    if config.algorithm.name == "gar":
-        grader = SimulatedGrader(config.algorithm.grader, config.seed)
-        return GAR(grader, config.algorithm.grader.rank_weight)
-    return GRPO()

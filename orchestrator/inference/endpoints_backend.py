@@ -1,8 +1,7 @@
-"""`InferenceRollouts`: reverse_text episodes sampled by OpenAI-compatible endpoints.
+"""`EndpointsBackend`: episodes sampled by OpenAI-compatible endpoints (inference backend `openai`).
 
-The same interface as ``orchestrator.shell.rollouts.EmbeddedRollouts`` (``await backend(req)`` ->
-``EpisodeCompleted``; ``await backend.load(version, health_check)``), but the sampling happens in
-other processes (`orch serve`, vLLM, SGLang) through :class:`~.client.InferenceClient`.
+An ``orchestrator.components.InferenceBackend`` like the embedded one, but the sampling happens
+in other processes (`orch serve`, vLLM, SGLang) through :class:`~.client.InferenceClient`.
 
 An episode: the env's task -> its prompt rendered with the embedded tokenizer (the trainer's
 vocabulary) and sent as token ids -> one completion (seeded by run seed, episode and attempt; the
@@ -16,20 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
+from orchestrator.components import RolloutRequest
 from orchestrator.core.events import EpisodeCompleted
-from orchestrator.rundir import is_stable, weights_dir
 from orchestrator.embedded.tokenizer import encode_prompt
 from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
-from orchestrator.shell.loop import warn
+from orchestrator.notices import report, warn
+from orchestrator.rundir import is_stable, weights_dir
+
+if TYPE_CHECKING:
+    from orchestrator.envs.base import RolloutEnv
 
 
-class InferenceRollouts:
-    def __init__(self, run_dir: str | os.PathLike, env, client: InferenceClient, *, temperature: float,
-                 max_new_tokens: int, seed: int, load_timeout_s: float):
-        self.run_dir, self.env, self.client, self.seed = Path(run_dir).resolve(), env, client, seed
+class EndpointsBackend:
+    follows_weights: ClassVar[bool] = True
+
+    def __init__(self, run_dir: str | os.PathLike, envs: Mapping[str, RolloutEnv], client: InferenceClient, *,
+                 temperature: float, max_new_tokens: int, seed: int, load_timeout_s: float):
+        self.run_dir, self.envs, self.client, self.seed = Path(run_dir).resolve(), envs, client, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
         self._loaded = asyncio.Event()
         self.version = -1  # newest version confirmed by at least one endpoint
@@ -71,9 +77,10 @@ class InferenceRollouts:
         self.version = max(self.version, version)
         self._loaded.set()
 
-    async def __call__(self, req) -> EpisodeCompleted:
+    async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
-        task = await self.env.task(req.task_id)
+        env = self.envs[req.env]
+        task = await env.task(req.task_id)
         prompt_ids = encode_prompt(task.prompt)
         seed = ((self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt) & 0x7FFF_FFFF_FFFF_FFFF
         # An eval episode (req.eval_id) goes the same way at its own temperature, asking for its
@@ -89,14 +96,13 @@ class InferenceRollouts:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
-            reward=await self.env.score(task, choice.text), token_ids=prompt_ids + choice.token_ids,
+            reward=await env.score(task, choice.text), token_ids=prompt_ids + choice.token_ids,
             mask=[0] * len(prompt_ids) + [1] * len(choice.token_ids),
             logprobs=[0.0] * len(prompt_ids) + choice.logprobs,
             policy_start=done.policy_start, policy_end=done.policy_end, temperature=temperature,
         )
 
-    def report(self) -> str:
-        return "orch: inference: " + self.client.report()
-
     async def aclose(self) -> None:
+        """Report how each endpoint fared, then close the HTTP client."""
+        report("orch: inference: " + self.client.report())
         await self.client.aclose()

@@ -1,5 +1,5 @@
 """`TorchrunTrainer`: the hf trainer under torchrun (N ranks, DDP or FSDP2), supervised like
-`ProcessTrainer`.
+`ProcessTrainer` (`trainer.hf.nproc` > 1 or `trainer.hf.nnodes` > 1).
 
 The child is :func:`orchestrator.hf.distributed.torchrun_command` (``python -m
 torch.distributed.run ... --max-restarts=0 -m orchestrator.hf.trainer --run-dir RUN_DIR``):
@@ -21,17 +21,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.config import TrainerSection
-from orchestrator.hf.distributed import torchrun_command
-from orchestrator.shell.trainers import ProcessTrainer, Publish
+from orchestrator.trainers.process import ProcessTrainer
 
 
 class TorchrunTrainer(ProcessTrainer):
-    def __init__(self, run_dir: Path, publish: Publish, section: TrainerSection, poll_s: float = 0.05):
-        super().__init__(run_dir, publish, poll_s)
-        self.section = section
+    def __init__(self, run_dir: Path, command: list[str], poll_s: float = 0.05):
+        """`command`: the torchrun command line (the hf trainer's: orchestrator.hf.distributed)."""
+        super().__init__(run_dir, poll_s)
+        self._command = command
 
     def command(self) -> list[str]:
-        s = self.section
-        return torchrun_command(self.run_dir, nproc=s.nproc, nnodes=s.nnodes, node_rank=s.node_rank,
-                                rdzv_endpoint=s.rdzv_endpoint)
+        return self._command

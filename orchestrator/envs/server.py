@@ -384,5 +384,5 @@ def env_server_command(env_name: str, host: str, port: int, seed: int, score_del
     serve_command_line(app, "env-server", host=host, port=port, log_level=log_level, on_ready=ready)
 
 
-if __name__ == "__main__":  # python -m orchestrator.rollouts.env_server
+if __name__ == "__main__":  # python -m orchestrator.envs.server
     env_server_command()

@@ -15,12 +15,13 @@ from typing import Any
 
 import httpx
 
+from orchestrator.components import ComponentFailed
 from orchestrator.envs.base import Task
 
 __all__ = ["EnvServerError", "EnvServerTimeout", "HttpEnvClient"]
 
 
-class EnvServerError(RuntimeError):
+class EnvServerError(ComponentFailed):
     """An env server call failed (unreachable, HTTP error status, malformed answer)."""
 
     def __init__(self, message: str, *, status_code: int | None = None) -> None:

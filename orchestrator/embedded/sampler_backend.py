@@ -1,0 +1,147 @@
+"""`embedded`: episodes sampled in this process from the run's HF model (orchestrator.hf.sampler),
+off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from orchestrator.components import TRAINERS, BuildContext, InferenceComponent, RolloutRequest
+from orchestrator.core.events import EpisodeCompleted
+from orchestrator.rundir import is_stable, weights_dir
+
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
+    from orchestrator.envs.base import RolloutEnv
+
+
+class EmbeddedSamplerConfig(InferenceComponent):
+    """The run's model (`model`), sampled in this process (settings: `rollout.temperature`,
+    `rollout.max_new_tokens`, `model.chat_template_kwargs`)."""
+
+    follows_weights: ClassVar[bool] = True
+
+    def check(self, run: RunConfig) -> None:
+        check_samples_published_weights(run, "the embedded sampler")
+
+    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EmbeddedBackend:
+        config = ctx.config
+        if ctx.model is None:
+            raise ValueError("the embedded sampler needs the run's prepared model (the hf trainer's)")
+        return EmbeddedBackend(ctx.run_dir, envs, model_path=ctx.model.path,
+                               chat_template_kwargs=config.model.chat_template_kwargs,
+                               temperature=config.rollout.temperature,
+                               max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
+                               load_timeout_s=config.trainer.publish_timeout_s)
+
+
+def check_samples_published_weights(run: RunConfig, sampler: str) -> None:
+    """A sampler of the trainer's published weights needs a trainer that writes them, and env
+    tasks to sample for."""
+    if not TRAINERS.config(run.trainer.kind).writes_weights:
+        writers = [name for name, model in TRAINERS.configs().items() if model.writes_weights]
+        raise ValueError(f"{sampler} samples from the trainer's published weights, which the {run.trainer.kind} "
+                         f"trainer never writes; use trainer.kind={' or '.join(map(repr, writers))} (or the fake env)")
+
+
+SAMPLING_THREADS = 32
+
+
+class EmbeddedBackend:
+    """Episodes sampled in this process from the run's HF model (orchestrator.hf.sampler), off
+    the event loop.
+
+    The sampler starts on `weights/step_0` (the model as the trainer loaded it) and reloads
+    whenever a version is published; each episode reports the version it was actually sampled
+    with. Prompts are rendered once (chat template for an env's messages) and sent as token ids;
+    the completion's ids and logprobs are the sampler's own, never re-tokenized.
+    """
+
+    follows_weights: ClassVar[bool] = True
+
+    def __init__(self, run_dir: Path, envs: Mapping[str, RolloutEnv], *, model_path: Path,
+                 chat_template_kwargs: dict, temperature: float, max_new_tokens: int, seed: int,
+                 load_timeout_s: float):
+        import torch
+
+        from orchestrator.hf.model import load_tokenizer
+        from orchestrator.hf.sampler import Sampler  # torch: only for this backend
+
+        # Batched forward passes beside a trainer process on a shared CPU: more intra-op threads
+        # only contend with it. On a GPU box the model samples on the first GPU.
+        torch.set_num_threads(1)
+        self.run_dir, self.envs, self.seed, self.chat_template_kwargs = run_dir, envs, seed, chat_template_kwargs
+        self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
+        self.tokenizer = load_tokenizer(model_path)
+        pad_id = self.tokenizer.pad_token_id
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self._new_sampler = functools.partial(Sampler, model_path, eos_id=self.tokenizer.eos_token_id,
+                                              pad_id=0 if pad_id is None else pad_id, device=device)
+        self.sampler = self._new_sampler()
+        self._loaded = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
+        self._pinned = None  # the Sampler of the version the current eval is pinned to
+        self._pinned_lock = asyncio.Lock()
+        # Sampling threads mostly wait for the coalescing leader; their own pool keeps them from
+        # starving weight reloads (which use the loop's default executor).
+        self._pool = ThreadPoolExecutor(max_workers=SAMPLING_THREADS, thread_name_prefix="orch-sampler")
+
+    async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
+        """Make `version` current (waits, bounded, for its STABLE marker; `health_check` raises
+        if the trainer that should publish it has died)."""
+        wdir = weights_dir(self.run_dir, version)
+        async with self._reload_lock:
+            if self._loaded.is_set() and self.sampler.version >= version:
+                return
+            deadline = asyncio.get_running_loop().time() + self.load_timeout_s
+            while not is_stable(wdir):
+                if health_check is not None:
+                    health_check()
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"waited {self.load_timeout_s:.0f}s for the trainer to publish {wdir}")
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(self.sampler.reload, wdir, version)
+            self._loaded.set()
+
+    async def aclose(self) -> None:
+        """Stop the sampling threads (a running forward pass finishes; nothing new starts)."""
+        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+
+    async def _sampler_at(self, version: int):
+        """The policy at exactly `version`, for an eval episode: a sampler of its own, loaded from
+        `weights/step_{version}` and kept for the eval's next samples (the train sampler moves on
+        to newer versions meanwhile). A version whose weights the trainer already pruned fails
+        the episode."""
+        async with self._pinned_lock:
+            if self._pinned is None or self._pinned.version != version:
+                pinned = self._new_sampler()
+                await asyncio.to_thread(pinned.reload, weights_dir(self.run_dir, version), version)
+                self._pinned = pinned
+            return self._pinned
+
+    async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
+        from orchestrator.hf.model import render_prompt
+
+        await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
+        env = self.envs[req.env]
+        task = await env.task(req.task_id)
+        prompt_ids = render_prompt(self.tokenizer, task.prompt, task.messages, **self.chat_template_kwargs)
+        seed = (self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt
+        sampler = self.sampler if req.eval_id is None else await self._sampler_at(req.policy_version)
+        temperature = self.temperature if req.temperature is None else req.temperature
+        # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
+        sample = functools.partial(sampler.sample_coalesced, prompt_ids, temperature=temperature,
+                                   max_new_tokens=self.max_new_tokens, seed=seed)
+        completion = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        return EpisodeCompleted(
+            episode_id=req.episode_id, group_id=req.group_id, ok=True,
+            reward=await env.score(task, text), token_ids=prompt_ids + completion.token_ids,
+            mask=[0] * len(prompt_ids) + [1] * len(completion.token_ids),
+            logprobs=[0.0] * len(prompt_ids) + completion.logprobs, policy_start=completion.version,
+            policy_end=completion.version, temperature=temperature,
+        )

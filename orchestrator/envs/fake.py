@@ -1,0 +1,133 @@
+"""The `fake` env and its episode source (the `fake` inference backend): seeded synthetic
+episodes, no model (tests and benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import struct
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import Field, model_validator
+
+from orchestrator.components import BuildContext, EnvComponent, InferenceComponent, RolloutRequest
+from orchestrator.core.events import EpisodeCompleted
+
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
+    from orchestrator.envs.base import RolloutEnv
+
+
+class FakeEnvConfig(EnvComponent):
+    """The `fake` env: seeded synthetic episodes, no model (tests and benchmarks)."""
+
+    latency_s: float = Field(0.0, ge=0, description="mean episode latency (0 = instant)")
+    latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
+    error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")
+    empty_rate: float = Field(0.0, ge=0, le=1, description="probability an episode samples no token")
+    prompt_tokens: int = Field(8, ge=0, description="prompt length of every fake episode, in tokens")
+    min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
+    max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
+
+    @model_validator(mode="after")
+    def _range(self) -> FakeEnvConfig:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("env.fake.min_tokens must be <= env.fake.max_tokens")
+        return self
+
+    def check(self, run: RunConfig) -> None:
+        if run.inference_kind() != "fake":
+            raise ValueError("the fake env's episodes come whole from inference.kind='fake', "
+                             f"not {run.inference_kind()!r}")
+
+    @asynccontextmanager
+    async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv | None]:
+        yield None  # no task source: the fake backend makes each episode whole
+
+
+class FakeEpisodesConfig(InferenceComponent):
+    """The fake env's episode source (settings: `env.fake`)."""
+
+    follows_weights: ClassVar[bool] = False
+
+    def check(self, run: RunConfig) -> None:
+        if set(run.envs) != {"fake"}:
+            raise ValueError("inference.kind='fake' makes the fake env's episodes only")
+        if run.rollout.env_server is not None:
+            raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
+
+    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> FakeEpisodes:
+        return FakeEpisodes(ctx.config.env.fake, ctx.config.seed, ctx.version_now)
+
+
+class FakeEpisodeError(RuntimeError):
+    pass
+
+
+class FakeEpisodes:
+    """Seeded synthetic episodes: tokens, rewards, errors and latency from a per-episode hash.
+
+    Everything an episode draws comes from blake2b(seed, episode, attempt), so an episode's
+    outcome does not depend on which other episodes ran (and it is cheap: no RNG to seed).
+    `version_now` tells which policy version the (imaginary) sampler holds, so policy_start and
+    policy_end are honest about weight updates that land during a slow episode.
+    """
+
+    follows_weights: ClassVar[bool] = False
+
+    def __init__(self, config: FakeEnvConfig, seed: int, version_now: Callable[[], int]):
+        self.config, self.seed, self.version_now = config, seed, version_now
+        self._draw_size = _UNIFORMS.size + config.prompt_tokens + config.max_tokens  # uniforms, token ids
+        # Per episode only the draws differ; each episode gets a copy of its mask, and its
+        # sampled logprobs are a slice of a fixed pool at a drawn offset (a list built per token
+        # was a tenth of the instant pipeline's time).
+        self._masks = [[0] * config.prompt_tokens + [1] * n for n in range(config.max_tokens + 1)]
+        self._prompt_logprobs = [0.0] * config.prompt_tokens
+        self._logprob_pool = [-((i * 167) % 256) / 64 for i in range(256 + config.max_tokens)]
+
+    def _draws(self, req: RolloutRequest) -> tuple[tuple[int, ...], bytes]:
+        key = b"%d/%d/%d" % (self.seed, req.episode_id, req.attempt)
+        size = self._draw_size
+        raw = hashlib.blake2b(key, digest_size=64).digest()  # block 0 (its salt is all zeros)
+        for block in range(1, -(-size // 64)):
+            raw += hashlib.blake2b(key, digest_size=64, salt=block.to_bytes(16, "little")).digest()
+        return _UNIFORMS.unpack_from(raw), raw[_UNIFORMS.size:size]
+
+    async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
+        cfg = self.config
+        (latency, error, empty, length, reward, logprob_offset), token_ids = self._draws(req)
+        # The fake sampler holds any version: an eval episode is sampled by the one it is pinned to.
+        pinned = req.eval_id is not None
+        policy_start = req.policy_version if pinned else self.version_now()
+        if cfg.latency_s > 0:
+            jitter = 2 * latency / _U32 - 1
+            await asyncio.sleep(max(0.0, cfg.latency_s + jitter * cfg.latency_jitter_s))
+        if error / _U32 < cfg.error_rate:
+            raise FakeEpisodeError(f"fake env: episode {req.episode_id} failed (error_rate={cfg.error_rate})")
+        spread = cfg.max_tokens - cfg.min_tokens + 1
+        n_sampled = 0 if empty / _U32 < cfg.empty_rate else cfg.min_tokens + int(length / _U32 * spread)
+        n_total = cfg.prompt_tokens + n_sampled
+        offset = logprob_offset % 256
+        # Valid by construction (aligned lists, finite floats), so not validated again: an
+        # instant env should cost next to nothing beside the orchestrator it exercises.
+        return EpisodeCompleted.unvalidated(
+            episode_id=req.episode_id, group_id=req.group_id, ok=True,
+            # The task sets a difficulty shared by the group, so groups have reward spread.
+            reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
+            token_ids=list(token_ids[:n_total]),
+            mask=self._masks[n_sampled][:],
+            logprobs=self._prompt_logprobs + self._logprob_pool[offset:offset + n_sampled],
+            policy_start=policy_start, policy_end=policy_start if pinned else self.version_now(),
+        )
+
+    async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
+        """Never called: it does not follow weights."""
+
+    async def aclose(self) -> None:
+        """It holds nothing."""
+
+
+_UNIFORMS = struct.Struct("<6I")  # latency, error, empty, length, reward, logprob offset: over 2**32
+_U32 = 4294967296.0

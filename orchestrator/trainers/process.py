@@ -1,0 +1,111 @@
+"""The trainer process (`orch trainer`, or its ranks under torchrun: the hf trainer's)
+supervised as a child; a poll of `weights/step_N/STABLE` markers publishes each version with the
+step's `metrics.json` beside the marker. A crash of the child is noticed within one poll."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from orchestrator.components import Publish
+from orchestrator.notices import warn
+from orchestrator.rundir import latest_stable_version, read_metrics, trainer_log, weights_dir
+from orchestrator.trainers import TrainerFailed
+
+
+class ProcessTrainer:
+    """`orch trainer --run-dir D` as a supervised child process."""
+
+    def __init__(self, run_dir: Path, poll_s: float = 0.05):
+        self.run_dir, self.poll_s = run_dir, poll_s
+        self.log_path = trainer_log(run_dir)
+        self.proc: subprocess.Popen | None = None
+        self._published = -1
+        self._log_start = 0  # where this process's output starts in trainer.log (appended to)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)]
+
+    async def start(self) -> None:
+        log = open(self.log_path, "ab")
+        try:
+            self._log_start = log.seek(0, os.SEEK_END)
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # Its own session: a Ctrl-C in the terminal reaches the orchestrator only, which
+                # drains and then stops the trainer itself. The child's parent watchdog still
+                # ends it if the orchestrator dies.
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    def batch_written(self, step: int, sha256: str) -> None:
+        """The child polls the batch directory itself."""
+
+    async def run(self, version: int, publish: Publish) -> None:
+        """Watch for STABLE markers and the child's health, forever (the owner cancels it)."""
+        self._published = version
+        while True:
+            self.check()
+            newest = await asyncio.to_thread(latest_stable_version, self.run_dir)
+            if newest is not None and newest > self._published:
+                self._published = newest
+                publish(newest, await asyncio.to_thread(self._metrics_of, newest))
+            await asyncio.sleep(self.poll_s)
+
+    def _metrics_of(self, version: int) -> dict[str, int | float] | None:
+        """The figures the trainer wrote beside version `version`'s marker (None: it wrote none,
+        e.g. for its warm start). Entries that are not finite numbers are left out, with a warning:
+        a NaN loss is the trainer's news, not a reason to stop the run."""
+        wdir = weights_dir(self.run_dir, version)
+        metrics, refused = read_metrics(wdir)
+        if refused:
+            what = "is not a JSON object" if refused == ["*"] else f"has non-finite or non-numeric {', '.join(refused)}"
+            warn(f"{wdir}/metrics.json {what}; left out of the log")
+        return metrics
+
+    def _last_error_line(self) -> str:
+        """The last error line this trainer process wrote (not an earlier one's: the log is
+        appended to across resumes)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:
+            return "(no trainer.log)"
+        for marker in ("orch trainer: error:", "error"):  # its own one-line summary first
+            for line in reversed(lines):
+                if marker in line.lower():
+                    return line.strip()
+        return lines[-1].strip() if lines else "(it wrote nothing to trainer.log)"
+
+    def check(self) -> None:
+        if self.proc is None:
+            return
+        code = self.proc.poll()
+        if code not in (None, 0):
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            raise TrainerFailed(f"trainer {how}: {self._last_error_line()} (see {self.log_path})")
+
+    def exited_ok(self) -> bool:
+        return self.proc is not None and self.proc.poll() == 0
+
+    async def stop(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a clean exit, then SIGTERM, then SIGKILL: never orphaned."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        for action, wait_s in ((None, timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if action is not None:
+                os.kill(proc.pid, action)
+            try:
+                await asyncio.to_thread(proc.wait, wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
