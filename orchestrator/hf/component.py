@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from orchestrator.hf.model import ModelError, PreparedModel

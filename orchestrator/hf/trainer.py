@@ -31,9 +31,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator import rundir
-from orchestrator.hf.config import LoraSection
 from orchestrator.hf import checkpoint
 from orchestrator.hf.batch import Batch, BatchError, parse_batch
+from orchestrator.hf.config import LoraSection
 from orchestrator.hf.distributed import Ranks
 from orchestrator.hf.loss import pg_loss, token_logprobs
 from orchestrator.hf.model import ModelError, check_lora_targets, load_model, load_tokenizer

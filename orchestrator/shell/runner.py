@@ -19,13 +19,13 @@ from orchestrator.components import Algorithm, BuildContext, InferenceBackend, T
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes, with_added_fields
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
+from orchestrator.fold import fold_log
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
 from orchestrator.observe.sinks import build_feeder
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 from orchestrator.shell.loop import Orchestrator
 from orchestrator.shell.progress import Progress
-from orchestrator.fold import fold_log
 
 if TYPE_CHECKING:
     from orchestrator.hf.model import PreparedModel

@@ -5,10 +5,10 @@ import os
 import pytest
 
 from orchestrator import rundir as files
+from orchestrator.core.batch import encode_batch
 from orchestrator.hf.publish import prune, publish
 from orchestrator.hf.sampler import load_version
 from orchestrator.hf.tiny_model import build_untrained
-from orchestrator.core.batch import encode_batch
 
 MODEL, TOKENIZER = build_untrained(seed=0)
 

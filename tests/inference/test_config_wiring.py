@@ -67,7 +67,8 @@ def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.openai.endpoints=["127.0.0.1:9/v1"]',
-                                    "trainer.hf.nproc=2", "trainer.hf.backend=gloo", f"model.path={tmp_path / 'model'}"])
+                                    "trainer.hf.nproc=2", "trainer.hf.backend=gloo",
+                                    f"model.path={tmp_path / 'model'}"])
     parts = parts_of(config)
     assert isinstance(parts.backend, EndpointsBackend) and parts.backend.follows_weights
     assert [e.url for e in parts.backend.client.endpoints] == ["http://127.0.0.1:9"]
