@@ -78,7 +78,7 @@ def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, 
         # The same bodies orch sends: its prompt ids and seeds, the server's default model.
         bodies = []
         for req in requests:
-            prompt = rollouts.encode_prompt((await env.task(req.task_id)).prompt)
+            prompt = rollouts.encode_prompt(await env.task(req.task_id))
             seed = episode_seed(0, req.episode_id, req.attempt)
             bodies.append({"prompt": prompt, "n": 1, "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": seed,
                            "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True})

@@ -83,8 +83,7 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
             run = resume_run(resume_dir, sets, config_file)
             try:
                 check_installed(run.config.metrics)
-                _check_inference(run.config)
-            except (SinkUnavailable, ConfigError):
+            except SinkUnavailable:
                 run.log.close()
                 raise
             if run.resumed_from is None:
@@ -93,7 +92,6 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
                 click.echo(f"orch: resuming {run.run_dir} from event {run.resumed_from} (step {run.state.step}, version {run.state.version})")
         else:
             config = load_config(config_file, sets)
-            _check_inference(config)
             check_installed(config.metrics)
             run = create_run(config)
             click.echo(f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, {run.config.max_steps} steps)")
@@ -152,14 +150,6 @@ def _shorthand_overrides(set_keys: set[str], **flags) -> list[str]:
     return sets
 
 
-def _check_inference(config) -> None:
-    """The model dir and vLLM launch of a run that samples through endpoints (one line if wrong)."""
-    if config.inference_kind() == "openai":
-        from orchestrator.inference.endpoints_backend import check_inference
-
-        check_inference(config)
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -180,10 +170,25 @@ def _run_errors() -> tuple[type[BaseException], ...]:
 @click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="run directory holding trainer.json, batches/ and weights/")
 def trainer_command(run_dir: Path) -> None:
-    """Embedded torch trainer: batches/step_N.json -> weights/step_N (+ STABLE)."""
-    from orchestrator.embedded.trainer import run_trainer  # torch is imported only here
+    """The hf (transformers) trainer: batches/step_N.json -> weights/step_N (+ STABLE)."""
+    from orchestrator.hf.trainer import run_trainer  # torch is imported only here
 
     sys.exit(run_trainer(run_dir))
+
+
+@main.command("tiny-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True, help="initialisation and warm-start data")
+@click.option("--target-reward", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="the supervised warm start stops at this sampled mean reward")
+def tiny_model_command(out_dir: Path, seed: int, target_reward: float) -> None:
+    """Build the tiny reverse_text model (a char-level Llama + tokenizer, with a supervised warm
+    start) into OUT_DIR, an ordinary HF model dir; no download."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        fail(f"{out_dir} exists and is not empty; pick a new directory", EXIT_USAGE)
+    from orchestrator.hf.tiny_model import build_tiny_model
+
+    build_tiny_model(out_dir, seed=seed, target_reward=target_reward, log=click.echo)
 
 
 def _register_commands() -> None:

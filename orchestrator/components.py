@@ -2,13 +2,14 @@
 
 Each kind has one interface (a Protocol below) and a registry: a table `name -> "module:Config"`
 pointing to the component's config model. The config model is the component as the wiring sees
-it: its config section (a field of `RunConfig`, e.g. `trainer.embedded.lr`), what it supports
+it: its config section (a field of `RunConfig`, e.g. `trainer.hf.lr`), what it supports
 (`check`, run while the config is validated: a bad combination is a one-line error before anything
 runs) and its factory (`build`/`open`, which imports the heavy parts, torch or httpx, only then).
 So a config module must stay light: pydantic and the stdlib, never torch, httpx or
 `orchestrator.config` (which imports it); the factory imports the rest inside `build`.
 
-Adding a component is adding a module and one line of its kind's table. E.g. a trainer `hf`:
+Adding a component is adding a module and one line of its kind's table. E.g. a trainer `hf` (the
+real one, orchestrator/hf/config.py, has more settings):
 
     # orchestrator/hf/config.py
     class HFTrainerConfig(TrainerComponent):
@@ -31,7 +32,7 @@ Adding a component is adding a module and one line of its kind's table. E.g. a t
     "hf": "orchestrator.hf.config:HFTrainerConfig",
 
 `orch run --set trainer.kind=hf --set trainer.hf.lora_rank=16` then selects it; `trainer.kind=nope`
-is `orch: error: invalid config: trainer.kind: unknown trainer 'nope'; known: embedded, fake, hf`.
+is `orch: error: invalid config: trainer.kind: unknown trainer 'nope'; known: fake, hf`.
 The runner looks every component up here by the config's names and owns nothing kind-specific.
 
 What each kind builds:
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
 
     from orchestrator.config import RunConfig
     from orchestrator.envs.base import RolloutEnv
+    from orchestrator.hf.model import PreparedModel
 
 
 class ConfigError(ValueError):
@@ -124,6 +126,7 @@ class BuildContext:
     config: RunConfig
     run_dir: Path
     version_now: Callable[[], int]
+    model: PreparedModel | None = None  # the run's model dir, checked and hashed (the hf trainer's)
 
 
 # ------------------------------------------------------------------------------------ interfaces
@@ -237,8 +240,8 @@ class Registry:
 
 
 TRAINERS = Registry("trainer", {
-    "embedded": "orchestrator.trainers.process:EmbeddedTrainerConfig",
     "fake": "orchestrator.trainers.fake:FakeTrainerConfig",
+    "hf": "orchestrator.hf.config:HFTrainerConfig",
 })
 INFERENCE = Registry("inference backend", {
     "embedded": "orchestrator.embedded.sampler_backend:EmbeddedSamplerConfig",

@@ -83,14 +83,6 @@ def _name_in(registry: Registry, *, optional: bool = False) -> Any:
     return Annotated[str, AfterValidator(registry.known)]
 
 
-class ModelSection(_Section):
-    """The model a run trains and samples: a local Hugging Face model dir."""
-
-    path: Path | None = Field(None, description="a local Hugging Face model dir (config.json, weights, tokenizer); "
-                              "None: the tiny reverse_text model, built locally once and cached under "
-                              "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)")
-
-
 class _AlgorithmChoice(_Section):
     name: _name_in(ALGORITHMS) = Field("grpo", description="the algorithm: " + ", ".join(ALGORITHMS.names()))
     finalize_in_background: bool | None = Field(None, description="override the algorithm's class flag")
@@ -100,8 +92,18 @@ class _AlgorithmChoice(_Section):
         return getattr(self, self.name)
 
 
+class ModelSection(_Section):
+    """The model a run trains and samples: a local Hugging Face model dir."""
+
+    path: Path | None = Field(None, description="a local Hugging Face model dir (config.json, weights, tokenizer); "
+                              "None: the tiny reverse_text model, built locally once and cached under "
+                              "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra variables of the chat "
+                                                 "template (e.g. Qwen3's {\"enable_thinking\": false})")
+
+
 class _TrainerChoice(_Section):
-    kind: _name_in(TRAINERS) = Field("embedded", description="the trainer: " + ", ".join(TRAINERS.names()))
+    kind: _name_in(TRAINERS) = Field("hf", description="the trainer: " + ", ".join(TRAINERS.names()))
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
 
@@ -204,7 +206,7 @@ class RunConfig(_Section):
     env: EnvSection = Field(default_factory=EnvSection,
                             description="each env's own settings (`env.<name>`; `envs` picks the ones a run uses)")
     model: ModelSection = Field(default_factory=ModelSection,
-                                description="the Hugging Face model the run trains and samples")
+                                description="the Hugging Face model dir the run trains and samples: docs/hf.md")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the "
                                     "batches and publishes weights; `trainer.<kind>`: each trainer's own settings")
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")

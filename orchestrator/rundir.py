@@ -4,15 +4,22 @@ run directory's paths, the batch file schema, the weights directories and the ST
 Layout of a run directory (``RUN_DIR``)::
 
     events.db                    the event log (eventlog; its -wal and -shm files beside it)
-    trainer.json                 TrainerConfig (written by the orchestrator before it spawns the trainer)
+    trainer.json                 the trainer's config (orchestrator.hf.trainer.TrainerConfig), written by the
+                                 orchestrator before it spawns the trainer
     trainer.log                  the trainer process's output (appended to across resumes)
     batches/step_N.json          batch N (orjson; written atomically by the orchestrator)
-    weights/step_N/              policy after training on batches 1..N (step_0 = warm start)
-        model.pt                 state_dict (torch.save)
-        policy.json              PolicyConfig
-        metrics.json             the trainer's figures of step N (see TRAINER_METRICS), written before STABLE
+    weights/step_N/              the policy after training on batches 1..N (step_0 = the model as loaded)
+        full fine-tuning:        an HF model dir: config.json, model.safetensors, generation_config.json,
+                                 tokenizer files (save_pretrained, safe_serialization)
+        LoRA:                    a PEFT adapter dir: adapter_config.json, adapter_model.safetensors
+                                 (every version is one; step_0's B matrices are zero)
+        metrics.json             (N >= 1) the trainer's figures of step N (TRAINER_METRICS; the hf trainer
+                                 adds "step", "clipfrac", "ratio_max", "samples", "adv_abs_mean",
+                                 "reward_mean" (when every sample has a reward), "wait_s", "ranks"),
+                                 written before STABLE
         STABLE                   marker, written (tmp + fsync + rename) only after the files above
-    trainer_ckpt/ckpt.pt         trainer checkpoint (model + optimizer + step), replaced atomically
+    trainer_ckpt/ckpt.pt         trainer checkpoint (trained weights + AdamW state + step + model hash),
+                                 replaced atomically
 
 Batch file (format ``BATCH_FORMAT``; its canonical bytes, which the log's sha256 covers, are
 built by ``orchestrator.core.batch.encode_batch``)::
@@ -25,7 +32,7 @@ built by ``orchestrator.core.batch.encode_batch``)::
 
 ``batch_samples`` checks a file against it for every trainer (the fields a trainer needs are
 ``TRAINED_FIELDS``). Extra sample fields are ignored, except an optional ``"reward": float`` that,
-when every sample has it, is averaged into the embedded trainer's step line.
+when every sample has it, is averaged into the hf trainer's step line.
 
 Every writer here is atomic: write a temp sibling, fsync it, ``os.replace``/``os.rename`` it into
 place, fsync the parent directory. A reader therefore sees either nothing or the whole file/dir.
@@ -48,6 +55,7 @@ from orchestrator.core.batch import BATCH_FORMAT, encode_batch
 EVENTS_DB = "events.db"
 TRAINER_LOG = "trainer.log"
 STABLE = "STABLE"
+# The files of a weights dir of `orch serve`'s own policy (orchestrator.embedded.policy).
 MODEL_FILE = "model.pt"
 POLICY_FILE = "policy.json"
 CKPT_FILE = "ckpt.pt"
@@ -55,7 +63,8 @@ METRICS_FILE = "metrics.json"
 # The figures every trainer reports for a step, in `weights/step_N/metrics.json` (a flat JSON
 # object of finite numbers; a trainer may add its own): `mismatch_kl` is KL(sampler || trainer)
 # over the sampled tokens, estimated from the batch's sampling logprobs and the trainer's own
-# before its update; `entropy` is the trainer's mean negative logprob of those tokens.
+# before its update; `entropy` is the mean entropy (nats) of the trainer's distribution at those
+# tokens' positions.
 TRAINER_METRICS = ("loss", "grad_norm", "entropy", "mismatch_kl", "tokens", "learning_rate", "step_time_s")
 TRAINER_CONFIG_FILE = "trainer.json"
 _TMP_MARK = ".tmp-"

@@ -363,7 +363,7 @@ def load_policy(wdir: str | os.PathLike) -> Policy:
 
 # ----------------------------------------------------------------------------------- the sampler
 class EmbeddedSampler:
-    """The current policy for the orchestrator's rollout workers.
+    """The current policy of `orch serve` (orchestrator.inference.server).
 
     Thread-safe: :meth:`sample_group` may run in worker threads (``asyncio.to_thread``) while
     :meth:`reload` runs in another. A reload loads the new model fully *outside* the lock, then
@@ -373,21 +373,16 @@ class EmbeddedSampler:
 
     Cost (1 CPU thread, default policy, ~38-token answers): one call costs ~the same for n=1 as
     for n=8, because fixed per-token overheads dominate. 128 episodes sampled one by one take
-    ~4.5 s; 16 calls of n=8 ~0.6 s; one :meth:`sample_groups` call ~0.3 s. Callers that issue one
-    episode per call from several threads should use :meth:`sample_coalesced`.
+    ~4.5 s; 16 calls of n=8 ~0.6 s; one :meth:`sample_groups` call ~0.3 s, so callers batch.
     """
 
     def __init__(self, model: Policy | None = None, version: int = -1):
         self._lock = threading.Lock()
         self._model = model
         self._version = version
-        self._queue_cv = threading.Condition()
-        self._queue: list[_Request] = []
-        self._leader_active = False
-        self.coalesced_batches = 0  # sample_coalesced: batches served (observability, tests)
 
     @classmethod
-    def from_weights(cls, wdir: str | os.PathLike, version: int) -> "EmbeddedSampler":
+    def from_weights(cls, wdir: str | os.PathLike, version: int) -> EmbeddedSampler:
         s = cls()
         s.reload(wdir, version)
         return s
@@ -437,90 +432,3 @@ class EmbeddedSampler:
             [SampledCompletion(o.prompt_ids, o.completion_ids, o.logprobs, o.text, version) for o in g]
             for g in groups
         ]
-
-    def sample_coalesced(
-        self, prompt: str, n: int, *, temperature: float, max_new_tokens: int, seed: int
-    ) -> list[SampledCompletion]:
-        """Same result as :meth:`sample_group`, but concurrent callers are batched together.
-
-        Blocking; meant for worker threads (``asyncio.to_thread``). The first caller to find no
-        batch running becomes the leader: it samples every pending request in one
-        :func:`sample_groups` call per (temperature, max_new_tokens), hands out the results, and
-        repeats while requests arrived meanwhile. Each request draws only from its own seed, so
-        its completions do not depend on the batch it landed in (up to float rounding). A request
-        that fails on its own (e.g. an unknown character) fails alone.
-        """
-        req = _Request(prompt, n, temperature, max_new_tokens, seed)
-        with self._queue_cv:
-            self._queue.append(req)
-            while self._leader_active and not req.done:
-                self._queue_cv.wait()
-            if req.done:
-                return req.result()
-            # lead: take every pending request (ours included), serve them, step down
-            self._leader_active = True
-            batch, self._queue = self._queue, []
-        try:
-            self._serve(batch)
-        finally:
-            with self._queue_cv:
-                for r in batch:
-                    if not r.done:
-                        r.fail(RuntimeError("sampler: the batch serving this request was interrupted"))
-                self._leader_active = False
-                self._queue_cv.notify_all()
-        return req.result()
-
-    def _serve(self, batch: list["_Request"]) -> None:
-        self.coalesced_batches += 1
-        try:
-            model, version = self.current()
-        except Exception as exc:  # no policy yet: every request gets the error
-            for r in batch:
-                r.fail(exc)
-            return
-        groups_of: dict[tuple[float, int, int], list[_Request]] = {}
-        for r in batch:
-            try:  # a request that is bad on its own fails alone
-                _check_sampling_args(model, [encode_prompt(r.prompt)], r.n, r.temperature, r.max_new_tokens)
-            except Exception as exc:
-                r.fail(exc)
-                continue
-            groups_of.setdefault((r.temperature, r.max_new_tokens, r.n), []).append(r)
-        for (temperature, max_new_tokens, n), reqs in groups_of.items():
-            try:
-                groups = sample_groups(
-                    model, [r.prompt for r in reqs], n, temperature=temperature,
-                    max_new_tokens=max_new_tokens, seeds=[r.seed for r in reqs],
-                )
-            except Exception as exc:
-                for r in reqs:
-                    r.fail(exc)
-                continue
-            for r, g in zip(reqs, groups):
-                r.succeed([
-                    SampledCompletion(o.prompt_ids, o.completion_ids, o.logprobs, o.text, version) for o in g
-                ])
-
-
-class _Request:
-    __slots__ = ("prompt", "n", "temperature", "max_new_tokens", "seed", "done", "_value", "_error")
-
-    def __init__(self, prompt: str, n: int, temperature: float, max_new_tokens: int, seed: int):
-        self.prompt, self.n, self.temperature = prompt, n, temperature
-        self.max_new_tokens, self.seed = max_new_tokens, seed
-        self.done = False
-        self._value: list[SampledCompletion] | None = None
-        self._error: BaseException | None = None
-
-    def succeed(self, value: list[SampledCompletion]) -> None:
-        self._value, self.done = value, True
-
-    def fail(self, exc: BaseException) -> None:
-        self._error, self.done = exc, True
-
-    def result(self) -> list[SampledCompletion]:
-        if self._error is not None:
-            raise self._error
-        assert self._value is not None
-        return self._value

@@ -1,4 +1,5 @@
-"""`embedded`: episodes sampled from the embedded torch policy in this process, off the event loop."""
+"""`embedded`: episodes sampled in this process from the run's HF model (orchestrator.hf.sampler),
+off the event loop."""
 
 from __future__ import annotations
 
@@ -15,13 +16,12 @@ from orchestrator.rundir import is_stable, weights_dir
 
 if TYPE_CHECKING:
     from orchestrator.config import RunConfig
-    from orchestrator.embedded.policy import EmbeddedSampler
     from orchestrator.envs.base import RolloutEnv
 
 
 class EmbeddedSamplerConfig(InferenceComponent):
-    """The embedded torch policy, sampled in this process (settings: `rollout.temperature`,
-    `rollout.max_new_tokens`)."""
+    """The run's model (`model`), sampled in this process (settings: `rollout.temperature`,
+    `rollout.max_new_tokens`, `model.chat_template_kwargs`)."""
 
     follows_weights: ClassVar[bool] = True
 
@@ -30,7 +30,11 @@ class EmbeddedSamplerConfig(InferenceComponent):
 
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EmbeddedBackend:
         config = ctx.config
-        return EmbeddedBackend(ctx.run_dir, envs, temperature=config.rollout.temperature,
+        if ctx.model is None:
+            raise ValueError("the embedded sampler needs the run's prepared model (the hf trainer's)")
+        return EmbeddedBackend(ctx.run_dir, envs, model_path=ctx.model.path,
+                               chat_template_kwargs=config.model.chat_template_kwargs,
+                               temperature=config.rollout.temperature,
                                max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                load_timeout_s=config.trainer.publish_timeout_s)
 
@@ -48,31 +52,39 @@ SAMPLING_THREADS = 32
 
 
 class EmbeddedBackend:
-    """reverse_text episodes sampled from the embedded torch policy, off the event loop.
+    """Episodes sampled in this process from the run's HF model (orchestrator.hf.sampler), off
+    the event loop.
 
-    The sampler starts on `weights/step_0` (the trainer's warm start) and reloads whenever a
-    version is published; each episode reports the version it was actually sampled with.
+    The sampler starts on `weights/step_0` (the model as the trainer loaded it) and reloads
+    whenever a version is published; each episode reports the version it was actually sampled
+    with. Prompts are rendered once (chat template for an env's messages) and sent as token ids;
+    the completion's ids and logprobs are the sampler's own, never re-tokenized.
     """
 
     follows_weights: ClassVar[bool] = True
 
-    def __init__(self, run_dir: Path, envs: Mapping[str, RolloutEnv], *, temperature: float,
-                 max_new_tokens: int, seed: int, load_timeout_s: float):
+    def __init__(self, run_dir: Path, envs: Mapping[str, RolloutEnv], *, model_path: Path,
+                 chat_template_kwargs: dict, temperature: float, max_new_tokens: int, seed: int,
+                 load_timeout_s: float):
         import torch
 
-        from orchestrator.embedded.policy import (
-            EmbeddedSampler,  # torch: only for this backend
-        )
+        from orchestrator.hf.model import load_tokenizer
+        from orchestrator.hf.sampler import Sampler  # torch: only for this backend
 
-        # Many small forward passes from several threads: intra-op threads only contend (a
-        # 40-step run spent ~3x longer per step with torch's default thread count).
+        # Batched forward passes beside a trainer process on a shared CPU: more intra-op threads
+        # only contend with it. On a GPU box the model samples on the first GPU.
         torch.set_num_threads(1)
-        self.run_dir, self.envs, self.seed = run_dir, envs, seed
+        self.run_dir, self.envs, self.seed, self.chat_template_kwargs = run_dir, envs, seed, chat_template_kwargs
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
-        self.sampler = EmbeddedSampler()
+        self.tokenizer = load_tokenizer(model_path)
+        pad_id = self.tokenizer.pad_token_id
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self._new_sampler = functools.partial(Sampler, model_path, eos_id=self.tokenizer.eos_token_id,
+                                              pad_id=0 if pad_id is None else pad_id, device=device)
+        self.sampler = self._new_sampler()
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
-        self._pinned: EmbeddedSampler | None = None  # the version the current eval is pinned to
+        self._pinned = None  # the Sampler of the version the current eval is pinned to
         self._pinned_lock = asyncio.Lock()
         # Sampling threads mostly wait for the coalescing leader; their own pool keeps them from
         # starving weight reloads (which use the loop's default executor).
@@ -104,29 +116,32 @@ class EmbeddedBackend:
         `weights/step_{version}` and kept for the eval's next samples (the train sampler moves on
         to newer versions meanwhile). A version whose weights the trainer already pruned fails
         the episode."""
-        from orchestrator.embedded.policy import EmbeddedSampler
-
         async with self._pinned_lock:
             if self._pinned is None or self._pinned.version != version:
-                self._pinned = await asyncio.to_thread(EmbeddedSampler.from_weights, weights_dir(self.run_dir, version),
-                                                       version)
+                pinned = self._new_sampler()
+                await asyncio.to_thread(pinned.reload, weights_dir(self.run_dir, version), version)
+                self._pinned = pinned
             return self._pinned
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
+        from orchestrator.hf.model import render_prompt
+
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         env = self.envs[req.env]
         task = await env.task(req.task_id)
+        prompt_ids = render_prompt(self.tokenizer, task.prompt, task.messages, **self.chat_template_kwargs)
         seed = (self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt
         sampler = self.sampler if req.eval_id is None else await self._sampler_at(req.policy_version)
         temperature = self.temperature if req.temperature is None else req.temperature
         # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
-        sample = functools.partial(sampler.sample_coalesced, task.prompt, 1, temperature=temperature,
+        sample = functools.partial(sampler.sample_coalesced, prompt_ids, temperature=temperature,
                                    max_new_tokens=self.max_new_tokens, seed=seed)
-        (completion,) = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
-        version = completion.policy_version
+        completion = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         return EpisodeCompleted(
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
-            reward=await env.score(task, completion.text), token_ids=completion.token_ids,
-            mask=completion.mask, logprobs=completion.full_logprobs, policy_start=version,
-            policy_end=version, temperature=temperature,
+            reward=await env.score(task, text), token_ids=prompt_ids + completion.token_ids,
+            mask=[0] * len(prompt_ids) + [1] * len(completion.token_ids),
+            logprobs=[0.0] * len(prompt_ids) + completion.logprobs, policy_start=completion.version,
+            policy_end=completion.version, temperature=temperature,
         )

@@ -21,6 +21,9 @@ class Task:
     index: int
     prompt: str
     answer: str
+    # The prompt as chat messages ({"role", "content"}), rendered with the model's chat template;
+    # None: the prompt is plain text, sent as its tokens.
+    messages: list[dict[str, str]] | None = None
 
 
 class TextEnv(Protocol):

@@ -80,7 +80,8 @@ class ReverseTextEnv:
             length = rng.randint(self.min_len, self.max_len)
             prompt = "".join(rng.choice(self.alphabet) for _ in range(length))
             if is_held_out(prompt) == held_out:
-                return Task(env=self.name, index=index, prompt=prompt, answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG)
+                return Task(env=self.name, index=index, prompt=prompt, answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG,
+                            messages=[{"role": "user", "content": prompt}])
         side = "held-out" if held_out else "train"
         raise ValueError(f"reverse_text: prompts of {self.min_len}..{self.max_len} letters from {self.alphabet!r} "
                          f"leave (next to) no {side} prompt; allow longer prompts")

@@ -2,7 +2,7 @@
 
 Endpoints (JSON):
 
-* ``POST /task  {"index": i}`` -> ``{"env", "index", "prompt", "answer"}``
+* ``POST /task  {"index": i}`` -> ``{"env", "index", "prompt", "answer", "messages"}``
 * ``POST /score {"index": i, "completion": str[, "env": name][, "delay_s": float]}`` -> ``{"reward"}``
   (``delay_s`` overrides the server's ``score_delay_s``: a simulated slow grader)
 * ``GET /health`` -> ``{"status": "ok", "env": name, "params": {...}}`` (what its tasks depend on)
@@ -190,7 +190,8 @@ def create_app(env: TextEnv, *, score_delay_s: float = 0.0) -> Starlette:
             return _bad_request(str(exc))
         stats["task"] += 1
         t = env.task(index)
-        return JSONResponse({"env": t.env, "index": t.index, "prompt": t.prompt, "answer": t.answer})
+        return JSONResponse({"env": t.env, "index": t.index, "prompt": t.prompt, "answer": t.answer,
+                             "messages": t.messages})
 
     async def score(request: Request) -> JSONResponse:
         try:

@@ -52,8 +52,13 @@ def build_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=END_OF_TURN,
-                                        pad_token=PAD, additional_special_tokens=[TURN_START])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=END_OF_TURN,
+        pad_token=PAD,
+        additional_special_tokens=[TURN_START],
+    )
     tokenizer.add_tokens([OPEN_TAG, CLOSE_TAG])  # not special: they are part of the answer text
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -65,11 +70,18 @@ def build_untrained(seed: int = 0, spec: TinyModelSpec = TinyModelSpec()):
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_heads,
-        intermediate_size=spec.intermediate_size, max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=False, torch_dtype="float32",
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -80,8 +92,9 @@ def build_untrained(seed: int = 0, spec: TinyModelSpec = TinyModelSpec()):
 
 def render_prompt(tokenizer, text: str) -> list[int]:
     """reverse_text's task as one user message, rendered with the chat template."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def answer_ids(tokenizer, text: str) -> list[int]:
@@ -118,21 +131,45 @@ def sampled_reward(model, tokenizer, texts: list[str], seed: int, max_new_tokens
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding: generation continues every row at its end
-        ids[i, width - len(p):] = torch.tensor(p)
-        attention[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attention[i, width - len(p) :] = 1
     torch.manual_seed(seed)
-    out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True, temperature=1.0, top_k=0,
-                         top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=attention,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     completions = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     model.train()
     return sum(reversal_reward(c, t) for c, t in zip(completions, texts, strict=True)) / len(texts)
 
 
-def sft_warm_start(model, tokenizer, *, seed: int, target_reward: float, max_steps: int = 400, batch_size: int = 64,
-                   lr: float = 1e-3, min_len: int = 3, max_len: int = 6, eval_every: int = 5,
-                   log=print) -> dict:
+def sft_warm_start(
+    model,
+    tokenizer,
+    *,
+    seed: int,
+    target_reward: float,
+    max_steps: int = 400,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    min_len: int = 3,
+    max_len: int = 6,
+    eval_every: int = 5,
+    eval_below_loss: float = 1.0,
+    log=print,
+) -> dict:
     """Supervised steps on reference answers until the sampled mean reward on 64 held-out strings
-    reaches `target_reward` (or `max_steps`). Returns what it did."""
+    reaches `target_reward` (or `max_steps`). Returns what it did.
+
+    The reward is sampled every `eval_every` steps once the batch loss is below `eval_below_loss`:
+    above it the model is far from a reward of 0.5 (seed 0: 0.39 at a loss of 1.04), and the early
+    samples, which run to the token cap, were most of the build's time."""
     rng = random.Random(f"tiny-model-sft/{seed}")
     held_out = sft_examples(random.Random(f"tiny-model-eval/{seed}"), 64, min_len, max_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -145,7 +182,7 @@ def sft_warm_start(model, tokenizer, *, seed: int, target_reward: float, max_ste
         loss.backward()
         optimizer.step()
         step += 1
-        if step % eval_every == 0:
+        if step % eval_every == 0 and loss.item() < eval_below_loss:
             reward = sampled_reward(model, tokenizer, held_out, seed=seed + step)
             log(f"tiny-model: sft step {step}: loss {loss.item():.3f}, sampled reward {reward:.3f}")
             if reward >= target_reward:
@@ -153,16 +190,18 @@ def sft_warm_start(model, tokenizer, *, seed: int, target_reward: float, max_ste
     return {"sft_steps": step, "sampled_reward": reward}
 
 
-def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, target_reward: float = 0.5,
-                     max_sft_steps: int = 400, log=print) -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike, *, seed: int = 0, target_reward: float = 0.5, max_sft_steps: int = 400, log=print
+) -> Path:
     """Write the warm-started tiny model and its tokenizer to `out_dir` (an HF model dir)."""
     out = Path(out_dir)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model, tokenizer = build_untrained(seed)
-    report = sft_warm_start(model, tokenizer, seed=seed, target_reward=target_reward, max_steps=max_sft_steps,
-                            log=log)
+    report = sft_warm_start(model, tokenizer, seed=seed, target_reward=target_reward, max_steps=max_sft_steps, log=log)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    log(f"tiny-model: wrote {out} after {report['sft_steps']} sft steps (sampled reward {report['sampled_reward']:.3f})")
+    log(
+        f"tiny-model: wrote {out} after {report['sft_steps']} sft steps (sampled reward {report['sampled_reward']:.3f})"
+    )
     return out

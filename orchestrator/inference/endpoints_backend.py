@@ -4,9 +4,10 @@ An ``orchestrator.components.InferenceBackend`` like the embedded one, but the s
 in other processes (`orch serve`, vLLM, SGLang; given, or started by the run:
 ``inference.openai.launch``) through :class:`~.client.InferenceClient`.
 
-An episode: the env's task -> its prompt rendered as token ids (with the model dir's tokenizer and
-chat template, as the trainer renders it; `orch serve`'s embedded policy: its own char tokenizer)
-and sent as token ids -> one completion (seeded by run seed, episode and attempt; the
+An episode: the env's task -> its prompt rendered as token ids with the run's model dir's tokenizer
+(its chat messages through the chat template with ``model.chat_template_kwargs``, as the trainer
+sees them; `orch serve`'s embedded policy, driven directly: its own char tokenizer) and sent as
+token ids -> one completion (seeded by run seed, episode and attempt; the
 group id pins the group to one endpoint) -> scored by the env -> ``EpisodeCompleted`` with the
 prompt + completion ids, mask, per-token logprobs and the version the endpoint reports. A request
 whose endpoint fails is re-sent to another endpoint (same episode, same seed); when the client
@@ -36,10 +37,13 @@ if TYPE_CHECKING:
 
 def build_endpoints_backend(section: EndpointsConfig, ctx: BuildContext,
                             envs: Mapping[str, RolloutEnv]) -> EndpointsBackend:
-    """The `openai` backend of a run: the client of its endpoints (given, or the vLLM servers of
-    ``inference.openai.launch``, started at the backend's first load)."""
+    """The `openai` backend of a run on its prepared model (``ctx.model``: the endpoints serve it):
+    the client of its endpoints (given, or the vLLM servers of ``inference.openai.launch``, started
+    at the backend's first load)."""
     config = ctx.config
-    model_dir = run_model_dir(config)
+    if ctx.model is None:
+        raise ValueError("inference endpoints need the run's prepared model (the hf trainer's)")
+    model_dir = ctx.model.path.resolve()
     launcher, urls = None, section.endpoints
     if section.launch.servers:
         from orchestrator.inference.vllm_launch import VllmLauncher
@@ -48,7 +52,8 @@ def build_endpoints_backend(section: EndpointsConfig, ctx: BuildContext,
         urls = launcher.urls
     return EndpointsBackend(ctx.run_dir, envs, make_client(config, urls), temperature=config.rollout.temperature,
                             max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
-                            load_timeout_s=config.trainer.publish_timeout_s, model_dir=model_dir, launcher=launcher)
+                            load_timeout_s=config.trainer.publish_timeout_s, model_dir=model_dir, launcher=launcher,
+                            chat_template_kwargs=config.model.chat_template_kwargs)
 
 
 def make_client(config: RunConfig, urls: list[str]) -> InferenceClient:
@@ -59,24 +64,13 @@ def make_client(config: RunConfig, urls: list[str]) -> InferenceClient:
                            max_loras=inf.max_loras)
 
 
-def run_model_dir(config: RunConfig) -> Path | None:
-    """The HF model dir the endpoints serve (``model.path``; the config's check requires it for
-    the vLLM weight syncs); None for `orch serve`'s own policy."""
-    return None if config.model.path is None else Path(config.model.path).resolve()
-
-
-def check_inference(config: RunConfig) -> None:
-    """Before anything runs, ConfigError (one line) for: a model dir that is not an HF model, a
-    tokenizer without a chat template, a launch that cannot work (`check_launch`), a given vLLM
+def check_inference(config: RunConfig, model_dir: Path) -> None:
+    """Before anything runs (the model dir itself is checked by ``orchestrator.hf.model``),
+    ConfigError (one line) for a launch that cannot work (`check_launch`), or a given vLLM
     endpoint that serves another model or lacks the routes of the weight sync. (What needs no
     file nor server is checked with the config: `EndpointsConfig.check`.)"""
-    model_dir = run_model_dir(config)
-    if model_dir is None:
-        return
-    from orchestrator.inference.vllm_launch import check_launch, model_head_dim
+    from orchestrator.inference.vllm_launch import check_launch
 
-    model_head_dim(model_dir)  # a readable config.json
-    prompt_renderer(model_dir)
     check_launch(config, model_dir)
     inf = config.inference.openai
     if inf.endpoints and inf.weight_sync in VLLM_MODES:
@@ -89,21 +83,17 @@ def check_inference(config: RunConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
-def prompt_renderer(model_dir: Path | None):
-    """text -> prompt token ids: the model's chat template (a user turn, the assistant's opened),
-    else the embedded policy's char tokenizer (`orch serve`)."""
+def prompt_renderer(model_dir: Path | None, chat_template_kwargs: Mapping | None = None):
+    """task -> prompt token ids: with the model dir's tokenizer (`orchestrator.hf.model`), else
+    the embedded policy's char tokenizer (`orch serve`'s, driven directly by tests)."""
     if model_dir is None:
         from orchestrator.embedded.tokenizer import encode_prompt
 
-        return encode_prompt
-    from transformers import AutoTokenizer
+        return lambda task: encode_prompt(task.prompt)
+    from orchestrator.hf.model import load_tokenizer, render_prompt
 
-    from orchestrator.hf.tiny_model import render_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if not tokenizer.chat_template:
-        raise ConfigError(f"the tokenizer of {model_dir} has no chat template, and reverse_text gives messages")
-    return lambda text: list(render_prompt(tokenizer, text))
+    tokenizer, kwargs = load_tokenizer(model_dir), dict(chat_template_kwargs or {})
+    return lambda task: render_prompt(tokenizer, task.prompt, task.messages, **kwargs)
 
 
 def episode_seed(run_seed: int, episode_id: int, attempt: int) -> int:
@@ -116,11 +106,12 @@ class EndpointsBackend:
 
     def __init__(self, run_dir: str | os.PathLike, envs: Mapping[str, RolloutEnv], client: InferenceClient, *,
                  temperature: float, max_new_tokens: int, seed: int, load_timeout_s: float,
-                 model_dir: Path | None = None, launcher: VllmLauncher | None = None):
+                 model_dir: Path | None = None, launcher: VllmLauncher | None = None,
+                 chat_template_kwargs: Mapping | None = None):
         self.run_dir, self.envs, self.client, self.seed = Path(run_dir).resolve(), envs, client, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
         self.model_dir, self.launcher = model_dir, launcher
-        self.encode_prompt = prompt_renderer(model_dir)
+        self.encode_prompt = prompt_renderer(model_dir, chat_template_kwargs)
         self._loaded = asyncio.Event()
         self._ready = launcher is None  # launched servers: once they answered /health
         self.version = -1  # newest version confirmed by at least one endpoint
@@ -172,7 +163,7 @@ class EndpointsBackend:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         env = self.envs[req.env]
         task = await env.task(req.task_id)
-        prompt_ids = self.encode_prompt(task.prompt)
+        prompt_ids = self.encode_prompt(task)
         seed = episode_seed(self.seed, req.episode_id, req.attempt)
         # An eval episode (req.eval_id) goes the same way at its own temperature, asking for its
         # pinned version (which only vllm_lora adapters can give); the completion reports the

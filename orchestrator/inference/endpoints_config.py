@@ -97,8 +97,6 @@ class EndpointsConfig(InferenceComponent):
         if not self.enabled:
             raise ValueError("inference.kind='openai' needs inference.openai.endpoints or "
                              "inference.openai.launch.servers")
-        if self.weight_sync in VLLM_MODES and run.model.path is None:
-            raise ValueError(f"weight_sync {self.weight_sync!r} serves a Hugging Face model: set model.path")
         check_samples_published_weights(run, "inference endpoints")
 
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EndpointsBackend:

@@ -131,6 +131,7 @@ class Progress:
             "run_dir": str(run_dir), "stop_reason": state.stop_reason, "steps": len(steps),
             "reward_first5": sum(first) / len(first) if first else None,
             "reward_last5": sum(last) / len(last) if last else None,
+            "reward_gain": sum(last) / len(last) - sum(first) / len(first) if first else None,
             "wall_s": time.monotonic() - self.started, "conservation": holds, **terms,
             "generated_episodes": acct.completed, "generated_tokens": acct.completed_tokens,
             "trained_episodes": acct.shipped, "trained_tokens": acct.shipped_tokens,

@@ -19,15 +19,16 @@ from orchestrator.components import Algorithm, BuildContext, InferenceBackend, T
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes, with_added_fields
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
+from orchestrator.fold import fold_log
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
 from orchestrator.observe.sinks import build_feeder
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 from orchestrator.shell.loop import Orchestrator
 from orchestrator.shell.progress import Progress
-from orchestrator.fold import fold_log
 
 if TYPE_CHECKING:
+    from orchestrator.hf.model import PreparedModel
     from orchestrator.observe.sinks import SinkFeeder
 
 LOG_MAGIC_META = {"app": "orch", "schema_version": str(ev.EVENT_SCHEMA_VERSION)}
@@ -45,6 +46,28 @@ class OpenedRun:
     state: State
     first_input: object
     resumed_from: int | None
+    model: PreparedModel | None = None  # the hf trainer's model dir, checked and hashed
+
+
+MODEL_HASH_META = "model_sha256"
+
+
+def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
+    """The hf trainer's model dir, checked before anything runs (ConfigError: one line)."""
+    if config.trainer.kind != "hf":
+        return None
+    from orchestrator.hf.component import prepare_model as prepare_hf_model
+    from orchestrator.hf.model import ModelError
+
+    try:
+        model = prepare_hf_model(config, stored_hash)
+    except ModelError as err:
+        raise ConfigError(str(err)) from None
+    if config.inference_kind() == "openai":  # its endpoints or servers (vLLM missing, another model, ...)
+        from orchestrator.inference.endpoints_backend import check_inference
+
+        check_inference(config, model.path.resolve())
+    return model
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_+=@][A-Za-z0-9._+=@-]{0,199}")
@@ -58,19 +81,22 @@ def create_run(config: RunConfig) -> OpenedRun:
     db = events_db(run_dir)
     if db.exists():
         raise RunDirError(f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name")
+    model = prepare_model(config)  # before the run dir exists: a bad model leaves nothing behind
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
     config_json = config.to_json()
+    model_meta = {} if model is None else {MODEL_HASH_META: model.sha256}
     try:
         log = EventLog.create(db, meta={**LOG_MAGIC_META, "config": config_json.decode(),
-                                        "config_hash": config_hash(config_json), "seed": str(config.seed)},
+                                        "config_hash": config_hash(config_json), "seed": str(config.seed),
+                                        **model_meta},
                               durability=config.log.durability)
     except LogExistsError as err:
         raise RunDirError(str(err)) from None
     params = config.core_params()
-    return OpenedRun(config, run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
+    return OpenedRun(config, run_dir, log, initial_state(params), ev.RunStarted(params=params), None, model)
 
 
 def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
@@ -79,8 +105,9 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         raise RunDirError(f"cannot resume {run_dir}: no such run directory")
     if not db.exists():
         raise RunDirError(f"cannot resume {run_dir}: it holds no {EVENTS_DB}")
-    stored = _stored_config(db)
+    stored, stored_model_hash = _stored_config(db)
     requested = _requested_config(stored, run_dir, overrides, config_file)
+    model = prepare_model(requested, stored_model_hash)
     try:  # with the durability asked for now (an operational field a resume may change)
         log = EventLog.open(db, durability=requested.log.durability)
     except LogNotFoundError as err:
@@ -90,7 +117,8 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
             folded = fold_log(log)
         if folded.state is None:  # it stopped before its first event was committed
             params = requested.core_params()
-            return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
+            return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None,
+                             model)
         # max_steps defaults to the run's current one (a resume may have raised it), not to the
         # one it was created with.
         requested = _requested_config(stored, run_dir, overrides, config_file, max_steps=folded.state.params.max_steps)
@@ -100,7 +128,7 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
             raise ConfigError(f"max_steps {requested.max_steps} is below the {shipped} batches {run_dir} already "
                               f"shipped; resume with --max-steps {shipped} or more")
         first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
-        return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq)
+        return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq, model)
     except BaseException:
         log.close()
         raise
@@ -117,8 +145,8 @@ def _check_no_batch_file_beyond(run_dir: Path, shipped: int) -> None:
                           "damaged?); move those files away to resume from the log as it is")
 
 
-def _stored_config(db: Path) -> RunConfig:
-    """The config the run was created with, from the log's meta table."""
+def _stored_config(db: Path) -> tuple[RunConfig, str | None]:
+    """The config the run was created with and its model's hash, from the log's meta table."""
     try:
         with EventLog.open_reader(db) as reader:
             meta = reader.meta
@@ -133,7 +161,7 @@ def _stored_config(db: Path) -> RunConfig:
     if not isinstance(stored_json, dict):
         raise RunDirError(f"{db} is corrupted: the run's stored config is not a JSON object")
     try:
-        return load_config(base=with_added_fields(stored_json))
+        return load_config(base=with_added_fields(stored_json)), meta.get(MODEL_HASH_META)
     except ConfigError as err:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
 
@@ -170,7 +198,7 @@ async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
     if sinks is not None:
         stack.push_async_callback(lambda: sinks.aclose(run.log.last_seq, warn))
     # The state is the loop's own (evolve updates it in place): its version is the one the run holds.
-    ctx = BuildContext(config, run.run_dir, version_now=lambda: run.state.version)
+    ctx = BuildContext(config, run.run_dir, version_now=lambda: run.state.version, model=run.model)
     envs = {}  # those with a task source of their own
     for name, env in config.env_components().items():
         opened = await stack.enter_async_context(env.open(ctx))

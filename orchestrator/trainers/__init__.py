@@ -1,8 +1,8 @@
 """Trainer components (the orchestrator's side of a trainer): `orchestrator.components.TRAINERS`.
 
 * :mod:`.fake`     - `fake`: in-process; checks each shipped batch file, publishes its step.
-* :mod:`.process`  - `embedded`: supervises the torch trainer process (`orch trainer`), or with
-  `trainer.embedded.nproc` > 1 its DDP ranks under torchrun (:mod:`.torchrun`).
+* :mod:`.process`  - supervises a trainer process (`orch trainer`), or its ranks under torchrun
+  (:mod:`.torchrun`); the `hf` trainer (orchestrator/hf/config.py) is one.
 
 Each turns "the trainer finished step N" into one call of `publish(N)`, which the main loop
 turns into a `version_published` input (rule 8: the version advances at confirmation).

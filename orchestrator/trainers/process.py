@@ -1,4 +1,4 @@
-"""`embedded`: the torch trainer process (`orch trainer`, or its DDP ranks under torchrun)
+"""The trainer process (`orch trainer`, or its ranks under torchrun: the hf trainer's)
 supervised as a child; a poll of `weights/step_N/STABLE` markers publishes each version with the
 step's `metrics.json` beside the marker. A crash of the child is noticed within one poll."""
 
@@ -10,63 +10,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import Field
-
-from orchestrator.components import BuildContext, Publish, TrainerComponent
+from orchestrator.components import Publish
 from orchestrator.notices import warn
 from orchestrator.rundir import latest_stable_version, read_metrics, trainer_log, weights_dir
 from orchestrator.trainers import TrainerFailed
-
-if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
-
-
-class EmbeddedTrainerConfig(TrainerComponent):
-    """The embedded torch trainer process (reverse_text)."""
-
-    resumable: ClassVar[frozenset[str]] = frozenset({"nproc", "ddp_backend"})
-    lr: float = Field(2e-3, gt=0, description="learning rate")
-    sft_steps: int = Field(400, ge=0, description="most warm-start steps (it stops at a loss of 0.12)")
-    nproc: int = Field(1, ge=1, description="ranks under torchrun (DDP); 1 = one plain process")
-    ddp_backend: Literal["auto", "gloo", "nccl"] = Field("auto",
-                                                         description="DDP backend (auto: nccl with CUDA, else gloo)")
-
-    def check(self, run: RunConfig) -> None:
-        if set(run.envs) != {"reverse_text"}:
-            raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
-
-    def build(self, ctx: BuildContext) -> ProcessTrainer:
-        write_embedded_trainer_config(ctx.config, ctx.run_dir)
-        if self.nproc > 1:  # DDP under torchrun, supervised the same way
-            from orchestrator.trainers.torchrun import TorchrunTrainer
-
-            return TorchrunTrainer(ctx.run_dir, self.nproc, self.ddp_backend)
-        return ProcessTrainer(ctx.run_dir)
-
-
-def write_embedded_trainer_config(config: RunConfig, run_dir: Path) -> None:
-    from orchestrator.embedded.defaults import KEEP_WEIGHTS as DEFAULT_KEEP_WEIGHTS
-    from orchestrator.embedded.trainer import (  # torch
-        TrainerConfig,
-        write_trainer_config,
-    )
-
-    ours, env = config.trainer.embedded, config.env.reverse_text
-    config_for_trainer = TrainerConfig(
-        max_steps=config.max_steps, lr=ours.lr, seed=config.seed, sft_steps=ours.sft_steps,
-        env_min_len=env.min_len, env_max_len=env.max_len, temperature=config.rollout.temperature,
-        max_new_tokens=config.rollout.max_new_tokens,
-        batch_wait_timeout_s=config.trainer.publish_timeout_s, parent_pid=os.getpid(),
-        # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
-        # crash); a resume reloads the newest recorded one, which must still be on disk.
-        keep_weights=max(DEFAULT_KEEP_WEIGHTS, config.off_policy.target_lag + 2),
-    )
-    try:
-        write_trainer_config(run_dir, config_for_trainer)
-    except OSError as err:  # e.g. a directory in its place: one line, like the trainer's own failures
-        raise TrainerFailed(f"cannot write the trainer's config in {run_dir}: {err.strerror or err}") from err
 
 
 class ProcessTrainer:

@@ -1,9 +1,10 @@
-"""`TorchrunTrainer`: the embedded trainer under torchrun (DDP), supervised like `ProcessTrainer`
-(`trainer.embedded.nproc` > 1).
+"""`TorchrunTrainer`: the hf trainer under torchrun (N ranks, DDP or FSDP2), supervised like
+`ProcessTrainer` (`trainer.hf.nproc` > 1 or `trainer.hf.nnodes` > 1).
 
-The child is ``python -m torch.distributed.run --standalone --nproc-per-node N --max-restarts 0
--m orchestrator.embedded.ddp --run-dir RUN_DIR``; weights are watched exactly as for the
-single-process trainer (STABLE markers, published by rank 0).
+The child is :func:`orchestrator.hf.distributed.torchrun_command` (``python -m
+torch.distributed.run ... --max-restarts=0 -m orchestrator.hf.trainer --run-dir RUN_DIR``):
+standalone on one node, or node ``node_rank`` of ``nnodes`` meeting at ``rdzv_endpoint``.
+Weights are watched exactly as for the single-process trainer (STABLE markers, by rank 0).
 
 Supervision of the process tree (orchestrator -> torchrun agent -> N ranks):
 
@@ -11,28 +12,23 @@ Supervision of the process tree (orchestrator -> torchrun agent -> N ranks):
   which ``check()`` reports with the last error line of ``trainer.log`` (every rank's output goes
   there);
 * stop (inherited): wait for a clean exit, else SIGTERM to the agent, which forwards it to the
-  ranks (each in its own session) and waits for them, else SIGKILL to the agent;
+  ranks and waits for them, else SIGKILL to the agent;
 * no orphans: each rank exits within ~0.2 s once its agent or the orchestrator is gone (parent
-  watchdogs in :mod:`orchestrator.embedded.ddp`), so even a SIGKILLed agent leaves nothing behind.
+  watchdogs in :mod:`orchestrator.hf.trainer`), so even a SIGKILLed agent leaves nothing behind.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from orchestrator.trainers.process import ProcessTrainer
 
 
-def torchrun_command(run_dir: Path, nproc: int, backend: str = "auto") -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "-m", "orchestrator.embedded.ddp", "--run-dir", str(run_dir), "--backend", backend]
-
-
 class TorchrunTrainer(ProcessTrainer):
-    def __init__(self, run_dir: Path, nproc: int, backend: str = "auto", poll_s: float = 0.05):
+    def __init__(self, run_dir: Path, command: list[str], poll_s: float = 0.05):
+        """`command`: the torchrun command line (the hf trainer's: orchestrator.hf.distributed)."""
         super().__init__(run_dir, poll_s)
-        self.nproc, self.backend = nproc, backend
+        self._command = command
 
     def command(self) -> list[str]:
-        return torchrun_command(self.run_dir, self.nproc, self.backend)
+        return self._command

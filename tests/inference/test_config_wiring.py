@@ -1,4 +1,4 @@
-"""Config knobs and wiring: `inference.*`, `trainer.embedded.nproc`, `orch run --inference`, the torchrun command."""
+"""Config knobs and wiring: `inference.*`, `trainer.hf.*`, `orch run --inference`, the torchrun command."""
 
 from __future__ import annotations
 
@@ -8,16 +8,20 @@ import sys
 import pytest
 
 from orchestrator.config import ConfigError, load_config, meaning_changes
+from orchestrator.hf.component import write_trainer_json
+from orchestrator.hf.distributed import torchrun_command
+from orchestrator.hf.model import PreparedModel
 from orchestrator.inference.endpoints_backend import EndpointsBackend
-from orchestrator.trainers.process import ProcessTrainer, write_embedded_trainer_config
-from orchestrator.trainers.torchrun import TorchrunTrainer, torchrun_command
+from orchestrator.trainers.process import ProcessTrainer
+from orchestrator.trainers.torchrun import TorchrunTrainer
 from tests.shell.test_components import parts_of
 
 
 def test_defaults_keep_the_embedded_single_process_job():
     c = load_config()
     assert c.inference.openai.endpoints == [] and c.inference.openai.weight_sync == "orch"
-    assert c.inference_kind() == "embedded" and c.trainer.kind == "embedded" and c.trainer.embedded.nproc == 1
+    assert c.inference_kind() == "embedded" and c.trainer.kind == "hf" and c.trainer.hf.nproc == 1
+    assert c.model.path is None and c.trainer.hf.lora.rank == 0
 
 
 def test_endpoints_need_reverse_text():
@@ -48,23 +52,33 @@ def test_endpoints_must_be_distinct_http_urls(endpoints, message):
 
 def test_endpoints_and_ranks_may_change_on_resume_but_the_weight_protocol_may_not():
     a = load_config()
-    b = load_config(overrides=['inference.openai.endpoints=["http://a:1","http://b:2"]', "trainer.embedded.nproc=4",
-                               "inference.openai.max_attempts=5"])
+    b = load_config(overrides=['inference.openai.endpoints=["http://a:1","http://b:2"]', "trainer.hf.nproc=4",
+                               "inference.openai.max_attempts=5", "trainer.hf.distributed=fsdp",
+                               "trainer.hf.backend=gloo"])
     assert meaning_changes(a, b) == []
     changed = meaning_changes(a, load_config(overrides=["inference.openai.weight_sync=none"]))
     assert changed == ["inference.openai.weight_sync"]
 
 
 def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
+    from orchestrator.hf.tiny_model import build_untrained
+
+    model, tokenizer = build_untrained()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
     config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.openai.endpoints=["127.0.0.1:9/v1"]',
-                                    "trainer.embedded.nproc=2", "trainer.embedded.ddp_backend=gloo"])
+                                    "trainer.hf.nproc=2", "trainer.hf.backend=gloo",
+                                    f"model.path={tmp_path / 'model'}"])
     parts = parts_of(config)
     assert isinstance(parts.backend, EndpointsBackend) and parts.backend.follows_weights
     assert [e.url for e in parts.backend.client.endpoints] == ["http://127.0.0.1:9"]
     assert isinstance(parts.trainer, TorchrunTrainer) and isinstance(parts.trainer, ProcessTrainer)
-    assert torchrun_command(tmp_path, 2, "gloo") == [
+    assert parts.trainer.command() == torchrun_command(tmp_path / "r", nproc=2) == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-        "-m", "orchestrator.embedded.ddp", "--run-dir", str(tmp_path), "--backend", "gloo"]
+        "-m", "orchestrator.hf.trainer", "--run-dir", str(tmp_path / "r")]
+    assert torchrun_command(tmp_path, nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="h:29400")[3:9] == [
+        "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "--rdzv-id=orch",
+        "--nproc-per-node=4"]
 
 
 def test_cli_inference_shorthand(tmp_path):
@@ -82,8 +96,8 @@ def test_cli_inference_shorthand(tmp_path):
 def test_the_trainer_keeps_every_version_a_resume_may_reload(tmp_path, target_lag, kept):
     """After a crash the trainer may have published target_lag + 1 versions the log has not
     recorded; the newest recorded one, which a resume reloads, must still be on disk."""
-    from orchestrator.embedded.trainer import read_trainer_config  # imports torch
+    from orchestrator.hf.trainer import read_trainer_config  # imports torch
 
     config = load_config(overrides=[f"off_policy.target_lag={target_lag}"])
-    write_embedded_trainer_config(config, tmp_path)
+    write_trainer_json(config, tmp_path, PreparedModel(tmp_path / "model", ""))
     assert read_trainer_config(tmp_path).keep_weights == kept

@@ -31,6 +31,7 @@ def model_dir(path: Path, head_dim: int = 32, chat_template: bool = True) -> Pat
     if not chat_template:
         tokenizer.chat_template = None
     tokenizer.save_pretrained(path)
+    (path / "model.safetensors").write_bytes(b"")  # the checks before a run read no weights
     return path
 
 
@@ -79,7 +80,7 @@ def test_vllm_not_installed_when_asked_to_launch_it(tmp_path, monkeypatch):
     config = load_config(None, [f"model.path={model_dir(tmp_path / 'm')}", "inference.openai.weight_sync=vllm_reload",
                                 "inference.openai.launch.servers=1", f"runs_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="vLLM is not installed in .*make vllm"):
-        check_inference(config)
+        check_inference(config, config.model.path)
 
 
 @needs_vllm
@@ -90,7 +91,8 @@ def test_a_head_dim_the_cpu_backend_does_not_support(tmp_path):
     assert_one_line_error(done, tmp_path, "attention heads of size 48", "CPU backend does not support")
     # On GPUs the CPU backend's limits do not apply: no error from this check.
     check_inference(load_config(None, [f"model.path={model}", "inference.openai.weight_sync=vllm_lora",
-                                       "inference.openai.launch.servers=1", 'inference.openai.launch.gpus=["0"]']))
+                                       "inference.openai.launch.servers=1", 'inference.openai.launch.gpus=["0"]']),
+                    model)
 
 
 @needs_vllm

@@ -17,8 +17,6 @@ from tests.inference.vllm_util import launched, needs_vllm, tiny_model
 from tests.shell.test_e2e_fake import assert_log_invariants
 
 pytestmark = [pytest.mark.slow, needs_vllm]
-# The runs train with the hf trainer (branch `hf`), which publishes the HF weights vLLM loads.
-pytest.importorskip("orchestrator.hf.trainer", reason="the hf trainer is not in this tree yet")
 STEPS = 5
 
 

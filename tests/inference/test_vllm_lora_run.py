@@ -15,8 +15,6 @@ from tests.inference.vllm_util import LORA_RANK, needs_vllm, tiny_model
 from tests.shell.test_e2e_fake import assert_log_invariants
 
 pytestmark = [pytest.mark.slow, needs_vllm]
-# The runs train with the hf trainer (branch `hf`), which publishes the HF weights vLLM loads.
-pytest.importorskip("orchestrator.hf.trainer", reason="the hf trainer is not in this tree yet")
 STEPS = 6
 MAX_LORAS = 2
 
@@ -26,7 +24,7 @@ def test_a_lora_run_samples_each_version_from_its_adapter_and_keeps_at_most_max_
         "--config", str(REPO / "examples" / "reverse_text_vllm.toml"), "--runs-dir", str(tmp_path), "--name", "r",
         "--max-steps", str(STEPS), "--set", f"model.path={tiny_model()}", "--set", "log.durability=normal",
         "--set", "inference.openai.weight_sync=vllm_lora", "--set", f"inference.openai.max_loras={MAX_LORAS}",
-        "--set", f"trainer.lora.rank={LORA_RANK}", "--set", f"inference.openai.launch.max_lora_rank={LORA_RANK}",
+        "--set", f"trainer.hf.lora.rank={LORA_RANK}", "--set", f"inference.openai.launch.max_lora_rank={LORA_RANK}",
         "--set", "batch.size=64"), capture_output=True, text=True, cwd=REPO, timeout=1200, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "r"

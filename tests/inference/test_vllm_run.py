@@ -27,8 +27,6 @@ from tests.inference.vllm_util import (
 from tests.shell.test_e2e_fake import assert_log_invariants
 
 pytestmark = [pytest.mark.slow, needs_vllm]
-# The runs train with the hf trainer (branch `hf`), which publishes the HF weights vLLM loads.
-pytest.importorskip("orchestrator.hf.trainer", reason="the hf trainer is not in this tree yet")
 STEPS = 30
 KILL_AT = 6
 LEARNING_WINDOW = 5  # batches averaged at the start and at the end

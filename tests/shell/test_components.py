@@ -33,7 +33,7 @@ FAKE = ['envs={"fake": 1}', "trainer.kind=fake"]
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.kind=nope", "trainer.kind: unknown trainer 'nope'; known: embedded, fake"),
+    ("trainer.kind=nope", "trainer.kind: unknown trainer 'nope'; known: fake, hf"),
     ("inference.kind=nope", "inference.kind: unknown inference backend 'nope'; known: embedded, fake, openai"),
     ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo"),
     ('envs={"nope": 1}', "envs: unknown env 'nope'; known: fake, reverse_text"),
@@ -46,14 +46,12 @@ def test_an_unknown_name_is_one_line_listing_the_known_ones(override, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (['envs={"fake": 1}'], "the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs"),
+    (['envs={"fake": 1}'], "the hf trainer learns reverse_text only; use trainer.kind='fake' for other envs"),
     (["trainer.kind=fake"], "the embedded sampler samples from the trainer's published weights, which the fake "
-     "trainer never writes; use trainer.kind='embedded' (or the fake env)"),
+     "trainer never writes; use trainer.kind='hf' (or the fake env)"),
     (["inference.kind=fake"], "inference.kind='fake' makes the fake env's episodes only"),
     (["inference.kind=openai"], "inference.kind='openai' needs inference.openai.endpoints or "
      "inference.openai.launch.servers"),
-    (["inference.openai.launch.servers=1", "inference.openai.weight_sync=vllm_reload"],
-     "weight_sync 'vllm_reload' serves a Hugging Face model: set model.path"),
 ])
 def test_each_component_checks_what_it_supports(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -87,8 +85,8 @@ def test_the_inference_backend_is_chosen_as_before_unless_named():
 
 
 def test_components_name_the_fields_a_resume_may_change():
-    assert {"trainer.fake.step_time_s", "trainer.embedded.nproc", "inference.openai.endpoints"} <= RESUMABLE_FIELDS
-    assert "trainer.embedded.lr" not in RESUMABLE_FIELDS and "env.fake.latency_s" not in RESUMABLE_FIELDS
+    assert {"trainer.fake.step_time_s", "trainer.hf.nproc", "inference.openai.endpoints"} <= RESUMABLE_FIELDS
+    assert "trainer.hf.lr" not in RESUMABLE_FIELDS and "env.fake.latency_s" not in RESUMABLE_FIELDS
 
 
 class ProbeTrainerConfig(TrainerComponent):

@@ -75,7 +75,7 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
     (["--set", "algorithm.name=gar", "--set", "algorithm.finalize_in_background=false"], 2,
      "orch: error: invalid config: algorithm 'gar' calls a grader and must finalize in the background"),
     (["--env", "reverse_text"], 2, "orch: error: invalid config: the embedded sampler samples from the trainer's published "
-     "weights, which the fake trainer never writes; use trainer.kind='embedded' (or the fake env)"),
+     "weights, which the fake trainer never writes; use trainer.kind='hf' (or the fake env)"),
     (["--set", "rollout.env_server=http://127.0.0.1:9"], 2,
      "orch: error: invalid config: rollout.env_server serves reverse_text episodes only (the fake env runs in-process)"),
     (["--set", "rollout.env_server=localhost:9"], 2,

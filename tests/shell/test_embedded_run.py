@@ -1,5 +1,6 @@
 """The embedded reverse-text job end to end (issue 4): trainer process supervision both ways,
-Ctrl-C, and a kill/resume (issue 6). Slow: each run includes the trainer's warm start."""
+Ctrl-C, and a kill/resume (issue 6). Slow: each run loads torch and transformers twice (the
+orchestrator's sampler, the trainer); the tiny model is built once for the module."""
 
 from __future__ import annotations
 
@@ -18,7 +19,17 @@ from tests.shell.test_e2e_fake import assert_log_invariants, orch
 pytestmark = pytest.mark.slow
 
 SMALL = ["--set", "batch.size=32", "--set", "rollout.group_size=4", "--set", "rollout.max_inflight=32",
-         "--set", "trainer.embedded.sft_steps=60", "--set", "trainer.publish_timeout_s=120"]
+         "--set", "trainer.publish_timeout_s=120"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_tiny_model_for_every_run(tmp_path_factory):
+    """Every run of the module trains the same tiny model dir (not one built per runs dir)."""
+    from orchestrator.hf.model import ensure_tiny_model
+
+    SMALL.extend(["--set", f"model.path={ensure_tiny_model(tmp_path_factory.mktemp('cache'), log=lambda s: None)}"])
+    yield
+    del SMALL[-2:]
 
 
 def processes_mentioning(text: str) -> list[int]:

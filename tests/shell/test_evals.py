@@ -252,28 +252,43 @@ def test_the_fake_env_samples_an_eval_episode_with_its_pinned_version():
 
 @pytest.mark.slow
 def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_temperature(tmp_path):
+    import torch
+
     from orchestrator.embedded.policy import load_policy, sequence_logprobs
     from orchestrator.embedded.sampler_backend import EmbeddedBackend
     from orchestrator.embedded.tokenizer import encode_prompt
     from orchestrator.envs.base import InProcessEnv
+    from orchestrator.hf.loss import token_logprobs
+    from orchestrator.hf.model import render_prompt
+    from orchestrator.hf.tiny_model import build_untrained
     from orchestrator.inference.client import InferenceClient
     from orchestrator.inference.endpoints_backend import EndpointsBackend
+    from orchestrator.rundir import mark_stable, weights_dir
     from tests.inference.util import publish, run, serving
 
-    for version in (0, 1):
-        publish(tmp_path, version, seed=version)
     env = ReverseTextEnv(seed=3)
-    models = {v: load_policy(tmp_path / "weights" / f"step_{v}") for v in (0, 1)}
+    hf_run = tmp_path / "hf"  # the embedded sampler's versions: HF model dirs
+    hf_models = {}
+    for version in (0, 1):
+        hf_models[version], tokenizer = build_untrained(seed=version)
+        hf_models[version].save_pretrained(weights_dir(hf_run, version))
+        tokenizer.save_pretrained(weights_dir(hf_run, version))
+        mark_stable(weights_dir(hf_run, version))
 
-    def check(done, version: int, temperature: float) -> None:
-        prompt = encode_prompt(env.task(-1 - done.episode_id % 3).prompt)
+    def check_hf(done, version: int, temperature: float) -> None:
+        task = env.task(-1 - done.episode_id % 3)
+        prompt = render_prompt(tokenizer, task.prompt, task.messages)
         assert done.ok and done.policy_start == done.policy_end == version and done.temperature == temperature
-        expected = sequence_logprobs(models[version], done.token_ids, len(prompt), temperature)
-        assert done.logprobs[len(prompt):] == pytest.approx(expected, abs=1e-4)
+        ids = torch.tensor([done.token_ids])
+        with torch.no_grad():
+            expected, _ = token_logprobs(hf_models[version](input_ids=ids).logits, ids, torch.tensor([temperature]))
+        assert done.token_ids[: len(prompt)] == prompt
+        assert done.logprobs[len(prompt) :] == pytest.approx(expected[0, len(prompt) :].tolist(), abs=1e-4)
 
     async def embedded():
-        backend = EmbeddedBackend(tmp_path, {"reverse_text": InProcessEnv(env)}, temperature=1.0, max_new_tokens=20,
-                                  seed=5, load_timeout_s=5)
+        backend = EmbeddedBackend(hf_run, {"reverse_text": InProcessEnv(env)}, model_path=weights_dir(hf_run, 0),
+                                  chat_template_kwargs={}, temperature=1.0, max_new_tokens=20, seed=5,
+                                  load_timeout_s=5)
         try:
             await backend.load(1)  # the train sampler holds version 1
             return await asyncio.gather(*(backend(eval_req(e, version=0)) for e in range(4)))
@@ -281,7 +296,17 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
             await backend.aclose()
 
     for done in run(embedded()):  # pinned to version 0 while the train sampler is at 1
-        check(done, 0, 0.7)
+        check_hf(done, 0, 0.7)
+
+    for version in (0, 1):  # `orch serve`'s versions: its own policy's files
+        publish(tmp_path, version, seed=version)
+    models = {v: load_policy(tmp_path / "weights" / f"step_{v}") for v in (0, 1)}
+
+    def check(done, version: int, temperature: float) -> None:
+        prompt = encode_prompt(env.task(-1 - done.episode_id % 3).prompt)
+        assert done.ok and done.policy_start == done.policy_end == version and done.temperature == temperature
+        expected = sequence_logprobs(models[version], done.token_ids, len(prompt), temperature)
+        assert done.logprobs[len(prompt):] == pytest.approx(expected, abs=1e-4)
 
     with serving() as server:
         async def endpoint():
@@ -326,7 +351,7 @@ def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pi
 
 @pytest.mark.slow
 def test_the_embedded_default_run_shows_the_learned_gain_on_held_out_tasks(tmp_path):
-    """`orch run` (reverse_text, the embedded policy and trainer) with evals: the end's eval
+    """`orch run` (reverse_text, the tiny HF model and the hf trainer) with evals: the end's eval
     beats the start's on held-out tasks. The figures are printed for the report."""
     summary_path = tmp_path / "summary.json"
     result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--set", 'eval.envs=["reverse_text"]',

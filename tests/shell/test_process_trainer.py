@@ -45,9 +45,10 @@ def test_a_trainer_killed_by_a_signal_says_so(tmp_path):
 
 def test_a_trainer_config_that_cannot_be_written_is_a_trainer_failure(tmp_path):
     from orchestrator.config import load_config
+    from orchestrator.hf.component import write_trainer_json
+    from orchestrator.hf.model import PreparedModel
     from orchestrator.rundir import TRAINER_CONFIG_FILE
-    from orchestrator.trainers.process import write_embedded_trainer_config
 
     (tmp_path / TRAINER_CONFIG_FILE).mkdir()  # in the way
     with pytest.raises(TrainerFailed, match=f"cannot write the trainer's config in {tmp_path}: "):
-        write_embedded_trainer_config(load_config(None, []), tmp_path)
+        write_trainer_json(load_config(None, []), tmp_path, PreparedModel(tmp_path / "model", ""))

@@ -155,7 +155,7 @@ def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_id
 
 
 def test_a_run_stopped_before_its_first_commit_is_started_by_resume(tmp_path):
-    """A failure or Ctrl-C before `run_started` is committed (e.g. during the embedded trainer's
+    """A failure or Ctrl-C before `run_started` is committed (e.g. during the hf trainer's
     warm start) leaves a log with no event: `--resume` starts the run from the stored config."""
     config = load_config(None, [f"runs_dir={tmp_path}", "name=r", 'envs={"fake": 1.0}', "trainer.kind=fake",
                                 "max_steps=3", "batch.size=16"])

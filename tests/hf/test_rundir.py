@@ -6,10 +6,15 @@ import pytest
 
 from orchestrator import rundir as files
 from orchestrator.core.batch import encode_batch
-from orchestrator.embedded.policy import build_policy, load_policy
-from orchestrator.embedded.trainer import Trainer
+from orchestrator.hf.publish import prune, publish
+from orchestrator.hf.sampler import load_version
+from orchestrator.hf.tiny_model import build_untrained
 
-from conftest import TINY_POLICY, tiny_trainer_config
+MODEL, TOKENIZER = build_untrained(seed=0)
+
+
+def _publish(run_dir, version):
+    return publish(run_dir, version, MODEL, TOKENIZER, MODEL.state_dict(), {"step": version})
 
 
 def test_atomic_write_bytes_is_complete_and_fsynced_before_it_becomes_visible(tmp_path, monkeypatch):
@@ -65,55 +70,56 @@ def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch):
 
 
 def test_weights_dir_appears_whole_and_stable_comes_last(tmp_path, monkeypatch):
-    trainer = Trainer(tmp_path, tiny_trainer_config(), log=lambda s: None)
-    trainer.model = build_policy(TINY_POLICY, seed=0)
     wdir = files.weights_dir(tmp_path, 0)
     events = []
     real_rename, real_mark = os.rename, files.mark_stable
+    contents = [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        files.METRICS_FILE,
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
     def rename(src, dst):
         if str(dst) == str(wdir):
             events.append(("rename", os.path.exists(dst), sorted(os.listdir(src))))
-            load_policy(src)  # the temp dir is complete before it gets its public name
+            load_version(src, tmp_path)  # the temp dir is complete before it gets its public name
         return real_rename(src, dst)
 
     def mark(d):
         events.append(("stable", sorted(os.listdir(d))))
-        load_policy(d)  # weights complete and loadable before STABLE
+        load_version(d, tmp_path)  # weights complete and loadable before STABLE
         return real_mark(d)
 
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(files, "mark_stable", mark)
-    trainer.publish(0)
-    assert events == [
-        ("rename", False, [files.MODEL_FILE, files.POLICY_FILE]),
-        ("stable", [files.MODEL_FILE, files.POLICY_FILE]),
-    ]
+    _publish(tmp_path, 0)
+    assert events == [("rename", False, contents), ("stable", contents)]
     assert files.is_stable(wdir) and files.latest_stable_version(tmp_path) == 0
-    trainer.publish(0)  # idempotent: an already published version is left alone
+    _publish(tmp_path, 0)  # idempotent: an already published version is left alone
     assert len(events) == 2
 
 
 def test_incomplete_leftover_is_replaced_and_tmp_files_cleaned(tmp_path):
     wdir = files.weights_dir(tmp_path, 0)
     wdir.mkdir(parents=True)
-    (wdir / files.MODEL_FILE).write_bytes(b"partial")
+    (wdir / "model.safetensors").write_bytes(b"partial")
     junk = files.weights_root(tmp_path) / ".step_1.tmp-123-abcdef01"
     junk.mkdir()
     files.clean_tmp(files.weights_root(tmp_path))
     assert not junk.exists()
-    trainer = Trainer(tmp_path, tiny_trainer_config(), log=lambda s: None)
-    trainer.model = build_policy(TINY_POLICY, seed=0)
-    trainer.publish(0)
-    load_policy(wdir)
+    _publish(tmp_path, 0)
+    load_version(wdir, tmp_path)
     assert files.is_stable(wdir)
 
 
 def test_old_weight_dirs_are_pruned_keeping_the_newest(tmp_path):
-    trainer = Trainer(tmp_path, tiny_trainer_config(keep_weights=3), log=lambda s: None)
-    trainer.model = build_policy(TINY_POLICY, seed=0)
     for v in range(6):
-        trainer.publish(v)
+        _publish(tmp_path, v)
+        prune(tmp_path, v, keep=3)
         assert files.stable_versions(tmp_path) == list(range(max(0, v - 2), v + 1))
     assert sorted(p.name for p in files.weights_root(tmp_path).iterdir()) == ["step_3", "step_4", "step_5"]
 

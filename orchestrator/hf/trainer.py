@@ -1,0 +1,356 @@
+"""The `hf` trainer: a torch process that turns batch files into weight versions of an HF model.
+
+Run as ``orch trainer --run-dir RUN_DIR`` (one process) or, N ranks, as
+``torchrun ... -m orchestrator.hf.trainer --run-dir RUN_DIR`` (:func:`.distributed.torchrun_command`).
+Its configuration is ``RUN_DIR/trainer.json`` (:class:`TrainerConfig`, written by the orchestrator).
+
+1. Start: load ``AutoModelForCausalLM`` from ``model_path`` (LoRA: wrap it with a PEFT adapter
+   whose B matrices start at zero, so step 0 is the base model), or resume from
+   ``trainer_ckpt/ckpt.pt`` (weights, AdamW state, step); publish the current version if its
+   publication had not completed (step_0: the model as loaded).
+2. For N = last_step+1 .. max_steps: wait (bounded) for ``batches/step_N.json``, take ONE AdamW
+   step of the clipped importance-ratio loss (:func:`.loss.pg_loss`) on it, checkpoint step N,
+   publish ``weights/step_N`` (+ ``metrics.json``) then its STABLE marker, prune old versions.
+3. Exit 0 after max_steps. An error: one line ``orch trainer: error: ...`` on stderr, then the
+   traceback, exit 1. If the orchestrator (``parent_pid``) or the torchrun agent dies, exit 3.
+
+Every rank runs the same loop (:class:`.distributed.Ranks` does the collective parts); rank 0
+alone writes files and logs. stdout: one line per step and per notable wait.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+import click
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orchestrator import rundir
+from orchestrator.hf import checkpoint
+from orchestrator.hf.batch import Batch, BatchError, parse_batch
+from orchestrator.hf.config import LoraSection
+from orchestrator.hf.distributed import Ranks
+from orchestrator.hf.loss import pg_loss, token_logprobs
+from orchestrator.hf.model import ModelError, check_lora_targets, load_model, load_tokenizer
+from orchestrator.hf.process import TrainerError, TrainerSetupError, exit_code_of, start_parent_watchdog
+from orchestrator.hf.publish import prune, publish
+
+
+class TrainerConfig(BaseModel):
+    """``RUN_DIR/trainer.json``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: Path = Field(description="the HF model dir the run starts from")
+    model_hash: str = Field("", description="its model_dir_hash, kept in the checkpoint")
+    max_steps: int = Field(40, ge=0, description="train on batches 1..max_steps, then exit 0")
+    lr: float = Field(5e-4, gt=0, description="AdamW learning rate")
+    lr_warmup_steps: int = Field(5, ge=0, description="the lr ramps linearly over the first steps")
+    weight_decay: float = Field(0.0, ge=0)
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip: ratio clipped to [1-eps, 1+eps]")
+    grad_clip: float = Field(1.0, gt=0, description="max grad norm per optimizer step")
+    micro_batch_size: int = Field(
+        0,
+        ge=0,
+        description="samples per forward/backward, gradients accumulated over "
+        "a rank's share of the batch (0: the whole share at once)",
+    )
+    lora: LoraSection = Field(default_factory=LoraSection)
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    seed: int = Field(0, description="seeds the LoRA A matrices' initialisation")
+    batch_wait_timeout_s: float = Field(300.0, gt=0, description="bound on the wait for one batch")
+    poll_interval_s: float = Field(0.02, gt=0, description="batch file polling period")
+    parent_pid: int | None = Field(None, description="exit when this process dies")
+    keep_weights: int = Field(3, ge=2, description="weight versions kept on disk (newest ones)")
+    num_threads: int = Field(1, ge=1, description="torch intra-op threads per rank")
+
+
+def write_trainer_config(run_dir: str | os.PathLike, config: TrainerConfig) -> Path:
+    path = Path(run_dir) / rundir.TRAINER_CONFIG_FILE
+    rundir.atomic_write_bytes(path, config.model_dump_json(indent=2).encode())
+    return path
+
+
+def read_trainer_config(run_dir: str | os.PathLike) -> TrainerConfig:
+    path = Path(run_dir) / rundir.TRAINER_CONFIG_FILE
+    if not path.is_file():
+        raise TrainerSetupError(f"no trainer config at {path} (the orchestrator writes it before spawning)")
+    try:
+        return TrainerConfig.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        raise TrainerSetupError(f"invalid {path}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
+
+
+def build_model(config: TrainerConfig):
+    """The model to train: the HF model at model_path, with a fresh LoRA adapter if asked."""
+    try:
+        model = load_model(config.model_path)
+    except (OSError, ValueError) as err:
+        raise TrainerSetupError(f"model.path {config.model_path} does not load: {str(err).splitlines()[0]}") from None
+    lora = config.lora
+    if lora.rank == 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    check_lora_targets(model, lora.target_modules, config.model_path)
+    torch.manual_seed(config.seed)  # the A matrices: the same on every rank and every start
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            target_modules=lora.target_modules,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        ),
+    )
+
+
+class Trainer:
+    """One rank of the trainer (the only one by default); usable in-process by tests."""
+
+    def __init__(self, run_dir: str | os.PathLike, config: TrainerConfig, ranks: Ranks | None = None, log=None):
+        self.run_dir, self.config = Path(run_dir), config
+        self.ranks = ranks or Ranks()
+        self._log = log or (lambda line: print(line, flush=True))
+        self.step = -1  # last trained step (0 = nothing trained yet)
+
+    def log(self, line: str) -> None:
+        if self.ranks.is_main:
+            self._log(line)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def init_or_resume(self) -> int:
+        """Load the model (and the checkpoint, if any), wrap it for the ranks, publish the
+        current version. Returns the last trained step."""
+        config, ranks = self.config, self.ranks
+        if ranks.is_main:
+            for directory in (rundir.weights_root(self.run_dir), rundir.ckpt_dir(self.run_dir)):
+                rundir.clean_tmp(directory)
+        try:
+            self.tokenizer = load_tokenizer(config.model_path)
+            self.model = build_model(config)
+        except ModelError as err:
+            raise TrainerSetupError(str(err)) from None
+        ckpt = checkpoint.read(self.run_dir)
+        if ckpt is not None:
+            if config.model_hash and ckpt.get("model_hash") != config.model_hash:
+                raise TrainerSetupError(
+                    f"the checkpoint in {checkpoint.path(self.run_dir)} was trained from another "
+                    f"model than the one now at {config.model_path}"
+                )
+            checkpoint.load_weights(self.model, ckpt)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.module = ranks.wrap(self.model, config.distributed)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        if ckpt is not None:
+            checkpoint.load_optimizer(self.module, self.optimizer, ckpt)
+            self.step = int(ckpt["step"])
+            self.log(f"trainer resumed from {checkpoint.path(self.run_dir)} at step {self.step}")
+        else:
+            self.step = 0
+            self.save_checkpoint()
+        n_train = sum(p.numel() for p in params)
+        how = f"LoRA rank {config.lora.rank}" if config.lora.rank else "full"
+        self.log(
+            f"trainer: {config.model_path} ({how}, "
+            f"{n_train} trained parameters), {ranks.world} rank(s) ({ranks.backend}, {ranks.device.type}"
+            f"{', ' + config.distributed if ranks.world > 1 else ''}), at step {self.step}"
+        )
+        self.publish(self.step, None)
+        return self.step
+
+    # -- one RL step ---------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        """Learning rate of RL step `step` (1-based): linear warmup, then constant."""
+        warm = self.config.lr_warmup_steps
+        return self.config.lr * (min(1.0, step / warm) if warm > 0 else 1.0)
+
+    def train_on_batch(self, batch: Batch) -> dict:
+        """ONE optimizer step on `batch` (this rank's shard of it); returns the step's metrics."""
+        t0 = time.perf_counter()
+        ranks, module = self.ranks, self.module
+        total_tokens = batch.n_tokens  # the whole batch's: every rank computes the same number
+        sums, ratio_max, grad_norm = [0.0, 0.0, 0.0, 0.0], 1.0, 0.0
+        lr = self.lr_at(batch.step)
+        if total_tokens == 0:
+            self.log(f"trainer step={batch.step}: batch has no sampled tokens; weights unchanged")
+        else:
+            chunks = ranks.shard(batch, self.config.micro_batch_size)
+            self.optimizer.zero_grad(set_to_none=True)
+            module.train()
+            ratio_max = float("-inf")
+            for k, chunk in enumerate(chunks):
+                with ranks.gradient_sync(module, k == len(chunks) - 1):  # reduce once, after the last
+                    *shares, chunk_ratio_max = self._backward(chunk, total_tokens)
+                sums = [a + b for a, b in zip(sums, shares, strict=True)]
+                ratio_max = max(ratio_max, chunk_ratio_max)
+            grad_norm = full_value(torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip))
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            module.eval()
+            ratio_max = ranks.max(ratio_max)
+            sums = ranks.sum(sums)
+        loss_v, clipfrac, mismatch_kl, entropy_v = sums
+        adv = batch.advantages
+        return {
+            "step": batch.step,
+            "loss": loss_v,
+            "grad_norm": grad_norm,
+            "entropy": entropy_v,
+            "mismatch_kl": mismatch_kl,
+            "clipfrac": clipfrac,
+            "ratio_max": ratio_max,
+            "lr": lr,
+            "samples": int(batch.ids.shape[0]),
+            "tokens": total_tokens,
+            "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
+            "reward_mean": sum(batch.rewards) / len(batch.rewards) if batch.rewards else None,
+            "step_time_s": time.perf_counter() - t0,
+            "ranks": ranks.world,
+        }
+
+    def _backward(self, chunk: Batch, total_tokens: int) -> list[float]:
+        """Forward and backward of one micro-batch; its [loss, clipfrac, mismatch_kl, entropy]
+        shares of the batch's means, and its largest ratio."""
+        dev, world = self.ranks.device, self.ranks.world
+        ids = chunk.ids.to(dev)
+        logits = self.module(input_ids=ids, attention_mask=chunk.attention.to(dev)).logits
+        new_lp, entropy = token_logprobs(logits, ids, chunk.temperature.to(dev))
+        del logits  # the [B, T, vocab] activations are the largest tensors of a step
+        mask = chunk.mask.to(dev)
+        loss, info = pg_loss(
+            new_lp,
+            chunk.old_logprobs.to(dev),
+            chunk.advantages.to(dev),
+            mask,
+            self.config.clip_eps,
+            n_tokens=total_tokens,
+        )
+        (loss * world).backward()  # the ranks' gradients are averaged: see .distributed
+        entropy_share = float((entropy.detach() * mask).sum()) / total_tokens
+        return [float(loss.detach()), info["clipfrac"], info["mismatch_kl"], entropy_share, info["ratio_max"]]
+
+    def train_step(self, step: int) -> dict:
+        """Wait for batch `step`, train on it, checkpoint, publish ``weights/step_{step}``."""
+        if step != self.step + 1:
+            raise TrainerError(f"trainer is at step {self.step}; cannot train step {step}")
+        t0 = time.perf_counter()
+        path = rundir.batch_path(self.run_dir, step)
+        self.wait_for(path)
+        wait_s = time.perf_counter() - t0
+        try:
+            batch = parse_batch(path.read_bytes(), step, self.vocab_size, where=str(path))
+        except BatchError as err:
+            raise TrainerError(str(err)) from None
+        metrics = self.train_on_batch(batch)
+        metrics["wait_s"] = wait_s
+        self.step = step
+        self.save_checkpoint()
+        self.publish(step, metrics)
+        return metrics
+
+    def wait_for(self, path: Path) -> None:
+        cfg = self.config
+        start = time.monotonic()
+        # say what we wait for: at once for the first batch, else only if the wait gets long
+        next_note = start if self.step == 0 else start + 2.0
+        while not path.is_file():
+            now = time.monotonic()
+            if now - start > cfg.batch_wait_timeout_s:
+                raise TrainerError(
+                    f"timed out after {cfg.batch_wait_timeout_s:.0f}s waiting for {path} "
+                    f"(newest published version: {self.step})"
+                )
+            if now >= next_note:
+                self.log(
+                    f"trainer waiting for {path} ({now - start:.0f}s so far, timeout {cfg.batch_wait_timeout_s:.0f}s)"
+                )
+                next_note = now + 10.0
+            time.sleep(cfg.poll_interval_s)
+
+    # -- files ---------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        checkpoint.save(
+            self.run_dir, self.module, self.optimizer, self.step, self.config.model_hash, write=self.ranks.is_main
+        )
+
+    def publish(self, version: int, metrics: dict | None) -> None:
+        if rundir.is_stable(rundir.weights_dir(self.run_dir, version)):
+            return  # every rank sees it (shared run dir): none gathers
+        state = checkpoint.trained_state_dict(self.module)  # collective under FSDP
+        if self.ranks.is_main:
+            publish(self.run_dir, version, self.model, self.tokenizer, state, metrics)
+            prune(self.run_dir, version, self.config.keep_weights)
+        self.ranks.barrier()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.init_or_resume()
+        if self.step >= self.config.max_steps:
+            self.log(f"trainer: already at step {self.step} >= max_steps {self.config.max_steps}; done")
+            return
+        for step in range(self.step + 1, self.config.max_steps + 1):
+            self.log(step_line(self.train_step(step)))
+        self.log(f"trainer done: {self.config.max_steps} steps")
+
+
+def full_value(norm: torch.Tensor) -> float:
+    """A grad norm as a float (FSDP2 returns it as a DTensor)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def step_line(m: dict) -> str:
+    reward = f" reward={m['reward_mean']:.3f}" if m["reward_mean"] is not None else ""
+    return (
+        f"trainer step={m['step']} loss={m['loss']:+.4f} grad_norm={m['grad_norm']:.3f} "
+        f"entropy={m['entropy']:.3f} mismatch_kl={m['mismatch_kl']:.2e} clipfrac={m['clipfrac']:.3f} "
+        f"samples={m['samples']} tokens={m['tokens']}{reward} lr={m['lr']:.2e} wait={m['wait_s']:.2f}s "
+        f"train={m['step_time_s']:.3f}s ranks={m['ranks']}"
+    )
+
+
+def run_trainer(run_dir: str | os.PathLike) -> int:
+    """Run this rank of the trainer to completion; returns the exit code (0 ok, 1 error)."""
+    rank = os.environ.get("RANK")
+
+    def body() -> None:
+        config = read_trainer_config(run_dir)
+        if config.parent_pid is not None:
+            start_parent_watchdog(config.parent_pid)
+        if rank is not None:
+            start_parent_watchdog(os.getppid())  # the torchrun agent: never outlive it
+        torch.set_num_threads(config.num_threads)
+        ranks = Ranks.from_env(config.backend, timeout_s=config.batch_wait_timeout_s + 120)
+        try:
+            Trainer(run_dir, config, ranks).run()
+            ranks.barrier()  # the last publication is done before any rank reports success
+        finally:
+            ranks.close()
+
+    return exit_code_of(body, where="" if rank is None else f"[rank {rank}] ")
+
+
+@click.command("trainer")
+@click.option(
+    "--run-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="run directory holding trainer.json, batches/ and weights/",
+)
+def trainer_command(run_dir: Path) -> None:
+    """The hf trainer (one process, or one rank under torchrun): batches/step_N.json -> weights/step_N."""
+    sys.exit(run_trainer(run_dir))
+
+
+if __name__ == "__main__":  # python -m orchestrator.hf.trainer --run-dir DIR (torchrun's entry point)
+    trainer_command()
