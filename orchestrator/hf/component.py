@@ -57,7 +57,7 @@ def write_trainer_json(config: RunConfig, run_dir: Path, model: PreparedModel) -
         parent_pid=os.getpid(),
         # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
         # crash); a resume reloads the newest recorded one, which must still be on disk.
-        keep_weights=max(3, config.off_policy.target_lag + 2),
+        keep_weights=max(config.trainer.hf.keep_weights, config.off_policy.target_lag + 2),
         **config.trainer.hf.model_dump(include=same),
     )
     try:

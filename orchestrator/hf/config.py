@@ -31,6 +31,8 @@ class HFTrainerConfig(TrainerComponent):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip, the ratio is clipped to [1-eps, 1+eps]")
     micro_batch_size: int = Field(0, ge=0, description="samples per forward/backward, gradients accumulated over "
                                   "a rank's share of the batch (0: the whole share at once)")
+    keep_weights: int = Field(3, ge=2, description="newest weight versions kept on disk (at least target_lag + 2, so "
+                              "a resume finds the version it reloads)")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters instead of full fine-tuning")
     nproc: int = Field(1, ge=1, description="ranks per node under torchrun; 1 (one node): one process")
     distributed: Literal["ddp", "fsdp"] = Field("ddp", description="how ranks share the model: DDP replicas or FSDP2 "
