@@ -30,27 +30,49 @@ from orchestrator.core.state import conservation, initial_state
 from orchestrator.shell.runner import OpenedRun, run_job
 
 ISSUE_SCENARIO = {
-    "env.fake.prompt_tokens": 1024, "env.fake.min_tokens": 4000, "env.fake.max_tokens": 16000,
-    "rollout.max_inflight": 512, "batch.size": 64, "env.fake.latency_s": 0.5, "env.fake.latency_jitter_s": 0.4,
+    "env.fake.prompt_tokens": 1024,
+    "env.fake.min_tokens": 4000,
+    "env.fake.max_tokens": 16000,
+    "rollout.max_inflight": 512,
+    "batch.size": 64,
+    "env.fake.latency_s": 0.5,
+    "env.fake.latency_jitter_s": 0.4,
     "trainer.fake.step_time_s": 0.5,
 }
 SCENARIOS = {
     "trainer_bound": (12, ISSUE_SCENARIO),
-    "trainer_bound_short": (16, {**ISSUE_SCENARIO, "env.fake.prompt_tokens": 64, "env.fake.min_tokens": 16,
-                                 "env.fake.max_tokens": 64}),
+    "trainer_bound_short": (
+        16,
+        {**ISSUE_SCENARIO, "env.fake.prompt_tokens": 64, "env.fake.min_tokens": 16, "env.fake.max_tokens": 64},
+    ),
     "generation_bound": (12, {**ISSUE_SCENARIO, "trainer.fake.step_time_s": 0.0}),
-    "generation_bound_short": (16, {**ISSUE_SCENARIO, "env.fake.prompt_tokens": 64, "env.fake.min_tokens": 16,
-                                    "env.fake.max_tokens": 64, "trainer.fake.step_time_s": 0.0}),
+    "generation_bound_short": (
+        16,
+        {
+            **ISSUE_SCENARIO,
+            "env.fake.prompt_tokens": 64,
+            "env.fake.min_tokens": 16,
+            "env.fake.max_tokens": 64,
+            "trainer.fake.step_time_s": 0.0,
+        },
+    ),
 }
 
 
 def run_once(tmp_path, name: str, max_steps: int, sets: dict, capacity: str) -> dict:
-    overrides = [f"name={name}-{capacity}", f"runs_dir={tmp_path}", 'envs={"fake": 1.0}', "trainer.kind=fake",
-                 f"max_steps={max_steps}", "log.snapshot_every=0", "log.durability=full",
-                 f"rollout.capacity={capacity}",
-                 # Off, a short-sequence run with an instant trainer drops so many groups as stale
-                 # that the zero-output guard would stop it; both settings run to the end here.
-                 "zero_output_batches=1000"]
+    overrides = [
+        f"name={name}-{capacity}",
+        f"runs_dir={tmp_path}",
+        'envs={"fake": 1.0}',
+        "trainer.kind=fake",
+        f"max_steps={max_steps}",
+        "log.snapshot_every=0",
+        "log.durability=full",
+        f"rollout.capacity={capacity}",
+        # Off, a short-sequence run with an instant trainer drops so many groups as stale
+        # that the zero-output guard would stop it; both settings run to the end here.
+        "zero_output_batches=1000",
+    ]
     config = load_config(None, overrides + [f"{key}={value}" for key, value in sets.items()])
     config.run_dir.mkdir(parents=True)
     log = EventLog.create(config.run_dir / "events.db", durability="full")
@@ -67,9 +89,14 @@ def run_once(tmp_path, name: str, max_steps: int, sets: dict, capacity: str) -> 
     holds, terms = conservation(state)
     assert holds, (capacity, terms)
     acct = state.acct
-    return {"completed": acct.completed, "shipped": acct.shipped, "stale": acct.dropped.get("stale", 0),
-            "stale_share": round(acct.dropped.get("stale", 0) / acct.completed, 4),
-            "shipped_per_s": round(acct.shipped / elapsed, 1), "wall_s": round(elapsed, 2)}
+    return {
+        "completed": acct.completed,
+        "shipped": acct.shipped,
+        "stale": acct.dropped.get("stale", 0),
+        "stale_share": round(acct.dropped.get("stale", 0) / acct.completed, 4),
+        "shipped_per_s": round(acct.shipped / elapsed, 1),
+        "wall_s": round(elapsed, 2),
+    }
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -86,7 +113,9 @@ def test_capacity_on_vs_off(benchmark, tmp_path, scenario):
     on, off = results["staleness"], results["off"]
     ratio = on["shipped_per_s"] / off["shipped_per_s"]
     benchmark.extra_info.update(on=on, off=off, shipped_per_s_ratio=round(ratio, 3))
-    print(f"\ncapacity {scenario}: on {on['completed']} completed, {on['shipped']} shipped, "
-          f"stale {on['stale_share']:.1%}, {on['shipped_per_s']:,.0f} samples/s | off {off['completed']} completed, "
-          f"{off['shipped']} shipped, stale {off['stale_share']:.1%}, {off['shipped_per_s']:,.0f} samples/s "
-          f"| ratio {ratio:.2f}")
+    print(
+        f"\ncapacity {scenario}: on {on['completed']} completed, {on['shipped']} shipped, "
+        f"stale {on['stale_share']:.1%}, {on['shipped_per_s']:,.0f} samples/s | off {off['completed']} completed, "
+        f"{off['shipped']} shipped, stale {off['stale_share']:.1%}, {off['shipped_per_s']:,.0f} samples/s "
+        f"| ratio {ratio:.2f}"
+    )

@@ -29,8 +29,15 @@ from orchestrator.sim import SimOptions, SimWorld
 
 
 def recorded_inputs(max_steps: int = 200):
-    params = ev.CoreParams(env_ratios={"a": 1.0, "b": 1.0}, group_size=8, batch_size=64, max_inflight=128,
-                           max_steps=max_steps, max_off_policy_steps=2, zero_output_batches=1000)
+    params = ev.CoreParams(
+        env_ratios={"a": 1.0, "b": 1.0},
+        group_size=8,
+        batch_size=64,
+        max_inflight=128,
+        max_steps=max_steps,
+        max_off_policy_steps=2,
+        zero_output_batches=1000,
+    )
     world = SimWorld(params, seed=1, options=SimOptions(publish_weight=0.5))
     world.run()
     return [e for e in world.log if e.kind in INPUT_KINDS], len(world.log)
@@ -54,9 +61,17 @@ def test_core_decide_evolve_throughput(benchmark):
 
 
 def _fake_config(tmp_path, name: str, max_steps: int, **sets):
-    overrides = [f"name={name}", f"runs_dir={tmp_path}", "envs={\"fake\": 1.0}", "trainer.kind=fake",
-                 f"max_steps={max_steps}", "batch.size=256", "rollout.max_inflight=512",
-                 "log.snapshot_every=0", "log.durability=full"]
+    overrides = [
+        f"name={name}",
+        f"runs_dir={tmp_path}",
+        'envs={"fake": 1.0}',
+        "trainer.kind=fake",
+        f"max_steps={max_steps}",
+        "batch.size=256",
+        "rollout.max_inflight=512",
+        "log.snapshot_every=0",
+        "log.durability=full",
+    ]
     overrides += [f"{k}={v}" for k, v in sets.items()]
     return load_config(None, overrides)
 
@@ -97,10 +112,16 @@ def test_pipeline_episodes_per_second_log_vs_memory(benchmark, tmp_path):
     # two runs seconds apart), then the median over rounds.
     ratios = [s / m for s, m in zip(results["sqlite"], results["memory"])]
     ratio = statistics.median(ratios)
-    benchmark.extra_info.update(sqlite_eps=round(sqlite_rate), memory_eps=round(memory_rate), ratio=round(ratio, 3),
-                                round_ratios=[round(r, 3) for r in ratios])
-    print(f"\npipeline: sqlite log {sqlite_rate:,.0f} episodes/s, in-memory {memory_rate:,.0f} episodes/s, "
-          f"ratio {ratio:.2f} (median of per-round ratios {', '.join(f'{r:.2f}' for r in ratios)})")
+    benchmark.extra_info.update(
+        sqlite_eps=round(sqlite_rate),
+        memory_eps=round(memory_rate),
+        ratio=round(ratio, 3),
+        round_ratios=[round(r, 3) for r in ratios],
+    )
+    print(
+        f"\npipeline: sqlite log {sqlite_rate:,.0f} episodes/s, in-memory {memory_rate:,.0f} episodes/s, "
+        f"ratio {ratio:.2f} (median of per-round ratios {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
 
 
 async def _lag_probe(samples: list[float], period: float, stop: asyncio.Event) -> None:
@@ -112,8 +133,17 @@ async def _lag_probe(samples: list[float], period: float, stop: asyncio.Event) -
 
 
 def test_event_loop_lag_with_4k_in_flight(benchmark, tmp_path):
-    config = _fake_config(tmp_path, "lag", 40, **{"rollout.max_inflight": 4096, "env.fake.latency_s": 0.5,
-                                                  "env.fake.latency_jitter_s": 0.45, "batch.size": 1024})
+    config = _fake_config(
+        tmp_path,
+        "lag",
+        40,
+        **{
+            "rollout.max_inflight": 4096,
+            "env.fake.latency_s": 0.5,
+            "env.fake.latency_jitter_s": 0.45,
+            "batch.size": 1024,
+        },
+    )
 
     async def main():
         config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +161,7 @@ def test_event_loop_lag_with_4k_in_flight(benchmark, tmp_path):
     orch, samples = benchmark.pedantic(lambda: run_on_new_loop(main()), rounds=1, iterations=1)
     samples.sort()
     p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
-    benchmark.extra_info.update(lag_p99_ms=round(p99 * 1000, 2), lag_p50_ms=round(p50 * 1000, 2),
-                                episodes=orch.state.acct.completed)
+    benchmark.extra_info.update(
+        lag_p99_ms=round(p99 * 1000, 2), lag_p50_ms=round(p50 * 1000, 2), episodes=orch.state.acct.completed
+    )
     print(f"\nevent-loop lag with 4096 in flight: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")

@@ -208,8 +208,11 @@ def test_commit_in_a_worker_beside_a_busy_thread(benchmark, orch_log, raw_log):
             stop.set()
             busy.join()
             worker.shutdown()
-        figures.update(orch_ms=round(m["a"] * 1000, 1), raw_ms=round(m["b"] * 1000, 1),
-                       speedup_paired_median=round(m["paired_ratio"], 1))
+        figures.update(
+            orch_ms=round(m["a"] * 1000, 1),
+            raw_ms=round(m["b"] * 1000, 1),
+            speedup_paired_median=round(m["paired_ratio"], 1),
+        )
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     report(benchmark, **figures)
@@ -258,8 +261,7 @@ def read_rates(benchmark, n: int) -> dict[str, int]:
 
 def test_read_decode(benchmark, filled_path):
     reader = EventLog.open_reader(filled_path)
-    n = benchmark.pedantic(lambda: sum(1 for _ in reader.read(40_001, 40_000 + READ_SLICE)),
-                           rounds=20, warmup_rounds=1)
+    n = benchmark.pedantic(lambda: sum(1 for _ in reader.read(40_001, 40_000 + READ_SLICE)), rounds=20, warmup_rounds=1)
     reader.close()
     assert n == READ_SLICE
     report(benchmark, **read_rates(benchmark, READ_SLICE), target_events_per_s=300_000)
@@ -267,8 +269,9 @@ def test_read_decode(benchmark, filled_path):
 
 def test_read_raw(benchmark, filled_path):
     reader = EventLog.open_reader(filled_path)
-    n = benchmark.pedantic(lambda: sum(1 for _ in reader.read_raw(40_001, 40_000 + READ_SLICE)),
-                           rounds=20, warmup_rounds=1)
+    n = benchmark.pedantic(
+        lambda: sum(1 for _ in reader.read_raw(40_001, 40_000 + READ_SLICE)), rounds=20, warmup_rounds=1
+    )
     reader.close()
     assert n == READ_SLICE
     report(benchmark, **read_rates(benchmark, READ_SLICE))

@@ -44,8 +44,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def build_log(path: Path, n_events: int, seed: int = 0) -> None:
     """At least `n_events` events of a long SimWorld run, appended in commits of a few thousand."""
-    params = ev.CoreParams(seed=seed, env_ratios={"a": 1.0, "b": 1.5}, group_size=4, batch_size=16, max_inflight=24,
-                           max_steps=10**7, max_off_policy_steps=2, zero_output_batches=10**7)
+    params = ev.CoreParams(
+        seed=seed,
+        env_ratios={"a": 1.0, "b": 1.5},
+        group_size=4,
+        batch_size=16,
+        max_inflight=24,
+        max_steps=10**7,
+        max_off_policy_steps=2,
+        zero_output_batches=10**7,
+    )
     world = SimWorld(params, seed=seed, options=SimOptions())
     tmp = path.with_name(path.name + ".building")
     for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
@@ -102,10 +110,14 @@ def logs() -> dict:
     _copy(out["a"], out["b_div"])
     with sqlite3.connect(out["b_div"]) as db:
         (last,) = db.execute("SELECT max(seq) FROM events").fetchone()
-        seq, data = db.execute("SELECT seq, data FROM events WHERE kind = 'batch_shipped' AND seq < ?"
-                               " ORDER BY seq DESC LIMIT 1", (last - 1000,)).fetchone()
-        db.execute("UPDATE events SET data = ? WHERE seq = ?",
-                   (orjson.dumps({**orjson.loads(data), "sha256": "f" * 64}).decode(), seq))
+        seq, data = db.execute(
+            "SELECT seq, data FROM events WHERE kind = 'batch_shipped' AND seq < ? ORDER BY seq DESC LIMIT 1",
+            (last - 1000,),
+        ).fetchone()
+        db.execute(
+            "UPDATE events SET data = ? WHERE seq = ?",
+            (orjson.dumps({**orjson.loads(data), "sha256": "f" * 64}).decode(), seq),
+        )
     out["div_seq"] = seq
     with EventLog.open_reader(out["a"]) as log:
         out["events"] = log.last_seq
@@ -128,11 +140,16 @@ def test_diff_events_level_1m(benchmark, logs):
     result = _timed(benchmark, lambda: _run_diff(logs["a"], logs["b"], "events"))
     assert result.equivalent and result.compared == logs["events"]
     seconds = benchmark.stats.stats.mean
-    benchmark.extra_info.update(events_per_log=logs["events"], seconds=round(seconds, 2),
-                                event_pairs_per_s=round(logs["events"] / seconds),
-                                rows_read_per_s=round(2 * logs["events"] / seconds))
-    print(f"\n--diff --level events, 2 x {logs['events']} events: {seconds:.2f}s, "
-          f"{logs['events'] / seconds:,.0f} event pairs/s")
+    benchmark.extra_info.update(
+        events_per_log=logs["events"],
+        seconds=round(seconds, 2),
+        event_pairs_per_s=round(logs["events"] / seconds),
+        rows_read_per_s=round(2 * logs["events"] / seconds),
+    )
+    print(
+        f"\n--diff --level events, 2 x {logs['events']} events: {seconds:.2f}s, "
+        f"{logs['events'] / seconds:,.0f} event pairs/s"
+    )
 
 
 def test_diff_batches_level_1m(benchmark, logs):
@@ -140,8 +157,12 @@ def test_diff_batches_level_1m(benchmark, logs):
     result = _timed(benchmark, lambda: _run_diff(logs["a"], logs["b"], "batches"), rounds=3)
     assert result.equivalent and result.compared > 0
     seconds = benchmark.stats.stats.mean
-    benchmark.extra_info.update(events_per_log=logs["events"], batches=result.compared, seconds=round(seconds, 2),
-                                events_scanned_per_s=round(2 * logs["events"] / seconds))
+    benchmark.extra_info.update(
+        events_per_log=logs["events"],
+        batches=result.compared,
+        seconds=round(seconds, 2),
+        events_scanned_per_s=round(2 * logs["events"] / seconds),
+    )
     print(f"\n--diff --level batches, 2 x {logs['events']} events ({result.compared} batches): {seconds:.2f}s")
 
 
@@ -150,8 +171,12 @@ def test_diff_accounting_level_1m(benchmark, logs):
     result = _timed(benchmark, lambda: _run_diff(logs["a"], logs["b"], "accounting"))
     assert result.equivalent
     seconds = benchmark.stats.stats.mean
-    benchmark.extra_info.update(events_per_log=logs["events"], items=result.compared, seconds=round(seconds, 2),
-                                events_per_s=round(2 * logs["events"] / seconds))
+    benchmark.extra_info.update(
+        events_per_log=logs["events"],
+        items=result.compared,
+        seconds=round(seconds, 2),
+        events_per_s=round(2 * logs["events"] / seconds),
+    )
     print(f"\n--diff --level accounting, 2 x {logs['events']} events: {seconds:.2f}s")
 
 
@@ -184,33 +209,44 @@ print(json.dumps({"equivalent": result.equivalent, "compared": result.compared, 
 
 
 def _measure(a: Path, b: Path, level: str, trace: bool) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(a), str(b), level, "1" if trace else "0"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(a), str(b), level, "1" if trace else "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
 def test_diff_peak_memory_does_not_grow_with_log_length(benchmark, logs):
     """Peak memory of --diff --level events for N and N/10 events: the same, so it streams."""
+
     def measure_all():
         out = {}
         for size, (a, b) in (("small", (logs["small_a"], logs["small_b"])), ("full", (logs["a"], logs["b"]))):
             rss = _measure(a, b, "events", trace=False)
             heap = _measure(a, b, "events", trace=True)
             assert rss["equivalent"] and heap["equivalent"]
-            out[size] = {"events": rss["compared"], "seconds": round(rss["seconds"], 2),
-                         "maxrss_mb": round(rss["maxrss_kb"] / 1024, 1),
-                         "maxrss_growth_mb": round(rss["maxrss_growth_kb"] / 1024, 1),
-                         "tracemalloc_peak_mb": round(heap["tracemalloc_peak_bytes"] / 2**20, 2)}
+            out[size] = {
+                "events": rss["compared"],
+                "seconds": round(rss["seconds"], 2),
+                "maxrss_mb": round(rss["maxrss_kb"] / 1024, 1),
+                "maxrss_growth_mb": round(rss["maxrss_growth_kb"] / 1024, 1),
+                "tracemalloc_peak_mb": round(heap["tracemalloc_peak_bytes"] / 2**20, 2),
+            }
         return out
 
     out = _timed(benchmark, measure_all)
     small, full = out["small"], out["full"]
     benchmark.extra_info.update(out)
     for v in (small, full):
-        print(f"\npeak memory of --diff --level events, 2 x {v['events']} events: Python heap peak "
-              f"{v['tracemalloc_peak_mb']} MB, process max RSS {v['maxrss_mb']} MB (+{v['maxrss_growth_mb']} MB over "
-              f"the baseline after imports), {v['seconds']}s")
+        print(
+            f"\npeak memory of --diff --level events, 2 x {v['events']} events: Python heap peak "
+            f"{v['tracemalloc_peak_mb']} MB, process max RSS {v['maxrss_mb']} MB (+{v['maxrss_growth_mb']} MB over "
+            f"the baseline after imports), {v['seconds']}s"
+        )
     assert full["maxrss_mb"] < small["maxrss_mb"] + 16.0
     assert full["events"] >= 5 * small["events"]
     assert full["tracemalloc_peak_mb"] < small["tracemalloc_peak_mb"] * 1.25 + 1.0

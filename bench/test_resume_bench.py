@@ -28,8 +28,15 @@ SIZES = {"10k": 10_000, "100k": 100_000, "1M": 1_000_000}
 
 def build_log(path: Path, n_events: int) -> None:
     """Append at least n_events events of a simulated run, with a snapshot 10k before the end."""
-    params = ev.CoreParams(env_ratios={"a": 1.0, "b": 1.0}, group_size=8, batch_size=64, max_inflight=256,
-                           max_steps=10**9, max_off_policy_steps=2, zero_output_batches=10**6)
+    params = ev.CoreParams(
+        env_ratios={"a": 1.0, "b": 1.0},
+        group_size=8,
+        batch_size=64,
+        max_inflight=256,
+        max_steps=10**9,
+        max_off_policy_steps=2,
+        zero_output_batches=10**6,
+    )
     world = SimWorld(params, seed=3, options=SimOptions(publish_weight=0.5, max_tokens=16))
     world.start()
     tmp = path.with_suffix(".tmp")

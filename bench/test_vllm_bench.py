@@ -72,19 +72,38 @@ def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, 
 
     async def main() -> dict:
         client = InferenceClient(server.urls, weight_sync="vllm_reload")
-        rollouts = EndpointsBackend(tmp_path, {"reverse_text": env}, client, temperature=1.0, max_new_tokens=MAX_TOKENS,
-                                    seed=0, load_timeout_s=60, model_dir=base)
+        rollouts = EndpointsBackend(
+            tmp_path,
+            {"reverse_text": env},
+            client,
+            temperature=1.0,
+            max_new_tokens=MAX_TOKENS,
+            seed=0,
+            load_timeout_s=60,
+            model_dir=base,
+        )
         await rollouts.load(0)
         # The same bodies orch sends: its prompt ids and seeds, the server's default model.
         bodies = []
         for req in requests:
             prompt = rollouts.encode_prompt(await env.task(req.task_id))
             seed = episode_seed(0, req.episode_id, req.attempt)
-            bodies.append({"prompt": prompt, "n": 1, "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": seed,
-                           "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True})
+            bodies.append(
+                {
+                    "prompt": prompt,
+                    "n": 1,
+                    "temperature": 1.0,
+                    "max_tokens": MAX_TOKENS,
+                    "seed": seed,
+                    "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                    "return_token_ids": True,
+                }
+            )
         limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
         rates: dict[str, list[float]] = {"orch": [], "plain": []}
         async with httpx.AsyncClient(base_url=server.urls[0], limits=limits, timeout=120, trust_env=False) as plain:
+
             async def plain_one(body):
                 resp = await plain.post("/v1/completions", json=body)
                 resp.raise_for_status()
@@ -104,12 +123,19 @@ def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, 
 
     rates = benchmark.pedantic(lambda: asyncio.run(main()), rounds=1, iterations=1)
     orch, plain = statistics.median(rates["orch"]), statistics.median(rates["plain"])
-    benchmark.extra_info.update(episodes=EPISODES, concurrency=CONCURRENCY, max_tokens=MAX_TOKENS,
-                                orch_completions_per_s=round(orch, 1), plain_completions_per_s=round(plain, 1),
-                                ratio=round(orch / plain, 3),
-                                rounds={k: [round(x, 1) for x in v] for k, v in rates.items()})
-    print(f"\norch {orch:.1f} completions/s, plain httpx {plain:.1f} completions/s: ratio {orch / plain:.3f} "
-          f"(target >= 0.95; {EPISODES} episodes x {ROUNDS} rounds at concurrency {CONCURRENCY})")
+    benchmark.extra_info.update(
+        episodes=EPISODES,
+        concurrency=CONCURRENCY,
+        max_tokens=MAX_TOKENS,
+        orch_completions_per_s=round(orch, 1),
+        plain_completions_per_s=round(plain, 1),
+        ratio=round(orch / plain, 3),
+        rounds={k: [round(x, 1) for x in v] for k, v in rates.items()},
+    )
+    print(
+        f"\norch {orch:.1f} completions/s, plain httpx {plain:.1f} completions/s: ratio {orch / plain:.3f} "
+        f"(target >= 0.95; {EPISODES} episodes x {ROUNDS} rounds at concurrency {CONCURRENCY})"
+    )
 
 
 @pytest.mark.parametrize("mode", ["vllm_reload", "vllm_lora"])
@@ -130,7 +156,10 @@ def test_weight_sync_time_per_version(benchmark, server, base, tmp_path, mode):
             return seconds
 
     seconds = benchmark.pedantic(lambda: asyncio.run(main()), rounds=1, iterations=1)
-    benchmark.extra_info.update(mode=mode, versions=SYNC_VERSIONS, median_s=round(statistics.median(seconds), 4),
-                                max_s=round(max(seconds), 4))
-    print(f"\n{mode}: weight sync {statistics.median(seconds) * 1000:.0f} ms per version (median of {SYNC_VERSIONS}, "
-          f"max {max(seconds) * 1000:.0f} ms)")
+    benchmark.extra_info.update(
+        mode=mode, versions=SYNC_VERSIONS, median_s=round(statistics.median(seconds), 4), max_s=round(max(seconds), 4)
+    )
+    print(
+        f"\n{mode}: weight sync {statistics.median(seconds) * 1000:.0f} ms per version (median of {SYNC_VERSIONS}, "
+        f"max {max(seconds) * 1000:.0f} ms)"
+    )

@@ -11,8 +11,8 @@ It knows nothing about RL: events are ``(seq, ts, kind, data)`` rows with JSON
         ...
 """
 
-from .codec import canonical_json
 from . import errors
+from .codec import canonical_json
 from .errors import *  # noqa: F403 - the typed errors, listed in errors.__all__
 from .fileformat import FORMAT_VERSION, MAGIC
 from .log import EventLog, Record, Snapshot, VerifyReport

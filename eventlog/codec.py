@@ -10,7 +10,8 @@ common path at one ``bytes.__contains__`` per event.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import orjson
 

@@ -26,11 +26,9 @@ FORMAT_VERSION = 1
 RESERVED_META_KEYS = frozenset({"magic", "format_version"})
 
 SCHEMA = (
-    "CREATE TABLE events(seq INTEGER PRIMARY KEY, ts REAL NOT NULL,"
-    " kind TEXT NOT NULL, data TEXT NOT NULL)",
+    "CREATE TABLE events(seq INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL)",
     "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)",
-    "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT,"
-    " state_hash TEXT, state BLOB)",
+    "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT, state_hash TEXT, state BLOB)",
 )
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
@@ -80,12 +78,10 @@ def _check_size(path: str, header: bytes, size: int) -> None:
         raise CorruptLogError(f"{path} has a corrupted header (page size {page_size})")
     if size % page_size:
         raise CorruptLogError(f"{path} is truncated ({size} bytes is not a whole number of pages)")
-    n_pages, = struct.unpack(">I", header[28:32])
+    (n_pages,) = struct.unpack(">I", header[28:32])
     valid = n_pages and header[24:28] == header[92:96]
     if valid and size < n_pages * page_size and not wal_has_frames(path):
-        raise CorruptLogError(
-            f"{path} is truncated ({size // page_size} of {n_pages} pages present)"
-        )
+        raise CorruptLogError(f"{path} is truncated ({size // page_size} of {n_pages} pages present)")
 
 
 def wal_has_frames(path: str) -> bool:

@@ -44,15 +44,13 @@ class WriterLock:
         self.path = lock_path_for(db_path)
         self._fd: int | None = None
 
-    def acquire(self) -> "WriterLock":
+    def acquire(self) -> WriterLock:
         """Take the lock now or raise WriterLockedError naming the holder's pid."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             if e.errno in _READ_ONLY_ERRNOS:
-                raise ReadOnlyLocationError(
-                    f"cannot write lock file {self.path}: {e.strerror}"
-                ) from None
+                raise ReadOnlyLocationError(f"cannot write lock file {self.path}: {e.strerror}") from None
             raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

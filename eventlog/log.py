@@ -28,14 +28,16 @@ import os
 import sqlite3
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import orjson
 
 from . import fileformat
-from .codec import NONFINITE, NOT_JSON, OPTS as _OPTS, has_nonfinite
+from .codec import NONFINITE, NOT_JSON, has_nonfinite
+from .codec import OPTS as _OPTS
 from .errors import (
     CorruptLogError,
     InvalidArgumentError,
@@ -124,9 +126,7 @@ def _sync_pragma(durability: str) -> str:
     try:
         return _SYNC[durability]
     except (KeyError, TypeError):
-        raise InvalidArgumentError(
-            f"durability must be 'full' or 'normal', not {durability!r}"
-        ) from None
+        raise InvalidArgumentError(f"durability must be 'full' or 'normal', not {durability!r}") from None
 
 
 def _check_meta_items(meta: dict[str, str] | None) -> dict[str, str]:
@@ -167,8 +167,7 @@ class EventLog:
 
     # ------------------------------------------------------------ construction
 
-    def __init__(self, path: str, conn: sqlite3.Connection, *, lock: WriterLock | None,
-                 durability: str | None):
+    def __init__(self, path: str, conn: sqlite3.Connection, *, lock: WriterLock | None, durability: str | None):
         """Private: use create(), open() or open_reader()."""
         self.path = path
         self.durability = durability
@@ -186,8 +185,7 @@ class EventLog:
             self._next = self._last + 1
 
     @classmethod
-    def create(cls, path: str | os.PathLike, meta: dict[str, str] | None = None,
-               durability: str = "full") -> "EventLog":
+    def create(cls, path: str | os.PathLike, meta: dict[str, str] | None = None, durability: str = "full") -> EventLog:
         """Create a new log at ``path`` and open it as the writer.
 
         The file is built under a temporary name and hard-linked into place, so
@@ -208,7 +206,7 @@ class EventLog:
             raise
 
     @classmethod
-    def open(cls, path: str | os.PathLike, durability: str = "full") -> "EventLog":
+    def open(cls, path: str | os.PathLike, durability: str = "full") -> EventLog:
         """Open an existing log as THE writer (takes the writer lock, fails at once if held)."""
         path = os.fspath(path)
         sync = _sync_pragma(durability)
@@ -221,7 +219,7 @@ class EventLog:
             raise
 
     @classmethod
-    def open_reader(cls, path: str | os.PathLike, pinned: bool = False) -> "EventLog":
+    def open_reader(cls, path: str | os.PathLike, pinned: bool = False) -> EventLog:
         """Open an existing log read-only; never takes the writer lock.
 
         ``pinned``: every read stops at the last seq committed now, however far a live writer
@@ -238,7 +236,7 @@ class EventLog:
         return log
 
     @classmethod
-    def _open_reader(cls, path: str) -> "EventLog":
+    def _open_reader(cls, path: str) -> EventLog:
         fileformat.check_header(path)
         conn = cls._connect_reader(path)
         try:
@@ -261,12 +259,11 @@ class EventLog:
         log, and nobody can be writing it, since no writer could create a WAL.
         """
         if fileformat.wal_has_frames(path) or os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            raise ReadOnlyLocationError(
-                f"cannot read {path}: its -shm file cannot be created next to it"
-            )
+            raise ReadOnlyLocationError(f"cannot read {path}: its -shm file cannot be created next to it")
         try:
-            conn = sqlite3.connect(_uri(path, mode="ro", immutable="1"), uri=True,
-                                   isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(
+                _uri(path, mode="ro", immutable="1"), uri=True, isolation_level=None, check_same_thread=False
+            )
         except sqlite3.Error as e:
             raise fileformat.translate(e, path) from None
         return conn
@@ -311,12 +308,11 @@ class EventLog:
                 os.unlink(tmp)
 
     @classmethod
-    def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> "EventLog":
+    def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> EventLog:
         _check_writable(path)
         _remove_stale_creation_files(path)
         try:
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
-                                   timeout=_BUSY_TIMEOUT_S)
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_S)
         except sqlite3.Error as e:
             raise fileformat.translate(e, path) from None
         try:
@@ -331,8 +327,9 @@ class EventLog:
     def _connect_reader(path: str) -> sqlite3.Connection:
         """A read-only connection (mode=ro: it can never write, not even by mistake)."""
         try:
-            conn = sqlite3.connect(_uri(path, mode="ro"), uri=True, isolation_level=None,
-                                   check_same_thread=False, timeout=_BUSY_TIMEOUT_S)
+            conn = sqlite3.connect(
+                _uri(path, mode="ro"), uri=True, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_S
+            )
             conn.execute("PRAGMA query_only=1")
         except sqlite3.Error as e:
             raise fileformat.translate(e, path) from None
@@ -463,8 +460,9 @@ class EventLog:
 
     # ------------------------------------------------------------ reading
 
-    def read(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
-             chunk_size: int = 4096) -> Iterator[Record]:
+    def read(
+        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
+    ) -> Iterator[Record]:
         """Yield committed events ``start..stop`` (inclusive) in seq order, data decoded.
 
         ``stop=None`` means the last seq committed when iteration starts.
@@ -485,14 +483,16 @@ class EventLog:
                 return CorruptLogError(f"{self.path} is corrupted: the data of seq {seq} is not JSON ({e})")
         raise AssertionError("a chunk failed to decode, but each of its rows decodes")
 
-    def read_raw(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
-                 chunk_size: int = 4096) -> Iterator[tuple[int, float, str, bytes]]:
+    def read_raw(
+        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
+    ) -> Iterator[tuple[int, float, str, bytes]]:
         """Like :meth:`read` but yields ``(seq, ts, kind, data_bytes)`` without decoding."""
         for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB)"):
             yield from rows
 
-    def read_bodies(self, start: int = 1, stop: int | None = None,
-                    chunk_size: int = 16384) -> Iterator[tuple[str, bytes]]:
+    def read_bodies(
+        self, start: int = 1, stop: int | None = None, chunk_size: int = 16384
+    ) -> Iterator[tuple[str, bytes]]:
         """Yield ``(kind, data_bytes)`` for every committed seq ``start..stop`` in order: the row
         of seq ``max(start, 1) + i`` is the i-th one. For folds, which need no seq or timestamp
         per row and read about twice as fast without them. A missing seq raises CorruptLogError."""
@@ -512,8 +512,9 @@ class EventLog:
                 raise CorruptLogError(f"{self.path}: seqs {first}..{end - 1} are not contiguous")
             yield from rows
 
-    def _chunks(self, start: int, stop: int | None, kinds: Iterable[str] | None,
-                chunk_size: int, data_expr: str) -> Iterator[list[tuple]]:
+    def _chunks(
+        self, start: int, stop: int | None, kinds: Iterable[str] | None, chunk_size: int, data_expr: str
+    ) -> Iterator[list[tuple]]:
         """Fetch rows in bounded chunks; each chunk is a separate, complete statement."""
         if chunk_size < 1:
             raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
@@ -564,14 +565,11 @@ class EventLog:
         """
         self._require_writer()
         if type(seq) is not int or not 0 <= seq <= self._last:
-            raise InvalidArgumentError(
-                f"snapshot seq {seq!r} is not a committed seq (last committed is {self._last})"
-            )
+            raise InvalidArgumentError(f"snapshot seq {seq!r} is not a committed seq (last committed is {self._last})")
         state = bytes(state)
         state_hash = hashlib.sha256(state).hexdigest()
         self._write(
-            "INSERT OR REPLACE INTO snapshots(seq, reducer_version, state_hash, state)"
-            " VALUES (?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO snapshots(seq, reducer_version, state_hash, state) VALUES (?, ?, ?, ?)",
             (seq, str(reducer_version), state_hash, state),
         )
         return state_hash
@@ -655,8 +653,11 @@ class EventLog:
         if self._conn is None:
             return
         if self._buf:
-            warnings.warn(f"closing {self.path} with {len(self._buf)} uncommitted events (discarded)",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"closing {self.path} with {len(self._buf)} uncommitted events (discarded)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._buf = None
         for conn in (self._rconn, self._conn):
             if conn is not None:
@@ -665,7 +666,7 @@ class EventLog:
         if self._lock is not None:
             self._lock.release()
 
-    def __enter__(self) -> "EventLog":
+    def __enter__(self) -> EventLog:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -749,7 +750,7 @@ class EventLog:
 # ---------------------------------------------------------------- module helpers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _insert_sql(n_rows: int) -> str:
     return "INSERT INTO events(seq, ts, kind, data) VALUES " + ",".join(["(?,?,?,?)"] * n_rows)
 
@@ -759,7 +760,7 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
     start, left = 0, len(rows)
     while left:
         size = min(_MAX_ROWS_PER_INSERT, 1 << (left.bit_length() - 1))
-        conn.execute(_insert_sql(size), tuple(itertools.chain.from_iterable(rows[start:start + size])))
+        conn.execute(_insert_sql(size), tuple(itertools.chain.from_iterable(rows[start : start + size])))
         start, left = start + size, left - size
 
 
@@ -845,8 +846,9 @@ def _check_format(conn: sqlite3.Connection, report: VerifyReport) -> None:
 
 def _check_contiguity(conn: sqlite3.Connection, report: VerifyReport, up_to: int | None) -> None:
     """Seqs 1..last with no gap; `up_to` (a pinned reader's end) bounds what is checked."""
-    count, first, last = conn.execute("SELECT count(*), min(seq), max(seq) FROM events WHERE seq <= ?",
-                                      (_MAX_SEQ if up_to is None else up_to,)).fetchone()
+    count, first, last = conn.execute(
+        "SELECT count(*), min(seq), max(seq) FROM events WHERE seq <= ?", (_MAX_SEQ if up_to is None else up_to,)
+    ).fetchone()
     report.events, report.last_seq = count, last or 0
     if count == 0:
         return

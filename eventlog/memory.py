@@ -102,10 +102,11 @@ class MemoryLog:
         self._open_buffer()
         first = max(int(start), 1)
         last = len(self._rows) if stop is None else min(stop, len(self._rows))
-        return self._rows[first - 1:last]
+        return self._rows[first - 1 : last]
 
-    def read_raw(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
-                 chunk_size: int = 4096) -> Iterator[tuple[int, float, str, bytes]]:
+    def read_raw(
+        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
+    ) -> Iterator[tuple[int, float, str, bytes]]:
         _check_chunk_size(chunk_size)
         rows = self._committed(start, stop)
         if kinds is None:
@@ -114,13 +115,15 @@ class MemoryLog:
         wanted = {kinds} if isinstance(kinds, str) else set(kinds)
         yield from (row for row in rows if row[2] in wanted)
 
-    def read(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
-             chunk_size: int = 4096) -> Iterator[Record]:
+    def read(
+        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
+    ) -> Iterator[Record]:
         for seq, ts, kind, data in self.read_raw(start, stop, kinds, chunk_size):
             yield Record(seq, ts, kind, orjson.loads(data))
 
-    def read_bodies(self, start: int = 1, stop: int | None = None,
-                    chunk_size: int = 16384) -> Iterator[tuple[str, bytes]]:
+    def read_bodies(
+        self, start: int = 1, stop: int | None = None, chunk_size: int = 16384
+    ) -> Iterator[tuple[str, bytes]]:
         _check_chunk_size(chunk_size)
         for _seq, _ts, kind, data in self._committed(start, stop):
             yield kind, data
@@ -131,7 +134,8 @@ class MemoryLog:
         self._open_buffer()
         if type(seq) is not int or not 0 <= seq <= len(self._rows):
             raise InvalidArgumentError(
-                f"snapshot seq {seq!r} is not a committed seq (last committed is {len(self._rows)})")
+                f"snapshot seq {seq!r} is not a committed seq (last committed is {len(self._rows)})"
+            )
         state = bytes(state)
         digest = hashlib.sha256(state).hexdigest()
         self._snapshots[seq] = Snapshot(seq, str(reducer_version), digest, state)
@@ -147,15 +151,19 @@ class MemoryLog:
     def close(self) -> None:
         """Idempotent. Uncommitted appends are discarded, with a warning."""
         if self._buffer:
-            warnings.warn(f"closing the in-memory log with {len(self._buffer)} uncommitted events (discarded)",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"closing the in-memory log with {len(self._buffer)} uncommitted events (discarded)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._buffer = None
 
     def __enter__(self) -> MemoryLog:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         """Commit pending appends on a clean exit, discard them on an exception; close."""
         try:
             if exc_type is None:

@@ -38,27 +38,56 @@ def main() -> None:
 
 @main.command("run")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), help="TOML config file")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (dotted), repeatable")
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (dotted), repeatable"
+)
 @click.option("--name", help="run name (default: run-YYYYmmdd-HHMMSS)")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), help="where runs live (default: runs)")
 @click.option("--env", "env_name", type=click.Choice(ENVS.names()), help="shorthand for envs={ENV: 1}")
 @click.option("--trainer", "trainer_kind", type=click.Choice(TRAINERS.names()), help="shorthand for trainer.kind")
 @click.option("--max-steps", type=int, help="shorthand for max_steps")
-@click.option("--inference", "inference_urls", metavar="URL1,URL2,...",
-              help="sample with these OpenAI-compatible endpoints (orch serve, vLLM, SGLang); shorthand for "
-              "inference.openai.endpoints")
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), help="continue the run in this directory")
-@click.option("--progress-every", type=click.IntRange(min=1), default=1, show_default=True,
-              help="print a progress line every N steps")
-@click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path), help="also write the final summary as JSON")
-def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, max_steps, inference_urls, resume_dir,
-                progress_every, json_summary) -> None:
+@click.option(
+    "--inference",
+    "inference_urls",
+    metavar="URL1,URL2,...",
+    help="sample with these OpenAI-compatible endpoints (orch serve, vLLM, SGLang); shorthand for "
+    "inference.openai.endpoints",
+)
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="continue the run in this directory",
+)
+@click.option(
+    "--progress-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="print a progress line every N steps",
+)
+@click.option(
+    "--json-summary", type=click.Path(dir_okay=False, path_type=Path), help="also write the final summary as JSON"
+)
+def run_command(
+    config_file,
+    overrides,
+    name,
+    runs_dir,
+    env_name,
+    trainer_kind,
+    max_steps,
+    inference_urls,
+    resume_dir,
+    progress_every,
+    json_summary,
+) -> None:
     """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
+    from orchestrator.fold import FoldError
     from orchestrator.observe.sinks import SinkUnavailable, check_installed
     from orchestrator.shell.loop import FinalizeError
     from orchestrator.shell.progress import Progress
     from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_job
-    from orchestrator.fold import FoldError
 
     if json_summary is not None:  # found out now, not after the run
         if not json_summary.parent.is_dir():
@@ -70,10 +99,15 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
     set_keys = {text.partition("=")[0].strip() for text in overrides}
     if resume_dir is None and name is None and "name" not in set_keys:
         name = time.strftime("run-%Y%m%d-%H%M%S")
-    sets = list(overrides) + _shorthand_overrides(set_keys, env_name=env_name, trainer_kind=trainer_kind,
-                                                  max_steps=max_steps, inference_urls=inference_urls,
-                                                  name=None if resume_dir else name,
-                                                  runs_dir=None if resume_dir else runs_dir)
+    sets = list(overrides) + _shorthand_overrides(
+        set_keys,
+        env_name=env_name,
+        trainer_kind=trainer_kind,
+        max_steps=max_steps,
+        inference_urls=inference_urls,
+        name=None if resume_dir else name,
+        runs_dir=None if resume_dir else runs_dir,
+    )
     # Until the run installs its own handlers: SIGTERM as Ctrl-C, an exit with a message.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -89,12 +123,18 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
             if run.resumed_from is None:
                 click.echo(f"orch: starting {run.run_dir} (it stopped before its first event was committed)")
             else:
-                click.echo(f"orch: resuming {run.run_dir} from event {run.resumed_from} (step {run.state.step}, version {run.state.version})")
+                click.echo(
+                    f"orch: resuming {run.run_dir} from event {run.resumed_from} "
+                    f"(step {run.state.step}, version {run.state.version})"
+                )
         else:
             config = load_config(config_file, sets)
             check_installed(config.metrics)
             run = create_run(config)
-            click.echo(f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, {run.config.max_steps} steps)")
+            click.echo(
+                f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, "
+                f"{run.config.max_steps} steps)"
+            )
     except (ConfigError, RunDirError, LogError, FoldError, SinkUnavailable) as err:
         fail(str(err), EXIT_USAGE if isinstance(err, (ConfigError, SinkUnavailable)) else EXIT_ERROR)
     except KeyboardInterrupt:  # e.g. while a resume folds a long log: nothing was logged yet
@@ -129,9 +169,14 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
 def _shorthand_overrides(set_keys: set[str], **flags) -> list[str]:
     """The `--set` equivalents of the shorthand flags given; a flag and a `--set` of the same key
     is a usage error (which should win is a guess)."""
-    keys = {"env_name": ("--env", "envs"), "trainer_kind": ("--trainer", "trainer.kind"),
-            "max_steps": ("--max-steps", "max_steps"), "inference_urls": ("--inference", "inference.openai.endpoints"),
-            "name": ("--name", "name"), "runs_dir": ("--runs-dir", "runs_dir")}
+    keys = {
+        "env_name": ("--env", "envs"),
+        "trainer_kind": ("--trainer", "trainer.kind"),
+        "max_steps": ("--max-steps", "max_steps"),
+        "inference_urls": ("--inference", "inference.openai.endpoints"),
+        "name": ("--name", "name"),
+        "runs_dir": ("--runs-dir", "runs_dir"),
+    }
     sets = []
     for param, value in flags.items():
         if value is None:
@@ -167,8 +212,12 @@ def _run_errors() -> tuple[type[BaseException], ...]:
 
 
 @main.command("trainer")
-@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="run directory holding trainer.json, batches/ and weights/")
+@click.option(
+    "--run-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="run directory holding trainer.json, batches/ and weights/",
+)
 def trainer_command(run_dir: Path) -> None:
     """The hf (transformers) trainer: batches/step_N.json -> weights/step_N (+ STABLE)."""
     from orchestrator.hf.trainer import run_trainer  # torch is imported only here
@@ -179,8 +228,13 @@ def trainer_command(run_dir: Path) -> None:
 @main.command("tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="initialisation and warm-start data")
-@click.option("--target-reward", type=click.FloatRange(0, 1), default=0.5, show_default=True,
-              help="the supervised warm start stops at this sampled mean reward")
+@click.option(
+    "--target-reward",
+    type=click.FloatRange(0, 1),
+    default=0.5,
+    show_default=True,
+    help="the supervised warm start stops at this sampled mean reward",
+)
 def tiny_model_command(out_dir: Path, seed: int, target_reward: float) -> None:
     """Build the tiny reverse_text model (a char-level Llama + tokenizer, with a supervised warm
     start) into OUT_DIR, an ordinary HF model dir; no download."""

@@ -239,21 +239,32 @@ class Registry:
         return {name: self.config(name) for name in self.names()}
 
 
-TRAINERS = Registry("trainer", {
-    "fake": "orchestrator.trainers.fake:FakeTrainerConfig",
-    "hf": "orchestrator.hf.config:HFTrainerConfig",
-})
-INFERENCE = Registry("inference backend", {
-    "embedded": "orchestrator.embedded.sampler_backend:EmbeddedSamplerConfig",
-    "openai": "orchestrator.inference.endpoints_config:EndpointsConfig",
-    "fake": "orchestrator.envs.fake:FakeEpisodesConfig",
-})
-ENVS = Registry("env", {
-    "reverse_text": "orchestrator.envs.reverse_text:ReverseTextConfig",
-    "fake": "orchestrator.envs.fake:FakeEnvConfig",
-})
-ALGORITHMS = Registry("algorithm", {
-    "grpo": "orchestrator.finalizers:GRPOConfig",
-    "gar": "orchestrator.finalizers:GARConfig",
-})
-
+TRAINERS = Registry(
+    "trainer",
+    {
+        "fake": "orchestrator.trainers.fake:FakeTrainerConfig",
+        "hf": "orchestrator.hf.config:HFTrainerConfig",
+    },
+)
+INFERENCE = Registry(
+    "inference backend",
+    {
+        "embedded": "orchestrator.embedded.sampler_backend:EmbeddedSamplerConfig",
+        "openai": "orchestrator.inference.endpoints_config:EndpointsConfig",
+        "fake": "orchestrator.envs.fake:FakeEpisodesConfig",
+    },
+)
+ENVS = Registry(
+    "env",
+    {
+        "reverse_text": "orchestrator.envs.reverse_text:ReverseTextConfig",
+        "fake": "orchestrator.envs.fake:FakeEnvConfig",
+    },
+)
+ALGORITHMS = Registry(
+    "algorithm",
+    {
+        "grpo": "orchestrator.finalizers:GRPOConfig",
+        "gar": "orchestrator.finalizers:GARConfig",
+    },
+)

@@ -41,12 +41,17 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=1, description="episodes per group (one task)")
     max_inflight: int = Field(128, ge=1, description="in-flight episode permits (a hard cap, capacity or not)")
     capacity: Literal["staleness", "off"] = Field(
-        "staleness", description="staleness: start a group only while the work dispatched and not yet shipped or "
-        "dropped can still train before it is too old (docs/rules.md, the dispatch capacity); off: max_inflight alone")
+        "staleness",
+        description="staleness: start a group only while the work dispatched and not yet shipped or "
+        "dropped can still train before it is too old (docs/rules.md, the dispatch capacity); off: max_inflight alone",
+    )
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the embedded policy")
-    max_new_tokens: int = Field(48, ge=1, description="completion length cap of the embedded policy (answers need <= 38)")
-    env_server: str | None = Field(None, description="URL of an `orch env-server` serving reverse_text (else envs "
-                                   "run in-process)")
+    max_new_tokens: int = Field(
+        48, ge=1, description="completion length cap of the embedded policy (answers need <= 38)"
+    )
+    env_server: str | None = Field(
+        None, description="URL of an `orch env-server` serving reverse_text (else envs run in-process)"
+    )
 
     @model_validator(mode="after")
     def _env_server_is_a_url(self) -> RolloutConfig:
@@ -95,11 +100,16 @@ class _AlgorithmChoice(_Section):
 class ModelSection(_Section):
     """The model a run trains and samples: a local Hugging Face model dir."""
 
-    path: Path | None = Field(None, description="a local Hugging Face model dir (config.json, weights, tokenizer); "
-                              "None: the tiny reverse_text model, built locally once and cached under "
-                              "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra variables of the chat "
-                                                 "template (e.g. Qwen3's {\"enable_thinking\": false})")
+    path: Path | None = Field(
+        None,
+        description="a local Hugging Face model dir (config.json, weights, tokenizer); "
+        "None: the tiny reverse_text model, built locally once and cached under "
+        "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description='extra variables of the chat template (e.g. Qwen3\'s {"enable_thinking": false})',
+    )
 
 
 class _TrainerChoice(_Section):
@@ -113,8 +123,10 @@ class _TrainerChoice(_Section):
 
 class _InferenceChoice(_Section):
     kind: _name_in(INFERENCE, optional=True) = Field(
-        None, description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for the fake env, openai "
-        "when inference.openai.endpoints or inference.openai.launch.servers is set, else embedded)")
+        None,
+        description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for the fake env, openai "
+        "when inference.openai.endpoints or inference.openai.launch.servers is set, else embedded)",
+    )
 
 
 AlgorithmConfig = _with_components("AlgorithmConfig", _AlgorithmChoice, ALGORITHMS)
@@ -144,9 +156,14 @@ class EvalConfig(_Section):
     def core_params(self) -> EvalParams | None:
         if not self.envs:
             return None
-        return EvalParams(envs=self.envs, every=self.every, num_tasks=self.num_tasks,
-                          samples_per_task=self.samples_per_task, temperature=self.temperature,
-                          max_inflight=self.max_inflight)
+        return EvalParams(
+            envs=self.envs,
+            every=self.every,
+            num_tasks=self.num_tasks,
+            samples_per_task=self.samples_per_task,
+            temperature=self.temperature,
+            max_inflight=self.max_inflight,
+        )
 
 
 class LogConfig(_Section):
@@ -161,7 +178,8 @@ class WandbSection(_Section):
     entity: str | None = Field(None, description="W&B entity (team or user; None: your default)")
     name: str | None = Field(None, description="W&B run name (None: the orch run's name)")
     mode: Literal["online", "offline", "disabled"] | None = Field(
-        None, description="W&B mode (None: WANDB_MODE, else online); offline needs no network")
+        None, description="W&B mode (None: WANDB_MODE, else online); offline needs no network"
+    )
     dir: Path | None = Field(None, description="where W&B keeps its files (None: WANDB_DIR, else the run dir)")
 
 
@@ -188,8 +206,9 @@ class MetricsConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = Field("default", description="run directory name under runs_dir "
-                      "(`orch run` without --name: run-YYYYmmdd-HHMMSS)")
+    name: str = Field(
+        "default", description="run directory name under runs_dir (`orch run` without --name: run-YYYYmmdd-HHMMSS)"
+    )
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
     seed: int = Field(0, description="seeds the core RNG, the envs and the policy")
     max_steps: int = Field(40, ge=1, description="batches to ship, then drain and stop")
@@ -199,23 +218,37 @@ class RunConfig(_Section):
     zero_output_batches: int = Field(10, ge=1, description="batch-equivalents of zero output that stop the run")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="groups, permits and sampling")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="how the pending queue is cut into batches")
-    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig,
-                                        description="how far the rollouts may run ahead of the trainer")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="how a complete group is scored, "
-                                       "inline or in the background; `algorithm.<name>`: each algorithm's own settings")
-    env: EnvSection = Field(default_factory=EnvSection,
-                            description="each env's own settings (`env.<name>`; `envs` picks the ones a run uses)")
-    model: ModelSection = Field(default_factory=ModelSection,
-                                description="the Hugging Face model dir the run trains and samples: docs/hf.md")
-    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the "
-                                    "batches and publishes weights; `trainer.<kind>`: each trainer's own settings")
+    off_policy: OffPolicyConfig = Field(
+        default_factory=OffPolicyConfig, description="how far the rollouts may run ahead of the trainer"
+    )
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig,
+        description="how a complete group is scored, "
+        "inline or in the background; `algorithm.<name>`: each algorithm's own settings",
+    )
+    env: EnvSection = Field(
+        default_factory=EnvSection,
+        description="each env's own settings (`env.<name>`; `envs` picks the ones a run uses)",
+    )
+    model: ModelSection = Field(
+        default_factory=ModelSection, description="the Hugging Face model dir the run trains and samples: docs/hf.md"
+    )
+    trainer: TrainerSection = Field(
+        default_factory=TrainerSection,
+        description="the process that trains on the "
+        "batches and publishes weights; `trainer.<kind>`: each trainer's own settings",
+    )
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
-    inference: InferenceSection = Field(default_factory=InferenceSection, description="the sampler of the episodes; "
-                                        "`inference.<kind>`: each backend's own settings")
-    eval: EvalConfig = Field(default_factory=EvalConfig,
-                             description="evaluations on a schedule, off by default: docs/evals.md")
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig,
-                                   description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
+    inference: InferenceSection = Field(
+        default_factory=InferenceSection,
+        description="the sampler of the episodes; `inference.<kind>`: each backend's own settings",
+    )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="evaluations on a schedule, off by default: docs/evals.md"
+    )
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md"
+    )
 
     @field_validator("envs")
     @classmethod
@@ -254,8 +287,12 @@ class RunConfig(_Section):
     def chosen_components(self) -> list[Component]:
         """What this run is made of, each checking what it supports (the sampler first: what it
         samples decides which other combinations make sense)."""
-        return [self.inference_backend(), self.trainer.chosen(), *self.env_components().values(),
-                self.algorithm.chosen()]
+        return [
+            self.inference_backend(),
+            self.trainer.chosen(),
+            *self.env_components().values(),
+            self.algorithm.chosen(),
+        ]
 
     def finalize_in_background(self) -> bool:
         flag = self.algorithm.finalize_in_background
@@ -263,14 +300,21 @@ class RunConfig(_Section):
 
     def core_params(self) -> CoreParams:
         return CoreParams(
-            seed=self.seed, env_ratios=self.envs, group_size=self.rollout.group_size,
-            batch_size=self.batch.size, token_batch_size=self.batch.token_size,
+            seed=self.seed,
+            env_ratios=self.envs,
+            group_size=self.rollout.group_size,
+            batch_size=self.batch.size,
+            token_batch_size=self.batch.token_size,
             constant_trainer_batch_size=self.batch.constant_trainer_batch_size,
-            max_inflight=self.rollout.max_inflight, target_lag=self.off_policy.target_lag,
+            max_inflight=self.rollout.max_inflight,
+            target_lag=self.off_policy.target_lag,
             max_off_policy_steps=self.off_policy.max_off_policy_steps,
-            max_finalizing_groups=self.algorithm.max_finalizing_groups, max_steps=self.max_steps,
-            algorithm=self.algorithm.name, finalize_in_background=self.finalize_in_background(),
-            zero_output_batches=self.zero_output_batches, capacity=self.rollout.capacity,
+            max_finalizing_groups=self.algorithm.max_finalizing_groups,
+            max_steps=self.max_steps,
+            algorithm=self.algorithm.name,
+            finalize_in_background=self.finalize_in_background(),
+            zero_output_batches=self.zero_output_batches,
+            capacity=self.rollout.capacity,
             eval=self.eval.core_params(),
         )
 
@@ -281,10 +325,23 @@ class RunConfig(_Section):
 def _resumable_fields() -> frozenset[str]:
     """Fields a resume may change: they alter how the run is operated, not what it computes
     (each component names its own)."""
-    fields = {"max_steps", "runs_dir", "name", "log.durability", "log.snapshot_every", "trainer.publish_timeout_s",
-              "trainer.exit_timeout_s", "rollout.env_server", "inference.kind"}
-    for section, registry in (("trainer", TRAINERS), ("inference", INFERENCE), ("env", ENVS),
-                              ("algorithm", ALGORITHMS)):
+    fields = {
+        "max_steps",
+        "runs_dir",
+        "name",
+        "log.durability",
+        "log.snapshot_every",
+        "trainer.publish_timeout_s",
+        "trainer.exit_timeout_s",
+        "rollout.env_server",
+        "inference.kind",
+    }
+    for section, registry in (
+        ("trainer", TRAINERS),
+        ("inference", INFERENCE),
+        ("env", ENVS),
+        ("algorithm", ALGORITHMS),
+    ):
         for name, model in registry.configs().items():
             fields.update(f"{section}.{name}.{field}" for field in model.resumable)
     return frozenset(fields)

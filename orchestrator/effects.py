@@ -122,12 +122,17 @@ def _snapshot(s: State, e: ev.RunStopped, port: EffectPort) -> None:
 # kind -> its effect; a kind missing here calls for none. `version_published` is an input: the
 # only input with an effect.
 _EFFECTS: dict[str, Callable[[State, Any, EffectPort], None]] = {
-    "episode_dispatched": _start_rollout, "episode_cancelled": _cancel_rollout,
-    "eval_episode_dispatched": _start_eval_rollout, "eval_episode_cancelled": _cancel_eval_rollout,
+    "episode_dispatched": _start_rollout,
+    "episode_cancelled": _cancel_rollout,
+    "eval_episode_dispatched": _start_eval_rollout,
+    "eval_episode_cancelled": _cancel_eval_rollout,
     "eval_completed": _report_eval,
-    "finalize_started": _start_finalize, "group_cancelled": _cancel_finalize,
-    "batch_shipped": _write_batch, "version_published": _load_version,
-    "drain_started": _drain, "run_stopped": _snapshot,
+    "finalize_started": _start_finalize,
+    "group_cancelled": _cancel_finalize,
+    "batch_shipped": _write_batch,
+    "version_published": _load_version,
+    "drain_started": _drain,
+    "run_stopped": _snapshot,
 }
 assert set(_EFFECTS) <= set(ev.EVENT_TYPES)
 

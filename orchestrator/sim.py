@@ -39,8 +39,14 @@ class SimOptions:
 
 
 class SimWorld(IgnoringPort):
-    def __init__(self, params: ev.CoreParams, seed: int = 0, options: SimOptions | None = None,
-                 scorer: Callable[[list[float]], list[float]] = grpo_advantages, state: State | None = None):
+    def __init__(
+        self,
+        params: ev.CoreParams,
+        seed: int = 0,
+        options: SimOptions | None = None,
+        scorer: Callable[[list[float]], list[float]] = grpo_advantages,
+        state: State | None = None,
+    ):
         self.params, self.options, self.scorer = params, options or SimOptions(), scorer
         self.rng = random.Random(seed)
         self.started = state is not None  # a given state has had its run_started
@@ -69,8 +75,9 @@ class SimWorld(IgnoringPort):
         self.eval_pins[dispatched.episode_id] = dispatched.policy_version
 
     def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
-        result = ev.BackgroundFinalized(group_id=started.group_id, trace_ids=started.trace_ids,
-                                        advantages=self.scorer([t.reward for t in traces]))
+        result = ev.BackgroundFinalized(
+            group_id=started.group_id, trace_ids=started.trace_ids, advantages=self.scorer([t.reward for t in traces])
+        )
         if self.options.settle == "immediate":
             self.feed(result)
         else:
@@ -88,17 +95,27 @@ class SimWorld(IgnoringPort):
         if ok is None:
             ok = rng.random() >= o.error_rate
         if not ok:
-            return ev.EpisodeCompleted(episode_id=episode_id, group_id=group_id, ok=False,
-                                       policy_start=start, policy_end=self.state.version, error="sim: env error")
+            return ev.EpisodeCompleted(
+                episode_id=episode_id,
+                group_id=group_id,
+                ok=False,
+                policy_start=start,
+                policy_end=self.state.version,
+                error="sim: env error",
+            )
         prompt = rng.randint(1, 4)
         sampled = 0 if rng.random() < o.empty_rate else rng.randint(o.min_tokens, o.max_tokens)
         n = prompt + sampled
         return ev.EpisodeCompleted(
-            episode_id=episode_id, group_id=group_id, ok=True,
+            episode_id=episode_id,
+            group_id=group_id,
+            ok=True,
             reward=rng.randint(0, o.reward_levels) / o.reward_levels,
-            token_ids=[rng.randrange(256) for _ in range(n)], mask=[0] * prompt + [1] * sampled,
+            token_ids=[rng.randrange(256) for _ in range(n)],
+            mask=[0] * prompt + [1] * sampled,
             logprobs=[0.0] * prompt + [-rng.random() for _ in range(sampled)],
-            policy_start=start, policy_end=self.state.version,
+            policy_start=start,
+            policy_end=self.state.version,
         )
 
     def eval_completion(self, episode_id: int, ok: bool | None = None) -> ev.EvalEpisodeCompleted:
@@ -110,9 +127,15 @@ class SimWorld(IgnoringPort):
             ok = rng.random() >= o.error_rate
         reward = rng.randint(0, o.reward_levels) / o.reward_levels if ok else 0.0
         return ev.EvalEpisodeCompleted(
-            episode_id=episode_id, eval_id=self.state.evals.inflight[episode_id], ok=ok, reward=reward,
-            success=reward == 1.0 if ok else None, sampled_tokens=rng.randint(o.min_tokens, o.max_tokens) if ok else 0,
-            policy_start=version, policy_end=version, error=None if ok else "sim: env error",
+            episode_id=episode_id,
+            eval_id=self.state.evals.inflight[episode_id],
+            ok=ok,
+            reward=reward,
+            success=reward == 1.0 if ok else None,
+            sampled_tokens=rng.randint(o.min_tokens, o.max_tokens) if ok else 0,
+            policy_start=version,
+            policy_end=version,
+            error=None if ok else "sim: env error",
         )
 
     def actions(self) -> list[tuple[str, float]]:
@@ -135,7 +158,7 @@ class SimWorld(IgnoringPort):
             return False
         total = sum(w for _, w in acts)
         pick, running = self.rng.random() * total, 0.0
-        for name, weight in acts:
+        for name, weight in acts:  # noqa: B007 - the loop stops at the picked action, read below
             running += weight
             if pick < running:
                 break
@@ -168,8 +191,14 @@ class TimedSimWorld(SimWorld):
     train or eval, before a publish due at the same tick). Background finalize results settle
     immediately."""
 
-    def __init__(self, params: ev.CoreParams, seed: int = 0, options: SimOptions | None = None,
-                 latency: tuple[int, int] = (1, 9), train_ticks: int = 5):
+    def __init__(
+        self,
+        params: ev.CoreParams,
+        seed: int = 0,
+        options: SimOptions | None = None,
+        latency: tuple[int, int] = (1, 9),
+        train_ticks: int = 5,
+    ):
         super().__init__(params, seed, options)
         self.latency, self.train_ticks = latency, train_ticks
         self.tick = 0

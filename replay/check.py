@@ -25,9 +25,11 @@ from replay.source import guarded, row_data
 
 # A rule that a run's parameters switch on is checked as the run had it: a log written before
 # the rule has no such parameter, folds with the rule off, and the check says so.
-CAPACITY_OFF_NOTE = ("rule 1 (d), the dispatch capacity, is off in this log (its run_started sets no capacity: "
-                     "written before the rule, or with rollout.capacity=off); its decisions were re-derived with "
-                     "the rule off, as they were made")
+CAPACITY_OFF_NOTE = (
+    "rule 1 (d), the dispatch capacity, is off in this log (its run_started sets no capacity: "
+    "written before the rule, or with rollout.capacity=off); its decisions were re-derived with "
+    "the rule off, as they were made"
+)
 
 
 @dataclass
@@ -40,9 +42,14 @@ class CheckResult:
     notes: list[str] = field(default_factory=list)  # how the log's own parameters shaped the check
 
     def to_dict(self) -> dict:
-        return {"log": self.path, "deterministic": self.deterministic, "inputs": self.inputs,
-                "decisions": self.decisions, "divergence": self.divergence.to_dict() if self.divergence else None,
-                "notes": self.notes}
+        return {
+            "log": self.path,
+            "deterministic": self.deterministic,
+            "inputs": self.inputs,
+            "decisions": self.decisions,
+            "divergence": self.divergence.to_dict() if self.divergence else None,
+            "notes": self.notes,
+        }
 
 
 def _side_of_row(row: tuple) -> Side:
@@ -92,18 +99,36 @@ def _check(log: EventLog) -> CheckResult:
         seq, _ts, kind, data = row
         if kind in INPUT_KINDS:
             if expected:
-                return CheckResult(log.path, False, inputs, decisions, _diverged(
-                    f"decision #{decisions + 1}", _side_of_row(row), _side_of_event(seq, expected[0]),
-                    f"for the input at seq {input_seq} the current code decides more than was recorded; "
-                    f"the recording moves on to the next input at seq {seq}"))
+                return CheckResult(
+                    log.path,
+                    False,
+                    inputs,
+                    decisions,
+                    _diverged(
+                        f"decision #{decisions + 1}",
+                        _side_of_row(row),
+                        _side_of_event(seq, expected[0]),
+                        f"for the input at seq {input_seq} the current code decides more than was recorded; "
+                        f"the recording moves on to the next input at seq {seq}",
+                    ),
+                )
             event = decode(row, log.path)
             try:
                 state = state or _state_for(event)
                 out = decide(state, event)
             except Exception as err:  # a recorded input the current code cannot take
-                return CheckResult(log.path, False, inputs, decisions, _diverged(
-                    f"input at seq {seq}", _side_of_row(row), None,
-                    f"the current code raises on this recorded input: {type(err).__name__}: {err}"))
+                return CheckResult(
+                    log.path,
+                    False,
+                    inputs,
+                    decisions,
+                    _diverged(
+                        f"input at seq {seq}",
+                        _side_of_row(row),
+                        None,
+                        f"the current code raises on this recorded input: {type(err).__name__}: {err}",
+                    ),
+                )
             expected = deque(out)
             input_seq = seq
             inputs += 1
@@ -111,9 +136,18 @@ def _check(log: EventLog) -> CheckResult:
         if kind not in EVENT_TYPES:
             decode(row, log.path)  # raises ReplayInputError: not an event this code knows
         if not expected:
-            return CheckResult(log.path, False, inputs, decisions, _diverged(
-                f"decision #{decisions + 1}", _side_of_row(row), None,
-                f"recorded decision that the current code does not make for the input at seq {input_seq}"))
+            return CheckResult(
+                log.path,
+                False,
+                inputs,
+                decisions,
+                _diverged(
+                    f"decision #{decisions + 1}",
+                    _side_of_row(row),
+                    None,
+                    f"recorded decision that the current code does not make for the input at seq {input_seq}",
+                ),
+            )
         derived = expected.popleft()
         dkind, ddata = encode_event(derived)
         if dkind == kind and ddata == data:
@@ -123,11 +157,29 @@ def _check(log: EventLog) -> CheckResult:
         if recorded_side.kind == dkind and recorded_side.data == derived_side.data:
             decisions += 1  # same values, different JSON spelling
             continue
-        return CheckResult(log.path, False, inputs, decisions, _diverged(
-            f"decision #{decisions + 1}", recorded_side, derived_side,
-            f"the current code decides this differently for the input at seq {input_seq}"))
+        return CheckResult(
+            log.path,
+            False,
+            inputs,
+            decisions,
+            _diverged(
+                f"decision #{decisions + 1}",
+                recorded_side,
+                derived_side,
+                f"the current code decides this differently for the input at seq {input_seq}",
+            ),
+        )
     if expected:
-        return CheckResult(log.path, False, inputs, decisions, _diverged(
-            f"decision #{decisions + 1}", None, _side_of_event(seq + 1, expected[0]),
-            f"the log ends, but the current code decides more for the input at seq {input_seq}"))
+        return CheckResult(
+            log.path,
+            False,
+            inputs,
+            decisions,
+            _diverged(
+                f"decision #{decisions + 1}",
+                None,
+                _side_of_event(seq + 1, expected[0]),
+                f"the log ends, but the current code decides more for the input at seq {input_seq}",
+            ),
+        )
     return CheckResult(log.path, True, inputs, decisions)

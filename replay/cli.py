@@ -42,15 +42,29 @@ def _emit_json(obj) -> None:
 @click.argument("run", required=False, type=click.Path(path_type=Path))
 @click.option("--at", "at", type=int, metavar="SEQ", help="state after event SEQ (default: the end)")
 @click.option("--json", "as_json", is_flag=True, help="stable JSON (sorted keys) instead of tables")
-@click.option("--diff", "diff_paths", nargs=2, type=click.Path(path_type=Path), metavar="A B",
-              help="compare two runs (run dirs or events.db paths)")
-@click.option("--level", type=click.Choice(LEVELS), default=None,
-              help="what must be equal for --diff/--reexecute  [default: batches]")
+@click.option(
+    "--diff",
+    "diff_paths",
+    nargs=2,
+    type=click.Path(path_type=Path),
+    metavar="A B",
+    help="compare two runs (run dirs or events.db paths)",
+)
+@click.option(
+    "--level",
+    type=click.Choice(LEVELS),
+    default=None,
+    help="what must be equal for --diff/--reexecute  [default: batches]",
+)
 @click.option("--check", is_flag=True, help="re-derive every decision from the recorded inputs")
 @click.option("--reexecute", is_flag=True, help="feed RUN's recorded inputs through decide into --out")
 @click.option("--finalize", type=click.Choice(["inline", "background"]), help="--reexecute: the finalize path")
-@click.option("--settle-order", type=click.Choice(SETTLE_ORDERS), default=None,
-              help="--reexecute background: when results are delivered  [default: recorded]")
+@click.option(
+    "--settle-order",
+    type=click.Choice(SETTLE_ORDERS),
+    default=None,
+    help="--reexecute background: when results are delivered  [default: recorded]",
+)
 @click.option("--seed", type=int, default=None, help="--settle-order shuffled: RNG seed  [default: 0]")
 @click.option("--out", type=click.Path(path_type=Path), metavar="NEW", help="--reexecute: new run dir (or .db path)")
 def replay_command(run, at, as_json, diff_paths, level, check, reexecute, finalize, settle_order, seed, out) -> None:
@@ -170,19 +184,29 @@ def _reexecute(run: Path, out: Path, finalize: str, settle_order: str, seed: int
         _emit_json({"reexecute": report.to_dict(), "diff": result.to_dict(), "equivalent": ok})
         return EXIT_OK if ok else EXIT_DIVERGENT
     console = _console()
-    order = f", settle order {settle_order}" + (f" (seed {seed})" if settle_order == "shuffled" else "") if finalize == "background" else ""
-    console.print(f"re-executed {report.source} with --finalize {finalize}{order} into {report.out}: "
-                  f"{report.inputs_fed} inputs fed, {report.events_written} events written, "
-                  f"results reused {report.results_reused} / computed {report.results_computed}, "
-                  f"late inputs {report.late_inputs}, publishes ahead {report.publishes_ahead}; "
-                  + (f"stopped: {report.stop_reason}" if report.stopped else "not stopped"))
+    order = (
+        f", settle order {settle_order}" + (f" (seed {seed})" if settle_order == "shuffled" else "")
+        if finalize == "background"
+        else ""
+    )
+    console.print(
+        f"re-executed {report.source} with --finalize {finalize}{order} into {report.out}: "
+        f"{report.inputs_fed} inputs fed, {report.events_written} events written, "
+        f"results reused {report.results_reused} / computed {report.results_computed}, "
+        f"late inputs {report.late_inputs}, publishes ahead {report.publishes_ahead}; "
+        + (f"stopped: {report.stop_reason}" if report.stopped else "not stopped")
+    )
     if report.halted is not None:
         h = report.halted
         if h["kind"] == h["input_kind"]:
-            console.print(f"DIVERGENT: the re-executed run cannot accept the recorded input at seq {h['seq']} "
-                          f"({h['kind']}): {h['reason']}")
+            console.print(
+                f"DIVERGENT: the re-executed run cannot accept the recorded input at seq {h['seq']} "
+                f"({h['kind']}): {h['reason']}"
+            )
         else:  # a decision made on that input is the one nobody can answer
-            console.print(f"DIVERGENT: the re-executed run cannot serve its {h['kind']} decision on the recorded "
-                          f"input at seq {h['seq']} ({h['input_kind']}): {h['reason']}")
+            console.print(
+                f"DIVERGENT: the re-executed run cannot serve its {h['kind']} decision on the recorded "
+                f"input at seq {h['seq']} ({h['input_kind']}): {h['reason']}"
+            )
     render_result(result, console)
     return EXIT_OK if ok else EXIT_DIVERGENT

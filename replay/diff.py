@@ -75,9 +75,13 @@ class Divergence:
 
     def to_dict(self) -> dict:
         return {
-            "what": self.what, "index": self.index, "note": self.note,
-            "a": self.a.to_dict() if self.a else None, "b": self.b.to_dict() if self.b else None,
-            "fields": [f.to_dict() for f in self.fields], "more_fields": self.more_fields,
+            "what": self.what,
+            "index": self.index,
+            "note": self.note,
+            "a": self.a.to_dict() if self.a else None,
+            "b": self.b.to_dict() if self.b else None,
+            "fields": [f.to_dict() for f in self.fields],
+            "more_fields": self.more_fields,
         }
 
 
@@ -93,8 +97,12 @@ class DiffResult:
 
     def to_dict(self) -> dict:
         return {
-            "level": self.level, "a": self.a, "b": self.b, "equivalent": self.equivalent,
-            "compared": self.compared, "divergence": self.divergence.to_dict() if self.divergence else None,
+            "level": self.level,
+            "a": self.a,
+            "b": self.b,
+            "equivalent": self.equivalent,
+            "compared": self.compared,
+            "divergence": self.divergence.to_dict() if self.divergence else None,
             "details": self.details,
         }
 
@@ -149,8 +157,9 @@ def structural_diff(a: Any, b: Any, limit: int = MAX_FIELD_DIFFS) -> tuple[list[
     return out, more
 
 
-def divergence_of(what: str, index: int, a: Side | None, b: Side | None, project: Callable[[Side], Any] | None = None,
-                note: str = "") -> Divergence:
+def divergence_of(
+    what: str, index: int, a: Side | None, b: Side | None, project: Callable[[Side], Any] | None = None, note: str = ""
+) -> Divergence:
     if a is not None and b is not None:
         pa = project(a) if project else {"kind": a.kind, **a.data}
         pb = project(b) if project else {"kind": b.kind, **b.data}
@@ -172,8 +181,14 @@ def _side(row: tuple, source: str) -> Side:
     return Side(seq, kind, normalize(row_data(seq, data, source)))
 
 
-def _compare_rows(a_log: EventLog, b_log: EventLog, kinds: tuple[str, ...] | None, what: Callable[[int, Side], str],
-                  key: Callable[[Side], Any] | None = None, chunk: int = 4096) -> tuple[int, Divergence | None]:
+def _compare_rows(
+    a_log: EventLog,
+    b_log: EventLog,
+    kinds: tuple[str, ...] | None,
+    what: Callable[[int, Side], str],
+    key: Callable[[Side], Any] | None = None,
+    chunk: int = 4096,
+) -> tuple[int, Divergence | None]:
     """Lockstep over the two logs' rows (of `kinds`, or all), a bounded chunk of each at a time;
     (items compared, first divergence or None). Equal chunks (same kinds, same data bytes; ts
     ignored) are skipped whole."""
@@ -227,8 +242,9 @@ def diff_curriculum(a: EventLog, b: EventLog) -> DiffResult:
 
 
 def diff_evals(a: EventLog, b: EventLog) -> DiffResult:
-    n, div = _compare_rows(a, b, ("eval_completed",),
-                           lambda i, s: f"eval result #{i + 1} ({s.data.get('env')} v{s.data.get('version')})")
+    n, div = _compare_rows(
+        a, b, ("eval_completed",), lambda i, s: f"eval result #{i + 1} ({s.data.get('env')} v{s.data.get('version')})"
+    )
     return DiffResult("evals", a.path, b.path, div is None, n, div)
 
 
@@ -297,8 +313,12 @@ def _compare_sequence(name: str, a: EventLog, b: EventLog) -> dict:
             first = divergence_of(what, index, x[0] if x else None, y[0] if y else None, note=note)
     return {
         "first": first,
-        "report": {"count_a": count_a, "count_b": count_b, "same_sequence": first is None,
-                   "same_set": count_a == count_b and sum_a == sum_b},
+        "report": {
+            "count_a": count_a,
+            "count_b": count_b,
+            "same_sequence": first is None,
+            "same_set": count_a == count_b and sum_a == sum_b,
+        },
     }
 
 
@@ -309,8 +329,13 @@ def _totals(log: EventLog) -> dict:
     state = fold_run(log).state
     assert state is not None, "fold_run gives a state"
     holds, terms = conservation(state)
-    return {"acct": _acct(state), "conservation": holds, "step": state.step, "version": state.version,
-            "stop_reason": state.stop_reason}
+    return {
+        "acct": _acct(state),
+        "conservation": holds,
+        "step": state.step,
+        "version": state.version,
+        "stop_reason": state.stop_reason,
+    }
 
 
 def diff_accounting(a: EventLog, b: EventLog) -> DiffResult:
@@ -330,13 +355,25 @@ def diff_accounting(a: EventLog, b: EventLog) -> DiffResult:
         div = min(firsts, key=lambda d: (d.a.seq if d.a else inf, d.b.seq if d.b else inf))
     elif ta["acct"] != tb["acct"]:
         fields, more = structural_diff(ta["acct"], tb["acct"])
-        div = Divergence("totals", -1, Side(a.last_seq, "end", ta["acct"]), Side(b.last_seq, "end", tb["acct"]),
-                         fields, more, "the accounting totals of the end states differ")
+        div = Divergence(
+            "totals",
+            -1,
+            Side(a.last_seq, "end", ta["acct"]),
+            Side(b.last_seq, "end", tb["acct"]),
+            fields,
+            more,
+            "the accounting totals of the end states differ",
+        )
     return DiffResult("accounting", a.path, b.path, div is None, compared, div, details)
 
 
-DIFFERS = {"batches": diff_batches, "accounting": diff_accounting, "curriculum": diff_curriculum,
-           "evals": diff_evals, "events": diff_events}
+DIFFERS = {
+    "batches": diff_batches,
+    "accounting": diff_accounting,
+    "curriculum": diff_curriculum,
+    "evals": diff_evals,
+    "events": diff_events,
+}
 
 
 def diff_logs(a: EventLog, b: EventLog, level: str = "batches") -> DiffResult:
@@ -391,8 +428,13 @@ def render_divergence(div: Divergence, console, a_label: str = "A", b_label: str
 
 
 def render_result(result: DiffResult, console) -> None:
-    unit = {"batches": "batches", "accounting": "accounting items", "curriculum": "group dispatches",
-            "evals": "eval results", "events": "events"}[result.level]
+    unit = {
+        "batches": "batches",
+        "accounting": "accounting items",
+        "curriculum": "group dispatches",
+        "evals": "eval results",
+        "events": "events",
+    }[result.level]
     if result.equivalent:
         console.print(f"equivalent at the {result.level} level: {result.compared} {unit} compared")
     else:

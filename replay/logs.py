@@ -13,8 +13,13 @@ from orchestrator.core import events as ev
 from replay.source import APP
 
 
-def write_events(path: str | os.PathLike, events: Iterable, meta: dict[str, str] | None = None,
-                 durability: str = "normal", commit_every: int = 8192) -> int:
+def write_events(
+    path: str | os.PathLike,
+    events: Iterable,
+    meta: dict[str, str] | None = None,
+    durability: str = "normal",
+    commit_every: int = 8192,
+) -> int:
     """Create an orch log at `path` holding `events` (event models) in order; return the last seq."""
     full_meta = {"app": APP, "schema_version": str(ev.EVENT_SCHEMA_VERSION), **(meta or {})}
     with EventLog.create(path, meta=full_meta, durability=durability) as log:

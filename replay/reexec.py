@@ -72,7 +72,9 @@ class ReexecOptions:
         if self.finalize not in FINALIZE_PATHS:
             raise ReplayInputError(f"--finalize must be inline or background, not {self.finalize!r}")
         if self.settle_order not in SETTLE_ORDERS:
-            raise ReplayInputError(f"--settle-order must be one of {', '.join(SETTLE_ORDERS)}, not {self.settle_order!r}")
+            raise ReplayInputError(
+                f"--settle-order must be one of {', '.join(SETTLE_ORDERS)}, not {self.settle_order!r}"
+            )
         if not 0.0 < self.deliver_p <= 1.0:
             raise ReplayInputError("deliver_p must be in (0, 1]")
 
@@ -118,8 +120,9 @@ class RecordedResults:
             seq, _ts, kind, _data = row
             event = decode(row, log.path)
             if isinstance(event, ev.GroupFinalized):  # decided inline: the new run receives it as an input
-                event = ev.BackgroundFinalized(group_id=event.group_id, trace_ids=event.trace_ids,
-                                               advantages=event.advantages)
+                event = ev.BackgroundFinalized(
+                    group_id=event.group_id, trace_ids=event.trace_ids, advantages=event.advantages
+                )
             self.by_group.setdefault(event.group_id, []).append(_Entry(seq, kind in ev.INPUT_KINDS, event))
 
     def take(self, group_id: int, trace_ids: list[int]) -> _Entry | None:
@@ -167,9 +170,14 @@ class Reexecutor(IgnoringPort):
     def _create_log(self) -> EventLog:
         meta = {k: v for k, v in self.source.meta.items() if k not in _RESERVED_META}
         meta[REEXECUTED_META] = orjson.dumps(
-            {"from": str(self.source.path), "finalize": self.options.finalize,
-             "settle_order": self.options.settle_order, "seed": self.options.seed},
-            option=orjson.OPT_SORT_KEYS).decode()
+            {
+                "from": str(self.source.path),
+                "finalize": self.options.finalize,
+                "settle_order": self.options.settle_order,
+                "seed": self.options.seed,
+            },
+            option=orjson.OPT_SORT_KEYS,
+        ).decode()
         try:
             self.db.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -226,13 +234,19 @@ class Reexecutor(IgnoringPort):
             self.report.results_withheld += 1  # RUN never received one: neither does the new run
             return
         elif self.algorithm in INLINE_SCORERS:
-            result = ev.BackgroundFinalized(group_id=started.group_id, trace_ids=started.trace_ids,
-                                            advantages=INLINE_SCORERS[self.algorithm]([t.reward for t in traces]))
+            result = ev.BackgroundFinalized(
+                group_id=started.group_id,
+                trace_ids=started.trace_ids,
+                advantages=INLINE_SCORERS[self.algorithm]([t.reward for t in traces]),
+            )
             self.report.results_computed += 1
         else:
-            raise _Halt(f"no recorded {self.algorithm} result for group {started.group_id} with survivors "
-                        f"{started.trace_ids}, and replay never re-runs a grader",
-                        started.kind, orjson.loads(ev.encode_event(started)[1]))
+            raise _Halt(
+                f"no recorded {self.algorithm} result for group {started.group_id} with survivors "
+                f"{started.trace_ids}, and replay never re-runs a grader",
+                started.kind,
+                orjson.loads(ev.encode_event(started)[1]),
+            )
         if order == "shuffled":
             self.held.append(result)
         elif order == "recorded" and entry is not None and entry.is_input and entry.seq > self.cursor:
@@ -251,10 +265,14 @@ class Reexecutor(IgnoringPort):
         if event.kind == "run_started":
             background = self.options.finalize == "background"
             try:
-                params = ev.CoreParams.model_validate({**event.params.model_dump(), "finalize_in_background": background})
+                params = ev.CoreParams.model_validate(
+                    {**event.params.model_dump(), "finalize_in_background": background}
+                )
             except ValidationError as err:
                 msg = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())  # the validator's own
-                raise ReplayInputError(one_line(f"cannot re-execute with --finalize {self.options.finalize}: {msg}")) from None
+                raise ReplayInputError(
+                    one_line(f"cannot re-execute with --finalize {self.options.finalize}: {msg}")
+                ) from None
             self.algorithm = params.algorithm
             return ev.RunStarted(schema_version=event.schema_version, params=params)
         s = self.state
@@ -265,8 +283,10 @@ class Reexecutor(IgnoringPort):
                     raise _Halt(f"completion of episode {event.episode_id}, which the re-executed run never dispatched")
                 self.report.late_inputs += 1
             elif group_id != event.group_id:
-                raise _Halt(f"completion of episode {event.episode_id} of group {event.group_id}, but the re-executed "
-                            f"run dispatched that episode into group {group_id}")
+                raise _Halt(
+                    f"completion of episode {event.episode_id} of group {event.group_id}, but the re-executed "
+                    f"run dispatched that episode into group {group_id}"
+                )
         elif event.kind == "version_published" and event.version > s.step - 1:
             self.report.publishes_ahead += 1
         return event
@@ -316,16 +336,26 @@ class Reexecutor(IgnoringPort):
                 try:
                     event = self._admit(event)
                 except _Halt as halt:
-                    self.report.halted = {"seq": seq, "input_kind": kind, "kind": kind, "data": orjson.loads(row[3]),
-                                          "reason": halt.reason}
+                    self.report.halted = {
+                        "seq": seq,
+                        "input_kind": kind,
+                        "kind": kind,
+                        "data": orjson.loads(row[3]),
+                        "reason": halt.reason,
+                    }
                     return
                 try:
                     self._feed(event)
                 except _Halt:
                     raise
                 except Exception as err:  # the core refused a recorded input: a divergence, not a crash
-                    self.report.halted = {"seq": seq, "input_kind": kind, "kind": kind, "data": orjson.loads(row[3]),
-                                          "reason": f"the core raised on this input: {type(err).__name__}: {err}"}
+                    self.report.halted = {
+                        "seq": seq,
+                        "input_kind": kind,
+                        "kind": kind,
+                        "data": orjson.loads(row[3]),
+                        "reason": f"the core raised on this input: {type(err).__name__}: {err}",
+                    }
                     return
                 self.report.inputs_fed += 1
                 if self.options.settle_order == "shuffled":
@@ -337,8 +367,13 @@ class Reexecutor(IgnoringPort):
                 self._feed(self.held.pop(self.rng.randrange(len(self.held))))
         except _Halt as halt:
             # Decided while handling the recorded input at `cursor`: the request nobody can answer.
-            self.report.halted = {"seq": self.cursor, "input_kind": self.cursor_kind, "kind": halt.kind,
-                                  "data": halt.data, "reason": halt.reason}
+            self.report.halted = {
+                "seq": self.cursor,
+                "input_kind": self.cursor_kind,
+                "kind": halt.kind,
+                "data": halt.data,
+                "reason": halt.reason,
+            }
 
 
 def reexecute(source: EventLog, out: str | os.PathLike, options: ReexecOptions) -> ReexecReport:

@@ -39,20 +39,40 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
     groups_open, groups_finalizing = [], []
     for g in s.groups.values():
         if g.finalizing:
-            groups_finalizing.append({
-                "group_id": g.group_id, "env": g.env, "task_id": g.task_id, "background": g.background,
-                "survivors": list(g.survivors), "scored": bool(g.advantages),
-                "error": s.finalize_errors.get(g.group_id),
-            })
+            groups_finalizing.append(
+                {
+                    "group_id": g.group_id,
+                    "env": g.env,
+                    "task_id": g.task_id,
+                    "background": g.background,
+                    "survivors": list(g.survivors),
+                    "scored": bool(g.advantages),
+                    "error": s.finalize_errors.get(g.group_id),
+                }
+            )
         else:
-            groups_open.append({
-                "group_id": g.group_id, "env": g.env, "task_id": g.task_id, "size": g.size,
-                "policy_version": g.policy_version, "members": list(g.members),
-                "inflight": list(g.inflight), "cancelled": g.cancelled,
-            })
+            groups_open.append(
+                {
+                    "group_id": g.group_id,
+                    "env": g.env,
+                    "task_id": g.task_id,
+                    "size": g.size,
+                    "policy_version": g.policy_version,
+                    "members": list(g.members),
+                    "inflight": list(g.inflight),
+                    "cancelled": g.cancelled,
+                }
+            )
     pending = [
-        {"trace_id": q.trace_id, "group_id": q.group_id, "env": q.env, "dispatch_version": q.dispatch_version,
-         "policy_start": q.policy_start, "n_tokens": q.n_tokens, "advantage": q.advantage}
+        {
+            "trace_id": q.trace_id,
+            "group_id": q.group_id,
+            "env": q.env,
+            "dispatch_version": q.dispatch_version,
+            "policy_start": q.policy_start,
+            "n_tokens": q.n_tokens,
+            "advantage": q.advantage,
+        }
         for q in s.pending.values()
     ]
     p = s.params
@@ -93,11 +113,23 @@ def _evals(s: State) -> dict[str, Any] | None:
     e = s.evals
     return {
         "results": [eval_result_dict(r) for r in e.results],
-        "open": [{"eval_id": x.eval_id, "env": x.env, "version": x.version, "samples": x.size,
-                  "scored": len(x.scored), "failures": x.failures, "off_version": x.off_version,
-                  "inflight": len(x.inflight)} for x in e.open.values()],
+        "open": [
+            {
+                "eval_id": x.eval_id,
+                "env": x.env,
+                "version": x.version,
+                "samples": x.size,
+                "scored": len(x.scored),
+                "failures": x.failures,
+                "off_version": x.off_version,
+                "inflight": len(x.inflight),
+            }
+            for x in e.open.values()
+        ],
         "accounting": {name: getattr(e.acct, name) for name in type(e.acct).__slots__},
     }
+
+
 def trainer_metrics(log: EventLog, at: int) -> dict[int, dict[str, float]]:
     """version -> the figures the trainer reported with it (`version_published.metrics`), up to
     seq `at`; versions published without any are left out."""
@@ -117,12 +149,15 @@ TRAINER_METRICS_SHOWN = 10  # the table shows the newest versions; --json has th
 
 def _acct(s: State) -> dict[str, Any]:
     a = s.acct
-    return {name: (dict(getattr(a, name)) if isinstance(getattr(a, name), dict) else getattr(a, name))
-            for name in type(a).__slots__}
+    return {
+        name: (dict(getattr(a, name)) if isinstance(getattr(a, name), dict) else getattr(a, name))
+        for name in type(a).__slots__
+    }
 
 
-def _print_items(console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]],
-                 justify: JustifyMethod = "left") -> None:
+def _print_items(
+    console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], justify: JustifyMethod = "left"
+) -> None:
     """A titled table of items, printed only when there are any."""
     from rich.table import Table
 
@@ -151,8 +186,11 @@ def render(summary: dict[str, Any], console) -> None:
     """Human view of `summarize()` (rich tables)."""
     from rich.table import Table
 
-    head = Table(title=f"orch replay {summary['log']} @ seq {summary['seq']}/{summary['last_seq']}",
-                 show_header=False, title_justify="left")
+    head = Table(
+        title=f"orch replay {summary['log']} @ seq {summary['seq']}/{summary['last_seq']}",
+        show_header=False,
+        title_justify="left",
+    )
     head.add_column("field", style="bold")
     head.add_column("value")
     folded = f"{summary['events_folded']} events"
@@ -164,8 +202,12 @@ def render(summary: dict[str, Any], console) -> None:
         ("version", str(summary["version"])),
         ("min fresh version", str(summary["min_fresh_version"])),
         ("gate", f"{'open' if summary['gate']['open'] else 'closed'} ({summary['gate']['reason']})"),
-        ("status", "stopped: " + str(summary["stop_reason"]) if summary["stopped"]
-         else ("draining" if summary["draining"] else "running")),
+        (
+            "status",
+            "stopped: " + str(summary["stop_reason"])
+            if summary["stopped"]
+            else ("draining" if summary["draining"] else "running"),
+        ),
         ("in-flight episodes", str(summary["inflight_episodes"])),
         ("pending", f"{summary['pending']['traces']} traces, {summary['pending']['tokens']} tokens"),
         ("open groups", str(len(summary["open_groups"]))),
@@ -174,43 +216,115 @@ def render(summary: dict[str, Any], console) -> None:
     if summary["reexecuted"]:
         rows.append(("re-executed", summary["reexecuted"]))
     cons = summary["conservation"]
-    rows.append(("conservation", ("holds" if cons["holds"] else "VIOLATED") + ": completed {completed} = shipped "
-                 "{shipped} + pending {pending} + in groups {in_groups} + dropped {dropped}".format(**cons)))
+    rows.append(
+        (
+            "conservation",
+            ("holds" if cons["holds"] else "VIOLATED")
+            + ": completed {completed} = shipped "
+            "{shipped} + pending {pending} + in groups {in_groups} + dropped {dropped}".format(**cons),
+        )
+    )
     rows.append(("state hash", summary["state_hash"]))
     for k, v in rows:
         head.add_row(k, v)
     console.print(head)
 
-    _print_items(console, "pending traces (queue order)",
-                 ("trace", "group", "env", "dispatch v", "policy start", "tokens", "advantage"),
-                 [(str(q["trace_id"]), str(q["group_id"]), q["env"], str(q["dispatch_version"]),
-                   str(q["policy_start"]), str(q["n_tokens"]), f"{q['advantage']:+.4f}")
-                  for q in summary["pending"]["items"]], justify="right")
-    _print_items(console, "open groups", ("group", "env", "task", "v", "members", "in flight", "cancelled"),
-                 [(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["policy_version"]),
-                   _ids(g["members"]), _ids(g["inflight"]), str(g["cancelled"]))
-                  for g in summary["open_groups"]])
-    _print_items(console, "finalizing groups", ("group", "env", "task", "background", "survivors", "scored", "error"),
-                 [(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["background"]),
-                   _ids(g["survivors"]), str(g["scored"]), g["error"] or "")
-                  for g in summary["finalizing_groups"]])
+    _print_items(
+        console,
+        "pending traces (queue order)",
+        ("trace", "group", "env", "dispatch v", "policy start", "tokens", "advantage"),
+        [
+            (
+                str(q["trace_id"]),
+                str(q["group_id"]),
+                q["env"],
+                str(q["dispatch_version"]),
+                str(q["policy_start"]),
+                str(q["n_tokens"]),
+                f"{q['advantage']:+.4f}",
+            )
+            for q in summary["pending"]["items"]
+        ],
+        justify="right",
+    )
+    _print_items(
+        console,
+        "open groups",
+        ("group", "env", "task", "v", "members", "in flight", "cancelled"),
+        [
+            (
+                str(g["group_id"]),
+                g["env"],
+                str(g["task_id"]),
+                str(g["policy_version"]),
+                _ids(g["members"]),
+                _ids(g["inflight"]),
+                str(g["cancelled"]),
+            )
+            for g in summary["open_groups"]
+        ],
+    )
+    _print_items(
+        console,
+        "finalizing groups",
+        ("group", "env", "task", "background", "survivors", "scored", "error"),
+        [
+            (
+                str(g["group_id"]),
+                g["env"],
+                str(g["task_id"]),
+                str(g["background"]),
+                _ids(g["survivors"]),
+                str(g["scored"]),
+                g["error"] or "",
+            )
+            for g in summary["finalizing_groups"]
+        ],
+    )
     evals = summary.get("evals")
     if evals is not None:
-        _print_items(console, "evals (per version)",
-                     ("env", "version", "reward", "pass@1", "pass@k", "scored", "tokens"),
-                     [(r["env"], str(r["version"]), _figure(r["reward_mean"]), _figure(r["pass_at_1"]),
-                       _figure(r["pass_at_k"]) + f" (k={r['k']})", str(r["scored"]), str(r["tokens"]))
-                      for r in evals["results"]], justify="right")
-        _print_items(console, "evals open", ("eval", "env", "version", "samples", "scored", "failures",
-                                             "off version", "in flight"),
-                     [tuple(str(x[k]) for k in ("eval_id", "env", "version", "samples", "scored", "failures",
-                                                "off_version", "inflight")) for x in evals["open"]])
+        _print_items(
+            console,
+            "evals (per version)",
+            ("env", "version", "reward", "pass@1", "pass@k", "scored", "tokens"),
+            [
+                (
+                    r["env"],
+                    str(r["version"]),
+                    _figure(r["reward_mean"]),
+                    _figure(r["pass_at_1"]),
+                    _figure(r["pass_at_k"]) + f" (k={r['k']})",
+                    str(r["scored"]),
+                    str(r["tokens"]),
+                )
+                for r in evals["results"]
+            ],
+            justify="right",
+        )
+        _print_items(
+            console,
+            "evals open",
+            ("eval", "env", "version", "samples", "scored", "failures", "off version", "in flight"),
+            [
+                tuple(
+                    str(x[k])
+                    for k in ("eval_id", "env", "version", "samples", "scored", "failures", "off_version", "inflight")
+                )
+                for x in evals["open"]
+            ],
+        )
     metrics = summary["trainer_metrics"]
     names = list(dict.fromkeys(name for figures in metrics.values() for name in figures))
     shown = sorted(metrics)[-TRAINER_METRICS_SHOWN:]
-    _print_items(console, f"trainer metrics (the newest {len(shown)} of {len(metrics)} versions)"
-                 if len(shown) < len(metrics) else "trainer metrics", ("version", *names),
-                 [(str(v), *(_figure(metrics[v].get(name)) for name in names)) for v in shown], justify="right")
+    _print_items(
+        console,
+        f"trainer metrics (the newest {len(shown)} of {len(metrics)} versions)"
+        if len(shown) < len(metrics)
+        else "trainer metrics",
+        ("version", *names),
+        [(str(v), *(_figure(metrics[v].get(name)) for name in names)) for v in shown],
+        justify="right",
+    )
     t = Table(title="accounting", title_justify="left", show_header=False)
     t.add_column("total", style="bold")
     t.add_column("value", justify="right")

@@ -70,8 +70,12 @@ def _node(module: str) -> str:
 
 def module_imports() -> list[tuple[str, str]]:
     """(module, a module of the three packages it imports), over every source file."""
-    return [(_module_of(path)[0], target) for package in PACKAGES
-            for path in sorted((REPO / package).rglob("*.py")) for target in _imported(path)]
+    return [
+        (_module_of(path)[0], target)
+        for package in PACKAGES
+        for path in sorted((REPO / package).rglob("*.py"))
+        for target in _imported(path)
+    ]
 
 
 def package_graph(layers_only: bool = False) -> dict[str, dict[str, str]]:
@@ -96,8 +100,7 @@ def _edges(graph: dict[str, dict[str, str]]) -> list[tuple[str, str, str]]:
 
 
 def test_the_core_imports_nothing_of_orchestrator_outside_it_nor_the_log_or_replay():
-    bad = [why for a, b, why in _edges(package_graph())
-           if a == "orchestrator.core" and b.split(".")[0] in PACKAGES]
+    bad = [why for a, b, why in _edges(package_graph()) if a == "orchestrator.core" and b.split(".")[0] in PACKAGES]
     assert bad == []
 
 
@@ -106,14 +109,20 @@ def test_the_event_log_imports_nothing_of_orchestrator_or_replay():
 
 
 def test_orchestrator_does_not_import_replay_but_from_its_command_line():
-    bad = [f"{module} imports {target}" for module, target in module_imports()
-           if module.startswith("orchestrator") and target.split(".")[0] == "replay" and not _front_end(module)]
+    bad = [
+        f"{module} imports {target}"
+        for module, target in module_imports()
+        if module.startswith("orchestrator") and target.split(".")[0] == "replay" and not _front_end(module)
+    ]
     assert bad == []
 
 
 def test_front_ends_are_roots():
-    importers = [f"{module} imports {target}" for module, target in module_imports()
-                 if _front_end(target) and module != CLI and not _front_end(module)]
+    importers = [
+        f"{module} imports {target}"
+        for module, target in module_imports()
+        if _front_end(target) and module != CLI and not _front_end(module)
+    ]
     assert importers == []
 
 

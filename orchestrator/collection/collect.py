@@ -611,5 +611,7 @@ def run_examples(
         stream._source_iter = iter(examples)
         stream._fill()
     else:
-        raise TypeError(f"run_examples: examples must be an iterable, async iterable or ExampleFeed, got {type(examples).__name__}")
+        raise TypeError(
+            f"run_examples: examples must be an iterable, async iterable or ExampleFeed, got {type(examples).__name__}"
+        )
     return stream

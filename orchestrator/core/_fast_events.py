@@ -87,8 +87,16 @@ def unvalidated_constructor(cls: type[_Model]) -> Callable[..., _Model]:
         f"    return _event\n"
     )
     # Internal names start with "_", which no pydantic field name can.
-    namespace = {"_new": _new, "_set_dict": _set_dict, "_set_fields_set": _set_fields_set, "_set_extra": _set_extra,
-                 "_set_private": _set_private, "_cls": cls, "_all_fields": _ALL_FIELDS[cls], **defaults}
+    namespace = {
+        "_new": _new,
+        "_set_dict": _set_dict,
+        "_set_fields_set": _set_fields_set,
+        "_set_extra": _set_extra,
+        "_set_private": _set_private,
+        "_cls": cls,
+        "_all_fields": _ALL_FIELDS[cls],
+        **defaults,
+    }
     exec(source, namespace)  # noqa: S102 - the source is built from the class's own field names
     unvalidated = namespace["unvalidated"]
     unvalidated.__qualname__, unvalidated.__module__ = f"{cls.__name__}.unvalidated", __name__
@@ -185,8 +193,10 @@ def _flat_view_decoder(cls: type[_Model]) -> Callable[[bytes], msgspec.Struct]:
 # Struct of the fields for the other flat events, the validated model for events with nested
 # models.
 FOLD_VIEWS: dict[str, Callable[[bytes], object]] = {
-    kind: trace_view if kind == "episode_completed"
-    else functools.partial(decode_unvalidated, kind) if kind in _NESTED_KINDS
+    kind: trace_view
+    if kind == "episode_completed"
+    else functools.partial(decode_unvalidated, kind)
+    if kind in _NESTED_KINDS
     else _flat_view_decoder(cls)
     for kind, cls in EVENT_TYPES.items()
 }

@@ -24,9 +24,16 @@ BATCH_FORMAT = 1
 # writes them as built, a third cheaper than sorting them (a test checks the bytes).
 def sample_record(trace: Trace, env: str, advantage: float, lag: int) -> dict[str, Any]:
     return {
-        "advantage": advantage, "env": env, "group_id": trace.group_id, "lag": lag,
-        "logprobs": trace.logprobs, "mask": trace.mask, "policy_start": trace.policy_start,
-        "temperature": trace.temperature, "token_ids": trace.token_ids, "trace_id": trace.episode_id,
+        "advantage": advantage,
+        "env": env,
+        "group_id": trace.group_id,
+        "lag": lag,
+        "logprobs": trace.logprobs,
+        "mask": trace.mask,
+        "policy_start": trace.policy_start,
+        "temperature": trace.temperature,
+        "token_ids": trace.token_ids,
+        "trace_id": trace.episode_id,
     }
 
 

@@ -21,7 +21,11 @@ from orchestrator.core import events as ev
 from orchestrator.core.advantages import INLINE_SCORERS
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
 from orchestrator.core.evals import (
-    accepted_eval_result, cancel_eval_episodes, evals_pending, on_eval_result, run_evals,
+    accepted_eval_result,
+    cancel_eval_episodes,
+    evals_pending,
+    on_eval_result,
+    run_evals,
 )
 from orchestrator.core.evolve import evolve
 from orchestrator.core.rng import choose_by_ratio, uniform
@@ -66,8 +70,9 @@ def _accepted(s: State, e) -> bool:
     if e.kind == "episode_completed":
         group_id = s.inflight.get(e.episode_id)
         if group_id is not None and group_id != e.group_id:
-            raise ValueError(f"episode {e.episode_id} completed for group {e.group_id}, "
-                             f"but it was dispatched into group {group_id}")
+            raise ValueError(
+                f"episode {e.episode_id} completed for group {e.group_id}, but it was dispatched into group {group_id}"
+            )
         return group_id is not None
     if e.kind == "background_finalized":
         group = s.groups.get(e.group_id)
@@ -178,10 +183,14 @@ def dispatch_train_episodes(d: _Decisions) -> None:
         else:
             return
         group = s.groups[group_id]
-        d.emit(ev.EpisodeDispatched.unvalidated(
-            episode_id=s.next_episode_id, group_id=group_id, attempt=group.attempts,
-            policy_version=s.version,
-        ))
+        d.emit(
+            ev.EpisodeDispatched.unvalidated(
+                episode_id=s.next_episode_id,
+                group_id=group_id,
+                attempt=group.attempts,
+                policy_version=s.version,
+            )
+        )
 
 
 def start_train_group(d: _Decisions) -> int:
@@ -189,10 +198,15 @@ def start_train_group(d: _Decisions) -> int:
     s, p = d.state, d.state.params
     env = choose_by_ratio(p.env_ratios, uniform(p.seed, s.rng_counter))
     group_id = s.next_group_id
-    d.emit(ev.GroupDispatched.unvalidated(
-        group_id=group_id, env=env, task_id=s.cursors[env], group_size=p.group_size,
-        policy_version=s.version,
-    ))
+    d.emit(
+        ev.GroupDispatched.unvalidated(
+            group_id=group_id,
+            env=env,
+            task_id=s.cursors[env],
+            group_size=p.group_size,
+            policy_version=s.version,
+        )
+    )
     if p.capacity == "staleness":  # the new group's samples count against the capacity now
         update_dispatch_gate(d)
     return group_id
@@ -231,16 +245,24 @@ def finalize_group(d: _Decisions, group: Group) -> None:
     if not survivors:
         settle_group(d, group)
         return
-    d.emit(ev.FinalizeStarted.unvalidated(
-        group_id=group.group_id, background=p.finalize_in_background, trace_ids=survivors,
-    ))
+    d.emit(
+        ev.FinalizeStarted.unvalidated(
+            group_id=group.group_id,
+            background=p.finalize_in_background,
+            trace_ids=survivors,
+        )
+    )
     if p.finalize_in_background:
         return  # the shell scores it; the result comes back as a `background_finalized` input
     rewards = [s.traces[trace_id].reward for trace_id in survivors]
     advantages = INLINE_SCORERS[p.algorithm](rewards)
-    d.emit(ev.GroupFinalized.unvalidated(
-        group_id=group.group_id, trace_ids=survivors, advantages=advantages,
-    ))
+    d.emit(
+        ev.GroupFinalized.unvalidated(
+            group_id=group.group_id,
+            trace_ids=survivors,
+            advantages=advantages,
+        )
+    )
     settle_group(d, group)
 
 
@@ -279,9 +301,14 @@ def settle_group(d: _Decisions, group: Group) -> None:
             dropped.setdefault("stale", []).append(trace_id)
         else:
             inserted.append(trace_id)
-    d.emit(ev.GroupSettled.unvalidated(
-        group_id=group.group_id, admitted=admitted, trace_ids=inserted, dropped=dropped,
-    ))
+    d.emit(
+        ev.GroupSettled.unvalidated(
+            group_id=group.group_id,
+            admitted=admitted,
+            trace_ids=inserted,
+            dropped=dropped,
+        )
+    )
     stop_if_zero_output(d)
 
 
@@ -309,9 +336,13 @@ def cancel_stale_finalizing(d: _Decisions) -> None:
     oldest = min_fresh_version(s.params, s.step)
     for group in [g for g in s.groups.values() if g.background]:
         if all(s.traces[t].policy_start < oldest for t in group.survivors):
-            d.emit(ev.GroupCancelled.unvalidated(
-                group_id=group.group_id, reason="stale", count=len(group.members),
-            ))
+            d.emit(
+                ev.GroupCancelled.unvalidated(
+                    group_id=group.group_id,
+                    reason="stale",
+                    count=len(group.members),
+                )
+            )
             stop_if_zero_output(d)
             if s.stopped:
                 return
@@ -374,12 +405,18 @@ def ship_batch(d: _Decisions) -> None:
     payload = encode_batch(step, records)
     if d.batch_payloads is not None:
         d.batch_payloads[step] = payload
-    d.emit(ev.BatchShipped.unvalidated(
-        step=step, trace_ids=[q.trace_id for q in shipped], pruned_ids=[q.trace_id for q in pruned],
-        sha256=batch_sha256(payload), n_tokens=n_tokens,
-        off_policy_max=max(lags, default=0), off_policy_mean=sum(lags) / len(lags) if lags else 0.0,
-        reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
-    ))
+    d.emit(
+        ev.BatchShipped.unvalidated(
+            step=step,
+            trace_ids=[q.trace_id for q in shipped],
+            pruned_ids=[q.trace_id for q in pruned],
+            sha256=batch_sha256(payload),
+            n_tokens=n_tokens,
+            off_policy_max=max(lags, default=0),
+            off_policy_mean=sum(lags) / len(lags) if lags else 0.0,
+            reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+        )
+    )
 
 
 def on_step_advanced(d: _Decisions) -> None:
@@ -403,9 +440,13 @@ def cancel_everything(d: _Decisions, reason: str) -> None:
     for episode_id in list(s.inflight):
         d.emit(ev.EpisodeCancelled.unvalidated(episode_id=episode_id, reason=reason))
     for group in list(s.groups.values()):
-        d.emit(ev.GroupCancelled.unvalidated(
-            group_id=group.group_id, reason=reason, count=len(group.members),
-        ))
+        d.emit(
+            ev.GroupCancelled.unvalidated(
+                group_id=group.group_id,
+                reason=reason,
+                count=len(group.members),
+            )
+        )
     if s.pending:
         d.emit(ev.TracesDropped.unvalidated(trace_ids=list(s.pending), reason=reason))
 
@@ -451,15 +492,22 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     cancel_eval_episodes(d, "resume")
     oldest = min_fresh_version(s.params, s.step)
     stale_members = [
-        trace_id for group in s.groups.values() if not group.finalizing
-        for trace_id in group.members if s.traces[trace_id].policy_start < oldest
+        trace_id
+        for group in s.groups.values()
+        if not group.finalizing
+        for trace_id in group.members
+        if s.traces[trace_id].policy_start < oldest
     ]
     if stale_members:
         d.emit(ev.TracesDropped.unvalidated(trace_ids=stale_members, reason="stale"))
     for group in [g for g in s.groups.values() if g.finalizing]:
-        d.emit(ev.FinalizeStarted.unvalidated(
-            group_id=group.group_id, background=True, trace_ids=group.survivors,
-        ))
+        d.emit(
+            ev.FinalizeStarted.unvalidated(
+                group_id=group.group_id,
+                background=True,
+                trace_ids=group.survivors,
+            )
+        )
     sweep_stale_pending(d)
     cancel_stale_finalizing(d)
     if s.step > s.params.max_steps and not s.stopped:

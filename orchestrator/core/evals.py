@@ -40,10 +40,17 @@ def start_due_evals(d) -> None:
         return
     p = s.params.eval
     for env in p.envs:
-        d.emit(ev.EvalStarted.unvalidated(
-            eval_id=s.evals.next_eval_id, env=env, version=s.version, task_ids=held_out_task_ids(p.num_tasks),
-            first_group_id=s.next_group_id, samples_per_task=p.samples_per_task, temperature=p.temperature,
-        ))
+        d.emit(
+            ev.EvalStarted.unvalidated(
+                eval_id=s.evals.next_eval_id,
+                env=env,
+                version=s.version,
+                task_ids=held_out_task_ids(p.num_tasks),
+                first_group_id=s.next_group_id,
+                samples_per_task=p.samples_per_task,
+                temperature=p.temperature,
+            )
+        )
 
 
 def dispatch_eval_episodes(d) -> None:
@@ -59,10 +66,17 @@ def dispatch_eval_episodes(d) -> None:
             return
         sample = min(x.to_dispatch)
         task = sample // x.samples_per_task
-        d.emit(ev.EvalEpisodeDispatched.unvalidated(
-            episode_id=s.next_episode_id, eval_id=x.eval_id, group_id=x.first_group_id + task,
-            task_id=x.task_ids[task], sample=sample, attempt=x.attempts, policy_version=x.version,
-        ))
+        d.emit(
+            ev.EvalEpisodeDispatched.unvalidated(
+                episode_id=s.next_episode_id,
+                eval_id=x.eval_id,
+                group_id=x.first_group_id + task,
+                task_id=x.task_ids[task],
+                sample=sample,
+                attempt=x.attempts,
+                policy_version=x.version,
+            )
+        )
 
 
 def run_evals(d) -> None:
@@ -82,9 +96,12 @@ def eval_figures(x: Eval) -> dict:
     samples = sorted(x.scored)
     rewards = [x.scored[i][0] for i in samples]
     successes = [x.scored[i][1] for i in samples]
-    figures: dict = {"reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                     "pass_at_1": None, "pass_at_k": None,
-                     "tokens": sum(x.scored[i][2] for i in samples)}
+    figures: dict = {
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "pass_at_1": None,
+        "pass_at_k": None,
+        "tokens": sum(x.scored[i][2] for i in samples),
+    }
     if samples and all(success is not None for success in successes):
         solved: dict[int, bool] = {}
         for i, success in zip(samples, successes, strict=True):
@@ -96,10 +113,19 @@ def eval_figures(x: Eval) -> dict:
 
 
 def complete_eval(d, x: Eval) -> None:
-    d.emit(ev.EvalCompleted.unvalidated(
-        eval_id=x.eval_id, env=x.env, version=x.version, tasks=len(x.task_ids), k=x.samples_per_task,
-        scored=len(x.scored), failures=x.failures, off_version=x.off_version, **eval_figures(x),
-    ))
+    d.emit(
+        ev.EvalCompleted.unvalidated(
+            eval_id=x.eval_id,
+            env=x.env,
+            version=x.version,
+            tasks=len(x.task_ids),
+            k=x.samples_per_task,
+            scored=len(x.scored),
+            failures=x.failures,
+            off_version=x.off_version,
+            **eval_figures(x),
+        )
+    )
 
 
 def on_eval_result(d, e: ev.EvalEpisodeCompleted) -> None:
@@ -123,6 +149,7 @@ def accepted_eval_result(s: State, e: ev.EvalEpisodeCompleted) -> bool:
     refused (it would be scored for the wrong version)."""
     eval_id = s.evals.inflight.get(e.episode_id)
     if eval_id is not None and eval_id != e.eval_id:
-        raise ValueError(f"eval episode {e.episode_id} completed for eval {e.eval_id}, "
-                         f"but it was dispatched for eval {eval_id}")
+        raise ValueError(
+            f"eval episode {e.episode_id} completed for eval {e.eval_id}, but it was dispatched for eval {eval_id}"
+        )
     return eval_id is not None

@@ -14,7 +14,7 @@ that skip validation (`Event.unvalidated`) and the fold views are in `_fast_even
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Self, Union
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Self
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
@@ -30,8 +30,10 @@ EVENT_SCHEMA_VERSION = 2
 def check_schema_version(version: int | str) -> None:
     """ValueError (one line, naming the version) for a log this code does not read."""
     if str(version) != str(EVENT_SCHEMA_VERSION):
-        raise ValueError(f"an orch log of format version {version}; this orch reads version {EVENT_SCHEMA_VERSION} "
-                         "only (docs/log-format.md, \"Version history\")")
+        raise ValueError(
+            f"an orch log of format version {version}; this orch reads version {EVENT_SCHEMA_VERSION} "
+            'only (docs/log-format.md, "Version history")'
+        )
 
 
 class _Model(BaseModel):
@@ -77,9 +79,7 @@ class CoreParams(_Model):
     )
     group_size: int = Field(8, ge=1, description="episodes per group (one task)")
     batch_size: int = Field(64, ge=1, description="traces per batch (trace batching)")
-    token_batch_size: int | None = Field(
-        None, ge=1, description="if set, cut batches by tokens instead of traces"
-    )
+    token_batch_size: int | None = Field(None, ge=1, description="if set, cut batches by tokens instead of traces")
     constant_trainer_batch_size: bool = Field(
         False, description="prune zero-advantage samples before the cut, so every batch is full"
     )
@@ -104,13 +104,15 @@ class CoreParams(_Model):
     # rule off stays byte for byte a log of the code before it. New runs get "staleness" from
     # the config's default.
     capacity: Literal["off", "staleness"] = Field(
-        "off", exclude_if=lambda value: value == "off",
+        "off",
+        exclude_if=lambda value: value == "off",
         description="staleness: start a group only while the work dispatched and not yet shipped "
         "or dropped can still train in the steps that would accept it; off: max_inflight alone",
     )
     # Left out of the JSON while None: a run without evals logs the `run_started` it always did.
-    eval: EvalParams | None = Field(None, exclude_if=lambda value: value is None,
-                                    description="evaluations on a schedule (None: none)")
+    eval: EvalParams | None = Field(
+        None, exclude_if=lambda value: value is None, description="evaluations on a schedule (None: none)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> CoreParams:
@@ -121,8 +123,10 @@ class CoreParams(_Model):
         if self.algorithm in BACKGROUND_ONLY and not self.finalize_in_background:
             raise ValueError(f"algorithm {self.algorithm!r} calls a grader and must finalize in the background")
         if self.eval is not None and not set(self.eval.envs) <= set(self.env_ratios):
-            raise ValueError(f"eval envs {self.eval.envs} must be train envs ({list(self.env_ratios)}): "
-                             "their rollouts run on the train envs' backends")
+            raise ValueError(
+                f"eval envs {self.eval.envs} must be train envs ({list(self.env_ratios)}): "
+                "their rollouts run on the train envs' backends"
+            )
         return self
 
 
@@ -389,18 +393,36 @@ class RunStopped(_Model):
 
 
 Event = Annotated[
-    Union[
-        RunStarted, RunResumed, GroupDispatched, EpisodeDispatched, EpisodeCompleted,
-        EpisodeCancelled, FinalizeStarted, GroupFinalized, BackgroundFinalized, FinalizeFailed, GroupSettled,
-        GroupCancelled, TracesDropped, GateChanged, VersionPublished, BatchShipped,
-        DrainStarted, StopRequested, RunStopped, EvalStarted, EvalEpisodeDispatched, EvalEpisodeCompleted,
-        EvalEpisodeCancelled, EvalCompleted,
-    ],
+    RunStarted
+    | RunResumed
+    | GroupDispatched
+    | EpisodeDispatched
+    | EpisodeCompleted
+    | EpisodeCancelled
+    | FinalizeStarted
+    | GroupFinalized
+    | BackgroundFinalized
+    | FinalizeFailed
+    | GroupSettled
+    | GroupCancelled
+    | TracesDropped
+    | GateChanged
+    | VersionPublished
+    | BatchShipped
+    | DrainStarted
+    | StopRequested
+    | RunStopped
+    | EvalStarted
+    | EvalEpisodeDispatched
+    | EvalEpisodeCompleted
+    | EvalEpisodeCancelled
+    | EvalCompleted,
     Field(discriminator="kind"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 EVENT_TYPES: dict[str, type[_Model]] = {
-    cls.model_fields["kind"].default: cls for cls in Event.__origin__.__args__  # type: ignore[attr-defined]
+    cls.model_fields["kind"].default: cls
+    for cls in Event.__origin__.__args__  # type: ignore[attr-defined]
 }
 # Facts from the outside world; everything else is decided by the core.
 assert all(getattr(cls, "role", None) in ("input", "decision") for cls in EVENT_TYPES.values()), "a kind lacks a role"
@@ -419,7 +441,7 @@ def encode_event(event: _Model) -> tuple[str, bytes]:
     kind = event.kind
     if kind not in _NESTED_KINDS:
         try:
-            return kind, b"{" + orjson.dumps(event.__dict__)[_KIND_HEAD_LENGTH[kind]:]
+            return kind, b"{" + orjson.dumps(event.__dict__)[_KIND_HEAD_LENGTH[kind] :]
         except orjson.JSONEncodeError:  # an int beyond 64 bits, or a field left unset
             pass
     return kind, event.__pydantic_serializer__.to_json(event)
@@ -432,4 +454,3 @@ def decode_event(kind: str, data: bytes | str) -> _Model:
     except KeyError:
         raise ValueError(f"unknown event kind {kind!r}") from None
     return cls.model_validate_json(data)
-

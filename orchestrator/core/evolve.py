@@ -126,7 +126,12 @@ def _group_settled(s: State, e: ev.GroupSettled) -> None:
         trace = s.traces[trace_id]
         n_tokens = trace.n_tokens
         s.pending[trace_id] = QueuedTrace(
-            trace_id, group.group_id, group.env, group.policy_version, trace.policy_start, n_tokens,
+            trace_id,
+            group.group_id,
+            group.env,
+            group.policy_version,
+            trace.policy_start,
+            n_tokens,
             group.advantages[trace_id],
         )
         queued_tokens += n_tokens
@@ -215,8 +220,9 @@ def _run_stopped(s: State, e: ev.RunStopped) -> None:
 def _eval_started(s: State, e: ev.EvalStarted) -> None:
     evals = s.evals
     size = len(e.task_ids) * e.samples_per_task
-    evals.open[e.eval_id] = Eval(e.eval_id, e.env, e.version, list(e.task_ids), e.first_group_id,
-                                 e.samples_per_task, dict.fromkeys(range(size)))
+    evals.open[e.eval_id] = Eval(
+        e.eval_id, e.env, e.version, list(e.task_ids), e.first_group_id, e.samples_per_task, dict.fromkeys(range(size))
+    )
     evals.next_eval_id = e.eval_id + 1
     evals.last_version = e.version
     evals.acct.evals_started += 1
@@ -266,25 +272,37 @@ def _eval_episode_cancelled(s: State, e: ev.EvalEpisodeCancelled) -> None:
 def _eval_completed(s: State, e: ev.EvalCompleted) -> None:
     evals = s.evals
     x = evals.open.pop(e.eval_id)
-    evals.results.append(EvalResult(e.eval_id, e.env, e.version, e.reward_mean, e.pass_at_1, e.pass_at_k, e.k,
-                                    e.scored, e.tokens))
+    evals.results.append(
+        EvalResult(e.eval_id, e.env, e.version, e.reward_mean, e.pass_at_1, e.pass_at_k, e.k, e.scored, e.tokens)
+    )
     evals.acct.reported += len(x.scored)
     evals.acct.evals_completed += 1
 
 
 _REDUCERS: dict[str, Callable[[State, Any], None]] = {
-    "run_started": _run_started, "run_resumed": _run_resumed,
-    "group_dispatched": _group_dispatched, "episode_dispatched": _episode_dispatched,
-    "episode_completed": _episode_completed, "episode_cancelled": _episode_cancelled,
-    "finalize_started": _finalize_started, "group_finalized": _group_finalized,
+    "run_started": _run_started,
+    "run_resumed": _run_resumed,
+    "group_dispatched": _group_dispatched,
+    "episode_dispatched": _episode_dispatched,
+    "episode_completed": _episode_completed,
+    "episode_cancelled": _episode_cancelled,
+    "finalize_started": _finalize_started,
+    "group_finalized": _group_finalized,
     "background_finalized": _group_finalized,
-    "finalize_failed": _finalize_failed, "group_settled": _group_settled,
-    "group_cancelled": _group_cancelled, "traces_dropped": _traces_dropped,
-    "gate_changed": _gate_changed, "version_published": _version_published,
-    "batch_shipped": _batch_shipped, "drain_started": _drain_started,
-    "stop_requested": _stop_requested, "run_stopped": _run_stopped,
-    "eval_started": _eval_started, "eval_episode_dispatched": _eval_episode_dispatched,
-    "eval_episode_completed": _eval_episode_completed, "eval_episode_cancelled": _eval_episode_cancelled,
+    "finalize_failed": _finalize_failed,
+    "group_settled": _group_settled,
+    "group_cancelled": _group_cancelled,
+    "traces_dropped": _traces_dropped,
+    "gate_changed": _gate_changed,
+    "version_published": _version_published,
+    "batch_shipped": _batch_shipped,
+    "drain_started": _drain_started,
+    "stop_requested": _stop_requested,
+    "run_stopped": _run_stopped,
+    "eval_started": _eval_started,
+    "eval_episode_dispatched": _eval_episode_dispatched,
+    "eval_episode_completed": _eval_episode_completed,
+    "eval_episode_cancelled": _eval_episode_cancelled,
     "eval_completed": _eval_completed,
 }
 assert set(_REDUCERS) == set(ev.EVENT_TYPES), "every event kind needs a reducer"

@@ -251,21 +251,37 @@ def min_fresh_version(params: CoreParams, step: int) -> int:
 
 def _group_to_dict(g: Group) -> dict[str, Any]:
     return {
-        "group_id": g.group_id, "env": g.env, "task_id": g.task_id, "size": g.size,
-        "policy_version": g.policy_version, "attempts": g.attempts, "inflight": list(g.inflight),
-        "members": list(g.members), "cancelled": g.cancelled,
-        "finalizing": g.finalizing, "background": g.background, "survivors": g.survivors,
+        "group_id": g.group_id,
+        "env": g.env,
+        "task_id": g.task_id,
+        "size": g.size,
+        "policy_version": g.policy_version,
+        "attempts": g.attempts,
+        "inflight": list(g.inflight),
+        "members": list(g.members),
+        "cancelled": g.cancelled,
+        "finalizing": g.finalizing,
+        "background": g.background,
+        "survivors": g.survivors,
         "advantages": [[k, v] for k, v in g.advantages.items()],
     }
 
 
 def _group_from_dict(d: dict[str, Any]) -> Group:
     return Group(
-        group_id=d["group_id"], env=d["env"], task_id=d["task_id"], size=d["size"],
-        policy_version=d["policy_version"], attempts=d["attempts"],
-        inflight=dict.fromkeys(d["inflight"]), members=dict.fromkeys(d["members"]),
-        cancelled=d["cancelled"], finalizing=d["finalizing"], background=d["background"],
-        survivors=d["survivors"], advantages={k: v for k, v in d["advantages"]},
+        group_id=d["group_id"],
+        env=d["env"],
+        task_id=d["task_id"],
+        size=d["size"],
+        policy_version=d["policy_version"],
+        attempts=d["attempts"],
+        inflight=dict.fromkeys(d["inflight"]),
+        members=dict.fromkeys(d["members"]),
+        cancelled=d["cancelled"],
+        finalizing=d["finalizing"],
+        background=d["background"],
+        survivors=d["survivors"],
+        advantages={k: v for k, v in d["advantages"]},
     )
 
 
@@ -277,10 +293,25 @@ def _trace_dict(t: Trace) -> dict[str, Any]:
 
 def _evals_to_dict(e: EvalState) -> dict:
     return {
-        "open": [[x.eval_id, x.env, x.version, x.task_ids, x.first_group_id, x.samples_per_task,
-                  list(x.to_dispatch), [[k, v] for k, v in x.inflight.items()], x.attempts,
-                  [[k, v] for k, v in x.scored.items()], x.failures, x.off_version] for x in e.open.values()],
-        "inflight": [[k, v] for k, v in e.inflight.items()], "next_eval_id": e.next_eval_id,
+        "open": [
+            [
+                x.eval_id,
+                x.env,
+                x.version,
+                x.task_ids,
+                x.first_group_id,
+                x.samples_per_task,
+                list(x.to_dispatch),
+                [[k, v] for k, v in x.inflight.items()],
+                x.attempts,
+                [[k, v] for k, v in x.scored.items()],
+                x.failures,
+                x.off_version,
+            ]
+            for x in e.open.values()
+        ],
+        "inflight": [[k, v] for k, v in e.inflight.items()],
+        "next_eval_id": e.next_eval_id,
         "last_version": e.last_version,
         "results": [[getattr(r, n) for n in EvalResult.__slots__] for r in e.results],
         "acct": {name: getattr(e.acct, name) for name in EvalAccounting.__slots__},
@@ -289,14 +320,42 @@ def _evals_to_dict(e: EvalState) -> dict:
 
 def _evals_from_dict(d: dict) -> EvalState:
     open_evals = {}
-    for (eval_id, env, version, task_ids, first_group_id, samples_per_task, to_dispatch, inflight, attempts,
-         scored, failures, off_version) in d["open"]:
-        open_evals[eval_id] = Eval(eval_id, env, version, task_ids, first_group_id, samples_per_task,
-                                   dict.fromkeys(to_dispatch), {k: v for k, v in inflight}, attempts,
-                                   {k: v for k, v in scored}, failures, off_version)
-    return EvalState(open=open_evals, inflight={k: v for k, v in d["inflight"]}, next_eval_id=d["next_eval_id"],
-                     last_version=d["last_version"], results=[EvalResult(*r) for r in d["results"]],
-                     acct=EvalAccounting(**d["acct"]))
+    for (
+        eval_id,
+        env,
+        version,
+        task_ids,
+        first_group_id,
+        samples_per_task,
+        to_dispatch,
+        inflight,
+        attempts,
+        scored,
+        failures,
+        off_version,
+    ) in d["open"]:
+        open_evals[eval_id] = Eval(
+            eval_id,
+            env,
+            version,
+            task_ids,
+            first_group_id,
+            samples_per_task,
+            dict.fromkeys(to_dispatch),
+            {k: v for k, v in inflight},
+            attempts,
+            {k: v for k, v in scored},
+            failures,
+            off_version,
+        )
+    return EvalState(
+        open=open_evals,
+        inflight={k: v for k, v in d["inflight"]},
+        next_eval_id=d["next_eval_id"],
+        last_version=d["last_version"],
+        results=[EvalResult(*r) for r in d["results"]],
+        acct=EvalAccounting(**d["acct"]),
+    )
 
 
 def state_to_dict(s: State) -> dict[str, Any]:
@@ -306,23 +365,34 @@ def state_to_dict(s: State) -> dict[str, Any]:
         # As its own JSON text, so the sorted keys of the snapshot leave its dicts in their
         # order: the env choice walks env_ratios in the order the run was started with.
         "params": s.params.model_dump_json(),
-        "step": s.step, "version": s.version, "next_group_id": s.next_group_id,
-        "next_episode_id": s.next_episode_id, "rng_counter": s.rng_counter, "cursors": s.cursors,
+        "step": s.step,
+        "version": s.version,
+        "next_group_id": s.next_group_id,
+        "next_episode_id": s.next_episode_id,
+        "rng_counter": s.rng_counter,
+        "cursors": s.cursors,
         "groups": [_group_to_dict(g) for g in s.groups.values()],
         "unfilled": list(s.unfilled),
         "inflight": [[e, g] for e, g in s.inflight.items()],
         "traces": [_trace_dict(t) for t in s.traces.values()],
-        "pending": [[q.trace_id, q.group_id, q.env, q.dispatch_version, q.policy_start, q.n_tokens,
-                     q.advantage] for q in s.pending.values()],
-        "pending_tokens": s.pending_tokens, "finalizing": s.finalizing,
+        "pending": [
+            [q.trace_id, q.group_id, q.env, q.dispatch_version, q.policy_start, q.n_tokens, q.advantage]
+            for q in s.pending.values()
+        ],
+        "pending_tokens": s.pending_tokens,
+        "finalizing": s.finalizing,
         "shipped_batches": [
             [step, [[_trace_dict(x.trace), x.env, x.advantage, x.lag] for x in samples]]
             for step, samples in s.shipped_batches.items()
         ],
-        "gate_open": s.gate_open, "gate_reason": s.gate_reason, "draining": s.draining,
-        "stopped": s.stopped, "stop_reason": s.stop_reason,
+        "gate_open": s.gate_open,
+        "gate_reason": s.gate_reason,
+        "draining": s.draining,
+        "stopped": s.stopped,
+        "stop_reason": s.stop_reason,
         "finalize_errors": [[g, e] for g, e in s.finalize_errors.items()],
-        "last_reward_mean": s.last_reward_mean, "grouped_samples": s.grouped_samples,
+        "last_reward_mean": s.last_reward_mean,
+        "grouped_samples": s.grouped_samples,
         "acct": {name: getattr(acct, name) for name in Accounting.__slots__},
         "evals": _evals_to_dict(s.evals),
     }
@@ -333,22 +403,33 @@ def state_from_dict(d: dict[str, Any]) -> State:
         raise ValueError(f"state from reducer {d.get('reducer_version')!r}, this code is {REDUCER_VERSION}")
     return State(
         params=CoreParams.model_validate_json(d["params"]),
-        step=d["step"], version=d["version"], next_group_id=d["next_group_id"],
-        next_episode_id=d["next_episode_id"], rng_counter=d["rng_counter"], cursors=d["cursors"],
+        step=d["step"],
+        version=d["version"],
+        next_group_id=d["next_group_id"],
+        next_episode_id=d["next_episode_id"],
+        rng_counter=d["rng_counter"],
+        cursors=d["cursors"],
         groups={g["group_id"]: _group_from_dict(g) for g in d["groups"]},
-        unfilled=dict.fromkeys(d["unfilled"]), inflight={e: g for e, g in d["inflight"]},
+        unfilled=dict.fromkeys(d["unfilled"]),
+        inflight={e: g for e, g in d["inflight"]},
         traces={t["episode_id"]: EpisodeCompleted.model_validate(t) for t in d["traces"]},
-        pending={q[0]: QueuedTrace(*q) for q in d["pending"]}, pending_tokens=d["pending_tokens"],
+        pending={q[0]: QueuedTrace(*q) for q in d["pending"]},
+        pending_tokens=d["pending_tokens"],
         finalizing=d["finalizing"],
         shipped_batches={
             step: [ShippedSample(EpisodeCompleted.model_validate(t), env, adv, lag) for t, env, adv, lag in samples]
             for step, samples in d["shipped_batches"]
         },
-        gate_open=d["gate_open"], gate_reason=d["gate_reason"], draining=d["draining"],
-        stopped=d["stopped"], stop_reason=d["stop_reason"],
+        gate_open=d["gate_open"],
+        gate_reason=d["gate_reason"],
+        draining=d["draining"],
+        stopped=d["stopped"],
+        stop_reason=d["stop_reason"],
         finalize_errors={g: e for g, e in d["finalize_errors"]},
-        last_reward_mean=d["last_reward_mean"], grouped_samples=d["grouped_samples"],
-        acct=Accounting(**d["acct"]), evals=_evals_from_dict(d["evals"]),
+        last_reward_mean=d["last_reward_mean"],
+        grouped_samples=d["grouped_samples"],
+        acct=Accounting(**d["acct"]),
+        evals=_evals_from_dict(d["evals"]),
     )
 
 
@@ -390,14 +471,21 @@ def eval_conservation(e: EvalState) -> tuple[bool, dict[str, int]]:
     re-run; every scored completion is held by an open eval or reported by a completed one."""
     a = e.acct
     terms = {
-        "eval_dispatched": a.dispatched, "eval_completed": a.completed, "eval_inflight": len(e.inflight),
-        "eval_cancelled": a.cancelled_attempts, "eval_rerun": a.rerun_attempts, "eval_failures": a.failures,
-        "eval_off_version": a.off_version, "eval_held": sum(len(x.scored) for x in e.open.values()),
+        "eval_dispatched": a.dispatched,
+        "eval_completed": a.completed,
+        "eval_inflight": len(e.inflight),
+        "eval_cancelled": a.cancelled_attempts,
+        "eval_rerun": a.rerun_attempts,
+        "eval_failures": a.failures,
+        "eval_off_version": a.off_version,
+        "eval_held": sum(len(x.scored) for x in e.open.values()),
         "eval_reported": a.reported,
     }
     attempts = terms["eval_completed"] + terms["eval_inflight"] + terms["eval_cancelled"] + terms["eval_rerun"]
     scored = terms["eval_completed"] - terms["eval_failures"] - terms["eval_off_version"]
-    holds = (attempts == terms["eval_dispatched"]
-             and scored == terms["eval_held"] + terms["eval_reported"]
-             and len(e.inflight) == sum(len(x.inflight) for x in e.open.values()))
+    holds = (
+        attempts == terms["eval_dispatched"]
+        and scored == terms["eval_held"] + terms["eval_reported"]
+        and len(e.inflight) == sum(len(x.inflight) for x in e.open.values())
+    )
     return holds, terms

@@ -133,9 +133,7 @@ class Policy(nn.Module):
     def __init__(self, config: PolicyConfig):
         super().__init__()
         if config.vocab_size != VOCAB_SIZE:
-            raise ValueError(
-                f"policy: vocab_size {config.vocab_size} does not match the tokenizer ({VOCAB_SIZE})"
-            )
+            raise ValueError(f"policy: vocab_size {config.vocab_size} does not match the tokenizer ({VOCAB_SIZE})")
         self.config = config
         self.body = TinyTransformer(config) if config.arch == "transformer" else _GRUBody(config)
         self.head = nn.Linear(config.d_model, config.vocab_size)
@@ -198,9 +196,7 @@ def sample_group(
     its last token) or after ``max_new_tokens`` tokens. Equivalent to
     ``sample_groups(model, [prompt], n, seeds=[seed], ...)[0]``.
     """
-    return sample_groups(
-        model, [prompt], n, temperature=temperature, max_new_tokens=max_new_tokens, seeds=[seed]
-    )[0]
+    return sample_groups(model, [prompt], n, temperature=temperature, max_new_tokens=max_new_tokens, seeds=[seed])[0]
 
 
 def sample_groups(
@@ -242,8 +238,9 @@ def sample_groups(
     return out  # type: ignore[return-value]
 
 
-def _check_sampling_args(model: Policy, encoded: list[list[int]], n: int, temperature: float,
-                         max_new_tokens: int) -> None:
+def _check_sampling_args(
+    model: Policy, encoded: list[list[int]], n: int, temperature: float, max_new_tokens: int
+) -> None:
     if n < 1:
         raise ValueError(f"sample_groups: n must be >= 1, got {n}")
     if not temperature > 0:
@@ -413,22 +410,15 @@ class EmbeddedSampler:
         self, prompt: str, n: int, *, temperature: float, max_new_tokens: int, seed: int
     ) -> list[SampledCompletion]:
         model, version = self.current()
-        outs = sample_group(
-            model, prompt, n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed
-        )
-        return [
-            SampledCompletion(o.prompt_ids, o.completion_ids, o.logprobs, o.text, version) for o in outs
-        ]
+        outs = sample_group(model, prompt, n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+        return [SampledCompletion(o.prompt_ids, o.completion_ids, o.logprobs, o.text, version) for o in outs]
 
     def sample_groups(
         self, prompts: list[str], n: int, *, temperature: float, max_new_tokens: int, seeds: list[int]
     ) -> list[list[SampledCompletion]]:
         """Batched :meth:`sample_group` (one version for all); see :func:`sample_groups`."""
         model, version = self.current()
-        groups = sample_groups(
-            model, prompts, n, temperature=temperature, max_new_tokens=max_new_tokens, seeds=seeds
-        )
+        groups = sample_groups(model, prompts, n, temperature=temperature, max_new_tokens=max_new_tokens, seeds=seeds)
         return [
-            [SampledCompletion(o.prompt_ids, o.completion_ids, o.logprobs, o.text, version) for o in g]
-            for g in groups
+            [SampledCompletion(o.prompt_ids, o.completion_ids, o.logprobs, o.text, version) for o in g] for g in groups
         ]

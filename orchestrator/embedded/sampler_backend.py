@@ -32,11 +32,16 @@ class EmbeddedSamplerConfig(InferenceComponent):
         config = ctx.config
         if ctx.model is None:
             raise ValueError("the embedded sampler needs the run's prepared model (the hf trainer's)")
-        return EmbeddedBackend(ctx.run_dir, envs, model_path=ctx.model.path,
-                               chat_template_kwargs=config.model.chat_template_kwargs,
-                               temperature=config.rollout.temperature,
-                               max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
-                               load_timeout_s=config.trainer.publish_timeout_s)
+        return EmbeddedBackend(
+            ctx.run_dir,
+            envs,
+            model_path=ctx.model.path,
+            chat_template_kwargs=config.model.chat_template_kwargs,
+            temperature=config.rollout.temperature,
+            max_new_tokens=config.rollout.max_new_tokens,
+            seed=config.seed,
+            load_timeout_s=config.trainer.publish_timeout_s,
+        )
 
 
 def check_samples_published_weights(run: RunConfig, sampler: str) -> None:
@@ -44,8 +49,10 @@ def check_samples_published_weights(run: RunConfig, sampler: str) -> None:
     tasks to sample for."""
     if not TRAINERS.config(run.trainer.kind).writes_weights:
         writers = [name for name, model in TRAINERS.configs().items() if model.writes_weights]
-        raise ValueError(f"{sampler} samples from the trainer's published weights, which the {run.trainer.kind} "
-                         f"trainer never writes; use trainer.kind={' or '.join(map(repr, writers))} (or the fake env)")
+        raise ValueError(
+            f"{sampler} samples from the trainer's published weights, which the {run.trainer.kind} "
+            f"trainer never writes; use trainer.kind={' or '.join(map(repr, writers))} (or the fake env)"
+        )
 
 
 SAMPLING_THREADS = 32
@@ -63,9 +70,18 @@ class EmbeddedBackend:
 
     follows_weights: ClassVar[bool] = True
 
-    def __init__(self, run_dir: Path, envs: Mapping[str, RolloutEnv], *, model_path: Path,
-                 chat_template_kwargs: dict, temperature: float, max_new_tokens: int, seed: int,
-                 load_timeout_s: float):
+    def __init__(
+        self,
+        run_dir: Path,
+        envs: Mapping[str, RolloutEnv],
+        *,
+        model_path: Path,
+        chat_template_kwargs: dict,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        load_timeout_s: float,
+    ):
         import torch
 
         from orchestrator.hf.model import load_tokenizer
@@ -79,8 +95,13 @@ class EmbeddedBackend:
         self.tokenizer = load_tokenizer(model_path)
         pad_id = self.tokenizer.pad_token_id
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self._new_sampler = functools.partial(Sampler, model_path, eos_id=self.tokenizer.eos_token_id,
-                                              pad_id=0 if pad_id is None else pad_id, device=device)
+        self._new_sampler = functools.partial(
+            Sampler,
+            model_path,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=0 if pad_id is None else pad_id,
+            device=device,
+        )
         self.sampler = self._new_sampler()
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
@@ -134,14 +155,20 @@ class EmbeddedBackend:
         sampler = self.sampler if req.eval_id is None else await self._sampler_at(req.policy_version)
         temperature = self.temperature if req.temperature is None else req.temperature
         # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
-        sample = functools.partial(sampler.sample_coalesced, prompt_ids, temperature=temperature,
-                                   max_new_tokens=self.max_new_tokens, seed=seed)
+        sample = functools.partial(
+            sampler.sample_coalesced, prompt_ids, temperature=temperature, max_new_tokens=self.max_new_tokens, seed=seed
+        )
         completion = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         return EpisodeCompleted(
-            episode_id=req.episode_id, group_id=req.group_id, ok=True,
-            reward=await env.score(task, text), token_ids=prompt_ids + completion.token_ids,
+            episode_id=req.episode_id,
+            group_id=req.group_id,
+            ok=True,
+            reward=await env.score(task, text),
+            token_ids=prompt_ids + completion.token_ids,
             mask=[0] * len(prompt_ids) + [1] * len(completion.token_ids),
-            logprobs=[0.0] * len(prompt_ids) + completion.logprobs, policy_start=completion.version,
-            policy_end=completion.version, temperature=temperature,
+            logprobs=[0.0] * len(prompt_ids) + completion.logprobs,
+            policy_start=completion.version,
+            policy_end=completion.version,
+            temperature=temperature,
         )

@@ -43,9 +43,7 @@ def encode(text: str) -> list[int]:
     try:
         return [_CHAR_TO_ID[c] for c in text]
     except KeyError as exc:
-        raise TokenizerError(
-            f"tokenizer: character {exc.args[0]!r} is not in the vocabulary {CHARS!r}"
-        ) from None
+        raise TokenizerError(f"tokenizer: character {exc.args[0]!r} is not in the vocabulary {CHARS!r}") from None
 
 
 def decode(ids: Iterable[int]) -> str:

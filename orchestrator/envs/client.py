@@ -86,8 +86,13 @@ class HttpEnvClient:
     async def task(self, index: int) -> Task:
         data = await self._call("POST", "/task", {"index": index})
         try:
-            return Task(env=data["env"], index=data["index"], prompt=data["prompt"], answer=data["answer"],
-                        messages=data.get("messages"))
+            return Task(
+                env=data["env"],
+                index=data["index"],
+                prompt=data["prompt"],
+                answer=data["answer"],
+                messages=data.get("messages"),
+            )
         except (KeyError, TypeError) as exc:
             raise EnvServerError(f"POST {self.base_url}/task: malformed task {data!r}") from exc
 

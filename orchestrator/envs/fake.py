@@ -39,8 +39,9 @@ class FakeEnvConfig(EnvComponent):
 
     def check(self, run: RunConfig) -> None:
         if run.inference_kind() != "fake":
-            raise ValueError("the fake env's episodes come whole from inference.kind='fake', "
-                             f"not {run.inference_kind()!r}")
+            raise ValueError(
+                f"the fake env's episodes come whole from inference.kind='fake', not {run.inference_kind()!r}"
+            )
 
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv | None]:
@@ -93,7 +94,7 @@ class FakeEpisodes:
         raw = hashlib.blake2b(key, digest_size=64).digest()  # block 0 (its salt is all zeros)
         for block in range(1, -(-size // 64)):
             raw += hashlib.blake2b(key, digest_size=64, salt=block.to_bytes(16, "little")).digest()
-        return _UNIFORMS.unpack_from(raw), raw[_UNIFORMS.size:size]
+        return _UNIFORMS.unpack_from(raw), raw[_UNIFORMS.size : size]
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         cfg = self.config
@@ -113,13 +114,16 @@ class FakeEpisodes:
         # Valid by construction (aligned lists, finite floats), so not validated again: an
         # instant env should cost next to nothing beside the orchestrator it exercises.
         return EpisodeCompleted.unvalidated(
-            episode_id=req.episode_id, group_id=req.group_id, ok=True,
+            episode_id=req.episode_id,
+            group_id=req.group_id,
+            ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
             reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
             token_ids=list(token_ids[:n_total]),
             mask=self._masks[n_sampled][:],
-            logprobs=self._prompt_logprobs + self._logprob_pool[offset:offset + n_sampled],
-            policy_start=policy_start, policy_end=policy_start if pinned else self.version_now(),
+            logprobs=self._prompt_logprobs + self._logprob_pool[offset : offset + n_sampled],
+            policy_start=policy_start,
+            policy_end=policy_start if pinned else self.version_now(),
         )
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:

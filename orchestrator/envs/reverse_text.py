@@ -80,11 +80,18 @@ class ReverseTextEnv:
             length = rng.randint(self.min_len, self.max_len)
             prompt = "".join(rng.choice(self.alphabet) for _ in range(length))
             if is_held_out(prompt) == held_out:
-                return Task(env=self.name, index=index, prompt=prompt, answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG,
-                            messages=[{"role": "user", "content": prompt}])
+                return Task(
+                    env=self.name,
+                    index=index,
+                    prompt=prompt,
+                    answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG,
+                    messages=[{"role": "user", "content": prompt}],
+                )
         side = "held-out" if held_out else "train"
-        raise ValueError(f"reverse_text: prompts of {self.min_len}..{self.max_len} letters from {self.alphabet!r} "
-                         f"leave (next to) no {side} prompt; allow longer prompts")
+        raise ValueError(
+            f"reverse_text: prompts of {self.min_len}..{self.max_len} letters from {self.alphabet!r} "
+            f"leave (next to) no {side} prompt; allow longer prompts"
+        )
 
     def score(self, task: Task, completion: str) -> float:
         return reversal_reward(completion, task.prompt)
@@ -98,8 +105,10 @@ class ReverseTextConfig(EnvComponent):
 
     def check(self, run: RunConfig) -> None:
         if run.rollout.env_server is not None and run.eval.envs:
-            raise ValueError("evals need held-out tasks (negative indices), which rollout.env_server does not serve; "
-                             "run the env in-process for evals")
+            raise ValueError(
+                "evals need held-out tasks (negative indices), which rollout.env_server does not serve; "
+                "run the env in-process for evals"
+            )
 
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:
@@ -124,6 +133,8 @@ class ReverseTextConfig(EnvComponent):
             raise EnvServerError(f"{client.base_url} serves env {served!r}, not 'reverse_text'")
         wanted = {"seed": seed, "min_len": self.min_len, "max_len": self.max_len}
         if health.get("params") != wanted:
-            raise EnvServerError(f"{client.base_url} serves reverse_text tasks of {health.get('params')}, this run's "
-                                 f"are {wanted}: start it with --seed {seed} --min-len {wanted['min_len']} "
-                                 f"--max-len {wanted['max_len']}")
+            raise EnvServerError(
+                f"{client.base_url} serves reverse_text tasks of {health.get('params')}, this run's "
+                f"are {wanted}: start it with --seed {seed} --min-len {wanted['min_len']} "
+                f"--max-len {wanted['max_len']}"
+            )

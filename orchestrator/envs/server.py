@@ -85,8 +85,10 @@ def disconnect_cancelling_app(routes: list[Route], stats: dict[str, int]) -> Sta
     def on_cancel(scope: Scope) -> None:
         stats["disconnect_cancels"] = stats.get("disconnect_cancels", 0) + 1
 
-    return Starlette(routes=[*routes, Route("/stats", get_stats, methods=["GET"])],
-                     middleware=[Middleware(DisconnectMiddleware, on_cancel=on_cancel)])
+    return Starlette(
+        routes=[*routes, Route("/stats", get_stats, methods=["GET"])],
+        middleware=[Middleware(DisconnectMiddleware, on_cancel=on_cancel)],
+    )
 
 
 class DisconnectMiddleware:
@@ -190,8 +192,9 @@ def create_app(env: TextEnv, *, score_delay_s: float = 0.0) -> Starlette:
             return _bad_request(str(exc))
         stats["task"] += 1
         t = env.task(index)
-        return JSONResponse({"env": t.env, "index": t.index, "prompt": t.prompt, "answer": t.answer,
-                             "messages": t.messages})
+        return JSONResponse(
+            {"env": t.env, "index": t.index, "prompt": t.prompt, "answer": t.answer, "messages": t.messages}
+        )
 
     async def score(request: Request) -> JSONResponse:
         try:
@@ -227,11 +230,14 @@ def create_app(env: TextEnv, *, score_delay_s: float = 0.0) -> Starlette:
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "env": env.name, "params": getattr(env, "params", None)})
 
-    app = disconnect_cancelling_app([
-        Route("/task", task, methods=["POST"]),
-        Route("/score", score, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-    ], stats)
+    app = disconnect_cancelling_app(
+        [
+            Route("/task", task, methods=["POST"]),
+            Route("/score", score, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        stats,
+    )
     app.state.stats = stats
     app.state.env = env
     return app
@@ -239,9 +245,7 @@ def create_app(env: TextEnv, *, score_delay_s: float = 0.0) -> Starlette:
 
 def _config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicorn.Config:
     # One worker, no reload, no lifespan; short graceful shutdown so stop() is bounded.
-    return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=2
-    )
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=2)
 
 
 def _bound_port(server: uvicorn.Server) -> int:
@@ -297,8 +301,9 @@ async def serve(
     await task
 
 
-def serve_command_line(app: ASGIApp, command: str, *, host: str, port: int, log_level: str,
-                       on_ready: Callable[[str], None]) -> None:
+def serve_command_line(
+    app: ASGIApp, command: str, *, host: str, port: int, log_level: str, on_ready: Callable[[str], None]
+) -> None:
     """`serve` for a CLI command (`orch env-server`, `orch serve`): an address that cannot be
     bound (a port in use) is one line, `orch: error: COMMAND: ...`, and exit 1."""
     try:
@@ -356,15 +361,30 @@ def running_server(
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = pick a free port.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Env seed (tasks are a function of seed, index).")
 @click.option(
-    "--score-delay-s", default=0.0, show_default=True, type=click.FloatRange(0, MAX_DELAY_S),
+    "--score-delay-s",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, MAX_DELAY_S),
     help="Simulated grader latency added to every /score.",
 )
 @click.option("--min-len", type=click.IntRange(1), help="reverse_text: shortest prompt (default 3).")
 @click.option("--max-len", type=click.IntRange(1), help="reverse_text: longest prompt (default 6).")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def env_server_command(env_name: str, host: str, port: int, seed: int, score_delay_s: float,
-                       min_len: int | None, max_len: int | None, log_level: str) -> None:
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+)
+def env_server_command(
+    env_name: str,
+    host: str,
+    port: int,
+    seed: int,
+    score_delay_s: float,
+    min_len: int | None,
+    max_len: int | None,
+    log_level: str,
+) -> None:
     """Serve an env over HTTP (POST /task, POST /score, GET /health, GET /stats)."""
     options = {k: v for k, v in (("min_len", min_len), ("max_len", max_len)) if v is not None}
     try:

@@ -75,7 +75,14 @@ def make_trainer(config: RunConfig, run_dir: Path, model: PreparedModel) -> Proc
         from orchestrator.hf.distributed import torchrun_command
         from orchestrator.trainers.torchrun import TorchrunTrainer
 
-        return TorchrunTrainer(run_dir, torchrun_command(run_dir, nproc=section.nproc, nnodes=section.nnodes,
-                                                         node_rank=section.node_rank,
-                                                         rdzv_endpoint=section.rdzv_endpoint))
+        return TorchrunTrainer(
+            run_dir,
+            torchrun_command(
+                run_dir,
+                nproc=section.nproc,
+                nnodes=section.nnodes,
+                node_rank=section.node_rank,
+                rdzv_endpoint=section.rdzv_endpoint,
+            ),
+        )
     return ProcessTrainer(run_dir)

@@ -17,30 +17,48 @@ if TYPE_CHECKING:
 class LoraSection(Section):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha (the update is scaled by alpha / rank)")
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                      description="names of the modules that get adapters (as PEFT matches them)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="names of the modules that get adapters (as PEFT matches them)",
+    )
 
 
 class HFTrainerConfig(TrainerComponent):
     """The transformers trainer process (full or LoRA, torchrun DDP/FSDP2): docs/hf.md."""
 
     resumable: ClassVar[frozenset[str]] = frozenset(
-        {"nproc", "distributed", "backend", "nnodes", "node_rank", "rdzv_endpoint"})
+        {"nproc", "distributed", "backend", "nnodes", "node_rank", "rdzv_endpoint"}
+    )
     lr: float = Field(5e-4, gt=0, description="AdamW learning rate")
     lr_warmup_steps: int = Field(5, ge=0, description="the lr ramps linearly over the first steps")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip, the ratio is clipped to [1-eps, 1+eps]")
-    micro_batch_size: int = Field(0, ge=0, description="samples per forward/backward, gradients accumulated over "
-                                  "a rank's share of the batch (0: the whole share at once)")
-    keep_weights: int = Field(3, ge=2, description="newest weight versions kept on disk (at least target_lag + 2, so "
-                              "a resume finds the version it reloads)")
+    micro_batch_size: int = Field(
+        0,
+        ge=0,
+        description="samples per forward/backward, gradients accumulated over "
+        "a rank's share of the batch (0: the whole share at once)",
+    )
+    keep_weights: int = Field(
+        3,
+        ge=2,
+        description="newest weight versions kept on disk (at least target_lag + 2, so "
+        "a resume finds the version it reloads)",
+    )
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters instead of full fine-tuning")
     nproc: int = Field(1, ge=1, description="ranks per node under torchrun; 1 (one node): one process")
-    distributed: Literal["ddp", "fsdp"] = Field("ddp", description="how ranks share the model: DDP replicas or FSDP2 "
-                                                "(torch.distributed.fsdp.fully_shard) shards")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process group backend (auto: nccl with CUDA, "
-                                                     "else gloo)")
-    nnodes: int = Field(1, ge=1, description="torchrun nodes; > 1 needs rdzv_endpoint and the run dir on a shared "
-                        "filesystem (the other nodes run the torchrun command of docs/hf.md)")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="how ranks share the model: DDP replicas or FSDP2 (torch.distributed.fsdp.fully_shard) shards",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="process group backend (auto: nccl with CUDA, else gloo)"
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="torchrun nodes; > 1 needs rdzv_endpoint and the run dir on a shared "
+        "filesystem (the other nodes run the torchrun command of docs/hf.md)",
+    )
     node_rank: int = Field(0, ge=0, description="this node's rank among nnodes (orch run is node 0)")
     rdzv_endpoint: str | None = Field(None, description="torchrun c10d rendezvous host:port (multi-node)")
 

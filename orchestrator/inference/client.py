@@ -123,10 +123,18 @@ class Endpoint:
 
     def snapshot(self, now: float) -> dict[str, Any]:
         # "up": the last contact succeeded; a failing endpoint is probed again after retry_in_s
-        return {"url": self.url, "up": self.failures == 0, "retry_in_s": round(max(0.0, self.down_until - now), 3),
-                "inflight": self.inflight, "assigned": self.assigned,
-                "completed": self.completed, "failures": self.total_failures, "version": self.version,
-                "error_kinds": dict(self.error_kinds), "last_error": self.last_error}
+        return {
+            "url": self.url,
+            "up": self.failures == 0,
+            "retry_in_s": round(max(0.0, self.down_until - now), 3),
+            "inflight": self.inflight,
+            "assigned": self.assigned,
+            "completed": self.completed,
+            "failures": self.total_failures,
+            "version": self.version,
+            "error_kinds": dict(self.error_kinds),
+            "last_error": self.last_error,
+        }
 
 
 @dataclass(frozen=True)
@@ -171,8 +179,12 @@ class InferenceClient:
         self._pins: OrderedDict[Any, Endpoint] = OrderedDict()
         self._ids = itertools.count()
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), limits=limits,
-                                       trust_env=False, transport=httpx.AsyncHTTPTransport(retries=0, limits=limits))
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=limits,
+            trust_env=False,
+            transport=httpx.AsyncHTTPTransport(retries=0, limits=limits),
+        )
         self.retries = 0  # requests re-sent after a failure (all endpoints together)
 
     async def aclose(self) -> None:
@@ -193,8 +205,11 @@ class InferenceClient:
         parts = []
         for s in self.status():
             kinds = ", ".join(f"{k} x{n}" for k, n in sorted(s["error_kinds"].items()))
-            parts.append(f"{s['url']}: {s['completed']} completions, {s['failures']} failures"
-                         + (f" ({kinds})" if kinds else "") + ("" if s["up"] else ", down"))
+            parts.append(
+                f"{s['url']}: {s['completed']} completions, {s['failures']} failures"
+                + (f" ({kinds})" if kinds else "")
+                + ("" if s["up"] else ", down")
+            )
         return "; ".join(parts) + f"; {self.retries} requests re-sent after a failure"
 
     # -- routing and health -----------------------------------------------------------------------
@@ -251,8 +266,9 @@ class InferenceClient:
             await asyncio.sleep(delay)
 
     # -- HTTP -------------------------------------------------------------------------------------
-    async def _call(self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None,
-                    text: bool = False) -> Any:
+    async def _call(
+        self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None, text: bool = False
+    ) -> Any:
         """One HTTP call; transport errors and 5xx -> _Retryable, 4xx -> InferenceRequestError.
         The answer's JSON, or its text with ``text`` (vLLM's LoRA routes answer in plain text)."""
         url = ep.url + path
@@ -262,17 +278,21 @@ class InferenceClient:
                 kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
             resp = await self._http.request(method, url, **kwargs)
         except httpx.TimeoutException as exc:
-            raise _Retryable(f"{method} {url}: timed out ({type(exc).__name__})",
-                             f"{type(exc).__name__} {path}") from None
+            raise _Retryable(
+                f"{method} {url}: timed out ({type(exc).__name__})", f"{type(exc).__name__} {path}"
+            ) from None
         except httpx.TransportError as exc:
-            raise _Retryable(f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}",
-                             f"{type(exc).__name__} {path}") from None
+            raise _Retryable(
+                f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
+            ) from None
         if resp.status_code >= 500:
-            raise _Retryable(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
-                             f"HTTP {resp.status_code} {path}")
+            raise _Retryable(
+                f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", f"HTTP {resp.status_code} {path}"
+            )
         if resp.status_code >= 400:
-            raise InferenceRequestError(f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}",
-                                        resp.status_code)
+            raise InferenceRequestError(
+                f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
+            )
         if text:
             return resp.text
         try:
@@ -290,32 +310,49 @@ class InferenceClient:
                 listed = await self._call(ep, "GET", "/v1/models")
             except _Retryable:
                 continue
-            bases = [m for m in listed.get("data", []) if isinstance(m, dict) and m.get("parent") is None] \
-                if isinstance(listed, dict) else []
+            bases = (
+                [m for m in listed.get("data", []) if isinstance(m, dict) and m.get("parent") is None]
+                if isinstance(listed, dict)
+                else []
+            )
             names = {str(m.get(key)) for m in bases for key in ("id", "root")}
             if not (self.model in names or any(_same_path(name, model_dir) for name in names)):
                 served = ", ".join(sorted(names)) or repr(listed)[:200]
                 hint = "" if self.model else " (set inference.openai.model to its served name)"
-                raise InferenceRequestError(f"{ep.url} serves {served}, not this run's model {self.model or model_dir}"
-                                            + hint)
+                raise InferenceRequestError(
+                    f"{ep.url} serves {served}, not this run's model {self.model or model_dir}" + hint
+                )
             if self.weight_sync == "vllm_reload":
                 probe, needs = ("GET", "/is_paused", None), "VLLM_SERVER_DEV_MODE=1"
             else:
-                probe, needs = ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}, None, True), \
-                    "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+                probe, needs = (
+                    ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}, None, True),
+                    "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
+                )
             try:
                 await self._call(ep, *probe)
             except InferenceRequestError as exc:
                 if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
-                    raise InferenceRequestError(f"{ep.url} lacks {probe[1]} ({exc}): weight_sync "
-                                                f"{self.weight_sync!r} needs vLLM started with {needs}") from None
+                    raise InferenceRequestError(
+                        f"{ep.url} lacks {probe[1]} ({exc}): weight_sync "
+                        f"{self.weight_sync!r} needs vLLM started with {needs}"
+                    ) from None
             except _Retryable:
                 continue
 
     # -- completions ------------------------------------------------------------------------------
-    async def complete(self, prompt: str | list[int], *, n: int = 1, temperature: float = 1.0, max_tokens: int = 16,
-                       seed: int | None = None, pin: Any = None, extra: dict[str, Any] | None = None,
-                       at_version: int | None = None) -> Completion:
+    async def complete(
+        self,
+        prompt: str | list[int],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        max_tokens: int = 16,
+        seed: int | None = None,
+        pin: Any = None,
+        extra: dict[str, Any] | None = None,
+        at_version: int | None = None,
+    ) -> Completion:
         """Sample ``n`` completions of ``prompt`` (text or token ids) with token ids and logprobs.
 
         Retried on another endpoint after a transport/server failure (at most ``max_attempts``
@@ -325,8 +362,15 @@ class InferenceClient:
         the weights the endpoint holds.
         The completion reports the version that sampled it either way.
         """
-        body: dict[str, Any] = {"prompt": prompt, "n": n, "temperature": temperature, "max_tokens": max_tokens,
-                                "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "n": n,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        }
         if seed is not None:
             body["seed"] = seed
         if extra:
@@ -343,7 +387,8 @@ class InferenceClient:
                 if now - waiting_since >= self.timeout_s:  # as long as the request itself may take
                     raise InferenceUnavailable(
                         f"every inference endpoint down for {now - waiting_since:.0f}s: "
-                        + "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)) from None
+                        + "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
+                    ) from None
                 await self._wait_for_an_endpoint(waiting_since + self.timeout_s - now)
                 continue
             waiting_since = None
@@ -366,7 +411,8 @@ class InferenceClient:
                 if attempt >= self.max_attempts:
                     raise InferenceUnavailable(
                         f"completion failed after {attempt} attempt(s) on {len(tried)} endpoint(s): "
-                        + "; ".join(errors)) from None
+                        + "; ".join(errors)
+                    ) from None
                 continue
             finally:
                 ep.inflight -= 1
@@ -377,8 +423,9 @@ class InferenceClient:
             ep.completed += 1
             return Completion(ep.url, choices, sampled_by, ended_at, attempt)
 
-    async def _sample(self, ep: Endpoint, body: dict[str, Any], expected: int,
-                      at_version: int | None) -> tuple[list[ParsedChoice], int, int]:
+    async def _sample(
+        self, ep: Endpoint, body: dict[str, Any], expected: int, at_version: int | None
+    ) -> tuple[list[ParsedChoice], int, int]:
         """One ``/v1/completions`` call on ``ep`` at its newest version (vllm_lora: at
         ``at_version`` while the endpoint still holds its adapter): (choices, version that sampled
         them, version known when they came back)."""
@@ -444,8 +491,9 @@ class InferenceClient:
             self.target = (version, path)
         if self.weight_sync == "none":
             return {e.url: version for e in self.endpoints}
-        results = await asyncio.gather(*(self._load_one(e, version, path) for e in self.endpoints),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._load_one(e, version, path) for e in self.endpoints), return_exceptions=True
+        )
         answers: dict[str, int | str] = {}
         for ep, res in zip(self.endpoints, results):
             if isinstance(res, BaseException):
@@ -458,11 +506,13 @@ class InferenceClient:
             # Every endpoint refused the load itself for good (a malformed request or answer, no
             # permission): asking again will not help, so the caller fails at once rather than at
             # its timeout. A 404/409/408/429 may pass (weights not yet visible to the server).
-            refused = all(isinstance(res, InferenceRequestError) and res.status_code not in _MAY_PASS
-                          for res in results)
+            refused = all(
+                isinstance(res, InferenceRequestError) and res.status_code not in _MAY_PASS for res in results
+            )
             raise (InferenceRequestError if refused else InferenceError)(
                 f"no inference endpoint confirmed weights version {version} ({path}): "
-                + "; ".join(f"{u}: {a}" for u, a in answers.items()))
+                + "; ".join(f"{u}: {a}" for u, a in answers.items())
+            )
         return answers
 
     async def _load_one(self, ep: Endpoint, version: int, path: str) -> int:
@@ -473,8 +523,9 @@ class InferenceClient:
                 if self.weight_sync == "orch":
                     confirmed = await self._update_orch_serve(ep, version, path)
                 elif self.weight_sync == "sglang":
-                    answer = await self._call(ep, "POST", "/update_weights_from_disk", {"model_path": path},
-                                              timeout=self.load_timeout_s)
+                    answer = await self._call(
+                        ep, "POST", "/update_weights_from_disk", {"model_path": path}, timeout=self.load_timeout_s
+                    )
                     if not (isinstance(answer, dict) and answer.get("success") is True):
                         raise InferenceRequestError(f"{ep.url}/update_weights_from_disk refused {path}: {answer!r}")
                     confirmed = version
@@ -490,16 +541,19 @@ class InferenceClient:
             return ep.version
 
     async def _update_orch_serve(self, ep: Endpoint, version: int, path: str) -> int:
-        answer = await self._call(ep, "POST", "/update_weights", {"path": path, "version": version},
-                                  timeout=self.load_timeout_s)
+        answer = await self._call(
+            ep, "POST", "/update_weights", {"path": path, "version": version}, timeout=self.load_timeout_s
+        )
         confirmed = answer.get("version") if isinstance(answer, dict) else None
         if not isinstance(confirmed, int) or confirmed < version:
-            raise InferenceRequestError(f"{ep.url}/update_weights: asked for version {version}, "
-                                        f"the endpoint answered {answer!r}")
+            raise InferenceRequestError(
+                f"{ep.url}/update_weights: asked for version {version}, the endpoint answered {answer!r}"
+            )
         served = answer.get("path")
         if isinstance(served, str) and Path(served).parent != Path(path).parent:
-            raise InferenceRequestError(f"{ep.url}/update_weights: asked for {path}, the endpoint "
-                                        f"serves {served}, another run's weights")
+            raise InferenceRequestError(
+                f"{ep.url}/update_weights: asked for {path}, the endpoint serves {served}, another run's weights"
+            )
         return confirmed
 
     async def _reload_vllm(self, ep: Endpoint, version: int, path: str) -> int:
@@ -511,17 +565,25 @@ class InferenceClient:
             try:
                 await asyncio.wait_for(ep.idle.wait(), self.load_timeout_s)
             except TimeoutError:
-                raise _Retryable(f"{ep.url}: its requests in flight did not end within {self.load_timeout_s:g}s "
-                                 f"of the reload of version {version}", "reload drain") from None
+                raise _Retryable(
+                    f"{ep.url}: its requests in flight did not end within {self.load_timeout_s:g}s "
+                    f"of the reload of version {version}",
+                    "reload drain",
+                ) from None
             await self._call(ep, "POST", "/pause?mode=wait", timeout=self.load_timeout_s)
-            await self._call(ep, "POST", "/collective_rpc",
-                             {"method": "reload_weights", "kwargs": {"weights_path": path}},
-                             timeout=self.load_timeout_s)
+            await self._call(
+                ep,
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                timeout=self.load_timeout_s,
+            )
             # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
             answer = await self._call(ep, "POST", "/reset_prefix_cache", timeout=self.load_timeout_s)
             if not (isinstance(answer, dict) and answer.get("success") is True):
                 raise InferenceRequestError(
-                    f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
+                    f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}"
+                )
             await self._call(ep, "POST", "/resume", timeout=self.load_timeout_s)
             return version
         finally:
@@ -547,13 +609,21 @@ class InferenceClient:
             try:
                 await asyncio.wait_for(ep.adapter_released.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                raise _Retryable(f"{ep.url}: adapters {sorted(ep.adapters)} still in use {self.load_timeout_s:g}s "
-                                 f"after adapter {lora_name(version)} was asked for", "adapter room") from None
+                raise _Retryable(
+                    f"{ep.url}: adapters {sorted(ep.adapters)} still in use {self.load_timeout_s:g}s "
+                    f"after adapter {lora_name(version)} was asked for",
+                    "adapter room",
+                ) from None
         # In place: a step_N left by an earlier run of this name (a crash before N was recorded)
         # is replaced rather than kept.
-        await self._call(ep, "POST", "/v1/load_lora_adapter",
-                         {"lora_name": lora_name(version), "lora_path": path, "load_inplace": True},
-                         timeout=self.load_timeout_s, text=True)
+        await self._call(
+            ep,
+            "POST",
+            "/v1/load_lora_adapter",
+            {"lora_name": lora_name(version), "lora_path": path, "load_inplace": True},
+            timeout=self.load_timeout_s,
+            text=True,
+        )
         ep.adapters.setdefault(version, 0)
         return version
 
@@ -571,8 +641,14 @@ class InferenceClient:
         (one pinned to ``old`` looks it up) takes it up meanwhile."""
         del ep.adapters[old]
         try:
-            await self._call(ep, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name(old)},
-                             timeout=self.load_timeout_s, text=True)
+            await self._call(
+                ep,
+                "POST",
+                "/v1/unload_lora_adapter",
+                {"lora_name": lora_name(old)},
+                timeout=self.load_timeout_s,
+                text=True,
+            )
         except InferenceRequestError as exc:
             if exc.status_code != 404:  # 404: it is gone already (the server restarted)
                 raise
@@ -601,8 +677,10 @@ def check_weights_dir(path: str, marker: str, what: str) -> None:
     """InferenceRequestError unless ``path`` holds ``marker`` and a ``*.safetensors`` file."""
     wdir = Path(path)
     if not (wdir / marker).is_file() or not any(wdir.glob("*.safetensors")):
-        raise InferenceRequestError(f"{wdir} is not {what} ({marker} and *.safetensors): the trainer publishes "
-                                    "another kind of weights than this weight_sync loads")
+        raise InferenceRequestError(
+            f"{wdir} is not {what} ({marker} and *.safetensors): the trainer publishes "
+            "another kind of weights than this weight_sync loads"
+        )
 
 
 def lora_name(version: int) -> str:

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from orchestrator.inference.vllm_launch import VllmLauncher
 
 
-def build_endpoints_backend(section: EndpointsConfig, ctx: BuildContext,
-                            envs: Mapping[str, RolloutEnv]) -> EndpointsBackend:
+def build_endpoints_backend(
+    section: EndpointsConfig, ctx: BuildContext, envs: Mapping[str, RolloutEnv]
+) -> EndpointsBackend:
     """The `openai` backend of a run on its prepared model (``ctx.model``: the endpoints serve it):
     the client of its endpoints (given, or the vLLM servers of ``inference.openai.launch``, started
     at the backend's first load)."""
@@ -50,18 +51,34 @@ def build_endpoints_backend(section: EndpointsConfig, ctx: BuildContext,
 
         launcher = VllmLauncher(section.launch, model_dir, ctx.run_dir, section.weight_sync, section.max_loras)
         urls = launcher.urls
-    return EndpointsBackend(ctx.run_dir, envs, make_client(config, urls), temperature=config.rollout.temperature,
-                            max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
-                            load_timeout_s=config.trainer.publish_timeout_s, model_dir=model_dir, launcher=launcher,
-                            chat_template_kwargs=config.model.chat_template_kwargs)
+    return EndpointsBackend(
+        ctx.run_dir,
+        envs,
+        make_client(config, urls),
+        temperature=config.rollout.temperature,
+        max_new_tokens=config.rollout.max_new_tokens,
+        seed=config.seed,
+        load_timeout_s=config.trainer.publish_timeout_s,
+        model_dir=model_dir,
+        launcher=launcher,
+        chat_template_kwargs=config.model.chat_template_kwargs,
+    )
 
 
 def make_client(config: RunConfig, urls: list[str]) -> InferenceClient:
     inf = config.inference.openai
-    return InferenceClient(urls, model=inf.model, weight_sync=inf.weight_sync, timeout_s=inf.request_timeout_s,
-                           load_timeout_s=config.trainer.publish_timeout_s, max_attempts=inf.max_attempts,
-                           backoff_s=inf.backoff_s, max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups,
-                           max_loras=inf.max_loras)
+    return InferenceClient(
+        urls,
+        model=inf.model,
+        weight_sync=inf.weight_sync,
+        timeout_s=inf.request_timeout_s,
+        load_timeout_s=config.trainer.publish_timeout_s,
+        max_attempts=inf.max_attempts,
+        backoff_s=inf.backoff_s,
+        max_backoff_s=inf.max_backoff_s,
+        pin_groups=inf.pin_groups,
+        max_loras=inf.max_loras,
+    )
 
 
 def check_inference(config: RunConfig, model_dir: Path) -> None:
@@ -74,9 +91,11 @@ def check_inference(config: RunConfig, model_dir: Path) -> None:
     check_launch(config, model_dir)
     inf = config.inference.openai
     if inf.endpoints and inf.weight_sync in VLLM_MODES:
+
         async def check() -> None:
             async with make_client(config, inf.endpoints) as client:
                 await client.check_vllm_endpoints(model_dir)
+
         try:
             asyncio.run(check())
         except InferenceRequestError as err:
@@ -104,10 +123,20 @@ def episode_seed(run_seed: int, episode_id: int, attempt: int) -> int:
 class EndpointsBackend:
     follows_weights: ClassVar[bool] = True
 
-    def __init__(self, run_dir: str | os.PathLike, envs: Mapping[str, RolloutEnv], client: InferenceClient, *,
-                 temperature: float, max_new_tokens: int, seed: int, load_timeout_s: float,
-                 model_dir: Path | None = None, launcher: VllmLauncher | None = None,
-                 chat_template_kwargs: Mapping | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        envs: Mapping[str, RolloutEnv],
+        client: InferenceClient,
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        load_timeout_s: float,
+        model_dir: Path | None = None,
+        launcher: VllmLauncher | None = None,
+        chat_template_kwargs: Mapping | None = None,
+    ):
         self.run_dir, self.envs, self.client, self.seed = Path(run_dir).resolve(), envs, client, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
         self.model_dir, self.launcher = model_dir, launcher
@@ -170,18 +199,29 @@ class EndpointsBackend:
         # version that sampled it, and the core counts one taken by another version than its
         # eval's apart from the eval's figures (docs/evals.md).
         temperature = self.temperature if req.temperature is None else req.temperature
-        done = await self.client.complete(prompt_ids, n=1, temperature=temperature, max_tokens=self.max_new_tokens,
-                                          seed=seed, pin=req.group_id,
-                                          at_version=None if req.eval_id is None else req.policy_version)
+        done = await self.client.complete(
+            prompt_ids,
+            n=1,
+            temperature=temperature,
+            max_tokens=self.max_new_tokens,
+            seed=seed,
+            pin=req.group_id,
+            at_version=None if req.eval_id is None else req.policy_version,
+        )
         (choice,) = done.choices
         if choice.prompt_ids is not None and list(choice.prompt_ids) != prompt_ids:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
         return EpisodeCompleted(
-            episode_id=req.episode_id, group_id=req.group_id, ok=True,
-            reward=await env.score(task, choice.text), token_ids=prompt_ids + choice.token_ids,
+            episode_id=req.episode_id,
+            group_id=req.group_id,
+            ok=True,
+            reward=await env.score(task, choice.text),
+            token_ids=prompt_ids + choice.token_ids,
             mask=[0] * len(prompt_ids) + [1] * len(choice.token_ids),
             logprobs=[0.0] * len(prompt_ids) + choice.logprobs,
-            policy_start=done.policy_start, policy_end=done.policy_end, temperature=temperature,
+            policy_start=done.policy_start,
+            policy_end=done.policy_end,
+            temperature=temperature,
         )
 
     async def aclose(self) -> None:

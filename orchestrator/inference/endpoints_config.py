@@ -28,10 +28,13 @@ class LaunchSection(Section):
     servers: int = Field(0, ge=0, description="vLLM servers to start (their URLs become the endpoints)")
     host: str = Field("127.0.0.1", description="address the servers bind")
     ports: list[int] = Field(default_factory=list, description="one port per server (empty: free ports)")
-    gpus: list[str] = Field(default_factory=list, description="CUDA_VISIBLE_DEVICES of each server, e.g. [\"0\", "
-                            "\"1\"] (empty: vLLM on the CPU)")
-    extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` flags, e.g. "
-                                  "[\"--dtype\", \"float32\", \"--enforce-eager\"]")
+    gpus: list[str] = Field(
+        default_factory=list,
+        description='CUDA_VISIBLE_DEVICES of each server, e.g. ["0", "1"] (empty: vLLM on the CPU)',
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description='more `vllm serve` flags, e.g. ["--dtype", "float32", "--enforce-eager"]'
+    )
     env: dict[str, str] = Field(default_factory=dict, description="more environment variables for the servers")
     cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of a CPU server (GiB of KV cache)")
     max_lora_rank: int = Field(16, ge=1, description="--max-lora-rank (vllm_lora): at least the trainer's rank")
@@ -42,8 +45,9 @@ class LaunchSection(Section):
     def _one_port_and_gpu_set_per_server(self) -> LaunchSection:
         for name, values in (("ports", self.ports), ("gpus", self.gpus)):
             if values and len(values) != self.servers:
-                raise ValueError(f"inference.openai.launch.{name} has {len(values)} entries for {self.servers} "
-                                 "server(s)")
+                raise ValueError(
+                    f"inference.openai.launch.{name} has {len(values)} entries for {self.servers} server(s)"
+                )
         if any(not 0 < port < 65536 for port in self.ports) or len(set(self.ports)) != len(self.ports):
             raise ValueError("inference.openai.launch.ports must be distinct ports in 1..65535")
         return self
@@ -55,35 +59,50 @@ class EndpointsConfig(InferenceComponent):
     Given (`endpoints`), or vLLM servers the run starts and stops itself (`launch`)."""
 
     follows_weights: ClassVar[bool] = True
-    resumable: ClassVar[frozenset[str]] = frozenset({"endpoints", "request_timeout_s", "max_attempts", "backoff_s",
-                                                     "max_backoff_s", "pin_groups", "max_loras"})
-    endpoints: list[str] = Field(default_factory=list, description="base URLs (http://host:port); setting them "
-                                 "selects this backend when inference.kind is not set")
+    resumable: ClassVar[frozenset[str]] = frozenset(
+        {"endpoints", "request_timeout_s", "max_attempts", "backoff_s", "max_backoff_s", "pin_groups", "max_loras"}
+    )
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="base URLs (http://host:port); setting them selects this backend when inference.kind is not set",
+    )
     model: str | None = Field(None, description="model name sent with each request (None: the server's own)")
     weight_sync: Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"] = Field(
-        "orch", description="how endpoints load weights/step_N: orch /update_weights, vLLM full reload "
+        "orch",
+        description="how endpoints load weights/step_N: orch /update_weights, vLLM full reload "
         "(/pause, reload_weights, /reset_prefix_cache, /resume), vLLM LoRA adapters, "
-        "SGLang /update_weights_from_disk, or not at all")
-    max_loras: int = Field(2, ge=2, description="vllm_lora: adapters an endpoint holds at most (--max-loras): the "
-                           "newest and those requests still use")
+        "SGLang /update_weights_from_disk, or not at all",
+    )
+    max_loras: int = Field(
+        2,
+        ge=2,
+        description="vllm_lora: adapters an endpoint holds at most (--max-loras): the "
+        "newest and those requests still use",
+    )
     request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
     max_attempts: int = Field(3, ge=1, description="attempts per completion, over all endpoints (transport/5xx errors)")
     backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
     max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")
     pin_groups: bool = Field(True, description="send a group's episodes to one endpoint (prefix-cache reuse)")
-    launch: LaunchSection = Field(default_factory=LaunchSection, description="the vLLM servers the run starts "
-                                  "itself, and stops at its end (docs/vllm.md)")
+    launch: LaunchSection = Field(
+        default_factory=LaunchSection,
+        description="the vLLM servers the run starts itself, and stops at its end (docs/vllm.md)",
+    )
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> EndpointsConfig:
         endpoint_base_urls(self.endpoints)
         if self.launch.servers:
             if self.endpoints:
-                raise ValueError("give inference.openai.endpoints or inference.openai.launch.servers, not both "
-                                 "(launched servers are the endpoints)")
+                raise ValueError(
+                    "give inference.openai.endpoints or inference.openai.launch.servers, not both "
+                    "(launched servers are the endpoints)"
+                )
             if self.weight_sync not in (*VLLM_MODES, "none"):
-                raise ValueError(f"launched vLLM servers sync weights with weight_sync 'vllm_reload' or 'vllm_lora' "
-                                 f"(or 'none'), not {self.weight_sync!r}")
+                raise ValueError(
+                    f"launched vLLM servers sync weights with weight_sync 'vllm_reload' or 'vllm_lora' "
+                    f"(or 'none'), not {self.weight_sync!r}"
+                )
         return self
 
     @property
@@ -95,8 +114,9 @@ class EndpointsConfig(InferenceComponent):
         if set(run.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
         if not self.enabled:
-            raise ValueError("inference.kind='openai' needs inference.openai.endpoints or "
-                             "inference.openai.launch.servers")
+            raise ValueError(
+                "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers"
+            )
         check_samples_published_weights(run, "inference endpoints")
 
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EndpointsBackend:
@@ -127,8 +147,15 @@ def check_http_url(url: str, what: str) -> None:
         parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
     except ValueError:
         raise ValueError(f"{what} has an invalid host or port") from None
-    if (parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url)
-            or "@" in parts.netloc or parts.query or parts.fragment or parts.netloc.endswith(":")):
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or any(c.isspace() for c in url)
+        or "@" in parts.netloc
+        or parts.query
+        or parts.fragment
+        or parts.netloc.endswith(":")
+    ):
         raise ValueError(f"{what} is not an http(s)://host[:port] URL")
 
 

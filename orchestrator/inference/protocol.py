@@ -92,10 +92,15 @@ def parse_completion_request(body: Any) -> CompletionParams:
     if model is not None and not isinstance(model, str):
         raise ProtocolError("'model' must be a string")
     temperature = body.get("temperature", 1.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or not 0 < temperature <= 100:
-        raise ProtocolError(f"'temperature' must be a number in (0, 100] (greedy decoding is not offered), "
-                            f"got {temperature!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or not 0 < temperature <= 100
+    ):
+        raise ProtocolError(
+            f"'temperature' must be a number in (0, 100] (greedy decoding is not offered), got {temperature!r}"
+        )
     top_p = body.get("top_p", 1.0)
     if top_p not in (None, 1, 1.0):
         raise ProtocolError(f"'top_p' must be 1 (orch serve samples the full distribution), got {top_p!r}")
@@ -114,9 +119,14 @@ def parse_completion_request(body: Any) -> CompletionParams:
         # others: caught here, one caller's bad seed cannot fail the batch it would join.
         raise ProtocolError(f"'seed' must be an integer in [0, 2**63), got {seed!r}")
     return CompletionParams(
-        model=model, prompts=prompts, n=n, max_tokens=_int(body, "max_tokens", 16, 1),
-        temperature=float(temperature), logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),
-        seed=seed, tokens_as_ids=bool(body.get("return_tokens_as_token_ids", False)),
+        model=model,
+        prompts=prompts,
+        n=n,
+        max_tokens=_int(body, "max_tokens", 16, 1),
+        temperature=float(temperature),
+        logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),
+        seed=seed,
+        tokens_as_ids=bool(body.get("return_tokens_as_token_ids", False)),
     )
 
 
@@ -124,8 +134,18 @@ def error_body(message: str, code: int, kind: str = "invalid_request_error", par
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def choice_body(index: int, prompt_ids: list[int], token_ids: list[int], logprobs: list[float], text: str,
-                finished: bool, *, with_logprobs: bool, tokens_as_ids: bool, token_text) -> dict:
+def choice_body(
+    index: int,
+    prompt_ids: list[int],
+    token_ids: list[int],
+    logprobs: list[float],
+    text: str,
+    finished: bool,
+    *,
+    with_logprobs: bool,
+    tokens_as_ids: bool,
+    token_text,
+) -> dict:
     """One ``choices[i]`` entry; ``token_text(id) -> str`` renders a token for ``logprobs.tokens``."""
     block = None
     if with_logprobs:
@@ -134,10 +154,21 @@ def choice_body(index: int, prompt_ids: list[int], token_ids: list[int], logprob
         for t in token_ids:
             offsets.append(at)
             at += len(token_text(t))
-        block = {"tokens": tokens, "token_logprobs": list(logprobs),
-                 "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, logprobs)], "text_offset": offsets}
-    return {"index": index, "text": text, "token_ids": list(token_ids), "prompt_token_ids": list(prompt_ids),
-            "logprobs": block, "finish_reason": "stop" if finished else "length", "stop_reason": None}
+        block = {
+            "tokens": tokens,
+            "token_logprobs": list(logprobs),
+            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, logprobs)],
+            "text_offset": offsets,
+        }
+    return {
+        "index": index,
+        "text": text,
+        "token_ids": list(token_ids),
+        "prompt_token_ids": list(prompt_ids),
+        "logprobs": block,
+        "finish_reason": "stop" if finished else "length",
+        "stop_reason": None,
+    }
 
 
 # ------------------------------------------------------------------------------ client side
@@ -153,7 +184,7 @@ class ParsedChoice:
 def _token_id(token: Any, where: str) -> int:
     if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
         try:
-            return int(token[len(TOKEN_ID_PREFIX):])
+            return int(token[len(TOKEN_ID_PREFIX) :])
         except ValueError:
             pass
     raise ProtocolError(

@@ -83,8 +83,16 @@ class PolicyServer:
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._reload_lock: asyncio.Lock | None = None
-        self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "sample_calls": 0,
-                      "prompts_sampled": 0, "reloads": 0, "disconnect_cancels": 0}
+        self.stats = {
+            "requests": 0,
+            "completed": 0,
+            "cancelled": 0,
+            "errors": 0,
+            "sample_calls": 0,
+            "prompts_sampled": 0,
+            "reloads": 0,
+            "disconnect_cancels": 0,
+        }
 
     # -- weights ----------------------------------------------------------------------------------
     @property
@@ -129,13 +137,15 @@ class PolicyServer:
                     if ids != list(prompt):
                         raise RequestError(
                             f"prompt {i}: token ids must be a rendered prompt [BOS, chars..., SEP] "
-                            f"(e.g. {ids}), got {list(prompt)}")
+                            f"(e.g. {ids}), got {list(prompt)}"
+                        )
             except TokenizerError as exc:
                 raise RequestError(f"prompt {i}: {exc}") from None
             if config.arch == "transformer":
                 if len(ids) > config.max_prompt:
                     raise RequestError(
-                        f"prompt {i} has {len(ids)} tokens; the policy takes at most {config.max_prompt}")
+                        f"prompt {i} has {len(ids)} tokens; the policy takes at most {config.max_prompt}"
+                    )
                 cap = config.max_len - config.max_prompt + 1
                 if params.max_tokens > cap:
                     raise RequestError(f"'max_tokens' must be <= {cap} for this policy, got {params.max_tokens}")
@@ -146,8 +156,14 @@ class PolicyServer:
         """Per prompt, ``n`` ``SampledCompletion``s (all from one weight version)."""
         base = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
         loop = asyncio.get_running_loop()
-        item = _Pending(texts, [base + i for i in range(len(texts))], params.n, params.temperature,
-                        params.max_tokens, loop.create_future())
+        item = _Pending(
+            texts,
+            [base + i for i in range(len(texts))],
+            params.n,
+            params.temperature,
+            params.max_tokens,
+            loop.create_future(),
+        )
         self._queue.append(item)
         self._ensure_worker()
         self._wake.set()
@@ -199,8 +215,9 @@ class PolicyServer:
         self.stats["sample_calls"] += 1
         self.stats["prompts_sampled"] += len(prompts)
         try:
-            groups = await asyncio.to_thread(self.sampler.sample_groups, prompts, n, temperature=temperature,
-                                             max_new_tokens=max_tokens, seeds=seeds)
+            groups = await asyncio.to_thread(
+                self.sampler.sample_groups, prompts, n, temperature=temperature, max_new_tokens=max_tokens, seeds=seeds
+            )
         except Exception as exc:  # noqa: BLE001 - answered to every request of the batch
             for item in batch:
                 if not item.future.done():
@@ -208,7 +225,7 @@ class PolicyServer:
             return
         at = 0
         for item in batch:
-            part = groups[at:at + len(item.prompts)]
+            part = groups[at : at + len(item.prompts)]
             at += len(item.prompts)
             if not item.future.done():
                 item.future.set_result(part)
@@ -246,8 +263,11 @@ def create_app(server: PolicyServer) -> Starlette:
             return _error(str(exc), 400)
         if params.model is not None and params.model != server.model_name:
             server.stats["errors"] += 1
-            return _error(f"model {params.model!r} does not exist; this server serves {server.model_name!r}",
-                          404, "model_not_found")
+            return _error(
+                f"model {params.model!r} does not exist; this server serves {server.model_name!r}",
+                404,
+                "model_not_found",
+            )
         if not server.loaded:
             server.stats["errors"] += 1
             return _error("no weights loaded yet: POST /update_weights first", 503, "no_weights")
@@ -262,18 +282,36 @@ def create_app(server: PolicyServer) -> Starlette:
             for k, c in enumerate(group):
                 version = c.policy_version if version is None else min(version, c.policy_version)
                 sampled += len(c.completion_ids)
-                choices.append(choice_body(
-                    p * params.n + k, c.prompt_ids, c.completion_ids, c.logprobs, c.text, c.finished,
-                    with_logprobs=params.logprobs is not None, tokens_as_ids=params.tokens_as_ids,
-                    token_text=token_text))
+                choices.append(
+                    choice_body(
+                        p * params.n + k,
+                        c.prompt_ids,
+                        c.completion_ids,
+                        c.logprobs,
+                        c.text,
+                        c.finished,
+                        with_logprobs=params.logprobs is not None,
+                        tokens_as_ids=params.tokens_as_ids,
+                        token_text=token_text,
+                    )
+                )
         prompt_tokens = sum(len(group[0].prompt_ids) for group in groups)
         server.stats["completed"] += 1
-        return JSONResponse({
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": server.model_name, "policy_version": version, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sampled,
-                      "total_tokens": prompt_tokens + sampled},
-        })
+        return JSONResponse(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": server.model_name,
+                "policy_version": version,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": sampled,
+                    "total_tokens": prompt_tokens + sampled,
+                },
+            }
+        )
 
     async def update_weights(request: Request) -> JSONResponse:
         from orchestrator.rundir import is_stable
@@ -303,22 +341,38 @@ def create_app(server: PolicyServer) -> Starlette:
         return JSONResponse({"version": v, "path": server.paths.get(v)})
 
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "version": server.sampler.version, "model": server.model_name,
-                             "loaded": server.loaded})
+        return JSONResponse(
+            {"status": "ok", "version": server.sampler.version, "model": server.model_name, "loaded": server.loaded}
+        )
 
     async def models(request: Request) -> JSONResponse:
         v = server.sampler.version
-        return JSONResponse({"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": 0, "owned_by": "orch",
-            "root": server.paths.get(v), "policy_version": v}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": server.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "orch",
+                        "root": server.paths.get(v),
+                        "policy_version": v,
+                    }
+                ],
+            }
+        )
 
-    app = disconnect_cancelling_app([
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/update_weights", update_weights, methods=["POST"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-    ], server.stats)
+    app = disconnect_cancelling_app(
+        [
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/update_weights", update_weights, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+        ],
+        server.stats,
+    )
     app.state.server = server
     return app
 
@@ -329,14 +383,21 @@ _STEP_DIR = re.compile(r"step_(\d+)$")
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = pick a free port.")
-@click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="published weights dir to start with (e.g. runs/R/weights/step_0); else wait for /update_weights")
+@click.option(
+    "--weights",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="published weights dir to start with (e.g. runs/R/weights/step_0); else wait for /update_weights",
+)
 @click.option("--version", "version", type=click.IntRange(0), help="version of --weights (default: N of step_N)")
 @click.option("--model-name", default=DEFAULT_MODEL_NAME, show_default=True, help="the served model id")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(1), help="prompts per sampling call")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch intra-op threads")
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option(
+    "--log-level",
+    default="warning",
+    show_default=True,
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+)
 def serve_command(host, port, weights, version, model_name, max_batch, threads, log_level) -> None:
     """OpenAI-compatible server for the embedded policy (POST /v1/completions, POST /update_weights)."""
     import torch
@@ -347,8 +408,9 @@ def serve_command(host, port, weights, version, model_name, max_batch, threads, 
         if version is None:
             match = _STEP_DIR.search(weights.name)
             if match is None:
-                raise click.BadParameter("cannot tell the version from the name; pass --version",
-                                         param_hint="--weights")
+                raise click.BadParameter(
+                    "cannot tell the version from the name; pass --version", param_hint="--weights"
+                )
             version = int(match.group(1))
         try:
             server.load_blocking(weights, version)

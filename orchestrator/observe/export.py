@@ -30,19 +30,55 @@ from orchestrator.core.state import State
 from orchestrator.observe.rows import fold_events
 
 EPISODE_COLUMNS = {
-    "id": int, "group_id": int, "env": str, "task_id": int, "attempt": int, "dispatch_version": int,
-    "ok": int, "reward": float, "error": str, "prompt_tokens": int, "completion_tokens": int,
-    "policy_start": int, "policy_end": int, "advantage": float, "fate": str, "reason": str, "step": int,
-    "lag": int, "late": int, "completed_seq": int, "completed_ts": float,
+    "id": int,
+    "group_id": int,
+    "env": str,
+    "task_id": int,
+    "attempt": int,
+    "dispatch_version": int,
+    "ok": int,
+    "reward": float,
+    "error": str,
+    "prompt_tokens": int,
+    "completion_tokens": int,
+    "policy_start": int,
+    "policy_end": int,
+    "advantage": float,
+    "fate": str,
+    "reason": str,
+    "step": int,
+    "lag": int,
+    "late": int,
+    "completed_seq": int,
+    "completed_ts": float,
 }
 GROUP_COLUMNS = {
-    "id": int, "env": str, "task_id": int, "group_size": int, "policy_version": int, "background": int,
-    "outcome": str, "reason": str, "queued": int, "dropped": int, "finalize_error": str, "dispatched_seq": int,
+    "id": int,
+    "env": str,
+    "task_id": int,
+    "group_size": int,
+    "policy_version": int,
+    "background": int,
+    "outcome": str,
+    "reason": str,
+    "queued": int,
+    "dropped": int,
+    "finalize_error": str,
+    "dispatched_seq": int,
     "dispatched_ts": float,
 }
 BATCH_COLUMNS = {
-    "step": int, "seq": int, "ts": float, "samples": int, "pruned": int, "tokens": int, "reward_mean": float,
-    "off_policy_max": int, "off_policy_mean": float, "version": int, "sha256": str,
+    "step": int,
+    "seq": int,
+    "ts": float,
+    "samples": int,
+    "pruned": int,
+    "tokens": int,
+    "reward_mean": float,
+    "off_policy_max": int,
+    "off_policy_mean": float,
+    "version": int,
+    "sha256": str,
 }
 VERSION_COLUMNS = {"version": int, "seq": int, "ts": float}
 
@@ -64,15 +100,32 @@ class Export:
         self.state = evolve_from(self.state, e)
 
     def _group_dispatched(self, ts: float, e) -> None:
-        self.groups[e.group_id] = {"id": e.group_id, "env": e.env, "task_id": e.task_id, "group_size": e.group_size,
-                                   "policy_version": e.policy_version, "background": 0, "outcome": "open",
-                                   "queued": 0, "dropped": 0, "dispatched_seq": self.seq, "dispatched_ts": ts}
+        self.groups[e.group_id] = {
+            "id": e.group_id,
+            "env": e.env,
+            "task_id": e.task_id,
+            "group_size": e.group_size,
+            "policy_version": e.policy_version,
+            "background": 0,
+            "outcome": "open",
+            "queued": 0,
+            "dropped": 0,
+            "dispatched_seq": self.seq,
+            "dispatched_ts": ts,
+        }
 
     def _episode_dispatched(self, ts: float, e) -> None:
         group = self.groups[e.group_id]
-        self.episodes[e.episode_id] = {"id": e.episode_id, "group_id": e.group_id, "env": group["env"],
-                                       "task_id": group["task_id"], "attempt": e.attempt,
-                                       "dispatch_version": e.policy_version, "fate": "in_flight", "late": 0}
+        self.episodes[e.episode_id] = {
+            "id": e.episode_id,
+            "group_id": e.group_id,
+            "env": group["env"],
+            "task_id": group["task_id"],
+            "attempt": e.attempt,
+            "dispatch_version": e.policy_version,
+            "fate": "in_flight",
+            "late": 0,
+        }
 
     def _episode_completed(self, ts: float, e) -> None:
         episode = self.episodes[e.episode_id]
@@ -80,9 +133,18 @@ class Export:
             episode["late"] = 1
             return
         completion = sum(e.mask)
-        episode.update(ok=int(e.ok), reward=e.reward, error=e.error, prompt_tokens=len(e.token_ids) - completion,
-                       completion_tokens=completion, policy_start=e.policy_start, policy_end=e.policy_end,
-                       fate="in_group", completed_seq=self.seq, completed_ts=ts)
+        episode.update(
+            ok=int(e.ok),
+            reward=e.reward,
+            error=e.error,
+            prompt_tokens=len(e.token_ids) - completion,
+            completion_tokens=completion,
+            policy_start=e.policy_start,
+            policy_end=e.policy_end,
+            fate="in_group",
+            completed_seq=self.seq,
+            completed_ts=ts,
+        )
 
     def _episode_cancelled(self, ts: float, e) -> None:
         self.episodes[e.episode_id].update(fate="cancelled", reason=e.reason)
@@ -127,10 +189,21 @@ class Export:
             episode = self.episodes[trace_id]
             episode.update(fate="shipped", step=e.step, lag=(e.step - 1) - episode["policy_start"])
         self._drop(e.pruned_ids, "zero_advantage")
-        self.batches.append({"step": e.step, "seq": self.seq, "ts": ts, "samples": len(e.trace_ids),
-                             "pruned": len(e.pruned_ids), "tokens": e.n_tokens, "reward_mean": e.reward_mean,
-                             "off_policy_max": e.off_policy_max, "off_policy_mean": e.off_policy_mean,
-                             "version": self.state.version, "sha256": e.sha256})
+        self.batches.append(
+            {
+                "step": e.step,
+                "seq": self.seq,
+                "ts": ts,
+                "samples": len(e.trace_ids),
+                "pruned": len(e.pruned_ids),
+                "tokens": e.n_tokens,
+                "reward_mean": e.reward_mean,
+                "off_policy_max": e.off_policy_max,
+                "off_policy_mean": e.off_policy_mean,
+                "version": self.state.version,
+                "sha256": e.sha256,
+            }
+        )
 
     def _version_published(self, ts: float, e) -> None:
         self.versions[e.version] = {"version": e.version, "seq": self.seq, "ts": ts, **(e.metrics or {})}
@@ -163,10 +236,12 @@ def export_run(log: EventLog, out: Path) -> dict[str, int]:
     try:
         db = sqlite_utils.Database(tmp)
         metric_columns = metric_types(export.versions.values())
-        tables = (("episodes", export.episodes.values(), "id", EPISODE_COLUMNS),
-                  ("groups", export.groups.values(), "id", GROUP_COLUMNS),
-                  ("batches", export.batches, "step", BATCH_COLUMNS),
-                  ("versions", export.versions.values(), "version", {**VERSION_COLUMNS, **metric_columns}))
+        tables = (
+            ("episodes", export.episodes.values(), "id", EPISODE_COLUMNS),
+            ("groups", export.groups.values(), "id", GROUP_COLUMNS),
+            ("batches", export.batches, "step", BATCH_COLUMNS),
+            ("versions", export.versions.values(), "version", {**VERSION_COLUMNS, **metric_columns}),
+        )
         for name, records, pk, columns in tables:
             db[name].create(columns, pk=pk)
             db[name].insert_all(records, pk=pk, columns=columns, batch_size=1000)

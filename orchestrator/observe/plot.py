@@ -15,15 +15,24 @@ from orchestrator.observe.rows import TRAINER_PREFIX, log_rows
 # (title, y label, [(row name, line style, label)]): one panel each, in reading order.
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
     ("reward", "mean reward of the batch", (("reward/mean", "-", "mean"),)),
-    ("held-out evals (per version)", "mean reward / pass rate",
-     (("eval/reverse_text/reward_mean", "-", "reverse_text reward"), ("eval/reverse_text/pass_at_k", "--",
-      "reverse_text pass@k"), ("eval/fake/reward_mean", ":", "fake reward"))),
+    (
+        "held-out evals (per version)",
+        "mean reward / pass rate",
+        (
+            ("eval/reverse_text/reward_mean", "-", "reverse_text reward"),
+            ("eval/reverse_text/pass_at_k", "--", "reverse_text pass@k"),
+            ("eval/fake/reward_mean", ":", "fake reward"),
+        ),
+    ),
     ("off-policy lag", "steps", (("lag/max", "-", "max"), ("lag/mean", "--", "mean"))),
     ("waste (dropped %)", "% of completed episodes", (("waste/pct", "-", "dropped"),)),
     ("episodes/s", "completed episodes/s", (("throughput/episodes_per_s", "-", "episodes/s"),)),
     ("tokens/s", "sampled tokens/s", (("throughput/tokens_per_s", "-", "tokens/s"),)),
-    ("buffered and finalizing", "episodes / groups",
-     (("queue/buffered", "-", "buffered episodes"), ("queue/finalizing", "--", "finalizing groups"))),
+    (
+        "buffered and finalizing",
+        "episodes / groups",
+        (("queue/buffered", "-", "buffered episodes"), ("queue/finalizing", "--", "finalizing groups")),
+    ),
     ("trainer loss", "loss", ((TRAINER_PREFIX + "loss", "-", "loss"),)),
     ("mismatch KL", "KL(sampler || trainer)", ((TRAINER_PREFIX + "mismatch_kl", "-", "mismatch KL"),)),
 )
@@ -59,7 +68,7 @@ def plot_runs(runs: Sequence[tuple[str, dict[str, tuple[list[int], list[float]]]
         elif len(lines) > 1 or len(runs) > 1:
             ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
-    for ax in axes[len(PANELS):]:
+    for ax in axes[len(PANELS) :]:
         ax.set_visible(False)
     for ax in axes[-COLUMNS:]:
         ax.set_xlabel("step")

@@ -65,8 +65,11 @@ class StepRows:
         elif kind == "version_published" and event.metrics:
             return [(event.version, TRAINER_PREFIX + name, value) for name, value in event.metrics.items()]
         elif kind == "eval_completed":
-            return [(event.version, f"{EVAL_PREFIX}{event.env}/{name}", getattr(event, name))
-                    for name in EVAL_FIGURES if getattr(event, name) is not None]
+            return [
+                (event.version, f"{EVAL_PREFIX}{event.env}/{name}", getattr(event, name))
+                for name in EVAL_FIGURES
+                if getattr(event, name) is not None
+            ]
         elif kind in ("run_started", "run_resumed"):  # the time between a stop and its resume is no one's
             self._episodes = self._tokens = 0
             self._marks.clear()
@@ -75,23 +78,33 @@ class StepRows:
 
     def _ship_rows(self, ts: float, e: ev.BatchShipped) -> list[Row]:
         s = self.state
+        assert s is not None  # a batch ships only after run_started built the state
         dropped = sum(s.acct.dropped.values())
-        rows = [(e.step, "reward/mean", e.reward_mean), (e.step, "lag/max", e.off_policy_max),
-                (e.step, "lag/mean", e.off_policy_mean), (e.step, "batch/samples", len(e.trace_ids)),
-                (e.step, "batch/tokens", e.n_tokens), (e.step, "queue/buffered", buffered_episodes(s)),
-                (e.step, "queue/finalizing", sum(s.finalizing.values())), (e.step, "version", s.version),
-                (e.step, "waste/dropped", dropped),
-                (e.step, "waste/pct", 100.0 * dropped / s.acct.completed if s.acct.completed else 0.0)]
+        rows = [
+            (e.step, "reward/mean", e.reward_mean),
+            (e.step, "lag/max", e.off_policy_max),
+            (e.step, "lag/mean", e.off_policy_mean),
+            (e.step, "batch/samples", len(e.trace_ids)),
+            (e.step, "batch/tokens", e.n_tokens),
+            (e.step, "queue/buffered", buffered_episodes(s)),
+            (e.step, "queue/finalizing", sum(s.finalizing.values())),
+            (e.step, "version", s.version),
+            (e.step, "waste/dropped", dropped),
+            (e.step, "waste/pct", 100.0 * dropped / s.acct.completed if s.acct.completed else 0.0),
+        ]
         if self._marks and ts > self._marks[0][0]:
             since, episodes, tokens = self._marks[0]
-            rows += [(e.step, "throughput/episodes_per_s", (self._episodes - episodes) / (ts - since)),
-                     (e.step, "throughput/tokens_per_s", (self._tokens - tokens) / (ts - since))]
+            rows += [
+                (e.step, "throughput/episodes_per_s", (self._episodes - episodes) / (ts - since)),
+                (e.step, "throughput/tokens_per_s", (self._tokens - tokens) / (ts - since)),
+            ]
         self._marks.append((ts, self._episodes, self._tokens))
         return rows
 
 
-def fold_events(log: EventLog, consume: Callable[[float, object], Iterable[T] | None], start: int = 1,
-                stop: int | None = None) -> Iterator[tuple[int, float, T]]:
+def fold_events(
+    log: EventLog, consume: Callable[[float, object], Iterable[T] | None], start: int = 1, stop: int | None = None
+) -> Iterator[tuple[int, float, T]]:
     """Hand each of the log's events `start..stop` to `consume(ts, event)`, in log order, and yield
     (seq, ts, item) for what it returns. FoldError names the seq of an event this code cannot read
     or fold."""
@@ -104,8 +117,9 @@ def fold_events(log: EventLog, consume: Callable[[float, object], Iterable[T] | 
             yield seq, ts, item
 
 
-def log_rows(log: EventLog, rows: StepRows | None = None, start: int = 1,
-             stop: int | None = None) -> Iterator[tuple[int, float, Row]]:
+def log_rows(
+    log: EventLog, rows: StepRows | None = None, start: int = 1, stop: int | None = None
+) -> Iterator[tuple[int, float, Row]]:
     """(seq and ts of the event that completed it, row) for every row of the log's events
     `start..stop`, folded into `rows` (a new StepRows by default)."""
     return fold_events(log, (StepRows() if rows is None else rows).feed, start, stop)

@@ -88,8 +88,13 @@ class WandbSink:
         run_id = wandb_run_id(identity["config_hash"])
         self.target = f"wandb:{section.entity or ''}/{section.project}/{run_id}"
         self.run = wandb.init(
-            project=section.project, entity=section.entity, name=section.name or identity["name"], id=run_id,
-            resume="allow", mode=section.mode, dir=str(section.dir or os.environ.get("WANDB_DIR") or run_dir),
+            project=section.project,
+            entity=section.entity,
+            name=section.name or identity["name"],
+            id=run_id,
+            resume="allow",
+            mode=section.mode,
+            dir=str(section.dir or os.environ.get("WANDB_DIR") or run_dir),
             config=orjson.loads(identity["config"]),
         )
         self.run.define_metric("step")
@@ -153,8 +158,9 @@ class SinkFeeder:
         try:
             atomic_write_bytes(self.cursors_path, orjson.dumps({**read_cursors(self.cursors_path), **self.cursors}))
         except OSError as err:
-            raise SinkFailed(f"cannot record what the metric sinks have had in {self.cursors_path}: "
-                             f"{err.strerror or err}") from err
+            raise SinkFailed(
+                f"cannot record what the metric sinks have had in {self.cursors_path}: {err.strerror or err}"
+            ) from err
 
     async def feed(self, last_seq: int) -> None:
         await asyncio.to_thread(self.catch_up, last_seq)
@@ -199,8 +205,10 @@ def _one_line(err: BaseException) -> str:
 
 def _grouped(rows) -> list[tuple[int, float, list[Row]]]:
     """(seq, ts, rows) per event that completed rows."""
-    return [(seq, ts, [row for _, _, row in items])
-            for (seq, ts), items in groupby(rows, key=lambda item: (item[0], item[1]))]
+    return [
+        (seq, ts, [row for _, _, row in items])
+        for (seq, ts), items in groupby(rows, key=lambda item: (item[0], item[1]))
+    ]
 
 
 def read_cursors(path: Path) -> dict[str, int]:

@@ -18,8 +18,16 @@ SUCCESS: dict[str, Callable[[float], bool]] = {"reverse_text": reverse_text_solv
 
 def eval_request(state: State, e: ev.EvalEpisodeDispatched) -> RolloutRequest:
     x = state.evals.open[e.eval_id]
-    return RolloutRequest(e.episode_id, e.group_id, x.env, e.task_id, e.attempt, e.policy_version,
-                          eval_id=e.eval_id, temperature=state.params.eval.temperature)
+    return RolloutRequest(
+        e.episode_id,
+        e.group_id,
+        x.env,
+        e.task_id,
+        e.attempt,
+        e.policy_version,
+        eval_id=e.eval_id,
+        temperature=state.params.eval.temperature,
+    )
 
 
 def eval_result(outcome: Outcome) -> ev.EvalEpisodeCompleted:
@@ -29,11 +37,22 @@ def eval_result(outcome: Outcome) -> ev.EvalEpisodeCompleted:
     done: ev.EpisodeCompleted | None = outcome.result
     if outcome.exception is not None or not done.ok:
         error = done.error if outcome.exception is None else f"{type(outcome.exception).__name__}: {outcome.exception}"
-        return ev.EvalEpisodeCompleted(episode_id=req.episode_id, eval_id=req.eval_id, ok=False,
-                                       policy_start=req.policy_version, policy_end=req.policy_version, error=error)
+        return ev.EvalEpisodeCompleted(
+            episode_id=req.episode_id,
+            eval_id=req.eval_id,
+            ok=False,
+            policy_start=req.policy_version,
+            policy_end=req.policy_version,
+            error=error,
+        )
     success = SUCCESS.get(req.env)
     return ev.EvalEpisodeCompleted(
-        episode_id=req.episode_id, eval_id=req.eval_id, ok=True, reward=done.reward,
-        success=None if success is None else success(done.reward), sampled_tokens=done.sampled_tokens,
-        policy_start=done.policy_start, policy_end=done.policy_end,
+        episode_id=req.episode_id,
+        eval_id=req.eval_id,
+        ok=True,
+        reward=done.reward,
+        success=None if success is None else success(done.reward),
+        sampled_tokens=done.sampled_tokens,
+        policy_start=done.policy_start,
+        policy_end=done.policy_end,
     )

@@ -89,9 +89,20 @@ class BackgroundFinalizer:
 
 
 class Orchestrator:
-    def __init__(self, config: RunConfig, run_dir: Path, log, state: State, *, backend: InferenceBackend,
-                 algorithm: Algorithm, trainer: Trainer, progress=None, stall_timeout_s: float | None = None,
-                 sinks=None):
+    def __init__(
+        self,
+        config: RunConfig,
+        run_dir: Path,
+        log,
+        state: State,
+        *,
+        backend: InferenceBackend,
+        algorithm: Algorithm,
+        trainer: Trainer,
+        progress=None,
+        stall_timeout_s: float | None = None,
+        sinks=None,
+    ):
         self.config, self.run_dir, self.log, self.state = config, run_dir, log, state
         self.backend, self.trainer, self.progress = backend, trainer, progress
         self.sinks = sinks  # observe.sinks.SinkFeeder: metric sinks fed from the committed log
@@ -219,8 +230,12 @@ class Orchestrator:
         exc = outcome.exception
         self.last_episode_error = f"{type(exc).__name__}: {exc}"
         return ev.EpisodeCompleted(
-            episode_id=req.episode_id, group_id=req.group_id, ok=False,
-            policy_start=req.policy_version, policy_end=self.state.version, error=self.last_episode_error,
+            episode_id=req.episode_id,
+            group_id=req.group_id,
+            ok=False,
+            policy_start=req.policy_version,
+            policy_end=self.state.version,
+            error=self.last_episode_error,
         )
 
     async def _wait_for_inputs(self) -> None:
@@ -300,8 +315,10 @@ class Orchestrator:
 
     def start_rollout(self, dispatched: ev.EpisodeDispatched, group: Group) -> None:
         e = dispatched
-        self.feed.put(RolloutRequest(e.episode_id, e.group_id, group.env, group.task_id, e.attempt, e.policy_version),
-                      key=e.episode_id)
+        self.feed.put(
+            RolloutRequest(e.episode_id, e.group_id, group.env, group.task_id, e.attempt, e.policy_version),
+            key=e.episode_id,
+        )
 
     def cancel_rollout(self, episode_id: int) -> None:
         self.stream.cancel(episode_id)

@@ -8,9 +8,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as Bar
 from rich.table import Table
 
@@ -40,7 +41,6 @@ def dropped_for_settings(acct: Accounting) -> dict[str, int]:
     return {reason: n for reason, n in acct.dropped.items() if reason in DROP_CAUSES}
 
 
-
 class Progress:
     def __init__(self, console: Console | None = None, every: int = 1, warn: Callable[[str], None] = warn):
         self.console = console or Console(highlight=False, soft_wrap=True)
@@ -52,7 +52,7 @@ class Progress:
         self._recent: deque[tuple[int, dict[str, int]]] = deque(maxlen=WASTE_WINDOW_STEPS + 1)
         self._warned_at: int | None = None  # step of the last waste warning
         self._bar: Bar | None = None
-        self._bar_task = None
+        self._bar_task: TaskID | None = None
 
     @contextmanager
     def live(self, total_steps: int, done_steps: int) -> Iterator[None]:
@@ -60,8 +60,16 @@ class Progress:
         if not self.console.is_terminal:
             yield
             return
-        self._bar = Bar(TextColumn("steps"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
-                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
+        self._bar = Bar(
+            TextColumn("steps"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("elapsed"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
         self._bar_task = self._bar.add_task("steps", total=total_steps, completed=done_steps)
         try:
             with self._bar:
@@ -74,7 +82,7 @@ class Progress:
         step_time, self._last = now - self._last, now
         self.rewards[event.step] = event.reward_mean
         self._check_waste(event.step, state.acct)
-        if self._bar is not None:
+        if self._bar is not None and self._bar_task is not None:
             self._bar.update(self._bar_task, completed=event.step, total=state.params.max_steps, refresh=True)
         if event.step % self.every and event.step != state.params.max_steps:
             return
@@ -116,10 +124,13 @@ class Progress:
         if share <= WASTE_WARNING_SHARE:
             return
         self._warned_at = step
-        causes = "; ".join(f"{reason} {n}: {DROP_CAUSES[reason]}" for reason, n in recent.items()
-                           if 10 * n >= total)  # the reasons that matter, not every stray drop
-        self.warn(f"{share:.0%} of the {decided} completions shipped or dropped in the last {WASTE_WINDOW_STEPS} "
-                  f"steps were dropped (step {step}); {causes}")
+        causes = "; ".join(
+            f"{reason} {n}: {DROP_CAUSES[reason]}" for reason, n in recent.items() if 10 * n >= total
+        )  # the reasons that matter, not every stray drop
+        self.warn(
+            f"{share:.0%} of the {decided} completions shipped or dropped in the last {WASTE_WINDOW_STEPS} "
+            f"steps were dropped (step {step}); {causes}"
+        )
 
     def summary(self, state: State, run_dir) -> dict:
         steps = sorted(self.rewards)
@@ -127,14 +138,20 @@ class Progress:
         last = [self.rewards[s] for s in steps[-5:]]
         holds, terms = conservation(state)
         acct = state.acct
-        out = {
-            "run_dir": str(run_dir), "stop_reason": state.stop_reason, "steps": len(steps),
+        out: dict[str, Any] = {
+            "run_dir": str(run_dir),
+            "stop_reason": state.stop_reason,
+            "steps": len(steps),
             "reward_first5": sum(first) / len(first) if first else None,
             "reward_last5": sum(last) / len(last) if last else None,
             "reward_gain": sum(last) / len(last) - sum(first) / len(first) if first else None,
-            "wall_s": time.monotonic() - self.started, "conservation": holds, **terms,
-            "generated_episodes": acct.completed, "generated_tokens": acct.completed_tokens,
-            "trained_episodes": acct.shipped, "trained_tokens": acct.shipped_tokens,
+            "wall_s": time.monotonic() - self.started,
+            "conservation": holds,
+            **terms,
+            "generated_episodes": acct.completed,
+            "generated_tokens": acct.completed_tokens,
+            "trained_episodes": acct.shipped,
+            "trained_tokens": acct.shipped_tokens,
             "dropped_by_reason": dict(sorted(acct.dropped.items())),
             "cancelled_in_flight": acct.cancelled_attempts,
             "waste_pct": round(100 * waste_share(terms["dropped"], acct.completed), 2),
@@ -157,8 +174,16 @@ class Progress:
 
 def eval_result_dict(r) -> dict:
     """An eval's result (`EvalResult`) as the summaries show it."""
-    return {"env": r.env, "version": r.version, "reward_mean": r.reward_mean, "pass_at_1": r.pass_at_1,
-            "pass_at_k": r.pass_at_k, "k": r.k, "scored": r.scored, "tokens": r.tokens}
+    return {
+        "env": r.env,
+        "version": r.version,
+        "reward_mean": r.reward_mean,
+        "pass_at_1": r.pass_at_1,
+        "pass_at_k": r.pass_at_k,
+        "k": r.k,
+        "scored": r.scored,
+        "tokens": r.tokens,
+    }
 
 
 def eval_figures_line(r) -> str:
@@ -169,6 +194,8 @@ def eval_figures_line(r) -> str:
     def fig(value) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    return (f"reward {fig(get('reward_mean'))} | pass@1 {fig(get('pass_at_1'))} "
-            f"| pass@{get('k')} {fig(get('pass_at_k'))} "
-            f"| {get('scored')} scored, {get('tokens')} tokens")
+    return (
+        f"reward {fig(get('reward_mean'))} | pass@1 {fig(get('pass_at_1'))} "
+        f"| pass@{get('k')} {fig(get('pass_at_k'))} "
+        f"| {get('scored')} scored, {get('tokens')} tokens"
+    )

@@ -75,12 +75,16 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9_+=@][A-Za-z0-9._+=@-]{0,199}")
 
 def create_run(config: RunConfig) -> OpenedRun:
     if not _RUN_NAME.fullmatch(config.name):  # one directory under runs_dir, safe to paste in a shell
-        raise ConfigError(f"invalid run name {config.name!r}: letters, digits and ._+=@- only, not starting with "
-                          "'.' or '-', at most 200 characters")
+        raise ConfigError(
+            f"invalid run name {config.name!r}: letters, digits and ._+=@- only, not starting with "
+            "'.' or '-', at most 200 characters"
+        )
     run_dir = config.run_dir
     db = events_db(run_dir)
     if db.exists():
-        raise RunDirError(f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name")
+        raise RunDirError(
+            f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name"
+        )
     model = prepare_model(config)  # before the run dir exists: a bad model leaves nothing behind
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,10 +93,17 @@ def create_run(config: RunConfig) -> OpenedRun:
     config_json = config.to_json()
     model_meta = {} if model is None else {MODEL_HASH_META: model.sha256}
     try:
-        log = EventLog.create(db, meta={**LOG_MAGIC_META, "config": config_json.decode(),
-                                        "config_hash": config_hash(config_json), "seed": str(config.seed),
-                                        **model_meta},
-                              durability=config.log.durability)
+        log = EventLog.create(
+            db,
+            meta={
+                **LOG_MAGIC_META,
+                "config": config_json.decode(),
+                "config_hash": config_hash(config_json),
+                "seed": str(config.seed),
+                **model_meta,
+            },
+            durability=config.log.durability,
+        )
     except LogExistsError as err:
         raise RunDirError(str(err)) from None
     params = config.core_params()
@@ -117,16 +128,17 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
             folded = fold_log(log)
         if folded.state is None:  # it stopped before its first event was committed
             params = requested.core_params()
-            return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None,
-                             model)
+            return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None, model)
         # max_steps defaults to the run's current one (a resume may have raised it), not to the
         # one it was created with.
         requested = _requested_config(stored, run_dir, overrides, config_file, max_steps=folded.state.params.max_steps)
         shipped = folded.state.step - 1
         _check_no_batch_file_beyond(run_dir, shipped)
         if requested.max_steps < shipped:  # the trainer (told max_steps) would never train them all
-            raise ConfigError(f"max_steps {requested.max_steps} is below the {shipped} batches {run_dir} already "
-                              f"shipped; resume with --max-steps {shipped} or more")
+            raise ConfigError(
+                f"max_steps {requested.max_steps} is below the {shipped} batches {run_dir} already "
+                f"shipped; resume with --max-steps {shipped} or more"
+            )
         first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
         return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq, model)
     except BaseException:
@@ -140,9 +152,11 @@ def _check_no_batch_file_beyond(run_dir: Path, shipped: int) -> None:
     Refused rather than overwritten: the trainer may have trained on it."""
     beyond = sorted(step for step in batch_steps_on_disk(run_dir) if step > shipped)
     if beyond:
-        raise RunDirError(f"{batches_dir(run_dir)} holds batch files for steps {beyond[0]}..{beyond[-1]}, but the log "
-                          f"shipped only up to step {shipped}: it lost committed events (its -wal file deleted or "
-                          "damaged?); move those files away to resume from the log as it is")
+        raise RunDirError(
+            f"{batches_dir(run_dir)} holds batch files for steps {beyond[0]}..{beyond[-1]}, but the log "
+            f"shipped only up to step {shipped}: it lost committed events (its -wal file deleted or "
+            "damaged?); move those files away to resume from the log as it is"
+        )
 
 
 def _stored_config(db: Path) -> tuple[RunConfig, str | None]:
@@ -166,8 +180,9 @@ def _stored_config(db: Path) -> tuple[RunConfig, str | None]:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
 
 
-def _requested_config(stored: RunConfig, run_dir: Path, overrides: list[str], config_file: Path | None,
-                      max_steps: int | None = None) -> RunConfig:
+def _requested_config(
+    stored: RunConfig, run_dir: Path, overrides: list[str], config_file: Path | None, max_steps: int | None = None
+) -> RunConfig:
     """The stored config (with `max_steps`, the run's current one, if given) with the overrides
     applied; ConfigError if they change its meaning."""
     base = stored.model_dump(mode="json") | ({} if max_steps is None else {"max_steps": max_steps})
@@ -175,7 +190,10 @@ def _requested_config(stored: RunConfig, run_dir: Path, overrides: list[str], co
     requested = requested.model_copy(update={"runs_dir": run_dir.parent, "name": run_dir.name})
     changed = meaning_changes(stored, requested)
     if changed:
-        raise ConfigError(f"config changed on resume in fields that alter the run: {', '.join(changed)} (only max_steps and operational fields may change)")
+        raise ConfigError(
+            f"config changed on resume in fields that alter the run: {', '.join(changed)} "
+            "(only max_steps and operational fields may change)"
+        )
     return requested
 
 
@@ -262,8 +280,10 @@ async def _shutdown_default_executor(loop: asyncio.AbstractEventLoop, timeout_s:
     try:
         await asyncio.wait_for(loop.shutdown_default_executor(), timeout_s)
     except TimeoutError:
-        warn(f"a worker thread (log commit, file write) was still busy {timeout_s:g}s after the run ended; "
-             "the process exits once it returns")
+        warn(
+            f"a worker thread (log commit, file write) was still busy {timeout_s:g}s after the run ended; "
+            "the process exits once it returns"
+        )
         return False
     return True
 
@@ -278,8 +298,9 @@ async def _cancel_leftover_tasks(timeout_s: float) -> bool:
     loop = asyncio.get_running_loop()
     for task in leftovers:  # an error on the way out is reported, as asyncio.run reports it
         if task.done() and not task.cancelled() and task.exception() is not None:
-            loop.call_exception_handler({"message": "unhandled exception during orch shutdown",
-                                         "exception": task.exception(), "task": task})
+            loop.call_exception_handler(
+                {"message": "unhandled exception during orch shutdown", "exception": task.exception(), "task": task}
+            )
     if not stuck:
         return True
     names = sorted(task.get_name() for task in stuck)
@@ -295,8 +316,11 @@ def _quiet_about_destroying(loop: asyncio.AbstractEventLoop, abandoned: frozense
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
         task = context.get("task")
-        if task is not None and task.get_name() in abandoned and context.get("message", "").startswith(
-                "Task was destroyed but it is pending"):
+        if (
+            task is not None
+            and task.get_name() in abandoned
+            and context.get("message", "").startswith("Task was destroyed but it is pending")
+        ):
             return
         if report is not None:
             report(loop, context)
@@ -316,8 +340,10 @@ def run_job(run: OpenedRun, progress: Progress | None) -> Orchestrator:
     handled as if it came just after, rather than falling to Python's or asyncio's default
     handler (which abort at once)."""
     early: list[str] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: early.append(signal.Signals(signum).name))
-                for sig in _STOP_SIGNALS}
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: early.append(signal.Signals(signum).name))
+        for sig in _STOP_SIGNALS
+    }
     try:
         return run_on_new_loop(run_async(run, progress, early))
     finally:
@@ -358,8 +384,17 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
             on_signal(signame)
         async with AsyncExitStack() as stack:
             parts = await open_parts(run, stack)
-            orch = Orchestrator(run.config, run.run_dir, run.log, run.state, backend=parts.backend,
-                                algorithm=parts.algorithm, trainer=parts.trainer, progress=progress, sinks=parts.sinks)
+            orch = Orchestrator(
+                run.config,
+                run.run_dir,
+                run.log,
+                run.state,
+                backend=parts.backend,
+                algorithm=parts.algorithm,
+                trainer=parts.trainer,
+                progress=progress,
+                sinks=parts.sinks,
+            )
             if interrupts:
                 orch.request_stop("interrupted")
             if run.first_input.kind == "run_resumed":
@@ -367,8 +402,9 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
             await parts.trainer.start()
             if parts.backend.follows_weights and not interrupts:
                 # Version 0 is the trainer's warm start; the run resumes from the newest version.
-                warm_start = waiting = loop.create_task(parts.backend.load(run.state.version,
-                                                                           health_check=parts.trainer.check))
+                warm_start = waiting = loop.create_task(
+                    parts.backend.load(run.state.version, health_check=parts.trainer.check)
+                )
                 try:
                     await waiting
                 except asyncio.CancelledError:

@@ -35,7 +35,10 @@ class ProcessTrainer:
         try:
             self._log_start = log.seek(0, os.SEEK_END)
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 # Its own session: a Ctrl-C in the terminal reaches the orchestrator only, which
                 # drains and then stops the trainer itself. The child's parent watchdog still

@@ -44,8 +44,11 @@ def test_task_score_round_trip(arun, server):
 
     async def main():
         async with HttpEnvClient(server.base_url) as client:
-            assert await client.health() == {"status": "ok", "env": "reverse_text",
-                                             "params": {"seed": SEED, "min_len": 3, "max_len": 6}}
+            assert await client.health() == {
+                "status": "ok",
+                "env": "reverse_text",
+                "params": {"seed": SEED, "min_len": 3, "max_len": 6},
+            }
             for index in (0, 3, 12345):
                 task = await client.task(index)
                 assert task == env.task(index)
@@ -219,9 +222,11 @@ def test_a_port_in_use_is_one_line_and_exit_1(command):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", *command, "--port", str(port)],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", *command, "--port", str(port)], capture_output=True, text=True, timeout=120
+        )
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"orch: error: {'serve' if 'serve' in command else 'env-server'}: cannot listen on 127.0.0.1:{port}: "
-        "Address already in use"], done.stderr
+        "Address already in use"
+    ], done.stderr

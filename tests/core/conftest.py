@@ -25,17 +25,33 @@ class Driver:
     def start(self) -> list:
         return self.feed(ev.RunStarted(params=self.params))
 
-    def complete(self, episode_id: int, *, reward: float = 0.5, ok: bool = True, sampled: int = 2,
-                 policy_start: int | None = None, prompt: int = 1) -> list:
+    def complete(
+        self,
+        episode_id: int,
+        *,
+        reward: float = 0.5,
+        ok: bool = True,
+        sampled: int = 2,
+        policy_start: int | None = None,
+        prompt: int = 1,
+    ) -> list:
         group_id = self.state.inflight[episode_id]
         start = self.state.version if policy_start is None else policy_start
         n = prompt + sampled
-        return self.feed(ev.EpisodeCompleted(
-            episode_id=episode_id, group_id=group_id, ok=ok, reward=reward if ok else 0.0,
-            token_ids=[7] * n if ok else [], mask=([0] * prompt + [1] * sampled) if ok else [],
-            logprobs=[0.0] * n if ok else [], policy_start=start, policy_end=self.state.version,
-            error=None if ok else "boom",
-        ))
+        return self.feed(
+            ev.EpisodeCompleted(
+                episode_id=episode_id,
+                group_id=group_id,
+                ok=ok,
+                reward=reward if ok else 0.0,
+                token_ids=[7] * n if ok else [],
+                mask=([0] * prompt + [1] * sampled) if ok else [],
+                logprobs=[0.0] * n if ok else [],
+                policy_start=start,
+                policy_end=self.state.version,
+                error=None if ok else "boom",
+            )
+        )
 
     def complete_group(self, group_id: int, rewards, **kw) -> list:
         out = []

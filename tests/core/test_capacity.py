@@ -19,8 +19,7 @@ VARIED = [0.0, 0.25, 0.5, 1.0]  # rewards with spread: admitted, no zero advanta
 
 def test_new_groups_start_until_the_steps_that_accept_them_are_full(driver):
     # max_off_policy_steps 1 at lag 0: steps 1 and 2 accept what is dispatched now, 2 x 8 samples.
-    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=0,
-               capacity="staleness")
+    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=0, capacity="staleness")
     out = d.start()
     assert len(d.of(out, "group_dispatched")) == 4 and len(d.state.inflight) == 16
     assert (d.state.gate_open, d.state.gate_reason) == (False, "capacity")
@@ -30,8 +29,7 @@ def test_new_groups_start_until_the_steps_that_accept_them_are_full(driver):
 
 
 def test_a_published_version_opens_the_capacity_of_one_more_step(driver):
-    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=1,
-               capacity="staleness")
+    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=1, capacity="staleness")
     d.start()
     d.complete_group(1, VARIED)
     out = d.complete_group(2, VARIED)
@@ -44,8 +42,7 @@ def test_a_published_version_opens_the_capacity_of_one_more_step(driver):
 
 
 def test_rejected_groups_make_it_over_provision(driver):
-    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=0,
-               capacity="staleness")
+    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=0, capacity="staleness")
     d.start()
     out = d.complete_group(1, [0.5] * 4)  # all-zero advantages: rejected
     assert d.of(out, "group_settled")[0].admitted is False
@@ -56,8 +53,7 @@ def test_rejected_groups_make_it_over_provision(driver):
 
 
 def test_a_started_group_is_dispatched_in_full_while_the_capacity_holds_new_ones_back(driver):
-    d = driver(group_size=4, batch_size=4, max_inflight=3, max_off_policy_steps=0, target_lag=0,
-               capacity="staleness")
+    d = driver(group_size=4, batch_size=4, max_inflight=3, max_off_policy_steps=0, target_lag=0, capacity="staleness")
     d.start()
     assert len(d.state.inflight) == 3 and d.state.gate_reason == "capacity"
     out = d.complete(1)
@@ -67,8 +63,15 @@ def test_a_started_group_is_dispatched_in_full_while_the_capacity_holds_new_ones
 
 def test_tokens_per_sample_set_the_capacity_with_token_batching(driver):
     # Prior: 30 tokens fill one batch of 8 samples. One step accepts (max_off_policy_steps 0).
-    d = driver(group_size=2, batch_size=8, token_batch_size=30, max_inflight=100, max_off_policy_steps=0,
-               target_lag=0, capacity="staleness")
+    d = driver(
+        group_size=2,
+        batch_size=8,
+        token_batch_size=30,
+        max_inflight=100,
+        max_off_policy_steps=0,
+        target_lag=0,
+        capacity="staleness",
+    )
     d.start()
     assert d.state.grouped_samples == 8, "8 samples expected to bring 30 tokens"
     # Samples of 3 tokens. Once one group settled, a sample is expected to bring (30 + 6) /
@@ -83,8 +86,7 @@ def test_tokens_per_sample_set_the_capacity_with_token_batching(driver):
 
 
 def test_no_room_when_no_step_could_train_a_sample_dispatched_now(driver):
-    d = driver(group_size=2, batch_size=2, max_inflight=10, max_off_policy_steps=0, target_lag=2,
-               capacity="staleness")
+    d = driver(group_size=2, batch_size=2, max_inflight=10, max_off_policy_steps=0, target_lag=2, capacity="staleness")
     d.start()
     assert len(d.state.inflight) == 2, "one step accepts: one group"
     d.complete_group(1, [0.0, 1.0])  # batch 1 ships: step 2 at version 0, where version 0 is stale
@@ -123,14 +125,19 @@ def test_the_config_turns_it_on_and_a_stored_config_from_before_the_rule_means_o
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    seed=st.integers(0, 10**6), group_size=st.sampled_from([4, 8]), groups_per_batch=st.integers(8, 16),
-    target_lag=st.integers(0, 1), max_off_beyond_lag=st.integers(1, 2), slack=st.integers(4, 8),
-    latency=st.sampled_from([(1, 9), (3, 7), (4, 6), (1, 5)]), train_ticks=st.integers(5, 8),
+    seed=st.integers(0, 10**6),
+    group_size=st.sampled_from([4, 8]),
+    groups_per_batch=st.integers(8, 16),
+    target_lag=st.integers(0, 1),
+    max_off_beyond_lag=st.integers(1, 2),
+    slack=st.integers(4, 8),
+    latency=st.sampled_from([(1, 9), (3, 7), (4, 6), (1, 5)]),
+    train_ticks=st.integers(5, 8),
     error_rate=st.floats(0.0, 0.02),
 )
 def test_stale_fraction_stays_small_in_a_steady_trainer_bound_run(
-        seed, group_size, groups_per_batch, target_lag, max_off_beyond_lag, slack, latency, train_ticks,
-        error_rate):
+    seed, group_size, groups_per_batch, target_lag, max_off_beyond_lag, slack, latency, train_ticks, error_rate
+):
     """Trainer-bound: a step takes the trainer at least half as long as the slowest episode
     takes, and the sampler could keep `slack` batches in flight (off, most of it goes stale).
     Steady: the samples may be one step older than the lag the gate allows, so a group's
@@ -139,9 +146,16 @@ def test_stale_fraction_stays_small_in_a_steady_trainer_bound_run(
     batch_size = group_size * groups_per_batch
     max_off = target_lag + max_off_beyond_lag
     params = ev.CoreParams(
-        seed=seed, env_ratios={"a": 1.0}, group_size=group_size, batch_size=batch_size,
-        max_inflight=slack * batch_size, max_off_policy_steps=max_off, target_lag=target_lag, max_steps=25,
-        zero_output_batches=1000, capacity="staleness",
+        seed=seed,
+        env_ratios={"a": 1.0},
+        group_size=group_size,
+        batch_size=batch_size,
+        max_inflight=slack * batch_size,
+        max_off_policy_steps=max_off,
+        target_lag=target_lag,
+        max_steps=25,
+        zero_output_batches=1000,
+        capacity="staleness",
     )
     options = SimOptions(error_rate=error_rate, empty_rate=0.0, reward_levels=20)
     world = TimedSimWorld(params, seed=seed, options=options, latency=latency, train_ticks=train_ticks)
@@ -154,8 +168,17 @@ def test_stale_fraction_stays_small_in_a_steady_trainer_bound_run(
 @pytest.mark.parametrize("seed", range(3))
 def test_off_the_same_run_drops_most_of_what_it_generates(seed):
     """The property above is not vacuous: the same world without the rule burns its slack."""
-    params = ev.CoreParams(seed=seed, env_ratios={"a": 1.0}, group_size=8, batch_size=64, max_inflight=512,
-                           max_off_policy_steps=2, target_lag=1, max_steps=25, zero_output_batches=1000)
+    params = ev.CoreParams(
+        seed=seed,
+        env_ratios={"a": 1.0},
+        group_size=8,
+        batch_size=64,
+        max_inflight=512,
+        max_off_policy_steps=2,
+        target_lag=1,
+        max_steps=25,
+        zero_output_batches=1000,
+    )
     options = SimOptions(error_rate=0.0, empty_rate=0.0, reward_levels=20)
     world = TimedSimWorld(params, seed=seed, options=options, latency=(1, 9), train_ticks=5)
     world.run()

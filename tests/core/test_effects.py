@@ -71,8 +71,17 @@ def test_a_background_finalize_starts_with_the_survivors_and_is_cancelled_with_i
     d.complete(1)
     completed = d.state.inflight.copy()
     port = RecordingPort()
-    event = ev.EpisodeCompleted(episode_id=2, group_id=completed[2], ok=True, reward=1.0, token_ids=[7, 7],
-                                mask=[0, 1], logprobs=[0.0, 0.0], policy_start=0, policy_end=0)
+    event = ev.EpisodeCompleted(
+        episode_id=2,
+        group_id=completed[2],
+        ok=True,
+        reward=1.0,
+        token_ids=[7, 7],
+        mask=[0, 1],
+        logprobs=[0.0, 0.0],
+        policy_start=0,
+        policy_end=0,
+    )
     perform(d.state, [event, *d.feed(event)], port)
     assert ("start_finalize", (1, [1, 2])) in port.calls
     port = step(d, ev.StopRequested(reason="test"))
@@ -85,8 +94,17 @@ def test_an_episode_dispatched_and_cancelled_in_the_same_step_is_not_started(dri
     d = driver(group_size=2, batch_size=2, max_inflight=3, max_steps=1)
     d.start()
     d.complete(1, reward=1.0)
-    event = ev.EpisodeCompleted(episode_id=2, group_id=1, ok=True, reward=0.0, token_ids=[7, 7], mask=[0, 1],
-                                logprobs=[0.0, 0.0], policy_start=0, policy_end=0)
+    event = ev.EpisodeCompleted(
+        episode_id=2,
+        group_id=1,
+        ok=True,
+        reward=0.0,
+        token_ids=[7, 7],
+        mask=[0, 1],
+        logprobs=[0.0, 0.0],
+        policy_start=0,
+        policy_end=0,
+    )
     decisions = d.feed(event)
     assert [e.episode_id for e in decisions if e.kind == "episode_dispatched"] == [5]
     port = RecordingPort()
@@ -137,8 +155,16 @@ def test_eval_episodes_start_a_finished_eval_is_reported_and_a_stop_cancels_the_
 
     def completed(d, episode_id):
         eval_id = d.state.evals.inflight[episode_id]
-        return ev.EvalEpisodeCompleted(episode_id=episode_id, eval_id=eval_id, ok=True, reward=1.0, success=True,
-                                       sampled_tokens=2, policy_start=0, policy_end=0)
+        return ev.EvalEpisodeCompleted(
+            episode_id=episode_id,
+            eval_id=eval_id,
+            ok=True,
+            reward=1.0,
+            success=True,
+            sampled_tokens=2,
+            policy_start=0,
+            policy_end=0,
+        )
 
     d, (first, second) = started_eval()
     eval_id = d.state.evals.inflight[first]

@@ -26,8 +26,16 @@ def eval_params(**kw) -> ev.EvalParams:
 
 
 def sim_params(seed: int = 0, **kw) -> ev.CoreParams:
-    base = {"seed": seed, "env_ratios": {"a": 1.0, "b": 1.0}, "group_size": 4, "batch_size": 8, "max_inflight": 16,
-            "max_steps": 6, "zero_output_batches": 1000, "eval": eval_params()}
+    base = {
+        "seed": seed,
+        "env_ratios": {"a": 1.0, "b": 1.0},
+        "group_size": 4,
+        "batch_size": 8,
+        "max_inflight": 16,
+        "max_steps": 6,
+        "zero_output_batches": 1000,
+        "eval": eval_params(),
+    }
     return ev.CoreParams(**{**base, **kw})
 
 
@@ -35,15 +43,24 @@ def of(log, kind: str) -> list:
     return [e for e in log if e.kind == kind]
 
 
-def complete_eval_episode(d: Driver, episode_id: int, *, reward: float = 1.0, ok: bool = True,
-                          version: int | None = None, tokens: int = 3) -> list:
+def complete_eval_episode(
+    d: Driver, episode_id: int, *, reward: float = 1.0, ok: bool = True, version: int | None = None, tokens: int = 3
+) -> list:
     x = d.state.evals.open[d.state.evals.inflight[episode_id]]
     pinned = x.version if version is None else version
-    return d.feed(ev.EvalEpisodeCompleted(
-        episode_id=episode_id, eval_id=x.eval_id, ok=ok, reward=reward if ok else 0.0,
-        success=(reward == 1.0) if ok else None, sampled_tokens=tokens if ok else 0,
-        policy_start=pinned, policy_end=pinned, error=None if ok else "boom",
-    ))
+    return d.feed(
+        ev.EvalEpisodeCompleted(
+            episode_id=episode_id,
+            eval_id=x.eval_id,
+            ok=ok,
+            reward=reward if ok else 0.0,
+            success=(reward == 1.0) if ok else None,
+            sampled_tokens=tokens if ok else 0,
+            policy_start=pinned,
+            policy_end=pinned,
+            error=None if ok else "boom",
+        )
+    )
 
 
 def test_evals_run_at_version_0_every_n_versions_and_at_the_end():
@@ -74,8 +91,16 @@ def test_a_version_jump_starts_one_eval_at_the_version_reached():
 def test_seed_000_the_finalizing_cap_closes_the_train_gate_while_evals_keep_flowing():
     """Seed 000: when the finalizing cap closes the train dispatch gate, train scheduling stops
     while evals and in-flight episodes keep flowing."""
-    d = Driver(group_size=2, batch_size=4, max_inflight=4, max_steps=3, finalize_in_background=True,
-               algorithm="gar", max_finalizing_groups=1, eval=eval_params(num_tasks=4, max_inflight=2))
+    d = Driver(
+        group_size=2,
+        batch_size=4,
+        max_inflight=4,
+        max_steps=3,
+        finalize_in_background=True,
+        algorithm="gar",
+        max_finalizing_groups=1,
+        eval=eval_params(num_tasks=4, max_inflight=2),
+    )
     d.start()
     assert len(d.state.evals.inflight) == 2 and len(d.state.inflight) == 4
     train_group = min(d.state.groups)
@@ -110,8 +135,13 @@ def test_eval_traffic_is_never_counted_in_the_train_accounting():
 
 
 def test_a_sample_taken_by_another_version_is_counted_apart_from_the_figures():
-    d = Driver(group_size=1, batch_size=1, max_inflight=1, max_steps=4,
-               eval=eval_params(num_tasks=2, samples_per_task=2, max_inflight=4))
+    d = Driver(
+        group_size=1,
+        batch_size=1,
+        max_inflight=1,
+        max_steps=4,
+        eval=eval_params(num_tasks=2, samples_per_task=2, max_inflight=4),
+    )
     d.start()
     episodes = list(d.state.evals.inflight)
     complete_eval_episode(d, episodes[0], reward=1.0)
@@ -127,12 +157,23 @@ def test_a_sample_taken_by_another_version_is_counted_apart_from_the_figures():
 
 
 def test_an_env_without_a_success_notion_reports_no_pass_at_k():
-    d = Driver(group_size=1, batch_size=1, max_inflight=1, max_steps=4,
-               eval=eval_params(num_tasks=1, samples_per_task=1))
+    d = Driver(
+        group_size=1, batch_size=1, max_inflight=1, max_steps=4, eval=eval_params(num_tasks=1, samples_per_task=1)
+    )
     d.start()
     (episode_id,) = d.state.evals.inflight
-    out = d.feed(ev.EvalEpisodeCompleted(episode_id=episode_id, eval_id=1, ok=True, reward=0.3, success=None,
-                                         sampled_tokens=2, policy_start=0, policy_end=0))
+    out = d.feed(
+        ev.EvalEpisodeCompleted(
+            episode_id=episode_id,
+            eval_id=1,
+            ok=True,
+            reward=0.3,
+            success=None,
+            sampled_tokens=2,
+            policy_start=0,
+            policy_end=0,
+        )
+    )
     (done,) = of(out, "eval_completed")
     assert done.reward_mean == 0.3 and done.pass_at_1 is None and done.pass_at_k is None
 
@@ -149,8 +190,14 @@ def test_a_result_naming_another_eval_is_refused_and_a_late_one_ignored():
 
 
 def test_the_drain_finishes_evals_in_flight_and_the_end_eval_before_stopping():
-    d = Driver(group_size=2, batch_size=2, max_inflight=2, max_steps=2, target_lag=1,
-               eval=eval_params(every=10, num_tasks=1, samples_per_task=2, max_inflight=1))
+    d = Driver(
+        group_size=2,
+        batch_size=2,
+        max_inflight=2,
+        max_steps=2,
+        target_lag=1,
+        eval=eval_params(every=10, num_tasks=1, samples_per_task=2, max_inflight=1),
+    )
     d.start()
     for _ in range(2):  # steps 1 and 2 ship: the drain starts, with version 0's eval still in flight
         d.complete_group(min(d.state.groups), [0.0, 1.0])
@@ -166,8 +213,13 @@ def test_the_drain_finishes_evals_in_flight_and_the_end_eval_before_stopping():
 
 
 def test_a_stop_cancels_eval_episodes_and_a_resume_finishes_the_same_eval():
-    d = Driver(group_size=1, batch_size=1, max_inflight=1, max_steps=3,
-               eval=eval_params(num_tasks=2, samples_per_task=1, max_inflight=1))
+    d = Driver(
+        group_size=1,
+        batch_size=1,
+        max_inflight=1,
+        max_steps=3,
+        eval=eval_params(num_tasks=2, samples_per_task=1, max_inflight=1),
+    )
     d.start()
     first = next(iter(d.state.evals.inflight))
     complete_eval_episode(d, first, reward=1.0)
@@ -228,13 +280,24 @@ def test_evals_off_decide_nothing_about_evals():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), group_size=st.integers(2, 4), every=st.integers(1, 4),
-       num_tasks=st.integers(1, 6), max_steps=st.integers(2, 8), ratio=st.floats(0.2, 5.0),
-       background=st.booleans())
+@given(
+    seed=st.integers(0, 10**6),
+    group_size=st.integers(2, 4),
+    every=st.integers(1, 4),
+    num_tasks=st.integers(1, 6),
+    max_steps=st.integers(2, 8),
+    ratio=st.floats(0.2, 5.0),
+    background=st.booleans(),
+)
 def test_eval_tasks_never_appear_in_train_groups(seed, group_size, every, num_tasks, max_steps, ratio, background):
-    params = sim_params(seed, group_size=group_size, max_steps=max_steps, env_ratios={"a": 1.0, "b": ratio},
-                        finalize_in_background=background,
-                        eval=eval_params(envs=["b", "a"], every=every, num_tasks=num_tasks))
+    params = sim_params(
+        seed,
+        group_size=group_size,
+        max_steps=max_steps,
+        env_ratios={"a": 1.0, "b": ratio},
+        finalize_in_background=background,
+        eval=eval_params(envs=["b", "a"], every=every, num_tasks=num_tasks),
+    )
     world = SimWorld(params, seed=seed, options=SimOptions(settle="random"))
     world.run()
     held_out = set(held_out_task_ids(num_tasks))

@@ -12,9 +12,17 @@ from orchestrator.sim import SimOptions, SimWorld
 
 @pytest.fixture(scope="module")
 def sim_log():
-    params = ev.CoreParams(env_ratios={"a": 1.0, "b": 1.0}, group_size=4, batch_size=8, max_inflight=12,
-                           max_steps=30, max_off_policy_steps=1, token_batch_size=None,
-                           finalize_in_background=True, zero_output_batches=1000)
+    params = ev.CoreParams(
+        env_ratios={"a": 1.0, "b": 1.0},
+        group_size=4,
+        batch_size=8,
+        max_inflight=12,
+        max_steps=30,
+        max_off_policy_steps=1,
+        token_batch_size=None,
+        finalize_in_background=True,
+        zero_output_batches=1000,
+    )
     world = SimWorld(params, seed=5, options=SimOptions(publish_weight=0.3, settle="random"))
     world.run()
     return world.log
@@ -41,22 +49,37 @@ def test_fold_rows_continues_a_state_from_any_point(sim_log):
 
 def test_a_fold_from_nothing_starts_with_run_started(sim_log):
     assert fold_rows(None, []) == (None, 0)
-    with pytest.raises(FoldError, match="seq 1: cannot fold the 'gate_changed' event: ValueError: a run's first "
-                                        "event is run_started"):
+    with pytest.raises(
+        FoldError, match="seq 1: cannot fold the 'gate_changed' event: ValueError: a run's first event is run_started"
+    ):
         fold_rows(None, map(ev.encode_event, sim_log[1:]))
     assert fold(sim_log[:1]).params == sim_log[0].params
 
 
-@pytest.mark.parametrize("row, error", [
-    (("no_such_kind", b"{}"), "seq 12: cannot fold the 'no_such_kind' event: ValueError: unknown event kind"),
-    (("episode_dispatched", b"{not json"), "seq 12: cannot fold the 'episode_dispatched' event: DecodeError: JSON is malformed"),
-    (("episode_dispatched", b'{"episode_id":1}'),
-     "seq 12: cannot fold the 'episode_dispatched' event: ValidationError: Object missing required field `group_id`"),
-    (("episode_completed", b'{"episode_id":"1","group_id":1,"ok":true,"token_ids":[],"policy_start":0}'),
-     "seq 12: cannot fold the 'episode_completed' event: ValidationError: Expected `int`, got `str` - at `$.episode_id`"),
-    (("episode_dispatched", b'{"episode_id":1,"group_id":999,"attempt":0,"policy_version":0}'),
-     "seq 12: cannot fold the 'episode_dispatched' event: KeyError: 999"),
-])
+@pytest.mark.parametrize(
+    "row, error",
+    [
+        (("no_such_kind", b"{}"), "seq 12: cannot fold the 'no_such_kind' event: ValueError: unknown event kind"),
+        (
+            ("episode_dispatched", b"{not json"),
+            "seq 12: cannot fold the 'episode_dispatched' event: DecodeError: JSON is malformed",
+        ),
+        (
+            ("episode_dispatched", b'{"episode_id":1}'),
+            "seq 12: cannot fold the 'episode_dispatched' event: ValidationError: "
+            "Object missing required field `group_id`",
+        ),
+        (
+            ("episode_completed", b'{"episode_id":"1","group_id":1,"ok":true,"token_ids":[],"policy_start":0}'),
+            "seq 12: cannot fold the 'episode_completed' event: ValidationError: "
+            "Expected `int`, got `str` - at `$.episode_id`",
+        ),
+        (
+            ("episode_dispatched", b'{"episode_id":1,"group_id":999,"attempt":0,"policy_version":0}'),
+            "seq 12: cannot fold the 'episode_dispatched' event: KeyError: 999",
+        ),
+    ],
+)
 def test_a_row_that_cannot_be_folded_names_its_seq(sim_log, row, error):
     rows = [ev.encode_event(e) for e in sim_log[:2]] + [row]
     with pytest.raises(FoldError) as info:
@@ -67,8 +90,11 @@ def test_a_row_that_cannot_be_folded_names_its_seq(sim_log, row, error):
 def test_a_log_of_another_format_version_is_refused_naming_it(sim_log):
     """Version 1 logged background results as `group_finalized`: its rows are not read as version 2."""
     rows = [ev.encode_event(sim_log[0].model_copy(update={"schema_version": 1}))]
-    with pytest.raises(FoldError, match=r"seq 1: cannot fold the 'run_started' event: ValueError: an orch log of "
-                                        r"format version 1; this orch reads version 2 only"):
+    with pytest.raises(
+        FoldError,
+        match=r"seq 1: cannot fold the 'run_started' event: ValueError: an orch log of "
+        r"format version 1; this orch reads version 2 only",
+    ):
         fold_rows(None, rows)
 
 

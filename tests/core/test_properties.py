@@ -33,21 +33,56 @@ class CoreMachine(RuleBasedStateMachine):
     stop requests and crash+resume (fold the log from scratch, then `run_resumed`)."""
 
     @initialize(
-        group_size=st.integers(1, 4), batch_size=st.integers(1, 6), max_inflight=st.integers(1, 9),
-        target_lag=st.integers(0, 2), max_off=st.integers(0, 3), max_steps=st.integers(2, 7),
-        background=st.booleans(), constant=st.booleans(), token_batch=st.sampled_from([None, None, 12]),
-        cap=st.integers(1, 3), capacity=st.sampled_from(["off", "staleness"]),
-        evals=st.none() | st.builds(ev.EvalParams, envs=st.just(["a"]), every=st.integers(1, 3),
-                                    num_tasks=st.integers(1, 3), samples_per_task=st.integers(1, 3),
-                                    max_inflight=st.integers(1, 4)),
+        group_size=st.integers(1, 4),
+        batch_size=st.integers(1, 6),
+        max_inflight=st.integers(1, 9),
+        target_lag=st.integers(0, 2),
+        max_off=st.integers(0, 3),
+        max_steps=st.integers(2, 7),
+        background=st.booleans(),
+        constant=st.booleans(),
+        token_batch=st.sampled_from([None, None, 12]),
+        cap=st.integers(1, 3),
+        capacity=st.sampled_from(["off", "staleness"]),
+        evals=st.none()
+        | st.builds(
+            ev.EvalParams,
+            envs=st.just(["a"]),
+            every=st.integers(1, 3),
+            num_tasks=st.integers(1, 3),
+            samples_per_task=st.integers(1, 3),
+            max_inflight=st.integers(1, 4),
+        ),
     )
-    def setup(self, group_size, batch_size, max_inflight, target_lag, max_off, max_steps, background,
-              constant, token_batch, cap, capacity, evals):
+    def setup(
+        self,
+        group_size,
+        batch_size,
+        max_inflight,
+        target_lag,
+        max_off,
+        max_steps,
+        background,
+        constant,
+        token_batch,
+        cap,
+        capacity,
+        evals,
+    ):
         self.params = ev.CoreParams(
-            env_ratios={"b": 2.0, "a": 1.0}, group_size=group_size, batch_size=batch_size,
-            max_inflight=max_inflight, target_lag=target_lag, max_off_policy_steps=max_off,
-            max_steps=max_steps, finalize_in_background=background, constant_trainer_batch_size=constant,
-            token_batch_size=token_batch, max_finalizing_groups=cap, zero_output_batches=50, eval=evals,
+            env_ratios={"b": 2.0, "a": 1.0},
+            group_size=group_size,
+            batch_size=batch_size,
+            max_inflight=max_inflight,
+            target_lag=target_lag,
+            max_off_policy_steps=max_off,
+            max_steps=max_steps,
+            finalize_in_background=background,
+            constant_trainer_batch_size=constant,
+            token_batch_size=token_batch,
+            max_finalizing_groups=cap,
+            zero_output_batches=50,
+            eval=evals,
             capacity=capacity,
         )
         self.world = SimWorld(self.params, seed=0, options=SimOptions(settle="random", eval_off_version_rate=0.2))
@@ -146,7 +181,7 @@ class CoreMachine(RuleBasedStateMachine):
     def decisions_equal_their_validated_copies(self):
         """The core builds its decisions without validation (`Event.unvalidated`)."""
         log = self.world.log
-        for event in log[self.checked:]:
+        for event in log[self.checked :]:
             if event.kind not in ev.INPUT_KINDS:
                 validated = type(event).model_validate(event.model_dump())
                 assert validated == event and ev.encode_event(validated) == ev.encode_event(event), event
@@ -160,13 +195,22 @@ class CoreMachine(RuleBasedStateMachine):
 
 
 TestCoreMachine = CoreMachine.TestCase
-TestCoreMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+TestCoreMachine.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _params(seed: int, **kw) -> ev.CoreParams:
-    base = dict(seed=seed, env_ratios={"a": 1.0, "b": 1.5}, group_size=4, batch_size=16,
-                max_inflight=24, max_steps=12, max_off_policy_steps=2, zero_output_batches=1000)
+    base = dict(
+        seed=seed,
+        env_ratios={"a": 1.0, "b": 1.5},
+        group_size=4,
+        batch_size=16,
+        max_inflight=24,
+        max_steps=12,
+        max_off_policy_steps=2,
+        zero_output_batches=1000,
+    )
     base.update(kw)
     return ev.CoreParams(**base)
 
@@ -214,9 +258,17 @@ def test_dispatch_gate_is_current_after_every_input(target_lag, background, capa
     other rule leaves the gate current. Checked after each input of whole simulated runs (the
     state machine above checks it too, on fewer, shorter runs)."""
     for seed in range(3):
-        world = SimWorld(_params(seed, target_lag=target_lag, finalize_in_background=background,
-                                 max_finalizing_groups=2, capacity=capacity),
-                         seed=seed, options=SimOptions(publish_weight=0.3, settle="random"))
+        world = SimWorld(
+            _params(
+                seed,
+                target_lag=target_lag,
+                finalize_in_background=background,
+                max_finalizing_groups=2,
+                capacity=capacity,
+            ),
+            seed=seed,
+            options=SimOptions(publish_weight=0.3, settle="random"),
+        )
         feed = world.feed
 
         def feed_and_check(event, feed=feed, world=world):
@@ -299,9 +351,11 @@ def test_encoding_is_byte_for_byte_pydantics_for_any_field_values(data, cls):
     fields = {name: _values_of(info.annotation) for name, info in cls.model_fields.items() if name != "kind"}
     if cls is ev.EpisodeCompleted:  # its validator wants aligned lists
         n = data.draw(st.integers(0, 4))
-        fields.update(token_ids=st.lists(st.integers(), min_size=n, max_size=n),
-                      mask=st.lists(st.integers(0, 1), min_size=n, max_size=n),
-                      logprobs=st.lists(_FINITE, min_size=n, max_size=n))
+        fields.update(
+            token_ids=st.lists(st.integers(), min_size=n, max_size=n),
+            mask=st.lists(st.integers(0, 1), min_size=n, max_size=n),
+            logprobs=st.lists(_FINITE, min_size=n, max_size=n),
+        )
     event = data.draw(st.builds(cls, **fields))
     kind, encoded = ev.encode_event(event)
     assert encoded == event.__pydantic_serializer__.to_json(event)

@@ -160,8 +160,9 @@ def test_full_sweep_once_per_step_drops_queued_traces_that_aged_out(driver):
 
 
 def test_step_advance_cancels_finalizing_groups_that_would_be_stale_on_insertion(driver):
-    d = driver(group_size=2, batch_size=2, max_inflight=6, max_off_policy_steps=0, target_lag=5,
-               finalize_in_background=True)
+    d = driver(
+        group_size=2, batch_size=2, max_inflight=6, max_off_policy_steps=0, target_lag=5, finalize_in_background=True
+    )
     d.start()
     d.complete_group(1, [0.0, 1.0])  # group 1 finalizing (v0 traces)
     d.publish(1)

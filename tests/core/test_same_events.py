@@ -42,8 +42,16 @@ def run_id(seed: int, finalize: str, batching: str, max_off: int) -> str:
 
 def simulate(seed: int, finalize: str, batching: str, max_off: int) -> list:
     params = ev.CoreParams(
-        seed=seed, env_ratios={"a": 1.0, "b": 1.5}, group_size=4, batch_size=16, max_inflight=24, max_steps=10,
-        max_off_policy_steps=max_off, zero_output_batches=1000, **FINALIZE[finalize], **BATCHING[batching],
+        seed=seed,
+        env_ratios={"a": 1.0, "b": 1.5},
+        group_size=4,
+        batch_size=16,
+        max_inflight=24,
+        max_steps=10,
+        max_off_policy_steps=max_off,
+        zero_output_batches=1000,
+        **FINALIZE[finalize],
+        **BATCHING[batching],
         **PINNED,
     )
     # Background results held and delivered in a seeded random order, interleaved with completions.
@@ -62,8 +70,7 @@ def as_recorded(kind: str, data: dict) -> tuple[str, dict]:
         # reports none.
         data = {k: v for k, v in data.items() if k != "metrics"}
     if kind == "run_started":
-        data = {**data, "schema_version": 1,
-                "params": {k: v for k, v in data["params"].items() if k not in PINNED}}
+        data = {**data, "schema_version": 1, "params": {k: v for k, v in data["params"].items() if k not in PINNED}}
     return kind, data
 
 

@@ -39,8 +39,7 @@ def test_sampler_and_trainer_logprobs_agree(arch, temperature):
     comps = []
     for i, prompt in enumerate(["abc", "hgfedc", "aaaa"]):
         comps += sample_group(model, prompt, 8, temperature=temperature, max_new_tokens=40, seed=i)
-    rec = batch_sequence_logprobs(model, [c.token_ids for c in comps], [len(c.prompt_ids) for c in comps],
-                                  temperature)
+    rec = batch_sequence_logprobs(model, [c.token_ids for c in comps], [len(c.prompt_ids) for c in comps], temperature)
     assert [len(r) for r in rec] == [len(c.completion_ids) for c in comps]
     kl = _k3_kl([c.logprobs for c in comps], rec)
     assert kl < 1e-3
@@ -155,8 +154,10 @@ def test_batched_groups_match_single_group_sampling():
     model = build_policy(PolicyConfig(d_model=32, heads=4), seed=2)
     prompts = ["abc", "hgfedc", "bad", "aaaa", "hh"]
     batched = sample_groups(model, prompts, 4, temperature=1.0, max_new_tokens=12, seeds=[7, 8, 9, 10, 11])
-    single = [sample_group(model, p, 4, temperature=1.0, max_new_tokens=12, seed=s)
-              for p, s in zip(prompts, [7, 8, 9, 10, 11])]
+    single = [
+        sample_group(model, p, 4, temperature=1.0, max_new_tokens=12, seed=s)
+        for p, s in zip(prompts, [7, 8, 9, 10, 11])
+    ]
     assert [[c.completion_ids for c in g] for g in batched] == [[c.completion_ids for c in g] for g in single]
     for gb, gs in zip(batched, single):
         for cb, cs in zip(gb, gs):

@@ -1,7 +1,7 @@
 """Subprocess helpers for the lock and crash tests (run as a script, not collected).
 
-    python _child.py hold PATH            open PATH as writer, print READY, sleep
-    python _child.py writer PATH SEED DUR append batches forever, printing ACK lines
+python _child.py hold PATH            open PATH as writer, print READY, sleep
+python _child.py writer PATH SEED DUR append batches forever, printing ACK lines
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import sqlite3
 import subprocess
 
 import pytest
-
 from eventlog_testutil import spawn_child
+
 from eventlog import (
     CorruptLogError,
     EventLog,

@@ -194,14 +194,24 @@ def test_append_json_stores_bytes_verbatim(recorder):
         recorder.append_json("k", b"\xff\xfe")
 
 
-@pytest.mark.parametrize("text", ['{"q":"a \\"quoted\\" \\\\ back\\/slash"}', '{"u":"\\u0000\\u001f\\ud83d\\ude00"}',
-                                  '{"x":"é ü 中文 😀","n":1.0e-7,"i":-0}', ' [1, 2.50, "  spaced  "] ', '"\\t"'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"q":"a \\"quoted\\" \\\\ back\\/slash"}',
+        '{"u":"\\u0000\\u001f\\ud83d\\ude00"}',
+        '{"x":"é ü 中文 😀","n":1.0e-7,"i":-0}',
+        ' [1, 2.50, "  spaced  "] ',
+        '"\\t"',
+    ],
+)
 def test_group_insert_keeps_every_byte_of_the_json(recorder, text):
     seq = recorder.append_json("kind with spaces ☃", text)
     recorder.append_json("k", text)
     recorder.commit()
     assert [(kind, data) for _s, _t, kind, data in recorder.read_raw(seq)] == [
-        ("kind with spaces ☃", text.encode()), ("k", text.encode())]
+        ("kind with spaces ☃", text.encode()),
+        ("k", text.encode()),
+    ]
 
 
 def test_failing_batch_stores_nothing_and_next_commit_continues(log, path):
@@ -275,9 +285,15 @@ def test_a_closed_recorder_discards_with_a_warning_and_refuses_everything(record
         recorder.close()
     recorder.close()  # idempotent
     assert recorder.closed
-    for use in (lambda: recorder.append("k", 1), lambda: recorder.append_json("k", b"1"), recorder.commit,
-                lambda: list(recorder.read()), lambda: list(recorder.read_raw()), lambda: list(recorder.read_bodies()),
-                lambda: recorder.save_snapshot(1, "r1", b"x")):
+    for use in (
+        lambda: recorder.append("k", 1),
+        lambda: recorder.append_json("k", b"1"),
+        recorder.commit,
+        lambda: list(recorder.read()),
+        lambda: list(recorder.read_raw()),
+        lambda: list(recorder.read_bodies()),
+        lambda: recorder.save_snapshot(1, "r1", b"x"),
+    ):
         with pytest.raises(LogClosedError):
             use()
 
@@ -366,9 +382,15 @@ def test_reader_sees_new_commits_and_cannot_write(log, path):
     log.commit()
     assert reader.last_seq == 1 and reader.next_seq == 2
     assert [r.data for r in reader.read()] == [1]
-    for write in (lambda: reader.append("k", 1), lambda: reader.append_json("k", b"1"),
-                  reader.commit, reader.discard, lambda: reader.set_meta("a", "b"),
-                  lambda: reader.save_snapshot(1, "v", b""), reader.checkpoint):
+    for write in (
+        lambda: reader.append("k", 1),
+        lambda: reader.append_json("k", b"1"),
+        reader.commit,
+        reader.discard,
+        lambda: reader.set_meta("a", "b"),
+        lambda: reader.save_snapshot(1, "v", b""),
+        reader.checkpoint,
+    ):
         with pytest.raises(NotWriterError):
             write()
     reader.close()

@@ -12,9 +12,9 @@ import signal
 import time
 
 import pytest
+from eventlog_testutil import spawn_child
 
 from eventlog import EventLog
-from eventlog_testutil import spawn_child
 
 
 def parse_acks(out: str) -> dict[int, tuple[int, int]]:

@@ -14,7 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from eventlog import EventLog, LogError
 
 payloads = st.one_of(
-    st.integers(-5, 5), st.text(max_size=4), st.lists(st.integers(0, 9), max_size=4),
+    st.integers(-5, 5),
+    st.text(max_size=4),
+    st.lists(st.integers(0, 9), max_size=4),
     st.dictionaries(st.sampled_from("abc"), st.integers(0, 3) | st.none(), max_size=3),
 )
 
@@ -26,8 +28,10 @@ class LogMachine(RuleBasedStateMachine):
         self.path = os.path.join(self.dir.name, "events.db")
         self.log = EventLog.create(self.path)
         with sqlite3.connect(self.path) as db:  # kind 'boom' fails inside SQLite
-            db.execute("CREATE TRIGGER boom BEFORE INSERT ON events WHEN NEW.kind = 'boom'"
-                       " BEGIN SELECT RAISE(ABORT, 'boom'); END")
+            db.execute(
+                "CREATE TRIGGER boom BEFORE INSERT ON events WHEN NEW.kind = 'boom'"
+                " BEGIN SELECT RAISE(ABORT, 'boom'); END"
+            )
         db.close()
         self.committed: list[tuple[str, object]] = []
         self.pending: list[tuple[str, object]] = []

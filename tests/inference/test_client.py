@@ -52,6 +52,7 @@ def ask(client, pin=None, **kw):
 
 def test_least_loaded_routing_by_inflight_count(wdirs):
     with serving(SlowPolicyServer(1.5)) as slow, serving() as fast:
+
         async def main():
             async with InferenceClient([slow.base_url, fast.base_url]) as client:
                 await client.load(0, wdirs[0])
@@ -64,6 +65,7 @@ def test_least_loaded_routing_by_inflight_count(wdirs):
                 # idle again: equal load -> alternate by requests assigned so far
                 spread = await asyncio.gather(*(ask(client, seed=s) for s in range(6)))
                 return [c.endpoint for c in spread]
+
         ends = run(main())
         assert ends.count(slow.base_url) == 3 and ends.count(fast.base_url) == 3
         assert slow.policy.stats["completed"] == 4 and fast.policy.stats["completed"] == 8
@@ -71,6 +73,7 @@ def test_least_loaded_routing_by_inflight_count(wdirs):
 
 def test_a_group_is_pinned_to_one_endpoint_and_groups_spread(wdirs):
     with serving() as a, serving() as b:
+
         async def main():
             async with InferenceClient([a.base_url, b.base_url]) as client:
                 await client.load(0, wdirs[0])
@@ -79,6 +82,7 @@ def test_a_group_is_pinned_to_one_endpoint_and_groups_spread(wdirs):
                     done = await asyncio.gather(*(ask(client, pin=g, seed=k) for k in range(4)))
                     groups[g] = {c.endpoint for c in done}
                 return groups
+
         groups = run(main())
         assert all(len(ends) == 1 for ends in groups.values()), groups
         assert set().union(*groups.values()) == {a.base_url, b.base_url}
@@ -86,6 +90,7 @@ def test_a_group_is_pinned_to_one_endpoint_and_groups_spread(wdirs):
 
 def test_pinned_endpoint_down_falls_back_retries_and_repins(wdirs):
     with serving() as a, serving() as b:
+
         async def main():
             async with InferenceClient([a.base_url, b.base_url], backoff_s=30) as client:
                 await client.load(0, wdirs[0])
@@ -100,6 +105,7 @@ def test_pinned_endpoint_down_falls_back_retries_and_repins(wdirs):
                 assert not status["up"] and status["failures"] == 1 and "ConnectError" in status["last_error"]
                 # the same seed on the same weights gives the same sample wherever it runs
                 assert moved.choices[0].token_ids == first.choices[0].token_ids
+
         run(main())
 
 
@@ -111,6 +117,7 @@ def test_retries_are_bounded_and_the_error_says_what_happened():
             with pytest.raises(InferenceUnavailable) as err:
                 await ask(client)
             return str(err.value), client.retries, client.status()
+
     message, retries, status = run(main())
     assert message.startswith("completion failed after 3 attempt(s) on 2 endpoint(s)") and "ConnectError" in message
     # three attempts in all, then it gave up: both endpoints down, one of them probed again once
@@ -119,18 +126,21 @@ def test_retries_are_bounded_and_the_error_says_what_happened():
 
 def test_a_rejected_request_is_not_retried(wdirs):
     with serving() as a, serving() as b:
+
         async def main():
             async with InferenceClient([a.base_url, b.base_url], model="no-such-model") as client:
                 await client.load(0, wdirs[0])
                 with pytest.raises(InferenceRequestError, match="HTTP 404.*does not exist"):
                     await ask(client)
                 assert client.retries == 0 and all(s["up"] for s in client.status())
+
         run(main())
         assert a.policy.stats["requests"] + b.policy.stats["requests"] == 1
 
 
 def test_cancellation_propagates_drops_the_server_handler_and_is_never_retried(wdirs):
     with serving(SlowPolicyServer(30)) as slow, serving() as other:
+
         async def main():
             async with InferenceClient([slow.base_url, other.base_url]) as client:
                 await client.load(0, wdirs[0])
@@ -144,6 +154,7 @@ def test_cancellation_propagates_drops_the_server_handler_and_is_never_retried(w
                 while slow.policy.stats["disconnect_cancels"] == 0 and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                 assert client.retries == 0 and all(s["up"] and s["inflight"] == 0 for s in client.status())
+
         run(main())
         assert slow.policy.stats["disconnect_cancels"] == 1 and slow.policy.stats["completed"] == 0
         assert other.policy.stats["requests"] == 0
@@ -155,6 +166,7 @@ def test_a_down_endpoint_is_retried_after_its_backoff_and_catches_up_on_weights(
         a = serving(port=port)
         first = a.__enter__()
         try:
+
             async def phase1(client):
                 await client.load(0, wdirs[0])
                 first.stop()
@@ -177,6 +189,7 @@ def test_a_down_endpoint_is_retried_after_its_backoff_and_catches_up_on_weights(
                         assert all(c.policy_start == c.policy_end == 1 for c in done)
                         assert client.status()[0]["up"] and client.status()[0]["version"] == 1
                         assert restarted.policy.stats["reloads"] == 1
+
             run(main())
         finally:
             a.__exit__(None, None, None)
@@ -184,6 +197,7 @@ def test_a_down_endpoint_is_retried_after_its_backoff_and_catches_up_on_weights(
 
 def test_load_is_confirmed_by_every_endpoint_and_fails_only_if_none_confirms(wdirs, tmp_path):
     with serving() as a, serving() as b:
+
         async def main():
             async with InferenceClient([a.base_url, b.base_url, f"http://127.0.0.1:{free_port()}"]) as client:
                 answers = await client.load(1, wdirs[1])
@@ -192,6 +206,7 @@ def test_load_is_confirmed_by_every_endpoint_and_fails_only_if_none_confirms(wdi
                 assert (await ask(client)).policy_start == 1
                 with pytest.raises(InferenceError, match="no inference endpoint confirmed weights version 5"):
                     await client.load(5, str(tmp_path / "weights" / "step_5"))
+
         run(main())
         assert a.policy.sampler.version == b.policy.sampler.version == 1
 
@@ -213,8 +228,9 @@ def vllm_like_app(loaded: list):
     async def unload_lora(request):
         name = (await request.json())["lora_name"]
         if name not in loaded:
-            return JSONResponse({"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}},
-                                status_code=404)
+            return JSONResponse(
+                {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}, status_code=404
+            )
         loaded.remove(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
@@ -224,16 +240,36 @@ def vllm_like_app(loaded: list):
     async def completions(request):
         body = await request.json()
         if body.get("model") not in loaded:
-            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}},
-                                status_code=404)
+            return JSONResponse(
+                {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}, status_code=404
+            )
         v = int(body["model"].split("_")[1])
-        return JSONResponse({"object": "text_completion", "model": body["model"], "choices": [
-            {"index": 0, "text": "ba", "finish_reason": "stop",
-             "logprobs": {"tokens": [f"token_id:{t}" for t in (9, 8, 2)], "token_logprobs": [-0.1 * v, -0.2, -0.3]}}]})
+        return JSONResponse(
+            {
+                "object": "text_completion",
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "ba",
+                        "finish_reason": "stop",
+                        "logprobs": {
+                            "tokens": [f"token_id:{t}" for t in (9, 8, 2)],
+                            "token_logprobs": [-0.1 * v, -0.2, -0.3],
+                        },
+                    }
+                ],
+            }
+        )
 
-    return Starlette(routes=[Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
-                             Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
-                             Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
 
 
 def adapter_dirs(root, versions) -> list[str]:
@@ -250,12 +286,14 @@ def adapter_dirs(root, versions) -> list[str]:
 
 def test_weight_sync_none_reports_the_version_it_was_told(wdirs):
     with serving() as a:
+
         async def main():
             async with InferenceClient([a.base_url], weight_sync="none") as client:
                 await client.load(7, "/elsewhere")  # nothing is sent
                 a.policy.load_blocking(wdirs[0], 0)
                 done = await ask(client)
                 return done.policy_start  # orch serve still reports its own version: the truth wins
+
         assert run(main()) == 0
         assert a.policy.stats["reloads"] == 0
 
@@ -275,12 +313,28 @@ def test_sglang_weight_sync_reloads_from_disk_and_bounds_the_version():
         return JSONResponse({"success": not body["model_path"].endswith("bad"), "message": "ok"})
 
     async def completions(request):
-        return JSONResponse({"choices": [{"index": 0, "text": "a", "token_ids": [8, 2], "prompt_token_ids": PROMPT,
-                                          "logprobs": {"token_logprobs": [-1.0, -0.5]}}]})
+        return JSONResponse(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "a",
+                        "token_ids": [8, 2],
+                        "prompt_token_ids": PROMPT,
+                        "logprobs": {"token_logprobs": [-1.0, -0.5]},
+                    }
+                ]
+            }
+        )
 
-    app = Starlette(routes=[Route("/update_weights_from_disk", update, methods=["POST"]),
-                            Route("/v1/completions", completions, methods=["POST"])])
+    app = Starlette(
+        routes=[
+            Route("/update_weights_from_disk", update, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
     with running_server(app) as sglang:
+
         async def main():
             async with InferenceClient([sglang.base_url], weight_sync="sglang") as client:
                 await client.load(2, "/ckpt/step_2")
@@ -288,6 +342,7 @@ def test_sglang_weight_sync_reloads_from_disk_and_bounds_the_version():
                 assert (done.policy_start, done.policy_end, done.choices[0].prompt_ids) == (2, 2, PROMPT)
                 with pytest.raises(InferenceError, match="refused /ckpt/bad"):
                     await client.load(3, "/ckpt/bad")
+
         run(main())
     assert paths == ["/ckpt/step_2", "/ckpt/bad"]
 
@@ -316,12 +371,18 @@ def _vllm_standin(loaded: list[str]):
         model = (await request.json()).get("model")
         if model not in loaded:
             return JSONResponse({"error": {"message": f"The model `{model}` does not exist."}}, status_code=404)
-        return JSONResponse({"choices": [{"index": 0, "text": "x", "token_ids": [5],
-                                          "logprobs": {"token_logprobs": [-0.1]}}]})
+        return JSONResponse(
+            {"choices": [{"index": 0, "text": "x", "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}}]}
+        )
 
-    return Starlette(routes=[Route("/v1/load_lora_adapter", load, methods=["POST"]),
-                             Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
-                             Route("/v1/models", models), Route("/v1/completions", complete, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/load_lora_adapter", load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/v1/completions", complete, methods=["POST"]),
+        ]
+    )
 
 
 def test_vllm_lora_an_endpoint_restarted_unseen_gets_its_adapter_again(tmp_path):
@@ -364,10 +425,12 @@ def test_an_endpoint_serving_another_runs_weights_is_refused():
     from orchestrator.envs.server import running_server
 
     with running_server(Starlette(routes=[Route("/update_weights", keeps_its_own, methods=["POST"])])) as server:
+
         async def main():
             async with InferenceClient([server.base_url]) as client:
                 with pytest.raises(InferenceRequestError, match="serves /runs/a/weights/step_3, another run's weights"):
                     await client.load(0, "/runs/b/weights/step_0")
+
         run(main())
 
 
@@ -379,15 +442,18 @@ def test_a_failed_weight_sync_before_a_request_is_counted_once():
                 await ask(client)
             (status,) = client.status()
             assert status["failures"] == 1 and status["error_kinds"] == {"ConnectError /update_weights": 1}, status
+
     run(main())
 
 
 def test_a_down_endpoint_is_probed_by_one_request_while_the_others_wait():
     """When its backoff runs out, one request probes a down endpoint; the others wait for that
     probe instead of each spending an attempt on it (which failed every waiting request)."""
+
     async def main():
-        async with InferenceClient([f"http://127.0.0.1:{free_port()}"], backoff_s=0.2, max_backoff_s=0.4,
-                                   max_attempts=3) as client:
+        async with InferenceClient(
+            [f"http://127.0.0.1:{free_port()}"], backoff_s=0.2, max_backoff_s=0.4, max_attempts=3
+        ) as client:
             requests = [asyncio.ensure_future(ask(client)) for _ in range(20)]
             await asyncio.sleep(1.5)
             failed = sum(1 for r in requests if r.done())
@@ -419,6 +485,8 @@ def test_requests_waiting_for_a_down_endpoint_give_up_after_their_timeout():
             return await asyncio.gather(*requests, return_exceptions=True)
 
     errors = run(main())
-    waited = [e for e in errors if isinstance(e, InferenceUnavailable) and "every inference endpoint down for" in str(e)]
+    waited = [
+        e for e in errors if isinstance(e, InferenceUnavailable) and "every inference endpoint down for" in str(e)
+    ]
     assert len(waited) >= 15, errors
     assert all(f"{url}: POST {url}/v1/completions: ConnectError" in str(e) for e in waited), waited[0]

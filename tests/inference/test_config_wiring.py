@@ -29,19 +29,22 @@ def test_endpoints_need_reverse_text():
         load_config(overrides=['envs={"fake": 1}', "trainer.kind=fake", 'inference.openai.endpoints=["http://x:1"]'])
 
 
-@pytest.mark.parametrize("endpoints, message", [
-    (["http://127.0.0.1:9", "127.0.0.1:9/"], "endpoints 'http://127.0.0.1:9' and '127.0.0.1:9/' are the same"),
-    (["http://h:1/v1", "h:1"], "endpoints 'http://h:1/v1' and 'h:1' are the same"),
-    (["http://127.0.0.1:80x0"], "endpoint 'http://127.0.0.1:80x0' has an invalid host or port"),
-    (["http://127.0.0.1:99999"], "endpoint 'http://127.0.0.1:99999' has an invalid host or port"),
-    (["http://[::1"], "endpoint 'http://[::1' has an invalid host or port"),
-    (["http://h :1"], "endpoint 'http://h :1' is not an http(s)://host[:port] URL"),
-    (["http://user@h:1"], "endpoint 'http://user@h:1' is not an http(s)://host[:port] URL"),
-    (["http://h:1/?x=1"], "endpoint 'http://h:1/?x=1' is not an http(s)://host[:port] URL"),
-    (["http://h:"], "endpoint 'http://h:' is not an http(s)://host[:port] URL"),
-    (["ftp://x"], "endpoint 'ftp://x' is not an http(s)://host[:port] URL"),
-    (["http://"], "endpoint 'http://' is not an http(s)://host[:port] URL"),
-])
+@pytest.mark.parametrize(
+    "endpoints, message",
+    [
+        (["http://127.0.0.1:9", "127.0.0.1:9/"], "endpoints 'http://127.0.0.1:9' and '127.0.0.1:9/' are the same"),
+        (["http://h:1/v1", "h:1"], "endpoints 'http://h:1/v1' and 'h:1' are the same"),
+        (["http://127.0.0.1:80x0"], "endpoint 'http://127.0.0.1:80x0' has an invalid host or port"),
+        (["http://127.0.0.1:99999"], "endpoint 'http://127.0.0.1:99999' has an invalid host or port"),
+        (["http://[::1"], "endpoint 'http://[::1' has an invalid host or port"),
+        (["http://h :1"], "endpoint 'http://h :1' is not an http(s)://host[:port] URL"),
+        (["http://user@h:1"], "endpoint 'http://user@h:1' is not an http(s)://host[:port] URL"),
+        (["http://h:1/?x=1"], "endpoint 'http://h:1/?x=1' is not an http(s)://host[:port] URL"),
+        (["http://h:"], "endpoint 'http://h:' is not an http(s)://host[:port] URL"),
+        (["ftp://x"], "endpoint 'ftp://x' is not an http(s)://host[:port] URL"),
+        (["http://"], "endpoint 'http://' is not an http(s)://host[:port] URL"),
+    ],
+)
 def test_endpoints_must_be_distinct_http_urls(endpoints, message):
     """Checked with the config (exit 2 before anything runs): the client used to raise at build
     time (a traceback) or fail each request until the publish timeout."""
@@ -52,9 +55,15 @@ def test_endpoints_must_be_distinct_http_urls(endpoints, message):
 
 def test_endpoints_and_ranks_may_change_on_resume_but_the_weight_protocol_may_not():
     a = load_config()
-    b = load_config(overrides=['inference.openai.endpoints=["http://a:1","http://b:2"]', "trainer.hf.nproc=4",
-                               "inference.openai.max_attempts=5", "trainer.hf.distributed=fsdp",
-                               "trainer.hf.backend=gloo"])
+    b = load_config(
+        overrides=[
+            'inference.openai.endpoints=["http://a:1","http://b:2"]',
+            "trainer.hf.nproc=4",
+            "inference.openai.max_attempts=5",
+            "trainer.hf.distributed=fsdp",
+            "trainer.hf.backend=gloo",
+        ]
+    )
     assert meaning_changes(a, b) == []
     changed = meaning_changes(a, load_config(overrides=["inference.openai.weight_sync=none"]))
     assert changed == ["inference.openai.weight_sync"]
@@ -66,19 +75,44 @@ def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
     model, tokenizer = build_untrained()
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    config = load_config(overrides=[f"runs_dir={tmp_path}", "name=r", 'inference.openai.endpoints=["127.0.0.1:9/v1"]',
-                                    "trainer.hf.nproc=2", "trainer.hf.backend=gloo",
-                                    f"model.path={tmp_path / 'model'}"])
+    config = load_config(
+        overrides=[
+            f"runs_dir={tmp_path}",
+            "name=r",
+            'inference.openai.endpoints=["127.0.0.1:9/v1"]',
+            "trainer.hf.nproc=2",
+            "trainer.hf.backend=gloo",
+            f"model.path={tmp_path / 'model'}",
+        ]
+    )
     parts = parts_of(config)
     assert isinstance(parts.backend, EndpointsBackend) and parts.backend.follows_weights
     assert [e.url for e in parts.backend.client.endpoints] == ["http://127.0.0.1:9"]
     assert isinstance(parts.trainer, TorchrunTrainer) and isinstance(parts.trainer, ProcessTrainer)
-    assert parts.trainer.command() == torchrun_command(tmp_path / "r", nproc=2) == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-        "-m", "orchestrator.hf.trainer", "--run-dir", str(tmp_path / "r")]
+    assert (
+        parts.trainer.command()
+        == torchrun_command(tmp_path / "r", nproc=2)
+        == [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            "-m",
+            "orchestrator.hf.trainer",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
     assert torchrun_command(tmp_path, nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="h:29400")[3:9] == [
-        "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "--rdzv-id=orch",
-        "--nproc-per-node=4"]
+        "--nnodes=2",
+        "--node-rank=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=h:29400",
+        "--rdzv-id=orch",
+        "--nproc-per-node=4",
+    ]
 
 
 def test_cli_inference_shorthand(tmp_path):
@@ -87,8 +121,20 @@ def test_cli_inference_shorthand(tmp_path):
     from orchestrator.cli import main
 
     # A bad URL list still parses into the config; the fake env refuses it with one line.
-    result = CliRunner().invoke(main, ["run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path),
-                                       "--inference", "http://a:1, http://b:2"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--env",
+            "fake",
+            "--trainer",
+            "fake",
+            "--runs-dir",
+            str(tmp_path),
+            "--inference",
+            "http://a:1, http://b:2",
+        ],
+    )
     assert result.exit_code == 2 and "inference endpoints sample reverse_text episodes only" in result.output
 
 

@@ -35,14 +35,23 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, wher
     env = ReverseTextEnv(seed=3)
     checks = []
     with serving() as a, serving() as b, _rollout_env(where, env) as rollout_env:
+
         async def main():
             client = InferenceClient([a.base_url, b.base_url])
-            backend = EndpointsBackend(tmp_path, {"reverse_text": rollout_env()}, client, temperature=0.8,
-                                       max_new_tokens=20, seed=5, load_timeout_s=5)
+            backend = EndpointsBackend(
+                tmp_path,
+                {"reverse_text": rollout_env()},
+                client,
+                temperature=0.8,
+                max_new_tokens=20,
+                seed=5,
+                load_timeout_s=5,
+            )
             try:
                 await backend.load(0, health_check=lambda: checks.append(1))
-                eps = await asyncio.gather(*(backend(RolloutRequest(e, e // 4, "reverse_text", e // 4, 0, 0))
-                                             for e in range(8)))
+                eps = await asyncio.gather(
+                    *(backend(RolloutRequest(e, e // 4, "reverse_text", e // 4, 0, 0)) for e in range(8))
+                )
                 publish(tmp_path, 1)
                 await backend.load(1)
                 later = await backend(RolloutRequest(99, 9, "reverse_text", 9, 0, 1))
@@ -54,6 +63,7 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, wher
                 await backend.aclose()
                 if where == "env-server":
                     await backend.envs["reverse_text"].aclose()
+
         eps, later = run(main())
     models = {v: load_policy(tmp_path / "weights" / f"step_{v}") for v in (0, 1)}
     for ep in eps + [later]:
@@ -88,16 +98,25 @@ def test_a_load_every_endpoint_refuses_for_good_fails_at_once(tmp_path, status, 
 
     publish(tmp_path, 0)
     with running_server(Starlette(routes=[Route("/update_weights", refuse, methods=["POST"])])) as server:
+
         async def main():
             client = InferenceClient([server.base_url])
-            backend = EndpointsBackend(tmp_path, {}, client, temperature=1.0, max_new_tokens=4, seed=0,
-                                       load_timeout_s=3 if not fails_at_once else 60)
+            backend = EndpointsBackend(
+                tmp_path,
+                {},
+                client,
+                temperature=1.0,
+                max_new_tokens=4,
+                seed=0,
+                load_timeout_s=3 if not fails_at_once else 60,
+            )
             try:
                 with pytest.raises(InferenceError, match=f"HTTP {status}.*not a published weights directory") as err:
                     await backend.load(0)
                 return err.value
             finally:
                 await client.aclose()
+
         error = run(main())
     assert isinstance(error, InferenceRequestError) == fails_at_once
     # refused for good: asked once, not again until the 60 s load timeout; else asked again
@@ -105,8 +124,9 @@ def test_a_load_every_endpoint_refuses_for_good_fails_at_once(tmp_path, status, 
 
 
 @pytest.mark.parametrize("backoff_s, max_backoff_s, most_hits", [(0.25, 1.0, 7), (0.5, 0.5, 8)])
-def test_the_first_weights_are_waited_for_with_backoff_and_one_warning(tmp_path, capsys, backoff_s, max_backoff_s,
-                                                                        most_hits):
+def test_the_first_weights_are_waited_for_with_backoff_and_one_warning(
+    tmp_path, capsys, backoff_s, max_backoff_s, most_hits
+):
     """Endpoints still starting: the load is retried with the client's backoff (not every half
     second for the whole publish timeout), and the wait is announced once."""
     from starlette.applications import Starlette
@@ -123,18 +143,22 @@ def test_the_first_weights_are_waited_for_with_backoff_and_one_warning(tmp_path,
 
     publish(tmp_path, 0)
     with running_server(Starlette(routes=[Route("/update_weights", not_yet, methods=["POST"])])) as server:
+
         async def main():
             client = InferenceClient([server.base_url], backoff_s=backoff_s, max_backoff_s=max_backoff_s)
-            backend = EndpointsBackend(tmp_path, {}, client, temperature=1.0, max_new_tokens=4, seed=0,
-                                       load_timeout_s=3.5)
+            backend = EndpointsBackend(
+                tmp_path, {}, client, temperature=1.0, max_new_tokens=4, seed=0, load_timeout_s=3.5
+            )
             try:
                 with pytest.raises(InferenceError, match="HTTP 409"):
                     await backend.load(0)
             finally:
                 await client.aclose()
+
         run(main())
     # 0.25 doubling to 1: pauses 0.25, 0.5, 1, 1, 1, about 6 tries in 3.5 s (every 0.5 s would be 8)
     assert 4 <= len(hits) <= most_hits, len(hits)
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("orch: warning:")]
-    assert len(warnings) == 1 and re.search(r"HTTP 409.*; retrying for up to \d+s more \(endpoints may be starting\)$",
-                                            warnings[0]), warnings
+    assert len(warnings) == 1 and re.search(
+        r"HTTP 409.*; retrying for up to \d+s more \(endpoints may be starting\)$", warnings[0]
+    ), warnings

@@ -19,8 +19,9 @@ def test_serve_process_starts_on_weights_and_stops_on_sigterm(tmp_path):
         url = serve.wait_ready()
         assert httpx.get(url + "/version").json() == {"version": 3, "path": str(wdir)}
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
-        out = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4, "logprobs": 0},
-                         timeout=30).json()
+        out = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4, "logprobs": 0}, timeout=30
+        ).json()
         assert out["policy_version"] == 3 and len(out["choices"][0]["token_ids"]) <= 4
         serve.proc.terminate()  # graceful shutdown, then uvicorn re-raises the signal (exit -SIGTERM)
         assert serve.proc.wait(15) in (0, -signal.SIGTERM)

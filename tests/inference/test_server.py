@@ -25,8 +25,15 @@ def test_round_trip_token_ids_and_logprobs_are_the_policys(weights):
     with serving() as srv:
         assert post(srv.base_url, "/update_weights", {"path": str(weights[0]), "version": 0}).json()["version"] == 0
         prompt = encode_prompt("abcdh")
-        body = {"prompt": prompt, "n": 3, "max_tokens": 24, "temperature": 0.7, "logprobs": 0, "seed": 11,
-                "return_tokens_as_token_ids": True}
+        body = {
+            "prompt": prompt,
+            "n": 3,
+            "max_tokens": 24,
+            "temperature": 0.7,
+            "logprobs": 0,
+            "seed": 11,
+            "return_tokens_as_token_ids": True,
+        }
         resp = post(srv.base_url, "/v1/completions", body)
         assert resp.status_code == 200, resp.text
         out = resp.json()
@@ -43,8 +50,11 @@ def test_round_trip_token_ids_and_logprobs_are_the_policys(weights):
             recomputed = sequence_logprobs(model, prompt + ids, len(prompt), 0.7)
             assert c["logprobs"]["token_logprobs"] == pytest.approx(recomputed, abs=1e-4)
         total = sum(len(c["token_ids"]) for c in out["choices"])
-        assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": total,
-                                "total_tokens": len(prompt) + total}
+        assert out["usage"] == {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": total,
+            "total_tokens": len(prompt) + total,
+        }
         # Same seed and weights -> same completions; a text prompt is rendered to the same ids.
         again = post(srv.base_url, "/v1/completions", {**body, "prompt": "abcdh"}).json()
         assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in out["choices"]]
@@ -52,7 +62,9 @@ def test_round_trip_token_ids_and_logprobs_are_the_policys(weights):
         plain = post(srv.base_url, "/v1/completions", {**body, "return_tokens_as_token_ids": False}).json()
         c = plain["choices"][0]
         assert "".join(c["logprobs"]["tokens"]) == c["text"]
-        assert post(srv.base_url, "/v1/completions", {**body, "logprobs": None}).json()["choices"][0]["logprobs"] is None
+        assert (
+            post(srv.base_url, "/v1/completions", {**body, "logprobs": None}).json()["choices"][0]["logprobs"] is None
+        )
 
 
 def test_weight_update_changes_the_served_version(weights, tmp_path):
@@ -65,7 +77,9 @@ def test_weight_update_changes_the_served_version(weights, tmp_path):
         for v in (0, 1):
             answer = post(url, "/update_weights", {"path": str(weights[v]), "version": v}).json()
             assert answer == {"version": v, "requested": v, "ignored": False, "path": str(weights[v])}
-            out = post(url, "/v1/completions", {"prompt": [1, 8, 9, 3], "max_tokens": 8, "logprobs": 0, "seed": 3}).json()
+            out = post(
+                url, "/v1/completions", {"prompt": [1, 8, 9, 3], "max_tokens": 8, "logprobs": 0, "seed": 3}
+            ).json()
             assert out["policy_version"] == v
             c = out["choices"][0]
             recomputed = sequence_logprobs(load_policy(weights[v]), [1, 8, 9, 3] + c["token_ids"], 4, 1.0)
@@ -79,15 +93,18 @@ def test_weight_update_changes_the_served_version(weights, tmp_path):
         assert srv.policy.stats["reloads"] == 2
 
 
-@pytest.mark.parametrize("body, status, message", [
-    ({"prompt": "ab", "model": "other"}, 404, "does not exist"),
-    ({"prompt": "abz"}, 400, "not in the vocabulary"),
-    ({"prompt": [1, 8, 9]}, 400, "rendered prompt"),
-    ({"prompt": [1, 999, 3]}, 400, "out of range"),
-    ({"prompt": "ab", "max_tokens": 500}, 400, "max_tokens"),
-    ({"prompt": "a" * 40}, 400, "at most"),
-    ({"prompt": "ab", "stream": True}, 400, "stream"),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"prompt": "ab", "model": "other"}, 404, "does not exist"),
+        ({"prompt": "abz"}, 400, "not in the vocabulary"),
+        ({"prompt": [1, 8, 9]}, 400, "rendered prompt"),
+        ({"prompt": [1, 999, 3]}, 400, "out of range"),
+        ({"prompt": "ab", "max_tokens": 500}, 400, "max_tokens"),
+        ({"prompt": "a" * 40}, 400, "at most"),
+        ({"prompt": "ab", "stream": True}, 400, "stream"),
+    ],
+)
 def test_bad_requests_are_4xx_with_openai_error_bodies(weights, body, status, message):
     with serving() as srv:
         post(srv.base_url, "/update_weights", {"path": str(weights[0]), "version": 0})
@@ -110,7 +127,9 @@ def test_concurrent_requests_share_sampling_calls_and_stay_seeded(weights):
         alone = [one(seed) for seed in (0, 1, 5)]
         for seed, c in zip((0, 1, 5), alone):  # a request's sample does not depend on its batch
             assert c["token_ids"] == batched[seed]["token_ids"]
-            assert c["logprobs"]["token_logprobs"] == pytest.approx(batched[seed]["logprobs"]["token_logprobs"], abs=1e-4)
+            assert c["logprobs"]["token_logprobs"] == pytest.approx(
+                batched[seed]["logprobs"]["token_logprobs"], abs=1e-4
+            )
 
 
 def test_a_server_reused_by_another_run_loads_that_runs_weights(weights, tmp_path):

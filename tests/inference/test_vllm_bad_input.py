@@ -25,8 +25,9 @@ def model_dir(path: Path, head_dim: int = 32, chat_template: bool = True) -> Pat
 
     path.mkdir()
     heads = 4
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": heads * head_dim,
-                                                  "num_attention_heads": heads}))
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "hidden_size": heads * head_dim, "num_attention_heads": heads})
+    )
     tokenizer = build_tokenizer()
     if not chat_template:
         tokenizer.chat_template = None
@@ -36,8 +37,18 @@ def model_dir(path: Path, head_dim: int = 32, chat_template: bool = True) -> Pat
 
 
 def orch_run(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path / "runs"), "--name", "r",
-           "--max-steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "run",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--name",
+        "r",
+        "--max-steps",
+        "2",
+    ]
     for s in sets:
         cmd += ["--set", s]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
@@ -54,31 +65,47 @@ def assert_one_line_error(done: subprocess.CompletedProcess, tmp_path: Path, *wo
 
 def test_a_model_path_that_is_not_an_hf_model_dir(tmp_path):
     (tmp_path / "weights").mkdir()
-    done = orch_run(tmp_path, f"model.path={tmp_path / 'weights'}", "inference.openai.weight_sync=vllm_reload",
-                    "inference.openai.launch.servers=1")
+    done = orch_run(
+        tmp_path,
+        f"model.path={tmp_path / 'weights'}",
+        "inference.openai.weight_sync=vllm_reload",
+        "inference.openai.launch.servers=1",
+    )
     assert_one_line_error(done, tmp_path, "is not a Hugging Face model dir", str(tmp_path / "weights"))
 
 
 def test_a_tokenizer_without_a_chat_template(tmp_path):
     model = model_dir(tmp_path / "m", chat_template=False)
-    done = orch_run(tmp_path, f"model.path={model}", "inference.openai.weight_sync=vllm_reload",
-                    "inference.openai.launch.servers=1")
+    done = orch_run(
+        tmp_path, f"model.path={model}", "inference.openai.weight_sync=vllm_reload", "inference.openai.launch.servers=1"
+    )
     assert_one_line_error(done, tmp_path, "has no chat template")
 
 
 def test_an_endpoint_serving_another_model(tmp_path):
     model = model_dir(tmp_path / "m")
     with running_server(replaying_vllm([])) as vllm:  # what a vLLM serving /models/tiny answers
-        done = orch_run(tmp_path, f"model.path={model}", "inference.openai.weight_sync=vllm_reload",
-                        f'inference.openai.endpoints=["{vllm.base_url}"]')
+        done = orch_run(
+            tmp_path,
+            f"model.path={model}",
+            "inference.openai.weight_sync=vllm_reload",
+            f'inference.openai.endpoints=["{vllm.base_url}"]',
+        )
     assert_one_line_error(done, tmp_path, f"{vllm.base_url} serves /models/tiny, not this run's model {model}")
 
 
 def test_vllm_not_installed_when_asked_to_launch_it(tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
-    config = load_config(None, [f"model.path={model_dir(tmp_path / 'm')}", "inference.openai.weight_sync=vllm_reload",
-                                "inference.openai.launch.servers=1", f"runs_dir={tmp_path}"])
+    config = load_config(
+        None,
+        [
+            f"model.path={model_dir(tmp_path / 'm')}",
+            "inference.openai.weight_sync=vllm_reload",
+            "inference.openai.launch.servers=1",
+            f"runs_dir={tmp_path}",
+        ],
+    )
     with pytest.raises(ConfigError, match="vLLM is not installed in .*make vllm"):
         check_inference(config, config.model.path)
 
@@ -86,13 +113,23 @@ def test_vllm_not_installed_when_asked_to_launch_it(tmp_path, monkeypatch):
 @needs_vllm
 def test_a_head_dim_the_cpu_backend_does_not_support(tmp_path):
     model = model_dir(tmp_path / "m", head_dim=48)
-    done = orch_run(tmp_path, f"model.path={model}", "inference.openai.weight_sync=vllm_lora",
-                    "inference.openai.launch.servers=1")
+    done = orch_run(
+        tmp_path, f"model.path={model}", "inference.openai.weight_sync=vllm_lora", "inference.openai.launch.servers=1"
+    )
     assert_one_line_error(done, tmp_path, "attention heads of size 48", "CPU backend does not support")
     # On GPUs the CPU backend's limits do not apply: no error from this check.
-    check_inference(load_config(None, [f"model.path={model}", "inference.openai.weight_sync=vllm_lora",
-                                       "inference.openai.launch.servers=1", 'inference.openai.launch.gpus=["0"]']),
-                    model)
+    check_inference(
+        load_config(
+            None,
+            [
+                f"model.path={model}",
+                "inference.openai.weight_sync=vllm_lora",
+                "inference.openai.launch.servers=1",
+                'inference.openai.launch.gpus=["0"]',
+            ],
+        ),
+        model,
+    )
 
 
 @needs_vllm
@@ -104,8 +141,13 @@ def test_a_launched_server_that_exits_is_one_error_naming_it_and_its_log(tmp_pat
     from orchestrator.inference.endpoints_config import LaunchSection
     from orchestrator.inference.vllm_launch import LaunchError, VllmLauncher, group_alive
 
-    launcher = VllmLauncher(LaunchSection(servers=1, extra_args=["--no-such-flag"], ready_timeout_s=120),
-                            model_dir(tmp_path / "m"), tmp_path / "run", "vllm_reload", 2)
+    launcher = VllmLauncher(
+        LaunchSection(servers=1, extra_args=["--no-such-flag"], ready_timeout_s=120),
+        model_dir(tmp_path / "m"),
+        tmp_path / "run",
+        "vllm_reload",
+        2,
+    )
     try:
         launcher.start()
         with pytest.raises(LaunchError) as err:

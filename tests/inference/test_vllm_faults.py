@@ -27,13 +27,37 @@ def servers(tmp_path_factory):
 
 
 def start_run(runs, name: str, urls: list[str], *sets: str) -> subprocess.Popen:
-    return subprocess.Popen(orch_run_cmd(
-        "--runs-dir", str(runs), "--name", name, "--max-steps", str(STEPS), "--set", f"model.path={tiny_model()}",
-        "--set", "inference.openai.weight_sync=vllm_reload",
-        "--set", f"inference.openai.endpoints={list(urls)!r}".replace("'", '"'),
-        "--set", "batch.size=64", "--set", "log.durability=normal", "--set", "inference.openai.backoff_s=0.2",
-        "--set", "inference.openai.max_backoff_s=1", "--set", "zero_output_batches=2", *sets),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    return subprocess.Popen(
+        orch_run_cmd(
+            "--runs-dir",
+            str(runs),
+            "--name",
+            name,
+            "--max-steps",
+            str(STEPS),
+            "--set",
+            f"model.path={tiny_model()}",
+            "--set",
+            "inference.openai.weight_sync=vllm_reload",
+            "--set",
+            f"inference.openai.endpoints={list(urls)!r}".replace("'", '"'),
+            "--set",
+            "batch.size=64",
+            "--set",
+            "log.durability=normal",
+            "--set",
+            "inference.openai.backoff_s=0.2",
+            "--set",
+            "inference.openai.max_backoff_s=1",
+            "--set",
+            "zero_output_batches=2",
+            *sets,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
 
 
 def kill_when_shipped(run: subprocess.Popen, db, steps: int, server) -> tuple[str, str]:
@@ -58,7 +82,7 @@ def test_with_two_endpoints_the_run_goes_on_on_the_other(servers, tmp_path):
     assert run.returncode == 0, err[-3000:]
     assert f"inference endpoint {dead.url} marked down" in err
     (report,) = [line for line in err.splitlines() if line.startswith("orch: inference: ")]
-    assert report[len("orch: inference: "):].split("; ")[0].endswith(", down"), report
+    assert report[len("orch: inference: ") :].split("; ")[0].endswith(", down"), report
     assert_log_invariants(tmp_path / "two", STEPS, max_off_policy=2, target_lag=1)
 
 

@@ -20,12 +20,39 @@ MAX_LORAS = 2
 
 
 def test_a_lora_run_samples_each_version_from_its_adapter_and_keeps_at_most_max_loras(tmp_path):
-    done = subprocess.run(orch_run_cmd(
-        "--config", str(REPO / "examples" / "reverse_text_vllm.toml"), "--runs-dir", str(tmp_path), "--name", "r",
-        "--max-steps", str(STEPS), "--set", f"model.path={tiny_model()}", "--set", "log.durability=normal",
-        "--set", "inference.openai.weight_sync=vllm_lora", "--set", f"inference.openai.max_loras={MAX_LORAS}",
-        "--set", f"trainer.hf.lora.rank={LORA_RANK}", "--set", f"inference.openai.launch.max_lora_rank={LORA_RANK}",
-        "--set", "batch.size=64", "--set", "trainer.hf.keep_weights=8"), capture_output=True, text=True, cwd=REPO, timeout=1200, check=False)
+    done = subprocess.run(
+        orch_run_cmd(
+            "--config",
+            str(REPO / "examples" / "reverse_text_vllm.toml"),
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "r",
+            "--max-steps",
+            str(STEPS),
+            "--set",
+            f"model.path={tiny_model()}",
+            "--set",
+            "log.durability=normal",
+            "--set",
+            "inference.openai.weight_sync=vllm_lora",
+            "--set",
+            f"inference.openai.max_loras={MAX_LORAS}",
+            "--set",
+            f"trainer.hf.lora.rank={LORA_RANK}",
+            "--set",
+            f"inference.openai.launch.max_lora_rank={LORA_RANK}",
+            "--set",
+            "batch.size=64",
+            "--set",
+            "trainer.hf.keep_weights=8",
+        ),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=1200,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "r"
     assert_log_invariants(run_dir, STEPS, max_off_policy=2, target_lag=1)

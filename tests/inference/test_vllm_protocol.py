@@ -80,10 +80,12 @@ def test_a_reload_is_pause_reload_reset_resume_and_completions_report_its_versio
     calls: list[str] = []
     step_1 = hf_dir(tmp_path / "step_1", "config.json")
     with running_server(replaying_vllm(calls)) as vllm:
+
         async def main():
             async with InferenceClient([vllm.base_url], weight_sync="vllm_reload") as client:
                 await client.load(1, step_1)
                 return await client.complete(recorded("completion")["request"]["prompt"], n=2, seed=7)
+
         done = run(main())
     assert calls == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume", "/v1/completions"]
     assert (done.policy_start, done.policy_end) == (1, 1)
@@ -95,10 +97,12 @@ def test_lora_loads_unloads_and_adopts_what_the_server_lists(tmp_path):
     calls: list[str] = []
     step_2 = hf_dir(tmp_path / "step_2", "adapter_config.json")
     with running_server(replaying_vllm(calls)) as vllm:
+
         async def main():
             async with InferenceClient([vllm.base_url], weight_sync="vllm_lora", max_loras=2) as client:
                 await client.load(2, step_2)
                 return await client.complete([1, 2, 3], seed=7), client.endpoints[0].adapters
+
         done, adapters = run(main())
     assert calls == ["/v1/models", "/v1/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/completions"]
     assert done.policy_start == 2 and adapters == {1: 0, 2: 0}
@@ -108,9 +112,11 @@ def test_a_weights_dir_of_the_wrong_kind_is_refused_before_any_call(tmp_path):
     calls: list[str] = []
     adapter = hf_dir(tmp_path / "step_1", "adapter_config.json")
     with running_server(replaying_vllm(calls)) as vllm:
+
         async def main():
             async with InferenceClient([vllm.base_url], weight_sync="vllm_reload") as client:
                 await client.load(1, adapter)
+
         with pytest.raises(InferenceRequestError, match="is not an HF model dir"):
             run(main())
     assert calls == []  # vLLM's engine dies on a reload_weights it cannot read
@@ -119,9 +125,11 @@ def test_a_weights_dir_of_the_wrong_kind_is_refused_before_any_call(tmp_path):
 def test_an_endpoint_serving_another_model_or_lacking_the_routes_is_named(tmp_path):
     calls: list[str] = []
     with running_server(replaying_vllm(calls)) as vllm:
+
         async def check(model_dir, weight_sync, model=None):
             async with InferenceClient([vllm.base_url], weight_sync=weight_sync, model=model) as client:
                 await client.check_vllm_endpoints(Path(model_dir))
+
         with pytest.raises(InferenceRequestError, match=f"{vllm.base_url} serves /models/tiny, not this run's model"):
             run(check(tmp_path, "vllm_reload"))
         run(check(tmp_path, "vllm_reload", model="/models/tiny"))  # the served name, given

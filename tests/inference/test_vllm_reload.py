@@ -49,8 +49,7 @@ def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     from orchestrator.hf.tiny_model import render_prompt
 
     rng = random.Random(seed)
-    return [render_prompt(tokenizer, "".join(rng.choice(ALPHABET) for _ in range(rng.randint(3, 6))))
-            for _ in range(n)]
+    return [render_prompt(tokenizer, "".join(rng.choice(ALPHABET) for _ in range(rng.randint(3, 6)))) for _ in range(n)]
 
 
 def test_every_completion_comes_from_the_version_it_reports_while_versions_change(server, versions, tokenizer):
@@ -97,8 +96,9 @@ def test_sampled_and_recomputed_logprobs_agree_k3_kl(server, versions, tokenizer
     async def main():
         async with InferenceClient(server.urls, weight_sync="vllm_reload") as client:
             await client.load(VERSIONS - 1, str(versions[-1]))
-            return await asyncio.gather(*(client.complete(p, max_tokens=16, seed=i, temperature=temperature)
-                                          for i, p in enumerate(batch)))
+            return await asyncio.gather(
+                *(client.complete(p, max_tokens=16, seed=i, temperature=temperature) for i, p in enumerate(batch))
+            )
 
     done = asyncio.run(asyncio.wait_for(main(), 120))
     model = load_model(versions[-1])
@@ -108,9 +108,11 @@ def test_sampled_and_recomputed_logprobs_agree_k3_kl(server, versions, tokenizer
         sampled += choice.logprobs
         recomputed += recompute_logprobs(model, prompt, choice.token_ids, temperature=temperature)
     kl = k3_kl(sampled, recomputed)
-    print(f"\nvLLM-CPU sampled vs transformers recomputed logprobs at temperature {temperature}: k3 KL {kl:.2e} "
-          f"over {len(sampled)} tokens, "
-          f"max |diff| {max(abs(a - b) for a, b in zip(sampled, recomputed)):.2e}")
+    print(
+        f"\nvLLM-CPU sampled vs transformers recomputed logprobs at temperature {temperature}: k3 KL {kl:.2e} "
+        f"over {len(sampled)} tokens, "
+        f"max |diff| {max(abs(a - b) for a, b in zip(sampled, recomputed)):.2e}"
+    )
     record_property("k3_kl", kl)
     assert kl < 1e-3
 

@@ -75,11 +75,21 @@ def group_gone(pgid: int) -> bool:
 def run(tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     run_dir = runs / "r"
-    args = ["--config", str(REPO / "examples" / "reverse_text_vllm.toml"), "--set", f"model.path={tiny_model()}",
-            "--set", "log.durability=normal"]
-    first = subprocess.Popen(orch_run_cmd("--runs-dir", str(runs), "--name", "r", "--max-steps", str(STEPS),
-                                          *args),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    args = [
+        "--config",
+        str(REPO / "examples" / "reverse_text_vllm.toml"),
+        "--set",
+        f"model.path={tiny_model()}",
+        "--set",
+        "log.durability=normal",
+    ]
+    first = subprocess.Popen(
+        orch_run_cmd("--runs-dir", str(runs), "--name", "r", "--max-steps", str(STEPS), *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         deadline = time.monotonic() + 600
         while shipped(run_dir / "events.db") < KILL_AT:
@@ -97,16 +107,19 @@ def run(tmp_path_factory):
     while not all(group_gone(g) for g in groups) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = [g for g in groups if not group_gone(g)]
-    resumed = subprocess.run(orch_run_cmd("--resume", str(run_dir)), capture_output=True, text=True, cwd=REPO,
-                             timeout=1200, check=False)
+    resumed = subprocess.run(
+        orch_run_cmd("--resume", str(run_dir)), capture_output=True, text=True, cwd=REPO, timeout=1200, check=False
+    )
     return {"dir": run_dir, "first_err": err, "groups": groups, "left_after_kill": left, "resumed": resumed}
 
 
 def events(run_dir: Path, kind: str) -> list[tuple[int, dict]]:
     db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True)
     try:
-        return [(seq, orjson.loads(data)) for seq, data in
-                db.execute("SELECT seq, data FROM events WHERE kind = ? ORDER BY seq", (kind,))]
+        return [
+            (seq, orjson.loads(data))
+            for seq, data in db.execute("SELECT seq, data FROM events WHERE kind = ? ORDER BY seq", (kind,))
+        ]
     finally:
         db.close()
 
@@ -156,7 +169,7 @@ def test_the_resumed_server_serves_the_resumed_version(run):
     """The resumed run's new server starts from model.path; the first completions after the
     resume report the run's version at the resume or later, never the base model's."""
     run_dir = run["dir"]
-    (resume_seq, _), = events(run_dir, "run_resumed")
+    ((resume_seq, _),) = events(run_dir, "run_resumed")
     version_then = max((e["version"] for seq, e in events(run_dir, "version_published") if seq < resume_seq), default=0)
     after = [e for seq, e in events(run_dir, "episode_completed") if seq > resume_seq and e["ok"]]
     assert version_then >= 1 and after
@@ -167,6 +180,8 @@ def test_reward_rises_from_the_warm_start(run):
     rewards = [e["reward_mean"] for _, e in events(run["dir"], "batch_shipped")]
     start = sum(rewards[:LEARNING_WINDOW]) / LEARNING_WINDOW
     end = sum(rewards[-LEARNING_WINDOW:]) / LEARNING_WINDOW
-    print(f"\nreward: first {LEARNING_WINDOW} batches {start:.3f}, last {LEARNING_WINDOW} {end:.3f} "
-          f"(+{end - start:.3f} in {len(rewards)} steps)")
+    print(
+        f"\nreward: first {LEARNING_WINDOW} batches {start:.3f}, last {LEARNING_WINDOW} {end:.3f} "
+        f"(+{end - start:.3f} in {len(rewards)} steps)"
+    )
     assert end - start >= 0.10

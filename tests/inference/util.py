@@ -17,10 +17,10 @@ import torch
 
 torch.set_num_threads(1)
 
-from orchestrator.rundir import mark_stable, weights_dir  # noqa: E402
 from orchestrator.embedded.policy import PolicyConfig, build_policy, save_weights  # noqa: E402
-from orchestrator.inference.server import PolicyServer, create_app  # noqa: E402
 from orchestrator.envs.server import running_server  # noqa: E402
+from orchestrator.inference.server import PolicyServer, create_app  # noqa: E402
+from orchestrator.rundir import mark_stable, weights_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = PolicyConfig(d_model=16, layers=1, heads=2, d_ff=16)
@@ -59,6 +59,7 @@ def serving(server: PolicyServer | None = None, port: int = 0) -> Iterator:
 def run(coro, timeout: float = 60.0):
     async def bounded():
         return await asyncio.wait_for(coro, timeout)
+
     return asyncio.run(bounded())
 
 
@@ -66,9 +67,13 @@ class ServeProcess:
     """`orch serve --port 0` as a child process (SIGKILL-able); ``wait_ready()`` -> its URL."""
 
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.url: str | None = None
 
     def wait_ready(self, timeout: float = 90.0) -> str:

@@ -74,8 +74,10 @@ def publish_lora(run_dir: Path, version: int, base: Path, scale: float = 0.05) -
     outputs), seeded noise after."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(load_model(base), LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
-                                                        target_modules=LORA_TARGETS, lora_dropout=0.0))
+    model = get_peft_model(
+        load_model(base),
+        LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=LORA_TARGETS, lora_dropout=0.0),
+    )
     if version:
         generator = torch.Generator().manual_seed(version)
         with torch.no_grad():
@@ -89,11 +91,12 @@ def publish_lora(run_dir: Path, version: int, base: Path, scale: float = 0.05) -
 
 
 @torch.no_grad()
-def recompute_logprobs(model, prompt_ids: list[int], completion_ids: list[int],
-                       temperature: float = 1.0) -> list[float]:
+def recompute_logprobs(
+    model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+) -> list[float]:
     """log p(completion token | prefix) under ``model`` (an HF or PEFT model), as the sampler saw it."""
     ids = torch.tensor([prompt_ids + completion_ids])
-    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
 
 
@@ -106,12 +109,18 @@ def load_version(wdir: Path, base: Path, lora: bool):
 
 
 @contextlib.contextmanager
-def launched(model_dir: Path, log_dir: Path, weight_sync: str, servers: int = 1, max_loras: int = 2,
-             dev_mode: bool = False) -> Iterator[VllmLauncher]:
+def launched(
+    model_dir: Path, log_dir: Path, weight_sync: str, servers: int = 1, max_loras: int = 2, dev_mode: bool = False
+) -> Iterator[VllmLauncher]:
     """vLLM servers started by orch's launcher, ready; always stopped. ``dev_mode``: the reload
     routes too (a LoRA server that also reloads full weights)."""
-    launch = LaunchSection(servers=servers, extra_args=CPU_ARGS, max_lora_rank=LORA_RANK, ready_timeout_s=300,
-                           env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})
+    launch = LaunchSection(
+        servers=servers,
+        extra_args=CPU_ARGS,
+        max_lora_rank=LORA_RANK,
+        ready_timeout_s=300,
+        env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {},
+    )
     launcher = VllmLauncher(launch, model_dir, log_dir, weight_sync, max_loras)
     try:
         launcher.start()

@@ -17,21 +17,60 @@ STEPS = 10
 # A run with something in every panel: background finalizing (gar), failed and empty episodes,
 # stale drops and late completions (max_off_policy_steps 1 with a trainer slower than the env, and
 # no dispatch capacity to keep generation to what can train).
-BUSY = ["--set", "rollout.capacity=off", "--set", "algorithm.name=gar", "--set", "algorithm.gar.delay_s=0.002",
-        "--set", "batch.size=32", "--set", "env.fake.error_rate=0.05", "--set", "env.fake.empty_rate=0.05",
-        "--set", "env.fake.latency_s=0.001", "--set", "off_policy.max_off_policy_steps=1",
-        "--set", "trainer.fake.step_time_s=0.02",
-        "--set", "zero_output_batches=1000"]
+BUSY = [
+    "--set",
+    "rollout.capacity=off",
+    "--set",
+    "algorithm.name=gar",
+    "--set",
+    "algorithm.gar.delay_s=0.002",
+    "--set",
+    "batch.size=32",
+    "--set",
+    "env.fake.error_rate=0.05",
+    "--set",
+    "env.fake.empty_rate=0.05",
+    "--set",
+    "env.fake.latency_s=0.001",
+    "--set",
+    "off_policy.max_off_policy_steps=1",
+    "--set",
+    "trainer.fake.step_time_s=0.02",
+    "--set",
+    "zero_output_batches=1000",
+]
 
 
 def orch(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], check=False, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def run_fake(runs_dir: Path, name: str, *extra: str, steps: int = STEPS, env: dict | None = None) -> Path:
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", str(steps), "--runs-dir", str(runs_dir),
-                  "--name", name, "--progress-every", "1000", *BUSY, *extra, env=env)
+    result = orch(
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        str(steps),
+        "--runs-dir",
+        str(runs_dir),
+        "--name",
+        name,
+        "--progress-every",
+        "1000",
+        *BUSY,
+        *extra,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     return runs_dir / name
 
@@ -40,8 +79,10 @@ def run_fake(runs_dir: Path, name: str, *extra: str, steps: int = STEPS, env: di
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Two busy runs of different seeds; `a` also fed TensorBoard."""
     runs_dir = tmp_path_factory.mktemp("runs")
-    return {"a": run_fake(runs_dir, "a", "--set", "metrics.tensorboard=true"),
-            "b": run_fake(runs_dir, "b", "--set", "seed=7")}
+    return {
+        "a": run_fake(runs_dir, "a", "--set", "metrics.tensorboard=true"),
+        "b": run_fake(runs_dir, "b", "--set", "seed=7"),
+    }
 
 
 def connect(run_dir: Path) -> sqlite3.Connection:
@@ -68,9 +109,11 @@ def sql_series(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     """Every plotted series, computed from events.db by SQL (buffered and finalizing: from the
     state folded at the ship's seq, which no SQL query gives)."""
     db = connect(run_dir)
-    ships = db.execute("SELECT seq, ts, json_extract(data, '$.step'), json_extract(data, '$.reward_mean'),"
-                       " json_extract(data, '$.off_policy_max'), json_extract(data, '$.off_policy_mean')"
-                       " FROM events WHERE kind = 'batch_shipped' ORDER BY seq").fetchall()
+    ships = db.execute(
+        "SELECT seq, ts, json_extract(data, '$.step'), json_extract(data, '$.reward_mean'),"
+        " json_extract(data, '$.off_policy_max'), json_extract(data, '$.off_policy_mean')"
+        " FROM events WHERE kind = 'batch_shipped' ORDER BY seq"
+    ).fetchall()
     start = db.execute("SELECT seq, ts FROM events WHERE kind = 'run_started'").fetchone()
     out: dict[str, tuple[list[int], list[float]]] = {}
 
@@ -96,7 +139,8 @@ def sql_series(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
             add("queue/buffered", step, buffered_episodes(state))
             add("queue/finalizing", step, sum(state.finalizing.values()))
     for version, name, value in db.execute(
-            "SELECT json_extract(e.data, '$.version'), m.key, m.value FROM events e,"
-            " json_each(json_extract(e.data, '$.metrics')) m WHERE e.kind = 'version_published' ORDER BY e.seq"):
+        "SELECT json_extract(e.data, '$.version'), m.key, m.value FROM events e,"
+        " json_each(json_extract(e.data, '$.metrics')) m WHERE e.kind = 'version_published' ORDER BY e.seq"
+    ):
         add("trainer/" + name, version, value)
     return out

@@ -23,8 +23,19 @@ def _ship(progress: Progress, steps: range, max_steps: int) -> None:
     state = initial_state(CoreParams(max_steps=max_steps))
     for step in steps:
         state.version = step - 1
-        progress.on_batch(BatchShipped(step=step, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=1,
-                                       off_policy_mean=0.5, reward_mean=0.25), state, None)
+        progress.on_batch(
+            BatchShipped(
+                step=step,
+                trace_ids=[],
+                sha256="0" * 64,
+                n_tokens=0,
+                off_policy_max=1,
+                off_policy_mean=0.5,
+                reward_mean=0.25,
+            ),
+            state,
+            None,
+        )
 
 
 def test_a_terminal_gets_the_live_bar_with_an_eta_and_every_step_line():
@@ -49,13 +60,16 @@ def test_a_pipe_gets_the_plain_lines_only():
     lines = out.getvalue().splitlines()
     assert [line.rsplit(" | ", 1)[0] for line in lines] == [
         f"step    {s}/3 | reward 0.250 | lag max 1 mean 0.50 | buffered 0 | finalizing 0 | in-flight 0 | v{s - 1} "
-        f"| waste 0.0%" for s in (1, 2, 3)]
+        f"| waste 0.0%"
+        for s in (1, 2, 3)
+    ]
     assert "\x1b" not in out.getvalue() and "ETA" not in out.getvalue()
 
 
 def test_orch_run_in_a_pipe_prints_plain_lines(tmp_path):
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "3", "--runs-dir", str(tmp_path),
-                  "--name", "r")
+    result = orch(
+        "run", "--env", "fake", "--trainer", "fake", "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r"
+    )
     assert result.returncode == 0, result.stderr
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in steps] == ["step    1/3", "step    2/3", "step    3/3"]
@@ -64,10 +78,28 @@ def test_orch_run_in_a_pipe_prints_plain_lines(tmp_path):
 
 def test_orch_run_on_a_terminal_shows_the_live_bar(tmp_path):
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--env", "fake", "--trainer", "fake",
-                             "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r"],
-                            stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
-                            env={**os.environ, "COLUMNS": "160"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--env",
+            "fake",
+            "--trainer",
+            "fake",
+            "--max-steps",
+            "3",
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "r",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "COLUMNS": "160"},
+    )
     os.close(follower)
     chunks = []
     try:

@@ -60,9 +60,13 @@ def test_plot_command_writes_the_png_and_refuses_bad_input_in_one_line(runs, tmp
     result = orch("plot", str(runs["a"]), str(runs["b"] / "events.db"), "--out", str(tmp_path / "p.png"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "p.png").stat().st_size > 10_000
-    for args, message in (([str(tmp_path / "nope")], f"orch: error: no run or event log at {tmp_path / 'nope'}"),
-                          ([str(runs["a"]), "--out", str(tmp_path / "no" / "p.png")],
-                           f"orch: error: --out {tmp_path / 'no' / 'p.png'}: no such directory {tmp_path / 'no'}")):
+    for args, message in (
+        ([str(tmp_path / "nope")], f"orch: error: no run or event log at {tmp_path / 'nope'}"),
+        (
+            [str(runs["a"]), "--out", str(tmp_path / "no" / "p.png")],
+            f"orch: error: --out {tmp_path / 'no' / 'p.png'}: no such directory {tmp_path / 'no'}",
+        ),
+    ):
         bad = orch("plot", *args)
         assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [message]
 
@@ -88,8 +92,9 @@ def test_export_counts_and_sums_equal_the_log(runs, tmp_path):
     assert one(x, "SELECT sum(samples) FROM batches") == shipped
     assert one(x, "SELECT sum(tokens) FROM batches") == events("batch_shipped", "sum(json_extract(data, '$.n_tokens'))")
     # a batch's n_tokens counts its samples' tokens, prompt and completion
-    assert one(x, "SELECT sum(prompt_tokens + completion_tokens) FROM episodes WHERE fate = 'shipped'") == \
-        events("batch_shipped", "sum(json_extract(data, '$.n_tokens'))")
+    assert one(x, "SELECT sum(prompt_tokens + completion_tokens) FROM episodes WHERE fate = 'shipped'") == events(
+        "batch_shipped", "sum(json_extract(data, '$.n_tokens'))"
+    )
     # each batch's mean reward is the mean of its episodes' rewards
     for step, reward_mean in x.execute("SELECT step, reward_mean FROM batches"):
         assert one(x, "SELECT avg(reward) FROM episodes WHERE step = ?", step) == pytest.approx(reward_mean)
@@ -105,24 +110,35 @@ def test_export_counts_and_sums_equal_the_log(runs, tmp_path):
     by_reason = dict(x.execute("SELECT reason, count(*) FROM episodes WHERE fate = 'dropped' GROUP BY reason"))
     assert by_reason == acct.dropped and acct.dropped.get("stale") and acct.dropped.get("failed")
     assert one(x, "SELECT count(*) FROM episodes WHERE fate = 'cancelled'") == events("episode_cancelled")
-    late = one(log, "SELECT count(*) FROM events c WHERE c.kind = 'episode_completed'"
-                    " AND EXISTS (SELECT 1 FROM events x"
-                    " WHERE x.kind = 'episode_cancelled' AND x.seq < c.seq"
-                    " AND json_extract(x.data, '$.episode_id') = json_extract(c.data, '$.episode_id'))")
+    late = one(
+        log,
+        "SELECT count(*) FROM events c WHERE c.kind = 'episode_completed'"
+        " AND EXISTS (SELECT 1 FROM events x"
+        " WHERE x.kind = 'episode_cancelled' AND x.seq < c.seq"
+        " AND json_extract(x.data, '$.episode_id') = json_extract(c.data, '$.episode_id'))",
+    )
     assert one(x, "SELECT sum(late) FROM episodes") == late > 0
     assert one(x, "SELECT count(*) FROM episodes WHERE completed_seq IS NOT NULL") == acct.completed
     assert one(x, "SELECT sum(ok = 0) FROM episodes") == acct.failures
     assert one(x, "SELECT sum(reward) FROM episodes WHERE completed_seq IS NOT NULL") == pytest.approx(
-        one(log, "SELECT sum(json_extract(c.data, '$.reward')) FROM events c WHERE c.kind = 'episode_completed'"
-                 " AND NOT EXISTS (SELECT 1 FROM events x WHERE x.kind = 'episode_cancelled' AND x.seq < c.seq"
-                 " AND json_extract(x.data, '$.episode_id') = json_extract(c.data, '$.episode_id'))"))
-    cancelled = dict(log.execute("SELECT json_extract(data, '$.reason'), count(*) FROM events"
-                                 " WHERE kind = 'group_cancelled' GROUP BY 1"))
+        one(
+            log,
+            "SELECT sum(json_extract(c.data, '$.reward')) FROM events c WHERE c.kind = 'episode_completed'"
+            " AND NOT EXISTS (SELECT 1 FROM events x WHERE x.kind = 'episode_cancelled' AND x.seq < c.seq"
+            " AND json_extract(x.data, '$.episode_id') = json_extract(c.data, '$.episode_id'))",
+        )
+    )
+    cancelled = dict(
+        log.execute(
+            "SELECT json_extract(data, '$.reason'), count(*) FROM events WHERE kind = 'group_cancelled' GROUP BY 1"
+        )
+    )
     assert dict(x.execute("SELECT reason, count(*) FROM groups WHERE outcome = 'cancelled' GROUP BY 1")) == cancelled
     assert one(x, "SELECT count(*) FROM groups WHERE outcome = 'admitted'") == acct.groups_admitted
     # the trainer's metrics, a column each
-    for version, data in log.execute("SELECT json_extract(data, '$.version'), data FROM events"
-                                     " WHERE kind = 'version_published'"):
+    for version, data in log.execute(
+        "SELECT json_extract(data, '$.version'), data FROM events WHERE kind = 'version_published'"
+    ):
         metrics = orjson.loads(data)["metrics"]
         row = x.execute("SELECT samples, tokens, step_time_s FROM versions WHERE version = ?", (version,)).fetchone()
         assert row == (metrics["samples"], metrics["tokens"], metrics["step_time_s"])
@@ -153,8 +169,12 @@ def test_replay_shows_the_trainer_metrics(runs):
     result = orch("replay", str(runs["a"]), "--json")
     assert result.returncode == 0, result.stderr
     shown = orjson.loads(result.stdout)["trainer_metrics"]
-    logged = {str(v): orjson.loads(d)["metrics"] for v, d in connect(runs["a"]).execute(
-        "SELECT json_extract(data, '$.version'), data FROM events WHERE kind = 'version_published'")}
+    logged = {
+        str(v): orjson.loads(d)["metrics"]
+        for v, d in connect(runs["a"]).execute(
+            "SELECT json_extract(data, '$.version'), data FROM events WHERE kind = 'version_published'"
+        )
+    }
     assert shown == logged and len(shown) == STEPS
     table = orch("replay", str(runs["a"]))
     assert "trainer metrics" in table.stdout and "step_time_s" in table.stdout

@@ -24,8 +24,11 @@ def tensorboard_points(log_dir) -> list[tuple[str, int, float, float]]:
 
     acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
     acc.Reload()
-    return sorted((tag, e.step, float(make_ndarray(e.tensor_proto).item()), e.wall_time)
-                  for tag in acc.Tags()["tensors"] for e in acc.Tensors(tag))
+    return sorted(
+        (tag, e.step, float(make_ndarray(e.tensor_proto).item()), e.wall_time)
+        for tag in acc.Tags()["tensors"]
+        for e in acc.Tensors(tag)
+    )
 
 
 def log_points(run_dir) -> list[tuple[str, int, float, float]]:
@@ -54,7 +57,7 @@ def wandb_history(wandb_dir) -> list[dict]:
                 pos += block - pos % block
                 continue
             length, kind = struct.unpack_from("<HB", data, pos + 4)
-            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
             if kind == 0:
                 break
             chunks += chunk
@@ -63,8 +66,13 @@ def wandb_history(wandb_dir) -> list[dict]:
                 record.ParseFromString(chunks)
                 chunks = b""
                 if record.WhichOneof("record_type") == "history":
-                    rows.append({item.key or "/".join(item.nested_key): orjson.loads(item.value_json)
-                                 for item in record.history.item} | {"_file": path.parent.name})
+                    rows.append(
+                        {
+                            item.key or "/".join(item.nested_key): orjson.loads(item.value_json)
+                            for item in record.history.item
+                        }
+                        | {"_file": path.parent.name}
+                    )
     return rows
 
 
@@ -85,8 +93,12 @@ def test_a_resumed_run_continues_its_sinks_and_writes_no_step_twice(tmp_path):
     run_id = sinks.wandb_run_id(_meta(run_dir)["config_hash"])
     files = {row["_file"] for row in history}
     assert len(files) == 2 and all(name.endswith(run_id) for name in files)  # one W&B run, continued
-    logged = sorted((name, row["step"]) for row in history for name in row if name not in ("step", "_file", "_step",
-                                                                                        "_timestamp", "_runtime"))
+    logged = sorted(
+        (name, row["step"])
+        for row in history
+        for name in row
+        if name not in ("step", "_file", "_step", "_timestamp", "_runtime")
+    )
     assert logged == [p[:2] for p in want]  # every row once, across the run and its resume
     cursors = orjson.loads((run_dir / sinks.CURSORS_FILE).read_bytes())
     assert set(cursors.values()) == {_meta(run_dir)["last_seq"]}
@@ -102,21 +114,36 @@ def test_a_sink_that_is_not_installed_is_one_line_before_anything_runs(tmp_path,
 
     real = sinks.importlib.util.find_spec
     monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    result = CliRunner().invoke(cli.main, ["run", "--env", "fake", "--trainer", "fake",
-                                           "--runs-dir", str(tmp_path / "runs"), "--set", "metrics.wandb.project=p"])
+    result = CliRunner().invoke(
+        cli.main,
+        [
+            "run",
+            "--env",
+            "fake",
+            "--trainer",
+            "fake",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--set",
+            "metrics.wandb.project=p",
+        ],
+    )
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "orch: error: metrics.wandb needs the wandb package: pip install 'orch[wandb]'"]
+        "orch: error: metrics.wandb needs the wandb package: pip install 'orch[wandb]'"
+    ]
     assert not (tmp_path / "runs").exists()
 
 
 def test_sinks_are_operational_config_a_resume_may_turn_on_or_off():
     from orchestrator.config import load_config, meaning_changes
 
-    stored = load_config(overrides=["envs={\"fake\": 1}", "trainer.kind=fake"])
+    stored = load_config(overrides=['envs={"fake": 1}', "trainer.kind=fake"])
     assert stored.metrics.wandb is None and stored.metrics.tensorboard is None  # off by default
-    on = load_config(base=stored.model_dump(mode="json"),
-                     overrides=["metrics.tensorboard=true", "metrics.wandb.project=p", "metrics.wandb.mode=offline"])
+    on = load_config(
+        base=stored.model_dump(mode="json"),
+        overrides=["metrics.tensorboard=true", "metrics.wandb.project=p", "metrics.wandb.mode=offline"],
+    )
     assert on.metrics.tensorboard.log_dir is None and on.metrics.wandb.mode == "offline"
     assert meaning_changes(stored, on) == [] and meaning_changes(on, stored) == []
     assert meaning_changes(stored, on.model_copy(update={"seed": 5})) == ["seed"]
@@ -124,9 +151,23 @@ def test_sinks_are_operational_config_a_resume_may_turn_on_or_off():
 
 def test_a_sink_that_cannot_start_is_one_line_with_the_resume_hint(tmp_path):
     (tmp_path / "afile").write_text("")
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path),
-                  "--name", "r", "--set", f"metrics.tensorboard.log_dir={tmp_path / 'afile' / 'tb'}")
+    result = orch(
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        "2",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--set",
+        f"metrics.tensorboard.log_dir={tmp_path / 'afile' / 'tb'}",
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"orch: error: metrics.tensorboard: cannot start: NotADirectoryError: [Errno 20] Not a directory: "
-        f"'{tmp_path / 'afile' / 'tb'}' (continue it with `orch run --resume {tmp_path / 'r'}` once fixed)"]
+        f"'{tmp_path / 'afile' / 'tb'}' (continue it with `orch run --resume {tmp_path / 'r'}` once fixed)"
+    ]

@@ -38,8 +38,10 @@ def test_fake_trainer_reports_the_batch_it_read_and_its_step_time(tmp_path):
         task.cancel()
 
     asyncio.run(main())
-    assert published == [(1, {"samples": 2, "tokens": 5, "step_time_s": 0.25}),
-                         (2, {"samples": 0, "tokens": 0, "step_time_s": 0.25})]
+    assert published == [
+        (1, {"samples": 2, "tokens": 5, "step_time_s": 0.25}),
+        (2, {"samples": 0, "tokens": 0, "step_time_s": 0.25}),
+    ]
 
 
 def _publish_weights(run_dir, version, metrics_bytes=None):
@@ -50,14 +52,20 @@ def _publish_weights(run_dir, version, metrics_bytes=None):
     files.mark_stable(wdir)
 
 
-@pytest.mark.parametrize("written, logged, warning", [
-    (b'{"loss": 0.5, "tokens": 12}', {"loss": 0.5, "tokens": 12}, None),
-    (None, None, None),  # a trainer that reports nothing (a warm start)
-    (b'{"loss": NaN, "grad_norm": 1.5, "note": "x", "flag": true}', {"grad_norm": 1.5},
-     "non-finite or non-numeric loss, note, flag"),
-    (b'[1, 2]', None, "is not a JSON object"),
-    (b'{"loss": 1e999}', {}, "non-finite or non-numeric loss"),
-])
+@pytest.mark.parametrize(
+    "written, logged, warning",
+    [
+        (b'{"loss": 0.5, "tokens": 12}', {"loss": 0.5, "tokens": 12}, None),
+        (None, None, None),  # a trainer that reports nothing (a warm start)
+        (
+            b'{"loss": NaN, "grad_norm": 1.5, "note": "x", "flag": true}',
+            {"grad_norm": 1.5},
+            "non-finite or non-numeric loss, note, flag",
+        ),
+        (b"[1, 2]", None, "is not a JSON object"),
+        (b'{"loss": 1e999}', {}, "non-finite or non-numeric loss"),
+    ],
+)
 def test_process_trainer_publishes_the_metrics_beside_the_marker(tmp_path, capsys, written, logged, warning):
     published = []
     watcher = ProcessTrainer(tmp_path, poll_s=0.01)

@@ -16,8 +16,16 @@ from replay.logs import write_events
 
 
 def sim_params(seed: int, **kw) -> ev.CoreParams:
-    base = dict(seed=seed, env_ratios={"a": 1.0, "b": 1.5}, group_size=4, batch_size=16, max_inflight=24,
-                max_steps=10, max_off_policy_steps=2, zero_output_batches=1000)
+    base = dict(
+        seed=seed,
+        env_ratios={"a": 1.0, "b": 1.5},
+        group_size=4,
+        batch_size=16,
+        max_inflight=24,
+        max_steps=10,
+        max_off_policy_steps=2,
+        zero_output_batches=1000,
+    )
     base.update(kw)
     return ev.CoreParams(**base)
 

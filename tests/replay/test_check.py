@@ -21,8 +21,12 @@ from tests.replay.conftest import rows, sim_log, sim_params
 @pytest.mark.parametrize("background,settle", [(False, "immediate"), (True, "immediate"), (True, "random")])
 @pytest.mark.parametrize("seed", [0, 5])
 def test_recorded_runs_are_deterministic(tmp_path, seed, background, settle):
-    path = sim_log(tmp_path / "a.db", sim_params(seed, finalize_in_background=background, max_off_policy_steps=1),
-                   seed, SimOptions(settle=settle))
+    path = sim_log(
+        tmp_path / "a.db",
+        sim_params(seed, finalize_in_background=background, max_off_policy_steps=1),
+        seed,
+        SimOptions(settle=settle),
+    )
     with open_run(path) as log:
         result = check_log(log)
     assert result.deterministic, result.divergence
@@ -98,7 +102,9 @@ def test_a_tampered_decision_is_reported_at_its_seq(tmp_path):
     ships = [(seq, data) for seq, kind, data in rows(path) if kind == "batch_shipped"]
     seq, data = ships[3]
     with sqlite3.connect(path) as db:
-        db.execute("UPDATE events SET data = ? WHERE seq = ?", (orjson.dumps({**data, "sha256": "0" * 64}).decode(), seq))
+        db.execute(
+            "UPDATE events SET data = ? WHERE seq = ?", (orjson.dumps({**data, "sha256": "0" * 64}).decode(), seq)
+        )
     with open_run(path) as log:
         result = check_log(log)
     assert not result.deterministic
@@ -132,7 +138,11 @@ def test_a_decision_the_code_now_adds_is_reported(tmp_path, monkeypatch):
     with open_run(path) as log:
         result = check_log(log)
     div = result.divergence
-    assert div.a is None and (div.b.seq, div.b.kind, div.b.data["reason"]) == (events[-1][0] + 1, "run_stopped", "again")
+    assert div.a is None and (div.b.seq, div.b.kind, div.b.data["reason"]) == (
+        events[-1][0] + 1,
+        "run_stopped",
+        "again",
+    )
     assert "the log ends" in div.note
 
 

@@ -65,8 +65,19 @@ def _bad_files(tmp_path, good):
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "dir without events.db", "not sqlite", "foreign sqlite", "other app",
-                                  "newer format", "older event format", "truncated"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "dir without events.db",
+        "not sqlite",
+        "foreign sqlite",
+        "other app",
+        "newer format",
+        "older event format",
+        "truncated",
+    ],
+)
 def test_bad_logs_exit_2_with_one_line(tmp_path, good, cli, case):
     path, fragment = _bad_files(tmp_path, good)[case]
     assert_bad_input(cli(path), fragment)
@@ -85,7 +96,7 @@ def test_corruption_met_while_streaming_exits_2(tmp_path, good, cli):
     raw = bytearray(bad.read_bytes())
     for page in range(pages // 2, pages - 1):  # scribble over interior pages of the events table
         start = page * page_size
-        raw[start:start + page_size] = b"\xa5" * page_size
+        raw[start : start + page_size] = b"\xa5" * page_size
     bad.write_bytes(bytes(raw))
     for args in ([bad], [bad, "--check"], ["--diff", good, bad, "--level", "events"]):
         assert_bad_input(cli(*args))
@@ -117,20 +128,25 @@ def test_an_event_whose_data_is_not_json_exits_2_in_every_mode_that_reads_it(tmp
     assert not (tmp_path / "new" / "events.db").exists()  # a failed re-execution leaves no log
 
 
-@pytest.mark.parametrize("args,fragment", [
-    ([], "missing RUN"),
-    (["{good}", "--diff", "{good}", "{other}"], "do not give RUN"),
-    (["{good}", "--check", "--reexecute"], "cannot be combined"),
-    (["--diff", "{good}", "{other}", "--check"], "cannot be combined"),
-    (["{good}", "--level", "events"], "--level applies"),
-    (["--diff", "{good}", "{other}", "--at", "3"], "--at applies"),
-    (["{good}", "--reexecute", "--out", "{tmp}/x"], "needs --finalize"),
-    (["{good}", "--reexecute", "--finalize", "inline"], "needs --finalize"),
-    (["{good}", "--reexecute", "--finalize", "inline", "--settle-order", "shuffled", "--out", "{tmp}/x"],
-     "background only"),
-    (["{good}", "--reexecute", "--finalize", "background", "--seed", "3", "--out", "{tmp}/x"], "shuffled only"),
-    (["{good}", "--out", "{tmp}/x"], "--reexecute only"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        ([], "missing RUN"),
+        (["{good}", "--diff", "{good}", "{other}"], "do not give RUN"),
+        (["{good}", "--check", "--reexecute"], "cannot be combined"),
+        (["--diff", "{good}", "{other}", "--check"], "cannot be combined"),
+        (["{good}", "--level", "events"], "--level applies"),
+        (["--diff", "{good}", "{other}", "--at", "3"], "--at applies"),
+        (["{good}", "--reexecute", "--out", "{tmp}/x"], "needs --finalize"),
+        (["{good}", "--reexecute", "--finalize", "inline"], "needs --finalize"),
+        (
+            ["{good}", "--reexecute", "--finalize", "inline", "--settle-order", "shuffled", "--out", "{tmp}/x"],
+            "background only",
+        ),
+        (["{good}", "--reexecute", "--finalize", "background", "--seed", "3", "--out", "{tmp}/x"], "shuffled only"),
+        (["{good}", "--out", "{tmp}/x"], "--reexecute only"),
+    ],
+)
 def test_bad_options_exit_2(tmp_path, good, other, cli, args, fragment):
     args = [a.format(good=good, other=other, tmp=tmp_path) for a in args]
     assert_bad_input(cli(*args), fragment)
@@ -139,8 +155,11 @@ def test_bad_options_exit_2(tmp_path, good, other, cli, args, fragment):
 
 def test_an_out_that_cannot_be_created_exits_2(tmp_path, good, cli):
     (tmp_path / "afile").write_text("")
-    assert_bad_input(cli(good, "--reexecute", "--finalize", "inline", "--out", tmp_path / "afile" / "new"),
-                     "--out: cannot create", "Not a directory")
+    assert_bad_input(
+        cli(good, "--reexecute", "--finalize", "inline", "--out", tmp_path / "afile" / "new"),
+        "--out: cannot create",
+        "Not a directory",
+    )
 
 
 def test_unknown_option_and_level_are_usage_errors(good, cli):
@@ -168,5 +187,7 @@ def test_run_dir_is_accepted(tmp_path, good, cli):
 
 def test_reexecuting_a_gar_run_inline_is_one_line_with_the_rules_own_words(tmp_path, cli):
     gar = sim_log(tmp_path / "gar.db", sim_params(0, algorithm="gar", finalize_in_background=True), 0)
-    assert_bad_input(cli(gar, "--reexecute", "--finalize", "inline", "--out", tmp_path / "x"),
-                     "cannot re-execute with --finalize inline: algorithm 'gar' calls a grader")
+    assert_bad_input(
+        cli(gar, "--reexecute", "--finalize", "inline", "--out", tmp_path / "x"),
+        "cannot re-execute with --finalize inline: algorithm 'gar' calls a grader",
+    )

@@ -34,9 +34,14 @@ def reference_accounting_first(a_rows, b_rows):
 
     seqs = {
         "admitted": (("group_settled",), lambda k, d: d["trace_ids"]),
-        "cancelled": (("episode_cancelled", "group_cancelled"), lambda k, d: [
-            ["episode", d["episode_id"], d["reason"]] if k == "episode_cancelled"
-            else ["group", d["group_id"], d["reason"], d["count"]]]),
+        "cancelled": (
+            ("episode_cancelled", "group_cancelled"),
+            lambda k, d: [
+                ["episode", d["episode_id"], d["reason"]]
+                if k == "episode_cancelled"
+                else ["group", d["group_id"], d["reason"], d["count"]]
+            ],
+        ),
         "sampled": (("batch_shipped",), lambda k, d: d["trace_ids"]),
     }
     firsts = []
@@ -89,12 +94,18 @@ def test_shuffled_settle_keeps_totals_changes_membership_and_the_first_divergenc
 
 def test_random_settle_world_diverges_and_the_first_divergence_is_exact(tmp_path):
     inline = sim_log(tmp_path / "inline.db", sim_params(3), 3)
-    delayed = sim_log(tmp_path / "delayed.db", sim_params(3, finalize_in_background=True, max_off_policy_steps=0), 3,
-                      SimOptions(settle="random", deliver_weight=0.05))
+    delayed = sim_log(
+        tmp_path / "delayed.db",
+        sim_params(3, finalize_in_background=True, max_off_policy_steps=0),
+        3,
+        SimOptions(settle="random", deliver_weight=0.05),
+    )
     with open_run(inline) as a, open_run(delayed) as b:
-        for level, kinds, key in [("batches", {"batch_shipped"}, lambda d: d),
-                                  ("curriculum", {"group_dispatched"}, lambda d: (d["env"], d["task_id"])),
-                                  ("events", None, lambda d: d)]:
+        for level, kinds, key in [
+            ("batches", {"batch_shipped"}, lambda d: d),
+            ("curriculum", {"group_dispatched"}, lambda d: (d["env"], d["task_id"])),
+            ("events", None, lambda d: d),
+        ]:
             result = diff_logs(a, b, level)
             ref = reference_first(rows(inline), rows(delayed), kinds, key)
             if ref is None:
@@ -118,8 +129,10 @@ def test_different_seeds_diverge_at_the_right_place(tmp_path, cli):
     div = out["divergence"]
     assert (div["a"]["seq"], div["b"]["seq"], div["what"]) == (1, 1, "event #1")
     assert div["fields"] == [{"path": "params.seed", "a": 0, "b": 1}]
-    for level, kinds, key in [("batches", {"batch_shipped"}, lambda d: d),
-                              ("curriculum", {"group_dispatched"}, lambda d: (d["env"], d["task_id"]))]:
+    for level, kinds, key in [
+        ("batches", {"batch_shipped"}, lambda d: d),
+        ("curriculum", {"group_dispatched"}, lambda d: (d["env"], d["task_id"])),
+    ]:
         code, out = cli.json("--diff", a, b, "--level", level)
         i, x, y = reference_first(a_rows, b_rows, kinds, key)
         assert code == 1 and out["equivalent"] is False
@@ -180,7 +193,12 @@ def test_structural_diff():
     b = {"k": 1, "l": [1, 5], "d": {"x": 1, "y": "s"}, "only_b": 0}
     fields, more = structural_diff(a, b)
     assert [(f.path, f.a, f.b) for f in fields] == [
-        ("d.x", True, 1), ("l[1]", 2, 5), ("l.length", 3, 2), ("only_a", 0, "<missing>"), ("only_b", "<missing>", 0)]
+        ("d.x", True, 1),
+        ("l[1]", 2, 5),
+        ("l.length", 3, 2),
+        ("only_a", 0, "<missing>"),
+        ("only_b", "<missing>", 0),
+    ]
     assert more == 0
     fields, more = structural_diff(list(range(40)), list(range(100, 140)))
     assert len(fields) == MAX_FIELD_DIFFS and more == 40 - MAX_FIELD_DIFFS
@@ -194,7 +212,7 @@ def _synthetic_log(path, n: int) -> None:
     """n small events, appended raw (the diff never decodes identical rows)."""
     data = orjson.dumps({"episode_id": 1, "group_id": 1, "ok": True, "token_ids": list(range(24))}).decode()
     with EventLog.create(path, meta={"app": "orch"}, durability="normal") as log:
-        for i in range(n):
+        for _ in range(n):
             log.append_json("episode_completed", data)
             if log.pending >= 8192:
                 log.commit()

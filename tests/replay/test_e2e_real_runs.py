@@ -14,9 +14,28 @@ import pytest
 
 
 def orch_run(runs_dir: Path, name: str, *sets: str, max_steps: int = 12) -> Path:
-    args = [sys.executable, "-m", "orchestrator.cli", "run", "--env", "fake", "--trainer", "fake",
-            "--max-steps", str(max_steps), "--runs-dir", str(runs_dir), "--name", name, "--progress-every", "1000",
-            "--set", "batch.size=32", "--set", "log.durability=normal"]
+    args = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        str(max_steps),
+        "--runs-dir",
+        str(runs_dir),
+        "--name",
+        name,
+        "--progress-every",
+        "1000",
+        "--set",
+        "batch.size=32",
+        "--set",
+        "log.durability=normal",
+    ]
     for s in sets:
         args += ["--set", s]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
@@ -39,8 +58,9 @@ def test_a_real_run_is_deterministic_and_reexecutes_identically(real_inline, tmp
     result = cli(real_inline, "--reexecute", "--finalize", "inline", "--out", tmp_path / "inline", "--level", "events")
     assert result.exit_code == 0, result.output
     # inline -> background, each result settled before the next input: the same batches (seed 000)
-    code, out = cli.json(real_inline, "--reexecute", "--finalize", "background", "--settle-order", "recorded",
-                         "--out", tmp_path / "bg")
+    code, out = cli.json(
+        real_inline, "--reexecute", "--finalize", "background", "--settle-order", "recorded", "--out", tmp_path / "bg"
+    )
     assert code == 0 and out["diff"]["compared"] == 12 and out["reexecute"]["results_computed"] == 0
     assert cli(tmp_path / "bg", "--check").exit_code == 0
     assert cli("--diff", real_inline, tmp_path / "bg", "--level", "accounting").exit_code == 0
@@ -62,8 +82,9 @@ def test_two_real_runs_and_background_runs(real_inline, tmp_path, cli):
     background = orch_run(tmp_path, "background", "algorithm.finalize_in_background=true")
     assert cli(background, "--check").exit_code == 0
     # Results delivered where the run received them: the exact log again.
-    code, out = cli.json(background, "--reexecute", "--finalize", "background", "--out", tmp_path / "bg_re",
-                         "--level", "events")
+    code, out = cli.json(
+        background, "--reexecute", "--finalize", "background", "--out", tmp_path / "bg_re", "--level", "events"
+    )
     assert code == 0 and out["reexecute"]["results_reused"] > 0, out["reexecute"]
     # Inline instead: whatever it finds, it reports, never crashes.
     code, out = cli.json(background, "--reexecute", "--finalize", "inline", "--out", tmp_path / "bg_inline")
@@ -72,11 +93,13 @@ def test_two_real_runs_and_background_runs(real_inline, tmp_path, cli):
     # A 10 ms grader beside an instant env and trainer: most finalizing groups go stale (51-92
     # stale cancels in 8 steps), and a run of 40 in a row would trip the zero-output guard,
     # which is right but not what this test is about.
-    gar = orch_run(tmp_path, "gar", "algorithm.name=gar", "algorithm.gar.delay_s=0.01", "zero_output_batches=1000",
-                   max_steps=8)
+    gar = orch_run(
+        tmp_path, "gar", "algorithm.name=gar", "algorithm.gar.delay_s=0.01", "zero_output_batches=1000", max_steps=8
+    )
     assert cli(gar, "--check").exit_code == 0
-    code, out = cli.json(gar, "--reexecute", "--finalize", "background", "--out", tmp_path / "gar_re",
-                         "--level", "events")
+    code, out = cli.json(
+        gar, "--reexecute", "--finalize", "background", "--out", tmp_path / "gar_re", "--level", "events"
+    )
     assert code == 0 and out["reexecute"]["results_computed"] == 0
     result = cli(gar, "--reexecute", "--finalize", "inline", "--out", tmp_path / "gar_inline")
     assert result.exit_code == 2 and "must finalize in the background" in result.stderr

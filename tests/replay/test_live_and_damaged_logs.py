@@ -66,8 +66,9 @@ def test_reexecuting_a_live_log_reexecutes_what_was_committed_when_it_started(tm
     with open_run(tmp_path / "prefix.db") as prefix:
         expected = reexecute(prefix, tmp_path / "re-prefix", ReexecOptions("background", "recorded"))
     ignore = {"source", "out"}
-    assert {k: v for k, v in report.to_dict().items() if k not in ignore} == \
-        {k: v for k, v in expected.to_dict().items() if k not in ignore}
+    assert {k: v for k, v in report.to_dict().items() if k not in ignore} == {
+        k: v for k, v in expected.to_dict().items() if k not in ignore
+    }
 
 
 def _damage(path, sql: str, *params) -> None:
@@ -78,8 +79,12 @@ def _damage(path, sql: str, *params) -> None:
 def test_a_kind_that_is_not_utf8_is_a_corrupted_log_in_every_mode(tmp_path, cli):
     src = sim_log(tmp_path / "bad.db", sim_params(1), 1)
     _damage(src, "UPDATE events SET kind = CAST(X'657069736f6465ff' AS TEXT) WHERE seq = 100")
-    for args in ([src, "--at", "200"], [src, "--check"], ["--diff", src, src, "--level", "events"],
-                 [src, "--reexecute", "--finalize", "background", "--out", tmp_path / "re"]):
+    for args in (
+        [src, "--at", "200"],
+        [src, "--check"],
+        ["--diff", src, src, "--level", "events"],
+        [src, "--reexecute", "--finalize", "background", "--out", tmp_path / "re"],
+    ):
         result = cli(*args)
         assert result.exit_code == 2, (args, result.output)
         assert result.stderr.count("\n") == 1 and "is corrupted" in result.stderr and "UTF-8" in result.stderr
@@ -89,9 +94,12 @@ def test_a_missing_seq_is_a_corrupted_log_in_every_mode(tmp_path, cli):
     """Not a determinism failure (--check) nor a divergence (--reexecute, --diff)."""
     src = sim_log(tmp_path / "gap.db", sim_params(1), 1)
     _damage(src, "DELETE FROM events WHERE seq = 300")
-    for args in ([src, "--check"], ["--diff", src, src, "--level", "accounting"],
-                 ["--diff", src, src, "--level", "events"],
-                 [src, "--reexecute", "--finalize", "background", "--out", tmp_path / "re"]):
+    for args in (
+        [src, "--check"],
+        ["--diff", src, src, "--level", "accounting"],
+        ["--diff", src, src, "--level", "events"],
+        [src, "--reexecute", "--finalize", "background", "--out", tmp_path / "re"],
+    ):
         result = cli(*args)
         assert result.exit_code == 2, (args, result.output)
         assert result.stderr.count("\n") == 1 and "not contiguous" in result.stderr
@@ -117,8 +125,14 @@ def test_a_snapshot_whose_state_does_not_load_is_ignored(tmp_path, cli, state):
     with EventLog.open_reader(src) as log:
         expected = state_hash(fold_log(log).state)
         at = log.last_seq // 2
-    _damage(src, "INSERT INTO snapshots(seq, reducer_version, state_hash, state) VALUES (?, ?, ?, ?)",
-            at, REDUCER_VERSION, hashlib.sha256(state).hexdigest(), state)
+    _damage(
+        src,
+        "INSERT INTO snapshots(seq, reducer_version, state_hash, state) VALUES (?, ?, ?, ?)",
+        at,
+        REDUCER_VERSION,
+        hashlib.sha256(state).hexdigest(),
+        state,
+    )
     with EventLog.open_reader(src) as log:
         assert log.load_snapshot(REDUCER_VERSION) is not None
         folded = fold_log(log)

@@ -1,10 +1,10 @@
 """Seed 000's equivalence matrix, through real logs and `orch replay --diff`.
 
 12 seeds x {trace, token batching} x {constant_trainer_batch_size on/off} x
-max_off_policy_steps in {1, 2, 8}, with the dispatch capacity on: GRPO inline and GRPO opted into background finalization with
-each group settled before the next input ship bit-identical batches. The opted-in run is built
-twice: by a SimWorld of its own (settle="immediate") and by re-executing the inline run's inputs
-(`--reexecute --finalize background --settle-order immediate`) for the first seeds (the
+max_off_policy_steps in {1, 2, 8}, with the dispatch capacity on: GRPO inline and GRPO opted into
+background finalization with each group settled before the next input ship bit-identical
+batches. The opted-in run is built twice: by a SimWorld of its own (settle="immediate") and by
+re-executing the inline run's inputs (`--reexecute --finalize background --settle-order immediate`) for the first seeds (the
 re-execution's own matrix is in test_reexec.py), to keep the whole matrix well under a minute.
 """
 
@@ -28,16 +28,29 @@ DEEP_SEEDS = (0, 1, 2)  # also re-executed and compared at every level
 
 def _params(seed, batching, constant, max_off, **kw):
     # With the dispatch capacity on, as `orch run` has it by default.
-    return sim_params(seed, constant_trainer_batch_size=constant, max_off_policy_steps=max_off, capacity="staleness",
-                      **BATCHING[batching], **kw)
+    return sim_params(
+        seed,
+        constant_trainer_batch_size=constant,
+        max_off_policy_steps=max_off,
+        capacity="staleness",
+        **BATCHING[batching],
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("seed,batching,constant,max_off", MATRIX,
-                         ids=[f"s{s}-{b}-{'const' if c else 'var'}-off{m}" for s, b, c, m in MATRIX])
+@pytest.mark.parametrize(
+    "seed,batching,constant,max_off",
+    MATRIX,
+    ids=[f"s{s}-{b}-{'const' if c else 'var'}-off{m}" for s, b, c, m in MATRIX],
+)
 def test_inline_and_opted_in_immediate_settle_ship_identical_batches(tmp_path, seed, batching, constant, max_off):
     inline = sim_log(tmp_path / "inline.db", _params(seed, batching, constant, max_off), seed)
-    opted = sim_log(tmp_path / "opted.db", _params(seed, batching, constant, max_off, finalize_in_background=True),
-                    seed, SimOptions(settle="immediate"))
+    opted = sim_log(
+        tmp_path / "opted.db",
+        _params(seed, batching, constant, max_off, finalize_in_background=True),
+        seed,
+        SimOptions(settle="immediate"),
+    )
     with open_run(inline) as a, open_run(opted) as b:
         result = diff_logs(a, b, "batches")
         assert result.equivalent, result.divergence

@@ -27,8 +27,12 @@ def _diff(a, b, level):
 @pytest.mark.parametrize("seed", range(3))
 def test_background_run_reexecuted_in_recorded_order_is_the_same_log(tmp_path, seed):
     """Results delivered where RUN received them (random settle, late results included)."""
-    src = sim_log(tmp_path / "bg.db", sim_params(seed, finalize_in_background=True, max_off_policy_steps=0), seed,
-                  SimOptions(settle="random", deliver_weight=0.1))
+    src = sim_log(
+        tmp_path / "bg.db",
+        sim_params(seed, finalize_in_background=True, max_off_policy_steps=0),
+        seed,
+        SimOptions(settle="random", deliver_weight=0.1),
+    )
     report = _reexec(src, tmp_path / "re", "background", "recorded")
     assert report.halted is None and report.results_computed == 0
     assert report.results_reused == sum(1 for _, kind, _ in rows(src) if kind == "background_finalized")
@@ -40,14 +44,17 @@ def test_inline_run_reexecuted_inline_is_the_same_log(tmp_path, seed):
     src = sim_log(tmp_path / "inline.db", sim_params(seed), seed)
     report = _reexec(src, tmp_path / "re", "inline", "recorded")
     assert report.halted is None and report.inputs_fed == sum(
-        1 for _, kind, _ in rows(src) if kind in ("run_started", "episode_completed", "version_published"))
+        1 for _, kind, _ in rows(src) if kind in ("run_started", "episode_completed", "version_published")
+    )
     assert _diff(src, report.out, "events").equivalent
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_background_immediate_run_reexecuted_inline_equals_the_inline_run(tmp_path, seed):
     inline = sim_log(tmp_path / "inline.db", sim_params(seed), seed)
-    bg = sim_log(tmp_path / "bg.db", sim_params(seed, finalize_in_background=True), seed, SimOptions(settle="immediate"))
+    bg = sim_log(
+        tmp_path / "bg.db", sim_params(seed, finalize_in_background=True), seed, SimOptions(settle="immediate")
+    )
     report = _reexec(bg, tmp_path / "re", "inline", "recorded")
     assert report.recorded_results_skipped == sum(1 for _, kind, _ in rows(bg) if kind == "background_finalized")
     assert _diff(inline, report.out, "events").equivalent, "the inline path decides its own results"
@@ -85,11 +92,24 @@ def test_a_recorded_input_the_new_run_cannot_accept_is_the_divergence(tmp_path, 
     assert by_seq[halted["seq"]] == ("episode_completed", halted["data"])
     dispatched = {data["episode_id"] for _, kind, data in rows(report.out) if kind == "episode_dispatched"}
     assert halted["data"]["episode_id"] not in dispatched
-    assert report.inputs_fed == sum(1 for seq, (kind, _) in by_seq.items() if seq < halted["seq"] and kind in
-                                    ("run_started", "episode_completed", "version_published")), "all inputs before it"
+    assert report.inputs_fed == sum(
+        1
+        for seq, (kind, _) in by_seq.items()
+        if seq < halted["seq"] and kind in ("run_started", "episode_completed", "version_published")
+    ), "all inputs before it"
     # Through the CLI: exit 1, the halt reported.
-    result = cli(src, "--reexecute", "--finalize", "background", "--settle-order", "shuffled", "--seed", "0",
-                 "--out", tmp_path / "re2")
+    result = cli(
+        src,
+        "--reexecute",
+        "--finalize",
+        "background",
+        "--settle-order",
+        "shuffled",
+        "--seed",
+        "0",
+        "--out",
+        tmp_path / "re2",
+    )
     assert result.exit_code == 1
     assert f"cannot accept the recorded input at seq {halted['seq']}" in result.stdout
 
@@ -121,10 +141,22 @@ def test_gar_never_reruns_the_grader(tmp_path, cli):
     assert "never re-runs a grader" in report.halted["reason"]
     by_seq = {seq: kind for seq, kind, _ in rows(src)}
     assert report.halted["input_kind"] == by_seq[report.halted["seq"]] != "finalize_started"
-    result = cli(src, "--reexecute", "--finalize", "background", "--settle-order", "shuffled", "--seed", 0,
-                 "--out", tmp_path / "shuf-cli")
-    assert result.exit_code == 1 and (f"cannot serve its finalize_started decision on the recorded input at seq "
-                                      f"{report.halted['seq']} ({report.halted['input_kind']})") in " ".join(result.stdout.split())
+    result = cli(
+        src,
+        "--reexecute",
+        "--finalize",
+        "background",
+        "--settle-order",
+        "shuffled",
+        "--seed",
+        0,
+        "--out",
+        tmp_path / "shuf-cli",
+    )
+    assert result.exit_code == 1 and (
+        f"cannot serve its finalize_started decision on the recorded input at seq "
+        f"{report.halted['seq']} ({report.halted['input_kind']})"
+    ) in " ".join(result.stdout.split())
     # gar cannot finalize inline at all: bad input, nothing created
     result = cli(src, "--reexecute", "--finalize", "inline", "--out", tmp_path / "inline")
     assert result.exit_code == 2 and not (tmp_path / "inline").exists()
@@ -153,8 +185,18 @@ def test_new_log_keeps_meta_and_is_marked(tmp_path, cli):
 
 def test_json_report(tmp_path, cli):
     src = sim_log(tmp_path / "a.db", sim_params(3), 3)
-    code, out = cli.json(src, "--reexecute", "--finalize", "background", "--settle-order", "immediate",
-                         "--level", "accounting", "--out", tmp_path / "b.db")
+    code, out = cli.json(
+        src,
+        "--reexecute",
+        "--finalize",
+        "background",
+        "--settle-order",
+        "immediate",
+        "--level",
+        "accounting",
+        "--out",
+        tmp_path / "b.db",
+    )
     assert code == 0 and out["equivalent"] is True
     assert out["diff"]["level"] == "accounting" and out["reexecute"]["stop_reason"] == "completed"
     assert out["reexecute"]["out"] == str(tmp_path / "b.db")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from orchestrator.core.events import decode_event
-import orjson
-
 from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.state import conservation, initial_state, state_hash
 from orchestrator.sim import SimOptions
@@ -15,8 +14,12 @@ from tests.replay.conftest import rows, sim_log, sim_params
 
 @pytest.fixture
 def bg_log(tmp_path):
-    return sim_log(tmp_path / "bg.db", sim_params(3, finalize_in_background=True, max_off_policy_steps=1), 3,
-                   SimOptions(settle="random", deliver_weight=0.05))
+    return sim_log(
+        tmp_path / "bg.db",
+        sim_params(3, finalize_in_background=True, max_off_policy_steps=1),
+        3,
+        SimOptions(settle="random", deliver_weight=0.05),
+    )
 
 
 def _state_at(path, at):
@@ -27,7 +30,7 @@ def test_summary_at_a_seq_matches_an_independent_fold(bg_log, cli):
     # a point with queued traces, open groups and background-finalizing groups all present
     events = [(at, decode_event(kind, orjson.dumps(data))) for at, kind, data in rows(bg_log)]
     state = initial_state(events[0][1].params)
-    for at, event in events:
+    for at, event in events:  # noqa: B007 - the event where the loop stops is reported below
         evolve(state, event)
         groups = state.groups.values()
         if state.pending and any(g.finalizing for g in groups) and any(not g.finalizing for g in groups):
@@ -38,11 +41,14 @@ def test_summary_at_a_seq_matches_an_independent_fold(bg_log, cli):
     assert (out["seq"], out["step"], out["version"]) == (at, state.step, state.version)
     assert out["state_hash"] == state_hash(state)
     assert [(q["trace_id"], q["dispatch_version"], q["policy_start"]) for q in out["pending"]["items"]] == [
-        (q.trace_id, q.dispatch_version, q.policy_start) for q in state.pending.values()]
+        (q.trace_id, q.dispatch_version, q.policy_start) for q in state.pending.values()
+    ]
     assert {g["group_id"]: g["members"] for g in out["open_groups"]} == {
-        g.group_id: list(g.members) for g in state.groups.values() if not g.finalizing}
+        g.group_id: list(g.members) for g in state.groups.values() if not g.finalizing
+    }
     assert {g["group_id"]: g["survivors"] for g in out["finalizing_groups"]} == {
-        g.group_id: g.survivors for g in state.groups.values() if g.finalizing}
+        g.group_id: g.survivors for g in state.groups.values() if g.finalizing
+    }
     assert all(g["background"] for g in out["finalizing_groups"])
     holds, terms = conservation(state)
     assert out["conservation"] == {"holds": holds, **terms} and holds

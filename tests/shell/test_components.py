@@ -32,27 +32,38 @@ from orchestrator.trainers.fake import FakeTrainer
 FAKE = ['envs={"fake": 1}', "trainer.kind=fake"]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.kind=nope", "trainer.kind: unknown trainer 'nope'; known: fake, hf"),
-    ("inference.kind=nope", "inference.kind: unknown inference backend 'nope'; known: embedded, fake, openai"),
-    ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo"),
-    ('envs={"nope": 1}', "envs: unknown env 'nope'; known: fake, reverse_text"),
-    ("trainer.fake.nope=1", "trainer.fake.nope: Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.kind=nope", "trainer.kind: unknown trainer 'nope'; known: fake, hf"),
+        ("inference.kind=nope", "inference.kind: unknown inference backend 'nope'; known: embedded, fake, openai"),
+        ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo"),
+        ('envs={"nope": 1}', "envs: unknown env 'nope'; known: fake, reverse_text"),
+        ("trainer.fake.nope=1", "trainer.fake.nope: Extra inputs are not permitted"),
+    ],
+)
 def test_an_unknown_name_is_one_line_listing_the_known_ones(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[*FAKE, override])
     assert str(err.value) == f"invalid config: {message}"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (['envs={"fake": 1}'], "the hf trainer learns reverse_text only; use trainer.kind='fake' for other envs"),
-    (["trainer.kind=fake"], "the embedded sampler samples from the trainer's published weights, which the fake "
-     "trainer never writes; use trainer.kind='hf' (or the fake env)"),
-    (["inference.kind=fake"], "inference.kind='fake' makes the fake env's episodes only"),
-    (["inference.kind=openai"], "inference.kind='openai' needs inference.openai.endpoints or "
-     "inference.openai.launch.servers"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (['envs={"fake": 1}'], "the hf trainer learns reverse_text only; use trainer.kind='fake' for other envs"),
+        (
+            ["trainer.kind=fake"],
+            "the embedded sampler samples from the trainer's published weights, which the fake "
+            "trainer never writes; use trainer.kind='hf' (or the fake env)",
+        ),
+        (["inference.kind=fake"], "inference.kind='fake' makes the fake env's episodes only"),
+        (
+            ["inference.kind=openai"],
+            "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers",
+        ),
+    ],
+)
 def test_each_component_checks_what_it_supports(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides)
@@ -65,15 +76,22 @@ def test_the_fake_env_needs_its_own_episode_source():
     config = load_config(overrides=FAKE)
     elsewhere = config.model_copy(update={"inference": config.inference.model_copy(update={"kind": "embedded"})})
     config.env.fake.check(config)
-    with pytest.raises(ValueError, match=r"^the fake env's episodes come whole from inference.kind='fake', not "
-                                         r"'embedded'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^the fake env's episodes come whole from inference.kind='fake', not "
+        r"'embedded'$",
+    ):
         elsewhere.env.fake.check(elsewhere)
 
 
 def test_every_registered_component_has_its_own_section():
     dumped = load_config().model_dump()
-    for section, registry in (("trainer", TRAINERS), ("inference", INFERENCE), ("env", ENVS),
-                              ("algorithm", ALGORITHMS)):
+    for section, registry in (
+        ("trainer", TRAINERS),
+        ("inference", INFERENCE),
+        ("env", ENVS),
+        ("algorithm", ALGORITHMS),
+    ):
         for name in registry.names():
             assert dumped[section][name] == registry.config(name)().model_dump(), (section, name)
 
@@ -101,8 +119,9 @@ class ProbeTrainerConfig(TrainerComponent):
 
 
 def test_a_component_added_to_a_table_gets_its_section_validated():
-    registry = Registry("trainer", {"fake": "orchestrator.trainers.fake:FakeTrainerConfig",
-                                    "probe": f"{__name__}:ProbeTrainerConfig"})
+    registry = Registry(
+        "trainer", {"fake": "orchestrator.trainers.fake:FakeTrainerConfig", "probe": f"{__name__}:ProbeTrainerConfig"}
+    )
     section = _with_components("TrainerSection", _TrainerChoice, registry)
     chosen = section.model_validate({"kind": "fake", "probe": {"depth": 3}})
     assert isinstance(chosen.probe, ProbeTrainerConfig) and chosen.probe.depth == 3
@@ -125,8 +144,11 @@ def parts_of(config) -> RunParts:
 
 
 def test_the_fake_parts_are_built_from_the_config_and_follow_the_interfaces(tmp_path):
-    parts = parts_of(load_config(overrides=[*FAKE, f"runs_dir={tmp_path}", "name=r", "algorithm.name=gar",
-                                            "trainer.fake.step_time_s=0.5"]))
+    parts = parts_of(
+        load_config(
+            overrides=[*FAKE, f"runs_dir={tmp_path}", "name=r", "algorithm.name=gar", "trainer.fake.step_time_s=0.5"]
+        )
+    )
     assert isinstance(parts.trainer, FakeTrainer) and parts.trainer.step_time_s == 0.5
     assert isinstance(parts.backend, FakeEpisodes) and not parts.backend.follows_weights
     assert isinstance(parts.algorithm, GAR)
@@ -135,7 +157,7 @@ def test_the_fake_parts_are_built_from_the_config_and_follow_the_interfaces(tmp_
 
 
 def test_a_fake_run_imports_neither_torch_nor_httpx(tmp_path):
-    script = textwrap.dedent(f'''
+    script = textwrap.dedent(f"""
         import sys
         from orchestrator.config import load_config
         from orchestrator.shell.runner import create_run, run_job
@@ -144,7 +166,7 @@ def test_a_fake_run_imports_neither_torch_nor_httpx(tmp_path):
         with run.log:
             assert run_job(run, None).state.stop_reason == "completed"
         print(sorted(m for m in ("torch", "httpx", "transformers") if m in sys.modules))
-    ''')
+    """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -16,7 +16,9 @@ from orchestrator.fold import fold_log
 
 
 def orch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, target_lag: int) -> None:
@@ -24,19 +26,26 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
     seqs = [row[0] for row in db.execute("SELECT seq FROM events ORDER BY seq")]
     assert seqs == list(range(1, len(seqs) + 1)), "contiguous seq"
     ships = db.execute(
-        "SELECT seq, json_extract(data, '$.step'), json_extract(data, '$.sha256'), json_extract(data, '$.off_policy_max')"
-        " FROM events WHERE kind = 'batch_shipped' ORDER BY seq").fetchall()
-    assert [step for _, step, _, _ in ships] == list(range(1, max_steps + 1)), "each step shipped exactly once, in order"
+        "SELECT seq, json_extract(data, '$.step'), json_extract(data, '$.sha256'), "
+        "json_extract(data, '$.off_policy_max')"
+        " FROM events WHERE kind = 'batch_shipped' ORDER BY seq"
+    ).fetchall()
+    assert [step for _, step, _, _ in ships] == list(range(1, max_steps + 1)), (
+        "each step shipped exactly once, in order"
+    )
     for seq, step, sha, lag_max in ships:
         assert lag_max <= max_off_policy
         (version,) = db.execute(
             "SELECT coalesce(max(json_extract(data, '$.version')), 0) FROM events"
-            " WHERE kind = 'version_published' AND seq < ?", (seq,)).fetchone()
+            " WHERE kind = 'version_published' AND seq < ?",
+            (seq,),
+        ).fetchone()
         assert version >= step - 1 - target_lag, f"batch {step} shipped before version {step - 1 - target_lag}"
         payload = (run_dir / "batches" / f"step_{step}.json").read_bytes()
         assert hashlib.sha256(payload).hexdigest() == sha
     last_kind, reason = db.execute(
-        "SELECT kind, json_extract(data, '$.reason') FROM events ORDER BY seq DESC LIMIT 1").fetchone()
+        "SELECT kind, json_extract(data, '$.reason') FROM events ORDER BY seq DESC LIMIT 1"
+    ).fetchone()
     assert (last_kind, reason) == ("run_stopped", "completed")
     with EventLog.open_reader(run_dir / "events.db") as log:
         state = fold_log(log, use_snapshots=False).state
@@ -45,17 +54,49 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
     assert state.acct.completed == terms["shipped"] + terms["dropped"]  # nothing left behind
 
 
-@pytest.mark.parametrize("extra", [
-    [],
-    ["--set", "algorithm.finalize_in_background=true", "--set", "env.fake.error_rate=0.05"],
-    ["--set", "algorithm.name=gar", "--set", "algorithm.gar.delay_s=0.005", "--set", "algorithm.max_finalizing_groups=2",
-     "--set", "batch.token_size=300"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--set", "algorithm.finalize_in_background=true", "--set", "env.fake.error_rate=0.05"],
+        [
+            "--set",
+            "algorithm.name=gar",
+            "--set",
+            "algorithm.gar.delay_s=0.005",
+            "--set",
+            "algorithm.max_finalizing_groups=2",
+            "--set",
+            "batch.token_size=300",
+        ],
+    ],
+)
 def test_fake_run_keeps_every_invariant(tmp_path, extra):
     steps = 120
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", str(steps), "--runs-dir", str(tmp_path),
-                  "--name", "r", "--progress-every", "40", "--set", "batch.size=32", "--set", "env.fake.empty_rate=0.02",
-                  "--set", "off_policy.max_off_policy_steps=1", "--set", "zero_output_batches=100000", *extra)
+    result = orch(
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        str(steps),
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--progress-every",
+        "40",
+        "--set",
+        "batch.size=32",
+        "--set",
+        "env.fake.empty_rate=0.02",
+        "--set",
+        "off_policy.max_off_policy_steps=1",
+        "--set",
+        "zero_output_batches=100000",
+        *extra,
+    )
     assert result.returncode == 0, result.stderr
     assert "step  120/120" in result.stdout
     assert_log_invariants(tmp_path / "r", steps, max_off_policy=1, target_lag=1)
@@ -64,41 +105,96 @@ def test_fake_run_keeps_every_invariant(tmp_path, extra):
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
     result = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--set", "batch.size=0")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["orch: error: invalid config: batch.size: Input should be greater than or equal to 1"]
+    assert result.stderr.strip().splitlines() == [
+        "orch: error: invalid config: batch.size: Input should be greater than or equal to 1"
+    ]
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["--progress-every", "0"], 2, "Error: Invalid value for '--progress-every': 0 is not in the range x>=1."),
-    (["--json-summary", "{tmp}/nodir/s.json"], 2, "orch: error: --json-summary {tmp}/nodir/s.json: no such directory {tmp}/nodir"),
-    (["--runs-dir", "{tmp}/afile/sub", "--name", "r"], 1,
-     "orch: error: cannot create the run directory {tmp}/afile/sub/r: Not a directory"),
-    (["--set", "algorithm.name=gar", "--set", "algorithm.finalize_in_background=false"], 2,
-     "orch: error: invalid config: algorithm 'gar' calls a grader and must finalize in the background"),
-    (["--env", "reverse_text"], 2, "orch: error: invalid config: the embedded sampler samples from the trainer's published "
-     "weights, which the fake trainer never writes; use trainer.kind='hf' (or the fake env)"),
-    (["--set", "rollout.env_server=http://127.0.0.1:9"], 2,
-     "orch: error: invalid config: rollout.env_server serves reverse_text episodes only (the fake env runs in-process)"),
-    (["--set", "rollout.env_server=localhost:9"], 2,
-     "orch: error: invalid config: rollout: env_server 'localhost:9' is not an http(s)://host[:port] URL"),
-    (["--name", "../escape"], 2, "orch: error: invalid run name '../escape': letters, digits and ._+=@- only, "
-     "not starting with '.' or '-', at most 200 characters"),
-    (["--name", "."], 2, "orch: error: invalid run name '.': letters, digits and ._+=@- only, "
-     "not starting with '.' or '-', at most 200 characters"),
-    (["--name", "x" * 300], 2, "orch: error: invalid run name '" + "x" * 300 + "': letters, digits and ._+=@- only, "
-     "not starting with '.' or '-', at most 200 characters"),
-    (["--set", "max_steps=5"], 2, "orch: error: --max-steps and --set max_steps=... both set max_steps: give one"),
-    (["--set", "envs=[]"], 2, "orch: error: --env and --set envs=... both set envs: give one"),
-    (["--set", "envs.reverse_text=0.5"], 2, "orch: error: --env and --set envs.reverse_text=... both set envs: give one"),
-    (["--set", "trainer=[]"], 2, "orch: error: --trainer and --set trainer=... both set trainer.kind: give one"),
-    (["--inference", ","], 2, "orch: error: --inference ',': no endpoint URL"),
-    (["--config", "{tmp}/binary.toml"], 2,
-     "orch: error: config file {tmp}/binary.toml is not UTF-8 text (invalid start byte at byte 0)"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--progress-every", "0"], 2, "Error: Invalid value for '--progress-every': 0 is not in the range x>=1."),
+        (
+            ["--json-summary", "{tmp}/nodir/s.json"],
+            2,
+            "orch: error: --json-summary {tmp}/nodir/s.json: no such directory {tmp}/nodir",
+        ),
+        (
+            ["--runs-dir", "{tmp}/afile/sub", "--name", "r"],
+            1,
+            "orch: error: cannot create the run directory {tmp}/afile/sub/r: Not a directory",
+        ),
+        (
+            ["--set", "algorithm.name=gar", "--set", "algorithm.finalize_in_background=false"],
+            2,
+            "orch: error: invalid config: algorithm 'gar' calls a grader and must finalize in the background",
+        ),
+        (
+            ["--env", "reverse_text"],
+            2,
+            "orch: error: invalid config: the embedded sampler samples from the trainer's published "
+            "weights, which the fake trainer never writes; use trainer.kind='hf' (or the fake env)",
+        ),
+        (
+            ["--set", "rollout.env_server=http://127.0.0.1:9"],
+            2,
+            "orch: error: invalid config: rollout.env_server serves reverse_text episodes only "
+            "(the fake env runs in-process)",
+        ),
+        (
+            ["--set", "rollout.env_server=localhost:9"],
+            2,
+            "orch: error: invalid config: rollout: env_server 'localhost:9' is not an http(s)://host[:port] URL",
+        ),
+        (
+            ["--name", "../escape"],
+            2,
+            "orch: error: invalid run name '../escape': letters, digits and ._+=@- only, "
+            "not starting with '.' or '-', at most 200 characters",
+        ),
+        (
+            ["--name", "."],
+            2,
+            "orch: error: invalid run name '.': letters, digits and ._+=@- only, "
+            "not starting with '.' or '-', at most 200 characters",
+        ),
+        (
+            ["--name", "x" * 300],
+            2,
+            "orch: error: invalid run name '" + "x" * 300 + "': letters, digits and ._+=@- only, "
+            "not starting with '.' or '-', at most 200 characters",
+        ),
+        (["--set", "max_steps=5"], 2, "orch: error: --max-steps and --set max_steps=... both set max_steps: give one"),
+        (["--set", "envs=[]"], 2, "orch: error: --env and --set envs=... both set envs: give one"),
+        (
+            ["--set", "envs.reverse_text=0.5"],
+            2,
+            "orch: error: --env and --set envs.reverse_text=... both set envs: give one",
+        ),
+        (["--set", "trainer=[]"], 2, "orch: error: --trainer and --set trainer=... both set trainer.kind: give one"),
+        (["--inference", ","], 2, "orch: error: --inference ',': no endpoint URL"),
+        (
+            ["--config", "{tmp}/binary.toml"],
+            2,
+            "orch: error: config file {tmp}/binary.toml is not UTF-8 text (invalid start byte at byte 0)",
+        ),
+    ],
+)
 def test_user_mistakes_are_one_line_before_anything_runs(tmp_path, args, code, message):
     (tmp_path / "afile").write_text("")
     (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path / "runs"),
-                  *[a.format(tmp=tmp_path) for a in args])
+    result = orch(
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        "2",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        *[a.format(tmp=tmp_path) for a in args],
+    )
     assert result.returncode == code
     assert result.stderr.strip().splitlines()[-1] == message.format(tmp=tmp_path)
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
@@ -114,11 +210,23 @@ def test_existing_run_needs_resume_and_missing_resume_is_an_error(tmp_path):
 
 
 def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_path):
-    result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "1",
-                  "--set", "rollout.env_server=http://127.0.0.1:9")
+    result = orch(
+        "run",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--max-steps",
+        "1",
+        "--set",
+        "rollout.env_server=http://127.0.0.1:9",
+    )
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "orch: error: GET http://127.0.0.1:9/health: env server unreachable"), result.stderr
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("orch: error: GET http://127.0.0.1:9/health: env server unreachable")
+    ), result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "r" / "trainer.log").exists()
 
 
@@ -127,18 +235,40 @@ def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
     from orchestrator.envs.server import create_app, make_env, running_server
 
     with running_server(create_app(make_env("reverse_text", seed=1, max_len=9))) as server:
-        result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "1",
-                      "--set", f"rollout.env_server={server.base_url}")
+        result = orch(
+            "run",
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "r",
+            "--max-steps",
+            "1",
+            "--set",
+            f"rollout.env_server={server.base_url}",
+        )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"orch: error: {server.base_url} serves reverse_text tasks of {{'seed': 1, 'min_len': 3, 'max_len': 9}}, "
         "this run's are {'seed': 0, 'min_len': 3, 'max_len': 6}: start it with --seed 0 --min-len 3 --max-len 6 "
-        f"(continue it with `orch run --resume {tmp_path / 'r'}` once fixed)")
+        f"(continue it with `orch run --resume {tmp_path / 'r'}` once fixed)"
+    )
 
 
 def _fake_run(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
-    return orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", name,
-                "--set", "batch.size=16", *args)
+    return orch(
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        name,
+        "--set",
+        "batch.size=16",
+        *args,
+    )
 
 
 def test_a_renamed_run_dir_resumes_and_max_steps_below_the_shipped_batches_is_refused(tmp_path):
@@ -147,7 +277,8 @@ def test_a_renamed_run_dir_resumes_and_max_steps_below_the_shipped_batches_is_re
     (tmp_path / "a").rename(moved)
     lowered = orch("run", "--resume", str(moved), "--max-steps", "2")
     assert lowered.returncode == 2 and lowered.stderr.strip().splitlines() == [
-        f"orch: error: max_steps 2 is below the 3 batches {moved} already shipped; resume with --max-steps 3 or more"]
+        f"orch: error: max_steps 2 is below the 3 batches {moved} already shipped; resume with --max-steps 3 or more"
+    ]
     resumed = orch("run", "--resume", str(moved), "--max-steps", "5")
     assert resumed.returncode == 0, resumed.stderr
     assert_log_invariants(moved, 5, 2, 1)
@@ -159,7 +290,8 @@ def test_a_stored_config_that_is_not_json_is_one_line(tmp_path):
         db.execute("UPDATE meta SET value = '{bad' WHERE key = 'config'")
     result = orch("run", "--resume", str(tmp_path / "r"))
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
-        f"orch: error: {tmp_path / 'r' / 'events.db'} is corrupted: the run's stored config is not a JSON object"]
+        f"orch: error: {tmp_path / 'r' / 'events.db'} is corrupted: the run's stored config is not a JSON object"
+    ]
 
 
 def test_a_batch_file_that_cannot_be_written_is_one_line_and_the_resume_writes_it(tmp_path):
@@ -168,7 +300,11 @@ def test_a_batch_file_that_cannot_be_written_is_one_line_and_the_resume_writes_i
     (run_dir / "batches").write_text("not a directory")
     result = _fake_run(tmp_path, "r", "--max-steps", "2")
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(f"orch: error: cannot write the batch file {run_dir}/batches/")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"orch: error: cannot write the batch file {run_dir}/batches/")
+    )
     assert result.stderr.strip().endswith(f"(continue it with `orch run --resume {run_dir}` once fixed)")
     (run_dir / "batches").unlink()
     resumed = orch("run", "--resume", str(run_dir))
@@ -202,20 +338,38 @@ def test_a_batch_file_past_the_logs_last_shipped_step_refuses_the_resume(tmp_pat
     result = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "6")
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"orch: error: {batches} holds batch files for steps 4..4, but the log shipped only up to step 2: it lost "
-        "committed events (its -wal file deleted or damaged?); move those files away to resume from the log as it is"]
+        "committed events (its -wal file deleted or damaged?); move those files away to resume from the log as it is"
+    ]
     assert (batches / "step_4.json").read_bytes() == (batches / "step_2.json").read_bytes()
 
 
 def test_a_json_summary_dir_that_cannot_be_written_is_found_before_the_run(tmp_path):
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--json-summary", "/proc/s.json")
+    result = orch(
+        "run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--json-summary", "/proc/s.json"
+    )
     assert result.returncode == 2 and not (tmp_path / "r").exists()
-    assert result.stderr.strip().splitlines()[-1].startswith("orch: error: --json-summary /proc/s.json: cannot write in /proc: ")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("orch: error: --json-summary /proc/s.json: cannot write in /proc: ")
+    )
 
 
 def test_set_name_names_the_run_and_a_resume_config_file_is_laid_over_the_stored_config(tmp_path):
     assert _fake_run(tmp_path, "x", "--max-steps", "2").returncode == 0  # --name x
-    named = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--max-steps", "1",
-                 "--set", "name=by-set")
+    named = orch(
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--runs-dir",
+        str(tmp_path),
+        "--max-steps",
+        "1",
+        "--set",
+        "name=by-set",
+    )
     assert named.returncode == 0 and (tmp_path / "by-set" / "events.db").exists(), named.stderr
     (tmp_path / "more.toml").write_text("max_steps = 4\n")  # says nothing of envs, trainer or batch size
     resumed = orch("run", "--resume", str(tmp_path / "x"), "--config", str(tmp_path / "more.toml"))

@@ -18,8 +18,16 @@ from tests.shell.test_e2e_fake import assert_log_invariants, orch
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--set", "batch.size=32", "--set", "rollout.group_size=4", "--set", "rollout.max_inflight=32",
-         "--set", "trainer.publish_timeout_s=120"]
+SMALL = [
+    "--set",
+    "batch.size=32",
+    "--set",
+    "rollout.group_size=4",
+    "--set",
+    "rollout.max_inflight=32",
+    "--set",
+    "trainer.publish_timeout_s=120",
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -62,8 +70,12 @@ def shipped_steps(run_dir: Path) -> int:
 
 
 def spawn_run(tmp_path: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path),
-                             "--name", "r", *SMALL, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path), "--name", "r", *SMALL, *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_short_embedded_run_trains_in_order_and_leaves_no_process(tmp_path):
@@ -72,11 +84,18 @@ def test_short_embedded_run_trains_in_order_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "r"
     assert_log_invariants(run_dir, 4, max_off_policy=2, target_lag=1)
     db = sqlite3.connect(run_dir / "events.db")
-    versions = [v for (v,) in db.execute(
-        "SELECT json_extract(data, '$.version') FROM events WHERE kind = 'version_published' ORDER BY seq")]
+    versions = [
+        v
+        for (v,) in db.execute(
+            "SELECT json_extract(data, '$.version') FROM events WHERE kind = 'version_published' ORDER BY seq"
+        )
+    ]
     assert versions == [1, 2, 3, 4]
-    trained = [line.split()[1] for line in (run_dir / "trainer.log").read_text().splitlines()
-               if line.startswith("trainer step=")]
+    trained = [
+        line.split()[1]
+        for line in (run_dir / "trainer.log").read_text().splitlines()
+        if line.startswith("trainer step=")
+    ]
     assert trained == ["step=1", "step=2", "step=3", "step=4"]
     assert processes_mentioning(str(run_dir)) == []
 
@@ -127,9 +146,25 @@ def test_terminal_ctrl_c_during_start_up_stops_cleanly_then_resume_finishes(tmp_
     warms up: the run stops on interrupt (130, not 'aborted', not 'trainer failed'), leaves no
     process, and --resume finishes it (from an empty log if nothing had been committed)."""
     run_dir = tmp_path / "r"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path), "--name", "r",
-                             *SMALL, "--max-steps", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "run",
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "r",
+            *SMALL,
+            "--max-steps",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     wait_until(lambda: (run_dir / "events.db").exists(), 60, "the run's log")  # then torch loads
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=120)
@@ -161,8 +196,19 @@ def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
 
     app = create_app(make_env("reverse_text", seed=0))
     with running_server(app) as server:
-        result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "2", *SMALL,
-                      "--set", f"rollout.env_server={server.base_url}", timeout=300)
+        result = orch(
+            "run",
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "r",
+            "--max-steps",
+            "2",
+            *SMALL,
+            "--set",
+            f"rollout.env_server={server.base_url}",
+            timeout=300,
+        )
     assert result.returncode == 0, result.stderr
     assert_log_invariants(tmp_path / "r", 2, max_off_policy=2, target_lag=1)
     db = sqlite3.connect(tmp_path / "r" / "events.db")

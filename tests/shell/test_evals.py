@@ -27,8 +27,21 @@ from orchestrator.shell.evals import eval_result
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 from tests.shell.test_resume import spawn
 
-FAKE_EVALS = ["run", "--env", "fake", "--trainer", "fake", "--set", 'eval.envs=["fake"]', "--set", "batch.size=16",
-              "--set", "rollout.group_size=4", "--set", "rollout.max_inflight=16"]
+FAKE_EVALS = [
+    "run",
+    "--env",
+    "fake",
+    "--trainer",
+    "fake",
+    "--set",
+    'eval.envs=["fake"]',
+    "--set",
+    "batch.size=16",
+    "--set",
+    "rollout.group_size=4",
+    "--set",
+    "rollout.max_inflight=16",
+]
 
 
 def rows(run_dir: Path, sql: str, *args) -> list[tuple]:
@@ -40,18 +53,40 @@ def rows(run_dir: Path, sql: str, *args) -> list[tuple]:
 
 
 def eval_results(run_dir: Path) -> list[dict]:
-    return [orjson.loads(data) for (data,) in rows(run_dir, "SELECT data FROM events WHERE kind = 'eval_completed' "
-                                                             "ORDER BY seq")]
+    return [
+        orjson.loads(data)
+        for (data,) in rows(run_dir, "SELECT data FROM events WHERE kind = 'eval_completed' ORDER BY seq")
+    ]
 
 
 def test_seed_000_the_finalizing_cap_stops_train_dispatch_while_evals_keep_flowing(tmp_path):
     """Seed 000 end to end: a slow grader and a cap of one finalizing group close the train gate
     (reason finalizing_cap); while it is closed, no train episode is dispatched, eval episodes are."""
-    result = orch(*FAKE_EVALS, "--max-steps", "6", "--runs-dir", str(tmp_path), "--name", "r",
-                  "--set", "algorithm.name=gar", "--set", "algorithm.gar.delay_s=0.15",
-                  "--set", "algorithm.gar.jitter_s=0", "--set", "algorithm.max_finalizing_groups=1",
-                  "--set", "env.fake.latency_s=0.01", "--set", "eval.every=2", "--set", "eval.num_tasks=16",
-                  "--set", "eval.max_inflight=2")
+    result = orch(
+        *FAKE_EVALS,
+        "--max-steps",
+        "6",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--set",
+        "algorithm.name=gar",
+        "--set",
+        "algorithm.gar.delay_s=0.15",
+        "--set",
+        "algorithm.gar.jitter_s=0",
+        "--set",
+        "algorithm.max_finalizing_groups=1",
+        "--set",
+        "env.fake.latency_s=0.01",
+        "--set",
+        "eval.every=2",
+        "--set",
+        "eval.num_tasks=16",
+        "--set",
+        "eval.max_inflight=2",
+    )
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "r"
     assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)
@@ -70,10 +105,27 @@ def test_seed_000_the_finalizing_cap_stops_train_dispatch_while_evals_keep_flowi
 
 def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     summary_path = tmp_path / "summary.json"
-    result = orch(*FAKE_EVALS, "--max-steps", "7", "--runs-dir", str(tmp_path), "--name", "r", "--set", "eval.every=3",
-                  "--set", "env.fake.latency_s=0.002", "--set", "env.fake.error_rate=0.05",
-                  "--set", "eval.max_inflight=5", "--set", "trainer.fake.step_time_s=0.1",
-                  "--json-summary", str(summary_path))
+    result = orch(
+        *FAKE_EVALS,
+        "--max-steps",
+        "7",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--set",
+        "eval.every=3",
+        "--set",
+        "env.fake.latency_s=0.002",
+        "--set",
+        "env.fake.error_rate=0.05",
+        "--set",
+        "eval.max_inflight=5",
+        "--set",
+        "trainer.fake.step_time_s=0.1",
+        "--json-summary",
+        str(summary_path),
+    )
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "r"
     assert_log_invariants(run_dir, 7, max_off_policy=2, target_lag=1)
@@ -82,13 +134,21 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     assert all(r["scored"] + r["failures"] + r["off_version"] == 32 * 4 for r in results)
     assert all(r["off_version"] == 0 and r["pass_at_k"] is None for r in results)  # pinned; fake has no success
     # Eval traffic stays apart: its episodes never reach a batch, its tasks are held out.
-    eval_episodes = {e for (e,) in rows(run_dir, "SELECT json_extract(data, '$.episode_id') FROM events "
-                                                 "WHERE kind = 'eval_episode_dispatched'")}
-    (peak,) = rows(run_dir, "SELECT max(json_extract(data, '$.task_id')) FROM events "
-                            "WHERE kind = 'eval_episode_dispatched'")[0]
+    eval_episodes = {
+        e
+        for (e,) in rows(
+            run_dir, "SELECT json_extract(data, '$.episode_id') FROM events WHERE kind = 'eval_episode_dispatched'"
+        )
+    }
+    (peak,) = rows(
+        run_dir, "SELECT max(json_extract(data, '$.task_id')) FROM events WHERE kind = 'eval_episode_dispatched'"
+    )[0]
     assert peak < 0
-    shipped = {t for (ids,) in rows(run_dir, "SELECT json_extract(data, '$.trace_ids') FROM events "
-                                             "WHERE kind = 'batch_shipped'") for t in orjson.loads(ids)}
+    shipped = {
+        t
+        for (ids,) in rows(run_dir, "SELECT json_extract(data, '$.trace_ids') FROM events WHERE kind = 'batch_shipped'")
+        for t in orjson.loads(ids)
+    }
     assert eval_episodes and eval_episodes.isdisjoint(shipped)
     # Shown: the progress lines, the summary, `orch replay`.
     assert all(f"eval fake v{v} | reward" in result.stdout for v in (0, 3, 6, 7))
@@ -126,9 +186,23 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
 
 def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishes_it(tmp_path):
     run_dir = tmp_path / "r"
-    proc = spawn(*FAKE_EVALS, "--max-steps", "4", "--runs-dir", str(tmp_path), "--name", "r",
-                 "--set", "env.fake.latency_s=0.05", "--set", "trainer.fake.step_time_s=0.5", "--set", "eval.every=1",
-                 "--set", "eval.max_inflight=4")
+    proc = spawn(
+        *FAKE_EVALS,
+        "--max-steps",
+        "4",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--set",
+        "env.fake.latency_s=0.05",
+        "--set",
+        "trainer.fake.step_time_s=0.5",
+        "--set",
+        "eval.every=1",
+        "--set",
+        "eval.max_inflight=4",
+    )
     try:
         from tests.shell.test_embedded_run import wait_until
 
@@ -136,12 +210,18 @@ def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishe
             if not (run_dir / "events.db").exists():
                 return False
             try:
-                counts = dict(rows(run_dir, "SELECT kind, count(*) FROM events WHERE kind IN ('eval_started', "
-                                            "'eval_completed', 'eval_episode_dispatched') GROUP BY kind"))
+                counts = dict(
+                    rows(
+                        run_dir,
+                        "SELECT kind, count(*) FROM events WHERE kind IN ('eval_started', "
+                        "'eval_completed', 'eval_episode_dispatched') GROUP BY kind",
+                    )
+                )
             except sqlite3.Error:
                 return False
             return counts.get("eval_episode_dispatched", 0) > 8 and counts.get("eval_completed", 0) < counts.get(
-                "eval_started", 0)
+                "eval_started", 0
+            )
 
         wait_until(mid_eval, 60, "an eval half-way through")
     finally:
@@ -155,8 +235,14 @@ def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishe
     final = orch("run", "--resume", str(run_dir), timeout=120)
     assert final.returncode == 0, final.stderr
     assert_log_invariants(run_dir, 4, max_off_policy=2, target_lag=1)
-    rerun = {e for (e,) in rows(run_dir, "SELECT json_extract(data, '$.episode_id') FROM events WHERE kind = "
-                                         "'eval_episode_cancelled' AND json_extract(data, '$.reason') = 'resume'")}
+    rerun = {
+        e
+        for (e,) in rows(
+            run_dir,
+            "SELECT json_extract(data, '$.episode_id') FROM events WHERE kind = "
+            "'eval_episode_cancelled' AND json_extract(data, '$.reason') = 'resume'",
+        )
+    }
     assert lost and lost <= rerun
     results = {r["eval_id"]: r for r in eval_results(run_dir)}
     for eval_id, version in open_at_kill.items():  # the same eval, at the version it was pinned to
@@ -173,8 +259,10 @@ def test_a_resume_refuses_to_change_the_eval_section(tmp_path):
     assert result.returncode == 0, result.stderr
     changed = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "3", "--set", "eval.every=5")
     assert changed.returncode == 2
-    assert changed.stderr.strip().splitlines() == ["orch: error: config changed on resume in fields that alter the run: "
-                                                   "eval.every (only max_steps and operational fields may change)"]
+    assert changed.stderr.strip().splitlines() == [
+        "orch: error: config changed on resume in fields that alter the run: "
+        "eval.every (only max_steps and operational fields may change)"
+    ]
 
 
 def test_the_progress_line_ends_with_the_newest_eval_result():
@@ -197,14 +285,24 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
     assert f"eval a v{newest.version}" in out.getvalue()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", 'eval.envs=["reverse_text"]'], "orch: error: invalid config: eval envs ['reverse_text'] must be train "
-     "envs (['fake']): their rollouts run on the train envs' backends"),
-    (["--set", 'eval.envs=["nope"]'], "orch: error: invalid config: eval.envs: unknown env 'nope'; known: fake, "
-     "reverse_text"),
-    (["--set", 'eval.envs=["fake"]', "--set", "eval.max_inflight=0"], "orch: error: invalid config: "
-     "eval.max_inflight: Input should be greater than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--set", 'eval.envs=["reverse_text"]'],
+            "orch: error: invalid config: eval envs ['reverse_text'] must be train "
+            "envs (['fake']): their rollouts run on the train envs' backends",
+        ),
+        (
+            ["--set", 'eval.envs=["nope"]'],
+            "orch: error: invalid config: eval.envs: unknown env 'nope'; known: fake, reverse_text",
+        ),
+        (
+            ["--set", 'eval.envs=["fake"]', "--set", "eval.max_inflight=0"],
+            "orch: error: invalid config: eval.max_inflight: Input should be greater than or equal to 1",
+        ),
+    ],
+)
 def test_a_bad_eval_config_is_one_line_and_exit_2(tmp_path, args, message):
     result = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), *args)
     assert result.returncode == 2
@@ -215,8 +313,12 @@ def test_a_bad_eval_config_is_one_line_and_exit_2(tmp_path, args, message):
 
 
 @settings(max_examples=300, deadline=None)
-@given(seed=st.integers(-(2**40), 2**40), train=st.integers(0, 2**40), held_out=st.integers(-(2**40), -1),
-       lengths=st.sampled_from([(3, 6), (1, 2), (2, 9)]))
+@given(
+    seed=st.integers(-(2**40), 2**40),
+    train=st.integers(0, 2**40),
+    held_out=st.integers(-(2**40), -1),
+    lengths=st.sampled_from([(3, 6), (1, 2), (2, 9)]),
+)
 def test_reverse_text_train_and_eval_tasks_never_share_a_prompt(seed, train, held_out, lengths):
     env = ReverseTextEnv(seed=seed, min_len=lengths[0], max_len=lengths[1])
     train_task, eval_task = env.task(train), env.task(held_out)
@@ -234,8 +336,16 @@ def test_reverse_text_says_so_when_its_lengths_leave_no_held_out_prompt():
 
 
 def eval_req(episode_id: int, version: int, temperature: float = 0.7) -> RolloutRequest:
-    return RolloutRequest(episode_id, 1000 + episode_id, "reverse_text", -1 - episode_id % 3, 0, version,
-                          eval_id=1, temperature=temperature)
+    return RolloutRequest(
+        episode_id,
+        1000 + episode_id,
+        "reverse_text",
+        -1 - episode_id % 3,
+        0,
+        version,
+        eval_id=1,
+        temperature=temperature,
+    )
 
 
 def test_the_fake_env_samples_an_eval_episode_with_its_pinned_version():
@@ -286,9 +396,16 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
         assert done.logprobs[len(prompt) :] == pytest.approx(expected[0, len(prompt) :].tolist(), abs=1e-4)
 
     async def embedded():
-        backend = EmbeddedBackend(hf_run, {"reverse_text": InProcessEnv(env)}, model_path=weights_dir(hf_run, 0),
-                                  chat_template_kwargs={}, temperature=1.0, max_new_tokens=20, seed=5,
-                                  load_timeout_s=5)
+        backend = EmbeddedBackend(
+            hf_run,
+            {"reverse_text": InProcessEnv(env)},
+            model_path=weights_dir(hf_run, 0),
+            chat_template_kwargs={},
+            temperature=1.0,
+            max_new_tokens=20,
+            seed=5,
+            load_timeout_s=5,
+        )
         try:
             await backend.load(1)  # the train sampler holds version 1
             return await asyncio.gather(*(backend(eval_req(e, version=0)) for e in range(4)))
@@ -306,13 +423,21 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
         prompt = encode_prompt(env.task(-1 - done.episode_id % 3).prompt)
         assert done.ok and done.policy_start == done.policy_end == version and done.temperature == temperature
         expected = sequence_logprobs(models[version], done.token_ids, len(prompt), temperature)
-        assert done.logprobs[len(prompt):] == pytest.approx(expected, abs=1e-4)
+        assert done.logprobs[len(prompt) :] == pytest.approx(expected, abs=1e-4)
 
     with serving() as server:
+
         async def endpoint():
             client = InferenceClient([server.base_url])
-            backend = EndpointsBackend(tmp_path, {"reverse_text": InProcessEnv(env)}, client, temperature=1.0,
-                                       max_new_tokens=20, seed=5, load_timeout_s=5)
+            backend = EndpointsBackend(
+                tmp_path,
+                {"reverse_text": InProcessEnv(env)},
+                client,
+                temperature=1.0,
+                max_new_tokens=20,
+                seed=5,
+                load_timeout_s=5,
+            )
             try:
                 await backend.load(1)
                 return await backend(eval_req(7, version=1, temperature=0.5)), await backend(eval_req(8, version=0))
@@ -337,6 +462,7 @@ def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pi
 
     loaded: list[str] = []
     with running_server(vllm_like_app(loaded)) as vllm:
+
         async def main():
             async with InferenceClient([vllm.base_url], weight_sync="vllm_lora") as client:
                 await client.load(3, step_3)
@@ -354,12 +480,27 @@ def test_the_embedded_default_run_shows_the_learned_gain_on_held_out_tasks(tmp_p
     """`orch run` (reverse_text, the tiny HF model and the hf trainer) with evals: the end's eval
     beats the start's on held-out tasks. The figures are printed for the report."""
     summary_path = tmp_path / "summary.json"
-    result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--set", 'eval.envs=["reverse_text"]',
-                  "--json-summary", str(summary_path), timeout=900)
+    result = orch(
+        "run",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--set",
+        'eval.envs=["reverse_text"]',
+        "--json-summary",
+        str(summary_path),
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr
     results = eval_results(tmp_path / "r")
-    print("\n".join(f"eval v{r['version']}: reward {r['reward_mean']:.3f} pass@1 {r['pass_at_1']:.3f} "
-                    f"pass@{r['k']} {r['pass_at_k']:.3f} ({r['scored']} scored)" for r in results))
+    print(
+        "\n".join(
+            f"eval v{r['version']}: reward {r['reward_mean']:.3f} pass@1 {r['pass_at_1']:.3f} "
+            f"pass@{r['k']} {r['pass_at_k']:.3f} ({r['scored']} scored)"
+            for r in results
+        )
+    )
     assert [r["version"] for r in results] == [0, 10, 20, 30, 40]
     assert all(r["off_version"] == 0 and r["scored"] + r["failures"] == 32 * 4 for r in results)  # pinned
     start, end = results[0], results[-1]

@@ -20,14 +20,28 @@ from orchestrator.fold import fold_log
 from orchestrator.shell.runner import create_run, resume_run
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 
-FAKE = ["--set", "env.fake.latency_s=0.004", "--set", "env.fake.latency_jitter_s=0.004",
-        "--set", "trainer.fake.step_time_s=0.01", "--set", "batch.size=16", "--set", "rollout.group_size=4",
-        "--set", "env.fake.error_rate=0.03", "--set", "log.snapshot_every=500"]
+FAKE = [
+    "--set",
+    "env.fake.latency_s=0.004",
+    "--set",
+    "env.fake.latency_jitter_s=0.004",
+    "--set",
+    "trainer.fake.step_time_s=0.01",
+    "--set",
+    "batch.size=16",
+    "--set",
+    "rollout.group_size=4",
+    "--set",
+    "env.fake.error_rate=0.03",
+    "--set",
+    "log.snapshot_every=500",
+]
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.mark.slow
@@ -41,8 +55,21 @@ def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, backgroun
     if background:
         extra += ["--set", "algorithm.finalize_in_background=true", "--set", "off_policy.max_off_policy_steps=1"]
     run_dir = tmp_path / "r"
-    first = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "100000", "--runs-dir", str(tmp_path),
-             "--name", "r", *FAKE, *extra]
+    first = [
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        "100000",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        *FAKE,
+        *extra,
+    ]
     killed = 0
     args = first
     while killed < kills:
@@ -60,8 +87,9 @@ def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, backgroun
     assert shipped > 0, "no batch shipped in 25 segments"
     steps = shipped + 15  # finish the run: resume may raise (here: set) max_steps
     summary_path = tmp_path / "summary.json"
-    final = orch("run", "--resume", str(run_dir), "--max-steps", str(steps), "--json-summary", str(summary_path),
-                 timeout=300)
+    final = orch(
+        "run", "--resume", str(run_dir), "--max-steps", str(steps), "--json-summary", str(summary_path), timeout=300
+    )
     assert final.returncode == 0, final.stderr
     assert_log_invariants(run_dir, steps, max_off_policy=2 if not background else 1, target_lag=1)
     with EventLog.open_reader(run_dir / "events.db") as log:
@@ -72,8 +100,21 @@ def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, backgroun
 
 
 def test_resume_continues_a_finished_run_with_more_steps_and_refuses_meaning_changes(tmp_path):
-    args = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r",
-            "--set", "batch.size=16"]
+    args = [
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        "3",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--set",
+        "batch.size=16",
+    ]
     assert orch(*args).returncode == 0
     changed = orch("run", "--resume", str(tmp_path / "r"), "--set", "seed=9", "--set", "batch.size=8")
     assert changed.returncode == 2
@@ -84,8 +125,21 @@ def test_resume_continues_a_finished_run_with_more_steps_and_refuses_meaning_cha
 
 
 def test_second_writer_on_the_same_run_fails_at_once(tmp_path):
-    args = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "100000", "--runs-dir", str(tmp_path),
-            "--name", "r", "--set", "env.fake.latency_s=0.01"]
+    args = [
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        "100000",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--set",
+        "env.fake.latency_s=0.01",
+    ]
     proc = spawn(*args)
     try:
         deadline = time.monotonic() + 20
@@ -104,8 +158,12 @@ def test_second_writer_on_the_same_run_fails_at_once(tmp_path):
 @pytest.mark.parametrize("damage", ["garbage", "foreign", "truncated"])
 def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, damage):
     run_dir = tmp_path / "r"
-    assert orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path),
-                "--name", "r").returncode == 0
+    assert (
+        orch(
+            "run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r"
+        ).returncode
+        == 0
+    )
     db = run_dir / "events.db"
     for suffix in ("-wal", "-shm"):
         Path(str(db) + suffix).unlink(missing_ok=True)
@@ -114,6 +172,7 @@ def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, 
     elif damage == "foreign":
         db.unlink()
         import sqlite3
+
         con = sqlite3.connect(db)
         con.execute("CREATE TABLE t(x)")
         con.commit()
@@ -131,9 +190,27 @@ def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, 
 
 def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_identically(tmp_path):
     run_dir = tmp_path / "r"
-    proc = spawn("run", "--env", "fake", "--trainer", "fake", "--max-steps", "8", "--runs-dir", str(tmp_path),
-                 "--name", "r", "--set", "trainer.fake.step_time_s=1.5", "--set", "batch.size=16",
-                 "--set", "off_policy.target_lag=2", "--set", "off_policy.max_off_policy_steps=4")
+    proc = spawn(
+        "run",
+        "--env",
+        "fake",
+        "--trainer",
+        "fake",
+        "--max-steps",
+        "8",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--set",
+        "trainer.fake.step_time_s=1.5",
+        "--set",
+        "batch.size=16",
+        "--set",
+        "off_policy.target_lag=2",
+        "--set",
+        "off_policy.max_off_policy_steps=4",
+    )
     deadline = time.monotonic() + 60
     untrained: list[int] = []
     while time.monotonic() < deadline and len(untrained) < 2:
@@ -157,8 +234,10 @@ def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_id
 def test_a_run_stopped_before_its_first_commit_is_started_by_resume(tmp_path):
     """A failure or Ctrl-C before `run_started` is committed (e.g. during the hf trainer's
     warm start) leaves a log with no event: `--resume` starts the run from the stored config."""
-    config = load_config(None, [f"runs_dir={tmp_path}", "name=r", 'envs={"fake": 1.0}', "trainer.kind=fake",
-                                "max_steps=3", "batch.size=16"])
+    config = load_config(
+        None,
+        [f"runs_dir={tmp_path}", "name=r", 'envs={"fake": 1.0}', "trainer.kind=fake", "max_steps=3", "batch.size=16"],
+    )
     create_run(config).log.close()
     again = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", "r")
     assert again.returncode == 1 and "--resume" in again.stderr

@@ -13,7 +13,7 @@ import textwrap
 from eventlog import EventLog
 from orchestrator.fold import fold_log
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import asyncio, sys
     from eventlog import EventLog
     from orchestrator.config import load_config
@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent('''
         print(f"stopped: {runner.run_job(run, None).state.stop_reason}")
     except Exception as err:
         print(f"raised {type(err).__name__}: {err}")
-''')
+""")
 
 
 def _run_with_stuck_rollouts(tmp_path, stuck_from: int, then: str) -> tuple[str, list[str]]:
@@ -68,8 +68,10 @@ def _run_with_stuck_rollouts(tmp_path, stuck_from: int, then: str) -> tuple[str,
     return done.stdout, done.stderr.splitlines()
 
 
-STREAM_CLOSE = (r"orch: warning: rollout stream close: \d+ rollout task\(s\) still running 0\.5s after "
-                r"cancellation \(fn is ignoring CancelledError\?\)")
+STREAM_CLOSE = (
+    r"orch: warning: rollout stream close: \d+ rollout task\(s\) still running 0\.5s after "
+    r"cancellation \(fn is ignoring CancelledError\?\)"
+)
 ABANDONED = r"orch: warning: \d+ task\(s\) still running 0\.5s after cancellation at exit, abandoned: Task-"
 
 
@@ -113,7 +115,7 @@ def test_an_error_raised_by_a_leftover_task_on_its_way_out_is_reported(caplog):
     assert "unhandled exception during orch shutdown" in caplog.text and "boom on the way out" in caplog.text
 
 
-WARM_START_SCRIPT = textwrap.dedent('''
+WARM_START_SCRIPT = textwrap.dedent("""
     import asyncio, os, signal, sys
     from orchestrator import cli
     from orchestrator.envs.fake import FakeEpisodes
@@ -125,16 +127,20 @@ WARM_START_SCRIPT = textwrap.dedent('''
     FakeEpisodes.follows_weights, FakeEpisodes.load = True, never_loads  # weights that never come
     cli.main(["run", "--env", "fake", "--trainer", "fake", "--runs-dir", sys.argv[1], "--name", "r",
               "--set", "trainer.publish_timeout_s=120"])
-''')
+""")
 
 
 def test_ctrl_c_while_waiting_for_the_first_weights_stops_at_once(tmp_path):
     """The warm-start wait (trainer or inference endpoints, up to publish_timeout_s) is cancelled:
     the run logs its first event, drains, stops as interrupted and exits 130."""
-    done = subprocess.run([sys.executable, "-c", WARM_START_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_START_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 130, (done.stdout, done.stderr)
     assert "orch: SIGINT: draining and stopping" in done.stdout
-    assert done.stderr.strip().splitlines()[-1] == f"orch: stopped on interrupt; resume with `orch run --resume {tmp_path / 'r'}`"
+    assert (
+        done.stderr.strip().splitlines()[-1]
+        == f"orch: stopped on interrupt; resume with `orch run --resume {tmp_path / 'r'}`"
+    )
     with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
         assert fold_log(log).state.stop_reason == "interrupted"

@@ -17,8 +17,19 @@ from orchestrator.trainers.fake import FakeTrainer
 
 
 def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
-    config = load_config(None, [f"runs_dir={tmp_path}", "name=wa", 'envs={"fake": 1.0}', "trainer.kind=fake",
-                                "max_steps=12", "batch.size=16", "rollout.max_inflight=48", "log.snapshot_every=50"])
+    config = load_config(
+        None,
+        [
+            f"runs_dir={tmp_path}",
+            "name=wa",
+            'envs={"fake": 1.0}',
+            "trainer.kind=fake",
+            "max_steps=12",
+            "batch.size=16",
+            "rollout.max_inflight=48",
+            "log.snapshot_every=50",
+        ],
+    )
     config.run_dir.mkdir(parents=True)
     log = EventLog.create(config.run_dir / "events.db", durability="full")
     db = sqlite3.connect(f"file:{config.run_dir / 'events.db'}?mode=ro", uri=True, check_same_thread=False)
