@@ -4,8 +4,9 @@
 max_off_policy_steps in {1, 2, 8}, with the dispatch capacity on: GRPO inline and GRPO opted into
 background finalization with each group settled before the next input ship bit-identical
 batches. The opted-in run is built twice: by a SimWorld of its own (settle="immediate") and by
-re-executing the inline run's inputs (`--reexecute --finalize background --settle-order immediate`) for the first seeds (the
-re-execution's own matrix is in test_reexec.py), to keep the whole matrix well under a minute.
+re-executing the inline run's inputs (`--reexecute --finalize background --settle-order immediate`)
+for the first seeds (the re-execution's own matrix is in test_reexec.py), to keep the whole matrix
+well under a minute.
 """
 
 from __future__ import annotations
