@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from orchestrator.core.algorithms import BACKGROUND_ONLY
 from orchestrator.core.events import CoreParams
+from orchestrator.envs.verifiers_config import VerifiersSection
+from orchestrator.envs.verifiers_config import check as check_verifiers
 
 
 class ConfigError(ValueError):
@@ -184,6 +186,8 @@ class RunConfig(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)
+    verifiers: VerifiersSection = Field(default_factory=VerifiersSection, description="the `verifiers` env: a "
+                                        "verifiers (v1) taskset, its model calls through inference.endpoints")
 
     @model_validator(mode="after")
     def _known_envs(self) -> RunConfig:
@@ -192,7 +196,13 @@ class RunConfig(_Section):
             raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
         if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
             raise ValueError("the embedded trainer learns reverse_text only; use trainer.kind='fake' for other envs")
-        if self.inference.endpoints and set(self.envs) != {"reverse_text"}:
+        if "verifiers" in self.envs:
+            if set(self.envs) != {"verifiers"}:
+                raise ValueError("env 'verifiers' runs alone (its episodes come whole from verifiers)")
+            if not self.inference.endpoints:
+                raise ValueError("env 'verifiers' samples through inference.endpoints (vLLM with --enable-scale-out)")
+            check_verifiers(self.verifiers)
+        elif self.inference.endpoints and set(self.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
         if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
             raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
@@ -229,7 +239,7 @@ class RunConfig(_Section):
         return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
 
 
-KNOWN_ENVS = frozenset({"reverse_text", "fake"})
+KNOWN_ENVS = frozenset({"reverse_text", "fake", "verifiers"})
 
 # Fields a resume may change: they alter how the run is operated, not what it computes.
 RESUMABLE_FIELDS = frozenset({

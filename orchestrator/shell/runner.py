@@ -189,17 +189,20 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
             trainer = ProcessTrainer(run_dir, publish)
     if set(config.envs) == {"fake"}:
         rollout = FakeEnvRollouts(config.fake_env, config.seed, version_now)
+    elif set(config.envs) == {"verifiers"}:  # a verifiers taskset, sampled through the endpoints
+        from orchestrator.envs.verifiers import VerifiersRollouts
+
+        rollout = VerifiersRollouts(run_dir, config.verifiers, _inference_client(config), seed=config.seed,
+                                    temperature=config.rollout.temperature,
+                                    max_tokens=config.rollout.max_new_tokens,
+                                    load_timeout_s=config.trainer.publish_timeout_s)
+        on_version = rollout.load
     else:
         env = _rollout_env(config)
         if config.inference.endpoints:  # OpenAI-compatible servers (orch serve, vLLM, SGLang)
-            from orchestrator.inference.client import InferenceClient
             from orchestrator.inference.rollouts import InferenceRollouts
 
-            inf = config.inference
-            client = InferenceClient(inf.endpoints, model=inf.model, weight_sync=inf.weight_sync,
-                                     timeout_s=inf.request_timeout_s, load_timeout_s=config.trainer.publish_timeout_s,
-                                     max_attempts=inf.max_attempts, backoff_s=inf.backoff_s,
-                                     max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups)
+            client = _inference_client(config)
             rollout = InferenceRollouts(run_dir, env, client, temperature=config.rollout.temperature,
                                         max_new_tokens=config.rollout.max_new_tokens, seed=config.seed,
                                         load_timeout_s=config.trainer.publish_timeout_s)
@@ -212,6 +215,16 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
                         algorithm=make_algorithm(config), trainer=trainer, progress=progress)
     holder["orch"] = orch
     return orch
+
+
+def _inference_client(config: RunConfig):
+    from orchestrator.inference.client import InferenceClient
+
+    inf = config.inference
+    return InferenceClient(inf.endpoints, model=inf.model, weight_sync=inf.weight_sync,
+                           timeout_s=inf.request_timeout_s, load_timeout_s=config.trainer.publish_timeout_s,
+                           max_attempts=inf.max_attempts, backoff_s=inf.backoff_s,
+                           max_backoff_s=inf.max_backoff_s, pin_groups=inf.pin_groups)
 
 
 def _rollout_env(config: RunConfig):
@@ -365,6 +378,8 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
         try:
             if env_client is not None:
                 await _check_env_server(env_client, run.config)
+            if hasattr(orch.hooks.rollout, "start"):  # VerifiersRollouts: verifiers' serving resources
+                await orch.hooks.rollout.start()
             if run.first_input.kind == "run_resumed":
                 orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
             if isinstance(trainer, ProcessTrainer):

@@ -1,0 +1,173 @@
+"""The `verifiers` env: episodes of a verifiers (v1) taskset, one `run_slot` per orch episode.
+
+Tasks: the group's ``task_id`` (the env's cursor, in `group_dispatched`) picks a task of the
+taskset deterministically from the run's seed (:func:`task_index`), so a resumed or replayed run
+sees the same tasks. An episode: verifiers' `Env.run_slot` on that task, its model calls routed
+through orch's inference client (`verifiers_adapter`): the group pinned to one endpoint, retries on
+another, each call's weight version recorded. Its sample: the trainable trace's last trainable
+branch (token ids, sampled mask and logprobs exactly as vLLM saw and returned them) with the
+trace's reward; `policy_start`/`policy_end` are the oldest and newest versions its calls were
+sampled with. docs/verifiers.md says why one branch, and how a multi-branch episode counts.
+
+Cancellation (drain, stop, a stale group): the rollout's task is cancelled, which ends its harness
+subprocess (verifiers kills its process group) and drops its model call in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orchestrator.core.events import EpisodeCompleted
+from orchestrator.envs import verifiers_adapter as adapter
+from orchestrator.envs.verifiers_config import VerifiersSection, load_env
+
+
+class VerifiersEpisodeError(RuntimeError):
+    """A verifiers episode that did not yield a sample; the message says why (an episode failure)."""
+
+
+def task_index(seed: int, cursor: int, size: int | None) -> int:
+    """The taskset position of the env's `cursor`-th task: each pass over a finite taskset is a
+    fresh seeded permutation of it; an infinite one is read in order."""
+    if size is None:
+        return cursor
+    order = list(range(size))
+    random.Random(f"verifiers/{seed}/{cursor // size}").shuffle(order)
+    return order[cursor % size]
+
+
+@dataclass
+class Tally:
+    """What the run should know about its episodes beside the log."""
+
+    episodes: int = 0
+    split: int = 0  # episodes whose trace split into several branches
+    untrained_tokens: int = 0  # sampled tokens on the branches a split left out of the sample
+    harness_s: float = 0.0  # wall time inside run_slot (verifiers: harness, scoring)
+    orch_s: float = 0.0  # the rest of each episode (task draw, conversion)
+
+
+class VerifiersRollouts:
+    """The rollout backend of the `verifiers` env (`await backend(request)` -> EpisodeCompleted)."""
+
+    def __init__(self, run_dir, section: VerifiersSection, client, *, seed: int, temperature: float,
+                 max_tokens: int, load_timeout_s: float):
+        import verifiers.v1 as vf
+
+        from orchestrator.inference.rollouts import InferenceRollouts
+
+        self.section, self.client, self.seed = section, client, seed
+        # Weight loads as reverse_text's endpoints do them (its sampling is not used).
+        self.weights = InferenceRollouts(run_dir, None, client, temperature=temperature, max_new_tokens=max_tokens,
+                                         seed=seed, load_timeout_s=load_timeout_s)
+        self.env = load_env(section)
+        self.route = adapter.GenerateRoute(client)
+        self.context = vf.ModelContext(
+            model=section.model, client=adapter.client_config(self.route, section.model, section.renderer),
+            sampling=vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens))
+        self.tasks = self.env.taskset if self.env.taskset.bounded else None
+        self._tasks: list = list(self.env.taskset) if self.tasks is not None else []
+        self._stream = None if self.tasks is not None else iter(self.env.taskset)
+        self._serving: contextlib.AsyncExitStack | None = None
+        self.tally = Tally()
+
+    async def start(self) -> None:
+        """Bring up verifiers' serving resources (its interception server) for the run."""
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self.env.serving())
+        self._serving = stack
+
+    async def load(self, version: int, health_check=None) -> None:
+        """Make `version` the endpoints' weights: as for reverse_text (wait for its STABLE marker,
+        then every endpoint loads it); with weight_sync 'none' weights live outside orch, and
+        the client only learns the version (the fake trainer writes none)."""
+        if self.client.weight_sync == "none":
+            await self.client.load(version, "")
+        else:
+            await self.weights.load(version, health_check)
+
+    def task(self, cursor: int):
+        size = len(self._tasks) if self.tasks is not None else None
+        index = task_index(self.seed, cursor, size)
+        if self._stream is not None:
+            while len(self._tasks) <= index:
+                self._tasks.append(next(self._stream))
+        return self._tasks[index]
+
+    async def __call__(self, req) -> EpisodeCompleted:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        task = self.task(req.task_id)
+        (slot,) = self.env.slots(task, 1)
+        sessions: list[str] = []
+
+        def minted(trace) -> None:  # before the trace's first model call
+            sessions.append(trace.id)
+            self.route.open(trace.id, pin=req.group_id)
+
+        try:
+            sampled_at = loop.time()
+            episode = await self.env.run_slot(slot, self.context, on_trace=minted)
+            harness_s = loop.time() - sampled_at
+            completed = self._completion(req, episode)
+        finally:
+            calls = {s: self.route.close(s) for s in sessions}
+        self.tally.harness_s += harness_s
+        self.tally.orch_s += loop.time() - began - harness_s
+        return completed(calls)
+
+    def _completion(self, req, episode) -> Callable[[dict], EpisodeCompleted]:
+        if not episode.ok:
+            raise VerifiersEpisodeError(_first_error(episode))
+        traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
+        if len(traces) != 1:
+            raise VerifiersEpisodeError(f"the episode has {len(traces)} trainable traces; orch trains one per episode")
+        (trace,) = traces
+        branches = [b for b in trace.branches if b.trainable]
+        if not branches:
+            raise VerifiersEpisodeError("the episode's trace has no trainable branch")
+        branch = branches[-1]
+        self.tally.episodes += 1
+        if len(branches) > 1:
+            self.tally.split += 1
+            self.tally.untrained_tokens += sum(sum(b.sampled_mask) for b in branches[:-1])
+
+        def build(calls: dict) -> EpisodeCompleted:
+            made = calls.get(trace.id)
+            records = made.calls if made is not None else []
+            versions = [(c.policy_start, c.policy_end) for c in records] or [(req.policy_version,) * 2]
+            return EpisodeCompleted(
+                episode_id=req.episode_id, group_id=req.group_id, ok=True, reward=trace.reward,
+                token_ids=branch.token_ids, mask=[int(m) for m in branch.sampled_mask], logprobs=branch.logprobs,
+                policy_start=min(v[0] for v in versions), policy_end=max(v[1] for v in versions),
+                temperature=self.context.sampling.temperature)
+
+        return build
+
+    def report(self) -> str:
+        t = self.tally
+        per = (lambda s: f"{1000 * s / t.episodes:.1f} ms") if t.episodes else (lambda s: "-")
+        return (f"orch: verifiers: {t.episodes} episodes, {t.split} split into several branches "
+                f"({t.untrained_tokens} sampled tokens left out of their samples); per episode: harness "
+                f"{per(t.harness_s)}, orch {per(t.orch_s)}; inference: {self.client.report()}")
+
+    async def aclose(self) -> None:
+        try:
+            if self._serving is not None:
+                await self._serving.aclose()
+        finally:
+            adapter.forget(self.route)
+            await self.client.aclose()
+
+
+def _first_error(episode) -> str:
+    errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
+    if not errors:
+        return "the episode failed without an error"
+    err = errors[0]
+    lines = [line for line in (err.message or "").strip().splitlines() if line.strip()]
+    return f"{err.type}: {lines[-1] if lines else ''}"[:500]
