@@ -52,12 +52,13 @@ class VerifiersSection(BaseModel):
         # vLLM serves a local model dir under the path it was given: start it with the absolute one.
         return value if value is None or not Path(value).expanduser().exists() else _absolute(value)
 
-    def env_config(self) -> dict[str, Any]:
-        """The verifiers EnvConfig data of this section (its one `agent` seat)."""
+    def env_config(self, seats: list[str]) -> dict[str, Any]:
+        """The verifiers EnvConfig data of this section: the agent settings on each of `seats`."""
         timeouts = {"rollout": self.rollout_timeout_s, "setup": self.setup_timeout_s,
                     "scoring": self.scoring_timeout_s}
         agent = {"harness": self.harness, "runtime": self.runtime, "max_turns": self.max_turns, "timeout": timeouts}
-        return {"id": self.env_id, "taskset": {**self.taskset_config, "id": self.taskset}, "agent": agent}
+        return {"id": self.env_id, "taskset": {**self.taskset_config, "id": self.taskset},
+                **{seat: agent for seat in seats}}
 
 
 def _absolute(path: str) -> str:
@@ -101,11 +102,17 @@ def load_env(section: VerifiersSection):
     """The verifiers Env of `section` (ValueError, one line, if verifiers refuses it)."""
     import verifiers.v1 as vf
     from pydantic import ValidationError
+    from verifiers.v1.configs.agent import agent_config_fields
 
     add_path(section.path)
     try:
-        return vf.load_environment(vf.resolve_env_config(section.env_config()))
-    except (ValidationError, ValueError, TypeError, ImportError, AttributeError) as err:
+        config_type = vf.env_config_type(section.taskset, section.env_id)
+        seats = list(agent_config_fields(config_type()))
+        return vf.load_environment(vf.resolve_env_config(section.env_config(seats)))
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ValueError(f"verifiers.taskset {section.taskset!r}: {problems}") from None
+    except (ValueError, TypeError, ImportError, AttributeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"verifiers.taskset {section.taskset!r}: {first}") from None
 
