@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.core.events import EpisodeCompleted
@@ -47,8 +46,10 @@ class Tally:
     episodes: int = 0
     split: int = 0  # episodes whose trace split into several branches
     untrained_tokens: int = 0  # sampled tokens on the branches a split left out of the sample
-    harness_s: float = 0.0  # wall time inside run_slot (verifiers: harness, scoring)
+    harness_s: float = 0.0  # wall time inside run_slot (verifiers: harness, model calls, scoring)
     orch_s: float = 0.0  # the rest of each episode (task draw, conversion)
+    calls: int = 0
+    route_s: float = 0.0  # orch's routing of the model calls, beyond their HTTP exchange (inside harness_s)
 
 
 class VerifiersRollouts:
@@ -69,9 +70,10 @@ class VerifiersRollouts:
         self.context = vf.ModelContext(
             model=section.model, client=adapter.client_config(self.route, section.model, section.renderer),
             sampling=vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens))
-        self.tasks = self.env.taskset if self.env.taskset.bounded else None
-        self._tasks: list = list(self.env.taskset) if self.tasks is not None else []
-        self._stream = None if self.tasks is not None else iter(self.env.taskset)
+        taskset = self.env.taskset
+        self._finite = taskset.bounded
+        self._tasks: list = list(taskset) if self._finite else []  # an infinite one: read as far as drawn
+        self._stream = None if self._finite else iter(taskset)
         self._serving: contextlib.AsyncExitStack | None = None
         self.tally = Tally()
 
@@ -91,8 +93,7 @@ class VerifiersRollouts:
             await self.weights.load(version, health_check)
 
     def task(self, cursor: int):
-        size = len(self._tasks) if self.tasks is not None else None
-        index = task_index(self.seed, cursor, size)
+        index = task_index(self.seed, cursor, len(self._tasks) if self._finite else None)
         if self._stream is not None:
             while len(self._tasks) <= index:
                 self._tasks.append(next(self._stream))
@@ -105,22 +106,22 @@ class VerifiersRollouts:
         (slot,) = self.env.slots(task, 1)
         sessions: list[str] = []
 
-        def minted(trace) -> None:  # before the trace's first model call
+        def minted(trace) -> None:  # verifiers mints a trace before its first model call
             sessions.append(trace.id)
             self.route.open(trace.id, pin=req.group_id)
 
+        sampled_at = loop.time()
         try:
-            sampled_at = loop.time()
             episode = await self.env.run_slot(slot, self.context, on_trace=minted)
-            harness_s = loop.time() - sampled_at
-            completed = self._completion(req, episode)
-        finally:
-            calls = {s: self.route.close(s) for s in sessions}
+        finally:  # cancelled too (drain, stop): its calls are forgotten with it
+            calls = {session: self.route.close(session) for session in sessions}
+        harness_s = loop.time() - sampled_at
+        completed = self._completion(req, episode, calls)
         self.tally.harness_s += harness_s
         self.tally.orch_s += loop.time() - began - harness_s
-        return completed(calls)
+        return completed
 
-    def _completion(self, req, episode) -> Callable[[dict], EpisodeCompleted]:
+    def _completion(self, req, episode, calls: dict) -> EpisodeCompleted:
         if not episode.ok:
             raise VerifiersEpisodeError(_first_error(episode))
         traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
@@ -130,30 +131,30 @@ class VerifiersRollouts:
         branches = [b for b in trace.branches if b.trainable]
         if not branches:
             raise VerifiersEpisodeError("the episode's trace has no trainable branch")
-        branch = branches[-1]
-        self.tally.episodes += 1
+        branch = branches[-1]  # the whole conversation; docs/verifiers.md: multi-branch episodes
+        made = calls.get(trace.id)
+        records = made.calls if made is not None else []
+        t = self.tally
+        t.episodes += 1
+        t.calls += len(records)
+        t.route_s += sum(c.route_s - c.http_s for c in records)
         if len(branches) > 1:
-            self.tally.split += 1
-            self.tally.untrained_tokens += sum(sum(b.sampled_mask) for b in branches[:-1])
-
-        def build(calls: dict) -> EpisodeCompleted:
-            made = calls.get(trace.id)
-            records = made.calls if made is not None else []
-            versions = [(c.policy_start, c.policy_end) for c in records] or [(req.policy_version,) * 2]
-            return EpisodeCompleted(
-                episode_id=req.episode_id, group_id=req.group_id, ok=True, reward=trace.reward,
-                token_ids=branch.token_ids, mask=[int(m) for m in branch.sampled_mask], logprobs=branch.logprobs,
-                policy_start=min(v[0] for v in versions), policy_end=max(v[1] for v in versions),
-                temperature=self.context.sampling.temperature)
-
-        return build
+            t.split += 1
+            t.untrained_tokens += sum(sum(b.sampled_mask) for b in branches[:-1])
+        versions = [(c.policy_start, c.policy_end) for c in records] or [(req.policy_version,) * 2]
+        return EpisodeCompleted(
+            episode_id=req.episode_id, group_id=req.group_id, ok=True, reward=trace.reward,
+            token_ids=branch.token_ids, mask=[int(m) for m in branch.sampled_mask], logprobs=branch.logprobs,
+            policy_start=min(v[0] for v in versions), policy_end=max(v[1] for v in versions),
+            temperature=self.context.sampling.temperature)
 
     def report(self) -> str:
         t = self.tally
         per = (lambda s: f"{1000 * s / t.episodes:.1f} ms") if t.episodes else (lambda s: "-")
         return (f"orch: verifiers: {t.episodes} episodes, {t.split} split into several branches "
-                f"({t.untrained_tokens} sampled tokens left out of their samples); per episode: harness "
-                f"{per(t.harness_s)}, orch {per(t.orch_s)}; inference: {self.client.report()}")
+                f"({t.untrained_tokens} sampled tokens left out of their samples); per episode: verifiers "
+                f"{per(t.harness_s)} (orch's routing of its {t.calls} model calls: {per(t.route_s)}), orch "
+                f"{per(t.orch_s)}; inference: {self.client.report()}")
 
     async def aclose(self) -> None:
         try:

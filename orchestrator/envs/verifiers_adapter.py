@@ -23,6 +23,7 @@ its calls saw (:class:`CallRecord`: the endpoint, the versions, vLLM's answer) a
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -65,6 +66,8 @@ class CallRecord:
     policy_start: int
     policy_end: int
     attempts: int
+    http_s: float  # the successful attempt's HTTP exchange
+    route_s: float = 0.0  # the whole call through the route (retries, JSON, the logprob shape)
 
 
 @dataclass
@@ -101,6 +104,7 @@ class GenerateRoute:
         rollout = self._sessions.get(session) if session else None
         if rollout is None:
             return _json(400, {"error": {"message": f"generate call of an unknown rollout (session {session!r})"}})
+        began = time.perf_counter()
         body = orjson.loads(request.content)
         try:
             record = await generate(self.client, body, pin=rollout.pin)
@@ -109,7 +113,9 @@ class GenerateRoute:
         except InferenceUnavailable as err:  # retries spent: verifiers fails the turn, orch the episode
             return _json(503, {"error": {"message": str(err)}})
         rollout.calls.append(record)
-        return _json(200, renderers_logprobs(orjson.loads(orjson.dumps(record.answer))))
+        answered = _json(200, renderers_logprobs(orjson.loads(orjson.dumps(record.answer))))
+        record.route_s = time.perf_counter() - began
+        return answered
 
     async def _forward_models(self) -> httpx.Response:
         for ep in self.client.endpoints:
@@ -144,21 +150,23 @@ async def generate(client: InferenceClient, body: dict[str, Any], *, pin: Any) -
             elif client.model is not None:
                 request["model"] = client.model
             start = client._known_version(ep)
+            sent = time.perf_counter()
             answer = await client._call(ep, "POST", GENERATE_PATH, request)
+            http_s = time.perf_counter() - sent
         except _Retryable as exc:
             if not exc.counted:
                 client.mark_down(ep, exc.message, exc.kind)
             errors.append(exc.message)
             tried.add(ep)
             if attempt >= client.max_attempts:
-                raise InferenceUnavailable(f"generate failed after {attempt} attempt(s): " + "; ".join(errors)) from None
+                raise InferenceUnavailable(f"generate failed after {attempt} attempt(s): {'; '.join(errors)}") from None
             client.retries += 1
             continue
         finally:
             ep.inflight -= 1
         client.mark_up(ep)
         ep.completed += 1
-        return CallRecord(ep.url, request, answer, start, max(start, client._known_version(ep)), attempt)
+        return CallRecord(ep.url, request, answer, start, max(start, client._known_version(ep)), attempt, http_s)
 
 
 class RoutedTransport(httpx.AsyncBaseTransport):

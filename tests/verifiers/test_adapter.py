@@ -125,7 +125,7 @@ def test_retries_are_bounded_and_a_rejected_request_is_not_retried():
         upstream = Upstream(fail=fail)
         _, route, http = routed(upstream)
 
-        async def main():
+        async def main(route=route, http=http):
             route.open("t", pin=1)
             return await generate(http, "t")
 
