@@ -83,12 +83,14 @@ def assert_log_invariants(run_dir, max_steps: int) -> None:
         assert e["policy_start"] <= e["policy_end"]
         assert len(e["token_ids"]) == len(e["mask"]) == len(e["logprobs"])
     from eventlog import EventLog
+    from orchestrator.core.state import conservation
     from replay.fold import fold_log
 
     with contextlib.closing(EventLog.open(run_dir / "events.db")) as log:
         state = fold_log(log).state
-    a = state.accounting
-    assert a.completed == len(completed)
+    holds, terms = conservation(state)  # every completed episode shipped, dropped or still held
+    assert holds, terms
+    assert state.acct.completed == len(completed)
 
 
 def wait_for_no_harness(timeout_s: float = 30.0) -> list[int]:
@@ -169,8 +171,14 @@ def test_sigkill_then_resume_reruns_inflight_episodes_and_ships_nothing_twice(tm
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert_log_invariants(run_dir, 3)
     (resume,) = events(run_dir, "run_resumed")
-    rerun = {e["episode_id"] for e in events_after(run_dir, "episode_dispatched", resume["from_seq"])}
-    assert set(inflight) <= rerun  # every episode in flight at the kill was run again
+    after = resume["from_seq"]
+    cancelled = {e["episode_id"]: e["reason"] for e in events_after(run_dir, "episode_cancelled", after)}
+    assert all(cancelled.get(episode) == "resume" for episode in inflight)  # lost, not counted as done
+    # Their groups get new members (same group, same task) unless the resume cancelled the group.
+    lost_groups = set(inflight.values())
+    redispatched = {e["group_id"] for e in events_after(run_dir, "episode_dispatched", after)}
+    dropped = {e["group_id"] for e in events_after(run_dir, "group_cancelled", after)}
+    assert lost_groups <= redispatched | dropped and lost_groups & redispatched
     assert wait_for_no_harness() == []
 
 
@@ -191,18 +199,19 @@ def killed_mid_flight(run_dir) -> bool:
     return False
 
 
-def in_flight_at_end(run_dir) -> list[int]:
+def in_flight_at_end(run_dir) -> dict[int, int]:
+    """Episode id -> group id of the episodes dispatched and not completed nor cancelled."""
     with contextlib.closing(sqlite3.connect(run_dir / "events.db", timeout=1)) as db:
         rows = db.execute("select kind, data from events where kind in "
                           "('episode_dispatched','episode_completed','episode_cancelled') order by seq").fetchall()
     open_ = {}
     for kind, data in rows:
-        episode = json.loads(data)["episode_id"]
+        event = json.loads(data)
         if kind == "episode_dispatched":
-            open_[episode] = True
+            open_[event["episode_id"]] = event["group_id"]
         else:
-            open_.pop(episode, None)
-    return sorted(open_)
+            open_.pop(event["episode_id"], None)
+    return open_
 
 
 def events_after(run_dir, kind: str, seq: int) -> list[dict]:
