@@ -247,6 +247,7 @@ RESUMABLE_FIELDS = frozenset({
     "trainer.exit_timeout_s", "rollout.env_server",
     "trainer.nproc", "trainer.ddp_backend", "inference.endpoints", "inference.request_timeout_s",
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
+    "verifiers.path", "verifiers.rollout_timeout_s", "verifiers.setup_timeout_s", "verifiers.scoring_timeout_s",
 })
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -182,3 +185,16 @@ def test_config_needs_endpoints_and_accepts_the_examples_tasksets():
     for taskset in ("orch_reverse_text", "orch_reverse_text_two_turn"):
         config = load_config(overrides=verifiers_config(taskset=taskset, path=[str(EXAMPLES)]))
         assert config.verifiers.taskset == taskset
+
+
+@pytest.mark.slow
+def test_orch_run_refuses_a_missing_taskset_before_the_run(tmp_path):
+
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path), "--name", "r",
+           *[arg for s in verifiers_config(taskset="orch_no_such_taskset") for arg in ("--set", s)]]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("orch: error: invalid config: ")
+    assert "no module 'orch_no_such_taskset'" in done.stderr
+    assert not (tmp_path / "r").exists()  # nothing was created
