@@ -52,6 +52,7 @@ def main() -> None:
 def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, max_steps, inference_urls, resume_dir,
                 progress_every, json_summary) -> None:
     """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
+    from orchestrator.observe.sinks import SinkUnavailable, check_installed
     from orchestrator.shell.progress import Progress
     from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_job
     from orchestrator.shell.loop import FinalizeError
@@ -78,21 +79,28 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
             if name is not None or runs_dir is not None:
                 fail("--resume takes the run directory; do not combine it with --name/--runs-dir", EXIT_USAGE)
             run = resume_run(resume_dir, sets, config_file)
+            try:
+                check_installed(run.config.metrics)
+            except SinkUnavailable:
+                run.log.close()
+                raise
             if run.resumed_from is None:
                 click.echo(f"orch: starting {run.run_dir} (it stopped before its first event was committed)")
             else:
                 click.echo(f"orch: resuming {run.run_dir} from event {run.resumed_from} (step {run.state.step}, version {run.state.version})")
         else:
-            run = create_run(load_config(config_file, sets))
+            config = load_config(config_file, sets)
+            check_installed(config.metrics)
+            run = create_run(config)
             click.echo(f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, {run.config.max_steps} steps)")
-    except (ConfigError, RunDirError, LogError, FoldError) as err:
-        fail(str(err), EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR)
+    except (ConfigError, RunDirError, LogError, FoldError, SinkUnavailable) as err:
+        fail(str(err), EXIT_USAGE if isinstance(err, (ConfigError, SinkUnavailable)) else EXIT_ERROR)
     except KeyboardInterrupt:  # e.g. while a resume folds a long log: nothing was logged yet
         fail("interrupted before the run started; nothing was logged", EXIT_INTERRUPTED)
     progress = Progress(every=progress_every)
     resume_hint = f"continue it with `orch run --resume {run.run_dir}` once fixed"
     try:
-        with run.log:
+        with run.log, progress.live(run.config.max_steps, run.state.step - 1):
             orch = run_job(run, progress)
     except _run_errors() as err:
         fail(f"{str(err) or type(err).__name__} ({resume_hint})")
@@ -149,10 +157,11 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     published, rollouts that would not stop; its message says what it waited for), an inference
     backend or env server that failed. Evaluated when an error is caught, so httpx is not
     imported by runs that do not use it."""
+    from orchestrator.observe.sinks import SinkFailed
     from orchestrator.shell.loop import BatchFileError, StalledError
     from orchestrator.shell.trainers import TrainerFailed
 
-    errors: list[type[BaseException]] = [TrainerFailed, StalledError, BatchFileError, LogError, TimeoutError]
+    errors: list[type[BaseException]] = [TrainerFailed, StalledError, BatchFileError, LogError, TimeoutError, SinkFailed]
     client = sys.modules.get("orchestrator.inference.client")
     if client is not None:
         errors.append(client.InferenceError)
@@ -174,10 +183,13 @@ def trainer_command(run_dir: Path) -> None:
 
 def _register_commands() -> None:
     from orchestrator.inference.server import serve_command
+    from orchestrator.observe.cli import export_command, plot_command
     from orchestrator.rollouts.env_server import env_server_command
     from replay.cli import replay_command
 
     main.add_command(env_server_command, "env-server")
+    main.add_command(export_command, "export")
+    main.add_command(plot_command, "plot")
     main.add_command(replay_command, "replay")
     main.add_command(serve_command, "serve")
 

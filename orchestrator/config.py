@@ -168,6 +168,39 @@ class LogConfig(_Section):
     snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
 
 
+class WandbSection(_Section):
+    """Log the run's per-step figures to Weights & Biases (needs `pip install 'orch[wandb]'`)."""
+
+    project: str = Field("orch", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user; None: your default)")
+    name: str | None = Field(None, description="W&B run name (None: the orch run's name)")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (None: WANDB_MODE, else online); offline needs no network")
+    dir: Path | None = Field(None, description="where W&B keeps its files (None: WANDB_DIR, else the run dir)")
+
+
+class TensorBoardSection(_Section):
+    """Log the run's per-step figures as TensorBoard scalars."""
+
+    log_dir: Path | None = Field(None, description="TensorBoard log dir (None: RUN_DIR/tensorboard)")
+
+
+class MetricsConfig(_Section):
+    """Metric sinks, off unless their section is given (`--set metrics.tensorboard=true`,
+    `--set metrics.wandb.project=NAME`); each is fed the rows of orchestrator/observe/rows.py."""
+
+    wandb: WandbSection | None = Field(None, description="W&B sink (off when absent)")
+    tensorboard: TensorBoardSection | None = Field(None, description="TensorBoard sink (off when absent)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switches(cls, data: Any) -> Any:
+        """`true` turns a sink on with its defaults, `false` off."""
+        if isinstance(data, dict):
+            data = {k: ({} if v is True else None if v is False else v) for k, v in data.items()}
+        return data
+
+
 class RunConfig(_Section):
     name: str = Field("default", description="run directory name under runs_dir (`orch run` without --name: run-YYYYmmdd-HHMMSS)")
     runs_dir: Path = Field(Path("runs"), description="where run directories live")
@@ -186,6 +219,7 @@ class RunConfig(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
     verifiers: VerifiersSection = Field(default_factory=VerifiersSection, description="the `verifiers` env: a "
                                         "verifiers (v1) taskset, its model calls through inference.endpoints")
 
@@ -249,6 +283,7 @@ RESUMABLE_FIELDS = frozenset({
     "inference.max_attempts", "inference.backoff_s", "inference.max_backoff_s", "inference.pin_groups",
     "verifiers.path", "verifiers.rollout_timeout_s", "verifiers.setup_timeout_s", "verifiers.scoring_timeout_s",
 })
+RESUMABLE_SECTIONS = frozenset({"metrics"})  # every field inside them may change on resume
 
 
 def config_hash(config_json: bytes) -> str:
@@ -286,7 +321,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def _set_path(data: dict, path: list[str], value: Any, source: str) -> None:
     node = data
     for part in path[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an optional section that is off (metrics.wandb)
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"{source}: {part!r} is not a section")
         node = child
@@ -335,4 +372,5 @@ def meaning_changes(stored: RunConfig, requested: RunConfig) -> list[str]:
     """Fields that differ between two configs and would change what the run computes."""
     old = _flatten(stored.model_dump(mode="json"))
     new = _flatten(requested.model_dump(mode="json"))
-    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS)
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS
+                  and k.partition(".")[0] not in RESUMABLE_SECTIONS)

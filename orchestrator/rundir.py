@@ -7,6 +7,7 @@ Layout of a run directory (``RUN_DIR``)::
     weights/step_N/              policy after training on batches 1..N (step_0 = warm start)
         model.pt                 state_dict (torch.save)
         policy.json              PolicyConfig
+        metrics.json             the trainer's figures of step N (see TRAINER_METRICS), written before STABLE
         STABLE                   marker, written (tmp + fsync + rename) only after the files above
     trainer_ckpt/ckpt.pt         trainer checkpoint (model + optimizer + step), replaced atomically
 
@@ -27,6 +28,8 @@ place, fsync the parent directory. A reader therefore sees either nothing or the
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import uuid
@@ -40,6 +43,12 @@ STABLE = "STABLE"
 MODEL_FILE = "model.pt"
 POLICY_FILE = "policy.json"
 CKPT_FILE = "ckpt.pt"
+METRICS_FILE = "metrics.json"
+# The figures every trainer reports for a step, in `weights/step_N/metrics.json` (a flat JSON
+# object of finite numbers; a trainer may add its own): `mismatch_kl` is KL(sampler || trainer)
+# over the sampled tokens, estimated from the batch's sampling logprobs and the trainer's own
+# before its update; `entropy` is the trainer's mean negative logprob of those tokens.
+TRAINER_METRICS = ("loss", "grad_norm", "entropy", "mismatch_kl", "tokens", "learning_rate", "step_time_s")
 TRAINER_CONFIG_FILE = "trainer.json"
 _TMP_MARK = ".tmp-"
 
@@ -157,6 +166,34 @@ def atomic_write_dir(dest: str | os.PathLike, write_files) -> Path:
         raise
     fsync_dir(dest.parent)
     return dest
+
+
+def write_metrics(wdir: str | os.PathLike, metrics: dict[str, float]) -> None:
+    """Write ``wdir/metrics.json`` (atomic). Call before :func:`mark_stable`: the orchestrator reads
+    it when it sees the marker."""
+    atomic_write_bytes(Path(wdir) / METRICS_FILE, orjson.dumps(metrics))
+
+
+def read_metrics(wdir: str | os.PathLike) -> tuple[dict[str, int | float] | None, list[str]]:
+    """The figures in ``wdir/metrics.json`` (None without one) and the names of the entries left
+    out because they are not finite numbers (or the file is not a JSON object: ``["*"]``)."""
+    try:
+        raw = (Path(wdir) / METRICS_FILE).read_bytes()
+    except FileNotFoundError:
+        return None, []
+    try:  # the stdlib's parser: it reads the NaN and Infinity a trainer's json.dump writes (refused below)
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        return None, ["*"]
+    kept, refused = {}, []
+    for name, value in doc.items():
+        if type(value) in (int, float) and math.isfinite(value):
+            kept[name] = value
+        else:
+            refused.append(name)
+    return kept, refused
 
 
 def mark_stable(wdir: str | os.PathLike) -> None:

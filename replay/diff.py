@@ -33,9 +33,11 @@ from eventlog import EventLog
 from replay.source import ReplayInputError, guarded, row_data
 
 LEVELS = ("batches", "accounting", "curriculum", "events")
-# Never compared: wall-clock durations (none are logged today; listed so a future one is masked)
-# and positions in a particular log (`run_resumed.from_seq` names a seq of *that* log).
-MASKED_FIELDS = frozenset({"ts", "duration_s", "elapsed_s", "wall_s", "latency_s", "from_seq"})
+# Never compared: wall-clock durations (none are logged today; listed so a future one is masked),
+# positions in a particular log (`run_resumed.from_seq` names a seq of *that* log), and the
+# trainer's measurements (`version_published.metrics`: step times, losses of nondeterministic
+# kernels), which no rule reads.
+MASKED_FIELDS = frozenset({"ts", "duration_s", "elapsed_s", "wall_s", "latency_s", "from_seq", "metrics"})
 MAX_FIELD_DIFFS = 25
 _MISSING = "<missing>"
 

@@ -7,7 +7,7 @@ from typing import Any
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
 from replay.fold import Folded, FoldError, fold_log
-from replay.source import REEXECUTED_META, ReplayInputError, one_line
+from replay.source import REEXECUTED_META, ReplayInputError, one_line, row_data
 
 
 def fold_run(log: EventLog, at: int | None = None) -> Folded:
@@ -70,9 +70,27 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
         "finalizing_per_env": dict(s.finalizing),
         "shipped_untrained_steps": list(s.shipped_batches),
         "accounting": _acct(s),
+        "trainer_metrics": trainer_metrics(log, folded.seq),
         "conservation": {"holds": holds, **terms},
         "state_hash": state_hash(s),
     }
+
+
+def trainer_metrics(log: EventLog, at: int) -> dict[int, dict[str, float]]:
+    """version -> the figures the trainer reported with it (`version_published.metrics`), up to
+    seq `at`; versions published without any are left out."""
+    out = {}
+    try:
+        for seq, _ts, _kind, data in log.read_raw(1, at, kinds=("version_published",)):
+            event = row_data(seq, data, str(log.path))
+            if isinstance(event, dict) and isinstance(event.get("metrics"), dict):
+                out[event["version"]] = event["metrics"]
+    except LogError as err:
+        raise ReplayInputError(one_line(str(err))) from None
+    return out
+
+
+TRAINER_METRICS_SHOWN = 10  # the table shows the newest versions; --json has them all
 
 
 def _acct(s: State) -> dict[str, Any]:
@@ -94,6 +112,12 @@ def _print_items(console, title: str, columns: tuple[str, ...], rows: list[tuple
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def _figure(value) -> str:
+    if value is None:
+        return ""
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
 
 
 def _ids(ids: list[int], limit: int = 12) -> str:
@@ -148,6 +172,12 @@ def render(summary: dict[str, Any], console) -> None:
                  [(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["background"]),
                    _ids(g["survivors"]), str(g["scored"]), g["error"] or "")
                   for g in summary["finalizing_groups"]])
+    metrics = summary["trainer_metrics"]
+    names = list(dict.fromkeys(name for figures in metrics.values() for name in figures))
+    shown = sorted(metrics)[-TRAINER_METRICS_SHOWN:]
+    _print_items(console, f"trainer metrics (the newest {len(shown)} of {len(metrics)} versions)"
+                 if len(shown) < len(metrics) else "trainer metrics", ("version", *names),
+                 [(str(v), *(_figure(metrics[v].get(name)) for name in names)) for v in shown], justify="right")
     t = Table(title="accounting", title_justify="left", show_header=False)
     t.add_column("total", style="bold")
     t.add_column("value", justify="right")

@@ -188,6 +188,9 @@ class GateChanged(_Model):
 class VersionPublished(_Model):
     kind: Literal["version_published"] = Field("version_published", exclude=True)
     version: int
+    # The trainer's figures for the step that made this version (rundir.TRAINER_METRICS), as it
+    # reported them; None before a trainer reported any (and in older logs). No rule reads them.
+    metrics: dict[str, int | float] | None = None
 
 
 class BatchShipped(_Model):

@@ -157,7 +157,7 @@ class DDPTrainer:
         if self.rank == 0:
             self.files.step = step
             self.files.save_checkpoint()
-            self.files.publish(step)
+            self.files.publish(step, stats.metrics(self.files.lr_at(step)))
         return stats
 
     def run(self) -> None:

@@ -282,6 +282,13 @@ class StepStats:
     reward_mean: float | None
     wait_s: float
     train_s: float
+    entropy: float | None = None  # mean negative logprob of the sampled tokens under the trainer's policy
+
+    def metrics(self, learning_rate: float) -> dict[str, float]:
+        """The step's figures for weights/step_N/metrics.json (rundir.TRAINER_METRICS)."""
+        out = {"loss": self.loss, "grad_norm": self.grad_norm, "mismatch_kl": self.kl, "tokens": self.tokens,
+               "learning_rate": learning_rate, "step_time_s": self.train_s}
+        return out if self.entropy is None else {**out, "entropy": self.entropy}
 
     def line(self) -> str:
         rew = f" reward={self.reward_mean:.3f}" if self.reward_mean is not None else ""
@@ -358,7 +365,7 @@ class Trainer:
             p.requires_grad_(True)
         n_samples = int(batch.ids.shape[0])
         if batch.n_tokens == 0:
-            loss_v, info, gnorm = 0.0, {"clipfrac": 0.0, "kl": 0.0, "ratio_max": 1.0}, 0.0
+            loss_v, info, gnorm, entropy = 0.0, {"clipfrac": 0.0, "kl": 0.0, "ratio_max": 1.0}, 0.0, 0.0
             self.log(f"trainer step={batch.step}: batch has no sampled tokens; weights unchanged")
         else:
             new_lp = token_logprobs(model, batch.ids, batch.temperature)
@@ -370,6 +377,7 @@ class Trainer:
                 group["lr"] = self.lr_at(batch.step)
             self.optimizer.step()
             loss_v = float(loss.detach())
+            entropy = float(-(new_lp.detach() * batch.mask).sum() / batch.n_tokens)
         model.eval()
         adv = batch.advantages
         return StepStats(
@@ -383,6 +391,7 @@ class Trainer:
             kl=info["kl"],
             ratio_max=info["ratio_max"],
             grad_norm=gnorm,
+            entropy=entropy,
             reward_mean=(sum(batch.rewards) / len(batch.rewards)) if batch.rewards else None,
             wait_s=0.0,
             train_s=time.perf_counter() - t0,
@@ -405,7 +414,7 @@ class Trainer:
         stats.wait_s = wait_s
         self.step = step
         self.save_checkpoint()
-        self.publish(step)
+        self.publish(step, stats.metrics(self.lr_at(step)))
         return stats
 
     def wait_for(self, path: Path) -> None:
@@ -448,14 +457,17 @@ class Trainer:
         )
         files.atomic_write_bytes(files.ckpt_dir(self.run_dir) / files.CKPT_FILE, buf.getvalue())
 
-    def publish(self, version: int) -> Path:
-        """weights/step_{version} (atomic dir) then STABLE, then prune old versions. Idempotent."""
+    def publish(self, version: int, metrics: dict[str, float] | None = None) -> Path:
+        """weights/step_{version} (atomic dir), its metrics.json, then STABLE, then prune old
+        versions. Idempotent."""
         assert self.model is not None
         wdir = files.weights_dir(self.run_dir, version)
         if not files.is_stable(wdir):
             if wdir.exists():  # a leftover without STABLE: incomplete from an earlier crash
                 files.remove_dir_safely(wdir)
             save_weights(self.model, wdir)
+            if metrics is not None:
+                files.write_metrics(wdir, metrics)
             files.mark_stable(wdir)
         self.prune_weights(version)
         return wdir

@@ -96,13 +96,14 @@ class BackgroundFinalizer:
 
 class Orchestrator:
     def __init__(self, config: RunConfig, run_dir: Path, log, state: State, *, hooks: LoopHooks,
-                 algorithm: Algorithm, trainer, progress=None, stall_timeout_s: float | None = None):
+                 algorithm: Algorithm, trainer, progress=None, stall_timeout_s: float | None = None, sinks=None):
         self.config, self.run_dir, self.log, self.state = config, run_dir, log, state
         self.hooks, self.trainer, self.progress = hooks, trainer, progress
+        self.sinks = sinks  # observe.sinks.SinkFeeder: metric sinks fed from the committed log
         self.stall_timeout_s = stall_timeout_s or config.trainer.publish_timeout_s
         self._finalized: deque = deque()  # background results: settled before rollout outputs
         self._outcomes: deque[Outcome] = deque()
-        self._versions: deque[int] = deque()
+        self._versions: deque[tuple[int, dict | None]] = deque()  # (version, the trainer's metrics)
         self._control: deque = deque()  # stop requests
         self._wake: asyncio.Event | None = None
         self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized)
@@ -122,8 +123,8 @@ class Orchestrator:
         self._finalized.append(event)
         self._poke()
 
-    def publish_version(self, version: int) -> None:
-        self._versions.append(version)
+    def publish_version(self, version: int, metrics: dict | None = None) -> None:
+        self._versions.append((version, metrics))
         self._poke()
 
     def request_stop(self, reason: str) -> None:
@@ -171,7 +172,8 @@ class Orchestrator:
         for _ in range(min(len(outcomes), MAX_INPUTS_PER_ITERATION)):
             inputs.append(self._completion_of(outcomes.popleft()))
         while self._versions:
-            inputs.append(ev.VersionPublished(version=self._versions.popleft()))
+            version, metrics = self._versions.popleft()
+            inputs.append(ev.VersionPublished(version=version, metrics=metrics))
         while self._control:
             inputs.append(self._control.popleft())
         if inputs:
@@ -257,6 +259,8 @@ class Orchestrator:
                 self.trainer.batch_written(e.step, e.sha256)
                 if self.progress is not None:
                     self.progress.on_batch(e, self.state, self)
+        if self.sinks is not None and (shipped or any(event.kind == "version_published" for event in inputs)):
+            await self.sinks.feed(log.last_seq)  # the commits that complete rows
         if self.config.log.snapshot_every and log.last_seq - self._last_snapshot_seq >= self.config.log.snapshot_every:
             self._save_snapshot()
 

@@ -1,10 +1,15 @@
-"""The progress line (one per shipped batch) and the final summary."""
+"""The progress line (one per shipped batch) and the final summary. On a terminal, a live bar
+with the steps done and an ETA stays below the lines; in a pipe or CI, the plain lines only."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as Bar
 from rich.table import Table
 
 from orchestrator.core.state import State, conservation, state_hash
@@ -21,11 +26,30 @@ class Progress:
         self.every = every
         self.rewards: dict[int, float] = {}
         self.started = self._last = time.monotonic()
+        self._bar: Bar | None = None
+        self._bar_task = None
+
+    @contextmanager
+    def live(self, total_steps: int, done_steps: int) -> Iterator[None]:
+        """Show the live bar while the block runs, if the console is a terminal."""
+        if not self.console.is_terminal:
+            yield
+            return
+        self._bar = Bar(TextColumn("steps"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
+        self._bar_task = self._bar.add_task("steps", total=total_steps, completed=done_steps)
+        try:
+            with self._bar:
+                yield
+        finally:
+            self._bar = None
 
     def on_batch(self, event, state: State, loop) -> None:
         now = time.monotonic()
         step_time, self._last = now - self._last, now
         self.rewards[event.step] = event.reward_mean
+        if self._bar is not None:
+            self._bar.update(self._bar_task, completed=event.step, total=state.params.max_steps, refresh=True)
         if event.step % self.every and event.step != state.params.max_steps:
             return
         finalizing = sum(state.finalizing.values())

@@ -19,6 +19,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.state import State
 from orchestrator.rundir import batch_steps_on_disk, batches_dir
 from orchestrator.gc_tuning import tuned_gc
+from orchestrator.observe.sinks import build_feeder
 from orchestrator.shell.algorithms import make_algorithm
 from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
 from orchestrator.shell.progress import Progress
@@ -170,8 +171,8 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
     config, run_dir = run.config, run.run_dir
     holder: dict[str, Orchestrator] = {}
 
-    def publish(version: int) -> None:
-        holder["orch"].publish_version(version)
+    def publish(version: int, metrics: dict | None) -> None:
+        holder["orch"].publish_version(version, metrics)
 
     def version_now() -> int:
         return holder["orch"].state.version
@@ -212,7 +213,8 @@ def build_orchestrator(run: OpenedRun, progress: Progress | None) -> Orchestrato
                                        load_timeout_s=config.trainer.publish_timeout_s)
         on_version = rollout.load
     orch = Orchestrator(config, run_dir, run.log, run.state, hooks=LoopHooks(rollout, on_version),
-                        algorithm=make_algorithm(config), trainer=trainer, progress=progress)
+                        algorithm=make_algorithm(config), trainer=trainer, progress=progress,
+                        sinks=build_feeder(config.metrics, run_dir, run.log))
     holder["orch"] = orch
     return orch
 
@@ -406,6 +408,8 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
                 await asyncio.to_thread(orch.hooks.rollout.close)
             if env_client is not None:
                 await env_client.aclose()
+            if orch.sinks is not None:
+                await orch.sinks.aclose(run.log.last_seq, warn)
     finally:
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)

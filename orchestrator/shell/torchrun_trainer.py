@@ -18,10 +18,9 @@ Supervision of the process tree (orchestrator -> torchrun agent -> N ranks):
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.shell.trainers import ProcessTrainer
+from orchestrator.shell.trainers import ProcessTrainer, Publish
 
 
 def torchrun_command(run_dir: Path, nproc: int, backend: str = "auto") -> list[str]:
@@ -30,7 +29,7 @@ def torchrun_command(run_dir: Path, nproc: int, backend: str = "auto") -> list[s
 
 
 class TorchrunTrainer(ProcessTrainer):
-    def __init__(self, run_dir: Path, publish: Callable[[int], None], nproc: int, backend: str = "auto",
+    def __init__(self, run_dir: Path, publish: Publish, nproc: int, backend: str = "auto",
                  poll_s: float = 0.05):
         super().__init__(run_dir, publish, poll_s)
         self.nproc, self.backend = nproc, backend

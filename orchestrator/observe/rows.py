@@ -1,0 +1,99 @@
+"""A run's per-step figures, from its log's events: the one source of what the metric sinks show
+and `orch plot` draws.
+
+`StepRows.feed(ts, event)` folds one logged event (the reducer's own `evolve`, so buffered and
+finalizing mean what they mean in the run) and returns the rows it completes, each
+`(step, name, value)`:
+
+* at `batch_shipped` N: the batch (`reward/mean`, `lag/max`, `lag/mean`, `batch/samples`,
+  `batch/tokens`), the queue right after it (`queue/buffered`: completed episodes waiting to
+  train, queued or held by finalizing groups; `queue/finalizing`: groups finalizing in the
+  background; `version`), the waste so far (`waste/dropped`: completed episodes that will never
+  train, every reason; `waste/pct`: that share of the completions), and the throughput over the
+  last THROUGHPUT_WINDOW ships (`throughput/episodes_per_s`, `throughput/tokens_per_s`:
+  completions logged and their sampled tokens since the ship that many steps back, or since the
+  run (re)started, over the `ts` gap; over one ship it would read zero whenever two batches ship
+  in one commit);
+* at `version_published` N with metrics: `trainer/NAME` for each figure the trainer reported.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+from eventlog import EventLog
+from orchestrator.core import events as ev
+from orchestrator.core.evolve import FoldError, evolve
+from orchestrator.core.state import State
+from orchestrator.shell.progress import buffered_episodes
+
+Row = tuple[int, str, float]
+TRAINER_PREFIX = "trainer/"
+T = TypeVar("T")
+THROUGHPUT_WINDOW = 5
+
+
+class StepRows:
+    """Fold a run's events in log order (`feed`), returning the rows each one completes."""
+
+    def __init__(self) -> None:
+        self.state = State()
+        self._episodes = 0  # completions logged since the run (re)started
+        self._tokens = 0  # their sampled tokens
+        # (ts, episodes, tokens) at the (re)start and at each ship since: the last few
+        self._marks: deque[tuple[float, int, int]] = deque(maxlen=THROUGHPUT_WINDOW)
+
+    def feed(self, ts: float, event) -> list[Row]:
+        evolve(self.state, event)
+        kind = event.kind
+        if kind == "episode_completed":
+            self._episodes += 1
+            self._tokens += event.sampled_tokens
+        elif kind == "batch_shipped":
+            return self._ship_rows(ts, event)
+        elif kind == "version_published" and event.metrics:
+            return [(event.version, TRAINER_PREFIX + name, value) for name, value in event.metrics.items()]
+        elif kind in ("run_started", "run_resumed"):  # the time between a stop and its resume is no one's
+            self._episodes = self._tokens = 0
+            self._marks.clear()
+            self._marks.append((ts, 0, 0))
+        return []
+
+    def _ship_rows(self, ts: float, e: ev.BatchShipped) -> list[Row]:
+        s = self.state
+        dropped = sum(s.acct.dropped.values())
+        rows = [(e.step, "reward/mean", e.reward_mean), (e.step, "lag/max", e.off_policy_max),
+                (e.step, "lag/mean", e.off_policy_mean), (e.step, "batch/samples", len(e.trace_ids)),
+                (e.step, "batch/tokens", e.n_tokens), (e.step, "queue/buffered", buffered_episodes(s)),
+                (e.step, "queue/finalizing", sum(s.finalizing.values())), (e.step, "version", s.version),
+                (e.step, "waste/dropped", dropped),
+                (e.step, "waste/pct", 100.0 * dropped / s.acct.completed if s.acct.completed else 0.0)]
+        if self._marks and ts > self._marks[0][0]:
+            since, episodes, tokens = self._marks[0]
+            rows += [(e.step, "throughput/episodes_per_s", (self._episodes - episodes) / (ts - since)),
+                     (e.step, "throughput/tokens_per_s", (self._tokens - tokens) / (ts - since))]
+        self._marks.append((ts, self._episodes, self._tokens))
+        return rows
+
+
+def fold_events(log: EventLog, consume: Callable[[float, object], Iterable[T] | None], start: int = 1,
+                stop: int | None = None) -> Iterator[tuple[int, float, T]]:
+    """Hand each of the log's events `start..stop` to `consume(ts, event)`, in log order, and yield
+    (seq, ts, item) for what it returns. FoldError names the seq of an event this code cannot read
+    or fold."""
+    for seq, ts, kind, data in log.read_raw(start, stop):
+        try:
+            out = consume(ts, ev.decode_trusted(kind, data))
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise FoldError(seq, kind, err) from None
+        for item in out or ():
+            yield seq, ts, item
+
+
+def log_rows(log: EventLog, rows: StepRows | None = None, start: int = 1,
+             stop: int | None = None) -> Iterator[tuple[int, float, Row]]:
+    """(seq and ts of the event that completed it, row) for every row of the log's events
+    `start..stop`, folded into `rows` (a new StepRows by default)."""
+    return fold_events(log, (StepRows() if rows is None else rows).feed, start, stop)

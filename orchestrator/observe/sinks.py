@@ -1,0 +1,233 @@
+"""Metric sinks (W&B, TensorBoard), fed from the run's committed log.
+
+A sink is chosen by name (`SINKS`, the `metrics` config section of that name) and receives the
+rows of `observe.rows.StepRows`, so what it shows is what the log holds. The run feeds the sinks
+after each commit that completes rows (`SinkFeeder.feed`, on the effects side): the feeder reads
+the newly committed events back from the log, folds them, and hands each sink the rows it has
+not had yet. Which rows a sink has had is the seq of the last event whose rows it received, kept
+in `RUN_DIR/sinks.json` per sink target: a resumed run folds the whole log again (the rows'
+running figures need it) and writes only what lies beyond, so no step is written twice. (A crash
+between a sink's write and that record repeats that one feed's rows.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+from itertools import groupby
+from pathlib import Path
+from typing import Protocol
+
+import orjson
+
+from eventlog import EventLog
+from orchestrator.observe.rows import Row, StepRows, log_rows
+from orchestrator.rundir import atomic_write_bytes
+
+CURSORS_FILE = "sinks.json"
+CLOSE_TIMEOUT_S = 30.0  # the longest the end of a run waits for the sinks to finish writing
+
+
+class SinkUnavailable(ValueError):
+    """A sink the config asks for whose package is not installed; the message says how to get it."""
+
+
+class SinkFailed(RuntimeError):
+    """A sink could not start (W&B online without a login, a log dir that is a file) or failed
+    while writing; one-line message naming it."""
+
+
+class Sink(Protocol):
+    target: str  # what it writes to (a directory, a W&B run): the key of its record in sinks.json
+
+    def write(self, rows: Sequence[Row], wall_time: float) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardSink:
+    """Scalars in a TensorBoard log dir (tensorboard's own writer: no torch, no TensorFlow),
+    stamped with the log's time of the event that completed them."""
+
+    package, extra = "tensorboard", "tensorboard"
+
+    def __init__(self, section, run_dir: Path, identity: dict[str, str]):
+        from tensorboard.summary import Writer
+
+        log_dir = Path(section.log_dir) if section.log_dir is not None else run_dir / "tensorboard"
+        self.target = f"tensorboard:{log_dir.resolve()}"
+        self.writer = Writer(str(log_dir))
+
+    def write(self, rows: Sequence[Row], wall_time: float) -> None:
+        for step, name, value in rows:
+            self.writer.add_scalar(name, value, step, wall_time=wall_time)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run whose id is derived from the orch run's identity (its stored config hash), so a
+    resumed orch run continues the same W&B run. Every row is logged against its orch step
+    (`step`, the x axis of every chart), not W&B's own counter: a trainer's figures for step N
+    arrive after batch N+1 may have shipped."""
+
+    package, extra = "wandb", "wandb"
+
+    def __init__(self, section, run_dir: Path, identity: dict[str, str]):
+        import wandb
+
+        run_id = wandb_run_id(identity["config_hash"])
+        self.target = f"wandb:{section.entity or ''}/{section.project}/{run_id}"
+        self.run = wandb.init(
+            project=section.project, entity=section.entity, name=section.name or identity["name"], id=run_id,
+            resume="allow", mode=section.mode, dir=str(section.dir or os.environ.get("WANDB_DIR") or run_dir),
+            config=orjson.loads(identity["config"]),
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, rows: Sequence[Row], wall_time: float) -> None:
+        for step, items in groupby(rows, key=lambda row: row[0]):
+            self.run.log({"step": step, **{name: value for _, name, value in items}})
+
+    def flush(self) -> None:
+        """wandb sends in the background; finish() waits for it."""
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def wandb_run_id(config_hash: str) -> str:
+    return "orch-" + hashlib.sha256(config_hash.encode()).hexdigest()[:16]
+
+
+SINKS: dict[str, type] = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
+
+
+def configured_sinks(metrics) -> list[tuple[str, object]]:
+    """(name, config section) of every sink the `metrics` config section turns on, in SINKS order."""
+    return [(name, getattr(metrics, name)) for name in SINKS if getattr(metrics, name) is not None]
+
+
+def check_installed(metrics) -> None:
+    """SinkUnavailable (one line: how to install it) for a configured sink whose package is missing."""
+    for name, _ in configured_sinks(metrics):
+        cls = SINKS[name]
+        if importlib.util.find_spec(cls.package) is None:
+            raise SinkUnavailable(f"metrics.{name} needs the {cls.package} package: pip install 'orch[{cls.extra}]'")
+
+
+class SinkFeeder:
+    """Feeds the configured sinks from the run's log (see the module docs)."""
+
+    def __init__(self, db: Path, run_dir: Path, sinks: list[Sink]):
+        self.reader = EventLog.open_reader(db)
+        self.cursors_path = run_dir / CURSORS_FILE
+        self.sinks = sinks
+        self.rows = StepRows()
+        self.folded = 0  # the last seq folded into self.rows
+        cursors = read_cursors(self.cursors_path)
+        self.cursors = {sink.target: cursors.get(sink.target, 0) for sink in sinks}
+
+    def catch_up(self, last_seq: int) -> None:
+        """Fold the events up to `last_seq` and write the rows each sink has not had. Blocking."""
+        if last_seq <= self.folded:
+            return
+        for seq, ts, group in _grouped(log_rows(self.reader, self.rows, self.folded + 1, last_seq)):
+            for sink in self.sinks:
+                if seq > self.cursors[sink.target]:
+                    _guarded(sink, sink.write, group, ts)
+        self.folded = last_seq
+        for sink in self.sinks:
+            _guarded(sink, sink.flush)
+            self.cursors[sink.target] = max(self.cursors[sink.target], last_seq)
+        try:
+            atomic_write_bytes(self.cursors_path, orjson.dumps({**read_cursors(self.cursors_path), **self.cursors}))
+        except OSError as err:
+            raise SinkFailed(f"cannot record what the metric sinks have had in {self.cursors_path}: "
+                             f"{err.strerror or err}") from err
+
+    async def feed(self, last_seq: int) -> None:
+        await asyncio.to_thread(self.catch_up, last_seq)
+
+    async def aclose(self, last_seq: int, warn: Callable[[object], None], timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is left and close every sink, waiting at most `timeout_s` (a W&B upload can
+        be slow); past it, say so and go on (what was logged is in the log)."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._finish, last_seq), timeout_s)
+        except TimeoutError:
+            warn(f"the metric sinks were still writing {timeout_s:g}s after the run ended; left to finish on their own")
+        except SinkFailed as err:  # the run's own outcome stands; what the sink missed is in the log
+            warn(err)
+
+    def _finish(self, last_seq: int) -> None:
+        try:
+            self.catch_up(last_seq)
+        finally:
+            failures = []
+            for sink in self.sinks:  # every one is closed, whichever fails
+                try:
+                    _guarded(sink, sink.close)
+                except SinkFailed as err:
+                    failures.append(err)
+            self.reader.close()
+            if failures:
+                raise failures[0]
+
+
+def _guarded(sink, call, *args) -> None:
+    """`call(*args)`; a sink's own error (a W&B upload, a full disk) as SinkFailed naming the sink.
+    The run stops on it in one line and a resume writes what the sink missed."""
+    try:
+        call(*args)
+    except Exception as err:  # noqa: BLE001 - any error of a third-party sink, reported in one line
+        raise SinkFailed(f"metric sink {sink.target} failed: {type(err).__name__}: {_one_line(err)}") from err
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _grouped(rows) -> list[tuple[int, float, list[Row]]]:
+    """(seq, ts, rows) per event that completed rows."""
+    return [(seq, ts, [row for _, _, row in items])
+            for (seq, ts), items in groupby(rows, key=lambda item: (item[0], item[1]))]
+
+
+def read_cursors(path: Path) -> dict[str, int]:
+    try:
+        doc = orjson.loads(path.read_bytes())
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(v, int)} if isinstance(doc, dict) else {}
+
+
+def build_feeder(metrics, run_dir: Path, log: EventLog) -> SinkFeeder | None:
+    """The feeder of the sinks the config turns on (None if none), for the run whose log is `log`:
+    its identity (name, stored config and its hash) names the W&B run."""
+    configured = configured_sinks(metrics)
+    if not configured:
+        return None
+    meta = log.meta
+    identity = {"name": run_dir.name, "config_hash": meta["config_hash"], "config": meta["config"]}
+    sinks: list[Sink] = []
+    try:
+        for name, section in configured:
+            try:
+                sinks.append(SINKS[name](section, run_dir, identity))
+            except Exception as err:  # noqa: BLE001 - a third-party sink's errors have no common base
+                raise SinkFailed(f"metrics.{name}: cannot start: {type(err).__name__}: {_one_line(err)}") from err
+        return SinkFeeder(Path(log.path), run_dir, sinks)
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise

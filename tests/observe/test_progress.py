@@ -1,0 +1,93 @@
+"""`orch run`'s progress: on a terminal a live bar with an ETA under the step lines; in a pipe, the plain lines."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+
+from rich.console import Console
+
+from orchestrator.core.events import BatchShipped, CoreParams
+from orchestrator.core.state import State
+from orchestrator.shell.progress import Progress
+
+from .conftest import orch
+
+
+def _ship(progress: Progress, steps: range, max_steps: int) -> None:
+    state = State()
+    state.params = CoreParams(max_steps=max_steps)
+    for step in steps:
+        state.version = step - 1
+        progress.on_batch(BatchShipped(step=step, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=1,
+                                       off_policy_mean=0.5, reward_mean=0.25), state, None)
+
+
+def test_a_terminal_gets_the_live_bar_with_an_eta_and_every_step_line():
+    out = io.StringIO()
+    progress = Progress(Console(file=out, force_terminal=True, width=160, highlight=False, soft_wrap=True))
+    with progress.live(total_steps=4, done_steps=1):  # a resume: step 1 was done before
+        _ship(progress, range(2, 5), 4)
+    text = out.getvalue()
+    assert "\x1b[?25l" in text and text.endswith("\x1b[?25h")  # a live display: cursor hidden, then shown again
+    for step in (2, 3, 4):
+        assert f"step    {step}/4 | reward 0.250" in text
+    assert "━" in text and "ETA" in text
+    final_bar = text.rsplit("\r", 1)[-1]
+    assert "4/4" in final_bar and "ETA" in final_bar
+
+
+def test_a_pipe_gets_the_plain_lines_only():
+    out = io.StringIO()
+    progress = Progress(Console(file=out, highlight=False, soft_wrap=True))
+    with progress.live(total_steps=3, done_steps=0):
+        _ship(progress, range(1, 4), 3)
+    lines = out.getvalue().splitlines()
+    assert [line.rsplit(" | ", 1)[0] for line in lines] == [
+        f"step    {s}/3 | reward 0.250 | lag max 1 mean 0.50 | buffered 0 | finalizing 0 | in-flight 0 | v{s - 1}"
+        for s in (1, 2, 3)]
+    assert "\x1b" not in out.getvalue() and "ETA" not in out.getvalue()
+
+
+def test_orch_run_in_a_pipe_prints_plain_lines(tmp_path):
+    result = orch("run", "--env", "fake", "--trainer", "fake", "--max-steps", "3", "--runs-dir", str(tmp_path),
+                  "--name", "r")
+    assert result.returncode == 0, result.stderr
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step    1/3", "step    2/3", "step    3/3"]
+    assert "ETA" not in result.stdout and "\x1b" not in result.stdout
+
+
+def test_orch_run_on_a_terminal_shows_the_live_bar(tmp_path):
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--env", "fake", "--trainer", "fake",
+                             "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r"],
+                            stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                            env={**os.environ, "COLUMNS": "160"})
+    os.close(follower)
+    chunks = []
+    try:
+        while True:  # until the child closes its end of the terminal
+            if not select.select([leader], [], [], 120)[0]:
+                raise AssertionError("orch run wrote nothing for 120 s")
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every writer is gone
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.wait(timeout=120) == 0
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    assert "step    3/3 | reward" in plain
+    bars = [part for part in re.split(r"[\r\n]", plain) if "ETA" in part]
+    assert bars and "3/3" in bars[-1]  # the live bar, complete at the end
