@@ -36,6 +36,7 @@ from orchestrator.inference.client import (
     InferenceRequestError,
     InferenceUnavailable,
     _Retryable,
+    lora_name,
 )
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -127,46 +128,26 @@ class GenerateRoute:
 
 
 async def generate(client: InferenceClient, body: dict[str, Any], *, pin: Any) -> CallRecord:
-    """One ``/inference/v1/generate`` call with the client's routing, retries and versions: the
-    endpoint is brought to the run's newest weights first, and with LoRA weight sync the request
-    names that version's adapter. A transport or 5xx failure is retried on another endpoint (at
-    most ``max_attempts`` in all); a 4xx is the request's fault and raised at once."""
-    errors: list[str] = []
-    tried: set = set()
-    attempt = 0
-    while True:
-        ep = client.pick(pin, frozenset(tried))
-        if ep is None:  # every endpoint down: wait (cancellable) for the first to come back
-            await client._wait_for_an_endpoint()
-            continue
-        attempt += 1
-        ep.inflight += 1
-        ep.assigned += 1
-        try:
-            version = await client._ensure_version(ep)
-            request = dict(body)
-            if client.weight_sync == "vllm_lora" and version >= 0:
-                request["model"] = f"step_{version}"
-            elif client.model is not None:
-                request["model"] = client.model
-            start = client._known_version(ep)
-            sent = time.perf_counter()
-            answer = await client._call(ep, "POST", GENERATE_PATH, request)
-            http_s = time.perf_counter() - sent
-        except _Retryable as exc:
-            if not exc.counted:
-                client.mark_down(ep, exc.message, exc.kind)
-            errors.append(exc.message)
-            tried.add(ep)
-            if attempt >= client.max_attempts:
-                raise InferenceUnavailable(f"generate failed after {attempt} attempt(s): {'; '.join(errors)}") from None
-            client.retries += 1
-            continue
-        finally:
-            ep.inflight -= 1
-        client.mark_up(ep)
-        ep.completed += 1
-        return CallRecord(ep.url, request, answer, start, max(start, client._known_version(ep)), attempt, http_s)
+    """One ``/inference/v1/generate`` call with the client's routing, retries and versions
+    (:meth:`InferenceClient.routed`): the endpoint is brought to the run's newest weights first,
+    and with LoRA weight sync the request names that version's adapter."""
+
+    async def send(ep) -> CallRecord:
+        version = await client._ensure_version(ep)
+        request = dict(body)
+        if client.weight_sync == "vllm_lora" and version >= 0:
+            request["model"] = lora_name(version)
+        elif client.model is not None:
+            request["model"] = client.model
+        start = client._known_version(ep)
+        sent = time.perf_counter()
+        answer = await client._call(ep, "POST", GENERATE_PATH, request)
+        http_s = time.perf_counter() - sent
+        return CallRecord(ep.url, request, answer, start, max(start, client._known_version(ep)), 0, http_s)
+
+    _, record, attempts = await client.routed(send, pin, "generate")
+    record.attempts = attempts
+    return record
 
 
 class RoutedTransport(httpx.AsyncBaseTransport):

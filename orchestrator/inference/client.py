@@ -41,9 +41,10 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 
@@ -52,6 +53,7 @@ from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_c
 
 WeightSync = Literal["orch", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
+T = TypeVar("T")
 
 log = logging.getLogger("orch.inference")
 
@@ -268,6 +270,44 @@ class InferenceClient:
             body["seed"] = seed
         if extra:
             body.update(extra)
+        expected = n * (len(prompt) if _is_batch(prompt) else 1)
+
+        async def send(ep: Endpoint) -> tuple[list[ParsedChoice], int, int]:
+            version = await self._ensure_version(ep)
+            request = dict(body)
+            adapter = lora_name(version) if self.weight_sync == "vllm_lora" and version >= 0 else None
+            if adapter is not None:
+                request["model"] = adapter
+            elif self.model is not None:
+                request["model"] = self.model
+            start_version = self._known_version(ep)
+            try:
+                answer = await self._call(ep, "POST", "/v1/completions", request)
+            except InferenceRequestError as exc:
+                if adapter is None or exc.status_code != 404 or adapter not in str(exc):
+                    raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
+                # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
+                # down, it gets the adapter again before it next serves (_ensure_version).
+                raise _Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
+            try:
+                choices, reported = parse_completion(answer, expected, where=f"{ep.url}/v1/completions")
+            except ProtocolError as exc:
+                raise InferenceRequestError(str(exc)) from None
+            if reported is not None:
+                return choices, reported, reported
+            if adapter is not None:
+                return choices, version, version
+            return choices, start_version, max(start_version, self._known_version(ep))
+
+        ep, (choices, policy_start, policy_end), attempts = await self.routed(send, pin, "completion")
+        return Completion(ep.url, choices, policy_start, policy_end, attempts)
+
+    async def routed(self, send: Callable[[Endpoint], Awaitable[T]], pin: Any = None,
+                     what: str = "request") -> tuple[Endpoint, T, int]:
+        """``send(endpoint)`` with the client's routing and retries: (the endpoint that answered,
+        its result, attempts). ``send`` raises ``_Retryable`` on a transport/server failure (the
+        endpoint is marked down, the next attempt goes to another) and InferenceRequestError on a
+        request the endpoint refused (raised at once)."""
         errors: list[str] = []
         tried: set[Endpoint] = set()
         attempt = 0
@@ -285,27 +325,7 @@ class InferenceClient:
             ep.inflight += 1
             ep.assigned += 1
             try:
-                version = await self._ensure_version(ep)
-                request = dict(body)
-                adapter = lora_name(version) if self.weight_sync == "vllm_lora" and version >= 0 else None
-                if adapter is not None:
-                    request["model"] = adapter
-                elif self.model is not None:
-                    request["model"] = self.model
-                start_version = self._known_version(ep)
-                try:
-                    answer = await self._call(ep, "POST", "/v1/completions", request)
-                except InferenceRequestError as exc:
-                    if adapter is None or exc.status_code != 404 or adapter not in str(exc):
-                        raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
-                    # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
-                    # down, it gets the adapter again before it next serves (_ensure_version).
-                    raise _Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
-                try:
-                    choices, reported = parse_completion(answer, n * (len(prompt) if _is_batch(prompt) else 1),
-                                                         where=f"{ep.url}/v1/completions")
-                except ProtocolError as exc:
-                    raise InferenceRequestError(str(exc)) from None
+                result = await send(ep)
             except _Retryable as exc:
                 if not exc.counted:
                     self.mark_down(ep, exc.message, exc.kind)
@@ -313,7 +333,7 @@ class InferenceClient:
                 tried.add(ep)
                 if attempt >= self.max_attempts:
                     raise InferenceUnavailable(
-                        f"completion failed after {attempt} attempt(s) on {len(tried)} endpoint(s): "
+                        f"{what} failed after {attempt} attempt(s) on {len(tried)} endpoint(s): "
                         + "; ".join(errors)) from None
                 continue
             finally:
@@ -323,11 +343,7 @@ class InferenceClient:
                     ep.probe = None
             self.mark_up(ep)
             ep.completed += 1
-            if reported is not None:
-                return Completion(ep.url, choices, reported, reported, attempt)
-            if self.weight_sync == "vllm_lora" and version >= 0:
-                return Completion(ep.url, choices, version, version, attempt)
-            return Completion(ep.url, choices, start_version, max(start_version, self._known_version(ep)), attempt)
+            return ep, result, attempt
 
     def _known_version(self, ep: Endpoint) -> int:
         if self.weight_sync == "none":
