@@ -198,3 +198,20 @@ def test_orch_run_refuses_a_missing_taskset_before_the_run(tmp_path):
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("orch: error: invalid config: ")
     assert "no module 'orch_no_such_taskset'" in done.stderr
     assert not (tmp_path / "r").exists()  # nothing was created
+
+
+def test_each_call_of_a_rollout_records_the_version_it_was_sampled_with():
+    upstream = Upstream()
+    client, route, http = routed(upstream)
+
+    async def main():
+        route.open("t", pin=1)
+        await client.load(0, "")
+        await generate(http, "t")
+        await client.load(1, "")  # a version published between the two turns of one episode
+        await generate(http, "t")
+        return route.close("t")
+
+    first, second = asyncio.run(main()).calls
+    assert (first.policy_start, first.policy_end, second.policy_start, second.policy_end) == (0, 0, 1, 1)
+    assert first.route_s >= first.http_s > 0
