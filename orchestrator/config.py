@@ -17,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from orchestrator.core.algorithms import BACKGROUND_ONLY
-from orchestrator.core.events import CoreParams
+from orchestrator.core.events import CoreParams, EvalParams
 from orchestrator.envs.verifiers_config import VerifiersSection
 from orchestrator.envs.verifiers_config import check as check_verifiers
 
@@ -163,6 +163,25 @@ def endpoint_base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
+class EvalConfig(_Section):
+    """Evaluations on a schedule (docs/evals.md): held-out tasks sampled beside training, outside
+    the train gate, never trained on. Off while `envs` is empty (the default)."""
+
+    envs: list[str] = Field(default_factory=list, description="envs to evaluate (train envs); empty = no evals")
+    every: int = Field(10, ge=1, description="an eval every N published versions, plus version 0 and the last")
+    num_tasks: int = Field(32, ge=1, description="held-out tasks per eval (the same ones at every version)")
+    samples_per_task: int = Field(4, ge=1, description="samples per task (the k of pass@k)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of eval episodes")
+    max_inflight: int = Field(16, ge=1, description="eval episodes in flight at once (apart from rollout.max_inflight)")
+
+    def core_params(self) -> EvalParams | None:
+        if not self.envs:
+            return None
+        return EvalParams(envs=self.envs, every=self.every, num_tasks=self.num_tasks,
+                          samples_per_task=self.samples_per_task, temperature=self.temperature,
+                          max_inflight=self.max_inflight)
+
+
 class LogConfig(_Section):
     durability: Literal["full", "normal"] = Field("full", description="SQLite synchronous=FULL or NORMAL")
     snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
@@ -219,13 +238,14 @@ class RunConfig(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the process that trains on the batches and publishes weights")
     log: LogConfig = Field(default_factory=LogConfig, description="the event log (`events.db`)")
     inference: InferenceSection = Field(default_factory=InferenceSection)
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluations on a schedule, off by default: docs/evals.md")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md")
     verifiers: VerifiersSection = Field(default_factory=VerifiersSection, description="the `verifiers` env: a "
                                         "verifiers (v1) taskset, its model calls through inference.endpoints")
 
     @model_validator(mode="after")
     def _known_envs(self) -> RunConfig:
-        unknown = sorted(set(self.envs) - KNOWN_ENVS)
+        unknown = sorted((set(self.envs) | set(self.eval.envs)) - KNOWN_ENVS)
         if unknown:
             raise ValueError(f"unknown env(s) {unknown}; known: {sorted(KNOWN_ENVS)}")
         if self.trainer.kind == "embedded" and set(self.envs) != {"reverse_text"}:
@@ -235,9 +255,14 @@ class RunConfig(_Section):
                 raise ValueError("env 'verifiers' runs alone (its episodes come whole from verifiers)")
             if not self.inference.endpoints:
                 raise ValueError("env 'verifiers' samples through inference.endpoints (vLLM with --enable-scale-out)")
+            if self.eval.envs:
+                raise ValueError("evals of env 'verifiers' are not supported yet: its tasksets have no held-out split")
             check_verifiers(self.verifiers)
         elif self.inference.endpoints and set(self.envs) != {"reverse_text"}:
             raise ValueError("inference endpoints sample reverse_text episodes only")
+        if self.rollout.env_server is not None and self.eval.envs:
+            raise ValueError("evals need held-out tasks (negative indices), which rollout.env_server does not serve; "
+                             "run the env in-process for evals")
         if self.rollout.env_server is not None and set(self.envs) != {"reverse_text"}:
             raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
         if self.trainer.kind == "fake" and "reverse_text" in self.envs:
@@ -266,7 +291,7 @@ class RunConfig(_Section):
             max_off_policy_steps=self.off_policy.max_off_policy_steps,
             max_finalizing_groups=self.algorithm.max_finalizing_groups, max_steps=self.max_steps,
             algorithm=self.algorithm.name, finalize_in_background=self.finalize_in_background(),
-            zero_output_batches=self.zero_output_batches,
+            zero_output_batches=self.zero_output_batches, eval=self.eval.core_params(),
         )
 
     def to_json(self) -> bytes:

@@ -32,6 +32,8 @@ class SimOptions:
     settle: str = "immediate"  # or "random"
     deliver_weight: float = 0.3  # relative chance a held finalize result is delivered
     reward_levels: int = 4  # rewards are k / reward_levels, so ties (zero advantages) happen
+    eval_weight: float = 1.0  # relative chance an in-flight eval episode completes
+    eval_off_version_rate: float = 0.0  # chance an eval sample comes from another version than its pin
 
 
 class SimWorld:
@@ -43,6 +45,7 @@ class SimWorld:
         self.log: list = []
         self.held_results: list[ev.GroupFinalized] = []
         self.dispatch_version: dict[int, int] = {}
+        self.eval_pins: dict[int, int] = {}  # eval episode -> the version it is pinned to
 
     def feed(self, event) -> list:
         """Hand one input to the core; log it with its decisions; react to the decisions."""
@@ -52,6 +55,8 @@ class SimWorld:
         for decision in decisions:
             if decision.kind == "episode_dispatched":
                 self.dispatch_version[decision.episode_id] = decision.policy_version
+            elif decision.kind == "eval_episode_dispatched":
+                self.eval_pins[decision.episode_id] = decision.policy_version
             elif decision.kind == "finalize_started" and finalizes_in_background(self.state, decision):
                 self._finalize_in_background(decision)
         return decisions
@@ -89,11 +94,27 @@ class SimWorld:
             policy_start=start, policy_end=self.state.version,
         )
 
+    def eval_completion(self, episode_id: int, ok: bool | None = None) -> ev.EvalEpisodeCompleted:
+        """A seeded result for an in-flight eval episode; success is reward 1 (as in reverse_text)."""
+        o, rng = self.options, self.rng
+        pin = self.eval_pins[episode_id]
+        version = pin + 1 if rng.random() < o.eval_off_version_rate else pin
+        if ok is None:
+            ok = rng.random() >= o.error_rate
+        reward = rng.randint(0, o.reward_levels) / o.reward_levels if ok else 0.0
+        return ev.EvalEpisodeCompleted(
+            episode_id=episode_id, eval_id=self.state.evals.inflight[episode_id], ok=ok, reward=reward,
+            success=reward == 1.0 if ok else None, sampled_tokens=rng.randint(o.min_tokens, o.max_tokens) if ok else 0,
+            policy_start=version, policy_end=version, error=None if ok else "sim: env error",
+        )
+
     def actions(self) -> list[tuple[str, float]]:
         s, o = self.state, self.options
         acts = []
         if s.inflight:
             acts.append(("complete", 1.0))
+        if s.evals.inflight:  # never with evals off: the draws of a run without evals are unchanged
+            acts.append(("complete_eval", o.eval_weight))
         if s.version < s.step - 1:
             acts.append(("publish", o.publish_weight))
         if self.held_results:
@@ -114,6 +135,9 @@ class SimWorld:
         if name == "complete":
             inflight = list(self.state.inflight)
             self.feed(self.completion(inflight[self.rng.randrange(len(inflight))]))
+        elif name == "complete_eval":
+            inflight = list(self.state.evals.inflight)
+            self.feed(self.eval_completion(inflight[self.rng.randrange(len(inflight))]))
         elif name == "publish":
             self.feed(ev.VersionPublished(version=self.state.version + 1))
         else:

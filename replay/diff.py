@@ -13,6 +13,7 @@ Levels (what "equivalent" means):
                  (`episode_cancelled`, `group_cancelled`) and sampled (shipped), then the
                  accounting totals of the folded end states.
 * ``curriculum`` the order of (env, task_id) over the `group_dispatched` decisions.
+* ``evals``      the eval results (`eval_completed`), field by field: env, pinned version, figures.
 * ``events``     every event, inputs and decisions, in order.
 
 Timestamps (the `ts` column) are never compared; fields that hold durations or positions in the
@@ -32,7 +33,7 @@ import orjson
 from eventlog import EventLog
 from replay.source import ReplayInputError, guarded, row_data
 
-LEVELS = ("batches", "accounting", "curriculum", "events")
+LEVELS = ("batches", "accounting", "curriculum", "evals", "events")
 # Never compared: wall-clock durations (none are logged today; listed so a future one is masked),
 # positions in a particular log (`run_resumed.from_seq` names a seq of *that* log), and the
 # trainer's measurements (`version_published.metrics`: step times, losses of nondeterministic
@@ -225,6 +226,12 @@ def diff_curriculum(a: EventLog, b: EventLog) -> DiffResult:
     return DiffResult("curriculum", a.path, b.path, div is None, n, div)
 
 
+def diff_evals(a: EventLog, b: EventLog) -> DiffResult:
+    n, div = _compare_rows(a, b, ("eval_completed",),
+                           lambda i, s: f"eval result #{i + 1} ({s.data.get('env')} v{s.data.get('version')})")
+    return DiffResult("evals", a.path, b.path, div is None, n, div)
+
+
 def diff_events(a: EventLog, b: EventLog, chunk_size: int = 4096) -> DiffResult:
     n, div = _compare_rows(a, b, None, lambda i, s: f"event #{i + 1}", chunk=chunk_size)
     return DiffResult("events", a.path, b.path, div is None, n, div)
@@ -328,7 +335,7 @@ def diff_accounting(a: EventLog, b: EventLog) -> DiffResult:
 
 
 DIFFERS = {"batches": diff_batches, "accounting": diff_accounting, "curriculum": diff_curriculum,
-           "events": diff_events}
+           "evals": diff_evals, "events": diff_events}
 
 
 def diff_logs(a: EventLog, b: EventLog, level: str = "batches") -> DiffResult:
@@ -384,7 +391,7 @@ def render_divergence(div: Divergence, console, a_label: str = "A", b_label: str
 
 def render_result(result: DiffResult, console) -> None:
     unit = {"batches": "batches", "accounting": "accounting items", "curriculum": "group dispatches",
-            "events": "events"}[result.level]
+            "evals": "eval results", "events": "events"}[result.level]
     if result.equivalent:
         console.print(f"equivalent at the {result.level} level: {result.compared} {unit} compared")
     else:

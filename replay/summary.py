@@ -6,6 +6,7 @@ from typing import Any
 
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
+from orchestrator.shell.progress import eval_result_dict
 from replay.fold import Folded, FoldError, fold_log
 from replay.source import REEXECUTED_META, ReplayInputError, one_line, row_data
 
@@ -70,12 +71,26 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
         "finalizing_per_env": dict(s.finalizing),
         "shipped_untrained_steps": list(s.shipped_batches),
         "accounting": _acct(s),
+        "evals": _evals(s),
         "trainer_metrics": trainer_metrics(log, folded.seq),
         "conservation": {"holds": holds, **terms},
         "state_hash": state_hash(s),
     }
 
 
+def _evals(s: State) -> dict[str, Any] | None:
+    """Eval results per version, the evals still open, and the evals' own accounting (None: the
+    run has no evals)."""
+    if s.params is None or s.params.eval is None:
+        return None
+    e = s.evals
+    return {
+        "results": [eval_result_dict(r) for r in e.results],
+        "open": [{"eval_id": x.eval_id, "env": x.env, "version": x.version, "samples": x.size,
+                  "scored": len(x.scored), "failures": x.failures, "off_version": x.off_version,
+                  "inflight": len(x.inflight)} for x in e.open.values()],
+        "accounting": {name: getattr(e.acct, name) for name in type(e.acct).__slots__},  # type: ignore[attr-defined]
+    }
 def trainer_metrics(log: EventLog, at: int) -> dict[int, dict[str, float]]:
     """version -> the figures the trainer reported with it (`version_published.metrics`), up to
     seq `at`; versions published without any are left out."""
@@ -172,6 +187,17 @@ def render(summary: dict[str, Any], console) -> None:
                  [(str(g["group_id"]), g["env"], str(g["task_id"]), str(g["background"]),
                    _ids(g["survivors"]), str(g["scored"]), g["error"] or "")
                   for g in summary["finalizing_groups"]])
+    evals = summary.get("evals")
+    if evals is not None:
+        _print_items(console, "evals (per version)",
+                     ("env", "version", "reward", "pass@1", "pass@k", "scored", "tokens"),
+                     [(r["env"], str(r["version"]), _figure(r["reward_mean"]), _figure(r["pass_at_1"]),
+                       _figure(r["pass_at_k"]) + f" (k={r['k']})", str(r["scored"]), str(r["tokens"]))
+                      for r in evals["results"]], justify="right")
+        _print_items(console, "evals open", ("eval", "env", "version", "samples", "scored", "failures",
+                                             "off version", "in flight"),
+                     [tuple(str(x[k]) for k in ("eval_id", "env", "version", "samples", "scored", "failures",
+                                                "off_version", "inflight")) for x in evals["open"]])
     metrics = summary["trainer_metrics"]
     names = list(dict.fromkeys(name for figures in metrics.values() for name in figures))
     shown = sorted(metrics)[-TRAINER_METRICS_SHOWN:]

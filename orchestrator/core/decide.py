@@ -18,6 +18,9 @@ from collections.abc import Callable
 from orchestrator.core import events as ev
 from orchestrator.core.algorithms import INLINE_SCORERS
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
+from orchestrator.core.evals import (
+    accepted_eval_result, cancel_eval_episodes, evals_pending, on_eval_result, run_evals,
+)
 from orchestrator.core.evolve import evolve
 from orchestrator.core.rng import choose_by_ratio, uniform
 from orchestrator.core.state import Group, QueuedTrace, State, min_fresh_version
@@ -69,6 +72,8 @@ def _accepted(s: State, e) -> bool:
     if e.kind == "group_finalized":
         group = s.groups.get(e.group_id)
         return group is not None and group.finalizing
+    if e.kind == "eval_episode_completed":
+        return accepted_eval_result(s, e)
     return True
 
 
@@ -83,6 +88,7 @@ def common_tail(d: _Decisions) -> None:
         return
     ship_ready_batches(d)
     refill(d)
+    run_evals(d)  # outside the train gate (rule 1's eval traffic)
     finish_drain(d)
 
 
@@ -353,10 +359,11 @@ def start_drain(d: _Decisions) -> None:
 
 
 def finish_drain(d: _Decisions) -> None:
-    """Stop once the trainer has trained on the last batch shipped (the ship hold saw it coming).
-    That is batch max_steps, unless a resume lowered max_steps below what had already shipped."""
+    """Stop once the trainer has trained on the last batch shipped (the ship hold saw it coming)
+    and the evals still owed, the end's included, have reported (docs/evals.md). That is batch
+    max_steps, unless a resume lowered max_steps below what had already shipped."""
     s = d.state
-    if s.draining and not s.stopped and s.version >= s.step - 1:
+    if s.draining and not s.stopped and s.version >= s.step - 1 and not evals_pending(s):
         d.emit(ev.RunStopped.trusted(reason="completed"))
 
 
@@ -365,6 +372,7 @@ def stop_run(d: _Decisions, reason: str, error: bool = False) -> None:
     if not s.draining:
         d.emit(ev.DrainStarted.trusted(reason=reason))
     cancel_everything(d, "stop")
+    cancel_eval_episodes(d, "stop")
     update_dispatch_gate(d)
     d.emit(ev.RunStopped.trusted(reason=reason, error=error))
 
@@ -381,6 +389,7 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     s = d.state
     for episode_id in list(s.inflight):
         d.emit(ev.EpisodeCancelled.trusted(episode_id=episode_id, reason="resume"))
+    cancel_eval_episodes(d, "resume")
     oldest = min_fresh_version(s.params, s.step)
     stale_members = [
         trace_id for group in s.groups.values() if not group.finalizing
@@ -403,6 +412,13 @@ def on_run_started(d: _Decisions, e: ev.RunStarted) -> None:
     common_tail(d)
 
 
+def on_eval_episode_completed(d: _Decisions, e: ev.EvalEpisodeCompleted) -> None:
+    """An eval result changes nothing the train rules read: refill the eval permits, report a
+    finished eval, and stop if the drain waited only for it."""
+    on_eval_result(d, e)
+    finish_drain(d)
+
+
 def on_finalize_failed(d: _Decisions, e: ev.FinalizeFailed) -> None:
     """Rule 10: recorded; the shell re-raises the original error in its main loop."""
 
@@ -415,5 +431,6 @@ _INPUT_RULES: dict[str, Callable] = {
     "finalize_failed": on_finalize_failed,
     "version_published": on_version_published,
     "stop_requested": on_stop_requested,
+    "eval_episode_completed": on_eval_episode_completed,
 }
 assert set(_INPUT_RULES) == ev.INPUT_KINDS

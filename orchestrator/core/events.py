@@ -30,6 +30,24 @@ class _Model(BaseModel):
     trusted: ClassVar[Callable[..., Self]]
 
 
+class EvalParams(_Model):
+    """Evaluations on a schedule (docs/evals.md): held-out tasks sampled beside training, outside
+    the train gate, never trained on. Off unless `CoreParams.eval` is set."""
+
+    envs: list[str] = Field(min_length=1, description="envs to evaluate (each must be a train env)")
+    every: int = Field(10, ge=1, description="an eval every N published versions, plus version 0 and the last")
+    num_tasks: int = Field(16, ge=1, description="held-out tasks per eval (the same ones every time)")
+    samples_per_task: int = Field(4, ge=1, description="samples per task: the k of pass@k")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of eval episodes")
+    max_inflight: int = Field(16, ge=1, description="eval episodes in flight at once (apart from max_inflight)")
+
+    @model_validator(mode="after")
+    def _distinct_envs(self) -> EvalParams:
+        if len(set(self.envs)) != len(self.envs):
+            raise ValueError(f"eval envs must be distinct, got {self.envs}")
+        return self
+
+
 class CoreParams(_Model):
     """Every knob of the rules in docs/rules.md. Carried by `run_started`, so a log folds on its own."""
 
@@ -62,6 +80,9 @@ class CoreParams(_Model):
     zero_output_batches: int = Field(
         10, ge=1, description="batch-equivalents of zero output in a row that stop the run"
     )
+    # Left out of the JSON while None: a run without evals logs the `run_started` it always did.
+    eval: EvalParams | None = Field(None, exclude_if=lambda value: value is None,
+                                    description="evaluations on a schedule (None: none)")
 
     @model_validator(mode="after")
     def _check(self) -> CoreParams:
@@ -71,6 +92,9 @@ class CoreParams(_Model):
             raise ValueError(f"unknown algorithm {self.algorithm!r}; known: {sorted(KNOWN_ALGORITHMS)}")
         if self.algorithm in BACKGROUND_ONLY and not self.finalize_in_background:
             raise ValueError(f"algorithm {self.algorithm!r} calls a grader and must finalize in the background")
+        if self.eval is not None and not set(self.eval.envs) <= set(self.env_ratios):
+            raise ValueError(f"eval envs {self.eval.envs} must be train envs ({list(self.env_ratios)}): "
+                             "their rollouts run on the train envs' backends")
         return self
 
 
@@ -205,6 +229,82 @@ class BatchShipped(_Model):
     reward_mean: float
 
 
+# --- evaluations (docs/evals.md): their own events, apart from the train traffic ----------------
+
+
+class EvalStarted(_Model):
+    """Decision: evaluate `env` at `version` (pinned) on its held-out tasks. Task i of the eval is
+    group `first_group_id + i`, sampled `samples_per_task` times."""
+
+    kind: Literal["eval_started"] = Field("eval_started", exclude=True)
+    eval_id: int
+    env: str
+    version: int
+    task_ids: list[int]
+    first_group_id: int
+    samples_per_task: int
+    temperature: float
+
+
+class EvalEpisodeDispatched(_Model):
+    """Decision: sample `sample` (task `sample // samples_per_task`) of an eval, pinned to `policy_version`."""
+
+    kind: Literal["eval_episode_dispatched"] = Field("eval_episode_dispatched", exclude=True)
+    episode_id: int
+    eval_id: int
+    group_id: int
+    task_id: int
+    sample: int
+    attempt: int
+    policy_version: int
+
+
+class EvalEpisodeCompleted(_Model):
+    """Input: an eval episode's result. No token ids: an eval is never trained on, so only what
+    its figures need is logged. `success` is the env's success notion (None: it has none)."""
+
+    kind: Literal["eval_episode_completed"] = Field("eval_episode_completed", exclude=True)
+    episode_id: int
+    eval_id: int
+    ok: bool
+    reward: float = 0.0
+    success: bool | None = None
+    sampled_tokens: int = 0
+    policy_start: int
+    policy_end: int
+    error: str | None = None
+
+
+class EvalEpisodeCancelled(_Model):
+    """Decision: an eval episode's rollout is cancelled (stop) or lost (resume); either way its
+    eval stays open and the sample is taken again when the run goes on."""
+
+    kind: Literal["eval_episode_cancelled"] = Field("eval_episode_cancelled", exclude=True)
+    episode_id: int
+    reason: Literal["stop", "resume"]
+
+
+class EvalCompleted(_Model):
+    """Decision: an eval's result, from the samples taken by its pinned version (`scored`).
+    pass@1 is the success rate; pass@k (k = samples_per_task) the share of tasks with a success
+    among their scored samples; both None for an env without a success notion. `off_version`
+    samples were taken by another version: counted, never mixed into the figures."""
+
+    kind: Literal["eval_completed"] = Field("eval_completed", exclude=True)
+    eval_id: int
+    env: str
+    version: int
+    tasks: int
+    k: int
+    scored: int
+    failures: int
+    off_version: int
+    reward_mean: float | None
+    pass_at_1: float | None
+    pass_at_k: float | None
+    tokens: int
+
+
 class DrainStarted(_Model):
     kind: Literal["drain_started"] = Field("drain_started", exclude=True)
     reason: str
@@ -226,7 +326,8 @@ Event = Annotated[
         RunStarted, RunResumed, GroupDispatched, EpisodeDispatched, EpisodeCompleted,
         EpisodeCancelled, FinalizeStarted, GroupFinalized, FinalizeFailed, GroupSettled,
         GroupCancelled, TracesDropped, GateChanged, VersionPublished, BatchShipped,
-        DrainStarted, StopRequested, RunStopped,
+        DrainStarted, StopRequested, RunStopped, EvalStarted, EvalEpisodeDispatched, EvalEpisodeCompleted,
+        EvalEpisodeCancelled, EvalCompleted,
     ],
     Field(discriminator="kind"),
 ]
@@ -237,7 +338,7 @@ EVENT_TYPES: dict[str, type[_Model]] = {
 # Facts from the outside world; everything else is decided by the core.
 INPUT_KINDS = frozenset(
     {"run_started", "run_resumed", "episode_completed", "group_finalized", "finalize_failed",
-     "version_published", "stop_requested"}
+     "version_published", "stop_requested", "eval_episode_completed"}
 )
 
 _NESTED_KINDS = frozenset({"run_started"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from orchestrator.core import events as ev
-from orchestrator.core.state import Group, QueuedTrace, ShippedSample, State
+from orchestrator.core.state import Eval, EvalResult, Group, QueuedTrace, ShippedSample, State
 
 _ZERO_OUTPUT_CANCEL_REASONS = ("stale", "overload")
 
@@ -193,6 +193,69 @@ def _run_stopped(s: State, e: ev.RunStopped) -> None:
     s.stopped, s.stop_reason = True, e.reason
 
 
+# --- evaluations: their own state (`State.evals`), never the train accounting --------------------
+
+
+def _eval_started(s: State, e: ev.EvalStarted) -> None:
+    evals = s.evals
+    size = len(e.task_ids) * e.samples_per_task
+    evals.open[e.eval_id] = Eval(e.eval_id, e.env, e.version, list(e.task_ids), e.first_group_id,
+                                 e.samples_per_task, dict.fromkeys(range(size)))
+    evals.next_eval_id = e.eval_id + 1
+    evals.last_version = e.version
+    evals.acct.evals_started += 1
+    s.next_group_id = e.first_group_id + len(e.task_ids)  # one group per task, ids shared with train
+
+
+def _eval_episode_dispatched(s: State, e: ev.EvalEpisodeDispatched) -> None:
+    evals = s.evals
+    x = evals.open[e.eval_id]
+    del x.to_dispatch[e.sample]
+    x.inflight[e.episode_id] = e.sample
+    x.attempts += 1
+    evals.inflight[e.episode_id] = e.eval_id
+    evals.acct.dispatched += 1
+    s.next_episode_id = e.episode_id + 1  # ids shared with train: one id names one rollout
+
+
+def _eval_episode_completed(s: State, e: ev.EvalEpisodeCompleted) -> None:
+    evals, acct = s.evals, s.evals.acct
+    eval_id = evals.inflight.pop(e.episode_id, None)
+    if eval_id is None:  # its eval was cancelled, or it was re-run after a crash
+        acct.late += 1
+        return
+    x = evals.open[eval_id]
+    sample = x.inflight.pop(e.episode_id)
+    acct.completed += 1
+    if not e.ok:
+        x.failures += 1
+        acct.failures += 1
+    elif e.policy_start != x.version or e.policy_end != x.version:
+        x.off_version += 1
+        acct.off_version += 1
+    else:
+        x.scored[sample] = [e.reward, e.success, e.sampled_tokens]
+
+
+def _eval_episode_cancelled(s: State, e: ev.EvalEpisodeCancelled) -> None:
+    evals = s.evals
+    x = evals.open[evals.inflight.pop(e.episode_id)]
+    x.to_dispatch[x.inflight.pop(e.episode_id)] = None  # the sample is taken again if the run goes on
+    if e.reason == "resume":
+        evals.acct.rerun_attempts += 1
+    else:
+        evals.acct.cancelled_attempts += 1
+
+
+def _eval_completed(s: State, e: ev.EvalCompleted) -> None:
+    evals = s.evals
+    x = evals.open.pop(e.eval_id)
+    evals.results.append(EvalResult(e.eval_id, e.env, e.version, e.reward_mean, e.pass_at_1, e.pass_at_k, e.k,
+                                    e.scored, e.tokens))
+    evals.acct.reported += len(x.scored)
+    evals.acct.evals_completed += 1
+
+
 _REDUCERS: dict[str, Callable[[State, object], None]] = {
     "run_started": _run_started, "run_resumed": _run_resumed,
     "group_dispatched": _group_dispatched, "episode_dispatched": _episode_dispatched,
@@ -203,6 +266,9 @@ _REDUCERS: dict[str, Callable[[State, object], None]] = {
     "gate_changed": _gate_changed, "version_published": _version_published,
     "batch_shipped": _batch_shipped, "drain_started": _drain_started,
     "stop_requested": _stop_requested, "run_stopped": _run_stopped,
+    "eval_started": _eval_started, "eval_episode_dispatched": _eval_episode_dispatched,
+    "eval_episode_completed": _eval_episode_completed, "eval_episode_cancelled": _eval_episode_cancelled,
+    "eval_completed": _eval_completed,
 }
 assert set(_REDUCERS) == set(ev.EVENT_TYPES), "every event kind needs a reducer"
 

@@ -15,7 +15,8 @@ import orjson
 from orchestrator.core.events import CoreParams, EpisodeCompleted
 
 # 2: `params` is stored as its own JSON, so env_ratios keeps its order through a snapshot.
-REDUCER_VERSION = "orch-core-2"
+# 3: the evals' state (`State.evals`).
+REDUCER_VERSION = "orch-core-3"
 
 
 @dataclass(slots=True)
@@ -89,6 +90,73 @@ class Accounting:
 
 
 @dataclass(slots=True)
+class Eval:
+    """One open eval: an env at a pinned version. Sample i is of task i // samples_per_task."""
+
+    eval_id: int
+    env: str
+    version: int
+    task_ids: list[int]
+    first_group_id: int
+    samples_per_task: int
+    to_dispatch: dict[int, None] = field(default_factory=dict)  # sample indices (ordered set)
+    inflight: dict[int, int] = field(default_factory=dict)  # episode id -> sample index
+    attempts: int = 0  # eval episodes ever dispatched
+    scored: dict[int, list] = field(default_factory=dict)  # sample -> [reward, success, sampled tokens]
+    failures: int = 0
+    off_version: int = 0  # samples taken by another version than the pinned one
+
+    @property
+    def size(self) -> int:
+        return len(self.task_ids) * self.samples_per_task
+
+    @property
+    def done(self) -> bool:
+        return not self.to_dispatch and not self.inflight
+
+
+@dataclass(slots=True)
+class EvalResult:
+    """What `eval_completed` reported, kept for the summaries (one per eval: a few per run)."""
+
+    eval_id: int
+    env: str
+    version: int
+    reward_mean: float | None
+    pass_at_1: float | None
+    pass_at_k: float | None
+    k: int
+    scored: int
+    tokens: int
+
+
+@dataclass(slots=True)
+class EvalAccounting:
+    """Eval episodes, apart from the train accounting."""
+
+    dispatched: int = 0  # eval episode attempts started
+    completed: int = 0  # accepted results (scored, failed or off-version)
+    failures: int = 0
+    off_version: int = 0
+    cancelled_attempts: int = 0  # in flight at a stop (taken again if the run is resumed)
+    rerun_attempts: int = 0  # in flight at a crash, re-run on resume
+    late: int = 0  # results nobody waited for any more (ignored)
+    reported: int = 0  # scored samples in a completed eval's figures
+    evals_started: int = 0
+    evals_completed: int = 0
+
+
+@dataclass(slots=True)
+class EvalState:
+    open: dict[int, Eval] = field(default_factory=dict)  # eval id -> eval, oldest first
+    inflight: dict[int, int] = field(default_factory=dict)  # episode id -> eval id
+    next_eval_id: int = 1
+    last_version: int = -1  # version of the newest eval started (-1: none yet)
+    results: list[EvalResult] = field(default_factory=list)
+    acct: EvalAccounting = field(default_factory=EvalAccounting)
+
+
+@dataclass(slots=True)
 class State:
     params: CoreParams | None = None
     step: int = 1  # the next batch to ship
@@ -113,6 +181,7 @@ class State:
     finalize_errors: dict[int, str] = field(default_factory=dict)  # group id -> error
     last_reward_mean: float | None = None
     acct: Accounting = field(default_factory=Accounting)
+    evals: EvalState = field(default_factory=EvalState)
 
 
 def finalizes_in_background(s: State, started) -> bool:
@@ -151,6 +220,30 @@ def _group_from_dict(d: dict) -> Group:
     )
 
 
+def _evals_to_dict(e: EvalState) -> dict:
+    return {
+        "open": [[x.eval_id, x.env, x.version, x.task_ids, x.first_group_id, x.samples_per_task,
+                  list(x.to_dispatch), [[k, v] for k, v in x.inflight.items()], x.attempts,
+                  [[k, v] for k, v in x.scored.items()], x.failures, x.off_version] for x in e.open.values()],
+        "inflight": [[k, v] for k, v in e.inflight.items()], "next_eval_id": e.next_eval_id,
+        "last_version": e.last_version,
+        "results": [[getattr(r, n) for n in EvalResult.__slots__] for r in e.results],  # type: ignore[attr-defined]
+        "acct": {name: getattr(e.acct, name) for name in EvalAccounting.__slots__},  # type: ignore[attr-defined]
+    }
+
+
+def _evals_from_dict(d: dict) -> EvalState:
+    open_evals = {}
+    for (eval_id, env, version, task_ids, first_group_id, samples_per_task, to_dispatch, inflight, attempts,
+         scored, failures, off_version) in d["open"]:
+        open_evals[eval_id] = Eval(eval_id, env, version, task_ids, first_group_id, samples_per_task,
+                                   dict.fromkeys(to_dispatch), {k: v for k, v in inflight}, attempts,
+                                   {k: v for k, v in scored}, failures, off_version)
+    return EvalState(open=open_evals, inflight={k: v for k, v in d["inflight"]}, next_eval_id=d["next_eval_id"],
+                     last_version=d["last_version"], results=[EvalResult(*r) for r in d["results"]],
+                     acct=EvalAccounting(**d["acct"]))
+
+
 def state_to_dict(s: State) -> dict:
     acct = s.acct
     return {
@@ -176,6 +269,7 @@ def state_to_dict(s: State) -> dict:
         "finalize_errors": [[g, e] for g, e in s.finalize_errors.items()],
         "last_reward_mean": s.last_reward_mean,
         "acct": {name: getattr(acct, name) for name in Accounting.__slots__},  # type: ignore[attr-defined]
+        "evals": _evals_to_dict(s.evals),
     }
 
 
@@ -198,7 +292,7 @@ def state_from_dict(d: dict) -> State:
         gate_open=d["gate_open"], gate_reason=d["gate_reason"], draining=d["draining"],
         stopped=d["stopped"], stop_reason=d["stop_reason"],
         finalize_errors={g: e for g, e in d["finalize_errors"]},
-        last_reward_mean=d["last_reward_mean"], acct=Accounting(**d["acct"]),
+        last_reward_mean=d["last_reward_mean"], acct=Accounting(**d["acct"]), evals=_evals_from_dict(d["evals"]),
     )
 
 
@@ -228,4 +322,26 @@ def conservation(s: State) -> tuple[bool, dict[str, int]]:
     accounted = terms["shipped"] + terms["pending"] + terms["in_groups"] + terms["dropped"]
     # Every held trace must still be in `traces` (pending, grouped) or in a shipped batch.
     holds = accounted == terms["completed"] and len(s.traces) == terms["pending"] + terms["in_groups"]
+    if s.params is not None and s.params.eval is not None:
+        eval_holds, eval_terms = eval_conservation(s.evals)
+        holds = holds and eval_holds
+        terms.update(eval_terms)
+    return holds, terms
+
+
+def eval_conservation(e: EvalState) -> tuple[bool, dict[str, int]]:
+    """The evals' own terms: every eval attempt dispatched is in flight, completed, cancelled or
+    re-run; every scored completion is held by an open eval or reported by a completed one."""
+    a = e.acct
+    terms = {
+        "eval_dispatched": a.dispatched, "eval_completed": a.completed, "eval_inflight": len(e.inflight),
+        "eval_cancelled": a.cancelled_attempts, "eval_rerun": a.rerun_attempts, "eval_failures": a.failures,
+        "eval_off_version": a.off_version, "eval_held": sum(len(x.scored) for x in e.open.values()),
+        "eval_reported": a.reported,
+    }
+    attempts = terms["eval_completed"] + terms["eval_inflight"] + terms["eval_cancelled"] + terms["eval_rerun"]
+    scored = terms["eval_completed"] - terms["eval_failures"] - terms["eval_off_version"]
+    holds = (attempts == terms["eval_dispatched"]
+             and scored == terms["eval_held"] + terms["eval_reported"]
+             and len(e.inflight) == sum(len(x.inflight) for x in e.open.values()))
     return holds, terms

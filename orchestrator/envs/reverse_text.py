@@ -1,10 +1,17 @@
-"""reverse_text: reverse a short random string; answer inside <reversed_text>...</reversed_text>."""
+"""reverse_text: reverse a short random string; answer inside <reversed_text>...</reversed_text>.
+
+Held-out split (docs/evals.md): eval tasks are the negative indices (the train cursor starts at 0
+and only moves up) and, by content, the prompts of `is_held_out`: a train task never has one, an
+eval task always has one, whatever the seed. So no held-out prompt is ever trained on.
+Success notion (pass@k): a reward of 1.0, the exact reversal inside the tags.
+"""
 
 from __future__ import annotations
 
 import difflib
 import random
 import re
+import zlib
 
 from orchestrator.envs.base import Task
 
@@ -12,6 +19,18 @@ OPEN_TAG = "<reversed_text>"
 CLOSE_TAG = "</reversed_text>"
 ALPHABET = "abcdefgh"
 _ANSWER = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+HELD_OUT_EVERY = 8  # one prompt in this many (by content) is held out for evals
+MAX_DRAWS = 1000  # draws per task before the lengths are judged to leave one side of the split empty
+
+
+def is_held_out(prompt: str) -> bool:
+    """Is `prompt` on the held-out side of the split? A fixed function of its content."""
+    return zlib.crc32(prompt.encode()) % HELD_OUT_EVERY == 0
+
+
+def solved(reward: float) -> bool:
+    """reverse_text's success notion: the exact reversal."""
+    return reward == 1.0
 
 
 def extract_answer(completion: str) -> str | None:
@@ -42,11 +61,19 @@ class ReverseTextEnv:
         return {"seed": self.seed, "min_len": self.min_len, "max_len": self.max_len}
 
     def task(self, index: int) -> Task:
+        """Train tasks at index >= 0, held-out (eval) tasks at index < 0: each drawn until its
+        prompt is on its side of the split."""
         # A private RNG per task: tasks depend only on (seed, index), never on call order.
         rng = random.Random(f"reverse_text/{self.seed}/{index}")
-        length = rng.randint(self.min_len, self.max_len)
-        prompt = "".join(rng.choice(self.alphabet) for _ in range(length))
-        return Task(env=self.name, index=index, prompt=prompt, answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG)
+        held_out = index < 0
+        for _ in range(MAX_DRAWS):
+            length = rng.randint(self.min_len, self.max_len)
+            prompt = "".join(rng.choice(self.alphabet) for _ in range(length))
+            if is_held_out(prompt) == held_out:
+                return Task(env=self.name, index=index, prompt=prompt, answer=OPEN_TAG + prompt[::-1] + CLOSE_TAG)
+        side = "held-out" if held_out else "train"
+        raise ValueError(f"reverse_text: prompts of {self.min_len}..{self.max_len} letters from {self.alphabet!r} "
+                         f"leave (next to) no {side} prompt; allow longer prompts")
 
     def score(self, task: Task, completion: str) -> float:
         return reversal_reward(completion, task.prompt)

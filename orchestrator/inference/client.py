@@ -258,11 +258,15 @@ class InferenceClient:
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(self, prompt: str | list[int], *, n: int = 1, temperature: float = 1.0, max_tokens: int = 16,
-                       seed: int | None = None, pin: Any = None, extra: dict[str, Any] | None = None) -> Completion:
+                       seed: int | None = None, pin: Any = None, extra: dict[str, Any] | None = None,
+                       at_version: int | None = None) -> Completion:
         """Sample ``n`` completions of ``prompt`` (text or token ids) with token ids and logprobs.
 
         Retried on another endpoint after a transport/server failure (at most ``max_attempts``
-        attempts); the same ``seed`` is sent each time.
+        attempts); the same ``seed`` is sent each time. ``at_version`` (an eval pinned to it): with
+        ``vllm_lora`` the adapter of that version is asked for once the endpoint holds it (adapters
+        are immutable, one per version); the other modes sample with the weights the endpoint holds.
+        The completion reports the version that sampled it either way.
         """
         body: dict[str, Any] = {"prompt": prompt, "n": n, "temperature": temperature, "max_tokens": max_tokens,
                                 "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
@@ -274,6 +278,8 @@ class InferenceClient:
 
         async def send(ep: Endpoint) -> tuple[list[ParsedChoice], int, int]:
             version = await self._ensure_version(ep)
+            if at_version is not None and self.weight_sync == "vllm_lora":
+                version = min(version, at_version)
             request = dict(body)
             adapter = lora_name(version) if self.weight_sync == "vllm_lora" and version >= 0 else None
             if adapter is not None:

@@ -76,8 +76,14 @@ class InferenceRollouts:
         task = await self.env.task(req.task_id)
         prompt_ids = encode_prompt(task.prompt)
         seed = ((self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt) & 0x7FFF_FFFF_FFFF_FFFF
-        done = await self.client.complete(prompt_ids, n=1, temperature=self.temperature,
-                                          max_tokens=self.max_new_tokens, seed=seed, pin=req.group_id)
+        # An eval episode (req.eval_id) goes the same way at its own temperature, asking for its
+        # pinned version (which only vllm_lora adapters can give); the completion reports the
+        # version that sampled it, and the core counts one taken by another version than its
+        # eval's apart from the eval's figures (docs/evals.md).
+        temperature = self.temperature if req.temperature is None else req.temperature
+        done = await self.client.complete(prompt_ids, n=1, temperature=temperature, max_tokens=self.max_new_tokens,
+                                          seed=seed, pin=req.group_id,
+                                          at_version=None if req.eval_id is None else req.policy_version)
         (choice,) = done.choices
         if choice.prompt_ids is not None and list(choice.prompt_ids) != prompt_ids:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
@@ -86,7 +92,7 @@ class InferenceRollouts:
             reward=await self.env.score(task, choice.text), token_ids=prompt_ids + choice.token_ids,
             mask=[0] * len(prompt_ids) + [1] * len(choice.token_ids),
             logprobs=[0.0] * len(prompt_ids) + choice.logprobs,
-            policy_start=done.policy_start, policy_end=done.policy_end, temperature=self.temperature,
+            policy_start=done.policy_start, policy_end=done.policy_end, temperature=temperature,
         )
 
     def report(self) -> str:

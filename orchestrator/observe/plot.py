@@ -15,6 +15,9 @@ from orchestrator.observe.rows import TRAINER_PREFIX, log_rows
 # (title, y label, [(row name, line style, label)]): one panel each, in reading order.
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
     ("reward", "mean reward of the batch", (("reward/mean", "-", "mean"),)),
+    ("held-out evals (per version)", "mean reward / pass rate",
+     (("eval/reverse_text/reward_mean", "-", "reverse_text reward"), ("eval/reverse_text/pass_at_k", "--",
+      "reverse_text pass@k"), ("eval/fake/reward_mean", ":", "fake reward"))),
     ("off-policy lag", "steps", (("lag/max", "-", "max"), ("lag/mean", "--", "mean"))),
     ("waste (dropped %)", "% of completed episodes", (("waste/pct", "-", "dropped"),)),
     ("episodes/s", "completed episodes/s", (("throughput/episodes_per_s", "-", "episodes/s"),)),

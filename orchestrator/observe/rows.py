@@ -14,7 +14,9 @@ finalizing mean what they mean in the run) and returns the rows it completes, ea
   completions logged and their sampled tokens since the ship that many steps back, or since the
   run (re)started, over the `ts` gap; over one ship it would read zero whenever two batches ship
   in one commit);
-* at `version_published` N with metrics: `trainer/NAME` for each figure the trainer reported.
+* at `version_published` N with metrics: `trainer/NAME` for each figure the trainer reported;
+* at `eval_completed` for version N (docs/evals.md): `eval/ENV/reward_mean`, `eval/ENV/pass_at_1`
+  and `eval/ENV/pass_at_k`, those the env has.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from orchestrator.shell.progress import buffered_episodes
 
 Row = tuple[int, str, float]
 TRAINER_PREFIX = "trainer/"
+EVAL_PREFIX = "eval/"
+EVAL_FIGURES = ("reward_mean", "pass_at_1", "pass_at_k")
 T = TypeVar("T")
 THROUGHPUT_WINDOW = 5
 
@@ -55,6 +59,9 @@ class StepRows:
             return self._ship_rows(ts, event)
         elif kind == "version_published" and event.metrics:
             return [(event.version, TRAINER_PREFIX + name, value) for name, value in event.metrics.items()]
+        elif kind == "eval_completed":
+            return [(event.version, f"{EVAL_PREFIX}{event.env}/{name}", getattr(event, name))
+                    for name in EVAL_FIGURES if getattr(event, name) is not None]
         elif kind in ("run_started", "run_resumed"):  # the time between a stop and its resume is no one's
             self._episodes = self._tokens = 0
             self._marks.clear()

@@ -23,6 +23,7 @@ from orchestrator.core.state import REDUCER_VERSION, ShippedSample, State, final
 from orchestrator.rundir import atomic_write_bytes, batch_path
 from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.shell.algorithms import Algorithm
+from orchestrator.shell.evals import eval_request, eval_result
 from orchestrator.shell.rollouts import RolloutRequest
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
@@ -138,8 +139,14 @@ class Orchestrator:
         self._wake = asyncio.Event()
         self.feed: ExampleFeed = ExampleFeed()
         self.stream = run_examples(self.feed, self.hooks.rollout)
+        # Evals have a stream of their own: the drain closes the train stream, while evals go on
+        # to the end's eval (docs/evals.md). The core caps what is in flight; so does the stream.
+        self.eval_feed: ExampleFeed = ExampleFeed()
+        self.eval_stream = run_examples(self.eval_feed, self.hooks.rollout,
+                                        max_concurrency=self.config.eval.max_inflight)
         loop = asyncio.get_running_loop()
-        owned = [loop.create_task(self._forward_outcomes(), name="orch-outcomes"),
+        owned = [loop.create_task(self._forward_outcomes(self.stream), name="orch-outcomes"),
+                 loop.create_task(self._forward_outcomes(self.eval_stream), name="orch-eval-outcomes"),
                  loop.create_task(self.trainer.run(self.state.version), name="orch-trainer")]
         try:
             await self._handle([first_input])
@@ -157,8 +164,7 @@ class Orchestrator:
         finally:
             await self._shutdown(owned)
 
-    async def _forward_outcomes(self) -> None:
-        stream = self.stream
+    async def _forward_outcomes(self, stream) -> None:
         while await stream.wait_ready(None):
             self._outcomes.extend(stream.take_ready())
             self._poke()
@@ -180,8 +186,10 @@ class Orchestrator:
             self._last_input_at = time.monotonic()
         return inputs
 
-    def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted:
+    def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted | ev.EvalEpisodeCompleted:
         req: RolloutRequest = outcome.example
+        if req.eval_id is not None:
+            return eval_result(outcome)
         if outcome.exception is None:
             return outcome.result
         exc = outcome.exception
@@ -205,6 +213,8 @@ class Orchestrator:
         parts = []
         if s.inflight:
             parts.append(f"{len(s.inflight)} in-flight episodes")
+        if s.evals.inflight:
+            parts.append(f"{len(s.evals.inflight)} in-flight eval episodes")
         if self.finalizer.tasks:
             parts.append(f"{len(self.finalizer.tasks)} finalizing groups")
         parts.append(f"the trainer to publish version {s.version + 1}")
@@ -274,6 +284,13 @@ class Orchestrator:
                 self.feed.put(req, key=e.episode_id)
         elif kind == "episode_cancelled":
             self.stream.cancel(e.episode_id)
+        elif kind == "eval_episode_dispatched":
+            if e.episode_id in state.evals.inflight:  # not already cancelled in the same iteration
+                self.eval_feed.put(eval_request(state, e), key=e.episode_id)
+        elif kind == "eval_episode_cancelled":
+            self.eval_stream.cancel(e.episode_id)
+        elif kind == "eval_completed" and self.progress is not None:
+            self.progress.on_eval(e)
         elif kind == "finalize_started":
             if finalizes_in_background(state, e):
                 self.finalizer.start(e.group_id, [state.traces[t] for t in e.trace_ids])
@@ -345,10 +362,11 @@ class Orchestrator:
         cancellation is reported, not raised: the run's own outcome stands (its events are all
         committed), and the steps after it still run."""
         self._wake = None
-        try:
-            await self.stream.aclose(timeout=SHUTDOWN_STEP_S)
-        except TimeoutError as err:
-            warn(err)
+        for stream in (self.stream, self.eval_stream):
+            try:
+                await stream.aclose(timeout=SHUTDOWN_STEP_S)
+            except TimeoutError as err:
+                warn(err)
         await self.finalizer.aclose(timeout_s=SHUTDOWN_STEP_S)
         reloads = list(self._reloads)
         for task in owned + reloads:

@@ -53,12 +53,20 @@ class Progress:
         if event.step % self.every and event.step != state.params.max_steps:
             return
         finalizing = sum(state.finalizing.values())
+        latest_eval = ""
+        if state.evals.results:  # the newest eval's mean reward, and the version it evaluated
+            r = state.evals.results[-1]
+            latest_eval = f" | eval v{r.version} {'-' if r.reward_mean is None else f'{r.reward_mean:.3f}'}"
         self.console.print(
             f"step {event.step:>4}/{state.params.max_steps} | reward {event.reward_mean:.3f} "
             f"| lag max {event.off_policy_max} mean {event.off_policy_mean:.2f} "
             f"| buffered {buffered_episodes(state)} | finalizing {finalizing} "
-            f"| in-flight {len(state.inflight)} | v{state.version} | {step_time:.2f}s"
+            f"| in-flight {len(state.inflight)} | v{state.version} | {step_time:.2f}s{latest_eval}"
         )
+
+    def on_eval(self, event) -> None:
+        """One line per eval result (`eval_completed`)."""
+        self.console.print(f"eval {event.env} v{event.version} | {eval_figures_line(event)}")
 
     def summary(self, state: State, run_dir) -> dict:
         steps = sorted(self.rewards)
@@ -72,8 +80,33 @@ class Progress:
             "wall_s": time.monotonic() - self.started, "conservation": holds, **terms,
             "state_hash": state_hash(state),
         }
+        if state.params is not None and state.params.eval is not None:
+            out["evals"] = [eval_result_dict(r) for r in state.evals.results]
         table = Table(title="orch run summary", show_header=False)
         for key, value in out.items():
-            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+            if key == "evals":
+                for r in value:
+                    table.add_row(f"eval {r['env']} v{r['version']}", eval_figures_line(r))
+            else:
+                table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
         self.console.print(table)
         return out
+
+
+def eval_result_dict(r) -> dict:
+    """An eval's result (`EvalResult`) as the summaries show it."""
+    return {"env": r.env, "version": r.version, "reward_mean": r.reward_mean, "pass_at_1": r.pass_at_1,
+            "pass_at_k": r.pass_at_k, "k": r.k, "scored": r.scored, "tokens": r.tokens}
+
+
+def eval_figures_line(r) -> str:
+    """`reward 0.612 | pass@1 0.250 | pass@4 0.500 | 32 scored, 1234 tokens` from an eval's result
+    (the `eval_completed` event or its summary dict)."""
+    get = r.get if isinstance(r, dict) else lambda name: getattr(r, name)
+
+    def fig(value) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    return (f"reward {fig(get('reward_mean'))} | pass@1 {fig(get('pass_at_1'))} "
+            f"| pass@{get('k')} {fig(get('pass_at_k'))} "
+            f"| {get('scored')} scored, {get('tokens')} tokens")

@@ -29,6 +29,10 @@ class RolloutRequest(NamedTuple):
     task_id: int
     attempt: int
     policy_version: int
+    # An eval episode (docs/evals.md): sampled by `policy_version` exactly where the backend can
+    # hold it, at the eval's own temperature. None for train episodes.
+    eval_id: int | None = None
+    temperature: float | None = None
 
 
 class FakeEpisodeError(RuntimeError):
@@ -65,7 +69,9 @@ class FakeEnvRollouts:
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         cfg = self.config
         (latency, error, empty, length, reward, logprob_offset), token_ids = self._draws(req)
-        policy_start = self.version_now()
+        # The fake sampler holds any version: an eval episode is sampled by the one it is pinned to.
+        pinned = req.eval_id is not None
+        policy_start = req.policy_version if pinned else self.version_now()
         if cfg.latency_s > 0:
             jitter = 2 * latency / _U32 - 1
             await asyncio.sleep(max(0.0, cfg.latency_s + jitter * cfg.latency_jitter_s))
@@ -83,7 +89,7 @@ class FakeEnvRollouts:
             token_ids=list(token_ids[:n_total]),
             mask=self._masks[n_sampled][:],
             logprobs=self._prompt_logprobs + self._logprob_pool[offset:offset + n_sampled],
-            policy_start=policy_start, policy_end=self.version_now(),
+            policy_start=policy_start, policy_end=policy_start if pinned else self.version_now(),
         )
 
 
@@ -114,6 +120,8 @@ class EmbeddedRollouts:
         self.sampler = EmbeddedSampler()
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
+        self._pinned: EmbeddedSampler | None = None  # the version the current eval is pinned to
+        self._pinned_lock = asyncio.Lock()
         # Sampling threads mostly wait for the coalescing leader; their own pool keeps them from
         # starving weight reloads (which use the loop's default executor).
         self._pool = ThreadPoolExecutor(max_workers=SAMPLING_THREADS, thread_name_prefix="orch-sampler")
@@ -141,12 +149,28 @@ class EmbeddedRollouts:
         """Stop the sampling threads (a running forward pass finishes; nothing new starts)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    async def _sampler_at(self, version: int):
+        """The policy at exactly `version`, for an eval episode: a sampler of its own, loaded from
+        `weights/step_{version}` and kept for the eval's next samples (the train sampler moves on
+        to newer versions meanwhile). A version whose weights the trainer already pruned fails
+        the episode."""
+        from orchestrator.embedded.policy import EmbeddedSampler
+        from orchestrator.rundir import weights_dir
+
+        async with self._pinned_lock:
+            if self._pinned is None or self._pinned.version != version:
+                self._pinned = await asyncio.to_thread(EmbeddedSampler.from_weights, weights_dir(self.run_dir, version),
+                                                       version)
+            return self._pinned
+
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         task = await self.env.task(req.task_id)
         seed = (self.seed << 32) ^ (req.episode_id << 4) ^ req.attempt
+        sampler = self.sampler if req.eval_id is None else await self._sampler_at(req.policy_version)
+        temperature = self.temperature if req.temperature is None else req.temperature
         # Coalesced: concurrent episodes' requests are sampled in one batched forward pass.
-        sample = functools.partial(self.sampler.sample_coalesced, task.prompt, 1, temperature=self.temperature,
+        sample = functools.partial(sampler.sample_coalesced, task.prompt, 1, temperature=temperature,
                                    max_new_tokens=self.max_new_tokens, seed=seed)
         (completion,) = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
         version = completion.policy_version
@@ -154,5 +178,5 @@ class EmbeddedRollouts:
             episode_id=req.episode_id, group_id=req.group_id, ok=True,
             reward=await self.env.score(task, completion.text), token_ids=completion.token_ids,
             mask=completion.mask, logprobs=completion.full_logprobs, policy_start=version,
-            policy_end=version, temperature=self.temperature,
+            policy_end=version, temperature=temperature,
         )

@@ -36,16 +36,19 @@ class CoreMachine(RuleBasedStateMachine):
         target_lag=st.integers(0, 2), max_off=st.integers(0, 3), max_steps=st.integers(2, 7),
         background=st.booleans(), constant=st.booleans(), token_batch=st.sampled_from([None, None, 12]),
         cap=st.integers(1, 3),
+        evals=st.none() | st.builds(ev.EvalParams, envs=st.just(["a"]), every=st.integers(1, 3),
+                                    num_tasks=st.integers(1, 3), samples_per_task=st.integers(1, 3),
+                                    max_inflight=st.integers(1, 4)),
     )
     def setup(self, group_size, batch_size, max_inflight, target_lag, max_off, max_steps, background,
-              constant, token_batch, cap):
+              constant, token_batch, cap, evals):
         self.params = ev.CoreParams(
             env_ratios={"b": 2.0, "a": 1.0}, group_size=group_size, batch_size=batch_size,
             max_inflight=max_inflight, target_lag=target_lag, max_off_policy_steps=max_off,
             max_steps=max_steps, finalize_in_background=background, constant_trainer_batch_size=constant,
-            token_batch_size=token_batch, max_finalizing_groups=cap, zero_output_batches=50,
+            token_batch_size=token_batch, max_finalizing_groups=cap, zero_output_batches=50, eval=evals,
         )
-        self.world = SimWorld(self.params, seed=0, options=SimOptions(settle="random"))
+        self.world = SimWorld(self.params, seed=0, options=SimOptions(settle="random", eval_off_version_rate=0.2))
         self.world.start()
         self.checked = 0  # log entries whose decisions were checked against validation
 
@@ -56,6 +59,13 @@ class CoreMachine(RuleBasedStateMachine):
         episode_id = inflight[pick % len(inflight)]
         self.world.rng.seed(data.draw(st.integers(0, 10**6)))
         self.world.feed(self.world.completion(episode_id, ok=ok if not ok else None))
+
+    @precondition(lambda self: self.world.state.evals.inflight and not self.world.state.stopped)
+    @rule(pick=st.integers(0, 10**6), ok=st.booleans(), data=st.data())
+    def complete_eval_episode(self, pick, ok, data):
+        inflight = list(self.world.state.evals.inflight)
+        self.world.rng.seed(data.draw(st.integers(0, 10**6)))
+        self.world.feed(self.world.eval_completion(inflight[pick % len(inflight)], ok=ok if not ok else None))
 
     @precondition(lambda self: self.world.state.version < self.world.state.step - 1 and not self.world.state.stopped)
     @rule()
@@ -101,6 +111,23 @@ class CoreMachine(RuleBasedStateMachine):
             elif e.kind == "batch_shipped":
                 assert version >= e.step - 1 - self.params.target_lag, "ship hold"
                 assert e.off_policy_max <= self.params.max_off_policy_steps, "lag bound"
+
+    @invariant()
+    def evals_stay_apart_from_training(self):
+        """Held-out tasks never reach a train group; every eval sample is pinned to its eval's
+        version, and the run never stops completed while it still owes an eval."""
+        pins = {}
+        for e in self.world.log:
+            if e.kind == "group_dispatched":
+                assert e.task_id >= 0
+            elif e.kind == "eval_started":
+                assert all(t < 0 for t in e.task_ids)
+                pins[e.eval_id] = e.version
+            elif e.kind == "eval_episode_dispatched":
+                assert e.policy_version == pins[e.eval_id] and e.task_id < 0
+        s = self.world.state
+        if s.stop_reason == "completed" and s.params.eval is not None:
+            assert not s.evals.open and s.evals.last_version >= s.params.max_steps
 
     @invariant()
     def dispatch_gate_is_current(self):
@@ -247,6 +274,8 @@ _FINITE = st.floats(allow_nan=False, allow_infinity=False)  # events refuse NaN 
 def _values_of(annotation):
     if annotation is float:
         return _FINITE
+    if annotation == float | None:
+        return st.none() | _FINITE
     if annotation == list[float]:
         return st.lists(_FINITE, max_size=4)
     return st.from_type(annotation)

@@ -1,0 +1,39 @@
+"""The shell's side of evals (docs/evals.md): an `eval_episode_dispatched` decision becomes a
+rollout request for the same backends as train episodes, pinned to its eval's version at the
+eval's temperature; the rollout's outcome comes back as an `eval_episode_completed` input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator.core import events as ev
+from orchestrator.core.state import State
+from orchestrator.envs.reverse_text import solved as reverse_text_solved
+from orchestrator.rollouts.collect import Outcome
+from orchestrator.shell.rollouts import RolloutRequest
+
+# env -> its success notion (the "pass" of pass@k); an env without one reports no pass@k.
+SUCCESS: dict[str, Callable[[float], bool]] = {"reverse_text": reverse_text_solved}
+
+
+def eval_request(state: State, e: ev.EvalEpisodeDispatched) -> RolloutRequest:
+    x = state.evals.open[e.eval_id]
+    return RolloutRequest(e.episode_id, e.group_id, x.env, e.task_id, e.attempt, e.policy_version,
+                          eval_id=e.eval_id, temperature=state.params.eval.temperature)
+
+
+def eval_result(outcome: Outcome) -> ev.EvalEpisodeCompleted:
+    """The input for an eval rollout's outcome: a failure (the rollout raised or returned a
+    failed episode) or the figures of its completion, with the versions that sampled it."""
+    req: RolloutRequest = outcome.example
+    done: ev.EpisodeCompleted | None = outcome.result
+    if outcome.exception is not None or not done.ok:
+        error = done.error if outcome.exception is None else f"{type(outcome.exception).__name__}: {outcome.exception}"
+        return ev.EvalEpisodeCompleted(episode_id=req.episode_id, eval_id=req.eval_id, ok=False,
+                                       policy_start=req.policy_version, policy_end=req.policy_version, error=error)
+    success = SUCCESS.get(req.env)
+    return ev.EvalEpisodeCompleted(
+        episode_id=req.episode_id, eval_id=req.eval_id, ok=True, reward=done.reward,
+        success=None if success is None else success(done.reward), sampled_tokens=done.sampled_tokens,
+        policy_start=done.policy_start, policy_end=done.policy_end,
+    )
