@@ -200,7 +200,7 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
     (["--set", 'eval.envs=["reverse_text"]'], "orch: error: invalid config: eval envs ['reverse_text'] must be train "
      "envs (['fake']): their rollouts run on the train envs' backends"),
     (["--set", 'eval.envs=["nope"]'], "orch: error: invalid config: unknown env(s) ['nope']; known: ['fake', "
-     "'reverse_text']"),
+     "'reverse_text', 'verifiers']"),
     (["--set", 'eval.envs=["fake"]', "--set", "eval.max_inflight=0"], "orch: error: invalid config: "
      "eval.max_inflight: Input should be greater than or equal to 1"),
 ])
