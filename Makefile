@@ -18,6 +18,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
+	$(BIN)/python -m mypy orchestrator/core eventlog replay
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q

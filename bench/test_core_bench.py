@@ -22,7 +22,7 @@ from orchestrator.config import load_config
 from orchestrator.core import events as ev
 from orchestrator.core.decide import decide
 from orchestrator.core.events import INPUT_KINDS
-from orchestrator.core.state import State
+from orchestrator.core.state import initial_state
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.shell.runner import OpenedRun, run_async, run_job, run_on_new_loop
 from orchestrator.sim import SimOptions, SimWorld
@@ -40,7 +40,7 @@ def test_core_decide_evolve_throughput(benchmark):
     inputs, n_events = recorded_inputs()
 
     def refeed():
-        state = State()
+        state = initial_state(inputs[0].params)
         with tuned_gc():  # as inside `orch run`
             for event in inputs:
                 decide(state, event)
@@ -63,7 +63,8 @@ def _fake_config(tmp_path, name: str, max_steps: int, **sets):
 
 def run_pipeline(config, log) -> tuple[float, int]:
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    run = OpenedRun(config, config.run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+    params = config.core_params()
+    run = OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
     started = time.perf_counter()
     orch = run_job(run, None)  # on the event loop `orch run` uses
     elapsed = time.perf_counter() - started
@@ -117,7 +118,8 @@ def test_event_loop_lag_with_4k_in_flight(benchmark, tmp_path):
     async def main():
         config.run_dir.mkdir(parents=True, exist_ok=True)
         log = EventLog.create(config.run_dir / "events.db", durability="full")
-        run = OpenedRun(config, config.run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+        params = config.core_params()
+        run = OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
         samples, stop = [], asyncio.Event()
         probe = asyncio.create_task(_lag_probe(samples, 0.01, stop))
         orch = await run_async(run, None)

@@ -36,7 +36,8 @@ from replay.source import open_run
 
 N = int(os.environ.get("ORCH_REPLAY_BENCH_EVENTS", 1_000_000))
 SMALL = max(N // 10, 1000)
-GENERATOR_VERSION = "sim-v1"  # bump when the generator changes, to rebuild cached logs
+# Bump when the generator changes, to rebuild cached logs.
+GENERATOR_VERSION = f"sim-v1-events-v{ev.EVENT_SCHEMA_VERSION}"
 CACHE = Path(os.environ.get("ORCH_REPLAY_BENCH_CACHE", tempfile.gettempdir())) / "orch-replay-bench"
 ROOT = Path(__file__).resolve().parents[1]
 

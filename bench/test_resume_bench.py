@@ -18,9 +18,9 @@ import pytest
 from eventlog import EventLog
 from orchestrator.core import events as ev
 from orchestrator.core.state import REDUCER_VERSION, state_bytes, state_hash
+from orchestrator.fold import fold_log
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.sim import SimOptions, SimWorld
-from replay.fold import fold_log
 
 CACHE = Path(__file__).parent / "results" / ".cache"
 SIZES = {"10k": 10_000, "100k": 100_000, "1M": 1_000_000}
@@ -58,8 +58,9 @@ def logs():
     CACHE.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, n in SIZES.items():
-        # Keyed by the reducer version: the stored state hash and snapshot are in its format.
-        path = CACHE / f"resume-{name}-{REDUCER_VERSION}.db"
+        # Keyed by the reducer and event format versions: the stored state hash and snapshot are
+        # in the one's format, the events in the other's.
+        path = CACHE / f"resume-{name}-{REDUCER_VERSION}-events-v{ev.EVENT_SCHEMA_VERSION}.db"
         if not path.exists():
             started = time.perf_counter()
             build_log(path, n)

@@ -144,7 +144,7 @@ def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
 def check_version(raw: str | None, path: str) -> int:
     """Parse meta.format_version; refuse a newer one."""
     try:
-        version = int(raw)
+        version = int(raw)  # type: ignore[arg-type]  # None raises TypeError, reported below
     except (TypeError, ValueError):
         raise CorruptLogError(f"{path} has an invalid format_version {raw!r}") from None
     if version > FORMAT_VERSION:

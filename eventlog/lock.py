@@ -69,14 +69,15 @@ class WriterLock:
             os.close(fd)
             raise
         self._fd = fd
-        self._write_owner()
+        self._write_owner(fd)
         return self
 
-    def _write_owner(self) -> None:
+    @staticmethod
+    def _write_owner(fd: int) -> None:
         """Record our pid and host so a refused writer can say who holds the lock."""
         owner = f"{os.getpid()} {socket.gethostname()}\n".encode()
-        os.pwrite(self._fd, owner, 0)
-        os.ftruncate(self._fd, len(owner))
+        os.pwrite(fd, owner, 0)
+        os.ftruncate(fd, len(owner))
 
     @property
     def held(self) -> bool:

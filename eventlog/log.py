@@ -57,12 +57,12 @@ _SYNC = {"full": "FULL", "normal": "NORMAL"}
 # each statement step and must take it back afterwards; while the event loop is busy, every
 # take-back can wait for the interpreter's switch interval (5 ms). One step per row
 # (executemany) made a 500-row commit take 400 ms next to a busy thread; 256 rows per step
-# makes it 35 ms, and 20% faster on an idle interpreter too.
+# makes it 35 ms, and is faster on an idle interpreter too.
 _MAX_ROWS_PER_INSERT = 256
 _BUSY_TIMEOUT_S = 5.0
 _MAX_SEQ = (1 << 63) - 1
 # New logs use 16 KiB pages: a sequential read of the log (a fold) walks a quarter as many
-# pages as with SQLite's 4 KiB default, 15-25% faster on the 1M-event bench log.
+# pages as with SQLite's 4 KiB default (bench/test_replay_bench.py measures the fold).
 _PAGE_SIZE = 16384
 # Passive auto-checkpoint every ~4 MiB of WAL (SQLite's default), and a WAL
 # truncated back to this size whenever it is reset.
@@ -413,7 +413,7 @@ class EventLog:
             raise self._not_writable()
         if type(kind) is not str or not kind:
             raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
-        if type(data_json) is not str:
+        if not isinstance(data_json, str):
             try:
                 data_json = data_json.decode()
             except (AttributeError, UnicodeDecodeError) as e:
@@ -456,7 +456,7 @@ class EventLog:
     def _rederive_seq(self) -> None:
         """After a failed commit: the seq counter follows what is actually stored."""
         try:
-            self._last = self._conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            self._last = self._live_conn().execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         except sqlite3.Error:
             pass  # the original error is the one worth reporting
         self._next = self._last + 1
@@ -628,7 +628,7 @@ class EventLog:
         if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
             raise InvalidArgumentError(f"unknown checkpoint mode {mode!r}")
         try:
-            return tuple(self._conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone())
+            return tuple(self._live_conn().execute(f"PRAGMA wal_checkpoint({mode})").fetchone())
         except sqlite3.Error as e:
             raise self._error(e) from None
 
@@ -640,7 +640,7 @@ class EventLog:
                 return
         except OSError:
             return
-        conn = self._conn
+        conn = self._live_conn()
         try:
             # Short busy wait: the appending loop must not stall behind a slow reader.
             conn.execute(f"PRAGMA busy_timeout={_FORCE_CHECKPOINT_BUSY_MS}")
@@ -718,7 +718,7 @@ class EventLog:
     def _transact(self, work: Callable[[sqlite3.Connection], object]) -> None:
         """Run ``work(conn)`` in one BEGIN IMMEDIATE transaction. On any failure it is rolled
         back and the error propagates (SQLite errors as typed LogErrors)."""
-        conn = self._conn
+        conn = self._live_conn()
         try:
             conn.execute("BEGIN IMMEDIATE")
             work(conn)

@@ -1,52 +1,166 @@
-"""An in-memory stand-in with the writer API of EventLog, for measuring what durability costs
-(benchmarks run the same pipeline with the SQLite log and with this list)."""
+"""A recorder in memory with the writer API of EventLog: the same contract (seqs, atomic commits,
+reads, snapshots), nothing durable. Benchmarks run the same pipeline with the SQLite log and with
+this one to measure what durability costs; tests/eventlog/test_eventlog_conformance.py runs one
+suite over both."""
 
 from __future__ import annotations
 
 import hashlib
-import time
+import warnings
+from collections.abc import Iterable, Iterator
+from time import time as _time
+from types import TracebackType
 from typing import Any
 
+import orjson
+
 from .codec import encode
-from .log import Snapshot
+from .errors import InvalidArgumentError, InvalidEventError, LogClosedError
+from .log import Record, Snapshot
+
+
+def _check_kind(kind: object) -> None:
+    if type(kind) is not str or not kind:
+        raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
 
 
 class MemoryLog:
+    path = ":memory:"
+    is_writer = True
+
     def __init__(self) -> None:
-        self.rows: list[tuple[int, float, str, bytes]] = []
-        self._buffer: list[tuple[int, float, str, bytes]] = []
-        self.snapshots: list[Snapshot] = []
+        self._rows: list[tuple[int, float, str, bytes]] = []  # committed; row i holds seq i + 1
+        self._buffer: list[tuple[int, float, str, bytes]] | None = []  # None once closed
+        self._snapshots: dict[int, Snapshot] = {}
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
 
     @property
     def last_seq(self) -> int:
-        return len(self.rows)
+        self._open_buffer()
+        return len(self._rows)
 
     @property
     def next_seq(self) -> int:
-        return len(self.rows) + len(self._buffer) + 1
+        return len(self._rows) + len(self._open_buffer()) + 1
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer or ())
+
+    def _open_buffer(self) -> list[tuple[int, float, str, bytes]]:
+        if self._buffer is None:
+            raise LogClosedError("the in-memory log is closed")
+        return self._buffer
+
+    # --- appending ---------------------------------------------------------------------------
 
     def append(self, kind: str, data: Any) -> int:
+        self._open_buffer()
+        _check_kind(kind)
         return self.append_json(kind, encode(data))
 
-    def append_json(self, kind: str, data_json: bytes) -> int:
-        seq = self.next_seq
-        self._buffer.append((seq, time.time(), kind, data_json))
+    def append_json(self, kind: str, data_json: bytes | str) -> int:
+        # Inlined checks: this is the loop's hot path when a benchmark runs it instead of EventLog.
+        buffer = self._buffer
+        if buffer is None:
+            raise LogClosedError("the in-memory log is closed")
+        if type(kind) is not str or not kind:
+            _check_kind(kind)
+        if isinstance(data_json, str):
+            data = data_json.encode()
+        else:
+            try:
+                data_json.decode()
+            except (AttributeError, UnicodeDecodeError) as e:
+                raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
+            data = data_json if type(data_json) is bytes else bytes(data_json)
+        seq = len(self._rows) + len(buffer) + 1
+        buffer.append((seq, _time(), kind, data))
         return seq
 
     def commit(self) -> int:
-        self.rows.extend(self._buffer)
-        self._buffer.clear()
-        return self.last_seq
+        buffer = self._open_buffer()
+        self._rows.extend(buffer)
+        buffer.clear()
+        return len(self._rows)
 
-    def read_raw(self, start: int = 1, stop: int | None = None, kinds=None, chunk_size: int = 4096):
-        for row in self.rows[start - 1: stop]:
-            if kinds is None or row[2] in kinds:
-                yield row
+    def discard(self) -> None:
+        self._open_buffer().clear()
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def _committed(self, start: int, stop: int | None) -> list[tuple[int, float, str, bytes]]:
+        """Committed rows of seqs start..stop (inclusive; stop None: the last one)."""
+        self._open_buffer()
+        first = max(int(start), 1)
+        last = len(self._rows) if stop is None else min(stop, len(self._rows))
+        return self._rows[first - 1:last]
+
+    def read_raw(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
+                 chunk_size: int = 4096) -> Iterator[tuple[int, float, str, bytes]]:
+        _check_chunk_size(chunk_size)
+        rows = self._committed(start, stop)
+        if kinds is None:
+            yield from rows
+            return
+        wanted = {kinds} if isinstance(kinds, str) else set(kinds)
+        yield from (row for row in rows if row[2] in wanted)
+
+    def read(self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None,
+             chunk_size: int = 4096) -> Iterator[Record]:
+        for seq, ts, kind, data in self.read_raw(start, stop, kinds, chunk_size):
+            yield Record(seq, ts, kind, orjson.loads(data))
+
+    def read_bodies(self, start: int = 1, stop: int | None = None,
+                    chunk_size: int = 16384) -> Iterator[tuple[str, bytes]]:
+        _check_chunk_size(chunk_size)
+        for _seq, _ts, kind, data in self._committed(start, stop):
+            yield kind, data
+
+    # --- snapshots -------------------------------------------------------------------------------
 
     def save_snapshot(self, seq: int, reducer_version: str, state: bytes) -> str:
+        self._open_buffer()
+        if type(seq) is not int or not 0 <= seq <= len(self._rows):
+            raise InvalidArgumentError(
+                f"snapshot seq {seq!r} is not a committed seq (last committed is {len(self._rows)})")
+        state = bytes(state)
         digest = hashlib.sha256(state).hexdigest()
-        self.snapshots.append(Snapshot(seq, reducer_version, digest, state))
+        self._snapshots[seq] = Snapshot(seq, str(reducer_version), digest, state)
         return digest
 
+    def load_snapshot(self, reducer_version: str, max_seq: int | None = None) -> Snapshot | None:
+        limit = self.last_seq if max_seq is None else min(self.last_seq, max_seq)
+        usable = [s for s in self._snapshots.values() if s.reducer_version == reducer_version and s.seq <= limit]
+        return max(usable, key=lambda s: s.seq, default=None)
+
+    # --- closing ---------------------------------------------------------------------------------
+
     def close(self) -> None:
-        self._buffer.clear()
+        """Idempotent. Uncommitted appends are discarded, with a warning."""
+        if self._buffer:
+            warnings.warn(f"closing the in-memory log with {len(self._buffer)} uncommitted events (discarded)",
+                          RuntimeWarning, stacklevel=2)
+        self._buffer = None
+
+    def __enter__(self) -> MemoryLog:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Commit pending appends on a clean exit, discard them on an exception; close."""
+        try:
+            if exc_type is None:
+                self.commit()
+            else:
+                self.discard()
+        finally:
+            self.close()

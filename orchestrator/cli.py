@@ -56,7 +56,7 @@ def run_command(config_file, overrides, name, runs_dir, env_name, trainer_kind, 
     from orchestrator.shell.progress import Progress
     from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_job
     from orchestrator.shell.loop import FinalizeError
-    from replay.fold import FoldError
+    from orchestrator.fold import FoldError
 
     if json_summary is not None:  # found out now, not after the run
         if not json_summary.parent.is_dir():

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from orchestrator.core.algorithms import BACKGROUND_ONLY
+from orchestrator.core.advantages import BACKGROUND_ONLY
 from orchestrator.core.events import CoreParams, EvalParams
 from orchestrator.envs.verifiers_config import VerifiersSection
 from orchestrator.envs.verifiers_config import check as check_verifiers

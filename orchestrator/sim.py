@@ -7,7 +7,8 @@ property tests, the replay equivalence matrix and the core benchmark all drive t
 
 `settle="immediate"` delivers each background finalize result right after its
 `finalize_started` (before any other input); `settle="random"` holds results and delivers them
-later in random order, like slow graders would.
+later in random order, like slow graders would. The world is an effect port: the effect
+interpreter (orchestrator.effects) tells it what each decision calls for.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.core import events as ev
-from orchestrator.core.algorithms import grpo_advantages
+from orchestrator.core.advantages import grpo_advantages
 from orchestrator.core.decide import decide
-from orchestrator.core.state import State, finalizes_in_background
+from orchestrator.core.state import Group, State, Trace, initial_state
+from orchestrator.effects import IgnoringPort, perform
 
 
 @dataclass
@@ -36,41 +38,46 @@ class SimOptions:
     eval_off_version_rate: float = 0.0  # chance an eval sample comes from another version than its pin
 
 
-class SimWorld:
+class SimWorld(IgnoringPort):
     def __init__(self, params: ev.CoreParams, seed: int = 0, options: SimOptions | None = None,
                  scorer: Callable[[list[float]], list[float]] = grpo_advantages, state: State | None = None):
         self.params, self.options, self.scorer = params, options or SimOptions(), scorer
         self.rng = random.Random(seed)
-        self.state = state or State()
-        self.log: list = []
-        self.held_results: list[ev.GroupFinalized] = []
+        self.started = state is not None  # a given state has had its run_started
+        self.state = state or initial_state(params)
+        self.log: list[ev.Event] = []
+        self.held_results: list[ev.BackgroundFinalized] = []
         self.dispatch_version: dict[int, int] = {}
         self.eval_pins: dict[int, int] = {}  # eval episode -> the version it is pinned to
 
-    def feed(self, event) -> list:
-        """Hand one input to the core; log it with its decisions; react to the decisions."""
+    def feed(self, event: ev.Event) -> list[ev.Event]:
+        """Hand one input to the core; log it with its decisions; perform what they call for."""
         decisions = decide(self.state, event)
         self.log.append(event)
         self.log.extend(decisions)
-        for decision in decisions:
-            if decision.kind == "episode_dispatched":
-                self.dispatch_version[decision.episode_id] = decision.policy_version
-            elif decision.kind == "eval_episode_dispatched":
-                self.eval_pins[decision.episode_id] = decision.policy_version
-            elif decision.kind == "finalize_started" and finalizes_in_background(self.state, decision):
-                self._finalize_in_background(decision)
+        perform(self.state, [event, *decisions], self)
         return decisions
 
-    def _finalize_in_background(self, started: ev.FinalizeStarted) -> None:
-        rewards = [self.state.traces[t].reward for t in started.trace_ids]
-        result = ev.GroupFinalized(group_id=started.group_id, trace_ids=started.trace_ids,
-                                   advantages=self.scorer(rewards))
+    # --- the effect port: the world answers rollouts and background finalizes; the rest (no
+    # files, no inference, a trainer that publishes on its own schedule) needs nothing of it. A
+    # held result of a cancelled group is still delivered, late, as a slow grader's would be.
+
+    def start_rollout(self, dispatched: ev.EpisodeDispatched, group: Group) -> None:
+        self.dispatch_version[dispatched.episode_id] = dispatched.policy_version
+
+    def start_eval_rollout(self, dispatched: ev.EvalEpisodeDispatched) -> None:
+        self.eval_pins[dispatched.episode_id] = dispatched.policy_version
+
+    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
+        result = ev.BackgroundFinalized(group_id=started.group_id, trace_ids=started.trace_ids,
+                                        advantages=self.scorer([t.reward for t in traces]))
         if self.options.settle == "immediate":
             self.feed(result)
         else:
             self.held_results.append(result)
 
     def start(self) -> None:
+        self.started = True
         self.feed(ev.RunStarted(params=self.params))
 
     def completion(self, episode_id: int, ok: bool | None = None) -> ev.EpisodeCompleted:
@@ -145,7 +152,7 @@ class SimWorld:
         return True
 
     def run(self, max_actions: int = 1_000_000) -> State:
-        if self.state.params is None:
+        if not self.started:
             self.start()
         for _ in range(max_actions):
             if not self.advance():

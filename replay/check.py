@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import orjson
 
 from eventlog import EventLog
+from orchestrator.core import events as ev
 from orchestrator.core.decide import decide
-from orchestrator.core.events import EVENT_TYPES, encode_event
-from orchestrator.core.state import State
-from replay.diff import Divergence, Side, structural_diff
-from replay.inputs import classify, decode
+from orchestrator.core.events import EVENT_TYPES, INPUT_KINDS, encode_event
+from orchestrator.core.state import State, initial_state
+from replay.diff import Divergence, Side, divergence_of
+from replay.inputs import decode
 from replay.source import guarded, row_data
 
 
@@ -47,21 +48,27 @@ def _side_of_event(seq: int, event) -> Side:
 
 
 def _diverged(what: str, recorded: Side | None, derived: Side | None, note: str) -> Divergence:
-    fields, more = [], 0
-    if recorded is not None and derived is not None:
-        fields, more = structural_diff({"kind": recorded.kind, **recorded.data}, {"kind": derived.kind, **derived.data})
-    return Divergence(what, recorded.seq if recorded else derived.seq, recorded, derived, fields, more, note)
+    at = recorded or derived
+    assert at is not None, "a divergence has a recorded or a derived event"
+    return divergence_of(what, at.seq, recorded, derived, note=note)
+
+
+def _state_for(first: ev.Event) -> State:
+    """The state a run starts from: the one its first input, `run_started`, makes."""
+    if not isinstance(first, ev.RunStarted):
+        raise ValueError(f"{first.kind!r} before run_started")
+    return initial_state(first.params)
 
 
 def check_log(log: EventLog) -> CheckResult:
-    state = State()
+    state: State | None = None
     expected: deque = deque()  # decisions the current code made for the last input, not yet matched
     input_seq = 0
     inputs = decisions = 0
     seq = 0
-    for is_input, row in classify(guarded(log.read_raw(), log.path)):
+    for row in guarded(log.read_raw(), log.path):
         seq, _ts, kind, data = row
-        if is_input:
+        if kind in INPUT_KINDS:
             if expected:
                 return CheckResult(log.path, False, inputs, decisions, _diverged(
                     f"decision #{decisions + 1}", _side_of_row(row), _side_of_event(seq, expected[0]),
@@ -69,6 +76,7 @@ def check_log(log: EventLog) -> CheckResult:
                     f"the recording moves on to the next input at seq {seq}"))
             event = decode(row, log.path)
             try:
+                state = state or _state_for(event)
                 out = decide(state, event)
             except Exception as err:  # a recorded input the current code cannot take
                 return CheckResult(log.path, False, inputs, decisions, _diverged(

@@ -94,7 +94,8 @@ def replay_command(run, at, as_json, diff_paths, level, check, reexecute, finali
         if mode == "summary":
             code = _summary(run, at, as_json)
         elif mode == "--diff":
-            code = _diff(*diff_paths, level, as_json)
+            a, b = diff_paths
+            code = _diff(a, b, level, as_json)
         elif mode == "--check":
             code = _check(run, as_json)
         else:
@@ -144,6 +145,7 @@ def _check(run: Path, as_json: bool) -> int:
     elif result.deterministic:
         click.echo(f"deterministic: {result.decisions} decisions re-derived from {result.inputs} inputs")
     else:
+        assert result.divergence is not None, "a log that is not deterministic has a divergence"
         console = _console()
         console.print(f"NOT deterministic: {result.decisions} decisions re-derived identically, then:")
         render_divergence(result.divergence, console, "recorded", "current code")

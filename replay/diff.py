@@ -149,7 +149,7 @@ def structural_diff(a: Any, b: Any, limit: int = MAX_FIELD_DIFFS) -> tuple[list[
     return out, more
 
 
-def _divergence(what: str, index: int, a: Side | None, b: Side | None, project: Callable[[Side], Any] | None = None,
+def divergence_of(what: str, index: int, a: Side | None, b: Side | None, project: Callable[[Side], Any] | None = None,
                 note: str = "") -> Divergence:
     if a is not None and b is not None:
         pa = project(a) if project else {"kind": a.kind, **a.data}
@@ -167,9 +167,7 @@ def _rows(log: EventLog, kinds: tuple[str, ...] | None = None, chunk_size: int =
     return guarded(log.read_raw(kinds=kinds, chunk_size=chunk_size), log.path)
 
 
-def _side(row: tuple | None, source: str) -> Side | None:
-    if row is None:
-        return None
+def _side(row: tuple, source: str) -> Side:
     seq, _ts, kind, data = row
     return Side(seq, kind, normalize(row_data(seq, data, source)))
 
@@ -201,11 +199,13 @@ def _compare_rows(a_log: EventLog, b_log: EventLog, kinds: tuple[str, ...] | Non
                 elif a.kind == b.kind and not structural_diff(a.data, b.data, limit=1)[0]:
                     index += 1
                     continue  # equal once masked fields are gone
-                return index, _divergence(what(index, a), index, a, b, key)
-            a, b = _side(x, a_log.path), _side(y, b_log.path)
-            present = a or b
-            note = f"run {'A' if a is None else 'B'} has no {what(index, present)}: it ended first"
-            return index, _divergence(what(index, present), index, a, b, note=note)
+                return index, divergence_of(what(index, a), index, a, b, key)
+            only_a = _side(x, a_log.path) if x is not None else None
+            only_b = _side(y, b_log.path) if y is not None else None
+            present = only_a or only_b
+            assert present is not None, "zip_longest pads one side only"
+            note = f"run {'A' if only_a is None else 'B'} has no {what(index, present)}: it ended first"
+            return index, divergence_of(what(index, present), index, only_a, only_b, note=note)
 
 
 def _batch_what(i: int, s: Side) -> str:
@@ -294,7 +294,7 @@ def _compare_sequence(name: str, a: EventLog, b: EventLog) -> dict:
                 note = f"run {'A' if x is None else 'B'} has no {what}: its {name} sequence ended first"
             else:
                 note = f"{name}[{index}]: A={x[1]!r} B={y[1]!r}"
-            first = _divergence(what, index, x[0] if x else None, y[0] if y else None, note=note)
+            first = divergence_of(what, index, x[0] if x else None, y[0] if y else None, note=note)
     return {
         "first": first,
         "report": {"count_a": count_a, "count_b": count_b, "same_sequence": first is None,
@@ -307,6 +307,7 @@ def _totals(log: EventLog) -> dict:
     from replay.summary import _acct, fold_run
 
     state = fold_run(log).state
+    assert state is not None, "fold_run gives a state"
     holds, terms = conservation(state)
     return {"acct": _acct(state), "conservation": holds, "step": state.step, "version": state.version,
             "stop_reason": state.stop_reason}

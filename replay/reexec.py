@@ -9,14 +9,15 @@ The re-executor plays the shell's part for background finalization. When the new
 `finalize_started(background=True)` it supplies the `group_finalized` (or `finalize_failed`) input:
 
 * the result RUN recorded for that group and those survivors, when there is one (replay never
-  re-runs a grader);
+  re-runs a grader), as the `background_finalized` input whether RUN received it as that input
+  or decided it inline (`group_finalized`);
 * else, for an algorithm the core can score inline (grpo), the pure scorer's result;
 * else (a grader-only algorithm such as gar with no recorded result) the re-execution stops there
   and reports it as the divergence.
 
 Delivery order (`settle_order`):
 
-* ``recorded``  as RUN got it: at the recorded position of RUN's `group_finalized` input (a
+* ``recorded``  as RUN got it: at the recorded position of RUN's `background_finalized` input (a
   background RUN; a result RUN received after the group was cancelled is delivered, late, too),
   at once when RUN decided it inline; never when a background RUN received none for that request;
 * ``immediate`` each result right after the decision that asked for it, before the next recorded
@@ -24,8 +25,10 @@ Delivery order (`settle_order`):
 * ``shuffled``  held, then delivered in a seeded random order interleaved with later inputs (after
   each recorded input every held result has a `deliver_p` chance), the rest at the end.
 
-Re-executing a background run inline skips RUN's recorded `group_finalized`/`finalize_failed`
-inputs: the inline path decides its own. A recorded input the new run cannot accept (a
+Re-executing a background run inline skips RUN's recorded `background_finalized`/`finalize_failed`
+inputs: the inline path decides its own. The re-executor is an effect port: the effect
+interpreter (orchestrator.effects) tells it when a decision asks for a background finalize, or
+cancels one. A recorded input the new run cannot accept (a
 completion of an episode it never dispatched, or dispatched into another group) stops the
 re-execution and is reported as the divergence, never a crash. Like the shell, a group that the
 new run cancels gets no result.
@@ -45,10 +48,11 @@ from pydantic import ValidationError
 from eventlog import EventLog, LogError
 from eventlog.lock import lock_path_for
 from orchestrator.core import events as ev
-from orchestrator.core.algorithms import INLINE_SCORERS
+from orchestrator.core.advantages import INLINE_SCORERS
 from orchestrator.core.decide import decide
-from orchestrator.core.state import State, finalizes_in_background
-from replay.inputs import classify, decode, is_inline_result
+from orchestrator.core.state import State, Trace, initial_state
+from orchestrator.effects import IgnoringPort, perform
+from replay.inputs import decode
 from replay.source import EVENTS_DB, REEXECUTED_META, ReplayInputError, guarded, one_line
 
 FINALIZE_PATHS = ("inline", "background")
@@ -101,7 +105,7 @@ class ReexecReport:
 class _Entry:
     seq: int
     is_input: bool  # RUN received it as an input (background), vs decided it inline
-    event: object  # GroupFinalized | FinalizeFailed
+    event: ev.BackgroundFinalized | ev.FinalizeFailed
 
 
 class RecordedResults:
@@ -109,15 +113,14 @@ class RecordedResults:
 
     def __init__(self, log: EventLog):
         self.by_group: dict[int, list[_Entry]] = {}
-        prev = None
-        kinds = ("finalize_started", "group_finalized", "finalize_failed")
+        kinds = ("group_finalized", "background_finalized", "finalize_failed")
         for row in guarded(log.read_raw(kinds=kinds), log.path):
-            seq, _ts, kind, data = row
-            if kind != "finalize_started":
-                event = decode(row, log.path)
-                is_input = not is_inline_result(kind, seq, data, prev)
-                self.by_group.setdefault(event.group_id, []).append(_Entry(seq, is_input, event))
-            prev = row
+            seq, _ts, kind, _data = row
+            event = decode(row, log.path)
+            if isinstance(event, ev.GroupFinalized):  # decided inline: the new run receives it as an input
+                event = ev.BackgroundFinalized(group_id=event.group_id, trace_ids=event.trace_ids,
+                                               advantages=event.advantages)
+            self.by_group.setdefault(event.group_id, []).append(_Entry(seq, kind in ev.INPUT_KINDS, event))
 
     def take(self, group_id: int, trace_ids: list[int]) -> _Entry | None:
         """The first unused recorded result for this group and these survivors."""
@@ -125,7 +128,7 @@ class RecordedResults:
         if not entries:
             return None
         for i, entry in enumerate(entries):
-            if entry.event.kind == "finalize_failed" or entry.event.trace_ids == trace_ids:
+            if isinstance(entry.event, ev.FinalizeFailed) or entry.event.trace_ids == trace_ids:
                 del entries[i]
                 return entry
         return None
@@ -143,17 +146,18 @@ def out_db_path(out: str | os.PathLike) -> Path:
     return p if p.suffix == ".db" else p / EVENTS_DB
 
 
-class Reexecutor:
+class Reexecutor(IgnoringPort):
     def __init__(self, source: EventLog, out: str | os.PathLike, options: ReexecOptions):
         self.source, self.options = source, options
         self.db = out_db_path(out)
         self.report = ReexecReport(str(source.path), str(self.db), asdict(options))
-        self.state = State()
+        self.state: State  # made by `_check_params` from RUN's run_started
         self.results = RecordedResults(source)
         self.rng = random.Random(options.seed)
-        self.now: deque = deque()  # results to deliver before the next recorded input
-        self.scheduled: dict[int, tuple[int, object]] = {}  # recorded seq -> (group id, result)
-        self.held: list = []  # shuffled: results waiting for a random delivery point
+        self.now: deque[ev.BackgroundFinalized | ev.FinalizeFailed] = deque()  # before the next recorded input
+        # recorded seq -> (group id, result)
+        self.scheduled: dict[int, tuple[int, ev.BackgroundFinalized | ev.FinalizeFailed]] = {}
+        self.held: list[ev.BackgroundFinalized | ev.FinalizeFailed] = []  # shuffled: to deliver at random points
         self.cursor, self.cursor_kind = 0, ""  # the recorded row being processed
         self.algorithm = "grpo"
         self.source_background = False
@@ -184,19 +188,25 @@ class Reexecutor:
 
     # --- feeding decide --------------------------------------------------------------------------
 
-    def _feed(self, event) -> None:
-        """One input to decide; append it and its decisions; play the shell for background finalize."""
+    def _feed(self, event: ev.Event) -> None:
+        """One input to decide; append it and its decisions; perform what they call for."""
         decisions = decide(self.state, event)
         self._append(event)
         for decision in decisions:
             self._append(decision)
-        for decision in decisions:
-            if decision.kind == "finalize_started" and finalizes_in_background(self.state, decision):
-                self._finalize_requested(decision)
-            elif decision.kind == "group_cancelled" and self.options.settle_order != "recorded":
-                self._forget(decision.group_id)
+        perform(self.state, [event, *decisions], self)
         while self.now:
             self._feed(self.now.popleft())
+
+    # --- the effect port: only background finalizes need an answer; completions and publishes
+    # are recorded inputs, and a re-executed log is compared, not resumed (no files, no snapshot).
+
+    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
+        self._finalize_requested(started, traces)
+
+    def cancel_finalize(self, group_id: int) -> None:
+        if self.options.settle_order != "recorded":
+            self._forget(group_id)
 
     def _forget(self, group_id: int) -> None:
         """The shell cancels a cancelled group's finalize task: its result never comes. (With the
@@ -206,7 +216,7 @@ class Reexecutor:
         self.scheduled = {s: (g, r) for s, (g, r) in self.scheduled.items() if g != group_id}
         self.report.results_dropped += before - len(self.held) - len(self.scheduled)
 
-    def _finalize_requested(self, started: ev.FinalizeStarted) -> None:
+    def _finalize_requested(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
         entry = self.results.take(started.group_id, started.trace_ids)
         order = self.options.settle_order
         if entry is not None:
@@ -216,9 +226,8 @@ class Reexecutor:
             self.report.results_withheld += 1  # RUN never received one: neither does the new run
             return
         elif self.algorithm in INLINE_SCORERS:
-            rewards = [self.state.traces[t].reward for t in started.trace_ids]
-            result = ev.GroupFinalized(group_id=started.group_id, trace_ids=started.trace_ids,
-                                       advantages=INLINE_SCORERS[self.algorithm](rewards))
+            result = ev.BackgroundFinalized(group_id=started.group_id, trace_ids=started.trace_ids,
+                                            advantages=INLINE_SCORERS[self.algorithm]([t.reward for t in traces]))
             self.report.results_computed += 1
         else:
             raise _Halt(f"no recorded {self.algorithm} result for group {started.group_id} with survivors "
@@ -239,7 +248,6 @@ class Reexecutor:
 
     def _admit(self, event):
         """The recorded input as the new run takes it (params overridden), or _Halt if it cannot."""
-        s = self.state
         if event.kind == "run_started":
             background = self.options.finalize == "background"
             try:
@@ -249,6 +257,7 @@ class Reexecutor:
                 raise ReplayInputError(one_line(f"cannot re-execute with --finalize {self.options.finalize}: {msg}")) from None
             self.algorithm = params.algorithm
             return ev.RunStarted(schema_version=event.schema_version, params=params)
+        s = self.state
         if event.kind == "episode_completed":
             group_id = s.inflight.get(event.episode_id)
             if group_id is None:
@@ -258,7 +267,7 @@ class Reexecutor:
             elif group_id != event.group_id:
                 raise _Halt(f"completion of episode {event.episode_id} of group {event.group_id}, but the re-executed "
                             f"run dispatched that episode into group {group_id}")
-        elif event.kind == "version_published" and s.params is not None and event.version > s.step - 1:
+        elif event.kind == "version_published" and event.version > s.step - 1:
             self.report.publishes_ahead += 1
         return event
 
@@ -266,7 +275,7 @@ class Reexecutor:
         """Refuse an impossible override (e.g. gar inline) before creating anything."""
         for row in guarded(self.source.read_raw(kinds=("run_started",), chunk_size=1), self.source.path):
             started = decode(row, self.source.path)
-            self._admit(started)
+            self.state = initial_state(self._admit(started).params)
             self.source_background = started.params.finalize_in_background
             return
         raise ReplayInputError(f"{self.source.path} has no run_started event: nothing to re-execute")
@@ -292,12 +301,12 @@ class Reexecutor:
         src = self.source
         inline = self.options.finalize == "inline"
         try:
-            for is_input, row in classify(guarded(src.read_raw(), src.path)):
-                if not is_input:
-                    continue
+            for row in guarded(src.read_raw(), src.path):
                 seq, _ts, kind, _data = row
+                if kind not in ev.INPUT_KINDS:
+                    continue
                 self.cursor, self.cursor_kind = seq, kind
-                if kind in ("group_finalized", "finalize_failed"):
+                if kind in ("background_finalized", "finalize_failed"):
                     scheduled = self.scheduled.pop(seq, None)
                     if scheduled is not None and not inline:
                         self._feed(scheduled[1])  # delivered where RUN received it

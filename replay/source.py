@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 
 from eventlog import EventLog, LogError
+from orchestrator.core.events import check_schema_version
 
 EVENTS_DB = "events.db"
 APP = "orch"
@@ -67,6 +68,12 @@ def open_run(path: str | os.PathLike) -> EventLog:
     if meta.get("app") != APP:
         log.close()
         raise ReplayInputError(f"{db} is an event log, but not one written by orch (meta app={meta.get('app')!r})")
+    try:
+        if "schema_version" in meta:
+            check_schema_version(meta["schema_version"])
+    except ValueError as err:
+        log.close()
+        raise ReplayInputError(f"{db}: {err}") from None
     return log
 
 

@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
+from orchestrator.fold import Folded, FoldError, fold_log
 from orchestrator.shell.progress import eval_result_dict
-from replay.fold import Folded, FoldError, fold_log
 from replay.source import REEXECUTED_META, ReplayInputError, one_line, row_data
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 
 def fold_run(log: EventLog, at: int | None = None) -> Folded:
     """fold_log with input checks and errors mapped to ReplayInputError."""
     try:
         last = log.last_seq
-        if at is not None and not 0 <= at <= last:
-            raise ReplayInputError(f"--at {at} is outside the log (seq 0..{last})")
-        return fold_log(log, at=at)
+        if at is not None and not 1 <= at <= last:  # before seq 1 there is no run yet
+            raise ReplayInputError(f"--at {at} is outside the log (seq 1..{last})")
+        folded = fold_log(log, at=at)
     except LogError as err:
         raise ReplayInputError(one_line(str(err))) from None
     except FoldError as err:  # an event the reducer cannot take
         raise ReplayInputError(one_line(f"{log.path}: {err}")) from None
+    if folded.state is None:
+        raise ReplayInputError(f"{log.path} holds no event yet: no run to summarize")
+    return folded
 
 
 def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
     """Everything `orch replay RUN` shows; JSON-ready, deterministic for a given log and seq."""
-    s: State = folded.state
+    s = folded.state
+    assert s is not None, "fold_run gives a state"
     holds, terms = conservation(s)
     meta = log.meta
     groups_open, groups_finalizing = [], []
@@ -56,10 +63,10 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
         "from_snapshot": folded.from_snapshot,
         "events_folded": folded.events_folded,
         "reexecuted": meta.get(REEXECUTED_META),
-        "params": p.model_dump() if p else None,
+        "params": p.model_dump(),
         "step": s.step,
         "version": s.version,
-        "min_fresh_version": min_fresh_version(p, s.step) if p else None,
+        "min_fresh_version": min_fresh_version(p, s.step),
         "gate": {"open": s.gate_open, "reason": s.gate_reason},
         "draining": s.draining,
         "stopped": s.stopped,
@@ -81,7 +88,7 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
 def _evals(s: State) -> dict[str, Any] | None:
     """Eval results per version, the evals still open, and the evals' own accounting (None: the
     run has no evals)."""
-    if s.params is None or s.params.eval is None:
+    if s.params.eval is None:
         return None
     e = s.evals
     return {
@@ -89,7 +96,7 @@ def _evals(s: State) -> dict[str, Any] | None:
         "open": [{"eval_id": x.eval_id, "env": x.env, "version": x.version, "samples": x.size,
                   "scored": len(x.scored), "failures": x.failures, "off_version": x.off_version,
                   "inflight": len(x.inflight)} for x in e.open.values()],
-        "accounting": {name: getattr(e.acct, name) for name in type(e.acct).__slots__},  # type: ignore[attr-defined]
+        "accounting": {name: getattr(e.acct, name) for name in type(e.acct).__slots__},
     }
 def trainer_metrics(log: EventLog, at: int) -> dict[int, dict[str, float]]:
     """version -> the figures the trainer reported with it (`version_published.metrics`), up to
@@ -111,11 +118,11 @@ TRAINER_METRICS_SHOWN = 10  # the table shows the newest versions; --json has th
 def _acct(s: State) -> dict[str, Any]:
     a = s.acct
     return {name: (dict(getattr(a, name)) if isinstance(getattr(a, name), dict) else getattr(a, name))
-            for name in type(a).__slots__}  # type: ignore[attr-defined]
+            for name in type(a).__slots__}
 
 
 def _print_items(console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]],
-                 justify: str = "left") -> None:
+                 justify: JustifyMethod = "left") -> None:
     """A titled table of items, printed only when there are any."""
     from rich.table import Table
 

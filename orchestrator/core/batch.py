@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 import orjson
 
-from orchestrator.core.events import EpisodeCompleted
+from orchestrator.core.state import Trace
 
 BATCH_FORMAT = 1
 
 
 # A batch file's keys are sorted: its dicts are built with their keys in that order, so orjson
 # writes them as built, a third cheaper than sorting them (a test checks the bytes).
-def sample_record(trace: EpisodeCompleted, env: str, advantage: float, lag: int) -> dict:
+def sample_record(trace: Trace, env: str, advantage: float, lag: int) -> dict[str, Any]:
     return {
         "advantage": advantage, "env": env, "group_id": trace.group_id, "lag": lag,
         "logprobs": trace.logprobs, "mask": trace.mask, "policy_start": trace.policy_start,
@@ -29,7 +30,7 @@ def sample_record(trace: EpisodeCompleted, env: str, advantage: float, lag: int)
     }
 
 
-def encode_batch(step: int, samples: Iterable[dict]) -> bytes:
+def encode_batch(step: int, samples: Iterable[dict[str, Any]]) -> bytes:
     return orjson.dumps({"format": BATCH_FORMAT, "samples": list(samples), "step": step})
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from orchestrator.core import events as ev
-from orchestrator.core.algorithms import INLINE_SCORERS
+from orchestrator.core.advantages import INLINE_SCORERS
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
 from orchestrator.core.evals import (
     accepted_eval_result, cancel_eval_episodes, evals_pending, on_eval_result, run_evals,
@@ -49,8 +49,6 @@ def decide(state: State, event, batch_payloads: dict[int, bytes] | None = None) 
     rule = _INPUT_RULES.get(event.kind)
     if rule is None:
         raise ValueError(f"{event.kind!r} is a decision, not an input")
-    if state.params is None and event.kind != "run_started":
-        raise ValueError(f"{event.kind!r} before run_started")
     accepted = _accepted(state, event)
     evolve(state, event)
     d = _Decisions(state, batch_payloads)
@@ -69,7 +67,7 @@ def _accepted(s: State, e) -> bool:
             raise ValueError(f"episode {e.episode_id} completed for group {e.group_id}, "
                              f"but it was dispatched into group {group_id}")
         return group_id is not None
-    if e.kind == "group_finalized":
+    if e.kind == "background_finalized":
         group = s.groups.get(e.group_id)
         return group is not None and group.finalizing
     if e.kind == "eval_episode_completed":
@@ -111,7 +109,7 @@ def update_dispatch_gate(d: _Decisions) -> None:
     s = d.state
     is_open, reason = dispatch_gate(s)
     if (is_open, reason) != (s.gate_open, s.gate_reason):
-        d.emit(ev.GateChanged.trusted(open=is_open, reason=reason))
+        d.emit(ev.GateChanged.unvalidated(open=is_open, reason=reason))
 
 
 def dispatch_train_episodes(d: _Decisions) -> None:
@@ -122,7 +120,7 @@ def dispatch_train_episodes(d: _Decisions) -> None:
     while s.gate_open and len(s.inflight) < max_inflight:
         group_id = min(s.unfilled) if s.unfilled else start_train_group(d)
         group = s.groups[group_id]
-        d.emit(ev.EpisodeDispatched.trusted(
+        d.emit(ev.EpisodeDispatched.unvalidated(
             episode_id=s.next_episode_id, group_id=group_id, attempt=group.attempts,
             policy_version=s.version,
         ))
@@ -133,7 +131,7 @@ def start_train_group(d: _Decisions) -> int:
     s, p = d.state, d.state.params
     env = choose_by_ratio(p.env_ratios, uniform(p.seed, s.rng_counter))
     group_id = s.next_group_id
-    d.emit(ev.GroupDispatched.trusted(
+    d.emit(ev.GroupDispatched.unvalidated(
         group_id=group_id, env=env, task_id=s.cursors[env], group_size=p.group_size,
         policy_version=s.version,
     ))
@@ -172,20 +170,20 @@ def finalize_group(d: _Decisions, group: Group) -> None:
     if not survivors:
         settle_group(d, group)
         return
-    d.emit(ev.FinalizeStarted.trusted(
+    d.emit(ev.FinalizeStarted.unvalidated(
         group_id=group.group_id, background=p.finalize_in_background, trace_ids=survivors,
     ))
     if p.finalize_in_background:
-        return  # the shell scores it; the result comes back as a `group_finalized` input
+        return  # the shell scores it; the result comes back as a `background_finalized` input
     rewards = [s.traces[trace_id].reward for trace_id in survivors]
     advantages = INLINE_SCORERS[p.algorithm](rewards)
-    d.emit(ev.GroupFinalized.trusted(
+    d.emit(ev.GroupFinalized.unvalidated(
         group_id=group.group_id, trace_ids=survivors, advantages=advantages,
     ))
     settle_group(d, group)
 
 
-def on_group_finalized(d: _Decisions, e: ev.GroupFinalized) -> None:
+def on_background_finalized(d: _Decisions, e: ev.BackgroundFinalized) -> None:
     settle_group(d, d.state.groups[e.group_id])
     common_tail(d)
 
@@ -220,7 +218,7 @@ def settle_group(d: _Decisions, group: Group) -> None:
             dropped.setdefault("stale", []).append(trace_id)
         else:
             inserted.append(trace_id)
-    d.emit(ev.GroupSettled.trusted(
+    d.emit(ev.GroupSettled.unvalidated(
         group_id=group.group_id, admitted=admitted, trace_ids=inserted, dropped=dropped,
     ))
     stop_if_zero_output(d)
@@ -241,7 +239,7 @@ def sweep_stale_pending(d: _Decisions) -> None:
     oldest = min_fresh_version(s.params, s.step)
     stale = [q.trace_id for q in s.pending.values() if q.policy_start < oldest]
     if stale:
-        d.emit(ev.TracesDropped.trusted(trace_ids=stale, reason="stale"))
+        d.emit(ev.TracesDropped.unvalidated(trace_ids=stale, reason="stale"))
 
 
 def cancel_stale_finalizing(d: _Decisions) -> None:
@@ -250,7 +248,7 @@ def cancel_stale_finalizing(d: _Decisions) -> None:
     oldest = min_fresh_version(s.params, s.step)
     for group in [g for g in s.groups.values() if g.background]:
         if all(s.traces[t].policy_start < oldest for t in group.survivors):
-            d.emit(ev.GroupCancelled.trusted(
+            d.emit(ev.GroupCancelled.unvalidated(
                 group_id=group.group_id, reason="stale", count=len(group.members),
             ))
             stop_if_zero_output(d)
@@ -315,7 +313,7 @@ def ship_batch(d: _Decisions) -> None:
     payload = encode_batch(step, records)
     if d.batch_payloads is not None:
         d.batch_payloads[step] = payload
-    d.emit(ev.BatchShipped.trusted(
+    d.emit(ev.BatchShipped.unvalidated(
         step=step, trace_ids=[q.trace_id for q in shipped], pruned_ids=[q.trace_id for q in pruned],
         sha256=batch_sha256(payload), n_tokens=n_tokens,
         off_policy_max=max(lags, default=0), off_policy_mean=sum(lags) / len(lags) if lags else 0.0,
@@ -342,18 +340,18 @@ def cancel_everything(d: _Decisions, reason: str) -> None:
     """Cancel in-flight episodes, open and finalizing groups, and the queue; wait for none."""
     s = d.state
     for episode_id in list(s.inflight):
-        d.emit(ev.EpisodeCancelled.trusted(episode_id=episode_id, reason=reason))
+        d.emit(ev.EpisodeCancelled.unvalidated(episode_id=episode_id, reason=reason))
     for group in list(s.groups.values()):
-        d.emit(ev.GroupCancelled.trusted(
+        d.emit(ev.GroupCancelled.unvalidated(
             group_id=group.group_id, reason=reason, count=len(group.members),
         ))
     if s.pending:
-        d.emit(ev.TracesDropped.trusted(trace_ids=list(s.pending), reason=reason))
+        d.emit(ev.TracesDropped.unvalidated(trace_ids=list(s.pending), reason=reason))
 
 
 def start_drain(d: _Decisions) -> None:
     """At max_steps: stop dispatch and cancel work whose batches would be dropped anyway."""
-    d.emit(ev.DrainStarted.trusted(reason="max_steps"))
+    d.emit(ev.DrainStarted.unvalidated(reason="max_steps"))
     cancel_everything(d, "drain")
     update_dispatch_gate(d)
 
@@ -364,17 +362,17 @@ def finish_drain(d: _Decisions) -> None:
     max_steps, unless a resume lowered max_steps below what had already shipped."""
     s = d.state
     if s.draining and not s.stopped and s.version >= s.step - 1 and not evals_pending(s):
-        d.emit(ev.RunStopped.trusted(reason="completed"))
+        d.emit(ev.RunStopped.unvalidated(reason="completed"))
 
 
 def stop_run(d: _Decisions, reason: str, error: bool = False) -> None:
     s = d.state
     if not s.draining:
-        d.emit(ev.DrainStarted.trusted(reason=reason))
+        d.emit(ev.DrainStarted.unvalidated(reason=reason))
     cancel_everything(d, "stop")
     cancel_eval_episodes(d, "stop")
     update_dispatch_gate(d)
-    d.emit(ev.RunStopped.trusted(reason=reason, error=error))
+    d.emit(ev.RunStopped.unvalidated(reason=reason, error=error))
 
 
 def on_stop_requested(d: _Decisions, e: ev.StopRequested) -> None:
@@ -388,7 +386,7 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     """Re-run lost episodes, keep fresh members, re-finalize, sweep the queue."""
     s = d.state
     for episode_id in list(s.inflight):
-        d.emit(ev.EpisodeCancelled.trusted(episode_id=episode_id, reason="resume"))
+        d.emit(ev.EpisodeCancelled.unvalidated(episode_id=episode_id, reason="resume"))
     cancel_eval_episodes(d, "resume")
     oldest = min_fresh_version(s.params, s.step)
     stale_members = [
@@ -396,9 +394,9 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
         for trace_id in group.members if s.traces[trace_id].policy_start < oldest
     ]
     if stale_members:
-        d.emit(ev.TracesDropped.trusted(trace_ids=stale_members, reason="stale"))
+        d.emit(ev.TracesDropped.unvalidated(trace_ids=stale_members, reason="stale"))
     for group in [g for g in s.groups.values() if g.finalizing]:
-        d.emit(ev.FinalizeStarted.trusted(
+        d.emit(ev.FinalizeStarted.unvalidated(
             group_id=group.group_id, background=True, trace_ids=group.survivors,
         ))
     sweep_stale_pending(d)
@@ -427,7 +425,7 @@ _INPUT_RULES: dict[str, Callable] = {
     "run_started": on_run_started,
     "run_resumed": on_run_resumed,
     "episode_completed": on_episode_completed,
-    "group_finalized": on_group_finalized,
+    "background_finalized": on_background_finalized,
     "finalize_failed": on_finalize_failed,
     "version_published": on_version_published,
     "stop_requested": on_stop_requested,

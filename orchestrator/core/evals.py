@@ -40,7 +40,7 @@ def start_due_evals(d) -> None:
         return
     p = s.params.eval
     for env in p.envs:
-        d.emit(ev.EvalStarted.trusted(
+        d.emit(ev.EvalStarted.unvalidated(
             eval_id=s.evals.next_eval_id, env=env, version=s.version, task_ids=held_out_task_ids(p.num_tasks),
             first_group_id=s.next_group_id, samples_per_task=p.samples_per_task, temperature=p.temperature,
         ))
@@ -59,7 +59,7 @@ def dispatch_eval_episodes(d) -> None:
             return
         sample = min(x.to_dispatch)
         task = sample // x.samples_per_task
-        d.emit(ev.EvalEpisodeDispatched.trusted(
+        d.emit(ev.EvalEpisodeDispatched.unvalidated(
             episode_id=s.next_episode_id, eval_id=x.eval_id, group_id=x.first_group_id + task,
             task_id=x.task_ids[task], sample=sample, attempt=x.attempts, policy_version=x.version,
         ))
@@ -96,7 +96,7 @@ def eval_figures(x: Eval) -> dict:
 
 
 def complete_eval(d, x: Eval) -> None:
-    d.emit(ev.EvalCompleted.trusted(
+    d.emit(ev.EvalCompleted.unvalidated(
         eval_id=x.eval_id, env=x.env, version=x.version, tasks=len(x.task_ids), k=x.samples_per_task,
         scored=len(x.scored), failures=x.failures, off_version=x.off_version, **eval_figures(x),
     ))
@@ -115,7 +115,7 @@ def cancel_eval_episodes(d, reason: str) -> None:
     eval episodes give their samples back. The evals stay open, so a resumed run finishes them:
     the same eval, the same samples, the same pinned version."""
     for episode_id in list(d.state.evals.inflight):
-        d.emit(ev.EvalEpisodeCancelled.trusted(episode_id=episode_id, reason=reason))
+        d.emit(ev.EvalEpisodeCancelled.unvalidated(episode_id=episode_id, reason=reason))
 
 
 def accepted_eval_result(s: State, e: ev.EvalEpisodeCompleted) -> bool:

@@ -2,32 +2,51 @@
 
 An event is either an *input* (a fact from the outside world: a finished episode, a background
 finalize result, a published version, a stop request, a start/resume marker) or a *decision*
-that `decide` derived from one. Both are logged; `evolve` folds both.
+that `decide` derived from one, and its kind says which: each event class's `role` (the kinds
+whose role is "input" are `INPUT_KINDS`). Both are logged; `evolve` folds both. A group scored
+inline is the decision `group_finalized`; the same result from a background finalize is the input
+`background_finalized`.
 
-In the log, `kind` is the column and `data` is the model's JSON without `kind`.
+In the log, `kind` is the column and `data` is the model's JSON without `kind`. The constructors
+that skip validation (`Event.unvalidated`) and the fold views are in `_fast_events`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Annotated, ClassVar, Literal, Self, Union
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Self, Union
 
-import msgspec
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from orchestrator.core.algorithms import BACKGROUND_ONLY, KNOWN_ALGORITHMS
+from orchestrator.core.advantages import BACKGROUND_ONLY, KNOWN_ALGORITHMS
 
-EVENT_SCHEMA_VERSION = 1
+# 2: a background finalize's result is its own input kind, `background_finalized` (it was a
+# `group_finalized` row, told from the inline decision by the row before it). A log of another
+# version is refused (docs/log-format.md).
+EVENT_SCHEMA_VERSION = 2
+
+
+def check_schema_version(version: int | str) -> None:
+    """ValueError (one line, naming the version) for a log this code does not read."""
+    if str(version) != str(EVENT_SCHEMA_VERSION):
+        raise ValueError(f"an orch log of format version {version}; this orch reads version {EVENT_SCHEMA_VERSION} "
+                         "only (docs/log-format.md, \"Version history\")")
 
 
 class _Model(BaseModel):
     # Frozen: the same object lives in the log buffer and in the state. NaN/Inf are refused at
     # construction, so an encoded event is always valid JSON.
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-    # Every event class gets its own (see `_trusted_constructor`).
-    trusted: ClassVar[Callable[..., Self]]
+    if TYPE_CHECKING:
+        kind: str  # an event's discriminator: a Literal field of each event class
+    # `cls(**fields)` without validation, for values valid by construction; every event class
+    # gets its own (`_fast_events.unvalidated_constructor`).
+    unvalidated: ClassVar[Callable[..., Self]]
+    # An event's role: "input" (a fact from the outside world, handed to `decide`) or "decision"
+    # (what `decide` derived from one). A class attribute rather than two base classes: a deeper
+    # class hierarchy slows every attribute lookup of the core.
+    role: ClassVar[Literal["input", "decision"]]
 
 
 class EvalParams(_Model):
@@ -99,18 +118,21 @@ class CoreParams(_Model):
 
 
 class RunStarted(_Model):
+    role = "input"
     kind: Literal["run_started"] = Field("run_started", exclude=True)
     schema_version: int = EVENT_SCHEMA_VERSION
     params: CoreParams
 
 
 class RunResumed(_Model):
+    role = "input"
     kind: Literal["run_resumed"] = Field("run_resumed", exclude=True)
     from_seq: int
     max_steps: int
 
 
 class GroupDispatched(_Model):
+    role = "decision"
     kind: Literal["group_dispatched"] = Field("group_dispatched", exclude=True)
     group_id: int
     env: str
@@ -120,6 +142,7 @@ class GroupDispatched(_Model):
 
 
 class EpisodeDispatched(_Model):
+    role = "decision"
     kind: Literal["episode_dispatched"] = Field("episode_dispatched", exclude=True)
     episode_id: int
     group_id: int
@@ -128,6 +151,7 @@ class EpisodeDispatched(_Model):
 
 
 class EpisodeCompleted(_Model):
+    role = "input"
     kind: Literal["episode_completed"] = Field("episode_completed", exclude=True)
     episode_id: int
     group_id: int
@@ -157,12 +181,14 @@ class EpisodeCompleted(_Model):
 
 
 class EpisodeCancelled(_Model):
+    role = "decision"
     kind: Literal["episode_cancelled"] = Field("episode_cancelled", exclude=True)
     episode_id: int
     reason: Literal["drain", "stop", "resume", "group_cancelled"]
 
 
 class FinalizeStarted(_Model):
+    role = "decision"
     kind: Literal["finalize_started"] = Field("finalize_started", exclude=True)
     group_id: int
     background: bool
@@ -170,19 +196,33 @@ class FinalizeStarted(_Model):
 
 
 class GroupFinalized(_Model):
+    role = "decision"
     kind: Literal["group_finalized"] = Field("group_finalized", exclude=True)
     group_id: int
     trace_ids: list[int]
     advantages: list[float]
 
 
+class BackgroundFinalized(_Model):
+    """A background finalize's result: what `group_finalized` decides on the inline path."""
+
+    role = "input"
+
+    kind: Literal["background_finalized"] = Field("background_finalized", exclude=True)
+    group_id: int
+    trace_ids: list[int]
+    advantages: list[float]
+
+
 class FinalizeFailed(_Model):
+    role = "input"
     kind: Literal["finalize_failed"] = Field("finalize_failed", exclude=True)
     group_id: int
     error: str
 
 
 class GroupSettled(_Model):
+    role = "decision"
     kind: Literal["group_settled"] = Field("group_settled", exclude=True)
     group_id: int
     admitted: bool
@@ -191,6 +231,7 @@ class GroupSettled(_Model):
 
 
 class GroupCancelled(_Model):
+    role = "decision"
     kind: Literal["group_cancelled"] = Field("group_cancelled", exclude=True)
     group_id: int
     reason: Literal["stale", "overload", "drain", "stop"]
@@ -198,18 +239,21 @@ class GroupCancelled(_Model):
 
 
 class TracesDropped(_Model):
+    role = "decision"
     kind: Literal["traces_dropped"] = Field("traces_dropped", exclude=True)
     trace_ids: list[int]
     reason: Literal["stale", "drain", "stop"]
 
 
 class GateChanged(_Model):
+    role = "decision"
     kind: Literal["gate_changed"] = Field("gate_changed", exclude=True)
     open: bool
     reason: str
 
 
 class VersionPublished(_Model):
+    role = "input"
     kind: Literal["version_published"] = Field("version_published", exclude=True)
     version: int
     # The trainer's figures for the step that made this version (rundir.TRAINER_METRICS), as it
@@ -218,6 +262,7 @@ class VersionPublished(_Model):
 
 
 class BatchShipped(_Model):
+    role = "decision"
     kind: Literal["batch_shipped"] = Field("batch_shipped", exclude=True)
     step: int
     trace_ids: list[int]  # shipped, in batch order
@@ -236,6 +281,8 @@ class EvalStarted(_Model):
     """Decision: evaluate `env` at `version` (pinned) on its held-out tasks. Task i of the eval is
     group `first_group_id + i`, sampled `samples_per_task` times."""
 
+    role = "decision"
+
     kind: Literal["eval_started"] = Field("eval_started", exclude=True)
     eval_id: int
     env: str
@@ -248,6 +295,8 @@ class EvalStarted(_Model):
 
 class EvalEpisodeDispatched(_Model):
     """Decision: sample `sample` (task `sample // samples_per_task`) of an eval, pinned to `policy_version`."""
+
+    role = "decision"
 
     kind: Literal["eval_episode_dispatched"] = Field("eval_episode_dispatched", exclude=True)
     episode_id: int
@@ -262,6 +311,8 @@ class EvalEpisodeDispatched(_Model):
 class EvalEpisodeCompleted(_Model):
     """Input: an eval episode's result. No token ids: an eval is never trained on, so only what
     its figures need is logged. `success` is the env's success notion (None: it has none)."""
+
+    role = "input"
 
     kind: Literal["eval_episode_completed"] = Field("eval_episode_completed", exclude=True)
     episode_id: int
@@ -279,6 +330,8 @@ class EvalEpisodeCancelled(_Model):
     """Decision: an eval episode's rollout is cancelled (stop) or lost (resume); either way its
     eval stays open and the sample is taken again when the run goes on."""
 
+    role = "decision"
+
     kind: Literal["eval_episode_cancelled"] = Field("eval_episode_cancelled", exclude=True)
     episode_id: int
     reason: Literal["stop", "resume"]
@@ -289,6 +342,8 @@ class EvalCompleted(_Model):
     pass@1 is the success rate; pass@k (k = samples_per_task) the share of tasks with a success
     among their scored samples; both None for an env without a success notion. `off_version`
     samples were taken by another version: counted, never mixed into the figures."""
+
+    role = "decision"
 
     kind: Literal["eval_completed"] = Field("eval_completed", exclude=True)
     eval_id: int
@@ -306,16 +361,19 @@ class EvalCompleted(_Model):
 
 
 class DrainStarted(_Model):
+    role = "decision"
     kind: Literal["drain_started"] = Field("drain_started", exclude=True)
     reason: str
 
 
 class StopRequested(_Model):
+    role = "input"
     kind: Literal["stop_requested"] = Field("stop_requested", exclude=True)
     reason: str
 
 
 class RunStopped(_Model):
+    role = "decision"
     kind: Literal["run_stopped"] = Field("run_stopped", exclude=True)
     reason: str
     error: bool = False
@@ -324,7 +382,7 @@ class RunStopped(_Model):
 Event = Annotated[
     Union[
         RunStarted, RunResumed, GroupDispatched, EpisodeDispatched, EpisodeCompleted,
-        EpisodeCancelled, FinalizeStarted, GroupFinalized, FinalizeFailed, GroupSettled,
+        EpisodeCancelled, FinalizeStarted, GroupFinalized, BackgroundFinalized, FinalizeFailed, GroupSettled,
         GroupCancelled, TracesDropped, GateChanged, VersionPublished, BatchShipped,
         DrainStarted, StopRequested, RunStopped, EvalStarted, EvalEpisodeDispatched, EvalEpisodeCompleted,
         EvalEpisodeCancelled, EvalCompleted,
@@ -336,15 +394,13 @@ EVENT_TYPES: dict[str, type[_Model]] = {
     cls.model_fields["kind"].default: cls for cls in Event.__origin__.__args__  # type: ignore[attr-defined]
 }
 # Facts from the outside world; everything else is decided by the core.
-INPUT_KINDS = frozenset(
-    {"run_started", "run_resumed", "episode_completed", "group_finalized", "finalize_failed",
-     "version_published", "stop_requested", "eval_episode_completed"}
-)
+assert all(getattr(cls, "role", None) in ("input", "decision") for cls in EVENT_TYPES.values()), "a kind lacks a role"
+INPUT_KINDS = frozenset(kind for kind, cls in EVENT_TYPES.items() if cls.role == "input")
 
 _NESTED_KINDS = frozenset({"run_started"})
 # An event's fields are its __dict__, `kind` first, in declaration order, so its data is the
 # orjson encoding of that dict minus the `{"kind":"...",` head: byte for byte what pydantic's
-# serializer writes (a property test checks it), at about half the cost. What orjson refuses
+# serializer writes (a property test checks it), at a fraction of the cost. What orjson refuses
 # goes through pydantic, which encodes big ints and names an unset field.
 _KIND_HEAD_LENGTH = {kind: len(orjson.dumps({"kind": kind})) for kind in EVENT_TYPES}
 
@@ -357,7 +413,7 @@ def encode_event(event: _Model) -> tuple[str, bytes]:
             return kind, b"{" + orjson.dumps(event.__dict__)[_KIND_HEAD_LENGTH[kind]:]
         except orjson.JSONEncodeError:  # an int beyond 64 bits, or a field left unset
             pass
-    return kind, event.__pydantic_serializer__.to_json(event)  # type: ignore[attr-defined]
+    return kind, event.__pydantic_serializer__.to_json(event)
 
 
 def decode_event(kind: str, data: bytes | str) -> _Model:
@@ -368,144 +424,3 @@ def decode_event(kind: str, data: bytes | str) -> _Model:
         raise ValueError(f"unknown event kind {kind!r}") from None
     return cls.model_validate_json(data)
 
-
-_new = object.__new__
-# Setters of the four slots every pydantic model instance has, taken from their descriptors:
-# half the cost of object.__setattr__, which looks each one up by name (5% of the core's time).
-_set_dict, _set_fields_set, _set_extra, _set_private = (
-    vars(BaseModel)[slot].__set__
-    for slot in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
-)
-
-
-def decode_trusted(kind: str, data: bytes | str) -> _Model:
-    """Like `decode_event`, without re-validating: for rows this code wrote itself (every field
-    present, already validated at append time), where a fold must be fast. About twice as fast.
-    Events with nested models still go through validation."""
-    cls = EVENT_TYPES.get(kind)
-    if cls is None:
-        raise ValueError(f"unknown event kind {kind!r}")
-    if kind in _NESTED_KINDS:
-        return cls.model_validate_json(data)
-    return _construct(cls, {"kind": kind, **orjson.loads(data)})
-
-
-def _construct(cls: type[_Model], fields: dict) -> _Model:
-    """The event `cls(**fields)` without validation: every field present (`kind` included), of
-    its type, in declaration order. Its `model_fields_set` is one set of all the class's fields,
-    shared by the class's events: pydantic adds to the set of a frozen model only on a copy
-    (`model_copy`), and not building one per event is 3.5% of the core's time."""
-    event = _new(cls)  # the same four slots as `_trusted_constructor`'s generated code sets
-    _set_dict(event, fields)
-    _set_fields_set(event, _ALL_FIELDS[cls])
-    _set_extra(event, None)
-    _set_private(event, None)
-    return event
-
-
-def _trusted_constructor(cls: type[_Model]) -> Callable[..., _Model]:
-    """`cls(**fields)` without validation, generated for `cls` (as dataclasses generates
-    `__init__`): keyword-only parameters in declaration order, each with its field's plain
-    default; a field with a default factory must be given. For values valid by construction:
-    the core's decisions, built from validated inputs and its own counters (validation was ~15%
-    of the core's time), and the fake env's episodes. Tests check that these events equal their
-    validated copies, encoded bytes included. Spelled out, it costs about half of building a
-    dict of defaults and merging the keywords into it."""
-    kind = cls.model_fields["kind"].default
-    names = [name for name in cls.model_fields if name != "kind"]
-    defaults = {}
-    params = []
-    for name in names:
-        info = cls.model_fields[name]
-        if info.is_required() or info.default_factory is not None:
-            params.append(name)
-        else:
-            defaults[f"_default_{name}"] = info.default
-            params.append(f"{name}=_default_{name}")
-    body = ", ".join([f"'kind': {kind!r}"] + [f"{name!r}: {name}" for name in names])
-    source = (
-        f"def trusted(*, {', '.join(params)}):\n"
-        f"    _event = _new(_cls)\n"
-        f"    _set_dict(_event, {{{body}}})\n"
-        f"    _set_fields_set(_event, _all_fields)\n"
-        f"    _set_extra(_event, None)\n"
-        f"    _set_private(_event, None)\n"
-        f"    return _event\n"
-    )
-    # Internal names start with "_", which no pydantic field name can.
-    namespace = {"_new": _new, "_set_dict": _set_dict, "_set_fields_set": _set_fields_set, "_set_extra": _set_extra,
-                 "_set_private": _set_private, "_cls": cls, "_all_fields": _ALL_FIELDS[cls], **defaults}
-    exec(source, namespace)  # noqa: S102 - the source is built from the class's own field names
-    trusted = namespace["trusted"]
-    trusted.__qualname__, trusted.__module__ = f"{cls.__name__}.trusted", __name__
-    return trusted
-
-
-_ALL_FIELDS = {cls: set(cls.model_fields) for cls in EVENT_TYPES.values()}  # every field's name
-for _cls in EVENT_TYPES.values():
-    _cls.trusted = staticmethod(_trusted_constructor(_cls))
-
-
-# ---------------------------------------------------------------- fold views
-# A fold (resume, replay) applies the reducer to every logged event but keeps almost none of
-# them: nearly every trace ships or drops before the end of the log. So a fold reads each row as
-# a msgspec Struct of just the fields the reducer reads (type-checked, unknown keys skipped
-# without being built: about twice as cheap as a dict of every field, four times as cheap as a
-# model), and builds the models only for the traces still held in the state at the end
-# (`TraceView.model`).
-
-
-class TraceView(msgspec.Struct, gc=False):
-    """An `episode_completed` row in a fold: what the reducer reads, and `data`, the row itself,
-    to decode the full event for the few traces still held when the fold ends. The reward,
-    mask and logprobs are skipped by the decoder; `token_ids` is read only for its length."""
-
-    episode_id: int
-    group_id: int
-    ok: bool
-    policy_start: int
-    token_ids: list[int]
-    data: bytes = b""
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def model(self) -> EpisodeCompleted:
-        return decode_trusted("episode_completed", self.data)  # type: ignore[return-value]
-
-
-_decode_trace_view = msgspec.json.Decoder(TraceView).decode
-
-
-def trace_view(data: bytes) -> TraceView:
-    view = _decode_trace_view(data)
-    view.data = data
-    return view
-
-
-def _flat_view_decoder(cls: type[_Model]) -> Callable[[bytes], msgspec.Struct]:
-    """A decoder of `cls`'s rows into a Struct with its fields (same types and defaults)."""
-    fields = []
-    for name, info in cls.model_fields.items():
-        if name == "kind":
-            continue
-        if info.is_required():
-            fields.append((name, info.annotation))
-        elif info.default_factory is not None:
-            fields.append((name, info.annotation, msgspec.field(default_factory=info.default_factory)))
-        else:
-            fields.append((name, info.annotation, info.default))
-    view = msgspec.defstruct(f"{cls.__name__}View", fields, kw_only=True, gc=False, module=__name__)
-    return msgspec.json.Decoder(view).decode
-
-
-# kind -> how a fold reads its rows (any error is a ValueError): a `TraceView` for a trace, a
-# Struct of the fields for the other flat events, the validated model for events with nested
-# models.
-FOLD_VIEWS: dict[str, Callable[[bytes], object]] = {
-    kind: trace_view if kind == "episode_completed"
-    else functools.partial(decode_trusted, kind) if kind in _NESTED_KINDS
-    else _flat_view_decoder(cls)
-    for kind, cls in EVENT_TYPES.items()
-}

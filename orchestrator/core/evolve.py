@@ -7,20 +7,23 @@ state after a live run and the state rebuilt from its log are the same object gr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from orchestrator.core import events as ev
-from orchestrator.core.state import Eval, EvalResult, Group, QueuedTrace, ShippedSample, State
+from orchestrator.core._fast_events import FOLD_VIEWS, TraceView
+from orchestrator.core.state import Eval, EvalResult, Group, QueuedTrace, ShippedSample, State, Trace, initial_state
 
 _ZERO_OUTPUT_CANCEL_REASONS = ("stale", "overload")
 
 
 def _run_started(s: State, e: ev.RunStarted) -> None:
-    s.params = e.params
-    s.cursors = {env: 0 for env in e.params.env_ratios}
+    """The state was made for this run by `initial_state(e.params)`: nothing changes."""
+    ev.check_schema_version(e.schema_version)
+    if e.params != s.params:
+        raise ValueError("run_started with other params than the state was made for")
 
 
 def _run_resumed(s: State, e: ev.RunResumed) -> None:
-    assert s.params is not None, "run_resumed before run_started"
     s.params = s.params.model_copy(update={"max_steps": e.max_steps})
     s.stopped, s.stop_reason, s.draining = False, None, False
     s.finalize_errors.clear()
@@ -47,7 +50,7 @@ def _episode_dispatched(s: State, e: ev.EpisodeDispatched) -> None:
         s.unfilled.pop(group_id, None)
 
 
-def _episode_completed(s: State, e: ev.EpisodeCompleted) -> None:
+def _episode_completed(s: State, e: Trace) -> None:
     group_id = s.inflight.pop(e.episode_id, None)
     if group_id is None:  # cancelled (or re-run) while it was finishing: ignored, counted
         s.acct.late += 1
@@ -82,7 +85,7 @@ def _finalize_started(s: State, e: ev.FinalizeStarted) -> None:
     group.survivors = list(e.trace_ids)
 
 
-def _group_finalized(s: State, e: ev.GroupFinalized) -> None:
+def _group_finalized(s: State, e: ev.GroupFinalized | ev.BackgroundFinalized) -> None:
     group = s.groups.get(e.group_id)
     if group is None or not group.finalizing:  # cancelled while its grader ran
         s.acct.late += 1
@@ -256,11 +259,12 @@ def _eval_completed(s: State, e: ev.EvalCompleted) -> None:
     evals.acct.evals_completed += 1
 
 
-_REDUCERS: dict[str, Callable[[State, object], None]] = {
+_REDUCERS: dict[str, Callable[[State, Any], None]] = {
     "run_started": _run_started, "run_resumed": _run_resumed,
     "group_dispatched": _group_dispatched, "episode_dispatched": _episode_dispatched,
     "episode_completed": _episode_completed, "episode_cancelled": _episode_cancelled,
     "finalize_started": _finalize_started, "group_finalized": _group_finalized,
+    "background_finalized": _group_finalized,
     "finalize_failed": _finalize_failed, "group_settled": _group_settled,
     "group_cancelled": _group_cancelled, "traces_dropped": _traces_dropped,
     "gate_changed": _gate_changed, "version_published": _version_published,
@@ -273,7 +277,7 @@ _REDUCERS: dict[str, Callable[[State, object], None]] = {
 assert set(_REDUCERS) == set(ev.EVENT_TYPES), "every event kind needs a reducer"
 
 
-def evolve(state: State, event) -> State:
+def evolve(state: State, event: ev.Event) -> State:
     """Apply one event to the state (in place) and return it."""
     _REDUCERS[event.kind](state, event)
     return state
@@ -288,40 +292,74 @@ class FoldError(ValueError):
         self.seq, self.kind, self.cause = seq, kind, cause
 
 
-def fold_rows(state: State, rows: Iterable[tuple[str, bytes]], first_seq: int = 1) -> int:
-    """Fold logged rows (kind, data JSON), the first one being seq `first_seq`; return how many.
+_FOLD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, AssertionError)
 
-    Each row is read as a fold view (`events.FOLD_VIEWS`) rather than a validated model, and the
-    traces still held at the end are decoded into full events, so the result is the state that
-    folding the models gives, at a fraction of the cost. A row that fails raises FoldError."""
-    reducers, views = _REDUCERS, ev.FOLD_VIEWS
+
+def fold_rows(state: State | None, rows: Iterable[tuple[str, bytes]], first_seq: int = 1) -> tuple[State | None, int]:
+    """Fold logged rows (kind, data JSON), the first one being seq `first_seq`, into `state`, or
+    with no state into the state their `run_started` makes; return (the state, how many rows).
+    No state and no rows: (None, 0), a log with no event yet.
+
+    Each row is read as a fold view (`_fast_events.FOLD_VIEWS`) rather than a validated model,
+    and the traces still held at the end are decoded into full events, so the result is the
+    state that folding the models gives, at a fraction of the cost. A row that fails raises
+    FoldError."""
+    reducers, views = _REDUCERS, FOLD_VIEWS
+    rows = iter(rows)
     count = 0
+    if state is None:
+        first = next(rows, None)
+        if first is None:
+            return None, 0
+        kind, data = first
+        try:
+            state = _state_made_by(views[kind](data) if kind in views else None, kind)
+        except _FOLD_ERRORS as err:
+            raise FoldError(first_seq, kind, err) from err
+        count = 1
     for kind, data in rows:
         try:
             view = views.get(kind)
             if view is None:
                 raise ValueError(f"unknown event kind {kind!r}")
             reducers[kind](state, view(data))
-        except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as err:
+        except _FOLD_ERRORS as err:
             raise FoldError(first_seq + count, kind, err) from err
         count += 1
     _decode_held_traces(state)
-    return count
+    return state, count
+
+
+def _state_made_by(first: object, kind: str) -> State:
+    """The state of a run whose first event is `first`: it must be its `run_started`."""
+    if not isinstance(first, ev.RunStarted):
+        raise ValueError(f"a run's first event is run_started, not {kind!r}")
+    return evolve(initial_state(first.params), first)
+
+
+def evolve_from(state: State | None, event: ev.Event) -> State:
+    """`evolve` for a reader that folds a log from its start: with no state yet, the state the
+    first event (`run_started`) makes."""
+    return _state_made_by(event, event.kind) if state is None else evolve(state, event)
 
 
 def _decode_held_traces(state: State) -> None:
     for trace_id, trace in state.traces.items():
-        if isinstance(trace, ev.TraceView):
+        if isinstance(trace, TraceView):
             state.traces[trace_id] = trace.model()
     for samples in state.shipped_batches.values():
         for sample in samples:
-            if isinstance(sample.trace, ev.TraceView):
+            if isinstance(sample.trace, TraceView):
                 sample.trace = sample.trace.model()
 
 
-def fold(events: Iterable, state: State | None = None) -> State:
-    """The state after applying `events` in order, from `state` or the initial state."""
-    state = State() if state is None else state
+def fold(events: Iterable[ev.Event], state: State | None = None) -> State:
+    """The state after applying `events` in order, to `state`, or from the state the first
+    event (`run_started`) makes."""
+    events = iter(events)
+    if state is None:
+        first = next(events, None)
+        state = _state_made_by(first, getattr(first, "kind", "nothing"))
     reducers = _REDUCERS
     for event in events:
         reducers[event.kind](state, event)

@@ -2,21 +2,52 @@
 
 Plain dataclasses of ints, lists and insertion-ordered dicts (never sets, so iteration order is
 part of the state and identical after a fold). Traces are the logged `EpisodeCompleted` events
-themselves (frozen), kept until they ship or are dropped.
+themselves (frozen), kept until they ship or are dropped; during a fold, their fold views (both
+are a `Trace`). A state is whole from the start: `initial_state(params)` is the state of a run
+before its `run_started`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import orjson
 
-from orchestrator.core.events import CoreParams, EpisodeCompleted
+from orchestrator.core.events import CoreParams, EpisodeCompleted, FinalizeStarted
 
 # 2: `params` is stored as its own JSON, so env_ratios keeps its order through a snapshot.
 # 3: the evals' state (`State.evals`).
 REDUCER_VERSION = "orch-core-3"
+
+
+class Trace(Protocol):
+    """A completed episode as the state holds it: the `EpisodeCompleted` event, or in a fold its
+    view (`_fast_events.TraceView`), which the fold turns into the event before it ends."""
+
+    @property
+    def episode_id(self) -> int: ...
+    @property
+    def group_id(self) -> int: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def reward(self) -> float: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def mask(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[float]: ...
+    @property
+    def policy_start(self) -> int: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def n_tokens(self) -> int: ...
+    @property
+    def sampled_tokens(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -60,7 +91,7 @@ class QueuedTrace:
 class ShippedSample:
     """A sample of a shipped batch, kept until the trainer has published that step."""
 
-    trace: EpisodeCompleted
+    trace: Trace
     env: str
     advantage: float
     lag: int
@@ -158,7 +189,7 @@ class EvalState:
 
 @dataclass(slots=True)
 class State:
-    params: CoreParams | None = None
+    params: CoreParams
     step: int = 1  # the next batch to ship
     version: int = 0  # newest version the trainer has published
     next_group_id: int = 1
@@ -168,7 +199,7 @@ class State:
     groups: dict[int, Group] = field(default_factory=dict)  # open and finalizing groups
     unfilled: dict[int, None] = field(default_factory=dict)  # groups with members to dispatch, in order
     inflight: dict[int, int] = field(default_factory=dict)  # episode id -> group id
-    traces: dict[int, EpisodeCompleted] = field(default_factory=dict)  # completed, not shipped nor dropped
+    traces: dict[int, Trace] = field(default_factory=dict)  # completed, not shipped nor dropped
     pending: dict[int, QueuedTrace] = field(default_factory=dict)  # the batch queue, insertion order
     pending_tokens: int = 0
     finalizing: dict[str, int] = field(default_factory=dict)  # env -> groups finalizing in background
@@ -184,10 +215,15 @@ class State:
     evals: EvalState = field(default_factory=EvalState)
 
 
-def finalizes_in_background(s: State, started) -> bool:
+def initial_state(params: CoreParams) -> State:
+    """The state of a run before its first event, `run_started` (which carries `params`)."""
+    return State(params=params, cursors={env: 0 for env in params.env_ratios})
+
+
+def finalizes_in_background(s: State, started: FinalizeStarted) -> bool:
     """Does a `finalize_started` decision call for a background grader, once every decision of
     its input is applied? Not for a group that a later decision of the same input cancelled (a
-    resume that re-finalizes, then drains). The shells (loop, sim, replay) all ask this."""
+    resume that re-finalizes, then drains). The effect interpreter asks this."""
     group = s.groups.get(started.group_id)
     return started.background and group is not None and group.finalizing
 
@@ -200,7 +236,7 @@ def min_fresh_version(params: CoreParams, step: int) -> int:
 # --- canonical bytes: snapshots and state hashes -------------------------------------------------
 
 
-def _group_to_dict(g: Group) -> dict:
+def _group_to_dict(g: Group) -> dict[str, Any]:
     return {
         "group_id": g.group_id, "env": g.env, "task_id": g.task_id, "size": g.size,
         "policy_version": g.policy_version, "attempts": g.attempts, "inflight": list(g.inflight),
@@ -210,7 +246,7 @@ def _group_to_dict(g: Group) -> dict:
     }
 
 
-def _group_from_dict(d: dict) -> Group:
+def _group_from_dict(d: dict[str, Any]) -> Group:
     return Group(
         group_id=d["group_id"], env=d["env"], task_id=d["task_id"], size=d["size"],
         policy_version=d["policy_version"], attempts=d["attempts"],
@@ -220,6 +256,12 @@ def _group_from_dict(d: dict) -> Group:
     )
 
 
+def _trace_dict(t: Trace) -> dict[str, Any]:
+    if not isinstance(t, EpisodeCompleted):  # a fold ends with every view turned into its event
+        raise TypeError(f"cannot encode a {type(t).__name__} in a state: the fold did not end")
+    return t.model_dump(exclude={"kind"})
+
+
 def _evals_to_dict(e: EvalState) -> dict:
     return {
         "open": [[x.eval_id, x.env, x.version, x.task_ids, x.first_group_id, x.samples_per_task,
@@ -227,8 +269,8 @@ def _evals_to_dict(e: EvalState) -> dict:
                   [[k, v] for k, v in x.scored.items()], x.failures, x.off_version] for x in e.open.values()],
         "inflight": [[k, v] for k, v in e.inflight.items()], "next_eval_id": e.next_eval_id,
         "last_version": e.last_version,
-        "results": [[getattr(r, n) for n in EvalResult.__slots__] for r in e.results],  # type: ignore[attr-defined]
-        "acct": {name: getattr(e.acct, name) for name in EvalAccounting.__slots__},  # type: ignore[attr-defined]
+        "results": [[getattr(r, n) for n in EvalResult.__slots__] for r in e.results],
+        "acct": {name: getattr(e.acct, name) for name in EvalAccounting.__slots__},
     }
 
 
@@ -244,40 +286,40 @@ def _evals_from_dict(d: dict) -> EvalState:
                      acct=EvalAccounting(**d["acct"]))
 
 
-def state_to_dict(s: State) -> dict:
+def state_to_dict(s: State) -> dict[str, Any]:
     acct = s.acct
     return {
         "reducer_version": REDUCER_VERSION,
         # As its own JSON text, so the sorted keys of the snapshot leave its dicts in their
         # order: the env choice walks env_ratios in the order the run was started with.
-        "params": s.params.model_dump_json() if s.params else None,
+        "params": s.params.model_dump_json(),
         "step": s.step, "version": s.version, "next_group_id": s.next_group_id,
         "next_episode_id": s.next_episode_id, "rng_counter": s.rng_counter, "cursors": s.cursors,
         "groups": [_group_to_dict(g) for g in s.groups.values()],
         "unfilled": list(s.unfilled),
         "inflight": [[e, g] for e, g in s.inflight.items()],
-        "traces": [t.model_dump(exclude={"kind"}) for t in s.traces.values()],
+        "traces": [_trace_dict(t) for t in s.traces.values()],
         "pending": [[q.trace_id, q.group_id, q.env, q.dispatch_version, q.policy_start, q.n_tokens,
                      q.advantage] for q in s.pending.values()],
         "pending_tokens": s.pending_tokens, "finalizing": s.finalizing,
         "shipped_batches": [
-            [step, [[x.trace.model_dump(exclude={"kind"}), x.env, x.advantage, x.lag] for x in samples]]
+            [step, [[_trace_dict(x.trace), x.env, x.advantage, x.lag] for x in samples]]
             for step, samples in s.shipped_batches.items()
         ],
         "gate_open": s.gate_open, "gate_reason": s.gate_reason, "draining": s.draining,
         "stopped": s.stopped, "stop_reason": s.stop_reason,
         "finalize_errors": [[g, e] for g, e in s.finalize_errors.items()],
         "last_reward_mean": s.last_reward_mean,
-        "acct": {name: getattr(acct, name) for name in Accounting.__slots__},  # type: ignore[attr-defined]
+        "acct": {name: getattr(acct, name) for name in Accounting.__slots__},
         "evals": _evals_to_dict(s.evals),
     }
 
 
-def state_from_dict(d: dict) -> State:
+def state_from_dict(d: dict[str, Any]) -> State:
     if d.get("reducer_version") != REDUCER_VERSION:
         raise ValueError(f"state from reducer {d.get('reducer_version')!r}, this code is {REDUCER_VERSION}")
     return State(
-        params=CoreParams.model_validate_json(d["params"]) if d["params"] else None,
+        params=CoreParams.model_validate_json(d["params"]),
         step=d["step"], version=d["version"], next_group_id=d["next_group_id"],
         next_episode_id=d["next_episode_id"], rng_counter=d["rng_counter"], cursors=d["cursors"],
         groups={g["group_id"]: _group_from_dict(g) for g in d["groups"]},
@@ -322,7 +364,7 @@ def conservation(s: State) -> tuple[bool, dict[str, int]]:
     accounted = terms["shipped"] + terms["pending"] + terms["in_groups"] + terms["dropped"]
     # Every held trace must still be in `traces` (pending, grouped) or in a shipped batch.
     holds = accounted == terms["completed"] and len(s.traces) == terms["pending"] + terms["in_groups"]
-    if s.params is not None and s.params.eval is not None:
+    if s.params.eval is not None:
         eval_holds, eval_terms = eval_conservation(s.evals)
         holds = holds and eval_holds
         terms.update(eval_terms)

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 from eventlog import EventLog
-from orchestrator.core.evolve import evolve
+from orchestrator.core.evolve import evolve_from
 from orchestrator.core.state import State
 from orchestrator.observe.rows import fold_events
 
@@ -51,7 +51,7 @@ class Export:
     """The tables, built from a run's events in log order (`take`)."""
 
     def __init__(self) -> None:
-        self.state = State()  # the reducer's own, for the members a group cancel drops
+        self.state: State | None = None  # the reducer's own, for the members a group cancel drops
         self.episodes: dict[int, dict] = {}
         self.groups: dict[int, dict] = {}
         self.batches: list[dict] = []
@@ -61,7 +61,7 @@ class Export:
     def take(self, ts: float, e) -> None:
         self.seq += 1
         getattr(self, "_" + e.kind, _ignore)(ts, e)
-        evolve(self.state, e)
+        self.state = evolve_from(self.state, e)
 
     def _group_dispatched(self, ts: float, e) -> None:
         self.groups[e.group_id] = {"id": e.group_id, "env": e.env, "task_id": e.task_id, "group_size": e.group_size,
@@ -93,6 +93,8 @@ class Export:
     def _group_finalized(self, ts: float, e) -> None:
         for trace_id, advantage in zip(e.trace_ids, e.advantages):
             self.episodes[trace_id]["advantage"] = advantage
+
+    _background_finalized = _group_finalized  # the same scores, sent by a background finalize
 
     def _finalize_failed(self, ts: float, e) -> None:
         self.groups[e.group_id]["finalize_error"] = e.error

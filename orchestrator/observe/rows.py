@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from eventlog import EventLog
+from orchestrator.core import decode_unvalidated
 from orchestrator.core import events as ev
-from orchestrator.core.evolve import FoldError, evolve
+from orchestrator.core.evolve import FoldError, evolve_from
 from orchestrator.core.state import State
 from orchestrator.shell.progress import buffered_episodes
 
@@ -43,14 +44,14 @@ class StepRows:
     """Fold a run's events in log order (`feed`), returning the rows each one completes."""
 
     def __init__(self) -> None:
-        self.state = State()
+        self.state: State | None = None
         self._episodes = 0  # completions logged since the run (re)started
         self._tokens = 0  # their sampled tokens
         # (ts, episodes, tokens) at the (re)start and at each ship since: the last few
         self._marks: deque[tuple[float, int, int]] = deque(maxlen=THROUGHPUT_WINDOW)
 
     def feed(self, ts: float, event) -> list[Row]:
-        evolve(self.state, event)
+        self.state = evolve_from(self.state, event)
         kind = event.kind
         if kind == "episode_completed":
             self._episodes += 1
@@ -92,7 +93,7 @@ def fold_events(log: EventLog, consume: Callable[[float, object], Iterable[T] | 
     or fold."""
     for seq, ts, kind, data in log.read_raw(start, stop):
         try:
-            out = consume(ts, ev.decode_trusted(kind, data))
+            out = consume(ts, decode_unvalidated(kind, data))
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             raise FoldError(seq, kind, err) from None
         for item in out or ():

@@ -3,7 +3,7 @@ into background finalization (seed 000).
 
 Background-finalized algorithms run `finalize_group` concurrently for many groups, and results
 come back in any order: a stateful algorithm must tolerate interleaved groups. The advantage
-arithmetic itself is the core's (orchestrator.core.algorithms), so inline and background agree.
+arithmetic itself is the core's (orchestrator.core.advantages), so inline and background agree.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 from orchestrator.config import GraderConfig, RunConfig
-from orchestrator.core.algorithms import gar_advantages, grpo_advantages
+from orchestrator.core.advantages import gar_advantages, grpo_advantages
 from orchestrator.core.events import EpisodeCompleted
 
 
@@ -69,7 +69,7 @@ class SimulatedGrader:
 
 
 class GAR(Algorithm):
-    """Grader-ranked group advantage redistribution; see core.algorithms.gar_advantages."""
+    """Grader-ranked group advantage redistribution; see core.advantages.gar_advantages."""
 
     name = "gar"
     finalize_in_background = True

@@ -19,9 +19,10 @@ from orchestrator.config import RunConfig
 from orchestrator.core import events as ev
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
 from orchestrator.core.decide import decide
-from orchestrator.core.state import REDUCER_VERSION, ShippedSample, State, finalizes_in_background, state_bytes
-from orchestrator.rundir import atomic_write_bytes, batch_path
+from orchestrator.core.state import REDUCER_VERSION, Group, ShippedSample, State, Trace, state_bytes
+from orchestrator.effects import perform
 from orchestrator.rollouts.collect import ExampleFeed, Outcome, run_examples
+from orchestrator.rundir import atomic_write_bytes, batch_path
 from orchestrator.shell.algorithms import Algorithm
 from orchestrator.shell.evals import eval_request, eval_result
 from orchestrator.shell.rollouts import RolloutRequest
@@ -61,7 +62,7 @@ class BackgroundFinalizer:
         self.error: BaseException | None = None
         self.error_group: int | None = None
 
-    def start(self, group_id: int, traces: Sequence[ev.EpisodeCompleted]) -> None:
+    def start(self, group_id: int, traces: Sequence[Trace]) -> None:
         self.cancel(group_id)
         trace_ids = [t.episode_id for t in traces]
         task = asyncio.get_running_loop().create_task(self.algorithm.finalize_group(group_id, traces))
@@ -79,7 +80,7 @@ class BackgroundFinalizer:
                 self.error, self.error_group = exc, group_id
             self.deliver(ev.FinalizeFailed(group_id=group_id, error=f"{type(exc).__name__}: {exc}"))
         else:
-            self.deliver(ev.GroupFinalized(group_id=group_id, trace_ids=trace_ids, advantages=task.result()))
+            self.deliver(ev.BackgroundFinalized(group_id=group_id, trace_ids=trace_ids, advantages=task.result()))
 
     def cancel(self, group_id: int) -> None:
         task = self.tasks.pop(group_id, None)
@@ -113,6 +114,12 @@ class Orchestrator:
         self._reloads: set[asyncio.Task] = set()  # inference weight reloads in progress
         self._reload_error: BaseException | None = None
         self.events_logged = 0
+        # What the effect interpreter asked for in this step that waits until its pass is over.
+        self._batch_payloads: dict[int, bytes] = {}
+        self._batches_to_write: list[tuple[int, bytes]] = []
+        self._batches_to_announce: list[ev.BatchShipped] = []
+        self._versions_published: list[int] = []
+        self._drain_due = self._snapshot_due = False
 
     # --- inputs from the outside world (called on the loop thread) ---------------------------
 
@@ -159,7 +166,6 @@ class Orchestrator:
                     self._raise_if_failed(owned)
                 if not inputs and not self.state.stopped:
                     await self._wait_for_inputs()
-            self._save_snapshot()
             return self.state
         finally:
             await self._shutdown(owned)
@@ -238,64 +244,85 @@ class Orchestrator:
 
     async def _handle(self, inputs: list) -> None:
         log, state = self.log, self.state
-        decided, batch_payloads = [], {}
+        logged: list = []
+        batch_payloads = self._batch_payloads = {}
         for event in inputs:
             kind, data = ev.encode_event(event)
             log.append_json(kind, data)
+            logged.append(event)
             for decision in decide(state, event, batch_payloads):
                 kind, data = ev.encode_event(decision)
                 log.append_json(kind, data)
-                decided.append(decision)
-            self.events_logged += 1
-        self.events_logged += len(decided)
+                logged.append(decision)
+        self.events_logged += len(logged)
         # Durable before any effect (write-ahead). In a thread: rollouts keep running meanwhile,
         # and nothing else touches the log until this returns.
         await asyncio.to_thread(log.commit)
-        shipped = [decision for decision in decided if decision.kind == "batch_shipped"]
-        for decision in decided:
-            self._perform(decision)
-        if any(decision.kind == "drain_started" for decision in decided):
-            # The core already cancelled every in-flight episode; stop admission and let the
-            # outcomes that completed meanwhile reach the core (it books them as late).
+        perform(state, logged, self)
+        if self._drain_due:
+            self._drain_due = False
             await self._drain_rollouts()
-        if self.hooks.on_version is not None:
-            for event in inputs:  # an input with an effect: inference loads the published weights
-                if event.kind == "version_published":
-                    self._spawn_reload(event.version)
-        if shipped:  # file I/O off the loop thread; the trainer hears of it afterwards
-            batches = [(e.step, batch_payloads[e.step]) for e in shipped]
+        versions, self._versions_published = self._versions_published, []
+        if self.hooks.on_version is not None:  # inference loads the published weights
+            for version in versions:
+                self._spawn_reload(version)
+        batches, self._batches_to_write = self._batches_to_write, []
+        if batches:  # file I/O off the loop thread; the trainer hears of them afterwards
             await asyncio.to_thread(self._write_batches, batches)
-            for e in shipped:
-                self.trainer.batch_written(e.step, e.sha256)
-                if self.progress is not None:
-                    self.progress.on_batch(e, self.state, self)
-        if self.sinks is not None and (shipped or any(event.kind == "version_published" for event in inputs)):
+        announced, self._batches_to_announce = self._batches_to_announce, []
+        for e in announced:
+            self.trainer.batch_written(e.step, e.sha256)
+            if self.progress is not None:
+                self.progress.on_batch(e, self.state, self)
+        if self.sinks is not None and (announced or versions):
             await self.sinks.feed(log.last_seq)  # the commits that complete rows
-        if self.config.log.snapshot_every and log.last_seq - self._last_snapshot_seq >= self.config.log.snapshot_every:
+        every = self.config.log.snapshot_every
+        if self._snapshot_due or (every and log.last_seq - self._last_snapshot_seq >= every):
+            self._snapshot_due = False
             self._save_snapshot()
 
-    def _perform(self, e) -> None:
-        state = self.state
-        kind = e.kind
-        if kind == "episode_dispatched":
-            if e.episode_id in state.inflight:  # not already cancelled in the same iteration
-                group = state.groups[e.group_id]
-                req = RolloutRequest(e.episode_id, e.group_id, group.env, group.task_id, e.attempt, e.policy_version)
-                self.feed.put(req, key=e.episode_id)
-        elif kind == "episode_cancelled":
-            self.stream.cancel(e.episode_id)
-        elif kind == "eval_episode_dispatched":
-            if e.episode_id in state.evals.inflight:  # not already cancelled in the same iteration
-                self.eval_feed.put(eval_request(state, e), key=e.episode_id)
-        elif kind == "eval_episode_cancelled":
-            self.eval_stream.cancel(e.episode_id)
-        elif kind == "eval_completed" and self.progress is not None:
-            self.progress.on_eval(e)
-        elif kind == "finalize_started":
-            if finalizes_in_background(state, e):
-                self.finalizer.start(e.group_id, [state.traces[t] for t in e.trace_ids])
-        elif kind == "group_cancelled":
-            self.finalizer.cancel(e.group_id)
+    # --- the effect port (orchestrator.effects): what a step's events call for ------------------
+
+    def start_rollout(self, dispatched: ev.EpisodeDispatched, group: Group) -> None:
+        e = dispatched
+        self.feed.put(RolloutRequest(e.episode_id, e.group_id, group.env, group.task_id, e.attempt, e.policy_version),
+                      key=e.episode_id)
+
+    def cancel_rollout(self, episode_id: int) -> None:
+        self.stream.cancel(episode_id)
+
+    def start_eval_rollout(self, dispatched: ev.EvalEpisodeDispatched) -> None:
+        self.eval_feed.put(eval_request(self.state, dispatched), key=dispatched.episode_id)
+
+    def cancel_eval_rollout(self, episode_id: int) -> None:
+        self.eval_stream.cancel(episode_id)
+
+    def report_eval(self, completed: ev.EvalCompleted) -> None:
+        if self.progress is not None:
+            self.progress.on_eval(completed)
+
+    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
+        self.finalizer.start(started.group_id, traces)
+
+    def cancel_finalize(self, group_id: int) -> None:
+        self.finalizer.cancel(group_id)
+
+    def write_batch(self, shipped: ev.BatchShipped) -> None:
+        self._batches_to_write.append((shipped.step, self._batch_payloads[shipped.step]))
+
+    def notify_trainer(self, shipped: ev.BatchShipped) -> None:
+        self._batches_to_announce.append(shipped)
+
+    def load_version(self, version: int) -> None:
+        self._versions_published.append(version)
+
+    def drain(self) -> None:
+        # The core already cancelled every in-flight episode; admission stops and the outcomes
+        # that completed meanwhile reach the core (it books them as late).
+        self._drain_due = True
+
+    def snapshot(self) -> None:
+        self._snapshot_due = True
 
     async def _drain_rollouts(self) -> None:
         """Bounded by SHUTDOWN_STEP_S. A rollout that ignores its cancellation is reported, not

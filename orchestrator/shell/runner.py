@@ -16,7 +16,7 @@ import orjson
 from eventlog import EventLog, LogExistsError, LogNotFoundError
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes
 from orchestrator.core import events as ev
-from orchestrator.core.state import State
+from orchestrator.core.state import State, initial_state
 from orchestrator.rundir import batch_steps_on_disk, batches_dir
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.observe.sinks import build_feeder
@@ -25,7 +25,7 @@ from orchestrator.shell.loop import LoopHooks, Orchestrator, warn
 from orchestrator.shell.progress import Progress
 from orchestrator.shell.rollouts import EmbeddedRollouts, FakeEnvRollouts
 from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer, TrainerFailed
-from replay.fold import fold_log
+from orchestrator.fold import fold_log
 
 EVENTS_DB = "events.db"
 LOG_MAGIC_META = {"app": "orch", "schema_version": str(ev.EVENT_SCHEMA_VERSION)}
@@ -67,7 +67,8 @@ def create_run(config: RunConfig) -> OpenedRun:
                               durability=config.log.durability)
     except LogExistsError as err:
         raise RunDirError(str(err)) from None
-    return OpenedRun(config, run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+    params = config.core_params()
+    return OpenedRun(config, run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
 
 
 def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
@@ -85,8 +86,9 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
     try:
         with tuned_gc():
             folded = fold_log(log)
-        if folded.state.params is None:  # it stopped before its first event was committed
-            return OpenedRun(requested, run_dir, log, State(), ev.RunStarted(params=requested.core_params()), None)
+        if folded.state is None:  # it stopped before its first event was committed
+            params = requested.core_params()
+            return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
         # max_steps defaults to the run's current one (a resume may have raised it), not to the
         # one it was created with.
         requested = _requested_config(stored, run_dir, overrides, config_file, max_steps=folded.state.params.max_steps)

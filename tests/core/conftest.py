@@ -6,14 +6,14 @@ import pytest
 
 from orchestrator.core import events as ev
 from orchestrator.core.decide import decide
-from orchestrator.core.state import State
+from orchestrator.core.state import initial_state
 
 
 class Driver:
     def __init__(self, **params):
         params.setdefault("env_ratios", {"a": 1.0})
         self.params = ev.CoreParams(**params)
-        self.state = State()
+        self.state = initial_state(self.params)
         self.log: list = []
 
     def feed(self, event) -> list:

@@ -11,7 +11,6 @@ from orchestrator.core import events as ev
 from orchestrator.core.evals import held_out_task_ids
 from orchestrator.core.evolve import fold, fold_rows
 from orchestrator.core.state import (
-    State,
     conservation,
     state_bytes,
     state_from_bytes,
@@ -191,8 +190,8 @@ def test_a_crash_loses_in_flight_eval_episodes_and_resume_re_runs_them(through_s
     while not (world.state.evals.inflight and world.state.evals.last_version > 0):  # mid-way through an eval
         assert world.advance()
     lost = {e: world.state.evals.open[x].inflight[e] for e, x in world.state.evals.inflight.items()}
-    state = State()
-    fold_rows(state, (ev.encode_event(e) for e in world.log))
+    state, _ = fold_rows(None, (ev.encode_event(e) for e in world.log))
+    assert state is not None
     if through_snapshot:
         state = state_from_bytes(state_bytes(state))
     assert state_hash(state) == state_hash(world.state)

@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.core import events as ev
 from orchestrator.core.evolve import FoldError, fold, fold_rows
-from orchestrator.core.state import State, state_hash
+from orchestrator.core.state import initial_state, state_hash
 from orchestrator.sim import SimOptions, SimWorld
 
 
@@ -23,8 +23,8 @@ def sim_log():
 @pytest.mark.parametrize("cut", [0.25, 0.5, 0.8, 1.0])
 def test_fold_rows_equals_the_fold_of_the_models_and_holds_only_models(sim_log, cut):
     events = sim_log[: int(len(sim_log) * cut)]
-    state = State()
-    assert fold_rows(state, map(ev.encode_event, events)) == len(events)
+    state, count = fold_rows(None, map(ev.encode_event, events))
+    assert count == len(events)
     assert state_hash(state) == state_hash(fold(events))
     held = list(state.traces.values()) + [s.trace for b in state.shipped_batches.values() for s in b]
     assert all(type(trace) is ev.EpisodeCompleted for trace in held)
@@ -33,10 +33,18 @@ def test_fold_rows_equals_the_fold_of_the_models_and_holds_only_models(sim_log, 
 
 def test_fold_rows_continues_a_state_from_any_point(sim_log):
     half = len(sim_log) // 2
-    state = State()
-    fold_rows(state, map(ev.encode_event, sim_log[:half]))
-    fold_rows(state, map(ev.encode_event, sim_log[half:]), first_seq=half + 1)
+    state, _ = fold_rows(None, map(ev.encode_event, sim_log[:half]))
+    state, count = fold_rows(state, map(ev.encode_event, sim_log[half:]), first_seq=half + 1)
+    assert count == len(sim_log) - half
     assert state_hash(state) == state_hash(fold(sim_log))
+
+
+def test_a_fold_from_nothing_starts_with_run_started(sim_log):
+    assert fold_rows(None, []) == (None, 0)
+    with pytest.raises(FoldError, match="seq 1: cannot fold the 'gate_changed' event: ValueError: a run's first "
+                                        "event is run_started"):
+        fold_rows(None, map(ev.encode_event, sim_log[1:]))
+    assert fold(sim_log[:1]).params == sim_log[0].params
 
 
 @pytest.mark.parametrize("row, error", [
@@ -52,8 +60,16 @@ def test_fold_rows_continues_a_state_from_any_point(sim_log):
 def test_a_row_that_cannot_be_folded_names_its_seq(sim_log, row, error):
     rows = [ev.encode_event(e) for e in sim_log[:2]] + [row]
     with pytest.raises(FoldError) as info:
-        fold_rows(State(), rows, first_seq=10)
+        fold_rows(None, rows, first_seq=10)
     assert str(info.value).startswith(error) and info.value.seq == 12
+
+
+def test_a_log_of_another_format_version_is_refused_naming_it(sim_log):
+    """Version 1 logged background results as `group_finalized`: its rows are not read as version 2."""
+    rows = [ev.encode_event(sim_log[0].model_copy(update={"schema_version": 1}))]
+    with pytest.raises(FoldError, match=r"seq 1: cannot fold the 'run_started' event: ValueError: an orch log of "
+                                        r"format version 1; this orch reads version 2 only"):
+        fold_rows(None, rows)
 
 
 def test_decide_hands_out_the_batch_file_its_sha256_covers(sim_log):
@@ -63,7 +79,7 @@ def test_decide_hands_out_the_batch_file_its_sha256_covers(sim_log):
     from orchestrator.core.decide import decide
     from orchestrator.shell.loop import Orchestrator
 
-    state, payloads, shipped = State(), {}, []
+    state, payloads, shipped = initial_state(sim_log[0].params), {}, []
     for event in (e for e in sim_log if e.kind in ev.INPUT_KINDS):
         for decision in decide(state, event, payloads):
             if decision.kind == "batch_shipped":

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from orchestrator.core import events as ev
+from orchestrator.core._fast_events import decode_unvalidated
 from orchestrator.core.decide import decide, dispatch_gate
 from orchestrator.core.evolve import fold, fold_rows
 from orchestrator.core.state import State, conservation, state_bytes, state_from_bytes, state_hash
@@ -20,8 +21,8 @@ from orchestrator.sim import SimOptions, SimWorld
 def fold_rows_of(log) -> State:
     """The state `orch run --resume` rebuilds: the encoded rows folded through views; every trace
     it holds afterwards is a full event again."""
-    state = State()
-    fold_rows(state, (ev.encode_event(e) for e in log))
+    state, _ = fold_rows(None, (ev.encode_event(e) for e in log))
+    assert state is not None
     held = list(state.traces.values()) + [s.trace for b in state.shipped_batches.values() for s in b]
     assert all(type(trace) is ev.EpisodeCompleted for trace in held)
     return state
@@ -137,7 +138,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def decisions_equal_their_validated_copies(self):
-        """The core builds its decisions without validation (`Event.trusted`)."""
+        """The core builds its decisions without validation (`Event.unvalidated`)."""
         log = self.world.log
         for event in log[self.checked:]:
             if event.kind not in ev.INPUT_KINDS:
@@ -245,21 +246,21 @@ def test_random_settle_order_keeps_totals_and_meets_stale_cancels(seed):
     assert sum(1 for e in world.log if e.kind == "group_cancelled" and e.reason == "stale") > 0
 
 
-def test_trusted_decoding_round_trips_every_kind_exactly():
+def test_unvalidated_decoding_round_trips_every_kind_exactly():
     world = SimWorld(_params(3, finalize_in_background=True), seed=3, options=SimOptions(settle="random"))
     world.run()
     kinds = set()
     for event in world.log:
         kind, data = ev.encode_event(event)
-        decoded = ev.decode_trusted(kind, data)
+        decoded = decode_unvalidated(kind, data)
         assert decoded == event and ev.encode_event(decoded) == (kind, data)
         kinds.add(kind)
     assert len(kinds) >= 12
 
 
 def test_events_built_without_validation_share_their_classs_fields_set_and_copies_do_not():
-    built = ev.EpisodeCancelled.trusted(episode_id=1, reason="drain")
-    decoded = ev.decode_trusted(*ev.encode_event(ev.EpisodeCancelled(episode_id=2, reason="stop")))
+    built = ev.EpisodeCancelled.unvalidated(episode_id=1, reason="drain")
+    decoded = decode_unvalidated(*ev.encode_event(ev.EpisodeCancelled(episode_id=2, reason="stop")))
     assert built.model_fields_set is decoded.model_fields_set == set(ev.EpisodeCancelled.model_fields)
     assert built.model_dump(exclude_unset=True) == built.model_dump()  # every field counts as set
     copied = built.model_copy(update={"reason": "stop"})
@@ -296,15 +297,15 @@ def test_encoding_is_byte_for_byte_pydantics_for_any_field_values(data, cls):
     kind, encoded = ev.encode_event(event)
     assert encoded == event.__pydantic_serializer__.to_json(event)
     assert ev.decode_event(kind, encoded) == event
-    trusted = cls.trusted(**{name: value for name, value in event.__dict__.items() if name != "kind"})
-    assert trusted == event and ev.encode_event(trusted) == (kind, encoded)
+    built = cls.unvalidated(**{name: value for name, value in event.__dict__.items() if name != "kind"})
+    assert built == event and ev.encode_event(built) == (kind, encoded)
 
 
 @pytest.mark.parametrize("cls", list(ev.EVENT_TYPES.values()), ids=list(ev.EVENT_TYPES))
-def test_trusted_constructor_takes_each_field_with_its_plain_default(cls):
-    """`cls.trusted` is generated from the class: the same fields, in the same order, the same
+def test_unvalidated_constructor_takes_each_field_with_its_plain_default(cls):
+    """`cls.unvalidated` is generated from the class: the same fields, in the same order, the same
     defaults; a required field or one with a default factory must be given."""
-    signature = inspect.signature(cls.trusted)
+    signature = inspect.signature(cls.unvalidated)
     fields = {name: info for name, info in cls.model_fields.items() if name != "kind"}
     assert list(signature.parameters) == list(fields)
     for name, param in signature.parameters.items():
@@ -314,4 +315,4 @@ def test_trusted_constructor_takes_each_field_with_its_plain_default(cls):
         assert param.default is (info.default if plain else inspect.Parameter.empty), name
     if any(param.default is inspect.Parameter.empty for param in signature.parameters.values()):
         with pytest.raises(TypeError, match="missing"):
-            cls.trusted()
+            cls.unvalidated()

@@ -76,7 +76,7 @@ def test_finalizing_groups_are_finalized_again_and_inflight_episodes_rerun(drive
     assert d.state.finalizing == {"a": 1}  # counted once, not twice
     assert sorted(e.episode_id for e in out if e.kind == "episode_cancelled") == inflight_before
     assert d.state.acct.rerun_attempts == len(inflight_before)
-    out = d.feed(ev.GroupFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))
+    out = d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))
     assert [e.kind for e in out][0] == "group_settled" and list(d.state.pending) == [1, 2]
     assert conservation(d.state)[0]
 

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from orchestrator.core import events as ev
+from orchestrator.core.decide import decide
 from orchestrator.core.state import conservation, state_hash
 
 # --- rule 1: dispatch ----------------------------------------------------------------------------
@@ -61,10 +62,10 @@ def test_gate_closes_at_the_finalizing_cap_and_reopens_below_it(driver):
     inflight_before = len(d.state.inflight)
     out = d.complete(3)  # in-flight episodes keep flowing; nothing new is dispatched
     assert not d.of(out, "episode_dispatched") and len(d.state.inflight) == inflight_before - 1
-    out = d.feed(ev.GroupFinalized(group_id=1, trace_ids=[1], advantages=[0.5]))
+    out = d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1], advantages=[0.5]))
     assert d.state.finalizing == {"a": 2}  # groups 2, 3 still finalizing: still at cap
     assert not d.of(out, "episode_dispatched")
-    out = d.feed(ev.GroupFinalized(group_id=2, trace_ids=[2], advantages=[0.5]))
+    out = d.feed(ev.BackgroundFinalized(group_id=2, trace_ids=[2], advantages=[0.5]))
     assert d.of(out, "gate_changed")[-1].open is True
     assert d.of(out, "episode_dispatched")
 
@@ -168,14 +169,14 @@ def test_step_advance_cancels_finalizing_groups_that_would_be_stale_on_insertion
     d.complete(4, reward=1.0, policy_start=1)  # group 2 finalizing (v1 traces)
     d.complete(5, reward=0.0, policy_start=1)
     d.complete(6, reward=1.0, policy_start=1)  # group 3 finalizing (v1 traces)
-    out = d.feed(ev.GroupFinalized(group_id=3, trace_ids=[5, 6], advantages=[-0.5, 0.5]))
+    out = d.feed(ev.BackgroundFinalized(group_id=3, trace_ids=[5, 6], advantages=[-0.5, 0.5]))
     # batch 1 ships -> step 2 -> min fresh 1: group 1 (v0) is cancelled, group 2 (v1) is not
     assert d.of(out, "batch_shipped")
     cancelled = d.of(out, "group_cancelled")
     assert [(c.group_id, c.reason, c.count) for c in cancelled] == [(1, "stale", 2)]
     assert 2 in d.state.groups and d.state.groups[2].finalizing
     # a late result for the cancelled group is ignored
-    late = d.feed(ev.GroupFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))
+    late = d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))
     assert late == [] and d.state.acct.late == 1
 
 
@@ -292,3 +293,15 @@ def test_decisions_are_not_inputs(driver):
     d.start()
     with pytest.raises(ValueError, match="not an input"):
         d.feed(ev.DrainStarted(reason="x"))
+
+
+def test_a_scored_group_is_a_decision_inline_and_an_input_only_from_the_background(driver):
+    """The role is the kind's: `decide` refuses the inline kind as an input."""
+    assert (ev.GroupFinalized.role, ev.BackgroundFinalized.role) == ("decision", "input")
+    d = driver(group_size=1, batch_size=100, max_inflight=1, finalize_in_background=True)
+    d.start()
+    d.complete(1)
+    with pytest.raises(ValueError, match="'group_finalized' is a decision, not an input"):
+        decide(d.state, ev.GroupFinalized(group_id=1, trace_ids=[1], advantages=[0.5]))
+    settled = d.of(d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1], advantages=[0.5])), "group_settled")
+    assert settled and settled[0].trace_ids == [1]

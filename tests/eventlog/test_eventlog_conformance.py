@@ -1,10 +1,15 @@
-"""Conformance of EventLog to its contract: order, contiguity, atomicity, readers, snapshots."""
+"""Conformance to the recorder contract: order, contiguity, atomicity, reads, snapshots.
+
+The contract's tests take the `recorder` fixture and run over both recorders, EventLog (SQLite)
+and MemoryLog (in memory), as one suite; the tests of what only the SQLite file has (its schema,
+durability, meta, readers beside the writer, WAL, verify) take an EventLog."""
 
 from __future__ import annotations
 
 import hashlib
 import sqlite3
 import threading
+import warnings
 
 import orjson
 import pytest
@@ -21,6 +26,7 @@ from eventlog import (
     Snapshot,
     canonical_json,
 )
+from eventlog.memory import MemoryLog
 
 
 def add_failing_trigger(path: str) -> None:
@@ -35,6 +41,16 @@ def add_failing_trigger(path: str) -> None:
 
 def seqs(lg: EventLog) -> list[int]:
     return [r.seq for r in lg.read()]
+
+
+@pytest.fixture(params=["EventLog", "MemoryLog"])
+def recorder(request, path):
+    """A fresh writer of each recorder, closed at teardown."""
+    lg = EventLog.create(path, meta={"seed": "1"}) if request.param == "EventLog" else MemoryLog()
+    yield lg
+    if not lg.closed:
+        lg.discard()
+    lg.close()
 
 
 # ---------------------------------------------------------------- create / meta
@@ -87,24 +103,24 @@ def test_create_rejects_reserved_or_non_str_meta(tmp_path):
 # ---------------------------------------------------------------- append / commit
 
 
-def test_seqs_are_assigned_at_append_and_contiguous(log):
-    assert [log.append("k", {"i": i}) for i in range(5)] == [1, 2, 3, 4, 5]
-    assert (log.last_seq, log.next_seq, log.pending) == (0, 6, 5)
-    assert log.commit() == 5
-    assert log.append_json("j", b'{"i":5}') == 6
-    assert log.commit() == 6
-    assert [(r.seq, r.kind, r.data) for r in log.read()] == [
+def test_seqs_are_assigned_at_append_and_contiguous(recorder):
+    assert [recorder.append("k", {"i": i}) for i in range(5)] == [1, 2, 3, 4, 5]
+    assert (recorder.last_seq, recorder.next_seq, recorder.pending) == (0, 6, 5)
+    assert recorder.commit() == 5
+    assert recorder.append_json("j", b'{"i":5}') == 6
+    assert recorder.commit() == 6
+    assert [(r.seq, r.kind, r.data) for r in recorder.read()] == [
         *[(i + 1, "k", {"i": i}) for i in range(5)],
         (6, "j", {"i": 5}),
     ]
 
 
-def test_order_and_payloads_round_trip(log):
+def test_order_and_payloads_round_trip(recorder):
     payloads = [None, 0, -1.5, "s", [1, [2, None]], {"z": 1, "a": {"b": [True, False]}}, 2**63 - 1]
     for i, p in enumerate(payloads):
-        log.append(f"kind{i % 3}", p)
-    log.commit()
-    got = list(log.read())
+        recorder.append(f"kind{i % 3}", p)
+    recorder.commit()
+    got = list(recorder.read())
     assert [r.data for r in got] == payloads
     assert [r.kind for r in got] == [f"kind{i % 3}" for i in range(len(payloads))]
     assert all(isinstance(r, Record) and isinstance(r.ts, float) for r in got)
@@ -120,23 +136,23 @@ def test_data_is_stored_as_text_json(log, path):
     assert row == ("text", 2)
 
 
-def test_commit_with_empty_buffer_is_a_noop(log):
-    assert log.commit() == 0
-    log.append("k", 1)
-    log.commit()
-    assert log.commit() == 1
+def test_commit_with_empty_buffer_is_a_noop(recorder):
+    assert recorder.commit() == 0
+    recorder.append("k", 1)
+    recorder.commit()
+    assert recorder.commit() == 1
 
 
-def test_discard_rolls_back_the_counter(log):
-    log.append("k", 1)
-    log.commit()
-    log.append("k", 2)
-    log.append("k", 3)
-    log.discard()
-    assert (log.next_seq, log.pending) == (2, 0)
-    assert log.append("k", 4) == 2
-    log.commit()
-    assert [r.data for r in log.read()] == [1, 4]
+def test_discard_rolls_back_the_counter(recorder):
+    recorder.append("k", 1)
+    recorder.commit()
+    recorder.append("k", 2)
+    recorder.append("k", 3)
+    recorder.discard()
+    assert (recorder.next_seq, recorder.pending) == (2, 0)
+    assert recorder.append("k", 4) == 2
+    recorder.commit()
+    assert [r.data for r in recorder.read()] == [1, 4]
 
 
 @pytest.mark.parametrize(
@@ -153,38 +169,38 @@ def test_discard_rolls_back_the_counter(log):
         2**64,
     ],
 )
-def test_append_rejects_non_json(log, bad):
-    log.append("k", 1)
+def test_append_rejects_non_json(recorder, bad):
+    recorder.append("k", 1)
     with pytest.raises(InvalidEventError):
-        log.append("k", bad)
-    assert (log.next_seq, log.pending) == (2, 1)  # the rejected event took no seq
-    assert log.commit() == 1
+        recorder.append("k", bad)
+    assert (recorder.next_seq, recorder.pending) == (2, 1)  # the rejected event took no seq
+    assert recorder.commit() == 1
 
 
 @pytest.mark.parametrize("kind", ["", None, 3, b"k"])
-def test_append_rejects_bad_kind(log, kind):
+def test_append_rejects_bad_kind(recorder, kind):
     with pytest.raises(InvalidEventError):
-        log.append(kind, {})
+        recorder.append(kind, {})
     with pytest.raises(InvalidEventError):
-        log.append_json(kind, b"{}")
+        recorder.append_json(kind, b"{}")
 
 
-def test_append_json_stores_bytes_verbatim(log):
-    log.append_json("k", orjson.dumps({"b": 2, "a": 1}))
-    log.append_json("k", '{"s": "str is fine too"}')
-    log.commit()
-    assert [raw[3] for raw in log.read_raw()] == [b'{"b":2,"a":1}', b'{"s": "str is fine too"}']
+def test_append_json_stores_bytes_verbatim(recorder):
+    recorder.append_json("k", orjson.dumps({"b": 2, "a": 1}))
+    recorder.append_json("k", '{"s": "str is fine too"}')
+    recorder.commit()
+    assert [raw[3] for raw in recorder.read_raw()] == [b'{"b":2,"a":1}', b'{"s": "str is fine too"}']
     with pytest.raises(InvalidEventError):
-        log.append_json("k", b"\xff\xfe")
+        recorder.append_json("k", b"\xff\xfe")
 
 
 @pytest.mark.parametrize("text", ['{"q":"a \\"quoted\\" \\\\ back\\/slash"}', '{"u":"\\u0000\\u001f\\ud83d\\ude00"}',
                                   '{"x":"é ü 中文 😀","n":1.0e-7,"i":-0}', ' [1, 2.50, "  spaced  "] ', '"\\t"'])
-def test_group_insert_keeps_every_byte_of_the_json(log, text):
-    seq = log.append_json("kind with spaces ☃", text)
-    log.append_json("k", text)
-    log.commit()
-    assert [(kind, data) for _s, _t, kind, data in log.read_raw(seq)] == [
+def test_group_insert_keeps_every_byte_of_the_json(recorder, text):
+    seq = recorder.append_json("kind with spaces ☃", text)
+    recorder.append_json("k", text)
+    recorder.commit()
+    assert [(kind, data) for _s, _t, kind, data in recorder.read_raw(seq)] == [
         ("kind with spaces ☃", text.encode()), ("k", text.encode())]
 
 
@@ -241,15 +257,51 @@ def test_reopen_continues_the_sequence(path):
     assert seqs(EventLog.open_reader(path)) == [1, 2, 3]
 
 
+def test_a_recorder_as_context_manager_discards_on_error_then_closes(recorder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # closing with appends left would warn "uncommitted"
+        with pytest.raises(RuntimeError):
+            with recorder as lg:
+                lg.append("k", 1)
+                raise RuntimeError
+    assert recorder.closed
+
+
+def test_a_closed_recorder_discards_with_a_warning_and_refuses_everything(recorder):
+    recorder.append("k", 1)
+    recorder.commit()
+    recorder.append("k", 2)
+    with pytest.warns(RuntimeWarning, match="uncommitted"):
+        recorder.close()
+    recorder.close()  # idempotent
+    assert recorder.closed
+    for use in (lambda: recorder.append("k", 1), lambda: recorder.append_json("k", b"1"), recorder.commit,
+                lambda: list(recorder.read()), lambda: list(recorder.read_raw()), lambda: list(recorder.read_bodies()),
+                lambda: recorder.save_snapshot(1, "r1", b"x")):
+        with pytest.raises(LogClosedError):
+            use()
+
+
 # ---------------------------------------------------------------- reading
 
 
-@pytest.fixture
-def filled(log):
+def fill(lg):
     for i in range(1, 101):
-        log.append("even" if i % 2 == 0 else "odd", {"i": i})
-    log.commit()
-    return log
+        lg.append("even" if i % 2 == 0 else "odd", {"i": i})
+    lg.commit()
+    return lg
+
+
+@pytest.fixture
+def filled(recorder):
+    """Either recorder holding seqs 1..100, of kinds odd and even."""
+    return fill(recorder)
+
+
+@pytest.fixture
+def filled_log(log):
+    """An EventLog holding seqs 1..100, of kinds odd and even."""
+    return fill(log)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 100, 4096])
@@ -285,7 +337,7 @@ def test_read_bodies_yields_kind_and_bytes_of_each_seq_in_order(filled, chunk):
     assert list(filled.read_bodies(50, 40, chunk_size=chunk)) == []
 
 
-def test_read_bodies_refuses_a_gap(filled, path):
+def test_read_bodies_refuses_a_gap(filled_log, path):
     with sqlite3.connect(path) as db:
         db.execute("DELETE FROM events WHERE seq = 40")
     db.close()
@@ -294,6 +346,12 @@ def test_read_bodies_refuses_a_gap(filled, path):
     with pytest.raises(CorruptLogError, match="not contiguous"):
         list(reader.read_bodies(chunk_size=16))
     reader.close()
+
+
+@pytest.mark.parametrize("read", ["read", "read_raw", "read_bodies"])
+def test_a_chunk_size_below_one_is_refused(filled, read):
+    with pytest.raises(InvalidArgumentError):
+        list(getattr(filled, read)(chunk_size=0))
 
 
 def test_read_does_not_see_uncommitted_appends(filled):
@@ -316,7 +374,7 @@ def test_reader_sees_new_commits_and_cannot_write(log, path):
     reader.close()
 
 
-def test_reader_never_blocks_on_an_open_write_transaction(filled, path):
+def test_reader_never_blocks_on_an_open_write_transaction(filled_log, path):
     """A writer mid-transaction (holding SQLite's write lock) does not stall readers: a reader that
     waited for the lock would never get it while the transaction stays open, and would fail."""
     other = sqlite3.connect(path, isolation_level=None)
@@ -326,7 +384,7 @@ def test_reader_never_blocks_on_an_open_write_transaction(filled, path):
         reader = EventLog.open_reader(path)
         assert reader.last_seq == 100
         assert len(list(reader.read())) == 100
-        assert len(list(filled.read())) == 100
+        assert len(list(filled_log.read())) == 100
         reader.close()
     finally:
         other.execute("ROLLBACK")
@@ -377,19 +435,27 @@ def test_snapshot_round_trip(filled):
     assert filled.load_snapshot("r2") is None
 
 
-def test_snapshot_with_other_reducer_version_or_bad_hash_is_ignored(filled, path):
-    filled.save_snapshot(10, "r1", b"good")
-    filled.save_snapshot(20, "r1", b"tampered")
-    filled.save_snapshot(30, "r2", b"other reducer")
+def test_snapshot_with_other_reducer_version_or_bad_hash_is_ignored(filled_log, path):
+    filled_log.save_snapshot(10, "r1", b"good")
+    filled_log.save_snapshot(20, "r1", b"tampered")
+    filled_log.save_snapshot(30, "r2", b"other reducer")
     with sqlite3.connect(path) as db:
         db.execute("UPDATE snapshots SET state = x'00' WHERE seq = 20")
     db.close()
-    snap = filled.load_snapshot("r1")
+    snap = filled_log.load_snapshot("r1")
     assert (snap.seq, snap.state) == (10, b"good")
     reader = EventLog.open_reader(path)
     assert reader.load_snapshot("r1").seq == 10
     assert reader.load_snapshot("r2").seq == 30
     reader.close()
+
+
+def test_snapshot_of_another_reducer_version_is_not_loaded_and_a_later_save_replaces(filled):
+    filled.save_snapshot(10, "r1", b"first")
+    filled.save_snapshot(20, "r2", b"other reducer")
+    filled.save_snapshot(10, "r1", b"second")
+    assert filled.load_snapshot("r1").state == b"second"
+    assert filled.load_snapshot("r2", max_seq=19) is None
 
 
 def test_snapshot_must_be_at_a_committed_seq(filled):
@@ -404,8 +470,8 @@ def test_snapshot_must_be_at_a_committed_seq(filled):
 # ---------------------------------------------------------------- verify / checkpoint
 
 
-def test_verify_ok_and_reports_a_gap(filled, path):
-    report = filled.verify()
+def test_verify_ok_and_reports_a_gap(filled_log, path):
+    report = filled_log.verify()
     assert report.ok and report.events == 100 and report.last_seq == 100 and report.format_version == 1
     with sqlite3.connect(path) as db:
         db.execute("DELETE FROM events WHERE seq IN (40, 41)")
@@ -415,15 +481,15 @@ def test_verify_ok_and_reports_a_gap(filled, path):
     assert any("gap" in p and "40" in p for p in report.problems)
 
 
-def test_checkpoint_truncates_the_wal(filled, path):
+def test_checkpoint_truncates_the_wal(filled_log, path):
     import os
 
-    busy, _, _ = filled.checkpoint()
+    busy, _, _ = filled_log.checkpoint()
     assert busy == 0
     assert os.path.getsize(path + "-wal") == 0
-    assert filled.checkpoint("passive")[0] == 0
+    assert filled_log.checkpoint("passive")[0] == 0
     with pytest.raises(InvalidArgumentError):
-        filled.checkpoint("bogus")
+        filled_log.checkpoint("bogus")
 
 
 def test_canonical_json_sorts_keys():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from eventlog import EventLog
+from orchestrator.fold import fold_log
 from orchestrator.observe.rows import THROUGHPUT_WINDOW
 from orchestrator.shell.progress import buffered_episodes
-from replay.fold import fold_log
 
 STEPS = 10
 # A run with something in every panel: background finalizing (gar), failed and empty episodes,

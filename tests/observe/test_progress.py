@@ -13,15 +13,14 @@ import sys
 from rich.console import Console
 
 from orchestrator.core.events import BatchShipped, CoreParams
-from orchestrator.core.state import State
+from orchestrator.core.state import initial_state
 from orchestrator.shell.progress import Progress
 
 from .conftest import orch
 
 
 def _ship(progress: Progress, steps: range, max_steps: int) -> None:
-    state = State()
-    state.params = CoreParams(max_steps=max_steps)
+    state = initial_state(CoreParams(max_steps=max_steps))
     for step in steps:
         state.version = step - 1
         progress.on_batch(BatchShipped(step=step, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=1,

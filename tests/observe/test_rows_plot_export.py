@@ -99,7 +99,7 @@ def test_export_counts_and_sums_equal_the_log(runs, tmp_path):
         assert one(x, "SELECT avg(lag) FROM episodes WHERE step = ?", step) == pytest.approx(lag_mean)
     # every drop, by reason, is the log's
     with EventLog.open_reader(runs["a"] / "events.db") as reader:
-        from replay.fold import fold_log
+        from orchestrator.fold import fold_log
 
         acct = fold_log(reader, use_snapshots=False).state.acct
     by_reason = dict(x.execute("SELECT reason, count(*) FROM episodes WHERE fate = 'dropped' GROUP BY reason"))

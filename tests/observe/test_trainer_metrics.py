@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator import rundir as files
 from orchestrator.core import events as ev
+from orchestrator.core._fast_events import FOLD_VIEWS, decode_unvalidated
 from orchestrator.core.batch import batch_sha256
 from orchestrator.shell.trainers import FakeTrainer, ProcessTrainer
 
@@ -77,15 +78,15 @@ def test_process_trainer_publishes_the_metrics_beside_the_marker(tmp_path, capsy
 def test_version_published_carries_metrics_in_every_constructor_and_view():
     metrics = {"loss": 0.25, "tokens": 7}
     validated = ev.VersionPublished(version=3, metrics=metrics)
-    trusted = ev.VersionPublished.trusted(version=3, metrics=metrics)
-    assert trusted == validated and ev.encode_event(trusted) == ev.encode_event(validated)
+    built = ev.VersionPublished.unvalidated(version=3, metrics=metrics)
+    assert built == validated and ev.encode_event(built) == ev.encode_event(validated)
     kind, data = ev.encode_event(validated)
     assert data == b'{"version":3,"metrics":{"loss":0.25,"tokens":7}}'
-    assert ev.decode_event(kind, data) == ev.decode_trusted(kind, data) == validated
-    assert ev.FOLD_VIEWS[kind](data).metrics == metrics
-    assert ev.VersionPublished.trusted(version=1).metrics is None  # default: nothing reported
+    assert ev.decode_event(kind, data) == decode_unvalidated(kind, data) == validated
+    assert FOLD_VIEWS[kind](data).metrics == metrics
+    assert ev.VersionPublished.unvalidated(version=1).metrics is None  # default: nothing reported
     old = b'{"version":3}'  # a log written before the field existed
-    assert ev.decode_event(kind, old).metrics is None and ev.FOLD_VIEWS[kind](old).metrics is None
+    assert ev.decode_event(kind, old).metrics is None and FOLD_VIEWS[kind](old).metrics is None
     with pytest.raises(ValueError):
         ev.VersionPublished(version=1, metrics={"loss": float("nan")})
 

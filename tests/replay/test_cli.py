@@ -46,6 +46,10 @@ def _bad_files(tmp_path, good):
     shutil.copy(good, newer)
     with sqlite3.connect(newer) as db:
         db.execute("UPDATE meta SET value = '99' WHERE key = 'format_version'")
+    older = tmp_path / "older.db"  # format version 1: background results were group_finalized rows
+    shutil.copy(good, older)
+    with sqlite3.connect(older) as db:
+        db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     truncated = tmp_path / "truncated.db"
     data = good.read_bytes()
     truncated.write_bytes(data[: len(data) // 2 + 100])
@@ -56,12 +60,13 @@ def _bad_files(tmp_path, good):
         "foreign sqlite": (foreign, "not an orch event log"),
         "other app": (not_orch, "not one written by orch"),
         "newer format": (newer, "format version 99"),
+        "older event format": (older, "an orch log of format version 1; this orch reads version 2 only"),
         "truncated": (truncated, "truncated"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing", "dir without events.db", "not sqlite", "foreign sqlite", "other app",
-                                  "newer format", "truncated"])
+                                  "newer format", "older event format", "truncated"])
 def test_bad_logs_exit_2_with_one_line(tmp_path, good, cli, case):
     path, fragment = _bad_files(tmp_path, good)[case]
     assert_bad_input(cli(path), fragment)

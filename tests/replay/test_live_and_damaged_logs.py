@@ -10,8 +10,8 @@ import pytest
 from eventlog import CorruptLogError, EventLog
 from orchestrator.core import events as ev
 from orchestrator.core.state import REDUCER_VERSION, state_hash
+from orchestrator.fold import fold_log
 from replay.diff import diff_logs
-from replay.fold import fold_log
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import APP, open_run

@@ -41,7 +41,7 @@ def test_inline_and_opted_in_immediate_settle_ship_identical_batches(tmp_path, s
         result = diff_logs(a, b, "batches")
         assert result.equivalent, result.divergence
         assert result.compared == 10, "every step shipped in both"
-        # The logs really took different paths: background finalize_started, group_finalized as input.
+        # The logs really took different paths: background finalize_started, background_finalized inputs.
         assert not diff_logs(a, b, "events").equivalent
         if seed not in DEEP_SEEDS:
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from orchestrator.core.algorithms import gar_advantages
+from orchestrator.core.advantages import gar_advantages
 from orchestrator.sim import SimOptions, SimWorld
 from replay.diff import diff_logs
 from replay.logs import write_events
@@ -31,7 +31,7 @@ def test_background_run_reexecuted_in_recorded_order_is_the_same_log(tmp_path, s
                   SimOptions(settle="random", deliver_weight=0.1))
     report = _reexec(src, tmp_path / "re", "background", "recorded")
     assert report.halted is None and report.results_computed == 0
-    assert report.results_reused == sum(1 for _, kind, _ in rows(src) if kind == "group_finalized")
+    assert report.results_reused == sum(1 for _, kind, _ in rows(src) if kind == "background_finalized")
     assert _diff(src, report.out, "events").equivalent
 
 
@@ -49,7 +49,7 @@ def test_background_immediate_run_reexecuted_inline_equals_the_inline_run(tmp_pa
     inline = sim_log(tmp_path / "inline.db", sim_params(seed), seed)
     bg = sim_log(tmp_path / "bg.db", sim_params(seed, finalize_in_background=True), seed, SimOptions(settle="immediate"))
     report = _reexec(bg, tmp_path / "re", "inline", "recorded")
-    assert report.recorded_results_skipped == sum(1 for _, kind, _ in rows(bg) if kind == "group_finalized")
+    assert report.recorded_results_skipped == sum(1 for _, kind, _ in rows(bg) if kind == "background_finalized")
     assert _diff(inline, report.out, "events").equivalent, "the inline path decides its own results"
     assert _diff(bg, report.out, "batches").equivalent
 

@@ -8,7 +8,7 @@ from orchestrator.core.events import decode_event
 import orjson
 
 from orchestrator.core.evolve import evolve, fold
-from orchestrator.core.state import State, conservation, state_hash
+from orchestrator.core.state import conservation, initial_state, state_hash
 from orchestrator.sim import SimOptions
 from tests.replay.conftest import rows, sim_log, sim_params
 
@@ -25,9 +25,10 @@ def _state_at(path, at):
 
 def test_summary_at_a_seq_matches_an_independent_fold(bg_log, cli):
     # a point with queued traces, open groups and background-finalizing groups all present
-    state = State()
-    for at, kind, data in rows(bg_log):
-        evolve(state, decode_event(kind, orjson.dumps(data)))
+    events = [(at, decode_event(kind, orjson.dumps(data))) for at, kind, data in rows(bg_log)]
+    state = initial_state(events[0][1].params)
+    for at, event in events:
+        evolve(state, event)
         groups = state.groups.values()
         if state.pending and any(g.finalizing for g in groups) and any(not g.finalizing for g in groups):
             break
@@ -65,12 +66,13 @@ def test_human_summary(bg_log, cli):
         assert text in result.stdout
 
 
-def test_summary_at_zero_and_out_of_range(bg_log, cli):
-    code, out = cli.json(bg_log, "--at", 0)
-    assert code == 0 and out["params"] is None and out["step"] == 1
+def test_summary_at_one_and_out_of_range(bg_log, cli):
+    code, out = cli.json(bg_log, "--at", 1)
+    assert code == 0 and out["params"]["seed"] == 3 and out["step"] == 1 and out["inflight_episodes"] == 0
     last = len(rows(bg_log))
-    result = cli(bg_log, "--at", last + 1)
-    assert result.exit_code == 2 and result.stderr == f"orch: error: --at {last + 1} is outside the log (seq 0..{last})\n"
+    for at in (0, last + 1):  # before seq 1 there is no run, so no state to summarize
+        result = cli(bg_log, "--at", at)
+        assert result.exit_code == 2 and result.stderr == f"orch: error: --at {at} is outside the log (seq 1..{last})\n"
 
 
 def test_a_violated_conservation_exits_1(tmp_path, cli):

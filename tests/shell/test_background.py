@@ -5,9 +5,9 @@ from __future__ import annotations
 import sqlite3
 
 from eventlog import EventLog
-from orchestrator.core.evolve import evolve
+from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.events import decode_event
-from orchestrator.core.state import State, conservation
+from orchestrator.core.state import conservation, initial_state
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 
 GAR = ["run", "--env", "fake", "--trainer", "fake", "--set", "algorithm.name=gar", "--set", "batch.size=16",
@@ -32,13 +32,14 @@ def test_finalizing_is_bounded_by_the_cap_plus_groups_in_flight_and_the_gate_say
                   "--set", "fake_env.latency_s=0.002")
     assert result.returncode == 0, result.stderr
     assert_log_invariants(tmp_path / "r", 25, max_off_policy=2, target_lag=1)
-    state, peak, cap_closures = State(), 0, 0
+    peak, cap_closures = 0, 0
     with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
-        for record in log.read_raw():
-            event = decode_event(record[2], record[3])
-            evolve(state, event)
-            peak = max(peak, sum(state.finalizing.values()))
-            cap_closures += event.kind == "gate_changed" and event.reason == "finalizing_cap"
+        events = [decode_event(record[2], record[3]) for record in log.read_raw()]
+    state = initial_state(events[0].params)
+    for event in events:
+        evolve(state, event)
+        peak = max(peak, sum(state.finalizing.values()))
+        cap_closures += event.kind == "gate_changed" and event.reason == "finalizing_cap"
     assert cap_closures > 0
     groups_in_flight = inflight // group_size + 1  # a partly dispatched group counts too
     assert cap <= peak <= cap + groups_in_flight
@@ -58,11 +59,9 @@ def test_drain_cancels_finalizing_groups_without_waiting_for_their_grader(tmp_pa
     late = db.execute(
         "SELECT count(*) FROM events f JOIN events c"
         " ON json_extract(f.data, '$.group_id') = json_extract(c.data, '$.group_id')"
-        " WHERE f.kind = 'group_finalized' AND f.seq > c.seq"
+        " WHERE f.kind = 'background_finalized' AND f.seq > c.seq"
         " AND c.kind = 'group_cancelled' AND json_extract(c.data, '$.reason') = 'drain'").fetchone()[0]
     assert late == 0
     with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
-        state = State()
-        for record in log.read_raw():
-            evolve(state, decode_event(record[2], record[3]))
+        state = fold(decode_event(record[2], record[3]) for record in log.read_raw())
     assert not state.groups and not state.pending and conservation(state)[0]

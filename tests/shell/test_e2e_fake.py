@@ -12,7 +12,7 @@ import pytest
 
 from eventlog import EventLog
 from orchestrator.core.state import conservation
-from replay.fold import fold_log
+from orchestrator.fold import fold_log
 
 
 def orch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

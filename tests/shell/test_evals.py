@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from eventlog import EventLog
 from orchestrator.core.events import decode_event
-from orchestrator.core.evolve import evolve
-from orchestrator.core.state import State, conservation
+from orchestrator.core.evolve import evolve_from
+from orchestrator.core.state import conservation
 from orchestrator.envs.reverse_text import ReverseTextEnv, is_held_out
+from orchestrator.fold import fold_log
 from orchestrator.rollouts.collect import Outcome
 from orchestrator.shell.evals import eval_result
 from orchestrator.shell.rollouts import FakeEnvRollouts, RolloutRequest
-from replay.fold import fold_log
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 from tests.shell.test_resume import spawn
 
@@ -99,10 +99,10 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     assert shown["results"] == summary["evals"] and not shown["open"]
     assert shown["accounting"]["reported"] == sum(r["scored"] for r in results)
     # Limited by the eval concurrency (5), apart from the train permits (16).
-    state, eval_peak = State(), 0
+    state, eval_peak = None, 0
     with EventLog.open_reader(run_dir / "events.db") as log:
         for record in log.read_raw():
-            evolve(state, decode_event(record[2], record[3]))
+            state = evolve_from(state, decode_event(record[2], record[3]))
             eval_peak = max(eval_peak, len(state.evals.inflight))
             assert len(state.inflight) <= 16
     assert eval_peak == 5

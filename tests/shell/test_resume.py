@@ -16,8 +16,8 @@ import pytest
 from eventlog import EventLog
 from orchestrator.config import load_config
 from orchestrator.core.state import state_hash
+from orchestrator.fold import fold_log
 from orchestrator.shell.runner import create_run, resume_run
-from replay.fold import fold_log
 from tests.shell.test_e2e_fake import assert_log_invariants, orch
 
 FAKE = ["--set", "fake_env.latency_s=0.004", "--set", "fake_env.latency_jitter_s=0.004",

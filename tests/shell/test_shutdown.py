@@ -11,14 +11,14 @@ import sys
 import textwrap
 
 from eventlog import EventLog
-from replay.fold import fold_log
+from orchestrator.fold import fold_log
 
 SCRIPT = textwrap.dedent('''
     import asyncio, sys
     from eventlog import EventLog
     from orchestrator.config import load_config
     from orchestrator.core import events as ev
-    from orchestrator.core.state import State
+    from orchestrator.core.state import initial_state
     from orchestrator.shell import loop, rollouts, runner
 
     loop.SHUTDOWN_STEP_S = runner.LEFTOVER_WAIT_S = 0.5
@@ -46,7 +46,8 @@ SCRIPT = textwrap.dedent('''
                                 "trainer.publish_timeout_s=1"])
     config.run_dir.mkdir(parents=True)
     log = EventLog.create(config.run_dir / "events.db", durability="full")
-    run = runner.OpenedRun(config, config.run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+    params = config.core_params()
+    run = runner.OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
     try:
         print(f"stopped: {runner.run_job(run, None).state.stop_reason}")
     except Exception as err:

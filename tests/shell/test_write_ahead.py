@@ -9,10 +9,10 @@ import sqlite3
 from eventlog import EventLog
 from orchestrator.config import load_config
 from orchestrator.core import events as ev
-from orchestrator.core.state import State, state_hash
+from orchestrator.core.state import initial_state, state_hash
+from orchestrator.fold import fold_log
 from orchestrator.shell import rollouts, trainers
 from orchestrator.shell.runner import OpenedRun, run_job
-from replay.fold import fold_log
 
 
 def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
@@ -40,7 +40,8 @@ def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rollouts.FakeEnvRollouts, "__call__", rollout)
     monkeypatch.setattr(trainers.FakeTrainer, "batch_written", batch_written)
-    run = OpenedRun(config, config.run_dir, log, State(), ev.RunStarted(params=config.core_params()), None)
+    params = config.core_params()
+    run = OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
     orch = run_job(run, None)
     log.close()
     assert orch.state.stop_reason == "completed"

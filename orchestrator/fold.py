@@ -1,4 +1,7 @@
-"""Fold a log into the orchestrator state, from the newest usable snapshot when there is one."""
+"""Fold a log into the orchestrator state, from the newest usable snapshot when there is one.
+
+On the orchestrator side, beside the core: a resume (orchestrator.shell.runner) and every replay
+command fold through it, and neither package imports the other for it."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from orchestrator.gc_tuning import paused_gc
 
 @dataclass(frozen=True)
 class Folded:
-    state: State
+    state: State | None  # None for a log without events (a run stopped before its first commit)
     seq: int  # last event folded (0 for an empty log)
     from_snapshot: int | None  # seq of the snapshot it started from
     events_folded: int
@@ -24,7 +27,7 @@ def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True) -
     not match: snapshots are caches); an event that fails to decode or fold raises FoldError
     naming its seq."""
     snapshot = log.load_snapshot(REDUCER_VERSION, max_seq=at) if use_snapshots else None
-    state = State()
+    state: State | None = None
     if snapshot is not None:
         try:
             state = state_from_bytes(snapshot.state)
@@ -32,7 +35,7 @@ def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True) -
             snapshot = None
     start = snapshot.seq + 1 if snapshot else 1
     with paused_gc():
-        count = fold_rows(state, log.read_bodies(start=start, stop=at), first_seq=start)
+        state, count = fold_rows(state, log.read_bodies(start=start, stop=at), first_seq=start)
     return Folded(state, start + count - 1, snapshot.seq if snapshot else None, count)
 
 
