@@ -82,7 +82,7 @@ def assert_log_invariants(run_dir, max_steps: int) -> None:
         assert len(e["token_ids"]) == len(e["mask"]) == len(e["logprobs"])
     from eventlog import EventLog
     from orchestrator.core.state import conservation
-    from replay.fold import fold_log
+    from orchestrator.fold import fold_log
 
     with contextlib.closing(EventLog.open(run_dir / "events.db")) as log:
         state = fold_log(log).state
