@@ -32,7 +32,10 @@ class _Section(BaseModel):
 
 class RolloutConfig(_Section):
     group_size: int = Field(8, ge=1, description="episodes per group (one task)")
-    max_inflight: int = Field(128, ge=1, description="in-flight episode permits")
+    max_inflight: int = Field(128, ge=1, description="in-flight episode permits (a hard cap, capacity or not)")
+    capacity: Literal["staleness", "off"] = Field(
+        "staleness", description="staleness: start a group only while the work dispatched and not yet shipped or "
+        "dropped can still train before it is too old (docs/rules.md, the dispatch capacity); off: max_inflight alone")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the embedded policy")
     max_new_tokens: int = Field(48, ge=1, description="completion length cap of the embedded policy (answers need <= 38)")
     env_server: str | None = Field(None, description="URL of an `orch env-server` serving reverse_text (else envs "
@@ -291,7 +294,8 @@ class RunConfig(_Section):
             max_off_policy_steps=self.off_policy.max_off_policy_steps,
             max_finalizing_groups=self.algorithm.max_finalizing_groups, max_steps=self.max_steps,
             algorithm=self.algorithm.name, finalize_in_background=self.finalize_in_background(),
-            zero_output_batches=self.zero_output_batches, eval=self.eval.core_params(),
+            zero_output_batches=self.zero_output_batches, capacity=self.rollout.capacity,
+            eval=self.eval.core_params(),
         )
 
     def to_json(self) -> bytes:
@@ -309,6 +313,21 @@ RESUMABLE_FIELDS = frozenset({
     "verifiers.path", "verifiers.rollout_timeout_s", "verifiers.setup_timeout_s", "verifiers.scoring_timeout_s",
 })
 RESUMABLE_SECTIONS = frozenset({"metrics"})  # every field inside them may change on resume
+
+
+# Fields added after runs were first written, with the value a stored config that lacks one
+# means: the behaviour its run was recorded with (its log says the same).
+ADDED_FIELDS = {("rollout", "capacity"): "off"}
+
+
+def with_added_fields(stored: dict) -> dict:
+    """A stored config (JSON) with every field it predates set to what its run did."""
+    upgraded = copy.deepcopy(stored)
+    for (section, name), value in ADDED_FIELDS.items():
+        node = upgraded.setdefault(section, {})
+        if isinstance(node, dict):
+            node.setdefault(name, value)
+    return upgraded
 
 
 def config_hash(config_json: bytes) -> str:

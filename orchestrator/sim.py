@@ -158,3 +158,51 @@ class SimWorld(IgnoringPort):
             if not self.advance():
                 break
         return self.state
+
+
+class TimedSimWorld(SimWorld):
+    """The simulated world on a clock of integer ticks: each episode finishes a seeded number of
+    ticks after its dispatch (uniform in `latency`, so a straggler is bounded as a sampler's
+    length cap bounds it), and the trainer takes `train_ticks` per step, one step at a time,
+    starting each once its batch has shipped. The earliest thing due happens next (completions,
+    train or eval, before a publish due at the same tick). Background finalize results settle
+    immediately."""
+
+    def __init__(self, params: ev.CoreParams, seed: int = 0, options: SimOptions | None = None,
+                 latency: tuple[int, int] = (1, 9), train_ticks: int = 5):
+        super().__init__(params, seed, options)
+        self.latency, self.train_ticks = latency, train_ticks
+        self.tick = 0
+        self.due: dict[int, int] = {}  # in-flight episode id -> tick it finishes
+        self.publish_at: int | None = None  # tick the trainer publishes the step it trains
+
+    def feed(self, event) -> list:
+        decisions = super().feed(event)
+        for decision in decisions:
+            if decision.kind in ("episode_dispatched", "eval_episode_dispatched"):
+                self.due[decision.episode_id] = self.tick + self.rng.randint(*self.latency)
+        self._start_training()
+        return decisions
+
+    def _start_training(self) -> None:
+        s = self.state
+        if self.publish_at is None and s.version < s.step - 1 and not s.stopped:
+            self.publish_at = self.tick + self.train_ticks
+
+    def advance(self) -> bool:
+        s = self.state
+        if s.stopped:
+            return False
+        for episode_id in [e for e in self.due if e not in s.inflight and e not in s.evals.inflight]:  # cancelled
+            del self.due[episode_id]
+        next_episode = min(self.due, key=lambda e: (self.due[e], e), default=None)
+        if next_episode is not None and (self.publish_at is None or self.due[next_episode] <= self.publish_at):
+            self.tick = max(self.tick, self.due.pop(next_episode))
+            train = next_episode in s.inflight
+            self.feed(self.completion(next_episode) if train else self.eval_completion(next_episode))
+        elif self.publish_at is not None:
+            self.tick, self.publish_at = max(self.tick, self.publish_at), None
+            self.feed(ev.VersionPublished(version=s.version + 1))
+        else:
+            return False
+        return True

@@ -10,7 +10,7 @@ so every later input is checked against the right state.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
@@ -23,6 +23,12 @@ from replay.diff import Divergence, Side, divergence_of
 from replay.inputs import decode
 from replay.source import guarded, row_data
 
+# A rule that a run's parameters switch on is checked as the run had it: a log written before
+# the rule has no such parameter, folds with the rule off, and the check says so.
+CAPACITY_OFF_NOTE = ("rule 1 (d), the dispatch capacity, is off in this log (its run_started sets no capacity: "
+                     "written before the rule, or with rollout.capacity=off); its decisions were re-derived with "
+                     "the rule off, as they were made")
+
 
 @dataclass
 class CheckResult:
@@ -31,10 +37,12 @@ class CheckResult:
     inputs: int  # recorded inputs re-decided
     decisions: int  # recorded decisions re-derived identically
     divergence: Divergence | None = None
+    notes: list[str] = field(default_factory=list)  # how the log's own parameters shaped the check
 
     def to_dict(self) -> dict:
         return {"log": self.path, "deterministic": self.deterministic, "inputs": self.inputs,
-                "decisions": self.decisions, "divergence": self.divergence.to_dict() if self.divergence else None}
+                "decisions": self.decisions, "divergence": self.divergence.to_dict() if self.divergence else None,
+                "notes": self.notes}
 
 
 def _side_of_row(row: tuple) -> Side:
@@ -61,6 +69,20 @@ def _state_for(first: ev.Event) -> State:
 
 
 def check_log(log: EventLog) -> CheckResult:
+    result = _check(log)
+    if _capacity_off(log):
+        result.notes.append(CAPACITY_OFF_NOTE)
+    return result
+
+
+def _capacity_off(log: EventLog) -> bool:
+    """Does the log's run_started leave the dispatch capacity off (no `capacity` parameter)?"""
+    for _seq, _ts, _kind, data in log.read_raw(kinds=("run_started",)):
+        return "capacity" not in orjson.loads(data).get("params", {})
+    return False
+
+
+def _check(log: EventLog) -> CheckResult:
     state: State | None = None
     expected: deque = deque()  # decisions the current code made for the last input, not yet matched
     input_seq = 0

@@ -6,9 +6,11 @@ stream is `[input, *decisions]`, and folding it from the previous state gives th
 
 Order for every input: evolve the input; the input's own rule, which ends with the common tail
 when it changed anything the tail reads: ship what is ready and released (rules 6-7), re-check
-the gate and refill free permits (rule 1), finish a drain (rule 9). A completion refills its
-permit *before* its group is finalized: that makes inline and background finalization dispatch
-the same episodes at the same points, so both ship identical batches (seed 000).
+the gate and refill free permits (rule 1), finish a drain (rule 9); with the dispatch capacity
+on, the tail re-checks and refills before the ship as well (see `common_tail`). A completion
+refills its permit *before* its group is finalized: that makes inline and background
+finalization dispatch the same episodes at the same points, so both ship identical batches
+(seed 000).
 """
 
 from __future__ import annotations
@@ -81,9 +83,17 @@ def refill(d: _Decisions) -> None:
 
 
 def common_tail(d: _Decisions) -> None:
-    """What every rule ends with once it changed something the shipping rules read."""
+    """What every rule ends with once it changed something the shipping rules read.
+
+    With the dispatch capacity on, the permits are refilled before the ship too: a batch that
+    was ready before its hold released ships at the publish that releases it and advances the
+    step past target_lag, closing the gate; the capacity that publish freed would then wait a
+    whole trainer step, and the next batch with it. Before the ship the gate is open, and what
+    it dispatches trains one step later, within max_off_policy_steps (the capacity counts it)."""
     if d.state.stopped:
         return
+    if d.state.params.capacity == "staleness":
+        refill(d)
     ship_ready_batches(d)
     refill(d)
     run_evals(d)  # outside the train gate (rule 1's eval traffic)
@@ -102,7 +112,48 @@ def dispatch_gate(s: State) -> tuple[bool, str]:
         return False, "off_policy_lag"
     if s.finalizing and max(s.finalizing.values()) >= p.max_finalizing_groups:
         return False, "finalizing_cap"
+    if p.capacity == "staleness" and not capacity_has_room(s):
+        return False, "capacity"
     return True, "open"
+
+
+def capacity_has_room(s: State) -> bool:
+    """Rule 1 (d): may a new group start, or would the work already dispatched and not yet
+    shipped or dropped fill every step that could still train a sample dispatched now?
+
+    A sample dispatched at version v trains at the latest in step v + max_off_policy_steps + 1,
+    so the steps from `step` to that one (none past max_steps) can take `accepting` batches
+    more. Against them count, in batch units (samples, or tokens with `token_batch_size`), the
+    queue as it stands and every sample the open and finalizing groups will still bring
+    (`grouped_samples`: in flight, completed, and not yet dispatched), the latter at the units a
+    settled completion turned out to bring the queue so far: queued units over completions
+    judged on their content. That
+    rate over-provisions for rejected groups, failures and settle-time pruning, and it is a
+    ratio of integer counters, so the decision is exact and deterministic. Its prior, one batch
+    of `batch_size` samples that filled one batch, sets the start (full admission; in tokens,
+    `token_batch_size` over `batch_size` per sample) and fades as groups settle.
+
+    There is room while at least one more sample is expected to be needed: a group may then
+    overshoot by less than its size, and an admission rate just short of one does not start a
+    group whose samples would all be surplus. With no group open and less than a batch queued
+    there is always room, so the rule cannot stall a run (groups already started are dispatched
+    in full either way); with no step left to accept a sample (a lag beyond
+    max_off_policy_steps) there is none, and the batch in training will publish a version.
+    Starting a group re-checks the gate at once; every other rule that changes what this reads
+    (step, version, the queue, groups settled or cancelled) ends by re-checking it."""
+    p, acct = s.params, s.acct
+    accepting = min(p.max_off_policy_steps + 1 - ((s.step - 1) - s.version), p.max_steps + 1 - s.step)
+    if accepting <= 0:
+        return False
+    if p.token_batch_size is None:
+        per_step, pending, queued_units = p.batch_size, len(s.pending), acct.queued
+    else:
+        per_step, pending, queued_units = p.token_batch_size, s.pending_tokens, acct.queued_tokens
+    if not s.grouped_samples and pending < per_step:
+        return True
+    units = queued_units + per_step  # queued units per judged completion is units / judged
+    judged = acct.judged + p.batch_size
+    return pending * judged + (s.grouped_samples + 1) * units <= accepting * per_step * judged
 
 
 def update_dispatch_gate(d: _Decisions) -> None:
@@ -113,12 +164,19 @@ def update_dispatch_gate(d: _Decisions) -> None:
 
 
 def dispatch_train_episodes(d: _Decisions) -> None:
-    """Fill free permits while the gate is open: unfilled groups first (oldest first, so a
-    resumed group's missing members go before anything newer), then new groups."""
+    """Fill free permits: unfilled groups first (oldest first, so a resumed group's missing
+    members go before anything newer), then new groups, while the gate is open. A gate closed
+    by the capacity alone holds back new groups only: a started group's size was counted when
+    it started, and a group left half-dispatched would never complete."""
     s = d.state
     max_inflight = s.params.max_inflight
-    while s.gate_open and len(s.inflight) < max_inflight:
-        group_id = min(s.unfilled) if s.unfilled else start_train_group(d)
+    while len(s.inflight) < max_inflight:
+        if s.unfilled and (s.gate_open or s.gate_reason == "capacity"):
+            group_id = min(s.unfilled)
+        elif s.gate_open:
+            group_id = start_train_group(d)
+        else:
+            return
         group = s.groups[group_id]
         d.emit(ev.EpisodeDispatched.unvalidated(
             episode_id=s.next_episode_id, group_id=group_id, attempt=group.attempts,
@@ -135,6 +193,8 @@ def start_train_group(d: _Decisions) -> int:
         group_id=group_id, env=env, task_id=s.cursors[env], group_size=p.group_size,
         policy_version=s.version,
     ))
+    if p.capacity == "staleness":  # the new group's samples count against the capacity now
+        update_dispatch_gate(d)
     return group_id
 
 
@@ -143,8 +203,9 @@ def start_train_group(d: _Decisions) -> int:
 
 def on_episode_completed(d: _Decisions, e: ev.EpisodeCompleted) -> None:
     # The freed permit is refilled at once. The gate needs no re-check: a completion changes
-    # nothing it reads (step, version, background-finalizing counts, draining, stopped), and
-    # every rule that does change one of those ends by re-checking it.
+    # nothing it reads (step, version, background-finalizing counts, draining, stopped, and the
+    # capacity's queue, grouped samples and admission counters: a completed member stays in its
+    # group), and every rule that does change one of those ends by re-checking it.
     dispatch_train_episodes(d)
     group = d.state.groups[e.group_id]
     if group.complete:

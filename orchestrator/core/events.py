@@ -99,6 +99,15 @@ class CoreParams(_Model):
     zero_output_batches: int = Field(
         10, ge=1, description="batch-equivalents of zero output in a row that stop the run"
     )
+    # Rule 1 (d). A `run_started` written before the rule has no such field and means "off", the
+    # behaviour it was recorded with; so "off" is written as no field at all, and a log with the
+    # rule off stays byte for byte a log of the code before it. New runs get "staleness" from
+    # the config's default.
+    capacity: Literal["off", "staleness"] = Field(
+        "off", exclude_if=lambda value: value == "off",
+        description="staleness: start a group only while the work dispatched and not yet shipped "
+        "or dropped can still train in the steps that would accept it; off: max_inflight alone",
+    )
     # Left out of the JSON while None: a run without evals logs the `run_started` it always did.
     eval: EvalParams | None = Field(None, exclude_if=lambda value: value is None,
                                     description="evaluations on a schedule (None: none)")

@@ -35,6 +35,7 @@ def _group_dispatched(s: State, e: ev.GroupDispatched) -> None:
     s.next_group_id = e.group_id + 1
     s.rng_counter += 1
     s.cursors[e.env] = e.task_id + 1
+    s.grouped_samples += e.group_size
     s.acct.groups_dispatched += 1
 
 
@@ -61,6 +62,7 @@ def _episode_completed(s: State, e: Trace) -> None:
     s.traces[episode_id] = e
     acct = s.acct
     acct.completed += 1
+    acct.completed_tokens += e.n_tokens
     if not e.ok:
         acct.failures += 1
 
@@ -73,6 +75,7 @@ def _episode_cancelled(s: State, e: ev.EpisodeCancelled) -> None:
         s.unfilled[group.group_id] = None
     else:
         group.cancelled += 1
+        s.grouped_samples -= 1
         s.acct.cancelled_attempts += 1
 
 
@@ -102,6 +105,7 @@ def _forget_group(s: State, group_id: int) -> Group:
     """Remove a settled or cancelled group, giving back its background-finalizing slot."""
     group = s.groups.pop(group_id)
     s.unfilled.pop(group_id, None)
+    s.grouped_samples -= group.size - group.cancelled
     if group.background:
         s.finalizing[group.env] -= 1
     return group
@@ -117,6 +121,7 @@ def _drop_traces(s: State, reason: str, trace_ids: Iterable[int]) -> None:
 
 def _group_settled(s: State, e: ev.GroupSettled) -> None:
     group = _forget_group(s, e.group_id)
+    queued_tokens = 0
     for trace_id in e.trace_ids:
         trace = s.traces[trace_id]
         n_tokens = trace.n_tokens
@@ -124,8 +129,15 @@ def _group_settled(s: State, e: ev.GroupSettled) -> None:
             trace_id, group.group_id, group.env, group.policy_version, trace.policy_start, n_tokens,
             group.advantages[trace_id],
         )
-        s.pending_tokens += n_tokens
+        queued_tokens += n_tokens
+    s.pending_tokens += queued_tokens
+    acct = s.acct
+    acct.queued += len(e.trace_ids)
+    acct.queued_tokens += queued_tokens
+    acct.judged += len(e.trace_ids)
     for reason, trace_ids in e.dropped.items():
+        if reason != "stale":
+            acct.judged += len(trace_ids)
         _drop_traces(s, reason, trace_ids)
     if e.admitted:
         s.acct.groups_admitted += 1
@@ -180,6 +192,7 @@ def _batch_shipped(s: State, e: ev.BatchShipped) -> None:
     _drop_traces(s, "zero_advantage", e.pruned_ids)
     s.shipped_batches[e.step] = samples
     s.acct.shipped += len(samples)
+    s.acct.shipped_tokens += e.n_tokens
     s.step = e.step + 1
     s.last_reward_mean = e.reward_mean
 

@@ -19,7 +19,8 @@ from orchestrator.core.events import CoreParams, EpisodeCompleted, FinalizeStart
 
 # 2: `params` is stored as its own JSON, so env_ratios keeps its order through a snapshot.
 # 3: the evals' state (`State.evals`).
-REDUCER_VERSION = "orch-core-3"
+# 4: the dispatch capacity's counters (`grouped_samples`, the admission and token tallies).
+REDUCER_VERSION = "orch-core-4"
 
 
 class Trace(Protocol):
@@ -114,6 +115,15 @@ class Accounting:
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> completed episodes never shipped
     zero_output_run: int = 0  # episodes in a row whose groups gave nothing to train on (no survivors,
     # all-zero advantages, or cancelled stale), reset by an admitted group
+    completed_tokens: int = 0  # tokens (prompt and completion) of the accepted completions
+    shipped_tokens: int = 0  # tokens of the samples shipped
+    # The admission rate the dispatch capacity estimates (rule 1 (d)): completions of settled
+    # groups judged on their content (queued, or dropped as failed, without output, rejected or
+    # zero-advantage; not the stale ones, whose age says nothing of the next group's content),
+    # and those of them queued, with their tokens.
+    judged: int = 0
+    queued: int = 0
+    queued_tokens: int = 0
 
     def drop(self, reason: str, count: int) -> None:
         if count:
@@ -211,6 +221,9 @@ class State:
     stop_reason: str | None = None
     finalize_errors: dict[int, str] = field(default_factory=dict)  # group id -> error
     last_reward_mean: float | None = None
+    # Samples the open and finalizing groups will still bring (each group's size less its attempts
+    # cancelled for good): the dispatch capacity counts them before they are even dispatched.
+    grouped_samples: int = 0
     acct: Accounting = field(default_factory=Accounting)
     evals: EvalState = field(default_factory=EvalState)
 
@@ -309,7 +322,7 @@ def state_to_dict(s: State) -> dict[str, Any]:
         "gate_open": s.gate_open, "gate_reason": s.gate_reason, "draining": s.draining,
         "stopped": s.stopped, "stop_reason": s.stop_reason,
         "finalize_errors": [[g, e] for g, e in s.finalize_errors.items()],
-        "last_reward_mean": s.last_reward_mean,
+        "last_reward_mean": s.last_reward_mean, "grouped_samples": s.grouped_samples,
         "acct": {name: getattr(acct, name) for name in Accounting.__slots__},
         "evals": _evals_to_dict(s.evals),
     }
@@ -334,7 +347,8 @@ def state_from_dict(d: dict[str, Any]) -> State:
         gate_open=d["gate_open"], gate_reason=d["gate_reason"], draining=d["draining"],
         stopped=d["stopped"], stop_reason=d["stop_reason"],
         finalize_errors={g: e for g, e in d["finalize_errors"]},
-        last_reward_mean=d["last_reward_mean"], acct=Accounting(**d["acct"]), evals=_evals_from_dict(d["evals"]),
+        last_reward_mean=d["last_reward_mean"], grouped_samples=d["grouped_samples"],
+        acct=Accounting(**d["acct"]), evals=_evals_from_dict(d["evals"]),
     )
 
 

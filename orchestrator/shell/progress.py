@@ -1,10 +1,12 @@
-"""The progress line (one per shipped batch) and the final summary. On a terminal, a live bar
-with the steps done and an ETA stays below the lines; in a pipe or CI, the plain lines only."""
+"""The progress line (one per shipped batch), the waste warning, and the final summary. On a
+terminal, a live bar with the steps done and an ETA stays below the lines; in a pipe or CI, the
+plain lines only."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
@@ -12,7 +14,29 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as Bar
 from rich.table import Table
 
-from orchestrator.core.state import State, conservation, state_hash
+from orchestrator.core.state import Accounting, State, conservation, state_hash
+from orchestrator.shell.loop import warn
+
+WASTE_WINDOW_STEPS = 5  # the warning looks at the completions of this many steps
+WASTE_WARNING_SHARE = 0.2  # ... and warns when more than this share of them was dropped
+# Drop reasons of the run's end (drain, stop) say nothing about its settings; the others name
+# what drives them.
+DROP_CAUSES = {
+    "stale": "rollout.max_inflight, rollout.capacity, off_policy.max_off_policy_steps, off_policy.target_lag",
+    "rejected": "groups whose rewards all tie (rollout.group_size, the tasks' difficulty)",
+    "zero_advantage": "samples with a zero advantage pruned before the cut (batch.constant_trainer_batch_size)",
+    "failed": "episodes that failed (the env's errors)",
+    "no_output": "episodes that sampled no token",
+}
+
+
+def waste_share(dropped: int, completed: int) -> float:
+    return dropped / completed if completed else 0.0
+
+
+def dropped_for_settings(acct: Accounting) -> dict[str, int]:
+    """Completions dropped for a reason the run's settings drive (not its drain or stop)."""
+    return {reason: n for reason, n in acct.dropped.items() if reason in DROP_CAUSES}
 
 
 def buffered_episodes(state: State) -> int:
@@ -21,11 +45,15 @@ def buffered_episodes(state: State) -> int:
 
 
 class Progress:
-    def __init__(self, console: Console | None = None, every: int = 1):
+    def __init__(self, console: Console | None = None, every: int = 1, warn: Callable[[str], None] = warn):
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.every = every
+        self.warn = warn
         self.rewards: dict[int, float] = {}
         self.started = self._last = time.monotonic()
+        # (shipped + dropped, dropped for the settings' reasons) after each of the last steps
+        self._recent: deque[tuple[int, dict[str, int]]] = deque(maxlen=WASTE_WINDOW_STEPS + 1)
+        self._warned_at: int | None = None  # step of the last waste warning
         self._bar: Bar | None = None
         self._bar_task = None
 
@@ -48,11 +76,13 @@ class Progress:
         now = time.monotonic()
         step_time, self._last = now - self._last, now
         self.rewards[event.step] = event.reward_mean
+        self._check_waste(event.step, state.acct)
         if self._bar is not None:
             self._bar.update(self._bar_task, completed=event.step, total=state.params.max_steps, refresh=True)
         if event.step % self.every and event.step != state.params.max_steps:
             return
         finalizing = sum(state.finalizing.values())
+        acct = state.acct
         latest_eval = ""
         if state.evals.results:  # the newest eval's mean reward, and the version it evaluated
             r = state.evals.results[-1]
@@ -61,23 +91,55 @@ class Progress:
             f"step {event.step:>4}/{state.params.max_steps} | reward {event.reward_mean:.3f} "
             f"| lag max {event.off_policy_max} mean {event.off_policy_mean:.2f} "
             f"| buffered {buffered_episodes(state)} | finalizing {finalizing} "
-            f"| in-flight {len(state.inflight)} | v{state.version} | {step_time:.2f}s{latest_eval}"
+            f"| in-flight {len(state.inflight)} | v{state.version} "
+            f"| waste {waste_share(sum(acct.dropped.values()), acct.completed):.1%} | {step_time:.2f}s{latest_eval}"
         )
 
     def on_eval(self, event) -> None:
         """One line per eval result (`eval_completed`)."""
         self.console.print(f"eval {event.env} v{event.version} | {eval_figures_line(event)}")
 
+    def _check_waste(self, step: int, acct: Accounting) -> None:
+        """Warn when more than WASTE_WARNING_SHARE of the completions whose fate the last steps
+        decided (shipped or dropped) were dropped, naming what drives each of the main reasons;
+        at most once per window. (Against the completions of the window alone, drops of earlier
+        completions could make the share exceed one.)"""
+        dropped = dropped_for_settings(acct)
+        self._recent.append((acct.shipped + sum(acct.dropped.values()), dropped))
+        if len(self._recent) <= WASTE_WINDOW_STEPS:
+            return
+        if self._warned_at is not None and step - self._warned_at < WASTE_WINDOW_STEPS:
+            return
+        decided_before, dropped_before = self._recent[0]
+        decided = self._recent[-1][0] - decided_before
+        recent = {reason: n - dropped_before.get(reason, 0) for reason, n in dropped.items()}
+        recent = {reason: n for reason, n in sorted(recent.items(), key=lambda kv: -kv[1]) if n > 0}
+        total = sum(recent.values())
+        share = waste_share(total, decided)
+        if share <= WASTE_WARNING_SHARE:
+            return
+        self._warned_at = step
+        causes = "; ".join(f"{reason} {n}: {DROP_CAUSES[reason]}" for reason, n in recent.items()
+                           if 10 * n >= total)  # the reasons that matter, not every stray drop
+        self.warn(f"{share:.0%} of the {decided} completions shipped or dropped in the last {WASTE_WINDOW_STEPS} "
+                  f"steps were dropped (step {step}); {causes}")
+
     def summary(self, state: State, run_dir) -> dict:
         steps = sorted(self.rewards)
         first = [self.rewards[s] for s in steps[:5]]
         last = [self.rewards[s] for s in steps[-5:]]
         holds, terms = conservation(state)
+        acct = state.acct
         out = {
             "run_dir": str(run_dir), "stop_reason": state.stop_reason, "steps": len(steps),
             "reward_first5": sum(first) / len(first) if first else None,
             "reward_last5": sum(last) / len(last) if last else None,
             "wall_s": time.monotonic() - self.started, "conservation": holds, **terms,
+            "generated_episodes": acct.completed, "generated_tokens": acct.completed_tokens,
+            "trained_episodes": acct.shipped, "trained_tokens": acct.shipped_tokens,
+            "dropped_by_reason": dict(sorted(acct.dropped.items())),
+            "cancelled_in_flight": acct.cancelled_attempts,
+            "waste_pct": round(100 * waste_share(terms["dropped"], acct.completed), 2),
             "state_hash": state_hash(state),
         }
         if state.params is not None and state.params.eval is not None:
@@ -87,8 +149,10 @@ class Progress:
             if key == "evals":
                 for r in value:
                     table.add_row(f"eval {r['env']} v{r['version']}", eval_figures_line(r))
-            else:
-                table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+                continue
+            if isinstance(value, dict):
+                value = ", ".join(f"{reason} {n}" for reason, n in value.items()) or "none"
+            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
         self.console.print(table)
         return out
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 
 from eventlog import EventLog, LogExistsError, LogNotFoundError
-from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes
+from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes, with_added_fields
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
 from orchestrator.rundir import batch_steps_on_disk, batches_dir
@@ -131,7 +131,7 @@ def _stored_config(db: Path) -> RunConfig:
     if not isinstance(stored_json, dict):
         raise RunDirError(f"{db} is corrupted: the run's stored config is not a JSON object")
     try:
-        return load_config(base=stored_json)
+        return load_config(base=with_added_fields(stored_json))
     except ConfigError as err:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
 

@@ -36,18 +36,19 @@ class CoreMachine(RuleBasedStateMachine):
         group_size=st.integers(1, 4), batch_size=st.integers(1, 6), max_inflight=st.integers(1, 9),
         target_lag=st.integers(0, 2), max_off=st.integers(0, 3), max_steps=st.integers(2, 7),
         background=st.booleans(), constant=st.booleans(), token_batch=st.sampled_from([None, None, 12]),
-        cap=st.integers(1, 3),
+        cap=st.integers(1, 3), capacity=st.sampled_from(["off", "staleness"]),
         evals=st.none() | st.builds(ev.EvalParams, envs=st.just(["a"]), every=st.integers(1, 3),
                                     num_tasks=st.integers(1, 3), samples_per_task=st.integers(1, 3),
                                     max_inflight=st.integers(1, 4)),
     )
     def setup(self, group_size, batch_size, max_inflight, target_lag, max_off, max_steps, background,
-              constant, token_batch, cap, evals):
+              constant, token_batch, cap, capacity, evals):
         self.params = ev.CoreParams(
             env_ratios={"b": 2.0, "a": 1.0}, group_size=group_size, batch_size=batch_size,
             max_inflight=max_inflight, target_lag=target_lag, max_off_policy_steps=max_off,
             max_steps=max_steps, finalize_in_background=background, constant_trainer_batch_size=constant,
             token_batch_size=token_batch, max_finalizing_groups=cap, zero_output_batches=50, eval=evals,
+            capacity=capacity,
         )
         self.world = SimWorld(self.params, seed=0, options=SimOptions(settle="random", eval_off_version_rate=0.2))
         self.world.start()
@@ -112,6 +113,11 @@ class CoreMachine(RuleBasedStateMachine):
             elif e.kind == "batch_shipped":
                 assert version >= e.step - 1 - self.params.target_lag, "ship hold"
                 assert e.off_policy_max <= self.params.max_off_policy_steps, "lag bound"
+
+    @invariant()
+    def grouped_samples_are_what_the_groups_will_bring(self):
+        s = self.world.state
+        assert s.grouped_samples == sum(g.size - g.cancelled for g in s.groups.values())
 
     @invariant()
     def evals_stay_apart_from_training(self):
@@ -200,15 +206,16 @@ def test_a_state_restored_from_its_snapshot_decides_like_the_live_one(seed):
     assert state_hash(restored) == state_hash(world.state)
 
 
+@pytest.mark.parametrize("capacity", ["off", "staleness"])
 @pytest.mark.parametrize("background", [False, True])
 @pytest.mark.parametrize("target_lag", [0, 1])
-def test_dispatch_gate_is_current_after_every_input(target_lag, background):
+def test_dispatch_gate_is_current_after_every_input(target_lag, background, capacity):
     """A completion refills its permit without re-checking the gate; that is right only if every
     other rule leaves the gate current. Checked after each input of whole simulated runs (the
     state machine above checks it too, on fewer, shorter runs)."""
     for seed in range(3):
         world = SimWorld(_params(seed, target_lag=target_lag, finalize_in_background=background,
-                                 max_finalizing_groups=2),
+                                 max_finalizing_groups=2, capacity=capacity),
                          seed=seed, options=SimOptions(publish_weight=0.3, settle="random"))
         feed = world.feed
 
@@ -279,6 +286,8 @@ def _values_of(annotation):
         return st.none() | _FINITE
     if annotation == list[float]:
         return st.lists(_FINITE, max_size=4)
+    if annotation == dict[str, int | float] | None:  # version_published's trainer metrics
+        return st.none() | st.dictionaries(st.text(max_size=8), st.integers() | _FINITE, max_size=3)
     return st.from_type(annotation)
 
 

@@ -16,8 +16,9 @@ from orchestrator.shell.progress import buffered_episodes
 
 STEPS = 10
 # A run with something in every panel: background finalizing (gar), failed and empty episodes,
-# stale drops (max_off_policy_steps 1 with a trainer slower than the env).
-BUSY = ["--set", "algorithm.name=gar", "--set", "algorithm.grader.delay_s=0.002", "--set", "batch.size=32",
+# stale drops and late completions (max_off_policy_steps 1 with a trainer slower than the env, and
+# no dispatch capacity to keep generation to what can train).
+BUSY = ["--set", "rollout.capacity=off", "--set", "algorithm.name=gar", "--set", "algorithm.grader.delay_s=0.002", "--set", "batch.size=32",
         "--set", "fake_env.error_rate=0.05", "--set", "fake_env.empty_rate=0.05", "--set", "fake_env.latency_s=0.001",
         "--set", "off_policy.max_off_policy_steps=1", "--set", "trainer.step_time_s=0.02",
         "--set", "zero_output_batches=1000"]

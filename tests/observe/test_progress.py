@@ -48,8 +48,8 @@ def test_a_pipe_gets_the_plain_lines_only():
         _ship(progress, range(1, 4), 3)
     lines = out.getvalue().splitlines()
     assert [line.rsplit(" | ", 1)[0] for line in lines] == [
-        f"step    {s}/3 | reward 0.250 | lag max 1 mean 0.50 | buffered 0 | finalizing 0 | in-flight 0 | v{s - 1}"
-        for s in (1, 2, 3)]
+        f"step    {s}/3 | reward 0.250 | lag max 1 mean 0.50 | buffered 0 | finalizing 0 | in-flight 0 | v{s - 1} "
+        f"| waste 0.0%" for s in (1, 2, 3)]
     assert "\x1b" not in out.getvalue() and "ETA" not in out.getvalue()
 
 

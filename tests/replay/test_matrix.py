@@ -1,7 +1,7 @@
 """Seed 000's equivalence matrix, through real logs and `orch replay --diff`.
 
 12 seeds x {trace, token batching} x {constant_trainer_batch_size on/off} x
-max_off_policy_steps in {1, 2, 8}: GRPO inline and GRPO opted into background finalization with
+max_off_policy_steps in {1, 2, 8}, with the dispatch capacity on: GRPO inline and GRPO opted into background finalization with
 each group settled before the next input ship bit-identical batches. The opted-in run is built
 twice: by a SimWorld of its own (settle="immediate") and by re-executing the inline run's inputs
 (`--reexecute --finalize background --settle-order immediate`) for the first seeds (the
@@ -27,7 +27,8 @@ DEEP_SEEDS = (0, 1, 2)  # also re-executed and compared at every level
 
 
 def _params(seed, batching, constant, max_off, **kw):
-    return sim_params(seed, constant_trainer_batch_size=constant, max_off_policy_steps=max_off,
+    # With the dispatch capacity on, as `orch run` has it by default.
+    return sim_params(seed, constant_trainer_batch_size=constant, max_off_policy_steps=max_off, capacity="staleness",
                       **BATCHING[batching], **kw)
 
 
@@ -53,5 +54,7 @@ def test_inline_and_opted_in_immediate_settle_ship_identical_batches(tmp_path, s
         with open_run(report.out) as c:
             assert diff_logs(a, c, "batches").equivalent
             assert diff_logs(b, c, "events").equivalent, "re-execution == the opted-in run, event for event"
+    if max_off < 8:  # the capacity closed the gate (with 8 steps of slack it never binds here)
+        assert any(kind == "gate_changed" and data["reason"] == "capacity" for _, kind, data in rows(inline))
     started = [data for _, kind, data in rows(opted) if kind == "finalize_started"]
     assert started and all(data["background"] for data in started)

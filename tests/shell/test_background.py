@@ -46,8 +46,9 @@ def test_finalizing_is_bounded_by_the_cap_plus_groups_in_flight_and_the_gate_say
 
 
 def test_drain_cancels_finalizing_groups_without_waiting_for_their_grader(tmp_path):
-    # graders of up to 4 s: cancelled at the drain, not awaited one after another (the bound)
-    result = orch(*GAR, "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r",
+    # graders of up to 4 s: cancelled at the drain, not awaited one after another (the bound);
+    # no dispatch capacity, so groups beyond the last step are still finalizing at the drain
+    result = orch(*GAR, "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r", "--set", "rollout.capacity=off",
                   "--set", "algorithm.grader.delay_s=2.0", "--set", "algorithm.grader.jitter_s=1.99",
                   "--set", "off_policy.max_off_policy_steps=8", "--set", "fake_env.latency_s=0.01", timeout=20)
     assert result.returncode == 0, result.stderr

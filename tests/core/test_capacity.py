@@ -1,0 +1,163 @@
+"""Rule 1 (d), the dispatch capacity (`rollout.capacity = "staleness"`): a new group starts only
+while the work dispatched and not yet shipped or dropped can still train before it is too old."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.config import load_config, meaning_changes, with_added_fields
+from orchestrator.core import events as ev
+from orchestrator.core.decide import capacity_has_room, dispatch_gate
+from orchestrator.core.evolve import fold_rows
+from orchestrator.sim import SimOptions, TimedSimWorld
+
+VARIED = [0.0, 0.25, 0.5, 1.0]  # rewards with spread: admitted, no zero advantage
+
+
+def test_new_groups_start_until_the_steps_that_accept_them_are_full(driver):
+    # max_off_policy_steps 1 at lag 0: steps 1 and 2 accept what is dispatched now, 2 x 8 samples.
+    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=0,
+               capacity="staleness")
+    out = d.start()
+    assert len(d.of(out, "group_dispatched")) == 4 and len(d.state.inflight) == 16
+    assert (d.state.gate_open, d.state.gate_reason) == (False, "capacity")
+    off = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=0)
+    off.start()
+    assert len(off.state.inflight) == 100, "capacity off: max_inflight alone"
+
+
+def test_a_published_version_opens_the_capacity_of_one_more_step(driver):
+    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=1,
+               capacity="staleness")
+    d.start()
+    d.complete_group(1, VARIED)
+    out = d.complete_group(2, VARIED)
+    assert d.of(out, "batch_shipped") and d.state.step == 2
+    # Lag 1: only step 2 still accepts a sample dispatched at version 0, and groups 3 and 4 fill it.
+    assert not d.of(out, "group_dispatched") and d.state.gate_reason == "capacity"
+    out = d.publish(1)
+    assert len(d.of(out, "group_dispatched")) == 2, "steps 2 and 3 accept version 1: room for 8 more"
+    assert d.state.gate_reason == "capacity"
+
+
+def test_rejected_groups_make_it_over_provision(driver):
+    d = driver(group_size=4, batch_size=8, max_inflight=100, max_off_policy_steps=1, target_lag=0,
+               capacity="staleness")
+    d.start()
+    out = d.complete_group(1, [0.5] * 4)  # all-zero advantages: rejected
+    assert d.of(out, "group_settled")[0].admitted is False
+    # Admission so far (prior: one batch fully admitted): 8 queued per 12 judged. The 3 open
+    # groups' 12 samples are expected to bring 8; there is room until 24 are expected to bring 16.
+    assert len(d.of(out, "group_dispatched")) == 3
+    assert d.state.grouped_samples == 24 and d.state.gate_reason == "capacity"
+
+
+def test_a_started_group_is_dispatched_in_full_while_the_capacity_holds_new_ones_back(driver):
+    d = driver(group_size=4, batch_size=4, max_inflight=3, max_off_policy_steps=0, target_lag=0,
+               capacity="staleness")
+    d.start()
+    assert len(d.state.inflight) == 3 and d.state.gate_reason == "capacity"
+    out = d.complete(1)
+    assert [(e.group_id, e.attempt) for e in d.of(out, "episode_dispatched")] == [(1, 3)]
+    assert not d.of(out, "group_dispatched")
+
+
+def test_tokens_per_sample_set_the_capacity_with_token_batching(driver):
+    # Prior: 30 tokens fill one batch of 8 samples. One step accepts (max_off_policy_steps 0).
+    d = driver(group_size=2, batch_size=8, token_batch_size=30, max_inflight=100, max_off_policy_steps=0,
+               target_lag=0, capacity="staleness")
+    d.start()
+    assert d.state.grouped_samples == 8, "8 samples expected to bring 30 tokens"
+    # Samples of 3 tokens. Once one group settled, a sample is expected to bring (30 + 6) /
+    # (8 + 2) = 3.6 tokens: the 6 queued and 6 grouped samples (27.6) leave no room for one more.
+    out = d.complete_group(1, [0.0, 1.0], sampled=2)
+    assert not d.of(out, "group_dispatched") and d.state.grouped_samples == 6
+    # Once two settled, (30 + 12) / (8 + 4) = 3.5 tokens: 12 queued and 4 grouped (26) do.
+    out = d.complete_group(2, [0.0, 1.0], sampled=2)
+    assert d.state.pending_tokens == 12 and not d.of(out, "batch_shipped")
+    assert len(d.of(out, "group_dispatched")) == 1 and d.state.grouped_samples == 6
+    assert d.state.gate_reason == "capacity"
+
+
+def test_no_room_when_no_step_could_train_a_sample_dispatched_now(driver):
+    d = driver(group_size=2, batch_size=2, max_inflight=10, max_off_policy_steps=0, target_lag=2,
+               capacity="staleness")
+    d.start()
+    assert len(d.state.inflight) == 2, "one step accepts: one group"
+    d.complete_group(1, [0.0, 1.0])  # batch 1 ships: step 2 at version 0, where version 0 is stale
+    s = d.state
+    assert s.step == 2 and s.version == 0 and not s.inflight and not capacity_has_room(s)
+    assert dispatch_gate(s) == (False, "capacity")
+    out = d.publish(1)  # the batch in training publishes: a sample of version 1 trains in step 2
+    assert len(d.of(out, "group_dispatched")) == 1
+
+
+def test_the_capacity_travels_in_run_started_and_off_is_written_as_before_the_rule():
+    off, on = ev.RunStarted(params=ev.CoreParams()), ev.RunStarted(params=ev.CoreParams(capacity="staleness"))
+    assert b"capacity" not in ev.encode_event(off)[1]
+    assert orjson.loads(ev.encode_event(on)[1])["params"]["capacity"] == "staleness"
+    # A log written before the rule: no such field, so it folds (and resumes, and checks) as off.
+    state, _ = fold_rows(None, [ev.encode_event(off)])
+    assert state.params.capacity == "off"
+    state, _ = fold_rows(None, [ev.encode_event(on)])
+    assert state.params.capacity == "staleness"
+
+
+def test_the_config_turns_it_on_and_a_stored_config_from_before_the_rule_means_off(tmp_path):
+    config = load_config(None, [])
+    assert config.rollout.capacity == "staleness" and config.core_params().capacity == "staleness"
+    stored = orjson.loads(config.to_json())
+    del stored["rollout"]["capacity"]  # what a run created before the rule stored
+    old = load_config(base=with_added_fields(stored))
+    assert old.rollout.capacity == "off" and old.core_params().capacity == "off"
+    # Turning it on in a resume of such a run changes what the run computes: refused.
+    resumed = load_config(None, ["rollout.capacity=staleness"], base=old.model_dump(mode="json"))
+    assert meaning_changes(old, resumed) == ["rollout.capacity"]
+
+
+# --- the property: a steady trainer-bound run wastes next to nothing to staleness ----------------
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10**6), group_size=st.sampled_from([4, 8]), groups_per_batch=st.integers(8, 16),
+    target_lag=st.integers(0, 1), max_off_beyond_lag=st.integers(1, 2), slack=st.integers(4, 8),
+    latency=st.sampled_from([(1, 9), (3, 7), (4, 6), (1, 5)]), train_ticks=st.integers(5, 8),
+    error_rate=st.floats(0.0, 0.02),
+)
+def test_stale_fraction_stays_small_in_a_steady_trainer_bound_run(
+        seed, group_size, groups_per_batch, target_lag, max_off_beyond_lag, slack, latency, train_ticks,
+        error_rate):
+    """Trainer-bound: a step takes the trainer at least half as long as the slowest episode
+    takes, and the sampler could keep `slack` batches in flight (off, most of it goes stale).
+    Steady: the samples may be one step older than the lag the gate allows, so a group's
+    stragglers have a step to catch up in, and a group is at most an eighth of a batch (the
+    capacity overshoots by less than a group)."""
+    batch_size = group_size * groups_per_batch
+    max_off = target_lag + max_off_beyond_lag
+    params = ev.CoreParams(
+        seed=seed, env_ratios={"a": 1.0}, group_size=group_size, batch_size=batch_size,
+        max_inflight=slack * batch_size, max_off_policy_steps=max_off, target_lag=target_lag, max_steps=25,
+        zero_output_batches=1000, capacity="staleness",
+    )
+    options = SimOptions(error_rate=error_rate, empty_rate=0.0, reward_levels=20)
+    world = TimedSimWorld(params, seed=seed, options=options, latency=latency, train_ticks=train_ticks)
+    world.run()
+    acct = world.state.acct
+    assert world.state.stop_reason == "completed"
+    assert acct.dropped.get("stale", 0) <= 0.05 * acct.completed, acct
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_off_the_same_run_drops_most_of_what_it_generates(seed):
+    """The property above is not vacuous: the same world without the rule burns its slack."""
+    params = ev.CoreParams(seed=seed, env_ratios={"a": 1.0}, group_size=8, batch_size=64, max_inflight=512,
+                           max_off_policy_steps=2, target_lag=1, max_steps=25, zero_output_batches=1000)
+    options = SimOptions(error_rate=0.0, empty_rate=0.0, reward_levels=20)
+    world = TimedSimWorld(params, seed=seed, options=options, latency=(1, 9), train_ticks=5)
+    world.run()
+    acct = world.state.acct
+    assert acct.dropped["stale"] > 0.5 * acct.completed
