@@ -299,6 +299,11 @@ async def serve(
     if on_ready is not None:
         on_ready(f"http://{host}:{_bound_port(server)}")
     await task
+    if server.should_exit:
+        # Only uvicorn's signal handler sets it once the server runs. uvicorn re-raises the signal
+        # on its way out, but asyncio.run turns that into a KeyboardInterrupt only if the main task
+        # is still running when it lands: a race, so the interrupt is raised here.
+        raise KeyboardInterrupt
 
 
 def serve_command_line(
