@@ -94,40 +94,32 @@ def _check(log: EventLog) -> CheckResult:
     expected: deque = deque()  # decisions the current code made for the last input, not yet matched
     input_seq = 0
     inputs = decisions = 0
+
+    def diverged(where: str, recorded: Side | None, current: Side | None, why: str) -> CheckResult:
+        return CheckResult(log.path, False, inputs, decisions, _diverged(where, recorded, current, why))
+
     seq = 0
     for row in guarded(log.read_raw(), log.path):
         seq, _ts, kind, data = row
         if kind in INPUT_KINDS:
             if expected:
-                return CheckResult(
-                    log.path,
-                    False,
-                    inputs,
-                    decisions,
-                    _diverged(
-                        f"decision #{decisions + 1}",
-                        _side_of_row(row),
-                        _side_of_event(seq, expected[0]),
-                        f"for the input at seq {input_seq} the current code decides more than was recorded; "
-                        f"the recording moves on to the next input at seq {seq}",
-                    ),
+                return diverged(
+                    f"decision #{decisions + 1}",
+                    _side_of_row(row),
+                    _side_of_event(seq, expected[0]),
+                    f"for the input at seq {input_seq} the current code decides more than was recorded; "
+                    f"the recording moves on to the next input at seq {seq}",
                 )
             event = decode(row, log.path)
             try:
                 state = state or _state_for(event)
                 out = decide(state, event)
             except Exception as err:  # a recorded input the current code cannot take
-                return CheckResult(
-                    log.path,
-                    False,
-                    inputs,
-                    decisions,
-                    _diverged(
-                        f"input at seq {seq}",
-                        _side_of_row(row),
-                        None,
-                        f"the current code raises on this recorded input: {type(err).__name__}: {err}",
-                    ),
+                return diverged(
+                    f"input at seq {seq}",
+                    _side_of_row(row),
+                    None,
+                    f"the current code raises on this recorded input: {type(err).__name__}: {err}",
                 )
             expected = deque(out)
             input_seq = seq
@@ -136,17 +128,11 @@ def _check(log: EventLog) -> CheckResult:
         if kind not in EVENT_TYPES:
             decode(row, log.path)  # raises ReplayInputError: not an event this code knows
         if not expected:
-            return CheckResult(
-                log.path,
-                False,
-                inputs,
-                decisions,
-                _diverged(
-                    f"decision #{decisions + 1}",
-                    _side_of_row(row),
-                    None,
-                    f"recorded decision that the current code does not make for the input at seq {input_seq}",
-                ),
+            return diverged(
+                f"decision #{decisions + 1}",
+                _side_of_row(row),
+                None,
+                f"recorded decision that the current code does not make for the input at seq {input_seq}",
             )
         derived = expected.popleft()
         dkind, ddata = encode_event(derived)
@@ -157,29 +143,17 @@ def _check(log: EventLog) -> CheckResult:
         if recorded_side.kind == dkind and recorded_side.data == derived_side.data:
             decisions += 1  # same values, different JSON spelling
             continue
-        return CheckResult(
-            log.path,
-            False,
-            inputs,
-            decisions,
-            _diverged(
-                f"decision #{decisions + 1}",
-                recorded_side,
-                derived_side,
-                f"the current code decides this differently for the input at seq {input_seq}",
-            ),
+        return diverged(
+            f"decision #{decisions + 1}",
+            recorded_side,
+            derived_side,
+            f"the current code decides this differently for the input at seq {input_seq}",
         )
     if expected:
-        return CheckResult(
-            log.path,
-            False,
-            inputs,
-            decisions,
-            _diverged(
-                f"decision #{decisions + 1}",
-                None,
-                _side_of_event(seq + 1, expected[0]),
-                f"the log ends, but the current code decides more for the input at seq {input_seq}",
-            ),
+        return diverged(
+            f"decision #{decisions + 1}",
+            None,
+            _side_of_event(seq + 1, expected[0]),
+            f"the log ends, but the current code decides more for the input at seq {input_seq}",
         )
     return CheckResult(log.path, True, inputs, decisions)
