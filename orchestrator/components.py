@@ -56,6 +56,7 @@ reverse order; a component that fails raises a `ComponentFailed` (one line) and 
 from __future__ import annotations
 
 import importlib
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,26 +184,26 @@ class Algorithm(Protocol):
 class TrainerComponent(Component):
     writes_weights: ClassVar[bool] = True  # publishes weights/step_N (+ STABLE) that samplers load
 
-    def build(self, ctx: BuildContext) -> Trainer:
-        raise NotImplementedError
+    @abstractmethod
+    def build(self, ctx: BuildContext) -> Trainer: ...
 
 
 class InferenceComponent(Component):
+    @abstractmethod
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> InferenceBackend:
         """`envs`: the run's envs that have a task source (`EnvComponent.open` gave one)."""
-        raise NotImplementedError
 
 
 class EnvComponent(Component):
+    @abstractmethod
     def open(self, ctx: BuildContext) -> AbstractAsyncContextManager[RolloutEnv | None]:
         """The env as rollout workers call it, for the run's duration (checked before the run;
         closed at its end). None: it has no task source (its episodes come whole from a backend)."""
-        raise NotImplementedError
 
 
 class AlgorithmComponent(Component):
-    def build(self, ctx: BuildContext) -> Algorithm:
-        raise NotImplementedError
+    @abstractmethod
+    def build(self, ctx: BuildContext) -> Algorithm: ...
 
 
 # -------------------------------------------------------------------------------------- registries

@@ -117,6 +117,11 @@ class ProbeTrainerConfig(TrainerComponent):
         if self.depth > 3:
             raise ValueError("the probe trainer probes at most 3 deep")
 
+    def build(self, ctx):  # it trains as the fake trainer does: the test is about its config section
+        from orchestrator.trainers.fake import FakeTrainerConfig
+
+        return FakeTrainerConfig().build(ctx)
+
 
 def test_a_component_added_to_a_table_gets_its_section_validated():
     registry = Registry(
