@@ -202,6 +202,7 @@ class Trainer:
             sums = ranks.sum(sums)
         loss_v, clipfrac, mismatch_kl, entropy_v = sums
         adv = batch.advantages
+        rewards = {"reward_mean": sum(batch.rewards) / len(batch.rewards)} if batch.rewards else {}
         return {
             "step": batch.step,
             "loss": loss_v,
@@ -214,7 +215,7 @@ class Trainer:
             "samples": int(batch.ids.shape[0]),
             "tokens": total_tokens,
             "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
-            "reward_mean": sum(batch.rewards) / len(batch.rewards) if batch.rewards else None,
+            **rewards,  # absent, not null, for a batch without rewards (e.g. an empty one)
             "step_time_s": time.perf_counter() - t0,
             "ranks": ranks.world,
         }
@@ -310,7 +311,7 @@ def full_value(norm: torch.Tensor) -> float:
 
 
 def step_line(m: dict) -> str:
-    reward = f" reward={m['reward_mean']:.3f}" if m["reward_mean"] is not None else ""
+    reward = f" reward={m['reward_mean']:.3f}" if "reward_mean" in m else ""
     return (
         f"trainer step={m['step']} loss={m['loss']:+.4f} grad_norm={m['grad_norm']:.3f} "
         f"entropy={m['entropy']:.3f} mismatch_kl={m['mismatch_kl']:.2e} clipfrac={m['clipfrac']:.3f} "
