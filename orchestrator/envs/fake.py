@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 from pydantic import Field, model_validator
 
 from orchestrator.components import BuildContext, EnvComponent, InferenceComponent, RolloutRequest
@@ -30,6 +31,9 @@ class FakeEnvConfig(EnvComponent):
     prompt_tokens: int = Field(8, ge=0, description="prompt length of every fake episode, in tokens")
     min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
     max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
+    vocab_size: int = Field(
+        151_936, ge=1, le=2**31, description="token ids are drawn from [0, vocab_size) (default: a Qwen-size vocabulary)"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> FakeEnvConfig:
@@ -70,7 +74,7 @@ class FakeEpisodeError(RuntimeError):
 class FakeEpisodes:
     """Seeded synthetic episodes: tokens, rewards, errors and latency from a per-episode hash.
 
-    Everything an episode draws comes from blake2b(seed, episode, attempt), so an episode's
+    Everything an episode draws comes from hashes of (seed, episode, attempt), so an episode's
     outcome does not depend on which other episodes ran (and it is cheap: no RNG to seed).
     `version_now` tells which policy version the (imaginary) sampler holds, so policy_start and
     policy_end are honest about weight updates that land during a slow episode.
@@ -80,7 +84,6 @@ class FakeEpisodes:
 
     def __init__(self, config: FakeEnvConfig, seed: int, version_now: Callable[[], int]):
         self.config, self.seed, self.version_now = config, seed, version_now
-        self._draw_size = _UNIFORMS.size + config.prompt_tokens + config.max_tokens  # uniforms, token ids
         # Per episode only the draws differ; each episode gets a copy of its mask, and its
         # sampled logprobs are a slice of a fixed pool at a drawn offset (a list built per token
         # was a tenth of the instant pipeline's time).
@@ -88,17 +91,19 @@ class FakeEpisodes:
         self._prompt_logprobs = [0.0] * config.prompt_tokens
         self._logprob_pool = [-((i * 167) % 256) / 64 for i in range(256 + config.max_tokens)]
 
-    def _draws(self, req: RolloutRequest) -> tuple[tuple[int, ...], bytes]:
-        key = b"%d/%d/%d" % (self.seed, req.episode_id, req.attempt)
-        size = self._draw_size
-        raw = hashlib.blake2b(key, digest_size=64).digest()  # block 0 (its salt is all zeros)
-        for block in range(1, -(-size // 64)):
-            raw += hashlib.blake2b(key, digest_size=64, salt=block.to_bytes(16, "little")).digest()
-        return _UNIFORMS.unpack_from(raw), raw[_UNIFORMS.size : size]
+    def _token_ids(self, key: bytes, n_tokens: int) -> np.ndarray:
+        """The episode's token ids: a SHAKE-128 stream of its key, 4 bytes per token reduced
+        modulo the vocabulary (one call, however long the episode)."""
+        raw = hashlib.shake_128(key).digest(4 * n_tokens)
+        return np.frombuffer(raw, dtype="<u4") % np.uint32(self.config.vocab_size)
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         cfg = self.config
-        (latency, error, empty, length, reward, logprob_offset), token_ids = self._draws(req)
+        key = b"%d/%d/%d" % (self.seed, req.episode_id, req.attempt)
+        # Block 0 of blake2b(seed, episode, attempt): the uniforms every draw of the episode uses.
+        latency, error, empty, length, reward, logprob_offset = _UNIFORMS.unpack_from(
+            hashlib.blake2b(key, digest_size=64).digest()
+        )
         # The fake sampler holds any version: an eval episode is sampled by the one it is pinned to.
         pinned = req.eval_id is not None
         policy_start = req.policy_version if pinned else self.version_now()
@@ -119,7 +124,7 @@ class FakeEpisodes:
             ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
             reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
-            token_ids=list(token_ids[:n_total]),
+            token_ids=self._token_ids(key, n_total).tolist(),
             mask=self._masks[n_sampled][:],
             logprobs=self._prompt_logprobs + self._logprob_pool[offset : offset + n_sampled],
             policy_start=policy_start,

@@ -27,3 +27,14 @@ def test_fake_env_events_equal_their_validated_copies(prompt_tokens, empty_rate)
     assert {len(e.token_ids) - prompt_tokens for e in events} == set(range(7))  # empty ones too
     masks = [e.mask for e in events]
     assert len({id(m) for m in masks}) == len(masks)  # no list shared between events
+
+
+@pytest.mark.parametrize("vocab_size", [2, 1000, 151_936])
+def test_fake_env_token_ids_span_the_vocabulary(vocab_size):
+    config = FakeEnvConfig(prompt_tokens=16, min_tokens=2000, max_tokens=2000, vocab_size=vocab_size)
+    env = FakeEpisodes(config, seed=1, version_now=lambda: 0)
+    event = asyncio.run(env(RolloutRequest(1, 1, "fake", 1, 0, 0)))
+    ids = event.token_ids
+    assert len(ids) == 2016 and 0 <= min(ids) and max(ids) < vocab_size
+    # Drawn across the whole range, not from a byte: the top tenth of the vocabulary is used.
+    assert sum(i >= vocab_size - max(1, vocab_size // 10) for i in ids) > 100
