@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import sys
+from array import array
 from pathlib import Path
 
 import orjson
@@ -62,7 +63,15 @@ def simulate(seed: int, finalize: str, batching: str, max_off: int) -> list:
 
 
 def as_recorded(kind: str, data: dict) -> tuple[str, dict]:
-    """An event of today's format as the digested format (version 1) wrote it."""
+    """An event of today's format as the digested format (version 1) wrote it, with the two
+    values that a packed format cannot carry bit for bit mapped to what it does carry: each
+    logprob as its float32 value, and no `batch_shipped.sha256` (the hash of a batch file,
+    whose format is not the log's; the batch's content is the digested traces, advantages and
+    trace ids)."""
+    if kind == "episode_completed":
+        data = {**data, "logprobs": array("f", data["logprobs"]).tolist()}
+    if kind == "batch_shipped":
+        data = {k: v for k, v in data.items() if k != "sha256"}
     if kind == "background_finalized":  # version 1 logged a background result as group_finalized
         return "group_finalized", data
     if kind == "version_published" and data.get("metrics") is None:
