@@ -11,6 +11,7 @@ __all__ = [
     "NotSQLiteError",
     "ForeignDatabaseError",
     "NewerFormatError",
+    "OlderFormatError",
     "CorruptLogError",
     "WriterLockedError",
     "ReadOnlyLocationError",
@@ -38,6 +39,10 @@ class ForeignDatabaseError(LogError):
 
 class NewerFormatError(LogError):
     """The log was written by a newer format version than this code supports."""
+
+
+class OlderFormatError(LogError):
+    """The log was written in an older format version, which this code does not read."""
 
 
 class CorruptLogError(LogError):

@@ -17,16 +17,19 @@ from .errors import (
     LogNotFoundError,
     NewerFormatError,
     NotSQLiteError,
+    OlderFormatError,
     ReadOnlyLocationError,
     StorageError,
 )
 
 MAGIC = "orch-eventlog"
-FORMAT_VERSION = 1
+# 2: each event has a binary `payload` column beside its JSON `data` (NULL for most events).
+FORMAT_VERSION = 2
 RESERVED_META_KEYS = frozenset({"magic", "format_version"})
 
 SCHEMA = (
-    "CREATE TABLE events(seq INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL)",
+    "CREATE TABLE events(seq INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL,"
+    " payload BLOB)",
     "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)",
     "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT, state_hash TEXT, state BLOB)",
 )
@@ -149,6 +152,11 @@ def check_version(raw: str | None, path: str) -> int:
         )
     if version < 1:
         raise CorruptLogError(f"{path} has an invalid format_version {raw!r}")
+    if version < FORMAT_VERSION:
+        raise OlderFormatError(
+            f"{path} uses log format version {version} (no payload column); this orch reads version "
+            f"{FORMAT_VERSION} only: read it with the orch that wrote it (docs/log-format.md)"
+        )
     return version
 
 

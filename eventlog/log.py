@@ -55,7 +55,7 @@ __all__ = ["EventLog", "Record", "Snapshot", "VerifyReport"]
 
 _SYNC = {"full": "FULL", "normal": "NORMAL"}
 # A commit inserts its rows in multi-row statements of a power-of-two size (at most 256 rows,
-# 1,024 parameters, under SQLite's limit of 32,766). Python's sqlite3 lets go of the GIL around
+# 1,280 parameters, under SQLite's limit of 32,766). Python's sqlite3 lets go of the GIL around
 # each statement step and must take it back afterwards; while the event loop is busy, every
 # take-back can wait for the interpreter's switch interval (5 ms). One step per row
 # (executemany) made a 500-row commit take 400 ms next to a busy thread; 256 rows per step
@@ -384,8 +384,9 @@ class EventLog:
 
     # ------------------------------------------------------------ appending
 
-    def append(self, kind: str, data: Any) -> int:
-        """Buffer one event and return its seq; raise InvalidEventError for non-JSON data."""
+    def append(self, kind: str, data: Any, payload: bytes | None = None) -> int:
+        """Buffer one event (and its binary payload, if any) and return its seq; raise
+        InvalidEventError for non-JSON data."""
         buf = self._buf
         if buf is None:
             raise self._not_writable()
@@ -399,12 +400,13 @@ class EventLog:
         if b"null" in doc and has_nonfinite(data):
             raise InvalidEventError(NONFINITE)
         seq = self._next
-        buf.append((seq, _time(), kind, doc.decode()))
+        buf.append((seq, _time(), kind, doc.decode(), payload_bytes(payload)))
         self._next = seq + 1
         return seq
 
-    def append_json(self, kind: str, data_json: bytes | str) -> int:
-        """Buffer an already-encoded JSON document (trusted: not re-validated); return its seq."""
+    def append_json(self, kind: str, data_json: bytes | str, payload: bytes | None = None) -> int:
+        """Buffer an already-encoded JSON document (trusted: not re-validated) and its binary
+        payload, if any; return its seq."""
         buf = self._buf
         if buf is None:
             raise self._not_writable()
@@ -416,7 +418,7 @@ class EventLog:
             except (AttributeError, UnicodeDecodeError) as e:
                 raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
         seq = self._next
-        buf.append((seq, _time(), kind, data_json))
+        buf.append((seq, _time(), kind, data_json, payload_bytes(payload)))
         self._next = seq + 1
         return seq
 
@@ -474,6 +476,29 @@ class EventLog:
             except orjson.JSONDecodeError:
                 raise self._not_json(rows) from None
             yield from records
+
+    def read_rows(
+        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 256
+    ) -> Iterator[tuple[int, float, str, bytes, bytes | None]]:
+        """Like :meth:`read_raw`, each row with its payload: ``(seq, ts, kind, data_bytes,
+        payload or None)``. Payloads can be large: the chunks are small."""
+        for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB), payload"):
+            yield from rows
+
+    def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
+        """The payloads of the committed events ``seqs`` (those that have one), by seq."""
+        conn = self._read_conn()
+        wanted = sorted(set(seqs))
+        end = self._end(conn)
+        out: dict[int, bytes] = {}
+        for first in range(0, len(wanted), _MAX_ROWS_PER_INSERT):
+            chunk = [seq for seq in wanted[first : first + _MAX_ROWS_PER_INSERT] if seq <= end]
+            sql = f"SELECT seq, payload FROM events WHERE payload IS NOT NULL AND seq IN ({','.join('?' * len(chunk))})"
+            try:
+                out.update(conn.execute(sql, chunk).fetchall() if chunk else ())
+            except sqlite3.DatabaseError as e:
+                raise self._error(e) from None
+        return out
 
     def _not_json(self, rows: list[tuple]) -> CorruptLogError:
         for seq, _, _, data in rows:
@@ -750,13 +775,23 @@ class EventLog:
 # ---------------------------------------------------------------- module helpers
 
 
+def payload_bytes(payload: Any) -> bytes | None:
+    """A payload as stored: bytes (a bytes-like object is copied into bytes), or None."""
+    if payload is None or type(payload) is bytes:
+        return payload
+    try:
+        return bytes(memoryview(payload))
+    except TypeError:
+        raise InvalidEventError(f"an event payload must be bytes, not {type(payload).__name__}") from None
+
+
 @functools.cache
 def _insert_sql(n_rows: int) -> str:
-    return "INSERT INTO events(seq, ts, kind, data) VALUES " + ",".join(["(?,?,?,?)"] * n_rows)
+    return "INSERT INTO events(seq, ts, kind, data, payload) VALUES " + ",".join(["(?,?,?,?,?)"] * n_rows)
 
 
 def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
-    """Insert (seq, ts, kind, data) rows, as few statements as power-of-two sizes allow."""
+    """Insert (seq, ts, kind, data, payload) rows, as few statements as power-of-two sizes allow."""
     start, left = 0, len(rows)
     while left:
         size = min(_MAX_ROWS_PER_INSERT, 1 << (left.bit_length() - 1))

@@ -16,7 +16,7 @@ import orjson
 
 from .codec import encode
 from .errors import InvalidArgumentError, InvalidEventError, LogClosedError
-from .log import Record, Snapshot
+from .log import Record, Snapshot, payload_bytes
 
 
 def _check_kind(kind: object) -> None:
@@ -34,8 +34,8 @@ class MemoryLog:
     is_writer = True
 
     def __init__(self) -> None:
-        self._rows: list[tuple[int, float, str, bytes]] = []  # committed; row i holds seq i + 1
-        self._buffer: list[tuple[int, float, str, bytes]] | None = []  # None once closed
+        self._rows: list[tuple[int, float, str, bytes, bytes | None]] = []  # committed; row i holds seq i + 1
+        self._buffer: list[tuple[int, float, str, bytes, bytes | None]] | None = []  # None once closed
         self._snapshots: dict[int, Snapshot] = {}
 
     @property
@@ -55,19 +55,19 @@ class MemoryLog:
     def pending(self) -> int:
         return len(self._buffer or ())
 
-    def _open_buffer(self) -> list[tuple[int, float, str, bytes]]:
+    def _open_buffer(self) -> list[tuple[int, float, str, bytes, bytes | None]]:
         if self._buffer is None:
             raise LogClosedError("the in-memory log is closed")
         return self._buffer
 
     # --- appending ---------------------------------------------------------------------------
 
-    def append(self, kind: str, data: Any) -> int:
+    def append(self, kind: str, data: Any, payload: bytes | None = None) -> int:
         self._open_buffer()
         _check_kind(kind)
-        return self.append_json(kind, encode(data))
+        return self.append_json(kind, encode(data), payload)
 
-    def append_json(self, kind: str, data_json: bytes | str) -> int:
+    def append_json(self, kind: str, data_json: bytes | str, payload: bytes | None = None) -> int:
         # Inlined checks: this is the loop's hot path when a benchmark runs it instead of EventLog.
         buffer = self._buffer
         if buffer is None:
@@ -83,7 +83,7 @@ class MemoryLog:
                 raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
             data = data_json if type(data_json) is bytes else bytes(data_json)
         seq = len(self._rows) + len(buffer) + 1
-        buffer.append((seq, _time(), kind, data))
+        buffer.append((seq, _time(), kind, data, payload_bytes(payload)))
         return seq
 
     def commit(self) -> int:
@@ -97,7 +97,7 @@ class MemoryLog:
 
     # --- reading -------------------------------------------------------------------------------
 
-    def _committed(self, start: int, stop: int | None) -> list[tuple[int, float, str, bytes]]:
+    def _committed(self, start: int, stop: int | None) -> list[tuple[int, float, str, bytes, bytes | None]]:
         """Committed rows of seqs start..stop (inclusive; stop None: the last one)."""
         self._open_buffer()
         first = max(int(start), 1)
@@ -107,6 +107,12 @@ class MemoryLog:
     def read_raw(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
     ) -> Iterator[tuple[int, float, str, bytes]]:
+        for seq, ts, kind, data, _payload in self.read_rows(start, stop, kinds, chunk_size):
+            yield seq, ts, kind, data
+
+    def read_rows(
+        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 256
+    ) -> Iterator[tuple[int, float, str, bytes, bytes | None]]:
         _check_chunk_size(chunk_size)
         rows = self._committed(start, stop)
         if kinds is None:
@@ -114,6 +120,10 @@ class MemoryLog:
             return
         wanted = {kinds} if isinstance(kinds, str) else set(kinds)
         yield from (row for row in rows if row[2] in wanted)
+
+    def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
+        rows = self._committed(1, None)
+        return {seq: rows[seq - 1][4] for seq in seqs if 1 <= seq <= len(rows) and rows[seq - 1][4] is not None}
 
     def read(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
@@ -125,7 +135,7 @@ class MemoryLog:
         self, start: int = 1, stop: int | None = None, chunk_size: int = 16384
     ) -> Iterator[tuple[str, bytes]]:
         _check_chunk_size(chunk_size)
-        for _seq, _ts, kind, data in self._committed(start, stop):
+        for _seq, _ts, kind, data, _payload in self._committed(start, stop):
             yield kind, data
 
     # --- snapshots -------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True) -
             snapshot = None
     start = snapshot.seq + 1 if snapshot else 1
     with paused_gc():
-        state, count = fold_rows(state, log.read_bodies(start=start, stop=at), first_seq=start)
+        state, count = fold_rows(state, log.read_bodies(start=start, stop=at), start, log.read_payloads)
     return Folded(state, start + count - 1, snapshot.seq if snapshot else None, count)
 
 

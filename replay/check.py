@@ -53,12 +53,12 @@ class CheckResult:
 
 
 def _side_of_row(row: tuple) -> Side:
-    seq, _ts, kind, data = row
+    seq, _ts, kind, data, _payload = row
     return Side(seq, kind, row_data(seq, data))
 
 
 def _side_of_event(seq: int, event) -> Side:
-    kind, data = encode_event(event)
+    kind, data, _payload = encode_event(event)
     return Side(seq, kind, orjson.loads(data))
 
 
@@ -99,8 +99,8 @@ def _check(log: EventLog) -> CheckResult:
         return CheckResult(log.path, False, inputs, decisions, _diverged(where, recorded, current, why))
 
     seq = 0
-    for row in guarded(log.read_raw(), log.path):
-        seq, _ts, kind, data = row
+    for row in guarded(log.read_rows(), log.path):
+        seq, _ts, kind, data, payload = row
         if kind in INPUT_KINDS:
             if expected:
                 return diverged(
@@ -135,8 +135,8 @@ def _check(log: EventLog) -> CheckResult:
                 f"recorded decision that the current code does not make for the input at seq {input_seq}",
             )
         derived = expected.popleft()
-        dkind, ddata = encode_event(derived)
-        if dkind == kind and ddata == data:
+        dkind, ddata, dpayload = encode_event(derived)
+        if dkind == kind and ddata == data and dpayload == payload:
             decisions += 1
             continue
         recorded_side, derived_side = _side_of_row(row), Side(seq, dkind, orjson.loads(ddata))

@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 
 from eventlog import EventLog
+from orchestrator.core.arrays import PayloadError, unpack
 from replay.source import ReplayInputError, guarded, row_data
 
 LEVELS = ("batches", "accounting", "curriculum", "evals", "events")
@@ -173,12 +174,22 @@ def divergence_of(
 
 
 def _rows(log: EventLog, kinds: tuple[str, ...] | None = None, chunk_size: int = 4096) -> Iterator[tuple]:
-    return guarded(log.read_raw(kinds=kinds, chunk_size=chunk_size), log.path)
+    """(seq, ts, kind, data, payload) rows: a trace's token arrays are compared too."""
+    return guarded(log.read_rows(kinds=kinds, chunk_size=chunk_size), log.path)
 
 
 def _side(row: tuple, source: str) -> Side:
-    seq, _ts, kind, data = row
-    return Side(seq, kind, normalize(row_data(seq, data, source)))
+    """A row as compared: its data, and for a trace its arrays as lists (decoded only for a row
+    whose bytes differ, so a divergence names the first tokens that differ)."""
+    seq, _ts, kind, data, payload = row
+    fields = row_data(seq, data, source)
+    if payload is not None and isinstance(fields, dict) and isinstance(fields.get("n_tokens"), int):
+        try:
+            token_ids, mask, logprobs = unpack(payload, fields["n_tokens"])
+        except PayloadError as err:
+            raise ReplayInputError(f"{source}: seq {seq}: {err}") from None
+        fields.update(token_ids=token_ids.tolist(), mask=list(mask), logprobs=logprobs.tolist())
+    return Side(seq, kind, normalize(fields))
 
 
 def _compare_rows(
@@ -248,7 +259,8 @@ def diff_evals(a: EventLog, b: EventLog) -> DiffResult:
     return DiffResult("evals", a.path, b.path, div is None, n, div)
 
 
-def diff_events(a: EventLog, b: EventLog, chunk_size: int = 4096) -> DiffResult:
+def diff_events(a: EventLog, b: EventLog, chunk_size: int = 256) -> DiffResult:
+    # Chunks of a few hundred rows: a long-context trace's payload is 8 bytes per token.
     n, div = _compare_rows(a, b, None, lambda i, s: f"event #{i + 1}", chunk=chunk_size)
     return DiffResult("events", a.path, b.path, div is None, n, div)
 

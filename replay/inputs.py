@@ -12,10 +12,11 @@ from replay.source import ReplayInputError, one_line
 
 
 def decode(row: tuple, path: str = ""):
-    """The event model of a row; ReplayInputError (one line) if the row does not decode."""
-    seq, _ts, kind, data = row
+    """The event model of a row (`read_raw`'s, or `read_rows`' with its payload); ReplayInputError
+    (one line) if the row does not decode."""
+    seq, _ts, kind, data = row[:4]
     try:
-        return decode_event(kind, data)
+        return decode_event(kind, data, row[4] if len(row) > 4 else None)
     except ValueError as err:
         first = one_line(str(err) or type(err).__name__)[:300]
         raise ReplayInputError(f"{path}: seq {seq}: cannot decode the {kind!r} event: {first}") from None

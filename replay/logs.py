@@ -25,8 +25,7 @@ def write_events(
     with EventLog.create(path, meta=full_meta, durability=durability) as log:
         append = log.append_json
         for event in events:
-            kind, data = ev.encode_event(event)
-            append(kind, data)
+            append(*ev.encode_event(event))
             if log.pending >= commit_every:
                 log.commit()
         return log.commit() if log.pending else log.last_seq

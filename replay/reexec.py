@@ -188,8 +188,7 @@ class Reexecutor(IgnoringPort):
             raise ReplayInputError(one_line(f"--out: {err}")) from None
 
     def _append(self, event) -> None:
-        kind, data = ev.encode_event(event)
-        self.log.append_json(kind, data)
+        self.log.append_json(*ev.encode_event(event))
         self.report.events_written += 1
         if self.log.pending >= self.options.commit_every:
             self.log.commit()
@@ -321,8 +320,8 @@ class Reexecutor(IgnoringPort):
         src = self.source
         inline = self.options.finalize == "inline"
         try:
-            for row in guarded(src.read_raw(), src.path):
-                seq, _ts, kind, _data = row
+            for row in guarded(src.read_rows(), src.path):
+                seq, _ts, kind, _data, _payload = row
                 if kind not in ev.INPUT_KINDS:
                     continue
                 self.cursor, self.cursor_kind = seq, kind

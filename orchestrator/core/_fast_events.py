@@ -11,14 +11,15 @@ its `unvalidated` constructor whatever module is imported first.
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 import orjson
 from pydantic import BaseModel
 
-from orchestrator.core.events import _NESTED_KINDS, EVENT_TYPES, EpisodeCompleted, _Model
+from orchestrator.core.events import _NESTED_KINDS, EVENT_TYPES, EpisodeCompleted, _Model, episode_from_fields
 
 if TYPE_CHECKING:
     from orchestrator.core.state import Trace
@@ -32,7 +33,7 @@ _set_dict, _set_fields_set, _set_extra, _set_private = (
 )
 
 
-def decode_unvalidated(kind: str, data: bytes | str) -> _Model:
+def decode_unvalidated(kind: str, data: bytes | str, payload: bytes | None = None) -> _Model:
     """Like `decode_event`, without re-validating: for rows this code wrote itself (every field
     present, already validated at append time), where a fold must be fast.
     Events with nested models still go through validation."""
@@ -41,6 +42,8 @@ def decode_unvalidated(kind: str, data: bytes | str) -> _Model:
         raise ValueError(f"unknown event kind {kind!r}")
     if kind in _NESTED_KINDS:
         return cls.model_validate_json(data)
+    if kind == "episode_completed":
+        return episode_from_fields(orjson.loads(data), payload, validate=False)
     return _construct(cls, {"kind": kind, **orjson.loads(data)})
 
 
@@ -118,45 +121,41 @@ for _cls in EVENT_TYPES.values():
 
 
 class TraceView(msgspec.Struct, gc=False):
-    """An `episode_completed` row in a fold: what the reducer reads, and `data`, the row itself,
-    to decode the full event for the few traces still held when the fold ends. The reward,
-    mask and logprobs are skipped by the decoder; `token_ids` is read only for its length."""
+    """An `episode_completed` row in a fold: its scalars, what the reducer reads, and `data`, the
+    row itself, to decode the full event for the few traces still held when the fold ends, with
+    its payload (`payload`, read by `seq` once the fold knows which traces it holds)."""
 
+    kind: ClassVar[str] = "episode_completed"
     episode_id: int
     group_id: int
     ok: bool
+    reward: float
+    n_tokens: int
+    sampled_tokens: int
     policy_start: int
-    token_ids: list[int]
+    policy_end: int
+    temperature: float
+    error: str | None
     data: bytes = b""
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
+    seq: int = 0
+    payload: bytes | None = None
 
     def model(self) -> EpisodeCompleted:
-        return decode_unvalidated("episode_completed", self.data)  # type: ignore[return-value]
+        return decode_unvalidated("episode_completed", self.data, self.payload)  # type: ignore[return-value]
 
-    # The rest of a `Trace`, for a reader inside a fold (the fold itself never reads them): from
-    # the full event, decoded on each access.
+    # The arrays of a `Trace`, for a reader inside a fold (the fold itself never reads them):
+    # from the full event, once its payload is read.
     @property
-    def reward(self) -> float:
-        return self.model().reward
+    def token_ids(self) -> array:
+        return self.model().token_ids
 
     @property
-    def mask(self) -> list[int]:
+    def mask(self) -> bytes:
         return self.model().mask
 
     @property
-    def logprobs(self) -> list[float]:
+    def logprobs(self) -> array:
         return self.model().logprobs
-
-    @property
-    def temperature(self) -> float:
-        return self.model().temperature
-
-    @property
-    def sampled_tokens(self) -> int:
-        return self.model().sampled_tokens
 
 
 if TYPE_CHECKING:

@@ -28,11 +28,11 @@ def sample_record(trace: Trace, env: str, advantage: float, lag: int) -> dict[st
         "env": env,
         "group_id": trace.group_id,
         "lag": lag,
-        "logprobs": trace.logprobs,
-        "mask": trace.mask,
+        "logprobs": trace.logprobs.tolist(),
+        "mask": list(trace.mask),
         "policy_start": trace.policy_start,
         "temperature": trace.temperature,
-        "token_ids": trace.token_ids,
+        "token_ids": trace.token_ids.tolist(),
         "trace_id": trace.episode_id,
     }
 

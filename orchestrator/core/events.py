@@ -13,18 +13,23 @@ that skip validation (`Event.unvalidated`) and the fold views are in `_fast_even
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, model_validator
 
+from orchestrator.core import arrays
 from orchestrator.core.advantages import BACKGROUND_ONLY, KNOWN_ALGORITHMS
 
 # 2: a background finalize's result is its own input kind, `background_finalized` (it was a
-# `group_finalized` row, told from the inline decision by the row before it). A log of another
-# version is refused (docs/log-format.md).
-EVENT_SCHEMA_VERSION = 2
+# `group_finalized` row, told from the inline decision by the row before it).
+# 3: a trace's token ids, mask and logprobs are one packed payload beside its JSON, which has
+# `n_tokens` and `sampled_tokens` instead (logprobs are float32). A log of another version is
+# refused (docs/log-format.md).
+EVENT_SCHEMA_VERSION = 3
 
 
 def check_schema_version(version: int | str) -> None:
@@ -163,6 +168,13 @@ class EpisodeDispatched(_Model):
     policy_version: int
 
 
+# A trace's arrays, packed (orchestrator.core.arrays): validated at the boundary, JSON lists only
+# where a model is dumped as JSON (the log stores them as a payload: `encode_event`).
+TokenIds = Annotated[array, PlainValidator(arrays.as_token_ids), PlainSerializer(array.tolist, when_used="json")]
+Mask = Annotated[bytes, PlainValidator(arrays.as_mask), PlainSerializer(list, when_used="json")]
+Logprobs = Annotated[array, PlainValidator(arrays.as_logprobs), PlainSerializer(array.tolist, when_used="json")]
+
+
 class EpisodeCompleted(_Model):
     role = "input"
     kind: Literal["episode_completed"] = Field("episode_completed", exclude=True)
@@ -170,9 +182,9 @@ class EpisodeCompleted(_Model):
     group_id: int
     ok: bool
     reward: float = 0.0
-    token_ids: list[int] = Field(default_factory=list)
-    mask: list[int] = Field(default_factory=list)
-    logprobs: list[float] = Field(default_factory=list)
+    token_ids: TokenIds = Field(default_factory=lambda: array(arrays.TOKEN_ID_CODE))
+    mask: Mask = b""
+    logprobs: Logprobs = Field(default_factory=lambda: array(arrays.LOGPROB_CODE))
     policy_start: int
     policy_end: int
     temperature: float = 1.0
@@ -190,7 +202,7 @@ class EpisodeCompleted(_Model):
 
     @property
     def sampled_tokens(self) -> int:
-        return sum(self.mask)
+        return self.mask.count(1)
 
 
 class EpisodeCancelled(_Model):
@@ -434,23 +446,67 @@ _NESTED_KINDS = frozenset({"run_started"})
 # serializer writes (a property test checks it), at a fraction of the cost. What orjson refuses
 # goes through pydantic, which encodes big ints and names an unset field.
 _KIND_HEAD_LENGTH = {kind: len(orjson.dumps({"kind": kind})) for kind in EVENT_TYPES}
+_FIELDS_JSON: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 
 
-def encode_event(event: _Model) -> tuple[str, bytes]:
-    """(kind, data JSON) as stored in the log: the fields without `kind`."""
+def episode_fields(e: EpisodeCompleted) -> dict[str, Any]:
+    """An `episode_completed` row's JSON fields: its scalars, with `n_tokens` and
+    `sampled_tokens` where the packed arrays are (`arrays.pack` makes its payload)."""
+    return {
+        "episode_id": e.episode_id,
+        "group_id": e.group_id,
+        "ok": e.ok,
+        "reward": e.reward,
+        "n_tokens": len(e.token_ids),
+        "sampled_tokens": e.mask.count(1),
+        "policy_start": e.policy_start,
+        "policy_end": e.policy_end,
+        "temperature": e.temperature,
+        "error": e.error,
+    }
+
+
+def episode_from_fields(fields: dict[str, Any], payload: bytes | None, validate: bool = True) -> EpisodeCompleted:
+    """The `EpisodeCompleted` of a row's JSON fields and payload; ValueError (`arrays.PayloadError`)
+    if the payload does not hold the `n_tokens` and `sampled_tokens` the fields say."""
+    fields = dict(fields)
+    n_tokens, sampled = fields.pop("n_tokens"), fields.pop("sampled_tokens")
+    token_ids, mask, logprobs = arrays.unpack(payload, n_tokens)
+    if mask.count(1) != sampled:
+        raise arrays.PayloadError(f"a payload with {mask.count(1)} sampled tokens where its event says {sampled}")
+    fields.update(token_ids=token_ids, mask=mask, logprobs=logprobs)
+    if validate:
+        return EpisodeCompleted.model_validate(fields)
+    return EpisodeCompleted.unvalidated(**fields)
+
+
+def encode_event(event: _Model) -> tuple[str, bytes, bytes | None]:
+    """(kind, data JSON, payload) as stored in the log: the fields without `kind`, and the packed
+    token arrays of an `episode_completed` with tokens (None for every other event)."""
     kind = event.kind
+    if kind == "episode_completed":
+        e: EpisodeCompleted = event  # type: ignore[assignment]
+        fields = episode_fields(e)
+        try:
+            data = orjson.dumps(fields)
+        except orjson.JSONEncodeError:  # an int beyond 64 bits
+            data = _FIELDS_JSON.dump_json(fields)
+        return kind, data, arrays.pack(e.token_ids, e.mask, e.logprobs) or None
     if kind not in _NESTED_KINDS:
         try:
-            return kind, b"{" + orjson.dumps(event.__dict__)[_KIND_HEAD_LENGTH[kind] :]
+            return kind, b"{" + orjson.dumps(event.__dict__)[_KIND_HEAD_LENGTH[kind] :], None
         except orjson.JSONEncodeError:  # an int beyond 64 bits, or a field left unset
             pass
-    return kind, event.__pydantic_serializer__.to_json(event)
+    return kind, event.__pydantic_serializer__.to_json(event), None
 
 
-def decode_event(kind: str, data: bytes | str) -> _Model:
-    """The event model for a log row; raises ValueError on an unknown kind or bad data."""
+def decode_event(kind: str, data: bytes | str, payload: bytes | None = None) -> _Model:
+    """The event model for a log row (its payload, for an `episode_completed`); raises
+    ValueError on an unknown kind or bad data."""
     try:
         cls = EVENT_TYPES[kind]
     except KeyError:
         raise ValueError(f"unknown event kind {kind!r}") from None
+    if kind == "episode_completed":
+        return episode_from_fields(pydantic_core.from_json(data), payload)  # any int, as pydantic reads one
     return cls.model_validate_json(data)

@@ -6,7 +6,7 @@ state after a live run and the state rebuilt from its log are the same object gr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from orchestrator.core import events as ev
@@ -326,15 +326,25 @@ class FoldError(ValueError):
 _FOLD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, AssertionError)
 
 
-def fold_rows(state: State | None, rows: Iterable[tuple[str, bytes]], first_seq: int = 1) -> tuple[State | None, int]:
+# seqs -> the payloads of those events (the log's `read_payloads`): how a fold reads the token
+# arrays of the traces it still holds at its end, and only those.
+PayloadReader = Callable[[list[int]], Mapping[int, bytes]]
+
+
+def fold_rows(
+    state: State | None,
+    rows: Iterable[tuple[str, bytes]],
+    first_seq: int = 1,
+    payloads: PayloadReader | None = None,
+) -> tuple[State | None, int]:
     """Fold logged rows (kind, data JSON), the first one being seq `first_seq`, into `state`, or
     with no state into the state their `run_started` makes; return (the state, how many rows).
     No state and no rows: (None, 0), a log with no event yet.
 
     Each row is read as a fold view (`_fast_events.FOLD_VIEWS`) rather than a validated model,
-    and the traces still held at the end are decoded into full events, so the result is the
-    state that folding the models gives, at a fraction of the cost. A row that fails raises
-    FoldError."""
+    and the traces still held at the end are decoded into full events, with their payloads read
+    through `payloads`, so the result is the state that folding the models gives, at a fraction
+    of the cost. A row that fails raises FoldError."""
     reducers, views = _REDUCERS, FOLD_VIEWS
     rows = iter(rows)
     count = 0
@@ -353,11 +363,14 @@ def fold_rows(state: State | None, rows: Iterable[tuple[str, bytes]], first_seq:
             view = views.get(kind)
             if view is None:
                 raise ValueError(f"unknown event kind {kind!r}")
-            reducers[kind](state, view(data))
+            row = view(data)
+            if kind == "episode_completed":
+                row.seq = first_seq + count  # type: ignore[attr-defined]
+            reducers[kind](state, row)
         except _FOLD_ERRORS as err:
             raise FoldError(first_seq + count, kind, err) from err
         count += 1
-    _decode_held_traces(state)
+    _decode_held_traces(state, payloads)
     return state, count
 
 
@@ -374,14 +387,27 @@ def evolve_from(state: State | None, event: ev.Event) -> State:
     return _state_made_by(event, event.kind) if state is None else evolve(state, event)
 
 
-def _decode_held_traces(state: State) -> None:
+def _decode_held_traces(state: State, payloads: PayloadReader | None) -> None:
+    shipped = [x for xs in state.shipped_batches.values() for x in xs if isinstance(x.trace, TraceView)]
+    views = [t for t in state.traces.values() if isinstance(t, TraceView)] + [x.trace for x in shipped]
+    wanted = [view.seq for view in views if view.n_tokens]
+    read = payloads(wanted) if wanted and payloads is not None else {}
+    for view in views:
+        view.payload = read.get(view.seq)
     for trace_id, trace in state.traces.items():
         if isinstance(trace, TraceView):
-            state.traces[trace_id] = trace.model()
-    for samples in state.shipped_batches.values():
-        for sample in samples:
-            if isinstance(sample.trace, TraceView):
-                sample.trace = sample.trace.model()
+            state.traces[trace_id] = _model_of(trace)
+    for sample in shipped:
+        sample.trace = _model_of(sample.trace)
+
+
+def _model_of(view: TraceView) -> ev.EpisodeCompleted:
+    """The full event of a held trace; FoldError naming its seq if its payload is missing or
+    does not hold its arrays."""
+    try:
+        return view.model()
+    except _FOLD_ERRORS as err:
+        raise FoldError(view.seq, "episode_completed", err) from err
 
 
 def fold(events: Iterable[ev.Event], state: State | None = None) -> State:

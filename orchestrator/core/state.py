@@ -9,18 +9,22 @@ before its `run_started`.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 
-from orchestrator.core.events import CoreParams, EpisodeCompleted, FinalizeStarted
+from orchestrator.core import arrays
+from orchestrator.core.events import CoreParams, EpisodeCompleted, FinalizeStarted, episode_fields, episode_from_fields
 
 # 2: `params` is stored as its own JSON, so env_ratios keeps its order through a snapshot.
 # 3: the evals' state (`State.evals`).
 # 4: the dispatch capacity's counters (`grouped_samples`, the admission and token tallies).
-REDUCER_VERSION = "orch-core-4"
+# 5: a held trace is its log fields and its packed arrays (base64), not JSON lists.
+REDUCER_VERSION = "orch-core-5"
 
 
 class Trace(Protocol):
@@ -36,11 +40,11 @@ class Trace(Protocol):
     @property
     def reward(self) -> float: ...
     @property
-    def token_ids(self) -> list[int]: ...
+    def token_ids(self) -> array: ...  # int32 (orchestrator.core.arrays)
     @property
-    def mask(self) -> list[int]: ...
+    def mask(self) -> bytes: ...  # 0 and 1
     @property
-    def logprobs(self) -> list[float]: ...
+    def logprobs(self) -> array: ...  # float32
     @property
     def policy_start(self) -> int: ...
     @property
@@ -286,9 +290,16 @@ def _group_from_dict(d: dict[str, Any]) -> Group:
 
 
 def _trace_dict(t: Trace) -> dict[str, Any]:
+    """A held trace in a snapshot: its log fields and its payload in base64."""
     if not isinstance(t, EpisodeCompleted):  # a fold ends with every view turned into its event
         raise TypeError(f"cannot encode a {type(t).__name__} in a state: the fold did not end")
-    return t.model_dump(exclude={"kind"})
+    payload = arrays.pack(t.token_ids, t.mask, t.logprobs)
+    return {**episode_fields(t), "payload": base64.b64encode(payload).decode()}
+
+
+def _trace_from_dict(d: dict[str, Any]) -> EpisodeCompleted:
+    fields = dict(d)
+    return episode_from_fields(fields, base64.b64decode(fields.pop("payload")))
 
 
 def _evals_to_dict(e: EvalState) -> dict:
@@ -412,12 +423,12 @@ def state_from_dict(d: dict[str, Any]) -> State:
         groups={g["group_id"]: _group_from_dict(g) for g in d["groups"]},
         unfilled=dict.fromkeys(d["unfilled"]),
         inflight={e: g for e, g in d["inflight"]},
-        traces={t["episode_id"]: EpisodeCompleted.model_validate(t) for t in d["traces"]},
+        traces={t["episode_id"]: _trace_from_dict(t) for t in d["traces"]},
         pending={q[0]: QueuedTrace(*q) for q in d["pending"]},
         pending_tokens=d["pending_tokens"],
         finalizing=d["finalizing"],
         shipped_batches={
-            step: [ShippedSample(EpisodeCompleted.model_validate(t), env, adv, lag) for t, env, adv, lag in samples]
+            step: [ShippedSample(_trace_from_dict(t), env, adv, lag) for t, env, adv, lag in samples]
             for step, samples in d["shipped_batches"]
         },
         gate_open=d["gate_open"],

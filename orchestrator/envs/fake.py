@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import struct
+from array import array
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar
@@ -14,6 +15,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from orchestrator.components import BuildContext, EnvComponent, InferenceComponent, RolloutRequest
+from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE
 from orchestrator.core.events import EpisodeCompleted
 
 if TYPE_CHECKING:
@@ -32,7 +34,10 @@ class FakeEnvConfig(EnvComponent):
     min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
     max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
     vocab_size: int = Field(
-        151_936, ge=1, le=2**31, description="token ids are drawn from [0, vocab_size) (default: a Qwen-size vocabulary)"
+        151_936,
+        ge=1,
+        le=2**31,
+        description="token ids are drawn from [0, vocab_size) (the default: a Qwen-size vocabulary)",
     )
 
     @model_validator(mode="after")
@@ -84,18 +89,18 @@ class FakeEpisodes:
 
     def __init__(self, config: FakeEnvConfig, seed: int, version_now: Callable[[], int]):
         self.config, self.seed, self.version_now = config, seed, version_now
-        # Per episode only the draws differ; each episode gets a copy of its mask, and its
-        # sampled logprobs are a slice of a fixed pool at a drawn offset (a list built per token
-        # was a tenth of the instant pipeline's time).
-        self._masks = [[0] * config.prompt_tokens + [1] * n for n in range(config.max_tokens + 1)]
-        self._prompt_logprobs = [0.0] * config.prompt_tokens
-        self._logprob_pool = [-((i * 167) % 256) / 64 for i in range(256 + config.max_tokens)]
+        # Per episode only the draws differ: the masks (immutable bytes) are shared, and the
+        # sampled logprobs are a slice of a fixed float32 pool at a drawn offset.
+        self._masks = [bytes(config.prompt_tokens) + b"\x01" * n for n in range(config.max_tokens + 1)]
+        self._prompt_logprobs = array(LOGPROB_CODE, bytes(4 * config.prompt_tokens))
+        self._logprob_pool = array(LOGPROB_CODE, [-((i * 167) % 256) / 64 for i in range(256 + config.max_tokens)])
 
-    def _token_ids(self, key: bytes, n_tokens: int) -> np.ndarray:
+    def _token_ids(self, key: bytes, n_tokens: int) -> array:
         """The episode's token ids: a SHAKE-128 stream of its key, 4 bytes per token reduced
         modulo the vocabulary (one call, however long the episode)."""
         raw = hashlib.shake_128(key).digest(4 * n_tokens)
-        return np.frombuffer(raw, dtype="<u4") % np.uint32(self.config.vocab_size)
+        ids = np.frombuffer(raw, dtype="<u4") % np.uint32(self.config.vocab_size)
+        return array(TOKEN_ID_CODE, ids.astype(np.int32).tobytes())
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         cfg = self.config
@@ -116,16 +121,16 @@ class FakeEpisodes:
         n_sampled = 0 if empty / _U32 < cfg.empty_rate else cfg.min_tokens + int(length / _U32 * spread)
         n_total = cfg.prompt_tokens + n_sampled
         offset = logprob_offset % 256
-        # Valid by construction (aligned lists, finite floats), so not validated again: an
-        # instant env should cost next to nothing beside the orchestrator it exercises.
+        # Valid by construction (aligned int32 / 0-1 / finite float32 arrays), so not validated
+        # again: an instant env should cost next to nothing beside the orchestrator it exercises.
         return EpisodeCompleted.unvalidated(
             episode_id=req.episode_id,
             group_id=req.group_id,
             ok=True,
             # The task sets a difficulty shared by the group, so groups have reward spread.
             reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
-            token_ids=self._token_ids(key, n_total).tolist(),
-            mask=self._masks[n_sampled][:],
+            token_ids=self._token_ids(key, n_total),
+            mask=self._masks[n_sampled],
             logprobs=self._prompt_logprobs + self._logprob_pool[offset : offset + n_sampled],
             policy_start=policy_start,
             policy_end=policy_start if pinned else self.version_now(),

@@ -132,13 +132,12 @@ class Export:
         if e.episode_id not in self.state.inflight:  # cancelled before it finished: the reducer ignores it
             episode["late"] = 1
             return
-        completion = sum(e.mask)
         episode.update(
             ok=int(e.ok),
             reward=e.reward,
             error=e.error,
-            prompt_tokens=len(e.token_ids) - completion,
-            completion_tokens=completion,
+            prompt_tokens=e.n_tokens - e.sampled_tokens,
+            completion_tokens=e.sampled_tokens,
             policy_start=e.policy_start,
             policy_end=e.policy_end,
             fate="in_group",

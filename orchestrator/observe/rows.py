@@ -28,6 +28,7 @@ from typing import TypeVar
 from eventlog import EventLog
 from orchestrator.core import decode_unvalidated
 from orchestrator.core import events as ev
+from orchestrator.core._fast_events import trace_view
 from orchestrator.core.evolve import FoldError, evolve_from
 from orchestrator.core.state import State
 
@@ -110,7 +111,8 @@ def fold_events(
     or fold."""
     for seq, ts, kind, data in log.read_raw(start, stop):
         try:
-            out = consume(ts, decode_unvalidated(kind, data))
+            # A trace as its fold view: its scalars, without reading its token arrays.
+            out = consume(ts, trace_view(data) if kind == "episode_completed" else decode_unvalidated(kind, data))
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             raise FoldError(seq, kind, err) from None
         for item in out or ():

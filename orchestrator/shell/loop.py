@@ -277,12 +277,10 @@ class Orchestrator:
         logged: list = []
         batch_payloads = self._batch_payloads = {}
         for event in inputs:
-            kind, data = ev.encode_event(event)
-            log.append_json(kind, data)
+            log.append_json(*ev.encode_event(event))
             logged.append(event)
             for decision in decide(state, event, batch_payloads):
-                kind, data = ev.encode_event(decision)
-                log.append_json(kind, data)
+                log.append_json(*ev.encode_event(decision))
                 logged.append(decision)
         self.events_logged += len(logged)
         # Durable before any effect (write-ahead). In a thread: rollouts keep running meanwhile,

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from orchestrator.config import load_config, meaning_changes, with_added_fields
 from orchestrator.core import events as ev
 from orchestrator.core.decide import capacity_has_room, dispatch_gate
-from orchestrator.core.evolve import fold_rows
 from orchestrator.sim import SimOptions, TimedSimWorld
+from tests.core.encoded import fold_encoded
 
 VARIED = [0.0, 0.25, 0.5, 1.0]  # rewards with spread: admitted, no zero advantage
 
@@ -102,9 +102,9 @@ def test_the_capacity_travels_in_run_started_and_off_is_written_as_before_the_ru
     assert b"capacity" not in ev.encode_event(off)[1]
     assert orjson.loads(ev.encode_event(on)[1])["params"]["capacity"] == "staleness"
     # A log written before the rule: no such field, so it folds (and resumes, and checks) as off.
-    state, _ = fold_rows(None, [ev.encode_event(off)])
+    state, _ = fold_encoded(None, [off])
     assert state.params.capacity == "off"
-    state, _ = fold_rows(None, [ev.encode_event(on)])
+    state, _ = fold_encoded(None, [on])
     assert state.params.capacity == "staleness"
 
 

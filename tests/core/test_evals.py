@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 from orchestrator.core import events as ev
 from orchestrator.core.evals import held_out_task_ids
-from orchestrator.core.evolve import fold, fold_rows
+from orchestrator.core.evolve import fold
 from orchestrator.core.state import (
     conservation,
     state_bytes,
@@ -18,6 +18,7 @@ from orchestrator.core.state import (
 )
 from orchestrator.sim import SimOptions, SimWorld
 from tests.core.conftest import Driver
+from tests.core.encoded import fold_encoded
 
 
 def eval_params(**kw) -> ev.EvalParams:
@@ -242,7 +243,7 @@ def test_a_crash_loses_in_flight_eval_episodes_and_resume_re_runs_them(through_s
     while not (world.state.evals.inflight and world.state.evals.last_version > 0):  # mid-way through an eval
         assert world.advance()
     lost = {e: world.state.evals.open[x].inflight[e] for e, x in world.state.evals.inflight.items()}
-    state, _ = fold_rows(None, (ev.encode_event(e) for e in world.log))
+    state, _ = fold_encoded(None, world.log)
     assert state is not None
     if through_snapshot:
         state = state_from_bytes(state_bytes(state))
@@ -266,7 +267,7 @@ def test_the_same_inputs_give_the_same_eval_events(seed):
         world.run()
         runs.append(world)
     a, b = ([ev.encode_event(e) for e in w.log] for w in runs)
-    assert a == b and any(kind == "eval_completed" for kind, _ in a)
+    assert a == b and any(kind == "eval_completed" for kind, _, _ in a)
     assert state_hash(fold(runs[0].log)) == state_hash(runs[0].state)
 
 

@@ -8,6 +8,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.evolve import FoldError, fold, fold_rows
 from orchestrator.core.state import initial_state, state_hash
 from orchestrator.sim import SimOptions, SimWorld
+from tests.core.encoded import encoded_rows, fold_encoded
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def sim_log():
 @pytest.mark.parametrize("cut", [0.25, 0.5, 0.8, 1.0])
 def test_fold_rows_equals_the_fold_of_the_models_and_holds_only_models(sim_log, cut):
     events = sim_log[: int(len(sim_log) * cut)]
-    state, count = fold_rows(None, map(ev.encode_event, events))
+    state, count = fold_encoded(None, events)
     assert count == len(events)
     assert state_hash(state) == state_hash(fold(events))
     held = list(state.traces.values()) + [s.trace for b in state.shipped_batches.values() for s in b]
@@ -41,8 +42,8 @@ def test_fold_rows_equals_the_fold_of_the_models_and_holds_only_models(sim_log, 
 
 def test_fold_rows_continues_a_state_from_any_point(sim_log):
     half = len(sim_log) // 2
-    state, _ = fold_rows(None, map(ev.encode_event, sim_log[:half]))
-    state, count = fold_rows(state, map(ev.encode_event, sim_log[half:]), first_seq=half + 1)
+    state, _ = fold_encoded(None, sim_log[:half])
+    state, count = fold_encoded(state, sim_log[half:], first_seq=half + 1)
     assert count == len(sim_log) - half
     assert state_hash(state) == state_hash(fold(sim_log))
 
@@ -52,7 +53,7 @@ def test_a_fold_from_nothing_starts_with_run_started(sim_log):
     with pytest.raises(
         FoldError, match="seq 1: cannot fold the 'gate_changed' event: ValueError: a run's first event is run_started"
     ):
-        fold_rows(None, map(ev.encode_event, sim_log[1:]))
+        fold_encoded(None, sim_log[1:])
     assert fold(sim_log[:1]).params == sim_log[0].params
 
 
@@ -70,7 +71,11 @@ def test_a_fold_from_nothing_starts_with_run_started(sim_log):
             "Object missing required field `group_id`",
         ),
         (
-            ("episode_completed", b'{"episode_id":"1","group_id":1,"ok":true,"token_ids":[],"policy_start":0}'),
+            (
+                "episode_completed",
+                b'{"episode_id":"1","group_id":1,"ok":true,"reward":0,"n_tokens":0,"sampled_tokens":0,'
+                b'"policy_start":0,"policy_end":0,"temperature":1.0,"error":null}',
+            ),
             "seq 12: cannot fold the 'episode_completed' event: ValidationError: "
             "Expected `int`, got `str` - at `$.episode_id`",
         ),
@@ -81,19 +86,19 @@ def test_a_fold_from_nothing_starts_with_run_started(sim_log):
     ],
 )
 def test_a_row_that_cannot_be_folded_names_its_seq(sim_log, row, error):
-    rows = [ev.encode_event(e) for e in sim_log[:2]] + [row]
+    rows = encoded_rows(sim_log[:2])[0] + [row]
     with pytest.raises(FoldError) as info:
         fold_rows(None, rows, first_seq=10)
     assert str(info.value).startswith(error) and info.value.seq == 12
 
 
 def test_a_log_of_another_format_version_is_refused_naming_it(sim_log):
-    """Version 1 logged background results as `group_finalized`: its rows are not read as version 2."""
-    rows = [ev.encode_event(sim_log[0].model_copy(update={"schema_version": 1}))]
+    """Version 2 logged token arrays as JSON lists: its rows are not read as version 3."""
+    rows, _ = encoded_rows([sim_log[0].model_copy(update={"schema_version": 2})])
     with pytest.raises(
         FoldError,
         match=r"seq 1: cannot fold the 'run_started' event: ValueError: an orch log of "
-        r"format version 1; this orch reads version 2 only",
+        r"format version 2; this orch reads version 3 only",
     ):
         fold_rows(None, rows)
 

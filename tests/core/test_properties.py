@@ -4,6 +4,7 @@ determinism / inline-vs-background equivalence over many seeds."""
 from __future__ import annotations
 
 import inspect
+import json
 
 import hypothesis.strategies as st
 import pytest
@@ -13,15 +14,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from orchestrator.core import events as ev
 from orchestrator.core._fast_events import decode_unvalidated
 from orchestrator.core.decide import decide, dispatch_gate
-from orchestrator.core.evolve import fold, fold_rows
+from orchestrator.core.evolve import fold
 from orchestrator.core.state import State, conservation, state_bytes, state_from_bytes, state_hash
 from orchestrator.sim import SimOptions, SimWorld
+from tests.core.encoded import fold_encoded
 
 
 def fold_rows_of(log) -> State:
     """The state `orch run --resume` rebuilds: the encoded rows folded through views; every trace
     it holds afterwards is a full event again."""
-    state, _ = fold_rows(None, (ev.encode_event(e) for e in log))
+    state, _ = fold_encoded(None, log)
     assert state is not None
     held = list(state.traces.values()) + [s.trace for b in state.shipped_batches.values() for s in b]
     assert all(type(trace) is ev.EpisodeCompleted for trace in held)
@@ -216,7 +218,9 @@ def _params(seed: int, **kw) -> ev.CoreParams:
 
 
 def _canonical(log) -> bytes:
-    return b"\n".join(kind.encode() + b" " + data for kind, data in map(ev.encode_event, log))
+    return b"\n".join(
+        kind.encode() + b" " + data + b" " + (payload or b"") for kind, data, payload in map(ev.encode_event, log)
+    )
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -310,9 +314,9 @@ def test_unvalidated_decoding_round_trips_every_kind_exactly():
     world.run()
     kinds = set()
     for event in world.log:
-        kind, data = ev.encode_event(event)
-        decoded = decode_unvalidated(kind, data)
-        assert decoded == event and ev.encode_event(decoded) == (kind, data)
+        kind, data, payload = ev.encode_event(event)
+        decoded = decode_unvalidated(kind, data, payload)
+        assert decoded == event and ev.encode_event(decoded) == (kind, data, payload)
         kinds.add(kind)
     assert len(kinds) >= 12
 
@@ -352,16 +356,19 @@ def test_encoding_is_byte_for_byte_pydantics_for_any_field_values(data, cls):
     if cls is ev.EpisodeCompleted:  # its validator wants aligned lists
         n = data.draw(st.integers(0, 4))
         fields.update(
-            token_ids=st.lists(st.integers(), min_size=n, max_size=n),
+            token_ids=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n, max_size=n),
             mask=st.lists(st.integers(0, 1), min_size=n, max_size=n),
-            logprobs=st.lists(_FINITE, min_size=n, max_size=n),
+            logprobs=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=n, max_size=n),
         )
     event = data.draw(st.builds(cls, **fields))
-    kind, encoded = ev.encode_event(event)
-    assert encoded == event.__pydantic_serializer__.to_json(event)
-    assert ev.decode_event(kind, encoded) == event
+    kind, encoded, payload = ev.encode_event(event)
+    if cls is ev.EpisodeCompleted:  # its scalars as JSON, its arrays packed
+        assert json.loads(encoded) == ev.episode_fields(event) and (payload is None) == (event.n_tokens == 0)
+    else:
+        assert encoded == event.__pydantic_serializer__.to_json(event) and payload is None
+    assert ev.decode_event(kind, encoded, payload) == event
     built = cls.unvalidated(**{name: value for name, value in event.__dict__.items() if name != "kind"})
-    assert built == event and ev.encode_event(built) == (kind, encoded)
+    assert built == event and ev.encode_event(built) == (kind, encoded, payload)
 
 
 @pytest.mark.parametrize("cls", list(ev.EVENT_TYPES.values()), ids=list(ev.EVENT_TYPES))

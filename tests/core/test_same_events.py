@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import sys
-from array import array
 from pathlib import Path
 
 import orjson
 import pytest
 
 from orchestrator.core import events as ev
+from orchestrator.core.arrays import unpack
 from orchestrator.sim import SimOptions, SimWorld
 
 DIGESTS = Path(__file__).with_name("same_events_digests.json")
@@ -62,14 +62,17 @@ def simulate(seed: int, finalize: str, batching: str, max_off: int) -> list:
     return world.log
 
 
-def as_recorded(kind: str, data: dict) -> tuple[str, dict]:
+def as_recorded(kind: str, data: dict, payload: bytes | None) -> tuple[str, dict]:
     """An event of today's format as the digested format (version 1) wrote it, with the two
     values that a packed format cannot carry bit for bit mapped to what it does carry: each
     logprob as its float32 value, and no `batch_shipped.sha256` (the hash of a batch file,
     whose format is not the log's; the batch's content is the digested traces, advantages and
-    trace ids)."""
+    trace ids). Since version 3 a trace's arrays are its payload: they go back into its fields as
+    lists, in place of `n_tokens` and `sampled_tokens`."""
     if kind == "episode_completed":
-        data = {**data, "logprobs": array("f", data["logprobs"]).tolist()}
+        token_ids, mask, logprobs = unpack(payload, data["n_tokens"])
+        data = {k: v for k, v in data.items() if k not in ("n_tokens", "sampled_tokens")}
+        data.update(token_ids=token_ids.tolist(), mask=list(mask), logprobs=logprobs.tolist())
     if kind == "batch_shipped":
         data = {k: v for k, v in data.items() if k != "sha256"}
     if kind == "background_finalized":  # version 1 logged a background result as group_finalized
@@ -86,8 +89,8 @@ def as_recorded(kind: str, data: dict) -> tuple[str, dict]:
 def digest(events: list) -> str:
     h = hashlib.sha256()
     for event in events:
-        kind, data = ev.encode_event(event)
-        kind, fields = as_recorded(kind, orjson.loads(data))
+        kind, data, payload = ev.encode_event(event)
+        kind, fields = as_recorded(kind, orjson.loads(data), payload)
         h.update(kind.encode() + b"\0" + orjson.dumps(fields, option=orjson.OPT_SORT_KEYS) + b"\n")
     return h.hexdigest()
 

@@ -20,6 +20,7 @@ from eventlog import (
     LogExistsError,
     LogNotFoundError,
     NewerFormatError,
+    OlderFormatError,
     NotSQLiteError,
     ReadOnlyLocationError,
     StorageError,
@@ -107,10 +108,21 @@ def test_foreign_sqlite(path, opener):
 def test_newer_format(path, opener):
     make_log(path, 2)
     with sqlite3.connect(path) as db:
-        db.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
+        db.execute("UPDATE meta SET value = '3' WHERE key = 'format_version'")
     db.close()
     err = raises_one_line(NewerFormatError, OPENERS[opener], path)
-    assert "2" in str(err)
+    assert "version 3" in str(err)
+
+
+@pytest.mark.parametrize("opener", OPENERS)
+def test_older_format_is_refused(path, opener):
+    """Format 1 had no payload column: refused in one line, not misread."""
+    make_log(path, 2)
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE meta SET value = '1' WHERE key = 'format_version'")
+    db.close()
+    err = raises_one_line(OlderFormatError, OPENERS[opener], path)
+    assert "format version 1" in str(err) and "reads version 2 only" in str(err)
 
 
 # ---------------------------------------------------------------- damaged

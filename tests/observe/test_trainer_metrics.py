@@ -89,7 +89,7 @@ def test_version_published_carries_metrics_in_every_constructor_and_view():
     validated = ev.VersionPublished(version=3, metrics=metrics)
     built = ev.VersionPublished.unvalidated(version=3, metrics=metrics)
     assert built == validated and ev.encode_event(built) == ev.encode_event(validated)
-    kind, data = ev.encode_event(validated)
+    kind, data, _ = ev.encode_event(validated)
     assert data == b'{"version":3,"metrics":{"loss":0.25,"tokens":7}}'
     assert ev.decode_event(kind, data) == decode_unvalidated(kind, data) == validated
     assert FOLD_VIEWS[kind](data).metrics == metrics
@@ -103,5 +103,5 @@ def test_version_published_carries_metrics_in_every_constructor_and_view():
 def test_replay_diff_does_not_compare_the_trainers_measurements():
     from replay.diff import normalize
 
-    kind, data = ev.encode_event(ev.VersionPublished(version=2, metrics={"step_time_s": 0.031}))
+    kind, data, _ = ev.encode_event(ev.VersionPublished(version=2, metrics={"step_time_s": 0.031}))
     assert normalize(orjson.loads(data)) == normalize(orjson.loads(b'{"version": 2}')) == {"version": 2}

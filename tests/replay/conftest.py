@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from eventlog import EventLog
 from orchestrator.core import events as ev
+from orchestrator.core.events import decode_event
 from orchestrator.sim import SimOptions, SimWorld
 from replay.cli import replay_command
 from replay.logs import write_events
@@ -41,6 +42,12 @@ def sim_log(path: Path, params: ev.CoreParams, seed: int, options: SimOptions | 
     world = sim_run(params, seed, options)
     write_events(path, world.log, meta={"seed": str(seed)})
     return path
+
+
+def decoded(path) -> list[tuple[int, object]]:
+    """Every event of a (small) log, decoded with its payload: (seq, event)."""
+    with EventLog.open_reader(path) as log:
+        return [(seq, decode_event(kind, data, payload)) for seq, _ts, kind, data, payload in log.read_rows()]
 
 
 def rows(path) -> list[tuple[int, str, dict]]:

@@ -46,10 +46,14 @@ def _bad_files(tmp_path, good):
     shutil.copy(good, newer)
     with sqlite3.connect(newer) as db:
         db.execute("UPDATE meta SET value = '99' WHERE key = 'format_version'")
-    older = tmp_path / "older.db"  # format version 1: background results were group_finalized rows
+    older = tmp_path / "older.db"  # event format 2: token arrays were JSON lists
     shutil.copy(good, older)
     with sqlite3.connect(older) as db:
-        db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+        db.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    older_table = tmp_path / "older_table.db"  # table format 1: no payload column
+    shutil.copy(good, older_table)
+    with sqlite3.connect(older_table) as db:
+        db.execute("UPDATE meta SET value = '1' WHERE key = 'format_version'")
     truncated = tmp_path / "truncated.db"
     data = good.read_bytes()
     truncated.write_bytes(data[: len(data) // 2 + 100])
@@ -60,7 +64,8 @@ def _bad_files(tmp_path, good):
         "foreign sqlite": (foreign, "not an orch event log"),
         "other app": (not_orch, "not one written by orch"),
         "newer format": (newer, "format version 99"),
-        "older event format": (older, "an orch log of format version 1; this orch reads version 2 only"),
+        "older event format": (older, "an orch log of format version 2; this orch reads version 3 only"),
+        "older table format": (older_table, "uses log format version 1 (no payload column)"),
         "truncated": (truncated, "truncated"),
     }
 
@@ -75,6 +80,7 @@ def _bad_files(tmp_path, good):
         "other app",
         "newer format",
         "older event format",
+        "older table format",
         "truncated",
     ],
 )

@@ -5,11 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.state import conservation, initial_state, state_hash
 from orchestrator.sim import SimOptions
-from tests.replay.conftest import rows, sim_log, sim_params
+from tests.replay.conftest import decoded, rows, sim_log, sim_params
 
 
 @pytest.fixture
@@ -23,12 +22,12 @@ def bg_log(tmp_path):
 
 
 def _state_at(path, at):
-    return fold(decode_event(kind, orjson.dumps(data)) for seq, kind, data in rows(path) if seq <= at)
+    return fold(event for seq, event in decoded(path) if seq <= at)
 
 
 def test_summary_at_a_seq_matches_an_independent_fold(bg_log, cli):
     # a point with queued traces, open groups and background-finalizing groups all present
-    events = [(at, decode_event(kind, orjson.dumps(data))) for at, kind, data in rows(bg_log)]
+    events = decoded(bg_log)
     state = initial_state(events[0][1].params)
     for at, event in events:  # noqa: B007 - the event where the loop stops is reported below
         evolve(state, event)
@@ -84,7 +83,6 @@ def test_summary_at_one_and_out_of_range(bg_log, cli):
 def test_a_violated_conservation_exits_1(tmp_path, cli):
     import sqlite3
 
-    import orjson
 
     path = sim_log(tmp_path / "a.db", sim_params(1), 1)
     seq, data = next((seq, data) for seq, kind, data in rows(path) if kind == "group_settled" and data["trace_ids"])

@@ -71,7 +71,7 @@ def test_finalizing_is_bounded_by_the_cap_plus_groups_in_flight_and_the_gate_say
     assert_log_invariants(tmp_path / "r", 25, max_off_policy=2, target_lag=1)
     peak, cap_closures = 0, 0
     with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
-        events = [decode_event(record[2], record[3]) for record in log.read_raw()]
+        events = [decode_event(*record[2:]) for record in log.read_rows()]
     state = initial_state(events[0].params)
     for event in events:
         evolve(state, event)
@@ -120,5 +120,5 @@ def test_drain_cancels_finalizing_groups_without_waiting_for_their_grader(tmp_pa
     ).fetchone()[0]
     assert late == 0
     with EventLog.open_reader(tmp_path / "r" / "events.db") as log:
-        state = fold(decode_event(record[2], record[3]) for record in log.read_raw())
+        state = fold(decode_event(*record[2:]) for record in log.read_rows())
     assert not state.groups and not state.pending and conservation(state)[0]

@@ -162,8 +162,8 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     # Limited by the eval concurrency (5), apart from the train permits (16).
     state, eval_peak = None, 0
     with EventLog.open_reader(run_dir / "events.db") as log:
-        for record in log.read_raw():
-            state = evolve_from(state, decode_event(record[2], record[3]))
+        for record in log.read_rows():
+            state = evolve_from(state, decode_event(*record[2:]))
             eval_peak = max(eval_peak, len(state.evals.inflight))
             assert len(state.inflight) <= 16
     assert eval_peak == 5

@@ -1,9 +1,10 @@
 """The fake env builds its events without validation: they must be exactly what validation
-would have built (and each owns its lists)."""
+would have built (and each owns its arrays)."""
 
 from __future__ import annotations
 
 import asyncio
+from array import array
 
 import pytest
 
@@ -25,8 +26,10 @@ def test_fake_env_events_equal_their_validated_copies(prompt_tokens, empty_rate)
         validated = EpisodeCompleted.model_validate(event.model_dump())
         assert validated == event and encode_event(validated) == encode_event(event)
     assert {len(e.token_ids) - prompt_tokens for e in events} == set(range(7))  # empty ones too
-    masks = [e.mask for e in events]
-    assert len({id(m) for m in masks}) == len(masks)  # no list shared between events
+    # Packed: the arrays of one event are its own (the masks, immutable bytes, may be shared).
+    assert all(type(e.token_ids) is array and e.token_ids.typecode == "i" and type(e.mask) is bytes for e in events)
+    logprobs = [e.logprobs for e in events]
+    assert len({id(x) for x in logprobs}) == len(logprobs)
 
 
 @pytest.mark.parametrize("vocab_size", [2, 1000, 151_936])
