@@ -83,7 +83,6 @@ def test_summary_at_one_and_out_of_range(bg_log, cli):
 def test_a_violated_conservation_exits_1(tmp_path, cli):
     import sqlite3
 
-
     path = sim_log(tmp_path / "a.db", sim_params(1), 1)
     seq, data = next((seq, data) for seq, kind, data in rows(path) if kind == "group_settled" and data["trace_ids"])
     data["trace_ids"].pop()  # a queued trace vanishes from the record, accounted nowhere
