@@ -67,7 +67,10 @@ def _emit_json(obj) -> None:
 )
 @click.option("--seed", type=int, default=None, help="--settle-order shuffled: RNG seed  [default: 0]")
 @click.option("--out", type=click.Path(path_type=Path), metavar="NEW", help="--reexecute: new run dir (or .db path)")
-def replay_command(run, at, as_json, diff_paths, level, check, reexecute, finalize, settle_order, seed, out) -> None:
+@click.option("--episode", type=int, metavar="ID", help="the episode's completion, token arrays included, as JSON")
+def replay_command(
+    run, at, as_json, diff_paths, level, check, reexecute, finalize, settle_order, seed, out, episode
+) -> None:
     """Replay a run's log (RUN: a run directory or its events.db).
 
     \b
@@ -78,11 +81,19 @@ def replay_command(run, at, as_json, diff_paths, level, check, reexecute, finali
                   [--settle-order recorded|immediate|shuffled [--seed N]] --out NEW
                                                 RUN's inputs through decide on that path, then --diff
       orch replay RUN --check                   re-derive every decision with the current code
+      orch replay RUN --episode ID              the episode's completion (token ids, mask,
+                                                logprobs included): one JSON line per completion
 
     Exit status: 0 equivalent / deterministic; 1 divergent (for the state summary: the
     conservation check fails); 2 bad input (one line on stderr).
     """
-    modes = [name for name, on in (("--diff", bool(diff_paths)), ("--check", check), ("--reexecute", reexecute)) if on]
+    flags = (
+        ("--diff", bool(diff_paths)),
+        ("--check", check),
+        ("--reexecute", reexecute),
+        ("--episode", episode is not None),
+    )
+    modes = [name for name, on in flags if on]
     try:
         if len(modes) > 1:
             raise ReplayInputError(f"{' and '.join(modes)} cannot be combined")
@@ -112,6 +123,8 @@ def replay_command(run, at, as_json, diff_paths, level, check, reexecute, finali
             code = _diff(a, b, level, as_json)
         elif mode == "--check":
             code = _check(run, as_json)
+        elif mode == "--episode":
+            code = _episode(run, episode)
         else:
             code = _reexecute(run, out, finalize, settle_order or "recorded", seed or 0, level, as_json)
     except ReplayInputError as err:
@@ -132,6 +145,19 @@ def _summary(run: Path, at: int | None, as_json: bool) -> int:
     else:
         render(summary, _console())
     return EXIT_OK if summary["conservation"]["holds"] else EXIT_DIVERGENT
+
+
+def _episode(run: Path, episode_id: int) -> int:
+    from replay.episode import episode_completions
+    from replay.source import open_run
+
+    with open_run(run) as log:
+        completions = episode_completions(log, episode_id)
+    if not completions:
+        raise ReplayInputError(f"{run}: episode {episode_id} has no episode_completed event")
+    for completion in completions:
+        click.echo(orjson.dumps(completion).decode())
+    return EXIT_OK
 
 
 def _diff(a: Path, b: Path, level: str, as_json: bool) -> int:

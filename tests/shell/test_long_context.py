@@ -1,0 +1,178 @@
+"""Long contexts (issue 23): a trace's packed arrays round-trip through its event, the log and a
+snapshot; a non-finite logprob is refused where a trace comes in; a long-context run resumes and
+replays; a damaged payload is one line naming it."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+
+import numpy as np
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from eventlog import EventLog
+from orchestrator.core import events as ev
+from orchestrator.core._fast_events import decode_unvalidated
+from orchestrator.core.state import initial_state, state_bytes, state_from_bytes
+from orchestrator.fold import fold_log
+from orchestrator.rundir import batch_path, batch_samples
+from tests.shell.test_e2e_fake import orch
+
+
+def _trace(n: int, episode_id: int = 7) -> tuple[ev.EpisodeCompleted, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(n)
+    ids = rng.integers(0, 151_936, n)
+    mask = (rng.random(n) < 0.7).astype(np.uint8)
+    logprobs = np.where(mask, -rng.random(n) * 20, 0.0).astype(np.float32)
+    event = ev.EpisodeCompleted(
+        episode_id=episode_id,
+        group_id=2,
+        ok=True,
+        reward=0.5,
+        token_ids=ids,
+        mask=mask,
+        logprobs=logprobs,
+        policy_start=1,
+        policy_end=2,
+    )
+    return event, ids, mask, logprobs
+
+
+@pytest.mark.parametrize("n", [0, 1, 1_000_000])
+def test_a_trace_round_trips_through_its_event_the_log_and_a_snapshot(tmp_path, n):
+    event, ids, mask, logprobs = _trace(n)
+    assert np.array_equal(np.frombuffer(event.token_ids, np.int32), ids)
+    assert event.mask == mask.tobytes() and np.array_equal(np.frombuffer(event.logprobs, np.float32), logprobs)
+    assert event.n_tokens == n and event.sampled_tokens == int(mask.sum())
+    path = tmp_path / "events.db"
+    with EventLog.create(path) as log:
+        log.append_json(*ev.encode_event(event))
+    with EventLog.open_reader(path) as log:
+        [(seq, _ts, kind, data, payload)] = list(log.read_rows())
+        assert ev.decode_event(kind, data, payload) == event == decode_unvalidated(kind, data, payload)
+        assert log.read_payloads([seq]) == ({seq: payload} if n else {})
+    db = sqlite3.connect(path)
+    scalars = db.execute(
+        "select json_extract(data, '$.n_tokens'), json_extract(data, '$.sampled_tokens'), length(payload) from events"
+    ).fetchone()
+    db.close()
+    # Near 8 bytes a token: int32 id, float32 logprob, one bit of mask; no payload without tokens.
+    assert scalars == (n, int(mask.sum()), 8 * n + (n + 7) // 8 if n else None)
+    state = initial_state(ev.CoreParams(env_ratios={"fake": 1.0}))
+    state.traces[event.episode_id] = event
+    assert state_from_bytes(state_bytes(state)).traces == {event.episode_id: event}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1e39])
+def test_a_non_finite_logprob_is_refused_where_a_trace_comes_in_in_one_line(bad):
+    with pytest.raises(ValidationError) as info:
+        ev.EpisodeCompleted(
+            episode_id=1,
+            group_id=1,
+            ok=True,
+            token_ids=[1, 2, 3],
+            mask=[0, 1, 1],
+            logprobs=[0.0, -0.5, bad],
+            policy_start=0,
+            policy_end=0,
+        )
+    (error,) = info.value.errors()
+    assert "logprobs[2]" in error["msg"] and "finite" in error["msg"] and "\n" not in error["msg"]
+
+
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("token_ids", [1, 2**31], "int32"),
+        ("token_ids", [1.5, 2.0], "ints"),
+        ("mask", [0, 2], "0 or 1"),
+        ("logprobs", ["x", "y"], "floats"),
+    ],
+)
+def test_arrays_of_the_wrong_kind_are_refused_in_one_line(field, value, fragment):
+    fields = {"token_ids": [1, 2], "mask": [0, 1], "logprobs": [0.0, -1.0], field: value}
+    with pytest.raises(ValidationError) as info:
+        ev.EpisodeCompleted(episode_id=1, group_id=1, ok=True, policy_start=0, policy_end=0, **fields)
+    (error,) = info.value.errors()
+    assert fragment in error["msg"] and "\n" not in error["msg"]
+
+
+LONG = [
+    "--env",
+    "fake",
+    "--trainer",
+    "fake",
+    "--set",
+    "env.fake.prompt_tokens=1024",
+    "--set",
+    "env.fake.min_tokens=4000",
+    "--set",
+    "env.fake.max_tokens=16000",
+    "--set",
+    "batch.size=8",
+    "--set",
+    "rollout.group_size=4",
+    "--set",
+    "rollout.max_inflight=24",
+]
+
+
+def test_a_long_context_run_resumes_and_replays_and_names_a_damaged_payload(tmp_path):
+    run_dir = tmp_path / "long"
+    first = orch("run", *LONG, "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "long")
+    assert first.returncode == 0, first.stderr
+    resumed = orch("run", "--resume", str(run_dir), "--max-steps", "4")
+    assert resumed.returncode == 0, resumed.stderr
+    check = orch("replay", str(run_dir), "--check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    same = orch("replay", "--diff", str(run_dir), str(run_dir), "--level", "events")
+    assert same.returncode == 0, same.stdout + same.stderr
+
+    # A shipped sample's arrays, from the batch file, are the episode's in the log.
+    sample = batch_samples(batch_path(run_dir, 4).read_bytes(), 4)[0]
+    shown = orch("replay", str(run_dir), "--episode", str(sample["trace_id"]))
+    assert shown.returncode == 0, shown.stderr
+    [completion] = [orjson.loads(line) for line in shown.stdout.splitlines()]
+    assert completion["token_ids"] == sample["token_ids"] and len(completion["token_ids"]) >= 5024
+    assert completion["mask"] == sample["mask"] and completion["logprobs"] == sample["logprobs"]
+    missing = orch("replay", str(run_dir), "--episode", "999999")
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "episode 999999" in missing.stderr
+
+    # A crash right after batch 3's commit (the log cut there), in two copies: one resumes to the
+    # end; in the other a held trace's payload is cut short, and its resume refuses in one line
+    # naming its seq, shipping nothing.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(run_dir, crashed)
+    db = sqlite3.connect(crashed / "events.db")
+    cut = db.execute("select seq from events where kind = 'batch_shipped' order by seq limit 1 offset 2").fetchone()[0]
+    db.execute("delete from events where seq > ?", (cut,))
+    db.execute("delete from snapshots")  # caches: a snapshot would hold the traces whole
+    db.commit()
+    db.close()
+    for step in (4,):  # written after the cut: a crash there would not have left it
+        batch_path(crashed, step).unlink()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(crashed, damaged)
+    again = orch("run", "--resume", str(crashed), "--max-steps", "5")
+    assert again.returncode == 0, again.stderr
+    with EventLog.open_reader(damaged / "events.db") as log:
+        state = fold_log(log).state
+    held = list(state.traces) + [x.trace.episode_id for xs in state.shipped_batches.values() for x in xs]
+    assert held, "the cut log holds traces (queued, grouped, or shipped and not yet trained)"
+    db = sqlite3.connect(damaged / "events.db")
+    seq = db.execute(
+        "select seq from events where kind = 'episode_completed' and json_extract(data, '$.episode_id') = ?",
+        (next(iter(held)),),
+    ).fetchone()[0]
+    db.execute("update events set payload = substr(payload, 1, 100) where seq = ?", (seq,))
+    db.commit()
+    db.close()
+    refused = orch("run", "--resume", str(damaged), "--max-steps", "5")
+    assert refused.returncode != 0
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orch: error:") and f"seq {seq}" in lines[0], refused.stderr
+    db = sqlite3.connect(damaged / "events.db")
+    assert db.execute("select max(seq) from events").fetchone()[0] == cut
+    db.close()
