@@ -219,7 +219,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     help="run directory holding trainer.json, batches/ and weights/",
 )
 def trainer_command(run_dir: Path) -> None:
-    """The hf (transformers) trainer: batches/step_N.json -> weights/step_N (+ STABLE)."""
+    """The hf (transformers) trainer: batches/step_N.safetensors -> weights/step_N (+ STABLE)."""
     from orchestrator.hf.trainer import run_trainer  # torch is imported only here
 
     sys.exit(run_trainer(run_dir))

@@ -38,7 +38,7 @@ The runner looks every component up here by the config's names and owns nothing 
 What each kind builds:
 
 * a trainer (`TrainerComponent.build` -> `Trainer`): `trainers/process.py` supervises a child
-  process that reads batch files (`orchestrator.rundir.batch_samples`, the schema every trainer
+  process that reads batch files (`orchestrator.rundir.read_batch_file`, the layout every trainer
   shares) and publishes `rundir.weights_dir(run_dir, N)` then `rundir.mark_stable`; set
   `writes_weights = False` if it publishes versions without weights (the fake trainer);
 * an inference backend (`InferenceComponent.build(ctx, envs)` -> `InferenceBackend`): samples one

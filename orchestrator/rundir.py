@@ -7,7 +7,7 @@ Layout of a run directory (``RUN_DIR``)::
     trainer.json                 the trainer's config (orchestrator.hf.trainer.TrainerConfig), written by the
                                  orchestrator before it spawns the trainer
     trainer.log                  the trainer process's output (appended to across resumes)
-    batches/step_N.json          batch N (orjson; written atomically by the orchestrator)
+    batches/step_N.safetensors   batch N (binary; written atomically by the orchestrator)
     weights/step_N/              the policy after training on batches 1..N (step_0 = the model as loaded)
         full fine-tuning:        an HF model dir: config.json, model.safetensors, generation_config.json,
                                  tokenizer files (save_pretrained, safe_serialization)
@@ -21,18 +21,16 @@ Layout of a run directory (``RUN_DIR``)::
     trainer_ckpt/ckpt.pt         trainer checkpoint (trained weights + AdamW state + step + model hash),
                                  replaced atomically
 
-Batch file (format ``BATCH_FORMAT``; its canonical bytes, which the log's sha256 covers, are
-built by ``orchestrator.core.batch.encode_batch``)::
+Batch file (format ``orchestrator.core.batch.BATCH_FORMAT``): a safetensors file of flat arrays, laid out and built by
+``orchestrator.core.batch`` (its canonical bytes are what the log's sha256 covers). Per sample:
+``trace_id``, ``group_id``, ``policy_start``, ``lag`` (int64), ``advantage``, ``temperature``
+(float64), optionally ``reward`` (float64: averaged into the hf trainer's step line); per token,
+sample i's at ``offsets[i]:offsets[i+1]``: ``token_ids`` (int32, prompt + completion), ``mask``
+(uint8, 1 = sampled token), ``logprobs`` (float32, the sampler's, 0.0 where mask is 0); the env
+names in its metadata.
 
-    {"format": 1, "step": N, "samples": [{"trace_id": int, "group_id": int, "env": str,
-      "token_ids": [int, ...],   # prompt + completion
-      "mask": [0|1, ...],        # 1 = sampled token
-      "logprobs": [float, ...],  # sampler logprob per token, 0.0 where mask is 0
-      "advantage": float, "policy_start": int, "lag": int, "temperature": float}, ...]}
-
-``batch_samples`` checks a file against it for every trainer (the fields a trainer needs are
-``TRAINED_FIELDS``). Extra sample fields are ignored, except an optional ``"reward": float`` that,
-when every sample has it, is averaged into the hf trainer's step line.
+``read_batch_file`` reads one for every trainer, without a copy (its arrays are views of the
+bytes it is given), checking its layout and step; a trainer checks the values against its model.
 
 Every writer here is atomic: write a temp sibling, fsync it, ``os.replace``/``os.rename`` it into
 place, fsync the parent directory. A reader therefore sees either nothing or the whole file/dir.
@@ -50,9 +48,10 @@ from typing import Any
 
 import orjson
 
-from orchestrator.core.batch import BATCH_FORMAT, encode_batch
+from orchestrator.core.batch import BatchArrays, BatchSample, decode_batch, encode_batch
 
 EVENTS_DB = "events.db"
+BATCH_SUFFIX = ".safetensors"
 TRAINER_LOG = "trainer.log"
 STABLE = "STABLE"
 # The files of a weights dir of `orch serve`'s own policy (orchestrator.embedded.policy).
@@ -84,13 +83,14 @@ def batches_dir(run_dir: str | os.PathLike) -> Path:
 
 
 def batch_path(run_dir: str | os.PathLike, step: int) -> Path:
-    return batches_dir(run_dir) / f"step_{step}.json"
+    return batches_dir(run_dir) / f"step_{step}{BATCH_SUFFIX}"
 
 
 def batch_steps_on_disk(run_dir: str | os.PathLike) -> list[int]:
     """The steps of the batch files in the run dir (written ones, not temporary siblings)."""
-    names = (path.name for path in batches_dir(run_dir).glob("step_*.json"))
-    return [int(name[5:-5]) for name in names if name[5:-5].isdigit()]
+    names = (path.name for path in batches_dir(run_dir).glob(f"step_*{BATCH_SUFFIX}"))
+    steps = (name[5 : -len(BATCH_SUFFIX)] for name in names)
+    return [int(step) for step in steps if step.isdigit()]
 
 
 def weights_root(run_dir: str | os.PathLike) -> Path:
@@ -253,46 +253,33 @@ def clean_tmp(directory: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------------- batches
-TRAINED_FIELDS = ("token_ids", "mask", "logprobs", "advantage", "temperature")  # what every trainer reads
-
-
 class BatchFileError(ValueError):
     """A batch file that does not follow the schema; the message names the file and the problem."""
 
 
-def batch_samples(raw: bytes, expected_step: int, where: str = "batch") -> list[dict[str, Any]]:
-    """The samples of a batch file's bytes, checked against the schema (format, step, a list of
-    objects that carry `TRAINED_FIELDS`); a trainer checks their values against its model."""
+def read_batch_file(raw: bytes | memoryview, expected_step: int, where: str = "batch") -> BatchArrays:
+    """The arrays of a batch file's bytes (views, no copy), checked against the format and the
+    step; BatchFileError (one line, naming `where`) otherwise."""
     try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BatchFileError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise BatchFileError(f"{where}: top level must be an object")
-    if doc.get("format") != BATCH_FORMAT:
-        raise BatchFileError(f"{where}: format must be {BATCH_FORMAT}, got {doc.get('format')!r}")
-    if doc.get("step") != expected_step:
-        raise BatchFileError(f"{where}: step must be {expected_step}, got {doc.get('step')!r}")
-    samples = doc.get("samples")
-    if not isinstance(samples, list):
-        raise BatchFileError(f"{where}: 'samples' must be a list")
-    for i, sample in enumerate(samples):
-        if not isinstance(sample, dict):
-            raise BatchFileError(f"{sample_tag(where, i, sample)}: must be an object")
-        missing = [k for k in TRAINED_FIELDS if k not in sample]
-        if missing:
-            raise BatchFileError(f"{sample_tag(where, i, sample)}: missing field(s) {missing}")
-    return samples
+        batch = decode_batch(raw)
+    except ValueError as err:
+        raise BatchFileError(f"{where}: {err}") from None
+    if batch.step != expected_step:
+        raise BatchFileError(f"{where}: step must be {expected_step}, got {batch.step}")
+    return batch
 
 
-def sample_tag(where: str, index: int, sample: Any) -> str:
+def sample_tag(where: str, batch: BatchArrays, index: int) -> str:
     """How an error names a sample of a batch file."""
-    return f"{where}: sample {index} (trace_id {sample.get('trace_id') if isinstance(sample, dict) else '?'})"
+    return f"{where}: sample {index} (trace_id {int(batch.trace_id[index])})"
 
 
 def write_batch_file(run_dir: str | os.PathLike, step: int, samples: list[dict[str, Any]]) -> Path:
-    """Write ``batches/step_{step}.json`` atomically, in its canonical bytes. Used by simulate and
-    tests; the orchestrator writes the bytes its log hashed (`orchestrator.shell.loop`)."""
+    """Write ``batches/step_{step}.safetensors`` atomically, in its canonical bytes, from samples
+    given as dicts of `BatchSample`'s fields (`trace_id`, `group_id`, `env`, `policy_start` and
+    `lag` default to 0 or "", `reward` to none). Used by tests and tools; the orchestrator writes
+    the bytes its log hashed (`orchestrator.shell.loop`)."""
+    defaults = {"trace_id": 0, "group_id": 0, "env": "", "policy_start": 0, "lag": 0}
     path = batch_path(run_dir, step)
-    atomic_write_bytes(path, encode_batch(step, samples))
+    atomic_write_bytes(path, encode_batch(step, [BatchSample(**{**defaults, **sample}) for sample in samples]))
     return path

@@ -1,45 +1,198 @@
-"""The batch file the trainer reads: canonical bytes, so a re-materialized batch hashes the same.
+"""The batch file the trainer reads: binary, in canonical bytes, so a re-materialized batch hashes
+the same.
 
-Format 1: orjson (sorted keys) of
-  {"format": 1, "step": N, "samples": [{"trace_id", "group_id", "env", "token_ids", "mask",
-   "logprobs", "advantage", "policy_start", "lag", "temperature"}, ...]}
-`mask` is 1 on sampled tokens; `logprobs` are the sampler's (0.0 where mask is 0); `lag` is the
-sample's true off-policy distance (step-1) - policy_start, queue time included.
+Format 2 is a safetensors file (any safetensors reader opens it): an 8-byte little-endian header
+length, a JSON header (sorted keys, padded with spaces to a multiple of 8 bytes), then the
+tensors' bytes, contiguous, little-endian, the 8-byte ones first, then the 4-byte, then the
+1-byte ones (each group by name), so every tensor is aligned for a zero-copy view:
+
+    advantage     F64 [n]      group_id  I64 [n]     lag  I64 [n]     offsets  I64 [n + 1]
+    policy_start  I64 [n]      reward    F64 [n]     (only when every sample has one)
+    temperature   F64 [n]      trace_id  I64 [n]
+    logprobs      F32 [T]      token_ids I32 [T]     mask U8 [T]
+
+Sample i's tokens are `offsets[i]:offsets[i+1]` of the flat arrays (T tokens in all); `mask` is 1
+on sampled tokens, `logprobs` the sampler's (0.0 where mask is 0); `lag` the sample's true
+off-policy distance (step-1) - policy_start, queue time included. `__metadata__` holds
+`format` ("2"), `step` and `envs` (a JSON list of the samples' env names).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
 
-from orchestrator.core.state import Trace
+BATCH_FORMAT = 2
+_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "I64": np.dtype("<i8"),
+    "F32": np.dtype("<f4"),
+    "I32": np.dtype("<i4"),
+    "U8": np.dtype("u1"),
+}
+_PER_SAMPLE = {
+    "advantage": "F64",
+    "group_id": "I64",
+    "lag": "I64",
+    "policy_start": "I64",
+    "temperature": "F64",
+    "trace_id": "I64",
+}
+_PER_TOKEN = {"logprobs": "F32", "token_ids": "I32", "mask": "U8"}
+_MAX_HEADER = 1 << 24
 
-BATCH_FORMAT = 1
+
+class BatchSample(NamedTuple):
+    """One sample as a batch file holds it; the arrays are anything numpy reads as a flat array
+    (a trace's packed arrays are read without a copy)."""
+
+    trace_id: int
+    group_id: int
+    env: str
+    token_ids: Any
+    mask: Any
+    logprobs: Any
+    advantage: float
+    policy_start: int
+    lag: int
+    temperature: float
+    reward: float | None = None
 
 
-# A batch file's keys are sorted: its dicts are built with their keys in that order, so orjson
-# writes them as built, a third cheaper than sorting them (a test checks the bytes).
-def sample_record(trace: Trace, env: str, advantage: float, lag: int) -> dict[str, Any]:
-    return {
-        "advantage": advantage,
-        "env": env,
-        "group_id": trace.group_id,
-        "lag": lag,
-        "logprobs": trace.logprobs.tolist(),
-        "mask": list(trace.mask),
-        "policy_start": trace.policy_start,
-        "temperature": trace.temperature,
-        "token_ids": trace.token_ids.tolist(),
-        "trace_id": trace.episode_id,
+def sample_of(trace, env: str, advantage: float, lag: int) -> BatchSample:
+    """The sample a trace (`state.Trace`) makes."""
+    return BatchSample(
+        trace.episode_id,
+        trace.group_id,
+        env,
+        trace.token_ids,
+        trace.mask,
+        trace.logprobs,
+        advantage,
+        trace.policy_start,
+        lag,
+        trace.temperature,
+    )
+
+
+def _flat(samples: Sequence[BatchSample], field: str, dtype: np.dtype) -> np.ndarray:
+    parts = [
+        np.frombuffer(x, dtype=np.uint8) if type(x) is bytes else np.asarray(x)
+        for x in (s._asdict()[field] for s in samples)
+    ]
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def encode_batch(step: int, samples: Sequence[BatchSample]) -> bytes:
+    """The canonical bytes of batch `step`."""
+    lengths = [len(s.token_ids) for s in samples]
+    offsets = np.zeros(len(samples) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tensors: dict[str, tuple[str, np.ndarray]] = {"offsets": ("I64", offsets)}
+    for name, code in _PER_SAMPLE.items():
+        tensors[name] = (code, np.array([getattr(s, name) for s in samples], dtype=_DTYPES[code]))
+    rewards = [s.reward for s in samples]
+    if samples and all(r is not None for r in rewards):
+        tensors["reward"] = ("F64", np.array(rewards, dtype=_DTYPES["F64"]))
+    for name, code in _PER_TOKEN.items():
+        tensors[name] = (code, _flat(samples, name, _DTYPES[code]))
+    order = sorted(tensors, key=lambda name: (-_DTYPES[tensors[name][0]].itemsize, name))
+    header: dict[str, Any] = {
+        "__metadata__": {
+            "envs": orjson.dumps([s.env for s in samples]).decode(),
+            "format": str(BATCH_FORMAT),
+            "step": str(step),
+        }
     }
-
-
-def encode_batch(step: int, samples: Iterable[dict[str, Any]]) -> bytes:
-    return orjson.dumps({"format": BATCH_FORMAT, "samples": list(samples), "step": step})
+    start = 0
+    for name in order:
+        code, values = tensors[name]
+        end = start + values.nbytes
+        header[name] = {"data_offsets": [start, end], "dtype": code, "shape": list(values.shape)}
+        start = end
+    head = orjson.dumps(header, option=orjson.OPT_SORT_KEYS)
+    head += b" " * (-len(head) % 8)
+    return b"".join([len(head).to_bytes(8, "little"), head, *(tensors[name][1].tobytes() for name in order)])
 
 
 def batch_sha256(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
+
+
+@dataclass(frozen=True)
+class BatchArrays:
+    """A batch file read without a copy: every array is a view of the file's bytes."""
+
+    step: int
+    envs: list[str]
+    offsets: np.ndarray  # int64 [n + 1]
+    trace_id: np.ndarray  # int64 [n]
+    group_id: np.ndarray
+    policy_start: np.ndarray
+    lag: np.ndarray
+    advantage: np.ndarray  # float64 [n]
+    temperature: np.ndarray
+    reward: np.ndarray | None  # float64 [n], when every sample has one
+    token_ids: np.ndarray  # int32 [T]
+    mask: np.ndarray  # uint8 [T]
+    logprobs: np.ndarray  # float32 [T]
+
+    def __len__(self) -> int:
+        return len(self.trace_id)
+
+    def tokens(self, i: int) -> slice:
+        """Sample i's tokens in the flat arrays."""
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+
+def decode_batch(payload: bytes | memoryview) -> BatchArrays:
+    """The arrays of a batch file's bytes, as views; ValueError (one line) if it is not a batch
+    file of format 2 (header, dtypes, shapes, offsets)."""
+    view = memoryview(payload)
+    if len(view) < 8:
+        raise ValueError("shorter than a safetensors header")
+    size = int.from_bytes(view[:8], "little")
+    if not 0 < size <= min(_MAX_HEADER, len(view) - 8):
+        raise ValueError(f"not a safetensors file (header length {size})")
+    try:
+        header = orjson.loads(bytes(view[8 : 8 + size]))
+        meta = header.pop("__metadata__")
+        fmt, step, envs = meta["format"], int(meta["step"]), orjson.loads(meta["envs"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"not a batch file: its header does not parse ({err})") from None
+    if fmt != str(BATCH_FORMAT):
+        raise ValueError(f"format must be {BATCH_FORMAT}, got {fmt!r}")
+    data = view[8 + size :]
+    arrays = {
+        name: _tensor(header, name, code, data)
+        for name, code in {**_PER_SAMPLE, **_PER_TOKEN, "offsets": "I64"}.items()
+    }
+    reward = _tensor(header, "reward", "F64", data) if "reward" in header else None
+    n, total = len(arrays["trace_id"]), len(arrays["token_ids"])
+    offsets = arrays["offsets"]
+    if any(len(arrays[name]) != n for name in _PER_SAMPLE) or (reward is not None and len(reward) != n):
+        raise ValueError("its per-sample arrays differ in length")
+    if any(len(arrays[name]) != total for name in _PER_TOKEN) or len(offsets) != n + 1 or len(envs) != n:
+        raise ValueError("its token arrays, offsets or env names do not match its samples")
+    if offsets[0] != 0 or offsets[-1] != total or (n and np.any(np.diff(offsets) < 0)):
+        raise ValueError("its offsets do not split its tokens")
+    return BatchArrays(step=step, envs=envs, reward=reward, **arrays)
+
+
+def _tensor(header: dict, name: str, code: str, data: memoryview) -> np.ndarray:
+    info = header.get(name)
+    if not isinstance(info, dict) or info.get("dtype") != code:
+        raise ValueError(f"its {name!r} tensor is missing or not {code}")
+    try:
+        (length,), (start, end) = info["shape"], info["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"its {name!r} tensor has a bad shape or offsets") from None
+    dtype = _DTYPES[code]
+    if not (0 <= start <= end <= len(data)) or end - start != length * dtype.itemsize:
+        raise ValueError(f"its {name!r} tensor lies outside the file")
+    return np.frombuffer(data[start:end], dtype=dtype)

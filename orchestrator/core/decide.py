@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from orchestrator.core import events as ev
 from orchestrator.core.advantages import INLINE_SCORERS
-from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
+from orchestrator.core.batch import batch_sha256, encode_batch, sample_of
 from orchestrator.core.evals import (
     accepted_eval_result,
     cancel_eval_episodes,
@@ -398,7 +398,7 @@ def ship_batch(d: _Decisions) -> None:
     for queued in shipped:
         trace = s.traces[queued.trace_id]
         lag = (step - 1) - trace.policy_start
-        records.append(sample_record(trace, queued.env, queued.advantage, lag))
+        records.append(sample_of(trace, queued.env, queued.advantage, lag))
         lags.append(lag)
         rewards.append(trace.reward)
         n_tokens += queued.n_tokens

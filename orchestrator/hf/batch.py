@@ -1,4 +1,5 @@
-"""The batch schema every trainer reads: `batches/step_N.json` (format 1) validated and tensorized.
+"""The batch every trainer reads: `batches/step_N.safetensors` (orchestrator.core.batch) validated
+and tensorized.
 
 One parser for every trainer (the HF trainer, full or LoRA, one process or N ranks): a batch that
 one trainer accepts, every trainer accepts, and each rejection names the sample and the field.
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from orchestrator.rundir import BatchFileError, batch_samples, sample_tag
+from orchestrator.core.batch import BatchArrays
+from orchestrator.rundir import BatchFileError, read_batch_file, sample_tag
 
 
 class BatchError(BatchFileError):
@@ -53,55 +56,70 @@ class Batch:
 
 
 def parse_batch(raw: bytes, expected_step: int, vocab_size: int, where: str = "batch") -> Batch:
-    """Validate and tensorize a format-1 batch; raises :class:`BatchError` naming the problem."""
+    """Validate and tensorize a batch file; raises :class:`BatchError` naming the problem."""
     try:
-        samples = batch_samples(raw, expected_step, where)  # the schema every trainer shares
+        batch = read_batch_file(raw, expected_step, where)  # the layout every trainer shares
     except BatchFileError as err:
         raise BatchError(str(err)) from err
-    for i, sample in enumerate(samples):
-        check_sample(sample, vocab_size, sample_tag(where, i, sample))
-    return tensorize(expected_step, samples)
+    check_samples(batch, vocab_size, where)
+    return tensorize(batch)
 
 
-def check_sample(sample: dict, vocab_size: int, tag: str) -> None:
-    """A sample's values against the model (the schema checked it carries `TRAINED_FIELDS`)."""
-    ids, mask, lp = sample["token_ids"], sample["mask"], sample["logprobs"]
-    if not (isinstance(ids, list) and isinstance(mask, list) and isinstance(lp, list)):
-        raise BatchError(f"{tag}: token_ids, mask and logprobs must be lists")
-    if not (len(ids) == len(mask) == len(lp)) or len(ids) < 2:
-        raise BatchError(f"{tag}: token_ids/mask/logprobs lengths differ or < 2 ({len(ids)}, {len(mask)}, {len(lp)})")
-    if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
-        raise BatchError(f"{tag}: token id outside the model's vocabulary [0, {vocab_size})")
-    if any(m not in (0, 1) for m in mask) or mask[0] != 0:
-        raise BatchError(f"{tag}: mask must be 0/1 with mask[0] == 0 (the first token has no logprob)")
-    if any(not isinstance(x, (int, float)) for x in lp) or any(m and not x <= 0.0 for m, x in zip(mask, lp)):
-        raise BatchError(f"{tag}: logprobs must be numbers <= 0 on sampled tokens")
-    adv, temp = sample["advantage"], sample["temperature"]
-    if not isinstance(adv, (int, float)) or adv != adv or abs(adv) == float("inf"):
-        raise BatchError(f"{tag}: advantage must be a finite number, got {adv!r}")
-    if not isinstance(temp, (int, float)) or not temp > 0:
-        raise BatchError(f"{tag}: temperature must be > 0, got {temp!r}")
+def check_samples(batch: BatchArrays, vocab_size: int, where: str) -> None:
+    """The samples' values against the model, over the flat arrays at once; the first bad sample
+    is named."""
+    starts = batch.offsets[:-1]
+    token_sample = np.repeat(np.arange(len(batch)), np.diff(batch.offsets))  # each token's sample
+
+    def first(bad_tokens: np.ndarray | None = None, bad_samples: np.ndarray | None = None) -> int | None:
+        found = []
+        if bad_tokens is not None and bad_tokens.any():
+            found.append(int(token_sample[np.argmax(bad_tokens)]))
+        if bad_samples is not None and bad_samples.any():
+            found.append(int(np.argmax(bad_samples)))
+        return min(found, default=None)
+
+    ids, mask, lp = batch.token_ids, batch.mask, batch.logprobs
+    checks = [
+        (first(bad_samples=np.diff(batch.offsets) < 2), "fewer than 2 tokens"),
+        (first((ids < 0) | (ids >= vocab_size)), f"token id outside the model's vocabulary [0, {vocab_size})"),
+        (
+            first(mask > 1, mask[np.minimum(starts, max(len(mask) - 1, 0))] != 0 if len(mask) else None),
+            "mask must be 0/1 with mask[0] == 0 (the first token has no logprob)",
+        ),
+        (first((mask == 1) & ~(lp <= 0.0)), "logprobs must be numbers <= 0 on sampled tokens"),
+        (first(bad_samples=~np.isfinite(batch.advantage)), "advantage must be a finite number"),
+        (first(bad_samples=~(batch.temperature > 0)), "temperature must be > 0"),
+    ]
+    failed = [(index, message) for index, message in checks if index is not None]
+    if failed:
+        index, message = min(failed, key=lambda f: f[0])
+        raise BatchError(f"{sample_tag(where, batch, index)}: {message}")
 
 
-def tensorize(step: int, samples: list[dict]) -> Batch:
-    """Checked samples as right-padded tensors."""
-    if not samples:
+def tensorize(batch: BatchArrays) -> Batch:
+    """Checked samples as right-padded tensors (the padded rows are the only copy made)."""
+    n = len(batch)
+    if not n:
         empty = torch.zeros(0, 2)
-        return Batch(step, empty.long(), empty.long(), empty.bool(), empty, torch.zeros(0), torch.ones(0), None)
-    width = max(len(s["token_ids"]) for s in samples)
-
-    def padded(key: str, fill, dtype) -> torch.Tensor:
-        return torch.tensor([s[key] + [fill] * (width - len(s[key])) for s in samples], dtype=dtype)
-
-    lengths = torch.tensor([len(s["token_ids"]) for s in samples])
-    rewards = [s["reward"] for s in samples if isinstance(s.get("reward"), (int, float))]
+        return Batch(batch.step, empty.long(), empty.long(), empty.bool(), empty, torch.zeros(0), torch.ones(0), None)
+    lengths = np.diff(batch.offsets)
+    width = int(lengths.max())
+    ids = np.zeros((n, width), np.int64)
+    mask = np.zeros((n, width), np.bool_)
+    old = np.zeros((n, width), np.float32)
+    for i in range(n):
+        span, k = batch.tokens(i), int(lengths[i])
+        ids[i, :k] = batch.token_ids[span]
+        mask[i, :k] = batch.mask[span]
+        old[i, :k] = batch.logprobs[span]
     return Batch(
-        step=step,
-        ids=padded("token_ids", 0, torch.long),
-        attention=(torch.arange(width).view(1, -1) < lengths.view(-1, 1)).long(),
-        mask=padded("mask", 0, torch.bool),
-        old_logprobs=padded("logprobs", 0.0, torch.float32),
-        advantages=torch.tensor([float(s["advantage"]) for s in samples]),
-        temperature=torch.tensor([float(s["temperature"]) for s in samples]),
-        rewards=[float(r) for r in rewards] if len(rewards) == len(samples) else None,
+        step=batch.step,
+        ids=torch.from_numpy(ids),
+        attention=(torch.arange(width).view(1, -1) < torch.from_numpy(lengths).view(-1, 1)).long(),
+        mask=torch.from_numpy(mask),
+        old_logprobs=torch.from_numpy(old),
+        advantages=torch.tensor(batch.advantage.tolist(), dtype=torch.float32),
+        temperature=torch.tensor(batch.temperature.tolist(), dtype=torch.float32),
+        rewards=batch.reward.tolist() if batch.reward is not None else None,
     )

@@ -8,7 +8,7 @@ Its configuration is ``RUN_DIR/trainer.json`` (:class:`TrainerConfig`, written b
    whose B matrices start at zero, so step 0 is the base model), or resume from
    ``trainer_ckpt/ckpt.pt`` (weights, AdamW state, step); publish the current version if its
    publication had not completed (step_0: the model as loaded).
-2. For N = last_step+1 .. max_steps: wait (bounded) for ``batches/step_N.json``, take ONE AdamW
+2. For N = last_step+1 .. max_steps: wait (bounded) for ``batches/step_N.safetensors``, take ONE AdamW
    step of the clipped importance-ratio loss (:func:`.loss.pg_loss`) on it, checkpoint step N,
    publish ``weights/step_N`` (+ ``metrics.json``) then its STABLE marker, prune old versions.
 3. Exit 0 after max_steps. An error: one line ``orch trainer: error: ...`` on stderr, then the
@@ -349,7 +349,7 @@ def run_trainer(run_dir: str | os.PathLike) -> int:
     help="run directory holding trainer.json, batches/ and weights/",
 )
 def trainer_command(run_dir: Path) -> None:
-    """The hf trainer (one process, or one rank under torchrun): batches/step_N.json -> weights/step_N."""
+    """The hf trainer (one process, or one rank under torchrun): batches/step_N.safetensors -> weights/step_N."""
     sys.exit(run_trainer(run_dir))
 
 

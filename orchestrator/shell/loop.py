@@ -19,7 +19,7 @@ from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.components import Algorithm, InferenceBackend, RolloutRequest, Trainer
 from orchestrator.config import RunConfig
 from orchestrator.core import events as ev
-from orchestrator.core.batch import batch_sha256, encode_batch, sample_record
+from orchestrator.core.batch import batch_sha256, encode_batch, sample_of
 from orchestrator.core.decide import decide
 from orchestrator.core.state import REDUCER_VERSION, Group, ShippedSample, State, Trace, state_bytes
 from orchestrator.effects import perform
@@ -367,7 +367,7 @@ class Orchestrator:
 
     @staticmethod
     def batch_payload(step: int, samples: list[ShippedSample]) -> bytes:
-        return encode_batch(step, (sample_record(s.trace, s.env, s.advantage, s.lag) for s in samples))
+        return encode_batch(step, [sample_of(s.trace, s.env, s.advantage, s.lag) for s in samples])
 
     def _write_batches(self, batches: list[tuple[int, bytes]]) -> None:
         """Write shipped batch files (atomic). Runs in a worker thread while the loop awaits it.

@@ -12,11 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
-import msgspec
 from pydantic import Field
 
 from orchestrator.components import BuildContext, Publish, TrainerComponent
-from orchestrator.rundir import batch_path
+from orchestrator.rundir import BatchFileError, batch_path, read_batch_file
 from orchestrator.trainers import TrainerFailed
 
 
@@ -29,19 +28,6 @@ class FakeTrainerConfig(TrainerComponent):
 
     def build(self, ctx: BuildContext) -> FakeTrainer:
         return FakeTrainer(ctx.run_dir, self.step_time_s)
-
-
-class _SampleMask(msgspec.Struct, gc=False):
-    mask: list[int]
-
-
-class _BatchMasks(msgspec.Struct, gc=False):
-    samples: list[_SampleMask]
-
-
-# What the fake trainer reads of a batch: its samples' masks (the rest is skipped, not built: half
-# the cost of a full parse, in a thread beside the loop).
-_decode_masks = msgspec.json.Decoder(_BatchMasks).decode
 
 
 class FakeTrainer:
@@ -80,8 +66,11 @@ class FakeTrainer:
         payload = batch_path(self.run_dir, step).read_bytes()
         if hashlib.sha256(payload).hexdigest() != sha256:
             raise TrainerFailed(f"fake trainer: batch {step} on disk does not match its logged sha256")
-        samples = _decode_masks(payload).samples
-        return {"samples": len(samples), "tokens": sum(sum(sample.mask) for sample in samples)}
+        try:
+            batch = read_batch_file(payload, step, str(batch_path(self.run_dir, step)))
+        except BatchFileError as err:
+            raise TrainerFailed(f"fake trainer: {err}") from None
+        return {"samples": len(batch), "tokens": int(batch.mask.sum(dtype="int64"))}
 
     def check(self) -> None:
         """In-process: failures surface through its task."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hf_helpers import VARIANTS, samples, started_trainer, trainer_config
 
+from orchestrator.core.batch import BatchSample, encode_batch
 from orchestrator.hf.batch import BatchError, parse_batch
 from orchestrator.hf.loss import pg_loss, token_logprobs
 from orchestrator.hf.process import TrainerError
@@ -19,7 +20,8 @@ VOCAB = 300
 
 
 def _raw(sample_list, step=1) -> bytes:
-    return orjson.dumps({"format": 1, "step": step, "samples": sample_list})
+    defaults = {"trace_id": 0, "group_id": 0, "env": "", "policy_start": 0, "lag": 0}
+    return encode_batch(step, [BatchSample(**{**defaults, **sample}) for sample in sample_list])
 
 
 def test_zero_advantage_gives_zero_gradient():
@@ -90,7 +92,7 @@ GOOD = {
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"token_ids": [1, 2]}, "lengths differ"),
+        ({"token_ids": [1], "mask": [0], "logprobs": [0.0]}, "fewer than 2 tokens"),
         ({"mask": [1, 1, 1]}, "mask[0] == 0"),
         ({"token_ids": [1, 2, VOCAB]}, "vocabulary"),
         ({"logprobs": [0.0, 0.5, -1.0]}, "<= 0"),
@@ -104,9 +106,9 @@ def test_a_bad_sample_is_named(change, message):
     assert "sample 1 (trace_id 7)" in str(err.value)
 
 
-def test_a_missing_field_and_a_wrong_step_are_named():
-    with pytest.raises(BatchError, match=r"missing field\(s\) \['advantage'\]"):
-        parse_batch(_raw([{k: v for k, v in GOOD.items() if k != "advantage"}]), 1, VOCAB)
+def test_a_file_that_is_no_batch_and_a_wrong_step_are_named():
+    with pytest.raises(BatchError, match="batch: not a safetensors file"):
+        parse_batch(orjson.dumps({"format": 1, "step": 1, "samples": [GOOD]}), 1, VOCAB)
     with pytest.raises(BatchError, match="step must be 2"):
         parse_batch(_raw([GOOD], step=1), 2, VOCAB)
 

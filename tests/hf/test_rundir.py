@@ -5,7 +5,7 @@ import os
 import pytest
 
 from orchestrator import rundir as files
-from orchestrator.core.batch import encode_batch
+from orchestrator.core.batch import BatchSample, encode_batch
 from orchestrator.hf.publish import prune, publish
 from orchestrator.hf.sampler import load_version
 from orchestrator.hf.tiny_model import build_untrained
@@ -18,8 +18,10 @@ def _publish(run_dir, version):
 
 
 def test_atomic_write_bytes_is_complete_and_fsynced_before_it_becomes_visible(tmp_path, monkeypatch):
-    target = tmp_path / "batches" / "step_1.json"
-    payload = encode_batch(1, [{"x": list(range(10000))}])  # the canonical bytes, whose sha256 the log holds
+    target = tmp_path / "batches" / "step_1.safetensors"
+    sample = {"token_ids": list(range(10000)), "mask": [1] * 10000, "logprobs": [-1.0] * 10000}
+    sample |= {"advantage": 0.5, "temperature": 1.0}
+    payload = encode_batch(1, [BatchSample(0, 0, "", policy_start=0, lag=0, **sample)])  # whose sha256 the log holds
     fsynced = []
     real_fsync, real_replace = os.fsync, os.replace
     seen = {}
@@ -36,15 +38,15 @@ def test_atomic_write_bytes_is_complete_and_fsynced_before_it_becomes_visible(tm
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    files.write_batch_file(tmp_path, 1, [{"x": list(range(10000))}])
+    files.write_batch_file(tmp_path, 1, [sample])
     assert seen == {"target_existed": False, "tmp_complete": True, "tmp_fsynced": True}
     assert str(target.parent) in fsynced  # the directory entry is durable too
     assert target.read_bytes() == payload
-    assert os.listdir(target.parent) == ["step_1.json"]
+    assert os.listdir(target.parent) == ["step_1.safetensors"]
 
 
 def test_a_rebuildable_file_is_written_atomically_without_fsync(tmp_path, monkeypatch):
-    target = tmp_path / "batches" / "step_2.json"
+    target = tmp_path / "batches" / "step_2.safetensors"
     seen = {}
     real_replace = os.replace
 
@@ -56,7 +58,7 @@ def test_a_rebuildable_file_is_written_atomically_without_fsync(tmp_path, monkey
     monkeypatch.setattr(os, "replace", replace)
     files.atomic_write_bytes(target, b"payload", durable=False)
     assert seen == {"tmp_complete": True}  # renamed once complete, never fsynced
-    assert target.read_bytes() == b"payload" and os.listdir(target.parent) == ["step_2.json"]
+    assert target.read_bytes() == b"payload" and os.listdir(target.parent) == ["step_2.safetensors"]
 
 
 def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch):

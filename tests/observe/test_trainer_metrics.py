@@ -17,10 +17,12 @@ from orchestrator.trainers.process import ProcessTrainer
 
 
 def _batch(run_dir, step, masks):
-    samples = [{"trace_id": i, "mask": mask, "token_ids": [1] * len(mask)} for i, mask in enumerate(masks)]
-    payload = orjson.dumps({"format": 1, "step": step, "samples": samples})
-    files.atomic_write_bytes(files.batch_path(run_dir, step), payload)
-    return batch_sha256(payload)
+    samples = [
+        {"trace_id": i, "mask": mask, "token_ids": [1] * len(mask), "logprobs": [0.0] * len(mask)}
+        | {"advantage": 1.0, "temperature": 1.0}
+        for i, mask in enumerate(masks)
+    ]
+    return batch_sha256(files.write_batch_file(run_dir, step, samples).read_bytes())
 
 
 def test_fake_trainer_reports_the_batch_it_read_and_its_step_time(tmp_path):

@@ -41,7 +41,7 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
             (seq,),
         ).fetchone()
         assert version >= step - 1 - target_lag, f"batch {step} shipped before version {step - 1 - target_lag}"
-        payload = (run_dir / "batches" / f"step_{step}.json").read_bytes()
+        payload = (run_dir / "batches" / f"step_{step}.safetensors").read_bytes()
         assert hashlib.sha256(payload).hexdigest() == sha
     last_kind, reason = db.execute(
         "SELECT kind, json_extract(data, '$.reason') FROM events ORDER BY seq DESC LIMIT 1"
@@ -334,13 +334,13 @@ def test_a_batch_file_past_the_logs_last_shipped_step_refuses_the_resume(tmp_pat
     shipped step means the log lost committed events. Not overwritten: the trainer may have used it."""
     assert _fake_run(tmp_path, "r", "--max-steps", "2").returncode == 0
     batches = tmp_path / "r" / "batches"
-    (batches / "step_4.json").write_bytes((batches / "step_2.json").read_bytes())
+    (batches / "step_4.safetensors").write_bytes((batches / "step_2.safetensors").read_bytes())
     result = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "6")
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"orch: error: {batches} holds batch files for steps 4..4, but the log shipped only up to step 2: it lost "
         "committed events (its -wal file deleted or damaged?); move those files away to resume from the log as it is"
     ]
-    assert (batches / "step_4.json").read_bytes() == (batches / "step_2.json").read_bytes()
+    assert (batches / "step_4.safetensors").read_bytes() == (batches / "step_2.safetensors").read_bytes()
 
 
 def test_a_json_summary_dir_that_cannot_be_written_is_found_before_the_run(tmp_path):

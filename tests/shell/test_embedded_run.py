@@ -106,14 +106,17 @@ def test_trainer_error_stops_the_orchestrator_with_the_trainers_message(tmp_path
     try:
         wait_until(lambda: (run_dir / "trainer.json").exists(), 60, "the run directory")
         (run_dir / "batches").mkdir(exist_ok=True)
-        (run_dir / "batches" / "step_1.json").write_text("{not json")  # before the real batch 1
+        (run_dir / "batches" / "step_1.safetensors").write_text("{not a batch")  # before the real batch 1
         proc.wait(timeout=120)
     finally:
         proc.kill()
     stderr = proc.stderr.read()
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("orch: error: trainer exited with code 1: orch trainer: error:") and "step_1.json" in last
+    assert (
+        last.startswith("orch: error: trainer exited with code 1: orch trainer: error:")
+        and "step_1.safetensors" in last
+    )
     wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "no process left")
 
 

@@ -17,7 +17,7 @@ from orchestrator.core import events as ev
 from orchestrator.core._fast_events import decode_unvalidated
 from orchestrator.core.state import initial_state, state_bytes, state_from_bytes
 from orchestrator.fold import fold_log
-from orchestrator.rundir import batch_path, batch_samples
+from orchestrator.rundir import batch_path, read_batch_file
 from tests.shell.test_e2e_fake import orch
 
 
@@ -131,12 +131,14 @@ def test_a_long_context_run_resumes_and_replays_and_names_a_damaged_payload(tmp_
     assert same.returncode == 0, same.stdout + same.stderr
 
     # A shipped sample's arrays, from the batch file, are the episode's in the log.
-    sample = batch_samples(batch_path(run_dir, 4).read_bytes(), 4)[0]
-    shown = orch("replay", str(run_dir), "--episode", str(sample["trace_id"]))
+    batch = read_batch_file(batch_path(run_dir, 4).read_bytes(), 4)
+    span = batch.tokens(0)
+    shown = orch("replay", str(run_dir), "--episode", str(batch.trace_id[0]))
     assert shown.returncode == 0, shown.stderr
     [completion] = [orjson.loads(line) for line in shown.stdout.splitlines()]
-    assert completion["token_ids"] == sample["token_ids"] and len(completion["token_ids"]) >= 5024
-    assert completion["mask"] == sample["mask"] and completion["logprobs"] == sample["logprobs"]
+    assert completion["token_ids"] == batch.token_ids[span].tolist() and len(completion["token_ids"]) >= 5024
+    assert completion["mask"] == batch.mask[span].tolist()
+    assert completion["logprobs"] == batch.logprobs[span].tolist()
     missing = orch("replay", str(run_dir), "--episode", "999999")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "episode 999999" in missing.stderr
 

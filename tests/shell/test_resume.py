@@ -223,8 +223,8 @@ def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_id
     with EventLog.open_reader(run_dir / "events.db") as log:
         untrained = sorted(fold_log(log).state.shipped_batches)
     assert len(untrained) >= 2, "the slow trainer should leave shipped batches untrained"
-    (run_dir / "batches" / f"step_{untrained[0]}.json").unlink()
-    partial = run_dir / "batches" / f"step_{untrained[1]}.json"
+    (run_dir / "batches" / f"step_{untrained[0]}.safetensors").unlink()
+    partial = run_dir / "batches" / f"step_{untrained[1]}.safetensors"
     partial.write_bytes(partial.read_bytes()[:50])
     result = orch("run", "--resume", str(run_dir), "--set", "trainer.fake.step_time_s=0.01")
     assert result.returncode == 0, result.stderr

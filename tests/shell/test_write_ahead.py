@@ -46,7 +46,7 @@ def test_effects_follow_the_commit_of_their_events(tmp_path, monkeypatch):
         return await fake_rollout(self, req)
 
     def batch_written(self, step, sha256):
-        batch_file = config.run_dir / "batches" / f"step_{step}.json"
+        batch_file = config.run_dir / "batches" / f"step_{step}.safetensors"
         announced.append(committed("batch_shipped", "step", step) and batch_file.exists())
         fake_announce(self, step, sha256)
 
