@@ -217,7 +217,8 @@ def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_id
         time.sleep(0.2)
         if (run_dir / "events.db").exists():
             with EventLog.open_reader(run_dir / "events.db") as log:
-                untrained = sorted(fold_log(log).state.shipped_batches)
+                state = fold_log(log).state  # None until the first commit
+                untrained = sorted(state.shipped_batches) if state else []
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     with EventLog.open_reader(run_dir / "events.db") as log:
