@@ -8,7 +8,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -110,13 +110,19 @@ def load_version(wdir: Path, base: Path, lora: bool):
 
 @contextlib.contextmanager
 def launched(
-    model_dir: Path, log_dir: Path, weight_sync: str, servers: int = 1, max_loras: int = 2, dev_mode: bool = False
+    model_dir: Path,
+    log_dir: Path,
+    weight_sync: str,
+    servers: int = 1,
+    max_loras: int = 2,
+    dev_mode: bool = False,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[VllmLauncher]:
     """vLLM servers started by orch's launcher, ready; always stopped. ``dev_mode``: the reload
-    routes too (a LoRA server that also reloads full weights)."""
+    routes too (a LoRA server that also reloads full weights); ``extra_args``: more flags."""
     launch = LaunchSection(
         servers=servers,
-        extra_args=CPU_ARGS,
+        extra_args=[*CPU_ARGS, *extra_args],
         max_lora_rank=LORA_RANK,
         ready_timeout_s=300,
         env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {},
