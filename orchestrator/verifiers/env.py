@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.components import RolloutRequest
@@ -58,6 +60,17 @@ class Tally:
     route_s: float = 0.0  # orch's routing of the model calls, beyond their HTTP exchange (inside harness_s)
 
 
+def uv_on_path() -> None:
+    """verifiers' subprocess runtime runs `uv` from PATH (without one, it pip-installs one into
+    ~/.local/bin from the network): the `uv` package's, installed beside orch, is put on it."""
+    from uv import find_uv_bin
+
+    bin_dir = str(Path(find_uv_bin()).parent)
+    path = os.environ.get("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+
+
 class VerifiersEnv:
     """An ``orchestrator.envs.base.AgentEnv``: ``await env.episode(request, client)`` plays one
     episode of the taskset (raising: a failed episode)."""
@@ -72,6 +85,7 @@ class VerifiersEnv:
         model: str,
         renderer_model: str,
     ):
+        uv_on_path()
         self.section, self.seed = section, seed
         self.temperature, self.max_tokens, self.model, self.renderer_model = (
             temperature,
