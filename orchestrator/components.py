@@ -47,7 +47,8 @@ What each kind builds:
 * an env (`EnvComponent.open(ctx)`): an async context manager around the `RolloutEnv` (in this
   process or a client of `orch env-server`), or around an `AgentEnv` that plays whole episodes
   itself, its model calls through the `openai` backend's client (verifiers tasksets); checked
-  before the run, closed after it. `synthetic = True`: its episodes are not the model's tokens;
+  before the run, closed after it. `synthetic = True` (the fake env): its episodes are not the
+  model's tokens, so the model samplers and trainers refuse it;
 * an algorithm (`AlgorithmComponent.build` -> `Algorithm`); its name must also be one the core
   knows (`orchestrator.core.advantages`), which folds its advantages.
 
