@@ -100,7 +100,8 @@ def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
             "--nproc-per-node=2",
             "--max-restarts=0",
             "-m",
-            "orchestrator.hf.trainer",
+            "orchestrator.cli",
+            "trainer",
             "--run-dir",
             str(tmp_path / "r"),
         ]
