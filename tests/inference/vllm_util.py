@@ -8,7 +8,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -117,13 +117,15 @@ def launched(
     max_loras: int = 2,
     dev_mode: bool = False,
     ports: list[int] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[VllmLauncher]:
     """vLLM servers started by orch's launcher, ready; always stopped. ``dev_mode``: the reload
-    routes too (a LoRA server that also reloads full weights). ``ports``: where (default: free ones)."""
+    routes too (a LoRA server that also reloads full weights). ``ports``: where (default: free
+    ones); ``extra_args``: more `vllm serve` flags."""
     launch = LaunchSection(
         servers=len(ports) if ports else servers,
         ports=ports or [],
-        extra_args=CPU_ARGS,
+        extra_args=[*CPU_ARGS, *extra_args],
         max_lora_rank=LORA_RANK,
         ready_timeout_s=300,
         env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {},
