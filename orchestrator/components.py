@@ -45,7 +45,10 @@ What each kind builds:
   episode per `RolloutRequest` for the task of `envs[request.env]`; `follows_weights` says whether the run
   waits for and loads each published version;
 * an env (`EnvComponent.open(ctx)`): an async context manager around the `RolloutEnv` (in this
-  process or a client of `orch env-server`), checked before the run, closed after it;
+  process or a client of `orch env-server`), or around an `AgentEnv` that plays whole episodes
+  itself, its model calls through the `openai` backend's client (verifiers tasksets); checked
+  before the run, closed after it. `synthetic = True` (the fake env): its episodes are not the
+  model's tokens, so the model samplers and trainers refuse it;
 * an algorithm (`AlgorithmComponent.build` -> `Algorithm`); its name must also be one the core
   knows (`orchestrator.core.advantages`), which folds its advantages.
 
@@ -70,7 +73,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
     from orchestrator.config import RunConfig
-    from orchestrator.envs.base import RolloutEnv
+    from orchestrator.envs.base import AgentEnv, RolloutEnv
     from orchestrator.hf.model import PreparedModel
 
 
@@ -190,13 +193,16 @@ class TrainerComponent(Component):
 
 class InferenceComponent(Component):
     @abstractmethod
-    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> InferenceBackend:
+    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]) -> InferenceBackend:
         """`envs`: the run's envs that have a task source (`EnvComponent.open` gave one)."""
 
 
 class EnvComponent(Component):
+    # Its episodes are made up, not the model's tokens: no model sampler samples them, no model trainer learns them.
+    synthetic: ClassVar[bool] = False
+
     @abstractmethod
-    def open(self, ctx: BuildContext) -> AbstractAsyncContextManager[RolloutEnv | None]:
+    def open(self, ctx: BuildContext) -> AbstractAsyncContextManager[RolloutEnv | AgentEnv | None]:
         """The env as rollout workers call it, for the run's duration (checked before the run;
         closed at its end). None: it has no task source (its episodes come whole from a backend)."""
 
@@ -260,6 +266,7 @@ ENVS = Registry(
     {
         "reverse_text": "orchestrator.envs.reverse_text:ReverseTextConfig",
         "fake": "orchestrator.envs.fake:FakeEnvConfig",
+        "verifiers": "orchestrator.verifiers.config:VerifiersConfig",
     },
 )
 ALGORITHMS = Registry(
@@ -269,3 +276,8 @@ ALGORITHMS = Registry(
         "gar": "orchestrator.finalizers:GARConfig",
     },
 )
+
+
+def synthetic_envs(run: RunConfig) -> list[str]:
+    """The run's envs whose episodes are not the model's tokens (`EnvComponent.synthetic`)."""
+    return [name for name in run.envs if getattr(ENVS.config(name), "synthetic", False)]

@@ -6,13 +6,19 @@ of ``task.prompt`` and hands the text back to :meth:`TextEnv.score`. Tasks are a
 
 Rollout workers reach an env through the async :class:`RolloutEnv`: :class:`InProcessEnv` for an
 env in this process, or ``orchestrator.envs.client.HttpEnvClient`` for one behind
-``orch env-server`` (``rollout.env_server``).
+``orch env-server`` (``rollout.env_server``). An env whose episodes are agent runs (verifiers
+tasksets) is an :class:`AgentEnv` instead: it samples through the backend's client itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from orchestrator.components import RolloutRequest
+    from orchestrator.core.events import EpisodeCompleted
+    from orchestrator.inference.client import InferenceClient
 
 
 @dataclass(frozen=True)
@@ -57,3 +63,12 @@ class InProcessEnv:
 
     async def score(self, task: Task, completion: str) -> float:
         return self.env.score(task, completion)
+
+
+@runtime_checkable
+class AgentEnv(Protocol):
+    """An env that plays each episode itself (an agent run: several model calls, multi-turn), its
+    model calls through the sampler's inference client (the `openai` backend hands it over); it
+    returns the episode's one sample (raising: a failed episode)."""
+
+    async def episode(self, request: RolloutRequest, client: InferenceClient, /) -> EpisodeCompleted: ...

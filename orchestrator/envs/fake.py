@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 class FakeEnvConfig(EnvComponent):
     """The `fake` env: seeded synthetic episodes, no model (tests and benchmarks)."""
 
+    synthetic: ClassVar[bool] = True
+
     latency_s: float = Field(0.0, ge=0, description="mean episode latency (0 = instant)")
     latency_jitter_s: float = Field(0.0, ge=0, description="uniform +- jitter on the latency")
     error_rate: float = Field(0.0, ge=0, le=1, description="probability an episode raises")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from orchestrator.components import BuildContext, Section, Trainer, TrainerComponent
+from orchestrator.components import BuildContext, Section, Trainer, TrainerComponent, synthetic_envs
 
 if TYPE_CHECKING:
     from orchestrator.config import RunConfig
@@ -71,8 +71,12 @@ class HFTrainerConfig(TrainerComponent):
         return self
 
     def check(self, run: RunConfig) -> None:
-        if set(run.envs) != {"reverse_text"}:
-            raise ValueError("the hf trainer learns reverse_text only; use trainer.kind='fake' for other envs")
+        synthetic = synthetic_envs(run)
+        if synthetic:
+            raise ValueError(
+                f"the hf trainer learns the model's own tokens, not the {', '.join(synthetic)} env's; "
+                "use trainer.kind='fake' for it"
+            )
 
     def build(self, ctx: BuildContext) -> Trainer:
         from orchestrator.hf.component import make_trainer  # torch, transformers: only now

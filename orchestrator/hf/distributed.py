@@ -144,7 +144,7 @@ def torchrun_command(
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "orch",
 ) -> list[str]:
-    """``python -m torch.distributed.run ... -m orchestrator.hf.trainer --run-dir RUN_DIR``:
+    """``python -m torch.distributed.run ... -m orchestrator.cli trainer --run-dir RUN_DIR``:
     standalone on one node, else a c10d rendezvous at `rdzv_endpoint` shared by `nnodes` nodes."""
     where = (
         ["--standalone"]
@@ -165,7 +165,8 @@ def torchrun_command(
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
         "-m",
-        "orchestrator.hf.trainer",
+        "orchestrator.cli",
+        "trainer",
         "--run-dir",
         str(run_dir),
     ]

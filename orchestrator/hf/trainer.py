@@ -21,12 +21,10 @@ alone writes files and logs. stdout: one line per step and per notable wait.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Literal
 
-import click
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -339,19 +337,3 @@ def run_trainer(run_dir: str | os.PathLike) -> int:
             ranks.close()
 
     return exit_code_of(body, where="" if rank is None else f"[rank {rank}] ")
-
-
-@click.command("trainer")
-@click.option(
-    "--run-dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="run directory holding trainer.json, batches/ and weights/",
-)
-def trainer_command(run_dir: Path) -> None:
-    """The hf trainer (one process, or one rank under torchrun): batches/step_N.safetensors -> weights/step_N."""
-    sys.exit(run_trainer(run_dir))
-
-
-if __name__ == "__main__":  # python -m orchestrator.hf.trainer --run-dir DIR (torchrun's entry point)
-    trainer_command()

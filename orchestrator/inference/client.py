@@ -50,9 +50,10 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 
@@ -62,6 +63,7 @@ from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_c
 
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
+T = TypeVar("T")
 
 log = logging.getLogger("orch.inference")
 
@@ -144,6 +146,18 @@ class Completion:
     policy_start: int  # version the samples came from (exact when the server reports it)
     policy_end: int
     attempts: int
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A :meth:`InferenceClient.generate` call as the endpoint answered it."""
+
+    endpoint: str
+    answer: Any  # the endpoint's JSON answer, untouched
+    policy_start: int
+    policy_end: int
+    attempts: int
+    http_s: float  # the answering attempt's HTTP exchange, weight sync included
 
 
 class InferenceClient:
@@ -375,6 +389,50 @@ class InferenceClient:
             body["seed"] = seed
         if extra:
             body.update(extra)
+        expected = n * (len(prompt) if _is_batch(prompt) else 1)
+
+        async def send(ep: Endpoint) -> tuple[list[ParsedChoice], int, int]:
+            answer, sampled_by, ended_at = await self._post_sampling(ep, "/v1/completions", body, at_version)
+            try:
+                choices, reported = parse_completion(answer, expected, where=f"{ep.url}/v1/completions")
+            except ProtocolError as exc:
+                raise InferenceRequestError(str(exc)) from None
+            if reported is not None:  # the server says which version sampled it (`orch serve`)
+                return choices, reported, reported
+            return choices, sampled_by, ended_at
+
+        ep, (choices, sampled_by, ended_at), attempts = await self.routed(send, pin, "completion")
+        return Completion(ep.url, choices, sampled_by, ended_at, attempts)
+
+    async def generate(self, path: str, body: dict[str, Any], *, pin: Any = None) -> Generated:
+        """One sampling call of another route than ``/v1/completions`` (vLLM's token-in/token-out
+        ``/inference/v1/generate``, which verifiers' train client posts), its JSON body and answer
+        passed through as they are: the same routing, retries, weight versions and cancellation
+        as :meth:`complete`; the request names the model (or the version's adapter) as there."""
+
+        async def send(ep: Endpoint) -> tuple[Any, int, int, float]:
+            sent = time.perf_counter()
+            answer, sampled_by, ended_at = await self._post_sampling(ep, path, body, None)
+            return answer, sampled_by, ended_at, time.perf_counter() - sent
+
+        ep, (answer, sampled_by, ended_at, http_s), attempts = await self.routed(send, pin, f"POST {path}")
+        return Generated(ep.url, answer, sampled_by, ended_at, attempts, http_s)
+
+    async def models(self) -> Any:
+        """``GET /v1/models`` of the first endpoint that answers (InferenceUnavailable if none does)."""
+        errors = []
+        for ep in self.endpoints:
+            try:
+                return await self._call(ep, "GET", "/v1/models")
+            except (_Retryable, InferenceRequestError) as exc:
+                errors.append(str(exc))
+        raise InferenceUnavailable("no inference endpoint answered GET /v1/models: " + "; ".join(errors))
+
+    async def routed(self, send: Callable[[Endpoint], Awaitable[T]], pin: Any, what: str) -> tuple[Endpoint, T, int]:
+        """``send(endpoint)`` with the client's routing and retries: (the endpoint that answered,
+        what ``send`` returned, attempts). ``send`` raises ``_Retryable`` on a transport or server
+        failure (the endpoint is marked down, the next attempt goes to another) and
+        InferenceRequestError on a request the endpoint refused (raised at once)."""
         errors: list[str] = []
         tried: set[Endpoint] = set()
         attempt = 0
@@ -401,8 +459,7 @@ class InferenceClient:
             ep.inflight += 1
             ep.assigned += 1
             try:
-                expected = n * (len(prompt) if _is_batch(prompt) else 1)
-                choices, sampled_by, ended_at = await self._sample(ep, body, expected, at_version)
+                result = await send(ep)
             except _Retryable as exc:
                 if not exc.counted:
                     self.mark_down(ep, exc.message, exc.kind)
@@ -410,8 +467,7 @@ class InferenceClient:
                 tried.add(ep)
                 if attempt >= self.max_attempts:
                     raise InferenceUnavailable(
-                        f"completion failed after {attempt} attempt(s) on {len(tried)} endpoint(s): "
-                        + "; ".join(errors)
+                        f"{what} failed after {attempt} attempt(s) on {len(tried)} endpoint(s): " + "; ".join(errors)
                     ) from None
                 continue
             finally:
@@ -421,14 +477,14 @@ class InferenceClient:
                     ep.probe = None
             self.mark_up(ep)
             ep.completed += 1
-            return Completion(ep.url, choices, sampled_by, ended_at, attempt)
+            return ep, result, attempt
 
-    async def _sample(
-        self, ep: Endpoint, body: dict[str, Any], expected: int, at_version: int | None
-    ) -> tuple[list[ParsedChoice], int, int]:
-        """One ``/v1/completions`` call on ``ep`` at its newest version (vllm_lora: at
-        ``at_version`` while the endpoint still holds its adapter): (choices, version that sampled
-        them, version known when they came back)."""
+    async def _post_sampling(
+        self, ep: Endpoint, path: str, body: dict[str, Any], at_version: int | None
+    ) -> tuple[Any, int, int]:
+        """One sampling call (``POST path``) on ``ep`` at its newest version (vllm_lora: at
+        ``at_version`` while the endpoint still holds its adapter): (the answer's JSON, version
+        that sampled it, version known when it came back)."""
         version = await self._ensure_version(ep)
         if at_version is not None and self.weight_sync == "vllm_lora" and at_version in ep.adapters:
             version = min(version, at_version)
@@ -450,7 +506,7 @@ class InferenceClient:
         if adapter is not None:
             ep.adapters[version] = ep.adapters.get(version, 0) + 1
         try:
-            answer = await self._call(ep, "POST", "/v1/completions", request)
+            answer = await self._call(ep, "POST", path, request)
         except InferenceRequestError as exc:
             if adapter is None or exc.status_code != 404 or adapter not in str(exc):
                 raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
@@ -465,17 +521,11 @@ class InferenceClient:
                 ep.adapters[version] -= 1
                 if ep.adapters[version] == 0:
                     ep.adapter_released.set()
-        try:
-            choices, reported = parse_completion(answer, expected, where=f"{ep.url}/v1/completions")
-        except ProtocolError as exc:
-            raise InferenceRequestError(str(exc)) from None
-        if reported is not None:
-            return choices, reported, reported
         if adapter is not None:  # exactly the adapter it asked for
-            return choices, version, version
+            return answer, version, version
         if self.weight_sync == "vllm_reload":
-            return choices, start_version, start_version
-        return choices, start_version, max(start_version, self._known_version(ep))
+            return answer, start_version, start_version
+        return answer, start_version, max(start_version, self._known_version(ep))
 
     def _known_version(self, ep: Endpoint) -> int:
         if self.weight_sync == "none":

@@ -12,6 +12,10 @@ group id pins the group to one endpoint) -> scored by the env -> ``EpisodeComple
 prompt + completion ids, mask, per-token logprobs and the version the endpoint reports. A request
 whose endpoint fails is re-sent to another endpoint (same episode, same seed); when the client
 gives up, the episode fails like any other (the core counts and drops it).
+
+An env that plays its episodes itself (``orchestrator.envs.base.AgentEnv``: a verifiers taskset)
+gets the request and this client instead: its model calls take the same routing, retries and
+weight versions, and the backend still launches the servers and loads each version.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from orchestrator.components import BuildContext, ConfigError, RolloutRequest
 from orchestrator.core.events import EpisodeCompleted
+from orchestrator.envs.base import AgentEnv
 from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
 from orchestrator.inference.endpoints_config import VLLM_MODES, EndpointsConfig
 from orchestrator.notices import report, warn
@@ -36,7 +41,7 @@ if TYPE_CHECKING:
 
 
 def build_endpoints_backend(
-    section: EndpointsConfig, ctx: BuildContext, envs: Mapping[str, RolloutEnv]
+    section: EndpointsConfig, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]
 ) -> EndpointsBackend:
     """The `openai` backend of a run on its prepared model (``ctx.model``: the endpoints serve it):
     the client of its endpoints (given, or the vLLM servers of ``inference.openai.launch``, started
@@ -126,7 +131,7 @@ class EndpointsBackend:
     def __init__(
         self,
         run_dir: str | os.PathLike,
-        envs: Mapping[str, RolloutEnv],
+        envs: Mapping[str, RolloutEnv | AgentEnv],
         client: InferenceClient,
         *,
         temperature: float,
@@ -191,6 +196,8 @@ class EndpointsBackend:
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
         await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         env = self.envs[req.env]
+        if isinstance(env, AgentEnv):  # it plays the episode, its model calls through this client
+            return await env.episode(req, self.client)
         task = await env.task(req.task_id)
         prompt_ids = self.encode_prompt(task)
         seed = episode_seed(self.seed, req.episode_id, req.attempt)

@@ -10,12 +10,12 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
-from orchestrator.components import BuildContext, InferenceComponent, Section
+from orchestrator.components import BuildContext, InferenceComponent, Section, synthetic_envs
 from orchestrator.embedded.sampler_backend import check_samples_published_weights
 
 if TYPE_CHECKING:
     from orchestrator.config import RunConfig
-    from orchestrator.envs.base import RolloutEnv
+    from orchestrator.envs.base import AgentEnv, RolloutEnv
     from orchestrator.inference.endpoints_backend import EndpointsBackend
 
 
@@ -111,15 +111,16 @@ class EndpointsConfig(InferenceComponent):
         return bool(self.endpoints or self.launch.servers)
 
     def check(self, run: RunConfig) -> None:
-        if set(run.envs) != {"reverse_text"}:
-            raise ValueError("inference endpoints sample reverse_text episodes only")
+        synthetic = synthetic_envs(run)
+        if synthetic:
+            raise ValueError(f"inference endpoints sample the model, not the {', '.join(synthetic)} env's episodes")
         if not self.enabled:
             raise ValueError(
                 "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers"
             )
         check_samples_published_weights(run, "inference endpoints")
 
-    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EndpointsBackend:
+    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]) -> EndpointsBackend:
         from orchestrator.inference.endpoints_backend import build_endpoints_backend  # httpx: only now
 
         return build_endpoints_backend(self, ctx, envs)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.components import Algorithm, InferenceBackend, RolloutRequest, Trainer
@@ -184,10 +185,13 @@ class Orchestrator:
             if not inputs and not self.state.stopped:
                 await self._wait_for_inputs()
 
-    def _start(self, work: Awaitable[None], name: str) -> None:
+    def _start(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = self._tasks.create_task(self._keeping_failure(work), name=name)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
+        # A task cancelled before its first step never awaits `work`: closed, it is not reported
+        # as "never awaited" (e.g. a reload spawned just before the stop).
+        task.add_done_callback(lambda _: work.close())
 
     async def _keeping_failure(self, work: Awaitable[None]) -> None:
         """A failure is kept for the loop to raise between two iterations (rule 10), never in the

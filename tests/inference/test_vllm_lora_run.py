@@ -23,7 +23,7 @@ def test_a_lora_run_samples_each_version_from_its_adapter_and_keeps_at_most_max_
     done = subprocess.run(
         orch_run_cmd(
             "--config",
-            str(REPO / "examples" / "reverse_text_vllm.toml"),
+            str(REPO / "examples" / "reverse_text_hf.toml"),
             "--runs-dir",
             str(tmp_path),
             "--name",

@@ -77,7 +77,7 @@ def run(tmp_path_factory):
     run_dir = runs / "r"
     args = [
         "--config",
-        str(REPO / "examples" / "reverse_text_vllm.toml"),
+        str(REPO / "examples" / "reverse_text_hf.toml"),
         "--set",
         f"model.path={tiny_model()}",
         "--set",

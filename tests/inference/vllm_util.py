@@ -8,7 +8,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 LORA_RANK = 8
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-# as examples/reverse_text_vllm.toml
+# as examples/reverse_text_hf.toml
 CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
 
 
@@ -110,13 +110,22 @@ def load_version(wdir: Path, base: Path, lora: bool):
 
 @contextlib.contextmanager
 def launched(
-    model_dir: Path, log_dir: Path, weight_sync: str, servers: int = 1, max_loras: int = 2, dev_mode: bool = False
+    model_dir: Path,
+    log_dir: Path,
+    weight_sync: str,
+    servers: int = 1,
+    max_loras: int = 2,
+    dev_mode: bool = False,
+    ports: list[int] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[VllmLauncher]:
     """vLLM servers started by orch's launcher, ready; always stopped. ``dev_mode``: the reload
-    routes too (a LoRA server that also reloads full weights)."""
+    routes too (a LoRA server that also reloads full weights). ``ports``: where (default: free
+    ones); ``extra_args``: more `vllm serve` flags."""
     launch = LaunchSection(
-        servers=servers,
-        extra_args=CPU_ARGS,
+        servers=len(ports) if ports else servers,
+        ports=ports or [],
+        extra_args=[*CPU_ARGS, *extra_args],
         max_lora_rank=LORA_RANK,
         ready_timeout_s=300,
         env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {},

@@ -38,7 +38,7 @@ FAKE = ['envs={"fake": 1}', "trainer.kind=fake"]
         ("trainer.kind=nope", "trainer.kind: unknown trainer 'nope'; known: fake, hf"),
         ("inference.kind=nope", "inference.kind: unknown inference backend 'nope'; known: embedded, fake, openai"),
         ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo"),
-        ('envs={"nope": 1}', "envs: unknown env 'nope'; known: fake, reverse_text"),
+        ('envs={"nope": 1}', "envs: unknown env 'nope'; known: fake, reverse_text, verifiers"),
         ("trainer.fake.nope=1", "trainer.fake.nope: Extra inputs are not permitted"),
     ],
 )
@@ -51,7 +51,10 @@ def test_an_unknown_name_is_one_line_listing_the_known_ones(override, message):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (['envs={"fake": 1}'], "the hf trainer learns reverse_text only; use trainer.kind='fake' for other envs"),
+        (
+            ['envs={"fake": 1}'],
+            "the hf trainer learns the model's own tokens, not the fake env's; use trainer.kind='fake' for it",
+        ),
         (
             ["trainer.kind=fake"],
             "the embedded sampler samples from the trainer's published weights, which the fake "

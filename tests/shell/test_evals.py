@@ -295,7 +295,7 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
         ),
         (
             ["--set", 'eval.envs=["nope"]'],
-            "orch: error: invalid config: eval.envs: unknown env 'nope'; known: fake, reverse_text",
+            "orch: error: invalid config: eval.envs: unknown env 'nope'; known: fake, reverse_text, verifiers",
         ),
         (
             ["--set", 'eval.envs=["fake"]', "--set", "eval.max_inflight=0"],

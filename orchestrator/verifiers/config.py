@@ -1,0 +1,189 @@
+"""`env.verifiers`: a verifiers (v1) taskset as an orch env, and the checks made before a run.
+
+Light (pydantic and the stdlib): verifiers is imported by the checks, when a run names this env,
+and by the factory (:mod:`orchestrator.verifiers.env`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import Field, field_validator
+
+from orchestrator.components import BuildContext, EnvComponent
+
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
+    from orchestrator.verifiers.env import VerifiersEnv
+
+
+class VerifiersConfig(EnvComponent):
+    """A verifiers (v1) taskset, its model calls through inference.openai (vLLM with --enable-scale-out)."""
+
+    resumable: ClassVar[frozenset[str]] = frozenset(
+        {"path", "rollout_timeout_s", "setup_timeout_s", "scoring_timeout_s"}
+    )
+    taskset: str | None = Field(
+        None,
+        description="taskset id: an importable module exporting one vf.Taskset (verifiers' own, an "
+        "installed package, or a module under `path`)",
+    )
+    path: list[str] = Field(
+        default_factory=list,
+        description="directories put first on sys.path to import the taskset from (stored absolute, so a "
+        "resume finds them from any directory)",
+    )
+    taskset_config: dict[str, Any] = Field(
+        default_factory=dict, description="the taskset's own config (its vf.TasksetConfig fields)"
+    )
+    env_id: str = Field(
+        "", description="a verifiers Env to pair with the taskset (empty: the taskset's own, else SingleAgentEnv)"
+    )
+    harness: dict[str, Any] = Field(
+        default_factory=lambda: {"id": "null"},
+        description="the agent's harness config (`null`: verifiers' plain chat loop)",
+    )
+    runtime: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "subprocess"},
+        description="where the harness runs (verifiers' default is a remote sandbox)",
+    )
+    max_turns: int | None = Field(None, ge=1, description="model turns per episode (None: the env decides)")
+    renderer: dict[str, Any] | None = Field(
+        None, description="a renderers RendererConfig (None: from the run's model dir)"
+    )
+    rollout_timeout_s: float = Field(300.0, gt=0, description="bound on one agent run (verifiers' timeout.rollout)")
+    setup_timeout_s: float = Field(
+        600.0, gt=0, description="bound on an agent's setup (the first builds the harness's uv environment)"
+    )
+    scoring_timeout_s: float = Field(120.0, gt=0, description="bound on an episode's scoring")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: list[str]) -> list[str]:
+        return [str(Path(p).expanduser().resolve()) for p in value]
+
+    def env_config(self, seats: list[str]) -> dict[str, Any]:
+        """The verifiers EnvConfig data of this section: the agent settings on each of `seats`."""
+        timeouts = {"rollout": self.rollout_timeout_s, "setup": self.setup_timeout_s, "scoring": self.scoring_timeout_s}
+        agent = {"harness": self.harness, "runtime": self.runtime, "max_turns": self.max_turns, "timeout": timeouts}
+        return {
+            "id": self.env_id,
+            "taskset": {**self.taskset_config, "id": self.taskset},
+            **{seat: agent for seat in seats},
+        }
+
+    def check(self, run: RunConfig) -> None:
+        """ValueError (one line) unless the taskset can run here: alone, sampled by the `openai`
+        backend, without evals; verifiers installed, the taskset module found, and its env with a
+        trainable agent (what orch trains on)."""
+        if set(run.envs) != {"verifiers"}:
+            raise ValueError("env 'verifiers' runs alone (its episodes come whole from verifiers)")
+        if run.inference_kind() != "openai":
+            raise ValueError(
+                "env 'verifiers' samples through inference.kind='openai' (vLLM started with --enable-scale-out), "
+                f"not {run.inference_kind()!r}"
+            )
+        if run.eval.envs:
+            raise ValueError("evals of env 'verifiers' are not supported yet: its tasksets have no held-out split")
+        if run.rollout.env_server is not None:
+            raise ValueError(
+                "rollout.env_server serves reverse_text; env 'verifiers' plays its taskset in this process"
+            )
+        if self.taskset is None:
+            raise ValueError("env 'verifiers' needs env.verifiers.taskset (an importable taskset module)")
+        if importlib.util.find_spec("verifiers") is None:
+            raise ValueError("env 'verifiers' needs the verifiers package: pip install 'orch[verifiers]'")
+        _check_env(self.model_dump_json())
+
+    @asynccontextmanager
+    async def open(self, ctx: BuildContext) -> AsyncIterator[VerifiersEnv]:
+        """The taskset's env with verifiers' serving resources (its interception server) up for
+        the run; at its end, the run's episode figures (`VerifiersEnv.report`)."""
+        from orchestrator.notices import report
+        from orchestrator.verifiers.env import VerifiersEnv  # verifiers: only now
+
+        config = ctx.config
+        if ctx.model is None:
+            raise ValueError("env 'verifiers' renders its prompts with the run's prepared model (the hf trainer's)")
+        model_dir = str(ctx.model.path.resolve())
+        env = VerifiersEnv(
+            self,
+            seed=config.seed,
+            temperature=config.rollout.temperature,
+            max_tokens=config.rollout.max_new_tokens,
+            model=config.inference.openai.model or model_dir,  # the name vLLM serves it under
+            renderer_model=model_dir,
+        )
+        try:
+            async with env.serving():
+                yield env
+        finally:
+            report(env.report())
+
+
+@functools.cache  # a config is validated several times (a resume: stored, then requested)
+def _check_env(section_json: str) -> None:
+    section = VerifiersConfig.model_validate_json(section_json)
+    add_path(section.path)
+    taskset = section.taskset or ""
+    module = taskset.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    if importlib.util.find_spec(f"verifiers.v1.tasksets.{module}") is None and importlib.util.find_spec(module) is None:
+        where = f" (looked on sys.path and in {', '.join(section.path)})" if section.path else ""
+        raise ValueError(
+            f"env.verifiers.taskset {taskset!r}: no module {module!r}{where}; install the taskset's "
+            "package or add its directory to env.verifiers.path"
+        )
+    env = load_env(section)
+    if not trainable_agents(env):
+        raise ValueError(
+            f"env.verifiers.taskset {taskset!r}: its env {type(env).__name__} has no trainable agent, "
+            "so its episodes have nothing to train"
+        )
+
+
+def add_path(paths: list[str]) -> None:
+    for path in reversed(paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def load_env(section: VerifiersConfig):
+    """The verifiers Env of `section` (ValueError, one line, if verifiers refuses it)."""
+    import verifiers.v1 as vf
+    from pydantic import ValidationError
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    add_path(section.path)
+    try:
+        config_type = vf.env_config_type(section.taskset, section.env_id)
+        seats = list(agent_config_fields(config_type()))
+        return vf.load_environment(vf.resolve_env_config(section.env_config(seats)))
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ValueError(f"env.verifiers.taskset {section.taskset!r}: {problems}") from None
+    except (ValueError, TypeError, ImportError, AttributeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"env.verifiers.taskset {section.taskset!r}: {first}") from None
+
+
+def trainable_agents(env) -> list[str]:
+    """The env's agent seats that train the policy: each declared agent, as the env's own
+    `setup()` leaves it (a judge seat is marked untrainable there)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import verifiers.v1 as vf
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    probe = vf.ModelContext(model="orch-probe", client=vf.EvalClientConfig(base_url="http://orch.invalid/v1"))
+    agents = env._episode_agents(probe, [], None, None)
+    # On a loop of its own (a thread): the check runs while the config is validated, maybe in a loop.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, env.setup(agents)).result()
+    return [name for name in agent_config_fields(env.config) if getattr(agents, name).trainable]

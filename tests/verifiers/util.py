@@ -1,0 +1,104 @@
+"""Helpers of the verifiers tests: a recording HTTP proxy in front of a vLLM server, `orch run` on
+the examples against it, and the run's log read back (the vLLM server itself comes from
+tests/inference/vllm_util.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import sqlite3
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+EXAMPLES = ROOT / "examples"
+TASKSETS = Path(__file__).parent / "tasksets"
+GENERATE_ARGS = ["--enable-scale-out"]  # /inference/v1/generate, which verifiers' train client posts
+
+
+class RecordingProxy:
+    """An HTTP proxy to `upstream` that keeps every /inference/v1/generate exchange as the engine
+    saw and answered it: (request JSON, response JSON)."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.exchanges: list[tuple[dict, dict]] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                conn = http.client.HTTPConnection(host, int(port), timeout=300)
+                conn.request(
+                    self.command,
+                    self.path,
+                    body=body or None,
+                    headers={"content-type": self.headers.get("content-type", "application/json")},
+                )
+                resp = conn.getresponse()
+                answer = resp.read()
+                if self.path.startswith("/inference/v1/generate") and resp.status == 200:
+                    proxy.exchanges.append((json.loads(body), json.loads(answer)))
+                self.send_response(resp.status)
+                self.send_header("content-type", resp.getheader("content-type", "application/json"))
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            do_GET = do_POST = _forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> RecordingProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def orch_run_cmd(config: Path, runs_dir: Path, name: str, endpoint: str, model: Path, *extra: str) -> list[str]:
+    """`orch run` of an example on the given endpoint (instead of a server of its own)."""
+    sets = [
+        "inference.openai.launch.servers=0",
+        f'inference.openai.endpoints=["{endpoint}"]',
+        f"model.path={model}",
+        f'env.verifiers.path=["{EXAMPLES / "verifiers_tasksets"}", "{TASKSETS}"]',
+        "log.durability=normal",
+    ]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--config", str(config), "--runs-dir", str(runs_dir)]
+    return [*cmd, "--name", name, *[arg for s in sets for arg in ("--set", s)], *extra]
+
+
+def orch_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    """The `kind` events of a run's log, decoded (packed token lists included)."""
+    from orchestrator.core import events as ev
+
+    with contextlib.closing(sqlite3.connect(run_dir / "events.db")) as db:
+        rows = db.execute("select kind, data from events where kind = ? order by seq", (kind,)).fetchall()
+    return [ev.decode_event(k, d).model_dump() for k, d in rows]
+
+
+def harness_processes() -> list[int]:
+    """Pids of verifiers harness programs still running (their scripts live in verifiers' cache)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if b"verifiers/runtimes/scripts" in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+    return pids
