@@ -123,7 +123,8 @@ class MemoryLog:
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
         rows = self._committed(1, None)
-        return {seq: rows[seq - 1][4] for seq in seqs if 1 <= seq <= len(rows) and rows[seq - 1][4] is not None}
+        found = ((seq, rows[seq - 1][4]) for seq in seqs if 1 <= seq <= len(rows))
+        return {seq: payload for seq, payload in found if payload is not None}
 
     def read(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096

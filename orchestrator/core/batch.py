@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 
 BATCH_FORMAT = 2
-_DTYPES = {
+_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
     "I64": np.dtype("<i8"),
     "F32": np.dtype("<f4"),

@@ -388,17 +388,17 @@ def evolve_from(state: State | None, event: ev.Event) -> State:
 
 
 def _decode_held_traces(state: State, payloads: PayloadReader | None) -> None:
-    shipped = [x for xs in state.shipped_batches.values() for x in xs if isinstance(x.trace, TraceView)]
-    views = [t for t in state.traces.values() if isinstance(t, TraceView)] + [x.trace for x in shipped]
+    shipped = [(x, x.trace) for xs in state.shipped_batches.values() for x in xs if isinstance(x.trace, TraceView)]
+    held = [(trace_id, t) for trace_id, t in state.traces.items() if isinstance(t, TraceView)]
+    views = [view for _, view in held] + [view for _, view in shipped]
     wanted = [view.seq for view in views if view.n_tokens]
     read = payloads(wanted) if wanted and payloads is not None else {}
     for view in views:
         view.payload = read.get(view.seq)
-    for trace_id, trace in state.traces.items():
-        if isinstance(trace, TraceView):
-            state.traces[trace_id] = _model_of(trace)
-    for sample in shipped:
-        sample.trace = _model_of(sample.trace)
+    for trace_id, view in held:
+        state.traces[trace_id] = _model_of(view)
+    for sample, view in shipped:
+        sample.trace = _model_of(view)
 
 
 def _model_of(view: TraceView) -> ev.EpisodeCompleted:

@@ -70,13 +70,16 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, wher
         task = env.task(ep.group_id)
         prompt = encode_prompt(task.prompt)
         n = len(prompt)
-        assert ep.ok and ep.token_ids[:n] == prompt and ep.mask == [0] * n + [1] * (len(ep.token_ids) - n)
-        assert ep.logprobs[:n] == [0.0] * n and ep.temperature == 0.8
+        assert (
+            ep.ok and ep.token_ids[:n].tolist() == prompt and list(ep.mask) == [0] * n + [1] * (len(ep.token_ids) - n)
+        )
+        assert ep.logprobs[:n].tolist() == [0.0] * n and ep.temperature == 0.8
         completion = ep.token_ids[n:]
         assert ep.reward == env.score(task, decode(completion))
         version = ep.policy_start
         assert ep.policy_end == version == (1 if ep is later else 0)
-        assert ep.logprobs[n:] == pytest.approx(sequence_logprobs(models[version], ep.token_ids, n, 0.8), abs=1e-4)
+        expected = sequence_logprobs(models[version], ep.token_ids.tolist(), n, 0.8)
+        assert ep.logprobs[n:].tolist() == pytest.approx(expected, abs=1e-4)
     assert 2 in checks  # the trainer's health is checked while waiting for a publication
 
 

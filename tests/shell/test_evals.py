@@ -389,11 +389,11 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
         task = env.task(-1 - done.episode_id % 3)
         prompt = render_prompt(tokenizer, task.prompt, task.messages)
         assert done.ok and done.policy_start == done.policy_end == version and done.temperature == temperature
-        ids = torch.tensor([done.token_ids])
+        ids = torch.tensor([done.token_ids.tolist()])
         with torch.no_grad():
             expected, _ = token_logprobs(hf_models[version](input_ids=ids).logits, ids, torch.tensor([temperature]))
-        assert done.token_ids[: len(prompt)] == prompt
-        assert done.logprobs[len(prompt) :] == pytest.approx(expected[0, len(prompt) :].tolist(), abs=1e-4)
+        assert done.token_ids[: len(prompt)].tolist() == prompt
+        assert done.logprobs[len(prompt) :].tolist() == pytest.approx(expected[0, len(prompt) :].tolist(), abs=1e-4)
 
     async def embedded():
         backend = EmbeddedBackend(
@@ -423,7 +423,7 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
         prompt = encode_prompt(env.task(-1 - done.episode_id % 3).prompt)
         assert done.ok and done.policy_start == done.policy_end == version and done.temperature == temperature
         expected = sequence_logprobs(models[version], done.token_ids, len(prompt), temperature)
-        assert done.logprobs[len(prompt) :] == pytest.approx(expected, abs=1e-4)
+        assert done.logprobs[len(prompt) :].tolist() == pytest.approx(expected, abs=1e-4)
 
     with serving() as server:
 
