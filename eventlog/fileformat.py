@@ -23,13 +23,14 @@ from .errors import (
 )
 
 MAGIC = "orch-eventlog"
-# 2: each event has a binary `payload` column beside its JSON `data` (NULL for most events).
+# 2: each event has a binary `payload` beside its JSON `data` (NULL for most events): in its
+# `payload` column, or over SIDE_FILE_BYTES in a side file that its `payload_ref` names.
 FORMAT_VERSION = 2
 RESERVED_META_KEYS = frozenset({"magic", "format_version"})
 
 SCHEMA = (
     "CREATE TABLE events(seq INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL,"
-    " payload BLOB)",
+    " payload BLOB, payload_ref TEXT)",
     "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)",
     "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT, state_hash TEXT, state BLOB)",
 )

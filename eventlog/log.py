@@ -50,12 +50,13 @@ from .errors import (
     ReadOnlyLocationError,
 )
 from .lock import WriterLock
+from .sidefiles import SIDE_FILE_BYTES, read_side_payload, write_side_file
 
 __all__ = ["EventLog", "Record", "Snapshot", "VerifyReport"]
 
 _SYNC = {"full": "FULL", "normal": "NORMAL"}
 # A commit inserts its rows in multi-row statements of a power-of-two size (at most 256 rows,
-# 1,280 parameters, under SQLite's limit of 32,766). Python's sqlite3 lets go of the GIL around
+# 1,536 parameters, under SQLite's limit of 32,766). Python's sqlite3 lets go of the GIL around
 # each statement step and must take it back afterwards; while the event loop is busy, every
 # take-back can wait for the interpreter's switch interval (5 ms). One step per row
 # (executemany) made a 500-row commit take 400 ms next to a busy thread; 256 rows per step
@@ -179,6 +180,8 @@ class EventLog:
         self._last = 0
         self._next = 1
         self._commits_since_wal_check = 0
+        # Payloads longer than this go to a side file (eventlog.sidefiles); a setting of the writer.
+        self.side_file_bytes = SIDE_FILE_BYTES
         self._pinned_end: int | None = None  # open_reader(pinned=True)
         if self._writer:
             self._last = self._committed_bounds(conn)
@@ -400,7 +403,7 @@ class EventLog:
         if b"null" in doc and has_nonfinite(data):
             raise InvalidEventError(NONFINITE)
         seq = self._next
-        buf.append((seq, _time(), kind, doc.decode(), payload_bytes(payload)))
+        buf.append((seq, _time(), kind, doc.decode(), payload_bytes(payload), None))
         self._next = seq + 1
         return seq
 
@@ -418,7 +421,7 @@ class EventLog:
             except (AttributeError, UnicodeDecodeError) as e:
                 raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
         seq = self._next
-        buf.append((seq, _time(), kind, data_json, payload_bytes(payload)))
+        buf.append((seq, _time(), kind, data_json, payload_bytes(payload), None))
         self._next = seq + 1
         return seq
 
@@ -435,6 +438,11 @@ class EventLog:
             return self._last
         self._buf = []
         try:
+            large = [i for i, row in enumerate(buf) if row[4] is not None and len(row[4]) > self.side_file_bytes]
+            if large:  # durable in their side file before the transaction that references them
+                refs = write_side_file(self.path, [buf[i][4] for i in large])
+                for i, ref in zip(large, refs, strict=True):
+                    buf[i] = (*buf[i][:4], None, ref)
             self._transact(lambda conn: _insert_rows(conn, buf))
         except BaseException:
             self._rederive_seq()
@@ -482,8 +490,9 @@ class EventLog:
     ) -> Iterator[tuple[int, float, str, bytes, bytes | None]]:
         """Like :meth:`read_raw`, each row with its payload: ``(seq, ts, kind, data_bytes,
         payload or None)``. Payloads can be large: the chunks are small."""
-        for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB), payload"):
-            yield from rows
+        for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB), payload, payload_ref"):
+            for seq, ts, kind, data, payload, ref in rows:
+                yield seq, ts, kind, data, payload if ref is None else read_side_payload(self.path, seq, ref)
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
         """The payloads of the committed events ``seqs`` (those that have one), by seq."""
@@ -493,11 +502,16 @@ class EventLog:
         out: dict[int, bytes] = {}
         for first in range(0, len(wanted), _MAX_ROWS_PER_INSERT):
             chunk = [seq for seq in wanted[first : first + _MAX_ROWS_PER_INSERT] if seq <= end]
-            sql = f"SELECT seq, payload FROM events WHERE payload IS NOT NULL AND seq IN ({','.join('?' * len(chunk))})"
+            sql = (
+                "SELECT seq, payload, payload_ref FROM events"
+                f" WHERE (payload IS NOT NULL OR payload_ref IS NOT NULL) AND seq IN ({','.join('?' * len(chunk))})"
+            )
             try:
-                out.update(conn.execute(sql, chunk).fetchall() if chunk else ())
+                rows = conn.execute(sql, chunk).fetchall() if chunk else []
             except sqlite3.DatabaseError as e:
                 raise self._error(e) from None
+            for seq, payload, ref in rows:
+                out[seq] = payload if ref is None else read_side_payload(self.path, seq, ref)
         return out
 
     def _not_json(self, rows: list[tuple]) -> CorruptLogError:
@@ -787,11 +801,14 @@ def payload_bytes(payload: Any) -> bytes | None:
 
 @functools.cache
 def _insert_sql(n_rows: int) -> str:
-    return "INSERT INTO events(seq, ts, kind, data, payload) VALUES " + ",".join(["(?,?,?,?,?)"] * n_rows)
+    return "INSERT INTO events(seq, ts, kind, data, payload, payload_ref) VALUES " + ",".join(
+        ["(?,?,?,?,?,?)"] * n_rows
+    )
 
 
 def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
-    """Insert (seq, ts, kind, data, payload) rows, as few statements as power-of-two sizes allow."""
+    """Insert (seq, ts, kind, data, payload, payload_ref) rows, as few statements as power-of-two
+    sizes allow."""
     start, left = 0, len(rows)
     while left:
         size = min(_MAX_ROWS_PER_INSERT, 1 << (left.bit_length() - 1))

@@ -401,7 +401,7 @@ def test_reader_never_blocks_on_an_open_write_transaction(filled_log, path):
     waited for the lock would never get it while the transaction stays open, and would fail."""
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
-    other.execute("INSERT INTO events VALUES (101, 0, 'uncommitted', '{}', NULL)")
+    other.execute("INSERT INTO events VALUES (101, 0, 'uncommitted', '{}', NULL, NULL)")
     try:
         reader = EventLog.open_reader(path)
         assert reader.last_seq == 100

@@ -4,6 +4,7 @@ replays; a damaged payload is one line naming it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 
@@ -13,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from eventlog import EventLog
+from eventlog.sidefiles import SIDE_FILE_BYTES
 from orchestrator.core import events as ev
 from orchestrator.core._fast_events import decode_unvalidated
 from orchestrator.core.state import initial_state, state_bytes, state_from_bytes
@@ -58,8 +60,13 @@ def test_a_trace_round_trips_through_its_event_the_log_and_a_snapshot(tmp_path, 
         "select json_extract(data, '$.n_tokens'), json_extract(data, '$.sampled_tokens'), length(payload) from events"
     ).fetchone()
     db.close()
-    # Near 8 bytes a token: int32 id, float32 logprob, one bit of mask; no payload without tokens.
-    assert scalars == (n, int(mask.sum()), 8 * n + (n + 7) // 8 if n else None)
+    # Near 8 bytes a token: int32 id, float32 logprob, one bit of mask; no payload without tokens,
+    # and a large one in a side file (its row holds a reference).
+    size = 8 * n + (n + 7) // 8
+    assert scalars == (n, int(mask.sum()), size if 0 < size <= SIDE_FILE_BYTES else None)
+    assert [p.stat().st_size for p in (tmp_path / "events.db.payloads").glob("*")] == (
+        [size] if size > SIDE_FILE_BYTES else []
+    )
     state = initial_state(ev.CoreParams(env_ratios={"fake": 1.0}))
     state.traces[event.episode_id] = event
     assert state_from_bytes(state_bytes(state)).traces == {event.episode_id: event}
@@ -142,9 +149,10 @@ def test_a_long_context_run_resumes_and_replays_and_names_a_damaged_payload(tmp_
     missing = orch("replay", str(run_dir), "--episode", "999999")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "episode 999999" in missing.stderr
 
-    # A crash right after batch 3's commit (the log cut there), in two copies: one resumes to the
-    # end; in the other a held trace's payload is cut short, and its resume refuses in one line
-    # naming its seq, shipping nothing.
+    # A crash right after batch 3's commit (the log cut there): a copy resumes to the end; in
+    # three others a held trace's payload is cut short in its row, damaged in its side file, or
+    # its side file deleted, and each resume refuses in one line naming the seq (and the file),
+    # shipping nothing.
     crashed = tmp_path / "crashed"
     shutil.copytree(run_dir, crashed)
     db = sqlite3.connect(crashed / "events.db")
@@ -155,26 +163,50 @@ def test_a_long_context_run_resumes_and_replays_and_names_a_damaged_payload(tmp_
     db.close()
     for step in (4,):  # written after the cut: a crash there would not have left it
         batch_path(crashed, step).unlink()
-    damaged = tmp_path / "damaged"
-    shutil.copytree(crashed, damaged)
+    copies = {name: tmp_path / name for name in ("cut_row", "damaged_file", "deleted_file")}
+    for copy in copies.values():
+        shutil.copytree(crashed, copy)
     again = orch("run", "--resume", str(crashed), "--max-steps", "5")
     assert again.returncode == 0, again.stderr
-    with EventLog.open_reader(damaged / "events.db") as log:
-        state = fold_log(log).state
+    with EventLog.open_reader(crashed / "events.db") as log:
+        state = fold_log(log, at=cut).state
     held = list(state.traces) + [x.trace.episode_id for xs in state.shipped_batches.values() for x in xs]
-    assert held, "the cut log holds traces (queued, grouped, or shipped and not yet trained)"
-    db = sqlite3.connect(damaged / "events.db")
-    seq = db.execute(
-        "select seq from events where kind = 'episode_completed' and json_extract(data, '$.episode_id') = ?",
-        (next(iter(held)),),
-    ).fetchone()[0]
-    db.execute("update events set payload = substr(payload, 1, 100) where seq = ?", (seq,))
+    db = sqlite3.connect(crashed / "events.db")
+    rows = {
+        ref is not None: (seq, ref)
+        for seq, ref in db.execute(
+            "select seq, payload_ref from events where kind = 'episode_completed' and seq <= ?"
+            f" and json_extract(data, '$.episode_id') in ({','.join('?' * len(held))})",
+            (cut, *held),
+        )
+    }
+    db.close()
+    assert set(rows) == {False, True}, "held traces with a payload in their row and in a side file"
+    (inline_seq, _), (side_seq, ref) = rows[False], rows[True]
+    db = sqlite3.connect(copies["cut_row"] / "events.db")
+    db.execute("update events set payload = substr(payload, 1, 100) where seq = ?", (inline_seq,))
     db.commit()
     db.close()
-    refused = orch("run", "--resume", str(damaged), "--max-steps", "5")
-    assert refused.returncode != 0
-    lines = refused.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("orch: error:") and f"seq {seq}" in lines[0], refused.stderr
-    db = sqlite3.connect(damaged / "events.db")
-    assert db.execute("select max(seq) from events").fetchone()[0] == cut
-    db.close()
+    name, offset = ref.split(":")[:2]
+    with open(f"{copies['damaged_file']}/events.db.payloads/{name}", "r+b") as f:
+        f.seek(int(offset) + 10)
+        f.write(b"\xff\xfe")
+    os.unlink(f"{copies['deleted_file']}/events.db.payloads/{name}")
+    expected = {
+        "cut_row": (inline_seq, "payload of"),
+        "damaged_file": (side_seq, "damaged"),
+        "deleted_file": (side_seq, "missing"),
+    }
+    for case, copy in copies.items():
+        seq, fragment = expected[case]
+        refused = orch("run", "--resume", str(copy), "--max-steps", "5")
+        assert refused.returncode != 0, case
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("orch: error:"), (case, refused.stderr)
+        # A deleted file held other traces of its commit too: the first of them is named.
+        assert (f"seq {seq}" in lines[0] or case == "deleted_file") and fragment in lines[0], (case, lines[0])
+        if case != "cut_row":
+            assert name in lines[0], lines[0]
+        db = sqlite3.connect(copy / "events.db")
+        assert db.execute("select max(seq) from events").fetchone()[0] == cut, case
+        db.close()
