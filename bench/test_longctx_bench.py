@@ -9,7 +9,8 @@ token ids from a 151,936-token vocabulary, and the core holds them all (a batch 
 run, so nothing ships): RAM per held token = RSS growth / tokens held. Every event is appended to a
 log with durability=full, committed whenever ~64 MB of trace bytes are buffered; each commit is
 timed, then a raw write + fsync of the same bytes (the rows' data and payloads) in the same
-directory. The log is then folded cold; the folded state must equal the live one (the invariant
+directory. The log's bytes are its file, WAL and side files (`<log>.payloads/`, where payloads
+over 100 KiB go). The log is then folded cold; the folded state must equal the live one (the invariant
 this fails on). Figures only otherwise: a slow disk or a busy machine is no failure.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +44,7 @@ def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens:
     import time
 
     from eventlog import EventLog
+    from eventlog.sidefiles import side_dir
     from orchestrator.components import RolloutRequest
     from orchestrator.core import events as ev
     from orchestrator.core.decide import decide
@@ -113,7 +116,8 @@ def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens:
     gc.collect()
     held = state.pending_tokens + sum(state.traces[t].n_tokens for g in state.groups.values() for t in g.members)
     rss_growth = _rss_bytes() - rss_before
-    log_bytes = sum(p.stat().st_size for p in run_dir.glob("events.db*"))
+    log_bytes = sum(p.stat().st_size for p in run_dir.glob("events.db*") if p.is_file())
+    log_bytes += sum(p.stat().st_size for p in Path(side_dir(str(run_dir / "events.db"))).glob("*"))
 
     started = time.perf_counter()
     with EventLog.open_reader(run_dir / "events.db") as reader:
@@ -147,8 +151,8 @@ def test_long_context_traces(benchmark, tmp_path):
     args = [str(ROOT), str(tmp_path), str(TRACES), str(PROMPT_TOKENS), str(COMPLETION_TOKENS)]
 
     def run() -> dict:
-        for leftover in tmp_path.iterdir():
-            leftover.unlink()
+        shutil.rmtree(tmp_path)
+        tmp_path.mkdir()
         out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=1800)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
