@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 
+from eventlog import EventLog
+from orchestrator.core.events import decode_event
 from tests.inference.util import REPO
 from tests.inference.vllm_util import (
     load_version,
@@ -118,14 +119,10 @@ def run(tmp_path_factory):
 
 
 def events(run_dir: Path, kind: str) -> list[tuple[int, dict]]:
-    db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True)
-    try:
-        return [
-            (seq, orjson.loads(data))
-            for seq, data in db.execute("SELECT seq, data FROM events WHERE kind = ? ORDER BY seq", (kind,))
-        ]
-    finally:
-        db.close()
+    """(seq, fields) of the `kind` events; a trace's packed arrays decoded into lists."""
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        rows = list(log.read_rows(kinds=(kind,)))
+    return [(seq, decode_event(k, data, payload).model_dump(mode="json")) for seq, _ts, k, data, payload in rows]
 
 
 def test_the_resumed_run_completes_each_step_shipped_once(run):

@@ -8,7 +8,6 @@ import contextlib
 import http.client
 import json
 import os
-import sqlite3
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -86,11 +85,12 @@ def orch_env() -> dict[str, str]:
 
 def events(run_dir: Path, kind: str) -> list[dict]:
     """The `kind` events of a run's log, decoded (packed token lists included)."""
+    from eventlog import EventLog
     from orchestrator.core import events as ev
 
-    with contextlib.closing(sqlite3.connect(run_dir / "events.db")) as db:
-        rows = db.execute("select kind, data from events where kind = ? order by seq", (kind,)).fetchall()
-    return [ev.decode_event(k, d).model_dump() for k, d in rows]
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        rows = list(log.read_rows(kinds=(kind,)))
+    return [ev.decode_event(k, d, payload).model_dump(mode="json") for _seq, _ts, k, d, payload in rows]
 
 
 def harness_processes() -> list[int]:
