@@ -50,7 +50,7 @@ from .errors import (
     ReadOnlyLocationError,
 )
 from .lock import WriterLock
-from .sidefiles import SIDE_FILE_BYTES, read_side_payload, write_side_file
+from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
 
 __all__ = ["EventLog", "Record", "Snapshot", "VerifyReport"]
 
@@ -321,6 +321,8 @@ class EventLog:
         try:
             fileformat.validate(conn, path)
             _configure_writer(conn, sync, path)
+            if os.path.isdir(side_dir(path)):
+                remove_orphans(path, _referenced_side_files(conn))
             return cls(path, conn, lock=lock, durability=durability)
         except BaseException:
             conn.close()
@@ -640,7 +642,8 @@ class EventLog:
     # ------------------------------------------------------------ maintenance
 
     def verify(self) -> VerifyReport:
-        """Full check: PRAGMA integrity_check, format marks, seq contiguous from 1."""
+        """Full check: PRAGMA integrity_check, format marks, seq contiguous from 1, every side-file
+        payload present with its sha256."""
         report = VerifyReport(self.path)
         conn = self._read_conn()
         try:
@@ -649,6 +652,7 @@ class EventLog:
                 _check_integrity(conn, report)
                 _check_format(conn, report)
                 _check_contiguity(conn, report, self._pinned_end)
+                _check_side_files(conn, report, self._pinned_end)
             finally:
                 conn.execute("COMMIT")
         except sqlite3.DatabaseError as e:
@@ -894,6 +898,25 @@ def _check_format(conn: sqlite3.Connection, report: VerifyReport) -> None:
         report.format_version = fileformat.check_version(meta.get("format_version"), report.path)
     except LogError as e:
         report.problems.append(str(e))
+
+
+def _referenced_side_files(conn: sqlite3.Connection) -> set[str]:
+    rows = conn.execute(
+        "SELECT DISTINCT substr(payload_ref, 1, instr(payload_ref, ':') - 1) FROM events WHERE payload_ref IS NOT NULL"
+    )
+    return {name for (name,) in rows}
+
+
+def _check_side_files(conn: sqlite3.Connection, report: VerifyReport, up_to: int | None) -> None:
+    rows = conn.execute(
+        "SELECT seq, payload_ref FROM events WHERE payload_ref IS NOT NULL AND seq <= ? ORDER BY seq",
+        (_MAX_SEQ if up_to is None else up_to,),
+    )
+    for seq, ref in rows:
+        try:
+            read_side_payload(report.path, seq, ref)
+        except CorruptLogError as err:
+            report.problems.append(str(err).removeprefix(f"{report.path}: "))
 
 
 def _check_contiguity(conn: sqlite3.Connection, report: VerifyReport, up_to: int | None) -> None:

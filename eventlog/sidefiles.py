@@ -23,6 +23,22 @@ def side_dir(log_path: str) -> str:
     return f"{log_path}.payloads"
 
 
+def remove_orphans(log_path: str, referenced: set[str]) -> list[str]:
+    """Delete the side files no row references (a crash between a file and its commit leaves one;
+    a half-written ``.tmp-`` one too); return their names. Only the writer calls it, under its lock."""
+    try:
+        names = sorted(os.listdir(side_dir(log_path)))
+    except FileNotFoundError:
+        return []
+    orphans = [name for name in names if name not in referenced]
+    for name in orphans:
+        try:
+            os.unlink(os.path.join(side_dir(log_path), name))
+        except OSError as err:
+            raise StorageError(f"cannot remove the unreferenced payload file {name}: {err.strerror or err}") from None
+    return orphans
+
+
 def write_side_file(log_path: str, pieces: list[bytes]) -> list[str]:
     """Write `pieces` into one durable side file; return each piece's reference."""
     digests = [hashlib.sha256(piece).digest() for piece in pieces]

@@ -68,3 +68,33 @@ def test_a_side_file_that_cannot_be_written_stores_nothing_of_its_commit(log, mo
         log.commit()
     monkeypatch.undo()
     assert log.last_seq == 1 and [row[0] for row in log.read_rows()] == [1]
+
+
+def test_reopening_the_writer_removes_side_files_no_row_references(tmp_path):
+    """A crash between a side file and its commit leaves the file (or its .tmp-) behind: the next
+    writer removes it and keeps every referenced one."""
+    path = tmp_path / "events.db"
+    with EventLog.create(path) as log:
+        log.side_file_bytes = 1000
+        kept = os.urandom(5000)
+        log.append("e", {}, kept)
+        log.commit()
+        [referenced] = os.listdir(side_dir(log.path))
+    for orphan in ("ab" * 32, f"{'cd' * 32}.tmp-123"):
+        (tmp_path / "events.db.payloads" / orphan).write_bytes(b"never committed")
+    with EventLog.open(path) as log:
+        assert os.listdir(side_dir(log.path)) == [referenced]
+        assert log.read_payloads([1]) == {1: kept}
+
+
+def test_verify_names_a_missing_or_damaged_side_file(log):
+    log.append("e", {}, os.urandom(5000))
+    log.append("e", {}, b"small")
+    log.commit()
+    assert log.verify().ok
+    [name] = os.listdir(side_dir(log.path))
+    with open(os.path.join(side_dir(log.path), name), "r+b") as f:
+        f.write(b"\0\0\0")
+    report = log.verify()
+    assert not report.ok and len(report.problems) == 1
+    assert report.problems[0].startswith("seq 1: its payload file ") and "damaged" in report.problems[0]
