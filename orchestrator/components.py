@@ -187,11 +187,20 @@ class Algorithm(Protocol):
 class TrainerComponent(Component):
     writes_weights: ClassVar[bool] = True  # publishes weights/step_N (+ STABLE) that samplers load
 
+    def prepare_model(self, run: RunConfig, stored_hash: str | None) -> PreparedModel | None:
+        """The model dir this trainer trains, checked and hashed before anything runs (ConfigError:
+        one line); on a resume, also the one the run started from (`stored_hash`). None: no model."""
+        return None
+
     @abstractmethod
     def build(self, ctx: BuildContext) -> Trainer: ...
 
 
 class InferenceComponent(Component):
+    def check_model(self, run: RunConfig, model_dir: Path) -> None:
+        """Before anything runs, ConfigError (one line) if this backend cannot sample `model_dir`
+        (e.g. its servers cannot be launched, or a given endpoint serves another model)."""
+
     @abstractmethod
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]) -> InferenceBackend:
         """`envs`: the run's envs that have a task source (`EnvComponent.open` gave one)."""

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from orchestrator.components import BuildContext, Section, Trainer, TrainerComponent, synthetic_envs
+from orchestrator.components import BuildContext, ConfigError, Section, Trainer, TrainerComponent, synthetic_envs
 
 if TYPE_CHECKING:
     from orchestrator.config import RunConfig
+    from orchestrator.hf.model import PreparedModel
 
 
 class LoraSection(Section):
@@ -77,6 +78,15 @@ class HFTrainerConfig(TrainerComponent):
                 f"the hf trainer learns the model's own tokens, not the {', '.join(synthetic)} env's; "
                 "use trainer.kind='fake' for it"
             )
+
+    def prepare_model(self, run: RunConfig, stored_hash: str | None) -> PreparedModel:
+        from orchestrator.hf.component import prepare_model  # transformers: only now
+        from orchestrator.hf.model import ModelError
+
+        try:
+            return prepare_model(run, stored_hash)
+        except ModelError as err:
+            raise ConfigError(str(err)) from None
 
     def build(self, ctx: BuildContext) -> Trainer:
         from orchestrator.hf.component import make_trainer  # torch, transformers: only now

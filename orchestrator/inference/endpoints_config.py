@@ -14,6 +14,8 @@ from orchestrator.components import BuildContext, InferenceComponent, Section, s
 from orchestrator.embedded.sampler_backend import check_samples_published_weights
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from orchestrator.config import RunConfig
     from orchestrator.envs.base import AgentEnv, RolloutEnv
     from orchestrator.inference.endpoints_backend import EndpointsBackend
@@ -119,6 +121,11 @@ class EndpointsConfig(InferenceComponent):
                 "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers"
             )
         check_samples_published_weights(run, "inference endpoints")
+
+    def check_model(self, run: RunConfig, model_dir: Path) -> None:
+        from orchestrator.inference.endpoints_backend import check_inference  # httpx: only now
+
+        check_inference(run, model_dir)
 
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]) -> EndpointsBackend:
         from orchestrator.inference.endpoints_backend import build_endpoints_backend  # httpx: only now

@@ -53,20 +53,11 @@ MODEL_HASH_META = "model_sha256"
 
 
 def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
-    """The hf trainer's model dir, checked before anything runs (ConfigError: one line)."""
-    if config.trainer.kind != "hf":
-        return None
-    from orchestrator.hf.component import prepare_model as prepare_hf_model
-    from orchestrator.hf.model import ModelError
-
-    try:
-        model = prepare_hf_model(config, stored_hash)
-    except ModelError as err:
-        raise ConfigError(str(err)) from None
-    if config.inference_kind() == "openai":  # its endpoints or servers (vLLM missing, another model, ...)
-        from orchestrator.inference.endpoints_backend import check_inference
-
-        check_inference(config, model.path.resolve())
+    """The trainer's model dir (if it trains one), checked by the trainer and by the inference
+    backend that samples it, before anything runs (ConfigError: one line)."""
+    model = config.trainer.chosen().prepare_model(config, stored_hash)
+    if model is not None:
+        config.inference_backend().check_model(config, model.path.resolve())
     return model
 
 
