@@ -209,6 +209,8 @@ class InferenceComponent(Component):
 class EnvComponent(Component):
     # Its episodes are made up, not the model's tokens: no model sampler samples them, no model trainer learns them.
     synthetic: ClassVar[bool] = False
+    # Its prompts are chat messages: the model's tokenizer must have a chat template to render them.
+    gives_messages: ClassVar[bool] = False
 
     @abstractmethod
     def open(self, ctx: BuildContext) -> AbstractAsyncContextManager[RolloutEnv | AgentEnv | None]:

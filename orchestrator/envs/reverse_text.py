@@ -14,7 +14,7 @@ import re
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field
 
@@ -99,6 +99,8 @@ class ReverseTextEnv:
 
 class ReverseTextConfig(EnvComponent):
     """reverse_text tasks: in this process, or behind the `orch env-server` at `rollout.env_server`."""
+
+    gives_messages: ClassVar[bool] = True
 
     min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
     max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")

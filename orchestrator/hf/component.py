@@ -23,16 +23,13 @@ if TYPE_CHECKING:
 def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel:
     """The run's model dir, checked (ModelError: one line); on a resume, also the one the run
     started from (`stored_hash`, as kept in the log's meta)."""
-    from orchestrator.envs.reverse_text import ReverseTextEnv
     from orchestrator.hf.model import prepare_model as prepare_model_dir
 
     lora = config.trainer.hf.lora
-    env_config = config.env.reverse_text
-    env = ReverseTextEnv(seed=config.seed, min_len=env_config.min_len, max_len=env_config.max_len)
     model = prepare_model_dir(
         config.model.path,
         config.runs_dir / ".cache",
-        env_gives_messages=env.task(0).messages is not None,
+        env_gives_messages=any(env.gives_messages for env in config.env_components().values()),
         lora_targets=lora.target_modules if lora.rank else None,
     )
     if stored_hash is not None and model.sha256 != stored_hash:

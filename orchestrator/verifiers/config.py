@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 class VerifiersConfig(EnvComponent):
     """A verifiers (v1) taskset, its model calls through inference.openai (vLLM with --enable-scale-out)."""
 
+    gives_messages: ClassVar[bool] = True  # rendered client-side with the model's chat template
+
     resumable: ClassVar[frozenset[str]] = frozenset(
         {"path", "rollout_timeout_s", "setup_timeout_s", "scoring_timeout_s"}
     )
