@@ -25,18 +25,25 @@ def side_dir(log_path: str) -> str:
 
 def remove_orphans(log_path: str, referenced: set[str]) -> list[str]:
     """Delete the side files no row references (a crash between a file and its commit leaves one;
-    a half-written ``.tmp-`` one too); return their names. Only the writer calls it, under its lock."""
+    a half-written ``.tmp-`` one too); return their names. Files of other names are not orch's
+    and are left alone. Only the writer calls it, under its lock."""
     try:
         names = sorted(os.listdir(side_dir(log_path)))
     except FileNotFoundError:
         return []
-    orphans = [name for name in names if name not in referenced]
+    orphans = [name for name in names if _is_side_file(name) and name not in referenced]
     for name in orphans:
         try:
             os.unlink(os.path.join(side_dir(log_path), name))
         except OSError as err:
             raise StorageError(f"cannot remove the unreferenced payload file {name}: {err.strerror or err}") from None
     return orphans
+
+
+def _is_side_file(name: str) -> bool:
+    """A side file's name (64 hex digits), or its temporary name while written."""
+    digest = name.split(".tmp-", 1)[0]
+    return len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
 
 
 def write_side_file(log_path: str, pieces: list[bytes]) -> list[str]:

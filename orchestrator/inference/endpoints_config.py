@@ -120,7 +120,7 @@ class EndpointsConfig(InferenceComponent):
             raise ValueError(
                 "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers"
             )
-        check_samples_published_weights(run, "inference endpoints")
+        check_samples_published_weights(run, "the openai backend (inference.openai)")
 
     def check_model(self, run: RunConfig, model_dir: Path) -> None:
         from orchestrator.inference.endpoints_backend import check_inference  # httpx: only now

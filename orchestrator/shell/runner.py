@@ -159,6 +159,10 @@ def _stored_config(db: Path) -> tuple[RunConfig, str | None]:
         raise RunDirError(str(err)) from None
     if meta.get("app") != "orch" or "config" not in meta:
         raise RunDirError(f"{db} is an event log, but not one written by `orch run`")
+    try:  # its events' format, before its config (which may not load for the same reason)
+        ev.check_schema_version(meta.get("schema_version", "(none)"))
+    except ValueError as err:
+        raise RunDirError(f"{db}: {err}") from None
     try:
         stored_json = orjson.loads(meta["config"])
     except orjson.JSONDecodeError:

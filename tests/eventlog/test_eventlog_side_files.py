@@ -82,8 +82,9 @@ def test_reopening_the_writer_removes_side_files_no_row_references(tmp_path):
         [referenced] = os.listdir(side_dir(log.path))
     for orphan in ("ab" * 32, f"{'cd' * 32}.tmp-123"):
         (tmp_path / "events.db.payloads" / orphan).write_bytes(b"never committed")
+    (tmp_path / "events.db.payloads" / "notes.txt").write_text("not orch's")
     with EventLog.open(path) as log:
-        assert os.listdir(side_dir(log.path)) == [referenced]
+        assert sorted(os.listdir(side_dir(log.path))) == sorted([referenced, "notes.txt"])
         assert log.read_payloads([1]) == {1: kept}
 
 

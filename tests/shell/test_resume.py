@@ -155,7 +155,7 @@ def test_second_writer_on_the_same_run_fails_at_once(tmp_path):
     assert proc.returncode == 130  # Ctrl-C drains and stops within the bound
 
 
-@pytest.mark.parametrize("damage", ["garbage", "foreign", "truncated"])
+@pytest.mark.parametrize("damage", ["garbage", "foreign", "truncated", "newer_events"])
 def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, damage):
     run_dir = tmp_path / "r"
     assert (
@@ -177,6 +177,13 @@ def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, 
         con.execute("CREATE TABLE t(x)")
         con.commit()
         con.close()
+    elif damage == "newer_events":  # a log whose events this orch does not read: refused, not resumed
+        import sqlite3
+
+        con = sqlite3.connect(db)
+        con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+        con.commit()
+        con.close()
     else:
         data = db.read_bytes()
         db.write_bytes(data[: len(data) // 3])
@@ -185,6 +192,8 @@ def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, 
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("orch: error:"), result.stderr
+    if damage == "newer_events":
+        assert "format version 99" in lines[0], result.stderr
     assert db.read_bytes() == before
 
 
