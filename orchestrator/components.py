@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import importlib
 from abc import abstractmethod
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol, runtime_checka
 
 from pydantic import BaseModel, ConfigDict
 
+from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE
 from orchestrator.core.events import EpisodeCompleted
 
 if TYPE_CHECKING:
@@ -117,6 +119,38 @@ class RolloutRequest(NamedTuple):
     # hold it, at the eval's own temperature. None for train episodes.
     eval_id: int | None = None
     temperature: float | None = None
+
+
+def sampled_episode(
+    req: RolloutRequest,
+    *,
+    prompt_ids: Sequence[int],
+    completion_ids: Sequence[int],
+    completion_logprobs: Sequence[float],
+    reward: float,
+    policy_start: int,
+    policy_end: int,
+    temperature: float,
+) -> EpisodeCompleted:
+    """A one-turn episode as a sampling backend returns it: the prompt (mask 0, logprob 0), then
+    the sampled completion (mask 1), packed here once (orchestrator.core.arrays) rather than
+    built as per-token lists and packed again by the event."""
+    token_ids = array(TOKEN_ID_CODE, prompt_ids)
+    token_ids.extend(completion_ids)
+    logprobs = array(LOGPROB_CODE, bytes(4 * len(prompt_ids)))  # float32 zeros
+    logprobs.extend(completion_logprobs)
+    return EpisodeCompleted(
+        episode_id=req.episode_id,
+        group_id=req.group_id,
+        ok=True,
+        reward=reward,
+        token_ids=token_ids,
+        mask=bytes(len(prompt_ids)) + b"\x01" * len(completion_ids),
+        logprobs=logprobs,
+        policy_start=policy_start,
+        policy_end=policy_end,
+        temperature=temperature,
+    )
 
 
 Publish = Callable[[int, "dict[str, int | float] | None"], None]  # (version, the trainer's metrics for it)

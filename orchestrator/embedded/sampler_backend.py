@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from orchestrator.components import TRAINERS, BuildContext, InferenceComponent, RolloutRequest
+from orchestrator.components import TRAINERS, BuildContext, InferenceComponent, RolloutRequest, sampled_episode
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.rundir import is_stable, weights_dir
 
@@ -160,14 +160,12 @@ class EmbeddedBackend:
         )
         completion = await asyncio.get_running_loop().run_in_executor(self._pool, sample)
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        return EpisodeCompleted(
-            episode_id=req.episode_id,
-            group_id=req.group_id,
-            ok=True,
+        return sampled_episode(
+            req,
+            prompt_ids=prompt_ids,
+            completion_ids=completion.token_ids,
+            completion_logprobs=completion.logprobs,
             reward=await env.score(task, text),
-            token_ids=prompt_ids + completion.token_ids,
-            mask=[0] * len(prompt_ids) + [1] * len(completion.token_ids),
-            logprobs=[0.0] * len(prompt_ids) + completion.logprobs,
             policy_start=completion.version,
             policy_end=completion.version,
             temperature=temperature,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from orchestrator.components import BuildContext, ConfigError, RolloutRequest
+from orchestrator.components import BuildContext, ConfigError, RolloutRequest, sampled_episode
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.envs.base import AgentEnv
 from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
@@ -218,14 +218,12 @@ class EndpointsBackend:
         (choice,) = done.choices
         if choice.prompt_ids is not None and list(choice.prompt_ids) != prompt_ids:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
-        return EpisodeCompleted(
-            episode_id=req.episode_id,
-            group_id=req.group_id,
-            ok=True,
+        return sampled_episode(
+            req,
+            prompt_ids=prompt_ids,
+            completion_ids=choice.token_ids,
+            completion_logprobs=choice.logprobs,
             reward=await env.score(task, choice.text),
-            token_ids=prompt_ids + choice.token_ids,
-            mask=[0] * len(prompt_ids) + [1] * len(choice.token_ids),
-            logprobs=[0.0] * len(prompt_ids) + choice.logprobs,
             policy_start=done.policy_start,
             policy_end=done.policy_end,
             temperature=temperature,
