@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import pytest
 from eventlog import EventLog
 from orchestrator.fold import fold_log
 from orchestrator.observe.rows import THROUGHPUT_WINDOW, buffered_episodes
+from tests.shell.test_e2e_fake import orch
 
 STEPS = 10
 # A run with something in every panel: background finalizing (gar), failed and empty episodes,
@@ -39,17 +38,6 @@ BUSY = [
     "--set",
     "zero_output_batches=1000",
 ]
-
-
-def orch(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def run_fake(runs_dir: Path, name: str, *extra: str, steps: int = STEPS, env: dict | None = None) -> Path:

@@ -15,9 +15,10 @@ from orchestrator.core.state import conservation
 from orchestrator.fold import fold_log
 
 
-def orch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def orch(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`orch ARGS...` in a subprocess (`env`: its environment, default this one's)."""
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
