@@ -12,7 +12,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-from orchestrator.components import ALGORITHMS, ENVS, INFERENCE, TRAINERS
+from orchestrator.config import ALGORITHMS, ENVS, INFERENCE, TRAINERS
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("orchestrator", "eventlog", "replay")

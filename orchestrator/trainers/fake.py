@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from orchestrator.components import BuildContext, Publish, TrainerComponent
+from orchestrator.contracts import BuildContext, Publish, TrainerComponent
 from orchestrator.rundir import BatchFileError, batch_path, read_batch_file
 from orchestrator.trainers import TrainerFailed
 

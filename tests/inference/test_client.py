@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from orchestrator.embedded.tokenizer import encode_prompt
 from orchestrator.inference.client import (
     InferenceClient,
     InferenceError,
     InferenceRequestError,
     InferenceUnavailable,
 )
+from orchestrator.serve.tokenizer import encode_prompt
 from tests.inference.util import SlowPolicyServer, publish, run, serving
 
 PROMPT = encode_prompt("abcd")

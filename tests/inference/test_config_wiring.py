@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from orchestrator.config import ConfigError, load_config, meaning_changes
-from orchestrator.hf.component import write_trainer_json
+from orchestrator.contracts import PreparedModel
 from orchestrator.hf.distributed import torchrun_command
-from orchestrator.hf.model import PreparedModel
+from orchestrator.hf.factory import write_trainer_json
 from orchestrator.inference.endpoints_backend import EndpointsBackend
 from orchestrator.trainers.process import ProcessTrainer
 from orchestrator.trainers.torchrun import TorchrunTrainer
@@ -148,5 +148,6 @@ def test_the_trainer_keeps_every_version_a_resume_may_reload(tmp_path, target_la
     from orchestrator.hf.trainer import read_trainer_config  # imports torch
 
     config = load_config(overrides=[f"off_policy.target_lag={target_lag}"])
-    write_trainer_json(config, tmp_path, PreparedModel(tmp_path / "model", ""))
+    ctx = config.build_context(tmp_path, version_now=lambda: 0)
+    write_trainer_json(config.trainer.hf, ctx, PreparedModel(tmp_path / "model", ""))
     assert read_trainer_config(tmp_path).keep_weights == kept

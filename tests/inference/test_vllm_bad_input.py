@@ -13,7 +13,6 @@ import pytest
 
 from orchestrator.config import ConfigError, load_config
 from orchestrator.envs.server import running_server
-from orchestrator.inference.endpoints_backend import check_inference
 from tests.inference.test_vllm_protocol import replaying_vllm
 from tests.inference.util import REPO
 from tests.inference.vllm_util import needs_vllm
@@ -107,7 +106,7 @@ def test_vllm_not_installed_when_asked_to_launch_it(tmp_path, monkeypatch):
         ],
     )
     with pytest.raises(ConfigError, match="vLLM is not installed in .*make vllm"):
-        check_inference(config, config.model.path)
+        config.inference.openai.preflight(config.model.path, config.trainer.publish_timeout_s)
 
 
 @needs_vllm
@@ -118,18 +117,16 @@ def test_a_head_dim_the_cpu_backend_does_not_support(tmp_path):
     )
     assert_one_line_error(done, tmp_path, "attention heads of size 48", "CPU backend does not support")
     # On GPUs the CPU backend's limits do not apply: no error from this check.
-    check_inference(
-        load_config(
-            None,
-            [
-                f"model.path={model}",
-                "inference.openai.weight_sync=vllm_lora",
-                "inference.openai.launch.servers=1",
-                'inference.openai.launch.gpus=["0"]',
-            ],
-        ),
-        model,
+    on_gpus = load_config(
+        None,
+        [
+            f"model.path={model}",
+            "inference.openai.weight_sync=vllm_lora",
+            "inference.openai.launch.servers=1",
+            'inference.openai.launch.gpus=["0"]',
+        ],
     )
+    on_gpus.inference.openai.preflight(model, on_gpus.trainer.publish_timeout_s)
 
 
 @needs_vllm

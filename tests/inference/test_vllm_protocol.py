@@ -16,6 +16,7 @@ from starlette.routing import Route
 from orchestrator.envs.server import running_server
 from orchestrator.inference.client import InferenceClient, InferenceRequestError
 from orchestrator.inference.protocol import parse_completion
+from orchestrator.inference.weight_sync.vllm_check import check_vllm_endpoints
 from tests.inference.util import run
 
 DATA = Path(__file__).parent / "data"
@@ -128,7 +129,7 @@ def test_an_endpoint_serving_another_model_or_lacking_the_routes_is_named(tmp_pa
 
         async def check(model_dir, weight_sync, model=None):
             async with InferenceClient([vllm.base_url], weight_sync=weight_sync, model=model) as client:
-                await client.check_vllm_endpoints(Path(model_dir))
+                await check_vllm_endpoints(client, Path(model_dir))
 
         with pytest.raises(InferenceRequestError, match=f"{vllm.base_url} serves /models/tiny, not this run's model"):
             run(check(tmp_path, "vllm_reload"))

@@ -17,10 +17,10 @@ import torch
 
 torch.set_num_threads(1)
 
-from orchestrator.embedded.policy import PolicyConfig, build_policy, save_weights  # noqa: E402
 from orchestrator.envs.server import running_server  # noqa: E402
-from orchestrator.inference.server import PolicyServer, create_app  # noqa: E402
 from orchestrator.rundir import mark_stable, weights_dir  # noqa: E402
+from orchestrator.serve.policy import PolicyConfig, build_policy, save_weights  # noqa: E402
+from orchestrator.serve.server import PolicyServer, create_app  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = PolicyConfig(d_model=16, layers=1, heads=2, d_ff=16)

@@ -57,7 +57,7 @@ def test_a_real_run_is_deterministic_and_reexecutes_identically(real_inline, tmp
     # inline -> inline: the very same log
     result = cli(real_inline, "--reexecute", "--finalize", "inline", "--out", tmp_path / "inline", "--level", "events")
     assert result.exit_code == 0, result.output
-    # inline -> background, each result settled before the next input: the same batches (seed 000)
+    # inline -> background, each result settled before the next input: the same batches (docs/rules.md, 2. Completion)
     code, out = cli.json(
         real_inline, "--reexecute", "--finalize", "background", "--settle-order", "recorded", "--out", tmp_path / "bg"
     )

@@ -139,13 +139,14 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
         (
             ["--set", "rollout.env_server=http://127.0.0.1:9"],
             2,
-            "orch: error: invalid config: rollout.env_server serves reverse_text episodes only "
-            "(the fake env runs in-process)",
+            "orch: error: invalid config: rollout: env_server is now env.reverse_text.server "
+            "(the reverse_text env's own setting)",
         ),
         (
-            ["--set", "rollout.env_server=localhost:9"],
+            ["--set", "env.reverse_text.server=localhost:9"],
             2,
-            "orch: error: invalid config: rollout: env_server 'localhost:9' is not an http(s)://host[:port] URL",
+            "orch: error: invalid config: env.reverse_text.server: server 'localhost:9' is not an "
+            "http(s)://host[:port] URL",
         ),
         (
             ["--name", "../escape"],
@@ -220,7 +221,7 @@ def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_pat
         "--max-steps",
         "1",
         "--set",
-        "rollout.env_server=http://127.0.0.1:9",
+        "env.reverse_text.server=http://127.0.0.1:9",
     )
     assert result.returncode == 1
     assert (
@@ -233,9 +234,10 @@ def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_pat
 
 def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
     """Tasks are a function of (seed, index) and the prompt lengths: the server must serve this run's."""
-    from orchestrator.envs.server import create_app, make_env, running_server
+    from orchestrator.config import served_env
+    from orchestrator.envs.server import create_app, running_server
 
-    with running_server(create_app(make_env("reverse_text", seed=1, max_len=9))) as server:
+    with running_server(create_app(served_env("reverse_text", seed=1, max_len=9))) as server:
         result = orch(
             "run",
             "--runs-dir",
@@ -245,7 +247,7 @@ def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
             "--max-steps",
             "1",
             "--set",
-            f"rollout.env_server={server.base_url}",
+            f"env.reverse_text.server={server.base_url}",
         )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (

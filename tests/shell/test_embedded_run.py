@@ -195,9 +195,10 @@ def test_sigkill_then_resume_of_the_embedded_job(tmp_path):
 
 def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
     """`rollout.env_server`: tasks and rewards come from `orch env-server` over HTTP."""
-    from orchestrator.envs.server import create_app, make_env, running_server
+    from orchestrator.config import served_env
+    from orchestrator.envs.server import create_app, running_server
 
-    app = create_app(make_env("reverse_text", seed=0))
+    app = create_app(served_env("reverse_text", seed=0))
     with running_server(app) as server:
         result = orch(
             "run",
@@ -209,7 +210,7 @@ def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
             "2",
             *SMALL,
             "--set",
-            f"rollout.env_server={server.base_url}",
+            f"env.reverse_text.server={server.base_url}",
             timeout=300,
         )
     assert result.returncode == 0, result.stderr

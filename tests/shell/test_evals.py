@@ -1,4 +1,4 @@
-"""Evals in the shell (docs/evals.md): end to end with the fake env (seed 000's finalizing cap,
+"""Evals in the shell (docs/evals.md): end to end with the fake env (rule 1's finalizing cap,
 schedule, kill and resume, replay), the held-out split of reverse_text, the rollout backends."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from eventlog import EventLog
 from orchestrator.collection.collect import Outcome
-from orchestrator.components import RolloutRequest
+from orchestrator.contracts import RolloutRequest
 from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve_from
 from orchestrator.core.state import conservation
@@ -356,7 +356,7 @@ def test_the_fake_env_samples_an_eval_episode_with_its_pinned_version():
     assert (done.policy_start, done.policy_end) == (3, 3)
     train = asyncio.run(backend(eval_req(5, version=3)._replace(eval_id=None, temperature=None)))
     assert (train.policy_start, train.policy_end) == (9, 9)
-    result = eval_result(Outcome(5, eval_req(5, 3)._replace(env="fake"), done, None, 0.0, 0.0))
+    result = eval_result(Outcome(5, eval_req(5, 3)._replace(env="fake"), done, None, 0.0, 0.0), FakeEnvConfig().solved)
     assert result.ok and result.success is None and result.sampled_tokens == done.sampled_tokens
 
 
@@ -364,16 +364,16 @@ def test_the_fake_env_samples_an_eval_episode_with_its_pinned_version():
 def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_temperature(tmp_path):
     import torch
 
-    from orchestrator.embedded.policy import load_policy, sequence_logprobs
+    from orchestrator.contracts import InProcessEnv
     from orchestrator.embedded.sampler_backend import EmbeddedBackend
-    from orchestrator.embedded.tokenizer import encode_prompt
-    from orchestrator.envs.base import InProcessEnv
     from orchestrator.hf.loss import token_logprobs
     from orchestrator.hf.model import render_prompt
     from orchestrator.hf.tiny_model import build_untrained
     from orchestrator.inference.client import InferenceClient
     from orchestrator.inference.endpoints_backend import EndpointsBackend
     from orchestrator.rundir import mark_stable, weights_dir
+    from orchestrator.serve.policy import load_policy, sequence_logprobs
+    from orchestrator.serve.tokenizer import encode_prompt, task_prompt_ids
     from tests.inference.util import publish, run, serving
 
     env = ReverseTextEnv(seed=3)
@@ -437,6 +437,7 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
                 max_new_tokens=20,
                 seed=5,
                 load_timeout_s=5,
+                encode_prompt=task_prompt_ids,
             )
             try:
                 await backend.load(1)
@@ -448,7 +449,9 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
     check(on_pin, 1, 0.5)
     # The endpoint holds version 1 only: a sample for an eval pinned to 0 says so, and the core
     # counts it apart from that eval's figures.
-    result = eval_result(Outcome(8, eval_req(8, 0), off_pin, None, 0.0, 0.0))
+    from orchestrator.envs.reverse_text import ReverseTextConfig
+
+    result = eval_result(Outcome(8, eval_req(8, 0), off_pin, None, 0.0, 0.0), ReverseTextConfig().solved)
     assert (result.policy_start, result.policy_end) == (1, 1) and result.success == (off_pin.reward == 1.0)
 
 
