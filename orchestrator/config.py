@@ -407,7 +407,6 @@ class RunConfig(_Section):
             envs=tuple(self.envs),
             eval_envs=tuple(self.eval.envs),
             inference=self.inference_kind(),
-            trainer=self.trainer.kind,
         )
 
     def model_request(self) -> ModelRequest:

@@ -157,7 +157,6 @@ class RunPlan:
     envs: tuple[str, ...]  # the train envs
     eval_envs: tuple[str, ...]  # the envs evaluated on a schedule (docs/evals.md)
     inference: str  # the inference backend's name
-    trainer: str  # the trainer's name
 
 
 @dataclass(frozen=True)
