@@ -182,8 +182,8 @@ class BuildContext:
     max_steps: int
     sampling: Sampling
     version_now: Callable[[], int]
-    publish_timeout_s: float = 300.0  # the longest wait for the trainer's next version
-    kept_versions: int = 3  # weight versions that must stay on disk: a resume reloads the oldest
+    publish_timeout_s: float  # the longest wait for the trainer's next version
+    kept_versions: int  # weight versions that must stay on disk: a resume reloads the oldest
     model: PreparedModel | None = None  # the run's model dir, checked and hashed (the hf trainer's)
     served_model: str | None = None  # the model name the inference backend's servers serve it under
     env_sections: Mapping[str, EnvComponent] = field(default_factory=dict)  # the run's envs' sections
