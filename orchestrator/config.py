@@ -154,9 +154,12 @@ class RolloutConfig(_Section):
         description="staleness: start a group only while the work dispatched and not yet shipped or "
         "dropped can still train before it is too old (docs/rules.md, the dispatch capacity); off: max_inflight alone",
     )
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of train episodes (every backend)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of train episodes, whatever the backend")
     max_new_tokens: int = Field(
-        48, ge=1, description="completion length cap of every episode (reverse_text's answers need <= 38)"
+        48,
+        ge=1,
+        description="completion length cap of every sampling call, whatever the backend "
+        "(reverse_text's answers need <= 38)",
     )
 
     @model_validator(mode="before")
