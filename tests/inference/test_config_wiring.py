@@ -14,7 +14,8 @@ from orchestrator.hf.factory import write_trainer_json
 from orchestrator.inference.endpoints_backend import EndpointsBackend
 from orchestrator.trainers.process import ProcessTrainer
 from orchestrator.trainers.torchrun import TorchrunTrainer
-from tests.shell.test_components import parts_of
+from tests.support.parts import parts_of
+from tests.support.runs import fake_run_args
 
 
 def test_defaults_keep_the_embedded_single_process_job():
@@ -124,17 +125,7 @@ def test_cli_inference_shorthand(tmp_path):
     # A bad URL list still parses into the config; the fake env refuses it with one line.
     result = CliRunner().invoke(
         main,
-        [
-            "run",
-            "--env",
-            "fake",
-            "--trainer",
-            "fake",
-            "--runs-dir",
-            str(tmp_path),
-            "--inference",
-            "http://a:1, http://b:2",
-        ],
+        fake_run_args(tmp_path, None, "--inference", "http://a:1, http://b:2"),
     )
     assert (
         result.exit_code == 2 and "inference endpoints sample the model, not the fake env's episodes" in result.output

@@ -6,16 +6,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.config import ConfigError, load_config
 from orchestrator.envs.server import running_server
-from tests.inference.test_vllm_protocol import replaying_vllm
-from tests.inference.util import REPO
+from tests.inference.util import REPO, replaying_vllm
 from tests.inference.vllm_util import needs_vllm
+from tests.support.cli import orch
+from tests.support.runs import sets
 
 
 def model_dir(path: Path, head_dim: int = 32, chat_template: bool = True) -> Path:
@@ -35,22 +35,9 @@ def model_dir(path: Path, head_dim: int = 32, chat_template: bool = True) -> Pat
     return path
 
 
-def orch_run(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "run",
-        "--runs-dir",
-        str(tmp_path / "runs"),
-        "--name",
-        "r",
-        "--max-steps",
-        "2",
-    ]
-    for s in sets:
-        cmd += ["--set", s]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+def orch_run(tmp_path: Path, *assignments: str) -> subprocess.CompletedProcess:
+    args = ["run", "--runs-dir", str(tmp_path / "runs"), "--name", "r", "--max-steps", "2", *sets(*assignments)]
+    return orch(*args, cwd=REPO, timeout=120, check=False)
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, tmp_path: Path, *words: str) -> None:

@@ -8,7 +8,8 @@ import sqlite3
 import pytest
 
 from eventlog import EventLog
-from tests.replay.conftest import sim_log, sim_params
+from tests.support.logs import sim_log
+from tests.support.params import sim_params
 
 
 @pytest.fixture

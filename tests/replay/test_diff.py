@@ -15,7 +15,8 @@ from replay.diff import MAX_FIELD_DIFFS, diff_logs, normalize, structural_diff
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import open_run
-from tests.replay.conftest import rows, sim_log, sim_params, sim_run
+from tests.support.logs import rows, sim_log, sim_run
+from tests.support.params import sim_params
 
 
 def reference_first(a_rows, b_rows, kinds=None, key=lambda d: d):

@@ -16,7 +16,8 @@ from replay.diff import diff_logs
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import open_run
-from tests.replay.conftest import sim_log, sim_params, sim_run
+from tests.support.logs import sim_log, sim_run
+from tests.support.params import sim_params
 
 
 def _live_log(path, events, committed: int) -> EventLog:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import textwrap
-from contextlib import AsyncExitStack
 from typing import ClassVar
 
 import pytest
@@ -28,9 +26,8 @@ from orchestrator.config import (
 from orchestrator.contracts import Algorithm, InferenceBackend, Trainer, TrainerComponent
 from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.finalizers import GAR
-from orchestrator.shell.compose import RunParts, open_parts
-from orchestrator.shell.runner import create_run
 from orchestrator.trainers.fake import FakeTrainer
+from tests.support.parts import parts_of
 
 FAKE = ['envs={"fake": 1}', "trainer.kind=fake"]
 
@@ -153,18 +150,6 @@ def test_a_component_added_to_a_table_gets_its_section_validated():
     assert section.model_fields["probe"].description == "A trainer added by a module of its own."
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         section.model_validate({"probe": {"width": 1}})
-
-
-def parts_of(config) -> RunParts:
-    """The parts a new run of `config` is built of (built, then closed again)."""
-    run = create_run(config)
-
-    async def parts() -> RunParts:
-        async with AsyncExitStack() as stack:
-            return await open_parts(run, stack)
-
-    with run.log:
-        return asyncio.run(parts())
 
 
 def test_the_fake_parts_are_built_from_the_config_and_follow_the_interfaces(tmp_path):

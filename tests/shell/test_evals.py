@@ -24,23 +24,13 @@ from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.envs.reverse_text import ReverseTextEnv, is_held_out
 from orchestrator.fold import fold_log
 from orchestrator.shell.evals import eval_result
-from tests.shell.test_e2e_fake import assert_log_invariants, orch
-from tests.shell.test_resume import spawn
+from tests.support.cli import orch, spawn_orch, wait_until
+from tests.support.logs import assert_log_invariants
+from tests.support.runs import fake_run_args, sets
 
 FAKE_EVALS = [
-    "run",
-    "--env",
-    "fake",
-    "--trainer",
-    "fake",
-    "--set",
-    'eval.envs=["fake"]',
-    "--set",
-    "batch.size=16",
-    "--set",
-    "rollout.group_size=4",
-    "--set",
-    "rollout.max_inflight=16",
+    *fake_run_args(),
+    *sets('eval.envs=["fake"]', "batch.size=16", "rollout.group_size=4", "rollout.max_inflight=16"),
 ]
 
 
@@ -186,7 +176,7 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
 
 def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishes_it(tmp_path):
     run_dir = tmp_path / "r"
-    proc = spawn(
+    proc = spawn_orch(
         *FAKE_EVALS,
         "--max-steps",
         "4",
@@ -204,7 +194,6 @@ def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishe
         "eval.max_inflight=4",
     )
     try:
-        from tests.shell.test_embedded_run import wait_until
 
         def mid_eval() -> bool:
             if not (run_dir / "events.db").exists():
@@ -272,9 +261,9 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
 
     from orchestrator.shell.progress import Progress
     from orchestrator.sim import SimWorld
-    from tests.core.test_evals import sim_params
+    from tests.support.params import eval_sim_params
 
-    world = SimWorld(sim_params(1), seed=1)
+    world = SimWorld(eval_sim_params(1), seed=1)
     world.run()
     out = io.StringIO()
     progress = Progress(Console(file=out, width=300))
@@ -304,7 +293,7 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
     ],
 )
 def test_a_bad_eval_config_is_one_line_and_exit_2(tmp_path, args, message):
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), *args)
+    result = orch(*fake_run_args(tmp_path, None, *args))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [message]
 
@@ -458,8 +447,7 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
 def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pin(tmp_path):
     from orchestrator.envs.server import running_server
     from orchestrator.inference.client import InferenceClient
-    from tests.inference.test_client import adapter_dirs, vllm_like_app
-    from tests.inference.util import run
+    from tests.inference.util import adapter_dirs, run, vllm_like_app
 
     step_3, step_4 = adapter_dirs(tmp_path, (3, 4))
 
