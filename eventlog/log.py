@@ -480,12 +480,16 @@ class EventLog:
         ``stop=None`` means the last seq committed when iteration starts.
         Streams in chunks of ``chunk_size`` rows from a separate read connection.
         """
+        # Decoded row by row as they are taken: each record's objects are freed before the next
+        # is built, which reads markedly faster than decoding a chunk into a list first. The
+        # events before a damaged row are still yielded; the damaged one raises.
         for rows in self._chunks(start, stop, kinds, chunk_size, "data"):
-            try:
-                records = [_new_tuple(Record, (s, t, k, _loads(d))) for s, t, k, d in rows]
-            except orjson.JSONDecodeError:
-                raise self._not_json(rows) from None
-            yield from records
+            for seq, ts, kind, data in rows:
+                try:
+                    decoded = _loads(data)
+                except orjson.JSONDecodeError as e:
+                    raise CorruptLogError(f"{self.path} is corrupted: the data of seq {seq} is not JSON ({e})") from None
+                yield _new_tuple(Record, (seq, ts, kind, decoded))
 
     def read_rows(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 256
@@ -515,14 +519,6 @@ class EventLog:
             for seq, payload, ref in rows:
                 out[seq] = payload if ref is None else read_side_payload(self.path, seq, ref)
         return out
-
-    def _not_json(self, rows: list[tuple]) -> CorruptLogError:
-        for seq, _, _, data in rows:
-            try:
-                _loads(data)
-            except orjson.JSONDecodeError as e:
-                return CorruptLogError(f"{self.path} is corrupted: the data of seq {seq} is not JSON ({e})")
-        raise AssertionError("a chunk failed to decode, but each of its rows decodes")
 
     def read_raw(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
