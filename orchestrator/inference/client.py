@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import httpx
+import orjson
 
 from orchestrator.components import ComponentFailed
 from orchestrator.inference.endpoints_config import endpoint_base_urls
@@ -63,6 +64,7 @@ from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_c
 
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
+JSON_HEADERS = {"content-type": "application/json"}
 T = TypeVar("T")
 
 log = logging.getLogger("orch.inference")
@@ -287,7 +289,8 @@ class InferenceClient:
         The answer's JSON, or its text with ``text`` (vLLM's LoRA routes answer in plain text)."""
         url = ep.url + path
         try:
-            kwargs: dict[str, Any] = {"json": body} if body is not None else {}
+            # orjson both ways: the sampling calls' bodies and answers are the client's hot path.
+            kwargs: dict[str, Any] = {"content": orjson.dumps(body), "headers": JSON_HEADERS} if body is not None else {}
             if timeout is not None:
                 kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
             resp = await self._http.request(method, url, **kwargs)
@@ -310,7 +313,7 @@ class InferenceClient:
         if text:
             return resp.text
         try:
-            return resp.json()
+            return orjson.loads(resp.content)
         except ValueError:
             raise _Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 
