@@ -488,7 +488,8 @@ class EventLog:
                 try:
                     decoded = _loads(data)
                 except orjson.JSONDecodeError as e:
-                    raise CorruptLogError(f"{self.path} is corrupted: the data of seq {seq} is not JSON ({e})") from None
+                    message = f"{self.path} is corrupted: the data of seq {seq} is not JSON ({e})"
+                    raise CorruptLogError(message) from None
                 yield _new_tuple(Record, (seq, ts, kind, decoded))
 
     def read_rows(

@@ -290,7 +290,9 @@ class InferenceClient:
         url = ep.url + path
         try:
             # orjson both ways: the sampling calls' bodies and answers are the client's hot path.
-            kwargs: dict[str, Any] = {"content": orjson.dumps(body), "headers": JSON_HEADERS} if body is not None else {}
+            kwargs: dict[str, Any] = {}
+            if body is not None:
+                kwargs.update(content=orjson.dumps(body), headers=JSON_HEADERS)
             if timeout is not None:
                 kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
             resp = await self._http.request(method, url, **kwargs)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 RENDERED_PROMPTS = 4096  # prompts kept rendered: the tasks of the groups in flight
 
+
 def build_endpoints_backend(
     section: EndpointsConfig, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]
 ) -> EndpointsBackend:
