@@ -70,24 +70,30 @@ async def bounded(concurrency: int, jobs) -> list:
     return results
 
 
+async def loaded_backend(server, base, tmp_path, env) -> EndpointsBackend:
+    """orch's `openai` backend on the server, version 0 loaded: reverse_text, MAX_TOKENS, seed 0."""
+    client = InferenceClient(server.urls, weight_sync="vllm_reload")
+    rollouts = EndpointsBackend(
+        tmp_path,
+        {"reverse_text": env},
+        client,
+        temperature=1.0,
+        max_new_tokens=MAX_TOKENS,
+        seed=0,
+        load_timeout_s=60,
+        model_dir=base,
+    )
+    await rollouts.load(0)
+    return rollouts
+
+
 def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, tmp_path):
     env = InProcessEnv(ReverseTextEnv(seed=0))
     requests = [RolloutRequest(i, i // 8, "reverse_text", i // 8, 0, 0) for i in range(EPISODES)]
     publish_full(tmp_path, 0, base)
 
     async def main() -> dict[str, list[float]]:
-        client = InferenceClient(server.urls, weight_sync="vllm_reload")
-        rollouts = EndpointsBackend(
-            tmp_path,
-            {"reverse_text": env},
-            client,
-            temperature=1.0,
-            max_new_tokens=MAX_TOKENS,
-            seed=0,
-            load_timeout_s=60,
-            model_dir=base,
-        )
-        await rollouts.load(0)
+        rollouts = await loaded_backend(server, base, tmp_path, env)
         bodies = [plain_body(rollouts.encode_prompt(await env.task(r.task_id)), r) for r in requests]
         limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
         async with httpx.AsyncClient(base_url=server.urls[0], limits=limits, timeout=120, trust_env=False) as plain:
@@ -171,18 +177,7 @@ def test_orch_cost_per_completion_by_stage(benchmark, server, base, tmp_path):
     publish_full(tmp_path, 0, base)
 
     async def main() -> dict[str, float]:
-        client = InferenceClient(server.urls, weight_sync="vllm_reload")
-        rollouts = EndpointsBackend(
-            tmp_path,
-            {"reverse_text": env},
-            client,
-            temperature=1.0,
-            max_new_tokens=MAX_TOKENS,
-            seed=0,
-            load_timeout_s=60,
-            model_dir=base,
-        )
-        await rollouts.load(0)
+        rollouts = await loaded_backend(server, base, tmp_path, env)
         tasks = [await env.task(r.task_id) for r in requests]
         bodies = [plain_body(rollouts.encode_prompt(t), r) for t, r in zip(tasks, requests)]
         async with httpx.AsyncClient(base_url=server.urls[0], timeout=120, trust_env=False) as live:
@@ -194,13 +189,13 @@ def test_orch_cost_per_completion_by_stage(benchmark, server, base, tmp_path):
                 for body, resp in zip(bodies[chunk : chunk + CONCURRENCY], got):
                     resp.raise_for_status()
                     answers[body["seed"]] = resp.content
-        await client.aclose()
+        await rollouts.client.aclose()
 
         def replay(request: httpx.Request) -> httpx.Response:
             seed = orjson.loads(request.content)["seed"]
             return httpx.Response(200, content=answers[seed], headers={"content-type": "application/json"})
 
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(replay), trust_env=False)
+        rollouts.client._http = httpx.AsyncClient(transport=httpx.MockTransport(replay), trust_env=False)
         plain = httpx.AsyncClient(base_url=server.urls[0], transport=httpx.MockTransport(replay), trust_env=False)
         per: dict[str, float] = {}
 
