@@ -65,6 +65,7 @@ from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_c
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
 JSON_HEADERS = {"content-type": "application/json"}
+KEEPALIVE_S = 2.0
 T = TypeVar("T")
 
 log = logging.getLogger("orch.inference")
@@ -194,7 +195,12 @@ class InferenceClient:
         self.target: tuple[int, str] | None = None  # (version, weights dir) every endpoint should hold
         self._pins: OrderedDict[Any, Endpoint] = OrderedDict()
         self._ids = itertools.count()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # Idle connections are dropped well before the servers' keep-alive timeout (vLLM's and
+        # uvicorn's: 5 s, httpx's default expiry too), so none is reused as the server closes it
+        # (a ReadError, a retry, and the endpoint marked down for a backoff).
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
+        )
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=limits,
