@@ -126,7 +126,10 @@ def prompt_renderer(model_dir: Path | None, chat_template_kwargs: Mapping | None
 
     def render(task) -> list[int]:
         # A group's episodes share their task: its chat template is rendered once, not per member.
-        key = orjson.dumps((task.prompt, task.messages))
+        try:
+            key = orjson.dumps((task.prompt, task.messages))
+        except TypeError:  # messages holding other than JSON values: rendered each time
+            return render_prompt(tokenizer, task.prompt, task.messages, **kwargs)
         ids = rendered.get(key)
         if ids is None:
             ids = rendered[key] = render_prompt(tokenizer, task.prompt, task.messages, **kwargs)
