@@ -3,8 +3,11 @@
 1. Throughput: reverse_text episodes through orch's endpoints backend (``EndpointsBackend``:
    task -> chat-template prompt -> ``InferenceClient`` -> parse -> score) against a plain async
    httpx client sending the same requests (same prompt ids, seeds, max_tokens) at the same
-   concurrency to the same server, alternated in one run. ``extra_info``: completions/s of each
-   and their ratio (target >= 0.95: the engine is the limit, not orch); reported, not asserted.
+   concurrency to the same server, in one run: a warm-up round of each side not counted (the
+   server's first requests pay its warm-up), then ROUNDS rounds with the order alternated.
+   ``extra_info``: completions/s of each (medians) and the paired ratio orch / plain (the median
+   of the per-round ratios, with its range and quartiles; target >= 0.95: the engine is the
+   limit, not orch); reported, not asserted.
 2. Weight-sync time per version: full reload (pause, reload_weights, reset_prefix_cache, resume)
    and LoRA (load the new adapter, unload the unused one), as ``InferenceClient.load`` sees it.
 
@@ -18,8 +21,10 @@ import statistics
 import time
 
 import httpx
+import orjson
 import pytest
 
+from bench.paired import alternated_rounds, paired_ratio
 from orchestrator.contracts import InProcessEnv, RolloutRequest
 from orchestrator.envs.reverse_text import ReverseTextEnv
 from orchestrator.inference.client import InferenceClient
@@ -30,7 +35,7 @@ pytestmark = needs_vllm
 EPISODES = 384
 CONCURRENCY = 64
 MAX_TOKENS = 48
-ROUNDS = 2
+ROUNDS = 6  # counted, after a warm-up round of each side
 SYNC_VERSIONS = 5
 
 
@@ -64,43 +69,32 @@ async def bounded(concurrency: int, jobs) -> list:
     return results
 
 
+async def loaded_backend(server, base, tmp_path, env) -> EndpointsBackend:
+    """orch's `openai` backend on the server, version 0 loaded: reverse_text, MAX_TOKENS, seed 0."""
+    client = InferenceClient(server.urls, weight_sync="vllm_reload")
+    rollouts = EndpointsBackend(
+        tmp_path,
+        {"reverse_text": env},
+        client,
+        temperature=1.0,
+        max_new_tokens=MAX_TOKENS,
+        seed=0,
+        load_timeout_s=60,
+        model_dir=base,
+    )
+    await rollouts.load(0)
+    return rollouts
+
+
 def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, tmp_path):
     env = InProcessEnv(ReverseTextEnv(seed=0))
     requests = [RolloutRequest(i, i // 8, "reverse_text", i // 8, 0, 0) for i in range(EPISODES)]
     publish_full(tmp_path, 0, base)
 
-    async def main() -> dict:
-        client = InferenceClient(server.urls, weight_sync="vllm_reload")
-        rollouts = EndpointsBackend(
-            tmp_path,
-            {"reverse_text": env},
-            client,
-            temperature=1.0,
-            max_new_tokens=MAX_TOKENS,
-            seed=0,
-            load_timeout_s=60,
-            model_dir=base,
-        )
-        await rollouts.load(0)
-        # The same bodies orch sends: its prompt ids and seeds, the server's default model.
-        bodies = []
-        for req in requests:
-            prompt = rollouts.encode_prompt(await env.task(req.task_id))
-            seed = episode_seed(0, req.episode_id, req.attempt)
-            bodies.append(
-                {
-                    "prompt": prompt,
-                    "n": 1,
-                    "temperature": 1.0,
-                    "max_tokens": MAX_TOKENS,
-                    "seed": seed,
-                    "logprobs": 0,
-                    "return_tokens_as_token_ids": True,
-                    "return_token_ids": True,
-                }
-            )
+    async def main() -> dict[str, list[float]]:
+        rollouts = await loaded_backend(server, base, tmp_path, env)
+        bodies = [plain_body(rollouts.encode_prompt(await env.task(r.task_id)), r) for r in requests]
         limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
-        rates: dict[str, list[float]] = {"orch": [], "plain": []}
         async with httpx.AsyncClient(base_url=server.urls[0], limits=limits, timeout=120, trust_env=False) as plain:
 
             async def plain_one(body):
@@ -108,33 +102,184 @@ def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, 
                 resp.raise_for_status()
                 return resp.json()["choices"][0]
 
-            for _ in range(ROUNDS):  # alternated: the machine's load drifts alike for both
+            async def orch_round() -> float:
                 t0 = time.perf_counter()
                 episodes = await bounded(CONCURRENCY, [lambda r=r: rollouts(r) for r in requests])
-                rates["orch"].append(EPISODES / (time.perf_counter() - t0))
+                rate = EPISODES / (time.perf_counter() - t0)
+                assert all(e.ok and e.policy_start == 0 and sum(e.mask) >= 1 for e in episodes)
+                return rate
+
+            async def plain_round() -> float:
                 t0 = time.perf_counter()
                 choices = await bounded(CONCURRENCY, [lambda b=b: plain_one(b) for b in bodies])
-                rates["plain"].append(EPISODES / (time.perf_counter() - t0))
+                rate = EPISODES / (time.perf_counter() - t0)
+                assert len(choices) == EPISODES and all(c["token_ids"] for c in choices)
+                return rate
+
+            rates = await alternated_rounds(ROUNDS, {"orch": orch_round, "plain": plain_round})
         await rollouts.aclose()
-        assert all(e.ok and e.policy_start == 0 and sum(e.mask) >= 1 for e in episodes)
-        assert all(c["token_ids"] for c in choices) and len(choices) == len(episodes)
         return rates
 
     rates = benchmark.pedantic(lambda: asyncio.run(main()), rounds=1, iterations=1)
+    ratio = paired_ratio(rates["orch"], rates["plain"])
     orch, plain = statistics.median(rates["orch"]), statistics.median(rates["plain"])
     benchmark.extra_info.update(
         episodes=EPISODES,
         concurrency=CONCURRENCY,
         max_tokens=MAX_TOKENS,
+        rounds=ROUNDS,
         orch_completions_per_s=round(orch, 1),
         plain_completions_per_s=round(plain, 1),
-        ratio=round(orch / plain, 3),
-        rounds={k: [round(x, 1) for x in v] for k, v in rates.items()},
+        ratio=ratio,
+        rates={k: [round(x, 1) for x in v] for k, v in rates.items()},
     )
     print(
-        f"\norch {orch:.1f} completions/s, plain httpx {plain:.1f} completions/s: ratio {orch / plain:.3f} "
-        f"(target >= 0.95; {EPISODES} episodes x {ROUNDS} rounds at concurrency {CONCURRENCY})"
+        f"\norch {orch:.1f} completions/s, plain httpx {plain:.1f} completions/s (medians): paired ratio "
+        f"{ratio['median']:.3f} (range {ratio['min']:.3f}-{ratio['max']:.3f}, quartiles {ratio['q1']:.3f}-"
+        f"{ratio['q3']:.3f}; target >= 0.95; {EPISODES} episodes x {ROUNDS} rounds after a warm-up of each, "
+        f"order alternated, at concurrency {CONCURRENCY})"
     )
+
+
+def plain_body(prompt: list[int], req: RolloutRequest) -> dict:
+    """The body orch sends for ``req``: its prompt ids and seed, the server's default model."""
+    return {
+        "prompt": prompt,
+        "n": 1,
+        "temperature": 1.0,
+        "max_tokens": MAX_TOKENS,
+        "seed": episode_seed(0, req.episode_id, req.attempt),
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
+
+
+def test_orch_cost_per_completion_by_stage(benchmark, server, base, tmp_path):
+    """orch's own CPU per completion on the openai backend, by stage, the engine taken out: the
+    server's real answers to EPISODES requests are recorded, then replayed from an in-process
+    transport (httpx.MockTransport) to orch's backend and to the plain client, so what remains is
+    each side's own cost. ``extra_info``: microseconds per completion of orch's whole episode and
+    of the plain client's exchange (their difference is what orch adds), and of each stage of
+    orch's path measured alone: request build (prompt render, body, JSON encode), JSON parse,
+    choice parse, trace packing, score, the event's encoding, the commit (the events appended
+    and committed, 64 per commit, durability full) and the wake-up (a finished episode's outcome
+    handed to the loop through ``run_examples``)."""
+    from eventlog import EventLog
+    from orchestrator.collection.collect import ExampleFeed, run_examples
+    from orchestrator.contracts import sampled_episode
+    from orchestrator.core import events as ev
+    from orchestrator.inference.protocol import parse_completion
+
+    env = InProcessEnv(ReverseTextEnv(seed=0))
+    requests = [RolloutRequest(i, i // 8, "reverse_text", i // 8, 0, 0) for i in range(EPISODES)]
+    publish_full(tmp_path, 0, base)
+
+    async def main() -> dict[str, float]:
+        rollouts = await loaded_backend(server, base, tmp_path, env)
+        tasks = [await env.task(r.task_id) for r in requests]
+        bodies = [plain_body(rollouts.encode_prompt(t), r) for t, r in zip(tasks, requests)]
+        async with httpx.AsyncClient(base_url=server.urls[0], timeout=120, trust_env=False) as live:
+            answers = {}
+            for chunk in range(0, EPISODES, CONCURRENCY):
+                got = await asyncio.gather(
+                    *(live.post("/v1/completions", json=b) for b in bodies[chunk : chunk + CONCURRENCY])
+                )
+                for body, resp in zip(bodies[chunk : chunk + CONCURRENCY], got):
+                    resp.raise_for_status()
+                    answers[body["seed"]] = resp.content
+        await rollouts.client.aclose()
+
+        def replay(request: httpx.Request) -> httpx.Response:
+            seed = orjson.loads(request.content)["seed"]
+            return httpx.Response(200, content=answers[seed], headers={"content-type": "application/json"})
+
+        rollouts.client._http = httpx.AsyncClient(transport=httpx.MockTransport(replay), trust_env=False)
+        plain = httpx.AsyncClient(base_url=server.urls[0], transport=httpx.MockTransport(replay), trust_env=False)
+        per: dict[str, float] = {}
+
+        async def orch_side() -> float:
+            t0 = time.perf_counter()
+            for r in requests:
+                await rollouts(r)
+            return (time.perf_counter() - t0) / EPISODES
+
+        async def plain_side() -> float:
+            t0 = time.perf_counter()
+            for b in bodies:
+                resp = await plain.post("/v1/completions", json=b)
+                resp.raise_for_status()
+                resp.json()["choices"][0]
+            return (time.perf_counter() - t0) / EPISODES
+
+        whole = await alternated_rounds(ROUNDS, {"orch": orch_side, "plain": plain_side})
+        per["orch_episode"] = statistics.median(whole["orch"])
+        per["plain_exchange"] = statistics.median(whole["plain"])
+        await plain.aclose()
+
+        def timed(name: str, fn, items):
+            fn(items[0])  # warm
+            t0 = time.perf_counter()
+            out = [fn(x) for x in items]
+            per[name] = (time.perf_counter() - t0) / len(items)
+            return out
+
+        rendered = timed("build_prompt", rollouts.encode_prompt, tasks)
+        timed("build_body_json", lambda b: orjson.dumps(b), bodies)
+        raw = [answers[b["seed"]] for b in bodies]
+        parsed = timed("json_parse", orjson.loads, raw)
+        choices = timed("choice_parse", lambda a: parse_completion(a, 1)[0][0], parsed)
+        scores = [await env.score(t, c.text) for t, c in zip(tasks, choices)]
+        t0 = time.perf_counter()
+        for t, c in zip(tasks, choices):
+            await env.score(t, c.text)
+        per["score"] = (time.perf_counter() - t0) / EPISODES
+        episodes = timed(
+            "trace_pack",
+            lambda i: sampled_episode(
+                requests[i],
+                prompt_ids=rendered[i],
+                completion_ids=choices[i].token_ids,
+                completion_logprobs=choices[i].logprobs,
+                reward=scores[i],
+                policy_start=0,
+                policy_end=0,
+                temperature=1.0,
+            ),
+            list(range(EPISODES)),
+        )
+        encoded = timed("event_encode", ev.encode_event, episodes)
+        with EventLog.create(tmp_path / "events.db", durability="full") as log:
+            t0 = time.perf_counter()
+            for i, row in enumerate(encoded):
+                log.append_json(*row)
+                if i % 64 == 63:
+                    log.commit()
+            log.commit()
+            per["commit"] = (time.perf_counter() - t0) / EPISODES
+
+        async def instant(episode):
+            return episode
+
+        feed = ExampleFeed()
+        for episode in episodes:
+            feed.put(episode)
+        feed.close()
+        t0 = time.perf_counter()
+        taken = 0
+        async with run_examples(feed, instant, max_concurrency=CONCURRENCY) as stream:
+            while await stream.wait_ready(None):
+                taken += len(stream.take_ready())
+        per["wake_up"] = (time.perf_counter() - t0) / EPISODES
+        assert taken == EPISODES
+        await rollouts.aclose()
+        return per
+
+    per = benchmark.pedantic(lambda: asyncio.run(main()), rounds=1, iterations=1)
+    micros = {k: round(v * 1e6, 1) for k, v in per.items()}
+    micros["orch_adds"] = round(micros["orch_episode"] - micros["plain_exchange"], 1)
+    benchmark.extra_info.update(episodes=EPISODES, us_per_completion=micros)
+    print("\norch's cost per completion (us):", ", ".join(f"{k} {v}" for k, v in micros.items()))
 
 
 @pytest.mark.parametrize("mode", ["vllm_reload", "vllm_lora"])

@@ -405,7 +405,10 @@ class EventLog:
         if b"null" in doc and has_nonfinite(data):
             raise InvalidEventError(NONFINITE)
         seq = self._next
-        buf.append((seq, _time(), kind, doc.decode(), payload_bytes(payload), None))
+        if payload is None:  # rows without a payload are buffered without its columns (see _insert_rows)
+            buf.append((seq, _time(), kind, doc.decode()))
+        else:
+            buf.append((seq, _time(), kind, doc.decode(), payload_bytes(payload), None))
         self._next = seq + 1
         return seq
 
@@ -423,7 +426,10 @@ class EventLog:
             except (AttributeError, UnicodeDecodeError) as e:
                 raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
         seq = self._next
-        buf.append((seq, _time(), kind, data_json, payload_bytes(payload), None))
+        if payload is None:
+            buf.append((seq, _time(), kind, data_json))
+        else:
+            buf.append((seq, _time(), kind, data_json, payload_bytes(payload), None))
         self._next = seq + 1
         return seq
 
@@ -440,7 +446,7 @@ class EventLog:
             return self._last
         self._buf = []
         try:
-            large = [i for i, row in enumerate(buf) if row[4] is not None and len(row[4]) > self.side_file_bytes]
+            large = [i for i, row in enumerate(buf) if len(row) > 4 and len(row[4]) > self.side_file_bytes]
             if large:  # durable in their side file before the transaction that references them
                 refs = write_side_file(self.path, [buf[i][4] for i in large])
                 for i, ref in zip(large, refs, strict=True):
@@ -480,12 +486,17 @@ class EventLog:
         ``stop=None`` means the last seq committed when iteration starts.
         Streams in chunks of ``chunk_size`` rows from a separate read connection.
         """
+        # Decoded row by row as they are taken: each record's objects are freed before the next
+        # is built, which reads markedly faster than decoding a chunk into a list first. The
+        # events before a damaged row are still yielded; the damaged one raises.
         for rows in self._chunks(start, stop, kinds, chunk_size, "data"):
-            try:
-                records = [_new_tuple(Record, (s, t, k, _loads(d))) for s, t, k, d in rows]
-            except orjson.JSONDecodeError:
-                raise self._not_json(rows) from None
-            yield from records
+            for seq, ts, kind, data in rows:
+                try:
+                    decoded = _loads(data)
+                except orjson.JSONDecodeError as e:
+                    message = f"{self.path} is corrupted: the data of seq {seq} is not JSON ({e})"
+                    raise CorruptLogError(message) from None
+                yield _new_tuple(Record, (seq, ts, kind, decoded))
 
     def read_rows(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 256
@@ -515,14 +526,6 @@ class EventLog:
             for seq, payload, ref in rows:
                 out[seq] = payload if ref is None else read_side_payload(self.path, seq, ref)
         return out
-
-    def _not_json(self, rows: list[tuple]) -> CorruptLogError:
-        for seq, _, _, data in rows:
-            try:
-                _loads(data)
-            except orjson.JSONDecodeError as e:
-                return CorruptLogError(f"{self.path} is corrupted: the data of seq {seq} is not JSON ({e})")
-        raise AssertionError("a chunk failed to decode, but each of its rows decodes")
 
     def read_raw(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
@@ -803,21 +806,29 @@ def payload_bytes(payload: Any) -> bytes | None:
         raise InvalidEventError(f"an event payload must be bytes, not {type(payload).__name__}") from None
 
 
+_COLUMNS = {4: "seq, ts, kind, data", 6: "seq, ts, kind, data, payload, payload_ref"}
+
+
 @functools.cache
-def _insert_sql(n_rows: int) -> str:
-    return "INSERT INTO events(seq, ts, kind, data, payload, payload_ref) VALUES " + ",".join(
-        ["(?,?,?,?,?,?)"] * n_rows
-    )
+def _insert_sql(n_rows: int, n_columns: int = 6) -> str:
+    row = "(" + ",".join("?" * n_columns) + ")"
+    return f"INSERT INTO events({_COLUMNS[n_columns]}) VALUES " + ",".join([row] * n_rows)
 
 
 def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
-    """Insert (seq, ts, kind, data, payload, payload_ref) rows, as few statements as power-of-two
-    sizes allow."""
-    start, left = 0, len(rows)
-    while left:
-        size = min(_MAX_ROWS_PER_INSERT, 1 << (left.bit_length() - 1))
-        conn.execute(_insert_sql(size), tuple(itertools.chain.from_iterable(rows[start : start + size])))
-        start, left = start + size, left - size
+    """Insert (seq, ts, kind, data) rows and (seq, ts, kind, data, payload, payload_ref) rows,
+    each shape in as few multi-row statements as power-of-two sizes allow. Rows without a payload
+    leave its columns out (NULL by default): binding two NULLs per row made a commit of small
+    events markedly slower than a raw executemany of four columns."""
+    plain = [row for row in rows if len(row) == 4]
+    with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) == 6]
+    for shape, n_columns in ((plain, 4), (with_payload, 6)):
+        start, left = 0, len(shape)
+        while left:
+            size = min(_MAX_ROWS_PER_INSERT, 1 << (left.bit_length() - 1))
+            params = tuple(itertools.chain.from_iterable(shape[start : start + size]))
+            conn.execute(_insert_sql(size, n_columns), params)
+            start, left = start + size, left - size
 
 
 def _write_new_database(tmp: str, meta: dict[str, str]) -> None:

@@ -146,6 +146,8 @@ def capacity_has_room(s: State) -> bool:
     max_off_policy_steps) there is none, and the batch in training will publish a version.
     Starting a group re-checks the gate at once; every other rule that changes what this reads
     (step, version, the queue, groups settled or cancelled) ends by re-checking it."""
+    if trainer_keeps_up(s):
+        return True
     p, acct = s.params, s.acct
     accepting = min(p.max_off_policy_steps + 1 - ((s.step - 1) - s.version), p.max_steps + 1 - s.step)
     if accepting <= 0:
@@ -159,6 +161,16 @@ def capacity_has_room(s: State) -> bool:
     units = queued_units + per_step  # queued units per judged completion is units / judged
     judged = acct.judged + p.batch_size
     return pending * judged + (s.grouped_samples + 1) * units <= accepting * per_step * judged
+
+
+def trainer_keeps_up(s: State) -> bool:
+    """Rule 1 (d): the trainer has trained every batch shipped and nothing waits in the queue for
+    it, though the ship hold would let a batch wait (`target_lag` >= 1: a trainer-bound run always
+    has one waiting; with 0 the hold itself idles the trainer, which then tells nothing). Read
+    after the trainer's first step: a run's start says nothing yet of which side is the slower.
+    Generation is then the bound, and the capacity does not throttle it: `max_inflight` alone
+    caps dispatch. Ships, publishes and settles, which change this, re-check the gate."""
+    return s.params.target_lag >= 1 and s.version >= 1 and s.version >= s.step - 1 and not s.pending
 
 
 def update_dispatch_gate(d: _Decisions) -> None:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import httpx
+import orjson
 
 from orchestrator.inference.errors import InferenceError, InferenceRequestError, InferenceUnavailable
 from orchestrator.inference.errors import Retryable as _Retryable
@@ -66,6 +67,8 @@ from orchestrator.urls import endpoint_base_urls
 
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
+JSON_HEADERS = {"content-type": "application/json"}
+KEEPALIVE_S = 2.0
 T = TypeVar("T")
 
 log = logging.getLogger("orch.inference")
@@ -172,7 +175,12 @@ class InferenceClient:
         self.target: tuple[int, str] | None = None  # (version, weights dir) every endpoint should hold
         self._pins: OrderedDict[Any, Endpoint] = OrderedDict()
         self._ids = itertools.count()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # Idle connections are dropped well before the servers' keep-alive timeout (vLLM's and
+        # uvicorn's: 5 s, httpx's default expiry too), so none is reused as the server closes it
+        # (a ReadError, a retry, and the endpoint marked down for a backoff).
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
+        )
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=limits,
@@ -267,7 +275,10 @@ class InferenceClient:
         The answer's JSON, or its text with ``text`` (vLLM's LoRA routes answer in plain text)."""
         url = ep.url + path
         try:
-            kwargs: dict[str, Any] = {"json": body} if body is not None else {}
+            # orjson both ways: the sampling calls' bodies and answers are the client's hot path.
+            kwargs: dict[str, Any] = {}
+            if body is not None:
+                kwargs.update(content=orjson.dumps(body), headers=JSON_HEADERS)
             if timeout is not None:
                 kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
             resp = await self._http.request(method, url, **kwargs)
@@ -290,7 +301,7 @@ class InferenceClient:
         if text:
             return resp.text
         try:
-            return resp.json()
+            return orjson.loads(resp.content)
         except ValueError:
             raise _Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
+
+import orjson
 
 from orchestrator.contracts import (
     AgentEnv,
@@ -43,6 +46,8 @@ from orchestrator.rundir import is_stable, weights_dir
 
 if TYPE_CHECKING:
     from orchestrator.inference.vllm_launch import VllmLauncher
+
+RENDERED_PROMPTS = 4096  # prompts kept rendered: the tasks of the groups in flight
 
 
 def build_endpoints_backend(
@@ -116,7 +121,24 @@ def prompt_renderer(model_dir: Path, chat_template_kwargs: Mapping | None = None
     from orchestrator.hf.model import load_tokenizer, render_prompt
 
     tokenizer, kwargs = load_tokenizer(model_dir), dict(chat_template_kwargs or {})
-    return lambda task: render_prompt(tokenizer, task.prompt, task.messages, **kwargs)
+    rendered: OrderedDict[bytes, list[int]] = OrderedDict()
+
+    def render(task) -> list[int]:
+        # A group's episodes share their task: its chat template is rendered once, not per member.
+        try:
+            key = orjson.dumps((task.prompt, task.messages))
+        except TypeError:  # messages holding other than JSON values: rendered each time
+            return render_prompt(tokenizer, task.prompt, task.messages, **kwargs)
+        ids = rendered.get(key)
+        if ids is None:
+            ids = rendered[key] = render_prompt(tokenizer, task.prompt, task.messages, **kwargs)
+            if len(rendered) > RENDERED_PROMPTS:
+                rendered.popitem(last=False)
+        else:
+            rendered.move_to_end(key)
+        return list(ids)
+
+    return render
 
 
 def episode_seed(run_seed: int, episode_id: int, attempt: int) -> int:
@@ -152,6 +174,7 @@ class EndpointsBackend:
             encode_prompt = prompt_renderer(model_dir, chat_template_kwargs)
         self.encode_prompt = encode_prompt
         self._loaded = asyncio.Event()
+        self._agent_envs: dict[str, bool] = {}
         self._ready = launcher is None  # launched servers: once they answered /health
         self.version = -1  # newest version confirmed by at least one endpoint
 
@@ -199,9 +222,10 @@ class EndpointsBackend:
         self._loaded.set()
 
     async def __call__(self, req: RolloutRequest) -> EpisodeCompleted:
-        await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
+        if not self._loaded.is_set():
+            await asyncio.wait_for(self._loaded.wait(), self.load_timeout_s)
         env = self.envs[req.env]
-        if isinstance(env, AgentEnv):  # it plays the episode, its model calls through this client
+        if self._plays_itself(req.env):  # it plays the episode, its model calls through this client
             return await env.episode(req, self.client)
         if self.encode_prompt is None:
             raise ValueError(f"env {req.env!r} gives prompts, and this backend has no model dir to render them with")
@@ -235,6 +259,13 @@ class EndpointsBackend:
             policy_end=done.policy_end,
             temperature=temperature,
         )
+
+    def _plays_itself(self, name: str) -> bool:
+        # Asked once per env: isinstance of a runtime-checkable Protocol walks its members each time.
+        plays = self._agent_envs.get(name)
+        if plays is None:
+            plays = self._agent_envs[name] = isinstance(self.envs[name], AgentEnv)
+        return plays
 
     async def aclose(self) -> None:
         """Report how each endpoint fared, then close the HTTP client and stop launched servers."""

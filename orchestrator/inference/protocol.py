@@ -36,6 +36,7 @@ This module imports no torch: the client side (:func:`parse_completion`) runs in
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,7 @@ def _int(body: dict, key: str, default: int | None, lo: int, hi: int | None = No
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and all(type(t) is int for t in value)  # JSON ints; not bools
 
 
 def parse_completion_request(body: Any) -> CompletionParams:
@@ -216,11 +217,7 @@ def parse_choice(choice: Any, response: dict, where: str = "response") -> Parsed
         raise ProtocolError(f"{where}: 'token_ids' must be a list of integers")
     if len(ids) != len(logprobs):
         raise ProtocolError(f"{where}: {len(ids)} token ids but {len(logprobs)} logprobs")
-    clean = []
-    for lp in logprobs:
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-6:
-            raise ProtocolError(f"{where}: logprob {lp!r} is not a finite number <= 0")
-        clean.append(min(float(lp), 0.0))
+    clean = _logprobs(logprobs, where)
     prompt_ids = choice.get("prompt_token_ids", response.get("prompt_token_ids"))
     if prompt_ids is not None and not _is_ids(prompt_ids):
         raise ProtocolError(f"{where}: 'prompt_token_ids' must be a list of integers")
@@ -228,6 +225,29 @@ def parse_choice(choice: Any, response: dict, where: str = "response") -> Parsed
     if not isinstance(text, str):
         raise ProtocolError(f"{where}: a choice has no 'text'")
     return ParsedChoice(prompt_ids, list(ids), clean, text, choice.get("finish_reason"))
+
+
+def _logprobs(logprobs: list, where: str) -> list[float]:
+    """The logprobs as floats <= 0 (a rounding above 0 clamped), or ProtocolError naming a bad one.
+    The common case, all finite numbers, is checked on a C array rather than value by value."""
+    try:
+        values = array("d", logprobs)
+    except (TypeError, OverflowError):
+        values = None
+    if (
+        values is not None
+        and values == values  # no NaN
+        and (not values or (max(values) <= 1e-6 and min(values) > -math.inf))
+        and not any(type(lp) is bool for lp in logprobs)
+    ):
+        clean = values.tolist()
+        return [min(lp, 0.0) for lp in clean] if clean and max(clean) > 0.0 else clean
+    clean = []
+    for lp in logprobs:
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-6:
+            raise ProtocolError(f"{where}: logprob {lp!r} is not a finite number <= 0")
+        clean.append(min(float(lp), 0.0))
+    return clean
 
 
 def parse_completion(response: Any, expected: int, where: str = "response") -> tuple[list[ParsedChoice], int | None]:

@@ -69,7 +69,7 @@ def uv_on_path() -> None:
 
 
 class VerifiersEnv:
-    """An ``orchestrator.envs.base.AgentEnv``: ``await env.episode(request, client)`` plays one
+    """An ``orchestrator.contracts.AgentEnv``: ``await env.episode(request, client)`` plays one
     episode of the taskset (raising: a failed episode)."""
 
     def __init__(

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from orchestrator.config import load_config, meaning_changes, with_added_fields
 from orchestrator.core import events as ev
-from orchestrator.core.decide import capacity_has_room, dispatch_gate
+from orchestrator.core.decide import capacity_has_room, dispatch_gate, trainer_keeps_up
 from orchestrator.sim import SimOptions, TimedSimWorld
 from tests.core.encoded import fold_encoded
 from tests.support.params import trainer_bound_params
@@ -37,9 +37,25 @@ def test_a_published_version_opens_the_capacity_of_one_more_step(driver):
     assert d.of(out, "batch_shipped") and d.state.step == 2
     # Lag 1: only step 2 still accepts a sample dispatched at version 0, and groups 3 and 4 fill it.
     assert not d.of(out, "group_dispatched") and d.state.gate_reason == "capacity"
-    out = d.publish(1)
-    assert len(d.of(out, "group_dispatched")) == 2, "steps 2 and 3 accept version 1: room for 8 more"
+    d.complete_group(3, VARIED)
+    out = d.complete_group(4, VARIED)
+    assert d.of(out, "batch_shipped") and d.state.step == 3 and not d.state.inflight
+    out = d.publish(1)  # batch 2 still in training: the trainer does not keep up
+    assert len(d.of(out, "group_dispatched")) == 2, "step 3 accepts version 1: room for 8 more"
     assert d.state.gate_reason == "capacity"
+
+
+def test_a_trainer_that_keeps_up_gets_every_permit(driver):
+    """Generation-bound: once the trainer trained every batch shipped and nothing waits in the
+    queue, the capacity does not throttle; max_inflight alone caps dispatch."""
+    d = driver(group_size=4, batch_size=8, max_inflight=40, max_off_policy_steps=1, target_lag=1, capacity="staleness")
+    d.start()
+    assert len(d.state.inflight) == 16, "the run's start: the capacity applies"
+    d.complete_group(1, VARIED)
+    d.complete_group(2, VARIED)  # batch 1 ships
+    out = d.publish(1)  # trained: the trainer waits for batch 2
+    assert d.of(out, "group_dispatched") and len(d.state.inflight) == 40
+    assert d.state.gate_open
 
 
 def test_rejected_groups_make_it_over_provision(driver):
@@ -94,8 +110,8 @@ def test_no_room_when_no_step_could_train_a_sample_dispatched_now(driver):
     s = d.state
     assert s.step == 2 and s.version == 0 and not s.inflight and not capacity_has_room(s)
     assert dispatch_gate(s) == (False, "capacity")
-    out = d.publish(1)  # the batch in training publishes: a sample of version 1 trains in step 2
-    assert len(d.of(out, "group_dispatched")) == 1
+    out = d.publish(1)  # the batch in training publishes: the trainer keeps up, every permit is used
+    assert len(d.of(out, "group_dispatched")) == 5 and len(d.state.inflight) == 10
 
 
 def test_the_capacity_travels_in_run_started_and_off_is_written_as_before_the_rule():
@@ -172,3 +188,60 @@ def test_off_the_same_run_drops_most_of_what_it_generates(seed):
     world.run()
     acct = world.state.acct
     assert acct.dropped["stale"] > 0.5 * acct.completed
+
+
+# --- the property, generation-bound: a trainer that keeps up is never throttled ------------------
+
+
+class CheckedWorld(TimedSimWorld):
+    """After every input: while the trainer keeps up and no other reason closes the gate, every
+    train permit is in use (the capacity admits what max_inflight allows)."""
+
+    kept_up = 0  # inputs after which the trainer kept up
+    throttled = 0  # those after which a permit was unused
+
+    def feed(self, event) -> list:
+        decisions = super().feed(event)
+        s = self.state
+        if trainer_keeps_up(s) and dispatch_gate(s)[1] in ("open", "capacity") and s.step <= s.params.max_steps:
+            self.kept_up += 1
+            self.throttled += len(s.inflight) < s.params.max_inflight
+        return decisions
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10**6),
+    group_size=st.sampled_from([4, 8]),
+    groups_per_batch=st.integers(4, 8),
+    max_off_policy_steps=st.integers(1, 2),
+    slack=st.integers(4, 8),
+    latency=st.sampled_from([(1, 9), (3, 7), (1, 5)]),
+)
+def test_a_generation_bound_run_ships_as_fast_as_without_the_capacity(
+    seed, group_size, groups_per_batch, max_off_policy_steps, slack, latency
+):
+    """Generation-bound: an instant trainer (it publishes at the tick its batch ships). The
+    capacity never leaves a permit unused while the trainer keeps up, and the run takes no
+    more ticks than the same world with the capacity off (within 3%)."""
+    ticks = {}
+    for capacity in ("staleness", "off"):
+        params = ev.CoreParams(
+            seed=seed,
+            env_ratios={"a": 1.0},
+            group_size=group_size,
+            batch_size=group_size * groups_per_batch,
+            max_inflight=slack * group_size * groups_per_batch,
+            max_off_policy_steps=max_off_policy_steps,
+            target_lag=1,
+            max_steps=20,
+            zero_output_batches=1000,
+            capacity=capacity,
+        )
+        options = SimOptions(error_rate=0.0, empty_rate=0.0, reward_levels=20)
+        world = CheckedWorld(params, seed=seed, options=options, latency=latency, train_ticks=0)
+        world.run()
+        assert world.state.stop_reason == "completed"
+        assert world.throttled == 0 and (world.kept_up > 0 or capacity == "off")
+        ticks[capacity] = world.tick
+    assert ticks["staleness"] * 0.97 <= ticks["off"], ticks

@@ -122,3 +122,16 @@ def test_responses_without_ids_or_logprobs_are_rejected_clearly(choice, message)
 def test_wrong_choice_count_is_an_error():
     with pytest.raises(ProtocolError, match="expected 3 choices"):
         parse_completion(VLLM_STYLE, 3)
+
+
+@pytest.mark.parametrize("bad", [False, True, "x", None, 1e-3])
+def test_a_bad_logprob_is_named_whatever_it_is(bad):
+    choice = {"text": "a", "token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0, bad]}}
+    with pytest.raises(ProtocolError, match="is not a finite number <= 0"):
+        parse_completion({"choices": [choice]}, 1)
+
+
+def test_logprobs_a_rounding_above_zero_are_clamped_to_zero():
+    choice = {"text": "a", "token_ids": [1, 2, 3], "logprobs": {"token_logprobs": [-0.5, 5e-7, 0]}}
+    (parsed,), _ = parse_completion({"choices": [choice]}, 1)
+    assert parsed.logprobs == [-0.5, 0.0, 0.0] and all(type(lp) is float for lp in parsed.logprobs)

@@ -166,3 +166,25 @@ def test_the_first_weights_are_waited_for_with_backoff_and_one_warning(
     assert len(warnings) == 1 and re.search(
         r"HTTP 409.*; retrying for up to \d+s more \(endpoints may be starting\)$", warnings[0]
     ), warnings
+
+
+def test_the_chat_template_renders_once_per_task_and_each_task_its_own(base, monkeypatch):
+    import dataclasses
+
+    from orchestrator.hf import model as hf_model
+    from orchestrator.inference.endpoints_backend import prompt_renderer
+
+    calls = []
+    real = hf_model.render_prompt
+    monkeypatch.setattr(hf_model, "render_prompt", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    render = prompt_renderer(base)
+    env = ReverseTextEnv(seed=0)
+    first, second = env.task(0), env.task(1)
+    ids = [render(first) for _ in range(8)]  # a group's members share their task
+    assert len(calls) == 1 and all(i == ids[0] for i in ids)
+    ids[0].append(-1)  # each caller gets its own list: the cached one stays as rendered
+    assert render(first) == ids[1] and render(second) != ids[1] and len(calls) == 2
+    odd = dataclasses.replace(first, messages=[{"role": "user", "content": first.prompt, "extra": object()}])
+    with contextlib.suppress(Exception):
+        render(odd)  # not JSON values: rendered each time (what the template does with them is its own)
+    assert len(calls) == 3
