@@ -44,7 +44,7 @@ def write_trainer_json(config: RunConfig, run_dir: Path, model: PreparedModel) -
     from orchestrator.hf.trainer import TrainerConfig, write_trainer_config
 
     # The trainer section's fields the trainer process reads under the same names.
-    same = {"lr", "lr_warmup_steps", "clip_eps", "lora", "micro_batch_size", "distributed", "backend"}
+    same = {"lr", "lr_warmup_steps", "clip_eps", "lora", "loss", "micro_batch_size", "distributed", "backend"}
     config_for_trainer = TrainerConfig(
         model_path=model.path.resolve(),
         model_hash=model.sha256,

@@ -10,6 +10,8 @@ from pydantic import Field, model_validator
 
 from orchestrator.components import BuildContext, ConfigError, Section, Trainer, TrainerComponent, synthetic_envs
 
+from orchestrator.hf.loss_config import LossConfig
+
 if TYPE_CHECKING:
     from orchestrator.config import RunConfig
     from orchestrator.hf.model import PreparedModel
@@ -46,6 +48,7 @@ class HFTrainerConfig(TrainerComponent):
         "a resume finds the version it reloads)",
     )
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters instead of full fine-tuning")
+    loss: LossConfig = Field(default_factory=LossConfig, description="the loss options: docs/hf.md Loss")
     nproc: int = Field(1, ge=1, description="ranks per node under torchrun; 1 (one node): one process")
     distributed: Literal["ddp", "fsdp"] = Field(
         "ddp",
