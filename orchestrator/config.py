@@ -312,6 +312,7 @@ class RunConfig(_Section):
             max_finalizing_groups=self.algorithm.max_finalizing_groups,
             max_steps=self.max_steps,
             algorithm=self.algorithm.name,
+            std_normalization=getattr(self.algorithm.chosen(), "std_normalization", False),
             finalize_in_background=self.finalize_in_background(),
             zero_output_batches=self.zero_output_batches,
             capacity=self.rollout.capacity,
