@@ -269,7 +269,7 @@ class Trainer:
                 logits = self.module(input_ids=ids, attention_mask=chunk.attention.to(dev)).logits
                 lp, _ = token_logprobs(logits, ids, chunk.temperature.to(dev))
                 mask = chunk.mask.to(dev)
-                log_r = torch.where(mask, chunk.old_logprobs.to(dev) - lp, torch.zeros_like(lp))
+                log_r = torch.where(mask, lp - chunk.old_logprobs.to(dev), torch.zeros_like(lp))
                 k3 += float(((torch.exp(log_r) - 1.0 - log_r) * mask).sum())
                 per_chunk.append(lp)
             old.append(per_chunk)
