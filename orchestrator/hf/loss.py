@@ -52,11 +52,13 @@ class Counts:
         return cls(int(mask.sum()), int(mask.any(-1).sum()))
 
 
-def aggregation_weights(mask: torch.Tensor, config: LossConfig, counts: Counts) -> torch.Tensor:
+def aggregation_weights(
+    mask: torch.Tensor, config: LossConfig, counts: Counts, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Per-token weight of the aggregation (0 off the sampled tokens): the loss is
     sum(token loss * weight). token-mean: 1/N_tokens; seq-mean-token-mean: 1/(n_i N_samples);
     seq-mean-token-sum: 1/N_samples; constant (Dr. GRPO): 1/(L N_samples)."""
-    mask_f = mask.to(torch.float32)
+    mask_f = mask.to(dtype)
     samples = float(max(counts.samples, 1))
     if config.aggregation == "token-mean":
         return mask_f / float(max(counts.tokens, 1))
@@ -170,12 +172,12 @@ def policy_loss(
         n = torch.tensor(float(counts.tokens)).clamp(min=1.0)
         loss = (token_loss * mask_f).sum() / n
     else:
-        loss = (token_loss * aggregation_weights(mask, config, counts).to(token_loss.dtype)).sum()
+        loss = (token_loss * aggregation_weights(mask, config, counts, token_loss.dtype)).sum()
     kl_sum = 0.0
     if ref_logprobs is not None:
         kl = reference_kl(new_logprobs, ref_logprobs, config.kl_estimator)
         if config.kl_coef > 0:
-            loss = loss + config.kl_coef * (kl * aggregation_weights(mask, config, counts).to(kl.dtype)).sum()
+            loss = loss + config.kl_coef * (kl * aggregation_weights(mask, config, counts, kl.dtype)).sum()
         kl_sum = float((kl.detach() * mask_f).sum())
     with torch.no_grad():
         sampler_log_ratio = torch.where(mask, new_logprobs - sampler_logprobs, zeros)
