@@ -100,7 +100,7 @@ def main() -> None:
                 flush=True,
             )
             args.out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
-    print(f"\n| variant | reward, last 5 steps | held-out eval reward (last version) | mean lag | seeds |")
+    print("\n| variant | reward, last 5 steps | held-out eval reward (last version) | mean lag | seeds |")
     print("| --- | --- | --- | --- | --- |")
     for variant, rows in results.items():
         evals = [r["eval_reward"] for r in rows if r["eval_reward"] is not None]

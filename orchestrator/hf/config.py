@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from orchestrator.components import BuildContext, ConfigError, Section, Trainer, TrainerComponent, synthetic_envs
-
 from orchestrator.hf.loss_config import LossConfig
 
 if TYPE_CHECKING:

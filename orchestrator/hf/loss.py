@@ -164,7 +164,8 @@ def policy_loss(
         else:
             token_loss = -ratio * adv
         if decoupled and old_logprobs is not None:
-            behaviour = torch.exp(at_level(torch.where(mask, old_logprobs - sampler_logprobs, zeros), mask, config.ratio_level))
+            old_log_ratio = torch.where(mask, old_logprobs - sampler_logprobs, zeros)
+            behaviour = torch.exp(at_level(old_log_ratio, mask, config.ratio_level))
             weight = behaviour.clamp(max=config.truncate_at)
             truncated = (behaviour > config.truncate_at) & mask
             token_loss = token_loss * weight
@@ -214,7 +215,11 @@ def pg_loss(
         counts = Counts(int(n_tokens), counts.samples)
     loss, stats = policy_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, LossConfig(), counts)
     n = float(max(counts.tokens, 1))
-    return loss, {"clipfrac": stats["clipped"] / n, "mismatch_kl": stats["mismatch_k3"] / n, "ratio_max": stats["ratio_max"]}
+    return loss, {
+        "clipfrac": stats["clipped"] / n,
+        "mismatch_kl": stats["mismatch_k3"] / n,
+        "ratio_max": stats["ratio_max"],
+    }
 
 
 def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

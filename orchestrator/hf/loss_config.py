@@ -56,7 +56,9 @@ class LossConfig(BaseModel):
         if self.mask_low >= self.mask_high:
             raise ValueError(f"trainer.hf.loss.mask_low {self.mask_low} must be < mask_high {self.mask_high}")
         if self.kl_coef > 0 and self.kl_reference == "none":
-            raise ValueError("trainer.hf.loss.kl_coef > 0 needs a reference: set trainer.hf.loss.kl_reference='initial'")
+            raise ValueError(
+                "trainer.hf.loss.kl_coef > 0 needs a reference: set trainer.hf.loss.kl_reference='initial'"
+            )
         if self.aggregation == "constant" and self.normalizer <= 0:
             raise ValueError("trainer.hf.loss.aggregation='constant' needs trainer.hf.loss.normalizer > 0")
         if self.aggregation != "constant" and self.normalizer > 0:

@@ -9,7 +9,7 @@ Its configuration is ``RUN_DIR/trainer.json`` (:class:`TrainerConfig`, written b
    ``trainer_ckpt/ckpt.pt`` (weights, AdamW state, step); publish the current version if its
    publication had not completed (step_0: the model as loaded).
 2. For N = last_step+1 .. max_steps: wait (bounded) for ``batches/step_N.safetensors``, take ONE AdamW
-   step (by default; trainer.hf.loss can ask for several) of the loss (:func:`.loss.policy_loss`) on it, checkpoint step N,
+   step (by default; trainer.hf.loss may ask for several) of :func:`.loss.policy_loss` on it, checkpoint step N,
    publish ``weights/step_N`` (+ ``metrics.json``) then its STABLE marker, prune old versions.
 3. Exit 0 after max_steps. An error: one line ``orch trainer: error: ...`` on stderr, then the
    traceback, exit 1. If the orchestrator (``parent_pid``) or the torchrun agent dies, exit 3.
@@ -197,7 +197,7 @@ class Trainer:
         """The optimizer steps of `batch` (this rank's shard of it; one step by default, see
         trainer.hf.loss); returns the batch's metrics."""
         t0 = time.perf_counter()
-        ranks, module, options = self.ranks, self.module, self.config.loss
+        ranks, options = self.ranks, self.config.loss
         total_tokens = batch.n_tokens  # the whole batch's: every rank computes the same number
         lr = self.lr_at(batch.step)
         steps: list[dict[str, float]] = []  # each optimizer step's stats (reduced over the ranks)

@@ -31,7 +31,8 @@ class FakeTrainerConfig(TrainerComponent):
         loss_set = hf.loss.model_dump(exclude_defaults=True) if hf is not None else {}
         if loss_set:
             raise ValueError(
-                f"trainer.hf.loss.{next(iter(loss_set))} is an option of the hf trainer; trainer.kind='fake' has no loss"
+                f"trainer.hf.loss.{next(iter(loss_set))} is an option of the hf trainer; "
+                "trainer.kind='fake' has no loss"
             )
 
     def build(self, ctx: BuildContext) -> FakeTrainer:

@@ -238,9 +238,7 @@ def _todays_step(trainer, batch):
 
 
 @pytest.mark.parametrize("variant, micro", [("full", 0), ("full", 2), ("lora", 2)])
-def test_the_defaults_take_bit_for_bit_the_update_of_the_loss_before_the_options(
-    tmp_path, model_dir, variant, micro
-):
+def test_the_defaults_take_bit_for_bit_the_update_of_the_loss_before_the_options(tmp_path, model_dir, variant, micro):
     from transformers import AutoModelForCausalLM
 
     from orchestrator.hf.tiny_model import build_tokenizer
