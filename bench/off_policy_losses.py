@@ -16,6 +16,7 @@ prints one markdown table (mean and min..max over seeds) and writes every run's 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,12 @@ VARIANTS: dict[str, list[str]] = {
     "tis": [*OFF_POLICY, "trainer.hf.loss.correction=tis"],
     "icepop": [*OFF_POLICY, "trainer.hf.loss.correction=icepop"],
     "decoupled": [*OFF_POLICY, "trainer.hf.loss.correction=decoupled"],
+    "decoupled, 4 mini-batches": [
+        *OFF_POLICY,
+        "trainer.hf.loss.correction=decoupled",
+        "trainer.hf.loss.mini_batches=4",
+    ],
+    "bypass, 4 mini-batches": [*OFF_POLICY, "trainer.hf.loss.mini_batches=4"],
     "gspo": [*OFF_POLICY, "trainer.hf.loss.ratio_level=sequence", "trainer.hf.loss.aggregation=seq-mean-token-mean"],
 }
 
@@ -91,7 +98,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for seed in args.seeds:  # seeds outermost: a cut-short bench still compares every variant
         for variant in args.variants:
-            name = f"{variant.split()[0]}-s{seed}-{int(time.time())}"
+            name = f"{re.sub('[^a-z0-9]+', '-', variant.lower()).strip('-')}-s{seed}-{int(time.time())}"
             row = run_one(args.runs_dir, name, VARIANTS[variant], seed, args.steps, args.delay, args.timeout)
             results.setdefault(variant, []).append(row | {"seed": seed})
             print(
