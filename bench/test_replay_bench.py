@@ -30,6 +30,7 @@ import pytest
 
 from eventlog import EventLog
 from orchestrator.core import events as ev
+from orchestrator.orch_log import LOG_MAGIC_META
 from orchestrator.sim import SimOptions, SimWorld
 from replay.diff import diff_logs
 from replay.source import open_run
@@ -37,7 +38,8 @@ from replay.source import open_run
 N = int(os.environ.get("ORCH_REPLAY_BENCH_EVENTS", 1_000_000))
 SMALL = max(N // 10, 1000)
 # Bump when the generator changes, to rebuild cached logs.
-GENERATOR_VERSION = f"sim-v1-events-v{ev.EVENT_SCHEMA_VERSION}"
+# v2: the meta carries schema_version, which replay requires of every orch log
+GENERATOR_VERSION = f"sim-v2-events-v{ev.EVENT_SCHEMA_VERSION}"
 CACHE = Path(os.environ.get("ORCH_REPLAY_BENCH_CACHE", tempfile.gettempdir())) / "orch-replay-bench"
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +60,7 @@ def build_log(path: Path, n_events: int, seed: int = 0) -> None:
     tmp = path.with_name(path.name + ".building")
     for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
         leftover.unlink(missing_ok=True)
-    meta = {"app": "orch", "bench_generator": GENERATOR_VERSION, "bench_events": str(n_events)}
+    meta = {**LOG_MAGIC_META, "bench_generator": GENERATOR_VERSION, "bench_events": str(n_events)}
     encode = ev.encode_event
     written = 0
     with EventLog.create(tmp, meta=meta, durability="normal") as log:

@@ -24,10 +24,10 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
-from orchestrator.components import RolloutRequest  # noqa: E402
+from orchestrator.contracts import RolloutRequest  # noqa: E402
 from orchestrator.inference.client import InferenceClient  # noqa: E402
 from orchestrator.inference.endpoints_backend import EndpointsBackend  # noqa: E402
-from orchestrator.verifiers.config import VerifiersConfig  # noqa: E402
+from orchestrator.verifiers.component import VerifiersConfig  # noqa: E402
 from orchestrator.verifiers.env import VerifiersEnv  # noqa: E402
 from tests.inference.vllm_util import launched, needs_vllm, publish_full, tiny_model  # noqa: E402
 from tests.verifiers.util import EXAMPLES, GENERATE_ARGS  # noqa: E402

@@ -20,8 +20,7 @@ import time
 import httpx
 import pytest
 
-from orchestrator.components import RolloutRequest
-from orchestrator.envs.base import InProcessEnv
+from orchestrator.contracts import InProcessEnv, RolloutRequest
 from orchestrator.envs.reverse_text import ReverseTextEnv
 from orchestrator.inference.client import InferenceClient
 from orchestrator.inference.endpoints_backend import EndpointsBackend, episode_seed

@@ -1,4 +1,4 @@
-"""Large payloads in content-addressed side files beside the log (DESIGN §4).
+"""Large payloads in content-addressed side files beside the log (docs/log-format.md).
 
 A commit whose events carry payloads over ``SIDE_FILE_BYTES`` writes them, one after the other,
 into one file ``<log>.payloads/<name>``, fsynced and renamed into place (and its directory

@@ -19,8 +19,7 @@ import click
 import orjson
 
 from eventlog import LogError
-from orchestrator.components import ENVS, TRAINERS
-from orchestrator.config import ConfigError, load_config
+from orchestrator.config import ENVS, TRAINERS, ConfigError, load_config
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -85,9 +84,10 @@ def run_command(
     """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
     from orchestrator.fold import FoldError
     from orchestrator.observe.sinks import SinkUnavailable, check_installed
+    from orchestrator.shell.compose import run_job
     from orchestrator.shell.loop import FinalizeError
     from orchestrator.shell.progress import Progress
-    from orchestrator.shell.runner import RunDirError, create_run, resume_run, run_job
+    from orchestrator.shell.runner import RunDirError, create_run, resume_run
 
     if json_summary is not None:  # found out now, not after the run
         if not json_summary.parent.is_dir():
@@ -204,7 +204,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     backend, env server) or metric sink, or log, a batch file that cannot be written, a stall, a
     bounded wait that ran out (TimeoutError: weights never published, rollouts that would not
     stop; its message says what it waited for)."""
-    from orchestrator.components import ComponentFailed
+    from orchestrator.contracts import ComponentFailed
     from orchestrator.observe.sinks import SinkFailed
     from orchestrator.shell.loop import BatchFileError, StalledError
 
@@ -246,9 +246,9 @@ def tiny_model_command(out_dir: Path, seed: int, target_reward: float) -> None:
 
 
 def _register_commands() -> None:
-    from orchestrator.envs.server import env_server_command
-    from orchestrator.inference.server import serve_command
+    from orchestrator.envs.cli import env_server_command
     from orchestrator.observe.cli import export_command, plot_command
+    from orchestrator.serve.server import serve_command
     from replay.cli import replay_command
 
     main.add_command(env_server_command, "env-server")

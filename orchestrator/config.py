@@ -1,40 +1,160 @@
-"""Run configuration: one pydantic model, loadable from TOML, with dotted `--set` overrides.
+"""The composition root of a run's configuration: the component registries, `RunConfig` (one
+pydantic model, loadable from TOML, with dotted `--set` overrides) and the rules between components.
 
 Every knob of the rules (docs/rules.md) is a field here with a documented default; `core_params()` extracts the
 part the core folds (it travels in `run_started`, so a log is self-describing). The components'
-sections come from their registries (`orchestrator.components`): `trainer.<kind>`,
-`inference.<kind>`, `env.<name>` and `algorithm.<name>`, each the component's own config model,
-which also checks what the component supports.
+sections come from the registries below: `trainer.<kind>`, `inference.<kind>`, `env.<name>` and
+`algorithm.<name>`, each the component's own config model (`orchestrator.contracts`), which also
+checks what the component supports; the rules that span components (a synthetic env refused by
+the model's samplers and trainers, a sampler of published weights beside a trainer that writes
+them) are checked here.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import AfterValidator, Field, ValidationError, create_model, field_validator, model_validator
 
-from orchestrator.components import (
-    ALGORITHMS,
-    ENVS,
-    INFERENCE,
-    TRAINERS,
+from orchestrator.contracts import (
     AlgorithmComponent,
+    BuildContext,
     Component,
     ConfigError,
     EnvComponent,
     InferenceComponent,
-    Registry,
+    ModelRequest,
+    PreparedModel,
+    RunPlan,
+    Sampling,
+    TextEnv,
     TrainerComponent,
 )
-from orchestrator.components import Section as _Section
+from orchestrator.contracts import Section as _Section
 from orchestrator.core.advantages import BACKGROUND_ONLY
 from orchestrator.core.events import CoreParams, EvalParams
-from orchestrator.inference.endpoints_config import check_http_url
+
+
+# -------------------------------------------------------------------------------------- registries
+class Registry:
+    """`name -> "module:Config"` for one kind; a config module is imported when first asked for."""
+
+    def __init__(self, kind: str, table: Mapping[str, str]):
+        self.kind, self._table = kind, dict(table)
+        self._loaded: dict[str, type[Component]] = {}
+
+    def names(self) -> list[str]:
+        return sorted(self._table)
+
+    def module(self, name: str) -> str:
+        """The module that holds `name`'s config model."""
+        self.known(name)
+        return self._table[name].partition(":")[0]
+
+    def known(self, name: str) -> str:
+        """`name`, if it is one of this registry's (else ValueError listing the known ones)."""
+        if name not in self._table:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+        return name
+
+    def config(self, name: str) -> type[Component]:
+        """The config model of `name` (ValueError listing the known names if there is none)."""
+        self.known(name)
+        if name not in self._loaded:
+            module, _, attr = self._table[name].partition(":")
+            self._loaded[name] = getattr(importlib.import_module(module), attr)
+        return self._loaded[name]
+
+    def configs(self) -> dict[str, type[Component]]:
+        return {name: self.config(name) for name in self.names()}
+
+
+TRAINERS = Registry(
+    "trainer",
+    {
+        "fake": "orchestrator.trainers.fake:FakeTrainerConfig",
+        "hf": "orchestrator.hf.component:HFTrainerConfig",
+    },
+)
+INFERENCE = Registry(
+    "inference backend",
+    {
+        "embedded": "orchestrator.embedded.sampler_backend:EmbeddedSamplerConfig",
+        "openai": "orchestrator.inference.component:EndpointsConfig",
+        "fake": "orchestrator.envs.fake:FakeEpisodesConfig",
+    },
+)
+ENVS = Registry(
+    "env",
+    {
+        "reverse_text": "orchestrator.envs.reverse_text:ReverseTextConfig",
+        "fake": "orchestrator.envs.fake:FakeEnvConfig",
+        "verifiers": "orchestrator.verifiers.component:VerifiersConfig",
+    },
+)
+ALGORITHMS = Registry(
+    "algorithm",
+    {
+        "grpo": "orchestrator.finalizers:GRPOConfig",
+        "gar": "orchestrator.finalizers:GARConfig",
+    },
+)
+
+
+def served_env(name: str, seed: int = 0, **settings: Any) -> TextEnv:
+    """Env `name` of the registry as `orch env-server` hosts it: its section with `settings`, its
+    tasks for `seed` (ValueError, one line, for an unknown env, one that cannot be served, or bad
+    settings)."""
+    try:
+        section = ENVS.config(name).model_validate(settings)
+    except ValidationError as err:
+        raise ValueError(_format_validation_error(err).removeprefix("invalid config: ")) from None
+    env = section.text_env(seed)
+    if env is None:
+        servable = [n for n, model in ENVS.configs().items() if model().text_env(seed) is not None]
+        raise ValueError(f"env {name!r} cannot be served by an env server; these can: {', '.join(servable)}")
+    return env
+
+
+# ------------------------------------------------------------------------ rules between components
+def synthetic_envs(run: RunConfig) -> list[str]:
+    """The run's envs whose episodes are not the model's tokens (`EnvComponent.synthetic`)."""
+    return [name for name in run.envs if ENVS.config(name).synthetic]
+
+
+def refuse_synthetic_envs(component: TrainerComponent | InferenceComponent, run: RunConfig) -> None:
+    """A component of the model (a sampler or trainer of its tokens) refuses synthetic envs."""
+    synthetic = synthetic_envs(run)
+    if synthetic and component.refuses_synthetic is not None:
+        raise ValueError(component.refuses_synthetic.format(envs=", ".join(synthetic)))
+
+
+def refuse_loss_options_of_another_trainer(run: RunConfig) -> None:
+    """`trainer.hf.loss` is the hf trainer's: with another trainer it would be silently ignored."""
+    hf = getattr(run.trainer, "hf", None)
+    loss_set = hf.loss.model_dump(exclude_defaults=True) if hf is not None and run.trainer.kind != "hf" else {}
+    if loss_set:
+        raise ValueError(
+            f"trainer.hf.loss.{next(iter(loss_set))} is an option of the hf trainer; "
+            f"trainer.kind={run.trainer.kind!r} has no loss"
+        )
+
+
+def check_samples_published_weights(backend: InferenceComponent, trainer: TrainerComponent, kind: str) -> None:
+    """A sampler of the trainer's published weights needs a trainer that writes them."""
+    if backend.follows_weights and not trainer.writes_weights:
+        writers = [name for name, model in TRAINERS.configs().items() if model.writes_weights]
+        raise ValueError(
+            f"{backend.sampler} samples from the trainer's published weights, which the {kind} "
+            f"trainer never writes; use trainer.kind={' or '.join(map(repr, writers))} (or the fake env)"
+        )
 
 
 class RolloutConfig(_Section):
@@ -45,19 +165,20 @@ class RolloutConfig(_Section):
         description="staleness: start a group only while the work dispatched and not yet shipped or "
         "dropped can still train before it is too old (docs/rules.md, the dispatch capacity); off: max_inflight alone",
     )
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of the embedded policy")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of train episodes, whatever the backend")
     max_new_tokens: int = Field(
-        48, ge=1, description="completion length cap of the embedded policy (answers need <= 38)"
-    )
-    env_server: str | None = Field(
-        None, description="URL of an `orch env-server` serving reverse_text (else envs run in-process)"
+        48,
+        ge=1,
+        description="completion length cap of every sampling call, whatever the backend "
+        "(reverse_text's answers need <= 38)",
     )
 
-    @model_validator(mode="after")
-    def _env_server_is_a_url(self) -> RolloutConfig:
-        if self.env_server is not None:
-            check_http_url(self.env_server, f"env_server {self.env_server!r}")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "env_server" in data:
+            raise ValueError("env_server is now env.reverse_text.server (the reverse_text env's own setting)")
+        return data
 
 
 class BatchConfig(_Section):
@@ -259,8 +380,19 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _components_support_the_run(self) -> RunConfig:
-        for component in self.chosen_components():
-            component.check(self)
+        """Each component checks what it supports (the sampler first: what it samples decides
+        which other combinations make sense), after the rules between components that concern it."""
+        plan = self.plan()
+        backend, trainer = self.inference_backend(), self.trainer.chosen()
+        refuse_synthetic_envs(backend, self)
+        backend.check(plan)
+        check_samples_published_weights(backend, trainer, self.trainer.kind)
+        refuse_synthetic_envs(trainer, self)
+        refuse_loss_options_of_another_trainer(self)
+        trainer.check(plan)
+        for env in self.env_components().values():
+            env.check(plan)
+        self.algorithm.chosen().check(plan)
         try:  # the core's own cross-checks (e.g. an algorithm that must finalize in the background)
             self.core_params()
         except ValidationError as err:
@@ -284,15 +416,44 @@ class RunConfig(_Section):
     def env_components(self) -> dict[str, EnvComponent]:
         return {name: getattr(self.env, name) for name in self.envs}
 
-    def chosen_components(self) -> list[Component]:
-        """What this run is made of, each checking what it supports (the sampler first: what it
-        samples decides which other combinations make sense)."""
-        return [
-            self.inference_backend(),
-            self.trainer.chosen(),
-            *self.env_components().values(),
-            self.algorithm.chosen(),
-        ]
+    def plan(self) -> RunPlan:
+        """What the run is made of, as a component's `check` sees it."""
+        return RunPlan(
+            envs=tuple(self.envs),
+            eval_envs=tuple(self.eval.envs),
+            inference=self.inference_kind(),
+        )
+
+    def model_request(self) -> ModelRequest:
+        """The model dir a trainer's `prepare_model` checks: the `model` section's, for the run's envs."""
+        return ModelRequest(
+            path=self.model.path,
+            cache_dir=self.runs_dir / ".cache",
+            env_gives_messages=any(env.gives_messages for env in self.env_components().values()),
+        )
+
+    def build_context(
+        self, run_dir: Path, version_now: Callable[[], int], model: PreparedModel | None = None
+    ) -> BuildContext:
+        """What every factory gets besides its own section."""
+        return BuildContext(
+            run_dir=run_dir,
+            seed=self.seed,
+            max_steps=self.max_steps,
+            sampling=Sampling(
+                temperature=self.rollout.temperature,
+                max_new_tokens=self.rollout.max_new_tokens,
+                chat_template_kwargs=self.model.chat_template_kwargs,
+            ),
+            version_now=version_now,
+            publish_timeout_s=self.trainer.publish_timeout_s,
+            # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
+            # crash); a resume reloads the newest recorded one, which must still be on disk.
+            kept_versions=self.off_policy.target_lag + 2,
+            model=model,
+            served_model=self.inference_backend().served_model(),
+            env_sections=self.env_components(),
+        )
 
     def finalize_in_background(self) -> bool:
         flag = self.algorithm.finalize_in_background
@@ -334,7 +495,6 @@ def _resumable_fields() -> frozenset[str]:
         "log.snapshot_every",
         "trainer.publish_timeout_s",
         "trainer.exit_timeout_s",
-        "rollout.env_server",
         "inference.kind",
     }
     for section, registry in (
@@ -362,11 +522,23 @@ def resumable(key: str) -> bool:
 # Fields added after runs were first written, with the value a stored config that lacks one
 # means: the behaviour its run was recorded with (its log says the same).
 ADDED_FIELDS = {("rollout", "capacity"): "off"}
+# Fields that moved (old path -> new path): a stored config's value moves with them.
+MOVED_FIELDS = {("rollout", "env_server"): ("env", "reverse_text", "server")}
 
 
 def with_added_fields(stored: dict) -> dict:
-    """A stored config (JSON) with every field it predates set to what its run did."""
+    """A stored config (JSON) with every field it predates set to what its run did, and every
+    field that moved since at its new place."""
     upgraded = copy.deepcopy(stored)
+    for (section, name), new_path in MOVED_FIELDS.items():
+        node = upgraded.get(section)
+        if isinstance(node, dict) and name in node:
+            value = node.pop(name)
+            target = upgraded
+            for part in new_path[:-1]:
+                target = target.setdefault(part, {})
+            if isinstance(target, dict):
+                target.setdefault(new_path[-1], value)
     for (section, name), value in ADDED_FIELDS.items():
         node = upgraded.setdefault(section, {})
         if isinstance(node, dict):

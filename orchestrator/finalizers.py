@@ -1,6 +1,6 @@
 """The algorithms' group finalizers: an async `finalize_group` (advantages of a closed group) and
-the class flag that opts into background finalization (seed 000); `algorithm.name` picks one
-from `orchestrator.components.ALGORITHMS`.
+the class flag that opts into background finalization (docs/rules.md, 3. Finalize); `algorithm.name`
+picks one from `orchestrator.config.ALGORITHMS`.
 
 Background-finalized algorithms run `finalize_group` concurrently for many groups, and results
 come back in any order: a stateful algorithm must tolerate interleaved groups. The advantage
@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol
 
 from pydantic import Field
 
-from orchestrator.components import AlgorithmComponent, BuildContext
+from orchestrator.contracts import AlgorithmComponent, BuildContext
 from orchestrator.core.advantages import gar_advantages, grpo_advantages
 from orchestrator.core.events import EpisodeCompleted
 
@@ -43,7 +43,7 @@ class GARConfig(AlgorithmComponent):
     rank_weight: float = Field(0.5, ge=0, le=1, description="gar blend: weight of the grader rank")
 
     def build(self, ctx: BuildContext) -> GAR:
-        return GAR(SimulatedGrader(self, ctx.config.seed), self.rank_weight)
+        return GAR(SimulatedGrader(self, ctx.seed), self.rank_weight)
 
 
 class GRPO:

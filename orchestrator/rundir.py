@@ -54,7 +54,7 @@ EVENTS_DB = "events.db"
 BATCH_SUFFIX = ".safetensors"
 TRAINER_LOG = "trainer.log"
 STABLE = "STABLE"
-# The files of a weights dir of `orch serve`'s own policy (orchestrator.embedded.policy).
+# The files of a weights dir of `orch serve`'s own policy (orchestrator.serve.policy).
 MODEL_FILE = "model.pt"
 POLICY_FILE = "policy.json"
 CKPT_FILE = "ckpt.pt"

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from eventlog import EventLog
 from orchestrator.core import events as ev
-from replay.source import APP
+from orchestrator.orch_log import LOG_MAGIC_META
 
 
 def write_events(
@@ -21,7 +21,7 @@ def write_events(
     commit_every: int = 8192,
 ) -> int:
     """Create an orch log at `path` holding `events` (event models) in order; return the last seq."""
-    full_meta = {"app": APP, "schema_version": str(ev.EVENT_SCHEMA_VERSION), **(meta or {})}
+    full_meta = {**LOG_MAGIC_META, **(meta or {})}
     with EventLog.create(path, meta=full_meta, durability=durability) as log:
         append = log.append_json
         for event in events:

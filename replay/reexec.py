@@ -21,7 +21,7 @@ Delivery order (`settle_order`):
   background RUN; a result RUN received after the group was cancelled is delivered, late, too),
   at once when RUN decided it inline; never when a background RUN received none for that request;
 * ``immediate`` each result right after the decision that asked for it, before the next recorded
-  input (the "settled before the next input" path of seed 000);
+  input (docs/rules.md, 4. Settle: queued background results are settled before new inputs);
 * ``shuffled``  held, then delivered in a seeded random order interleaved with later inputs (after
   each recorded input every held result has a `deliver_p` chance), the rest at the end.
 

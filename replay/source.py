@@ -14,10 +14,9 @@ from pathlib import Path
 import orjson
 
 from eventlog import EventLog, LogError
-from orchestrator.core.events import check_schema_version
+from orchestrator.orch_log import OrchLogError, open_orch_log
+from orchestrator.rundir import EVENTS_DB
 
-EVENTS_DB = "events.db"
-APP = "orch"
 REEXECUTED_META = "reexecuted"  # meta key marking a log written by `orch replay --reexecute`
 
 
@@ -53,28 +52,13 @@ def resolve_db(path: str | os.PathLike) -> Path:
 
 
 def open_run(path: str | os.PathLike) -> EventLog:
-    """A read-only handle on RUN's log, checked to be an orch log, pinned at the last event
-    committed now: a run still writing it cannot make one command's reads disagree."""
-    db = resolve_db(path)
+    """A read-only handle on RUN's log, checked to be an orch log of this format
+    (`orchestrator.orch_log`), pinned at the last event committed now: a run still writing it
+    cannot make one command's reads disagree."""
     try:
-        log = EventLog.open_reader(db, pinned=True)
-    except LogError as err:
+        return open_orch_log(resolve_db(path), pinned=True)
+    except (LogError, OrchLogError) as err:
         raise ReplayInputError(one_line(str(err))) from None
-    try:
-        meta = log.meta
-    except LogError as err:
-        log.close()
-        raise ReplayInputError(one_line(str(err))) from None
-    if meta.get("app") != APP:
-        log.close()
-        raise ReplayInputError(f"{db} is an event log, but not one written by orch (meta app={meta.get('app')!r})")
-    try:
-        if "schema_version" in meta:
-            check_schema_version(meta["schema_version"])
-    except ValueError as err:
-        log.close()
-        raise ReplayInputError(f"{db}: {err}") from None
-    return log
 
 
 def guarded(rows: Iterator, path: str) -> Iterator:

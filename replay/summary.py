@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from eventlog import EventLog, LogError
 from orchestrator.core.state import State, conservation, min_fresh_version, state_hash
+from orchestrator.figures import eval_result_dict
 from orchestrator.fold import Folded, FoldError, fold_log
-from orchestrator.shell.progress import eval_result_dict
 from replay.source import REEXECUTED_META, ReplayInputError, one_line, row_data
 
 if TYPE_CHECKING:

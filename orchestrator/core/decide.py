@@ -10,7 +10,7 @@ the gate and refill free permits (rule 1), finish a drain (rule 9); with the dis
 on, the tail re-checks and refills before the ship as well (see `common_tail`). A completion
 refills its permit *before* its group is finalized: that makes inline and background
 finalization dispatch the same episodes at the same points, so both ship identical batches
-(seed 000).
+(docs/rules.md, 2. Completion).
 """
 
 from __future__ import annotations

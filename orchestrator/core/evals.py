@@ -1,12 +1,12 @@
 """The eval rules (docs/evals.md): held-out tasks sampled on a schedule, beside training.
 
-Evals are DESIGN §3 rule 1's "eval traffic": dispatched by the core as their own groups, never
-through the train dispatch gate (so a closed gate, for any reason, does not hold them back),
-limited by their own concurrency (`EvalParams.max_inflight`), never trained on and never counted
-in the train accounting (`State.evals` has its own). Each eval is pinned to the version it was
-started for: a result sampled by another version is counted as `off_version`, never mixed into
-the figures. `decide` calls these rules; like every rule they change the state only by emitting
-events (folded by `evolve`).
+Evals are traffic of their own beside train dispatch (docs/rules.md, 1. Dispatch): dispatched by
+the core as their own groups, never through the train dispatch gate (so a closed gate, for any
+reason, does not hold them back), limited by their own concurrency (`EvalParams.max_inflight`),
+never trained on and never counted in the train accounting (`State.evals` has its own). Each eval
+is pinned to the version it was started for: a result sampled by another version is counted as
+`off_version`, never mixed into the figures. `decide` calls these rules; like every rule they
+change the state only by emitting events (folded by `evolve`).
 """
 
 from __future__ import annotations

@@ -8,15 +8,11 @@ import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from orchestrator.components import TRAINERS, BuildContext, InferenceComponent, RolloutRequest, sampled_episode
+from orchestrator.contracts import BuildContext, InferenceComponent, RolloutEnv, RolloutRequest, sampled_episode
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.rundir import is_stable, weights_dir
-
-if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
-    from orchestrator.envs.base import RolloutEnv
 
 
 class EmbeddedSamplerConfig(InferenceComponent):
@@ -24,34 +20,20 @@ class EmbeddedSamplerConfig(InferenceComponent):
     `rollout.max_new_tokens`, `model.chat_template_kwargs`)."""
 
     follows_weights: ClassVar[bool] = True
-
-    def check(self, run: RunConfig) -> None:
-        check_samples_published_weights(run, "the embedded sampler")
+    sampler: ClassVar[str] = "the embedded sampler"
 
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EmbeddedBackend:
-        config = ctx.config
         if ctx.model is None:
             raise ValueError("the embedded sampler needs the run's prepared model (the hf trainer's)")
         return EmbeddedBackend(
             ctx.run_dir,
             envs,
             model_path=ctx.model.path,
-            chat_template_kwargs=config.model.chat_template_kwargs,
-            temperature=config.rollout.temperature,
-            max_new_tokens=config.rollout.max_new_tokens,
-            seed=config.seed,
-            load_timeout_s=config.trainer.publish_timeout_s,
-        )
-
-
-def check_samples_published_weights(run: RunConfig, sampler: str) -> None:
-    """A sampler of the trainer's published weights needs a trainer that writes them, and env
-    tasks to sample for."""
-    if not TRAINERS.config(run.trainer.kind).writes_weights:
-        writers = [name for name, model in TRAINERS.configs().items() if model.writes_weights]
-        raise ValueError(
-            f"{sampler} samples from the trainer's published weights, which the {run.trainer.kind} "
-            f"trainer never writes; use trainer.kind={' or '.join(map(repr, writers))} (or the fake env)"
+            chat_template_kwargs=dict(ctx.sampling.chat_template_kwargs),
+            temperature=ctx.sampling.temperature,
+            max_new_tokens=ctx.sampling.max_new_tokens,
+            seed=ctx.seed,
+            load_timeout_s=ctx.publish_timeout_s,
         )
 
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator.components import ComponentFailed
-from orchestrator.envs.base import Task
+from orchestrator.contracts import ComponentFailed, Task
 
 __all__ = ["EnvServerError", "EnvServerTimeout", "HttpEnvClient"]
 

@@ -9,18 +9,14 @@ import struct
 from array import array
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from orchestrator.components import BuildContext, EnvComponent, InferenceComponent, RolloutRequest
+from orchestrator.contracts import BuildContext, EnvComponent, InferenceComponent, RolloutEnv, RolloutRequest, RunPlan
 from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE
 from orchestrator.core.events import EpisodeCompleted
-
-if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
-    from orchestrator.envs.base import RolloutEnv
 
 
 class FakeEnvConfig(EnvComponent):
@@ -48,11 +44,9 @@ class FakeEnvConfig(EnvComponent):
             raise ValueError("env.fake.min_tokens must be <= env.fake.max_tokens")
         return self
 
-    def check(self, run: RunConfig) -> None:
-        if run.inference_kind() != "fake":
-            raise ValueError(
-                f"the fake env's episodes come whole from inference.kind='fake', not {run.inference_kind()!r}"
-            )
+    def check(self, plan: RunPlan) -> None:
+        if plan.inference != "fake":
+            raise ValueError(f"the fake env's episodes come whole from inference.kind='fake', not {plan.inference!r}")
 
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv | None]:
@@ -64,14 +58,14 @@ class FakeEpisodesConfig(InferenceComponent):
 
     follows_weights: ClassVar[bool] = False
 
-    def check(self, run: RunConfig) -> None:
-        if set(run.envs) != {"fake"}:
+    def check(self, plan: RunPlan) -> None:
+        if set(plan.envs) != {"fake"}:
             raise ValueError("inference.kind='fake' makes the fake env's episodes only")
-        if run.rollout.env_server is not None:
-            raise ValueError("rollout.env_server serves reverse_text episodes only (the fake env runs in-process)")
 
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> FakeEpisodes:
-        return FakeEpisodes(ctx.config.env.fake, ctx.config.seed, ctx.version_now)
+        section = ctx.env_sections["fake"]
+        assert isinstance(section, FakeEnvConfig)
+        return FakeEpisodes(section, ctx.seed, ctx.version_now)
 
 
 class FakeEpisodeError(RuntimeError):

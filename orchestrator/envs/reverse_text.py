@@ -16,13 +16,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from orchestrator.components import BuildContext, EnvComponent
-from orchestrator.envs.base import InProcessEnv, RolloutEnv, Task
+from orchestrator.contracts import BuildContext, EnvComponent, InProcessEnv, RolloutEnv, RunPlan, Task
+from orchestrator.urls import check_http_url
 
 if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
     from orchestrator.envs.client import HttpEnvClient
 
 OPEN_TAG = "<reversed_text>"
@@ -98,30 +97,46 @@ class ReverseTextEnv:
 
 
 class ReverseTextConfig(EnvComponent):
-    """reverse_text tasks: in this process, or behind the `orch env-server` at `rollout.env_server`."""
+    """reverse_text tasks: in this process, or behind the `orch env-server` at `env.reverse_text.server`."""
 
     gives_messages: ClassVar[bool] = True
+    resumable: ClassVar[frozenset[str]] = frozenset({"server"})
 
     min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
     max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
+    server: str | None = Field(
+        None, description="URL of an `orch env-server` serving these tasks (else the env runs in-process)"
+    )
 
-    def check(self, run: RunConfig) -> None:
-        if run.rollout.env_server is not None and run.eval.envs:
+    @field_validator("server")
+    @classmethod
+    def _server_is_a_url(cls, server: str | None) -> str | None:
+        if server is not None:
+            check_http_url(server, f"server {server!r}")
+        return server
+
+    def check(self, plan: RunPlan) -> None:
+        if self.server is not None and plan.eval_envs:
             raise ValueError(
-                "evals need held-out tasks (negative indices), which rollout.env_server does not serve; "
+                "evals need held-out tasks (negative indices), which env.reverse_text.server does not serve; "
                 "run the env in-process for evals"
             )
 
+    def solved(self, reward: float) -> bool:
+        return solved(reward)
+
+    def text_env(self, seed: int) -> ReverseTextEnv:
+        return ReverseTextEnv(seed=seed, min_len=self.min_len, max_len=self.max_len)
+
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:
-        seed, server = ctx.config.seed, ctx.config.rollout.env_server
-        if server is None:
-            yield InProcessEnv(ReverseTextEnv(seed=seed, min_len=self.min_len, max_len=self.max_len))
+        if self.server is None:
+            yield InProcessEnv(self.text_env(ctx.seed))
             return
         from orchestrator.envs.client import HttpEnvClient  # httpx: only now
 
-        async with HttpEnvClient(server) as client:
-            await self._check_server(client, seed)
+        async with HttpEnvClient(self.server) as client:
+            await self._check_server(client, ctx.seed)
             yield client
 
     async def _check_server(self, client: HttpEnvClient, seed: int) -> None:

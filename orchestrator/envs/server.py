@@ -36,17 +36,12 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from orchestrator.envs.base import TextEnv
-from orchestrator.envs.reverse_text import ReverseTextEnv
+from orchestrator.contracts import TextEnv
 
 __all__ = [
-    "ENV_FACTORIES",
     "DisconnectMiddleware",
     "RunningServer",
     "create_app",
-    "env_server_command",
-    "make_env",
-    "register_env",
     "running_server",
     "serve",
 ]
@@ -54,25 +49,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_DELAY_S = 3600.0
-
-#: name -> factory(seed, **options) for the envs an env server can host. Extend with :func:`register_env`.
-ENV_FACTORIES: dict[str, Callable[..., TextEnv]] = {
-    "reverse_text": lambda seed, **options: ReverseTextEnv(seed=seed, **options),
-}
-
-
-def register_env(name: str, factory: Callable[[int], TextEnv]) -> None:
-    if name in ENV_FACTORIES:
-        raise ValueError(f"env {name!r} is already registered")
-    ENV_FACTORIES[name] = factory
-
-
-def make_env(name: str, seed: int = 0, **options) -> TextEnv:
-    try:
-        factory = ENV_FACTORIES[name]
-    except KeyError:
-        raise ValueError(f"unknown env {name!r}; known: {', '.join(sorted(ENV_FACTORIES))}") from None
-    return factory(seed, **options)
 
 
 def disconnect_cancelling_app(routes: list[Route], stats: dict[str, int]) -> Starlette:
@@ -358,56 +334,3 @@ def running_server(
         yield handle
     finally:
         handle.stop()
-
-
-@click.command("env-server")
-@click.option("--env", "env_name", default="reverse_text", show_default=True, help="Env to serve (registered name).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = pick a free port.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Env seed (tasks are a function of seed, index).")
-@click.option(
-    "--score-delay-s",
-    default=0.0,
-    show_default=True,
-    type=click.FloatRange(0, MAX_DELAY_S),
-    help="Simulated grader latency added to every /score.",
-)
-@click.option("--min-len", type=click.IntRange(1), help="reverse_text: shortest prompt (default 3).")
-@click.option("--max-len", type=click.IntRange(1), help="reverse_text: longest prompt (default 6).")
-@click.option(
-    "--log-level",
-    default="info",
-    show_default=True,
-    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-)
-def env_server_command(
-    env_name: str,
-    host: str,
-    port: int,
-    seed: int,
-    score_delay_s: float,
-    min_len: int | None,
-    max_len: int | None,
-    log_level: str,
-) -> None:
-    """Serve an env over HTTP (POST /task, POST /score, GET /health, GET /stats)."""
-    options = {k: v for k, v in (("min_len", min_len), ("max_len", max_len)) if v is not None}
-    try:
-        env = make_env(env_name, seed, **options)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--env") from None
-    app = create_app(env, score_delay_s=score_delay_s)
-    if not log.handlers:  # the CLI's own lines (cancelled handlers) next to uvicorn's
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        log.addHandler(handler)
-    log.setLevel(log_level.upper())
-
-    def ready(base_url: str) -> None:
-        click.echo(f"env-server {env_name} (seed {seed}) listening on {base_url}", err=False)
-
-    serve_command_line(app, "env-server", host=host, port=port, log_level=log_level, on_ready=ready)
-
-
-if __name__ == "__main__":  # python -m orchestrator.envs.server
-    env_server_command()

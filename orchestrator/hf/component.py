@@ -1,85 +1,39 @@
-"""The hf trainer as a run composes it: its model checked before anything runs, its
-``trainer.json`` written, and the supervised process (one, or torchrun's N ranks) that trains.
-
-The runner calls `prepare_model` before the run dir exists (the model's hash goes in the log's
-meta); the registry's `HFTrainerConfig.build` (orchestrator/hf/config.py) calls `make_trainer`,
-whose trainer is a :mod:`orchestrator.trainers.process` one (start, run, batch_written, check, stop).
-"""
+"""`hf`: the transformers trainer process (full fine-tuning or LoRA; one process, or torchrun's
+ranks with DDP or FSDP2) on the run's `model` dir, as a run composes it: its config section,
+`trainer.hf` (the training settings, `HFTrainSettings`, shared with the process's trainer.json,
+plus how its processes are started), and its factory. Light: the factory's module
+(orchestrator.hf.factory) is imported only in `prepare_model` and `build`."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
-from orchestrator.hf.model import ModelError, PreparedModel
-from orchestrator.trainers import TrainerFailed
-from orchestrator.trainers.process import ProcessTrainer
-
-if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
+from orchestrator.contracts import BuildContext, ConfigError, ModelRequest, PreparedModel, Trainer, TrainerComponent
+from orchestrator.hf.config import HFTrainerSettings
 
 
-def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel:
-    """The run's model dir, checked (ModelError: one line); on a resume, also the one the run
-    started from (`stored_hash`, as kept in the log's meta)."""
-    from orchestrator.hf.model import prepare_model as prepare_model_dir
+class HFTrainerConfig(TrainerComponent, HFTrainerSettings):
+    """The transformers trainer process (full or LoRA, torchrun DDP/FSDP2): docs/hf.md."""
 
-    lora = config.trainer.hf.lora
-    model = prepare_model_dir(
-        config.model.path,
-        config.runs_dir / ".cache",
-        env_gives_messages=any(env.gives_messages for env in config.env_components().values()),
-        lora_targets=lora.target_modules if lora.rank else None,
+    resumable: ClassVar[frozenset[str]] = frozenset(
+        {"nproc", "distributed", "backend", "nnodes", "node_rank", "rdzv_endpoint"}
     )
-    if stored_hash is not None and model.sha256 != stored_hash:
-        raise ModelError(
-            f"the model dir {model.path} changed since the run started (its files' sha256 is {model.sha256[:12]}, "
-            f"the run's was {stored_hash[:12]}); restore it, or start a new run"
-        )
-    return model
-
-
-def write_trainer_json(config: RunConfig, run_dir: Path, model: PreparedModel) -> None:
-    from orchestrator.hf.trainer import TrainerConfig, write_trainer_config
-
-    # The trainer section's fields the trainer process reads under the same names.
-    same = {"lr", "lr_warmup_steps", "clip_eps", "lora", "loss", "micro_batch_size", "distributed", "backend"}
-    config_for_trainer = TrainerConfig(
-        model_path=model.path.resolve(),
-        model_hash=model.sha256,
-        max_steps=config.max_steps,
-        seed=config.seed,
-        batch_wait_timeout_s=config.trainer.publish_timeout_s,
-        parent_pid=os.getpid(),
-        # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
-        # crash); a resume reloads the newest recorded one, which must still be on disk.
-        keep_weights=max(config.trainer.hf.keep_weights, config.off_policy.target_lag + 2),
-        **config.trainer.hf.model_dump(include=same),
+    refuses_synthetic: ClassVar[str | None] = (
+        "the hf trainer learns the model's own tokens, not the {envs} env's; use trainer.kind='fake' for it"
     )
-    try:
-        write_trainer_config(run_dir, config_for_trainer)
-    except OSError as err:  # e.g. a directory in its place: one line, like the trainer's own failures
-        raise TrainerFailed(f"cannot write the trainer's config in {run_dir}: {err.strerror or err}") from err
 
+    def prepare_model(self, request: ModelRequest, stored_hash: str | None) -> PreparedModel:
+        from orchestrator.hf.factory import prepare_model  # transformers: only now
+        from orchestrator.hf.model import ModelError
 
-def make_trainer(config: RunConfig, run_dir: Path, model: PreparedModel) -> ProcessTrainer:
-    """The supervised trainer process, its trainer.json written: torchrun's ranks for several
-    ranks or nodes, else one `orch trainer` process."""
-    write_trainer_json(config, run_dir, model)
-    section = config.trainer.hf
-    if section.nproc > 1 or section.nnodes > 1:
-        from orchestrator.hf.distributed import torchrun_command
-        from orchestrator.trainers.torchrun import TorchrunTrainer
+        try:
+            return prepare_model(request, self.lora, stored_hash)
+        except ModelError as err:
+            raise ConfigError(str(err)) from None
 
-        return TorchrunTrainer(
-            run_dir,
-            torchrun_command(
-                run_dir,
-                nproc=section.nproc,
-                nnodes=section.nnodes,
-                node_rank=section.node_rank,
-                rdzv_endpoint=section.rdzv_endpoint,
-            ),
-        )
-    return ProcessTrainer(run_dir)
+    def build(self, ctx: BuildContext) -> Trainer:
+        from orchestrator.hf.factory import make_trainer  # torch, transformers: only now
+
+        if ctx.model is None:
+            raise ValueError("the hf trainer needs the run's prepared model (orchestrator.hf.factory.prepare_model)")
+        return make_trainer(self, ctx, ctx.model)

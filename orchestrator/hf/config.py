@@ -1,19 +1,17 @@
-"""`hf`: the transformers trainer process (full fine-tuning or LoRA; one process, or torchrun's
-ranks with DDP or FSDP2) on the run's `model` dir. Its config section, `trainer.hf`; light: the
-factory imports the rest (orchestrator.hf.component) only in `build`."""
+"""The `hf` trainer's settings, declared once: `HFTrainSettings` (what it trains with) is part of
+both the run config's section (`HFTrainerSettings`: with how its processes are started; the
+component, orchestrator/hf/component.py, adds what it supports and its factory) and the trainer
+process's ``RUN_DIR/trainer.json`` (`TrainerConfig`: with what the run tells it). Light: pydantic."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from orchestrator.components import BuildContext, ConfigError, Section, Trainer, TrainerComponent, synthetic_envs
+from orchestrator.contracts import Section
 from orchestrator.hf.loss_config import LossConfig
-
-if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
-    from orchestrator.hf.model import PreparedModel
 
 
 class LoraSection(Section):
@@ -25,12 +23,9 @@ class LoraSection(Section):
     )
 
 
-class HFTrainerConfig(TrainerComponent):
-    """The transformers trainer process (full or LoRA, torchrun DDP/FSDP2): docs/hf.md."""
+class HFTrainSettings(Section):
+    """What the trainer process trains with, as the run's `trainer.hf` section gives it."""
 
-    resumable: ClassVar[frozenset[str]] = frozenset(
-        {"nproc", "distributed", "backend", "nnodes", "node_rank", "rdzv_endpoint"}
-    )
     lr: float = Field(5e-4, gt=0, description="AdamW learning rate")
     lr_warmup_steps: int = Field(5, ge=0, description="the lr ramps linearly over the first steps")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip, the ratio is clipped to [1-eps, 1+eps]")
@@ -48,7 +43,6 @@ class HFTrainerConfig(TrainerComponent):
     )
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters instead of full fine-tuning")
     loss: LossConfig = Field(default_factory=LossConfig, description="the loss options: docs/hf.md Loss")
-    nproc: int = Field(1, ge=1, description="ranks per node under torchrun; 1 (one node): one process")
     distributed: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="how ranks share the model: DDP replicas or FSDP2 (torch.distributed.fsdp.fully_shard) shards",
@@ -56,6 +50,12 @@ class HFTrainerConfig(TrainerComponent):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process group backend (auto: nccl with CUDA, else gloo)"
     )
+
+
+class HFTrainerSettings(HFTrainSettings):
+    """The `trainer.hf` section's settings: the training ones, and how its processes are started."""
+
+    nproc: int = Field(1, ge=1, description="ranks per node under torchrun; 1 (one node): one process")
     nnodes: int = Field(
         1,
         ge=1,
@@ -66,33 +66,26 @@ class HFTrainerConfig(TrainerComponent):
     rdzv_endpoint: str | None = Field(None, description="torchrun c10d rendezvous host:port (multi-node)")
 
     @model_validator(mode="after")
-    def _multi_node(self) -> HFTrainerConfig:
+    def _multi_node(self) -> HFTrainerSettings:
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("trainer.hf.nnodes > 1 needs trainer.hf.rdzv_endpoint (host:port of the rendezvous)")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"trainer.hf.node_rank {self.node_rank} must be < trainer.hf.nnodes {self.nnodes}")
         return self
 
-    def check(self, run: RunConfig) -> None:
-        synthetic = synthetic_envs(run)
-        if synthetic:
-            raise ValueError(
-                f"the hf trainer learns the model's own tokens, not the {', '.join(synthetic)} env's; "
-                "use trainer.kind='fake' for it"
-            )
 
-    def prepare_model(self, run: RunConfig, stored_hash: str | None) -> PreparedModel:
-        from orchestrator.hf.component import prepare_model  # transformers: only now
-        from orchestrator.hf.model import ModelError
+class TrainerConfig(HFTrainSettings):
+    """``RUN_DIR/trainer.json``: the `trainer.hf` settings, and what the run tells the process."""
 
-        try:
-            return prepare_model(run, stored_hash)
-        except ModelError as err:
-            raise ConfigError(str(err)) from None
+    model_config = ConfigDict(extra="forbid")
 
-    def build(self, ctx: BuildContext) -> Trainer:
-        from orchestrator.hf.component import make_trainer  # torch, transformers: only now
-
-        if ctx.model is None:
-            raise ValueError("the hf trainer needs the run's prepared model (orchestrator.hf.component.prepare_model)")
-        return make_trainer(ctx.config, ctx.run_dir, ctx.model)
+    model_path: Path = Field(description="the HF model dir the run starts from")
+    model_hash: str = Field("", description="its model_dir_hash, kept in the checkpoint")
+    max_steps: int = Field(40, ge=0, description="train on batches 1..max_steps, then exit 0")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0, description="max grad norm per optimizer step")
+    seed: int = Field(0, description="seeds the LoRA A matrices' initialisation")
+    batch_wait_timeout_s: float = Field(300.0, gt=0, description="bound on the wait for one batch")
+    poll_interval_s: float = Field(0.02, gt=0, description="batch file polling period")
+    parent_pid: int | None = Field(None, description="exit when this process dies")
+    num_threads: int = Field(1, ge=1, description="torch intra-op threads per rank")

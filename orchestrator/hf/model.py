@@ -16,7 +16,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import NamedTuple
+
+from orchestrator.contracts import PreparedModel
 
 # A tiny-model dir is rebuilt when any of these change; the version moves when its recipe does.
 TINY_MODEL_RECIPE = "tiny-llama-reverse-text-v1"
@@ -140,11 +141,6 @@ def ensure_tiny_model(cache_root: str | os.PathLike, seed: int = 0, target_rewar
     except FileExistsError:  # another run built it meanwhile
         pass
     return dest
-
-
-class PreparedModel(NamedTuple):
-    path: Path
-    sha256: str
 
 
 def prepare_model(

@@ -2,7 +2,7 @@
 
 Run as ``orch trainer --run-dir RUN_DIR`` (one process) or, N ranks, as
 ``torchrun ... -m orchestrator.hf.trainer --run-dir RUN_DIR`` (:func:`.distributed.torchrun_command`).
-Its configuration is ``RUN_DIR/trainer.json`` (:class:`TrainerConfig`, written by the orchestrator).
+Its configuration is ``RUN_DIR/trainer.json`` (:class:`.config.TrainerConfig`, written by the orchestrator).
 
 1. Start: load ``AutoModelForCausalLM`` from ``model_path`` (LoRA: wrap it with a PEFT adapter
    whose B matrices start at zero, so step 0 is the base model), or resume from
@@ -23,15 +23,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from orchestrator import rundir
 from orchestrator.hf import checkpoint
 from orchestrator.hf.batch import Batch, BatchError, parse_batch
-from orchestrator.hf.config import LoraSection
+from orchestrator.hf.config import TrainerConfig
 from orchestrator.hf.distributed import Ranks
 from orchestrator.hf.loss import (
     MAX_STATS,
@@ -42,41 +41,9 @@ from orchestrator.hf.loss import (
     policy_loss,
     token_logprobs,
 )
-from orchestrator.hf.loss_config import LossConfig
 from orchestrator.hf.model import ModelError, check_lora_targets, load_model, load_tokenizer
 from orchestrator.hf.process import TrainerError, TrainerSetupError, exit_code_of, start_parent_watchdog
 from orchestrator.hf.publish import prune, publish
-
-
-class TrainerConfig(BaseModel):
-    """``RUN_DIR/trainer.json``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model_path: Path = Field(description="the HF model dir the run starts from")
-    model_hash: str = Field("", description="its model_dir_hash, kept in the checkpoint")
-    max_steps: int = Field(40, ge=0, description="train on batches 1..max_steps, then exit 0")
-    lr: float = Field(5e-4, gt=0, description="AdamW learning rate")
-    lr_warmup_steps: int = Field(5, ge=0, description="the lr ramps linearly over the first steps")
-    weight_decay: float = Field(0.0, ge=0)
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip: ratio clipped to [1-eps, 1+eps]")
-    grad_clip: float = Field(1.0, gt=0, description="max grad norm per optimizer step")
-    micro_batch_size: int = Field(
-        0,
-        ge=0,
-        description="samples per forward/backward, gradients accumulated over "
-        "a rank's share of the batch (0: the whole share at once)",
-    )
-    lora: LoraSection = Field(default_factory=LoraSection)
-    distributed: Literal["ddp", "fsdp"] = "ddp"
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    seed: int = Field(0, description="seeds the LoRA A matrices' initialisation")
-    batch_wait_timeout_s: float = Field(300.0, gt=0, description="bound on the wait for one batch")
-    poll_interval_s: float = Field(0.02, gt=0, description="batch file polling period")
-    parent_pid: int | None = Field(None, description="exit when this process dies")
-    keep_weights: int = Field(3, ge=2, description="weight versions kept on disk (newest ones)")
-    num_threads: int = Field(1, ge=1, description="torch intra-op threads per rank")
-    loss: LossConfig = Field(default_factory=LossConfig, description="the loss options (docs/hf.md Loss)")
 
 
 def write_trainer_config(run_dir: str | os.PathLike, config: TrainerConfig) -> Path:

@@ -3,14 +3,17 @@
 * :mod:`.protocol` - the wire format: request validation for `orch serve`, response parsing for
   any OpenAI-compatible server that returns token ids and per-token logprobs (no torch).
 * :mod:`.client`   - :class:`~.client.InferenceClient`: several endpoints, least-loaded routing,
-  per-group pinning, bounded retries, health tracking, the weight-update contract (no torch).
-* :mod:`.endpoints_config` - inference backend `openai` (`inference.openai.*`): its config, checks
-  and factory, and the endpoint URL rules (no httpx).
+  per-group pinning, bounded retries, health tracking, the weight-update contract (no torch);
+  its errors are :mod:`.errors`.
+* :mod:`.weight_sync` - how an endpoint loads a version, one module per engine dialect (orch,
+  vllm_reload, vllm_lora, sglang).
+* :mod:`.component` - inference backend `openai` (`inference.openai.*`): what it supports, its
+  pre-run step and factory; its settings are :mod:`.endpoints_config` (no httpx).
 * :mod:`.endpoints_backend` - :class:`~.endpoints_backend.EndpointsBackend`: that backend, which
-  samples through the client (an ``orchestrator.components.InferenceBackend``).
+  samples through the client (an ``orchestrator.contracts.InferenceBackend``).
 * :mod:`.vllm_launch` - ``inference.openai.launch``: the vLLM servers a run starts and stops itself.
-* :mod:`.server`   - `orch serve`: the embedded torch policy behind ``POST /v1/completions``
-  (the servers of the client's fast tests: docs/vllm.md says why they are not vLLM).
+
+`orch serve` (the servers of the client's fast tests) is :mod:`orchestrator.serve`.
 
 The weight-update contract (docs/scaling-out.md; docs/rules.md rule 8): the trainer publishes
 ``RUN_DIR/weights/step_N`` then its ``STABLE`` marker; the orchestrator publishes version N at the

@@ -20,7 +20,8 @@ one to come back, still within its attempts, and for at most ``timeout_s`` (then
 Weight updates (the contract): :meth:`InferenceClient.load` (version N, the published
 ``weights/step_N`` dir) is sent to every endpoint and returns once they answered; an endpoint
 that did not confirm N is brought to the newest version before its next request (so a restarted
-server catches up), and every completion reports the version it was sampled with. Modes:
+server catches up), and every completion reports the version it was sampled with. Modes (each
+endpoint's load is its dialect's, one module each in :mod:`.weight_sync`):
 
 * ``"orch"``: ``POST /update_weights {"path", "version"}`` -> ``{"version": N}``; completions
   carry ``policy_version`` (`orch serve`).
@@ -52,14 +53,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import httpx
 
-from orchestrator.components import ComponentFailed
-from orchestrator.inference.endpoints_config import endpoint_base_urls
+from orchestrator.inference.errors import InferenceError, InferenceRequestError, InferenceUnavailable
+from orchestrator.inference.errors import Retryable as _Retryable
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
+from orchestrator.inference.weight_sync import DIALECTS
+from orchestrator.inference.weight_sync.vllm_lora import lora_name
+from orchestrator.urls import endpoint_base_urls
 
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
 MAX_PINS = 65536
@@ -68,30 +71,7 @@ T = TypeVar("T")
 log = logging.getLogger("orch.inference")
 
 
-class InferenceError(ComponentFailed):
-    """Inference failed; the message names the endpoint(s) and what went wrong."""
-
-
-class InferenceRequestError(InferenceError):
-    """The endpoint rejected the request itself (HTTP 4xx, malformed answer): never retried."""
-
-    def __init__(self, message: str, status_code: int | None = None):
-        super().__init__(message)
-        self.status_code = status_code
-
-
-class InferenceUnavailable(InferenceError):
-    """Every attempt failed on transport or server errors (endpoints down, timeouts, 5xx)."""
-
-
 _MAY_PASS = frozenset({404, 408, 409, 429})  # a refused weight load that a later try may get through
-
-
-class _Retryable(Exception):
-    def __init__(self, message: str, kind: str, counted: bool = False):
-        super().__init__(message)
-        self.message, self.kind = message, kind
-        self.counted = counted  # the endpoint was already marked down for this failure
 
 
 @dataclass(eq=False)
@@ -314,46 +294,6 @@ class InferenceClient:
         except ValueError:
             raise _Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 
-    # -- checks -----------------------------------------------------------------------------------
-    async def check_vllm_endpoints(self, model_dir: Path) -> None:
-        """InferenceRequestError (one line) if a reachable endpoint serves another model than
-        ``model_dir`` (or ``model``, when given), or lacks the routes of this weight sync. One not
-        reachable yet is left to the weight loads, which wait for endpoints that are starting."""
-        for ep in self.endpoints:
-            try:
-                listed = await self._call(ep, "GET", "/v1/models")
-            except _Retryable:
-                continue
-            bases = (
-                [m for m in listed.get("data", []) if isinstance(m, dict) and m.get("parent") is None]
-                if isinstance(listed, dict)
-                else []
-            )
-            names = {str(m.get(key)) for m in bases for key in ("id", "root")}
-            if not (self.model in names or any(_same_path(name, model_dir) for name in names)):
-                served = ", ".join(sorted(names)) or repr(listed)[:200]
-                hint = "" if self.model else " (set inference.openai.model to its served name)"
-                raise InferenceRequestError(
-                    f"{ep.url} serves {served}, not this run's model {self.model or model_dir}" + hint
-                )
-            if self.weight_sync == "vllm_reload":
-                probe, needs = ("GET", "/is_paused", None), "VLLM_SERVER_DEV_MODE=1"
-            else:
-                probe, needs = (
-                    ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}, None, True),
-                    "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
-                )
-            try:
-                await self._call(ep, *probe)
-            except InferenceRequestError as exc:
-                if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
-                    raise InferenceRequestError(
-                        f"{ep.url} lacks {probe[1]} ({exc}): weight_sync "
-                        f"{self.weight_sync!r} needs vLLM started with {needs}"
-                    ) from None
-            except _Retryable:
-                continue
-
     # -- completions ------------------------------------------------------------------------------
     async def complete(
         self,
@@ -570,138 +510,13 @@ class InferenceClient:
             if ep.version >= version:
                 return ep.version
             try:
-                if self.weight_sync == "orch":
-                    confirmed = await self._update_orch_serve(ep, version, path)
-                elif self.weight_sync == "sglang":
-                    answer = await self._call(
-                        ep, "POST", "/update_weights_from_disk", {"model_path": path}, timeout=self.load_timeout_s
-                    )
-                    if not (isinstance(answer, dict) and answer.get("success") is True):
-                        raise InferenceRequestError(f"{ep.url}/update_weights_from_disk refused {path}: {answer!r}")
-                    confirmed = version
-                elif self.weight_sync == "vllm_reload":
-                    confirmed = await self._reload_vllm(ep, version, path)
-                else:
-                    confirmed = await self._load_adapter(ep, version, path)
+                confirmed = await DIALECTS[self.weight_sync](self, ep, version, path)
             except _Retryable as exc:
                 self.mark_down(ep, exc.message, exc.kind)
                 raise InferenceUnavailable(exc.message) from None
             ep.version = max(ep.version, confirmed)
             self.mark_up(ep)
             return ep.version
-
-    async def _update_orch_serve(self, ep: Endpoint, version: int, path: str) -> int:
-        answer = await self._call(
-            ep, "POST", "/update_weights", {"path": path, "version": version}, timeout=self.load_timeout_s
-        )
-        confirmed = answer.get("version") if isinstance(answer, dict) else None
-        if not isinstance(confirmed, int) or confirmed < version:
-            raise InferenceRequestError(
-                f"{ep.url}/update_weights: asked for version {version}, the endpoint answered {answer!r}"
-            )
-        served = answer.get("path")
-        if isinstance(served, str) and Path(served).parent != Path(path).parent:
-            raise InferenceRequestError(
-                f"{ep.url}/update_weights: asked for {path}, the endpoint serves {served}, another run's weights"
-            )
-        return confirmed
-
-    async def _reload_vllm(self, ep: Endpoint, version: int, path: str) -> int:
-        """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1). The endpoint's requests in flight end
-        with the old weights, none is sent until it resumed, so each completion's version is exact."""
-        check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
-        ep.reloading = asyncio.Event()
-        try:
-            try:
-                await asyncio.wait_for(ep.idle.wait(), self.load_timeout_s)
-            except TimeoutError:
-                raise _Retryable(
-                    f"{ep.url}: its requests in flight did not end within {self.load_timeout_s:g}s "
-                    f"of the reload of version {version}",
-                    "reload drain",
-                ) from None
-            await self._call(ep, "POST", "/pause?mode=wait", timeout=self.load_timeout_s)
-            await self._call(
-                ep,
-                "POST",
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": path}},
-                timeout=self.load_timeout_s,
-            )
-            # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
-            answer = await self._call(ep, "POST", "/reset_prefix_cache", timeout=self.load_timeout_s)
-            if not (isinstance(answer, dict) and answer.get("success") is True):
-                raise InferenceRequestError(
-                    f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}"
-                )
-            await self._call(ep, "POST", "/resume", timeout=self.load_timeout_s)
-            return version
-        finally:
-            ep.reloading.set()
-            ep.reloading = None
-
-    async def _load_adapter(self, ep: Endpoint, version: int, path: str) -> int:
-        """vLLM LoRA (``--enable-lora``, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): version N is the
-        adapter ``step_N``. The newest ``max_loras`` stay loaded (an eval pinned to a recent version
-        samples with its adapter); to make room, the oldest that no request in flight uses is
-        unloaded, and the load waits for one to be free, so an endpoint never holds more."""
-        check_weights_dir(path, "adapter_config.json", "a PEFT adapter dir")
-        if ep.version < 0:  # a new client, or the endpoint failed: what it holds is unknown
-            await self._adopt_listed_adapters(ep)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.load_timeout_s
-        while len(ep.adapters) >= self.max_loras:
-            unused = sorted(v for v, users in ep.adapters.items() if users == 0 and v != ep.version)
-            if unused:
-                await self._unload_adapter(ep, unused[0])
-                continue
-            ep.adapter_released.clear()
-            try:
-                await asyncio.wait_for(ep.adapter_released.wait(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                raise _Retryable(
-                    f"{ep.url}: adapters {sorted(ep.adapters)} still in use {self.load_timeout_s:g}s "
-                    f"after adapter {lora_name(version)} was asked for",
-                    "adapter room",
-                ) from None
-        # In place: a step_N left by an earlier run of this name (a crash before N was recorded)
-        # is replaced rather than kept.
-        await self._call(
-            ep,
-            "POST",
-            "/v1/load_lora_adapter",
-            {"lora_name": lora_name(version), "lora_path": path, "load_inplace": True},
-            timeout=self.load_timeout_s,
-            text=True,
-        )
-        ep.adapters.setdefault(version, 0)
-        return version
-
-    async def _adopt_listed_adapters(self, ep: Endpoint) -> None:
-        """Count the ``step_N`` adapters the endpoint lists as loaded, so they are unloaded too."""
-        listed = await self._call(ep, "GET", "/v1/models")
-        for entry in listed.get("data", []) if isinstance(listed, dict) else []:
-            name = entry.get("id") if isinstance(entry, dict) and entry.get("parent") is not None else None
-            version = adapter_version(name) if isinstance(name, str) else None
-            if version is not None:
-                ep.adapters.setdefault(version, 0)
-
-    async def _unload_adapter(self, ep: Endpoint, old: int) -> None:
-        """Unload adapter ``old``, which no request uses; forgotten first, so that no request
-        (one pinned to ``old`` looks it up) takes it up meanwhile."""
-        del ep.adapters[old]
-        try:
-            await self._call(
-                ep,
-                "POST",
-                "/v1/unload_lora_adapter",
-                {"lora_name": lora_name(old)},
-                timeout=self.load_timeout_s,
-                text=True,
-            )
-        except InferenceRequestError as exc:
-            if exc.status_code != 404:  # 404: it is gone already (the server restarted)
-                raise
 
     async def _ensure_version(self, ep: Endpoint) -> int:
         """Before a request: bring ``ep`` to the target version if it has not confirmed it.
@@ -721,33 +536,6 @@ class InferenceClient:
             if ep.version >= 0:
                 return ep.version
             raise
-
-
-def check_weights_dir(path: str, marker: str, what: str) -> None:
-    """InferenceRequestError unless ``path`` holds ``marker`` and a ``*.safetensors`` file."""
-    wdir = Path(path)
-    if not (wdir / marker).is_file() or not any(wdir.glob("*.safetensors")):
-        raise InferenceRequestError(
-            f"{wdir} is not {what} ({marker} and *.safetensors): the trainer publishes "
-            "another kind of weights than this weight_sync loads"
-        )
-
-
-def lora_name(version: int) -> str:
-    return f"step_{version}"
-
-
-def adapter_version(name: str) -> int | None:
-    """N of an adapter named ``step_N`` (see :func:`lora_name`), else None."""
-    prefix, _, number = name.partition("_")
-    return int(number) if prefix == "step" and number.isdigit() else None
-
-
-def _same_path(name: str, path: Path) -> bool:
-    try:
-        return Path(name).resolve() == Path(path).resolve()
-    except (OSError, ValueError):
-        return False
 
 
 def _is_batch(prompt: Any) -> bool:

@@ -1,6 +1,6 @@
 """`EndpointsBackend`: episodes sampled by OpenAI-compatible endpoints (inference backend `openai`).
 
-An ``orchestrator.components.InferenceBackend`` like the embedded one, but the sampling happens
+An ``orchestrator.contracts.InferenceBackend`` like the embedded one, but the sampling happens
 in other processes (`orch serve`, vLLM, SGLang; given, or started by the run:
 ``inference.openai.launch``) through :class:`~.client.InferenceClient`.
 
@@ -13,7 +13,7 @@ prompt + completion ids, mask, per-token logprobs and the version the endpoint r
 whose endpoint fails is re-sent to another endpoint (same episode, same seed); when the client
 gives up, the episode fails like any other (the core counts and drops it).
 
-An env that plays its episodes itself (``orchestrator.envs.base.AgentEnv``: a verifiers taskset)
+An env that plays its episodes itself (``orchestrator.contracts.AgentEnv``: a verifiers taskset)
 gets the request and this client instead: its model calls take the same routing, retries and
 weight versions, and the backend still launches the servers and loads each version.
 """
@@ -26,27 +26,31 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from orchestrator.components import BuildContext, ConfigError, RolloutRequest, sampled_episode
+from orchestrator.contracts import (
+    AgentEnv,
+    BuildContext,
+    ConfigError,
+    RolloutEnv,
+    RolloutRequest,
+    Task,
+    sampled_episode,
+)
 from orchestrator.core.events import EpisodeCompleted
-from orchestrator.envs.base import AgentEnv
 from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
-from orchestrator.inference.endpoints_config import VLLM_MODES, EndpointsConfig
+from orchestrator.inference.endpoints_config import VLLM_MODES, EndpointsSettings
 from orchestrator.notices import report, warn
 from orchestrator.rundir import is_stable, weights_dir
 
 if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
-    from orchestrator.envs.base import RolloutEnv
     from orchestrator.inference.vllm_launch import VllmLauncher
 
 
 def build_endpoints_backend(
-    section: EndpointsConfig, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]
+    section: EndpointsSettings, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]
 ) -> EndpointsBackend:
     """The `openai` backend of a run on its prepared model (``ctx.model``: the endpoints serve it):
     the client of its endpoints (given, or the vLLM servers of ``inference.openai.launch``, started
     at the backend's first load)."""
-    config = ctx.config
     if ctx.model is None:
         raise ValueError("inference endpoints need the run's prepared model (the hf trainer's)")
     model_dir = ctx.model.path.resolve()
@@ -59,47 +63,47 @@ def build_endpoints_backend(
     return EndpointsBackend(
         ctx.run_dir,
         envs,
-        make_client(config, urls),
-        temperature=config.rollout.temperature,
-        max_new_tokens=config.rollout.max_new_tokens,
-        seed=config.seed,
-        load_timeout_s=config.trainer.publish_timeout_s,
+        make_client(section, urls, ctx.publish_timeout_s),
+        temperature=ctx.sampling.temperature,
+        max_new_tokens=ctx.sampling.max_new_tokens,
+        seed=ctx.seed,
+        load_timeout_s=ctx.publish_timeout_s,
         model_dir=model_dir,
         launcher=launcher,
-        chat_template_kwargs=config.model.chat_template_kwargs,
+        chat_template_kwargs=ctx.sampling.chat_template_kwargs,
     )
 
 
-def make_client(config: RunConfig, urls: list[str]) -> InferenceClient:
-    inf = config.inference.openai
+def make_client(section: EndpointsSettings, urls: list[str], load_timeout_s: float) -> InferenceClient:
     return InferenceClient(
         urls,
-        model=inf.model,
-        weight_sync=inf.weight_sync,
-        timeout_s=inf.request_timeout_s,
-        load_timeout_s=config.trainer.publish_timeout_s,
-        max_attempts=inf.max_attempts,
-        backoff_s=inf.backoff_s,
-        max_backoff_s=inf.max_backoff_s,
-        pin_groups=inf.pin_groups,
-        max_loras=inf.max_loras,
+        model=section.model,
+        weight_sync=section.weight_sync,
+        timeout_s=section.request_timeout_s,
+        load_timeout_s=load_timeout_s,
+        max_attempts=section.max_attempts,
+        backoff_s=section.backoff_s,
+        max_backoff_s=section.max_backoff_s,
+        pin_groups=section.pin_groups,
+        max_loras=section.max_loras,
     )
 
 
-def check_inference(config: RunConfig, model_dir: Path) -> None:
-    """Before anything runs (the model dir itself is checked by ``orchestrator.hf.model``),
-    ConfigError (one line) for a launch that cannot work (`check_launch`), or a given vLLM
-    endpoint that serves another model or lacks the routes of the weight sync. (What needs no
-    file nor server is checked with the config: `EndpointsConfig.check`.)"""
+def check_inference(section: EndpointsSettings, model_dir: Path, load_timeout_s: float) -> None:
+    """The backend's pre-run step (`EndpointsConfig.preflight`, before the run dir exists; the
+    model dir itself is checked by ``orchestrator.hf.model``): ConfigError (one line) for a launch
+    that cannot work (`check_launch`), or a given vLLM endpoint that serves another model or lacks
+    the routes of the weight sync. (What needs no file nor server is checked with the config:
+    `EndpointsConfig.check`.)"""
     from orchestrator.inference.vllm_launch import check_launch
+    from orchestrator.inference.weight_sync.vllm_check import check_vllm_endpoints
 
-    check_launch(config, model_dir)
-    inf = config.inference.openai
-    if inf.endpoints and inf.weight_sync in VLLM_MODES:
+    check_launch(section.launch, model_dir)
+    if section.endpoints and section.weight_sync in VLLM_MODES:
 
         async def check() -> None:
-            async with make_client(config, inf.endpoints) as client:
-                await client.check_vllm_endpoints(model_dir)
+            async with make_client(section, section.endpoints, load_timeout_s) as client:
+                await check_vllm_endpoints(client, model_dir)
 
         try:
             asyncio.run(check())
@@ -107,13 +111,8 @@ def check_inference(config: RunConfig, model_dir: Path) -> None:
             raise ConfigError(str(err)) from None
 
 
-def prompt_renderer(model_dir: Path | None, chat_template_kwargs: Mapping | None = None):
-    """task -> prompt token ids: with the model dir's tokenizer (`orchestrator.hf.model`), else
-    the embedded policy's char tokenizer (`orch serve`'s, driven directly by tests)."""
-    if model_dir is None:
-        from orchestrator.embedded.tokenizer import encode_prompt
-
-        return lambda task: encode_prompt(task.prompt)
+def prompt_renderer(model_dir: Path, chat_template_kwargs: Mapping | None = None) -> Callable[[Task], list[int]]:
+    """task -> prompt token ids, with the model dir's tokenizer (`orchestrator.hf.model`)."""
     from orchestrator.hf.model import load_tokenizer, render_prompt
 
     tokenizer, kwargs = load_tokenizer(model_dir), dict(chat_template_kwargs or {})
@@ -141,11 +140,17 @@ class EndpointsBackend:
         model_dir: Path | None = None,
         launcher: VllmLauncher | None = None,
         chat_template_kwargs: Mapping | None = None,
+        encode_prompt: Callable[[Task], list[int]] | None = None,
     ):
+        """`encode_prompt`: how a task's prompt becomes token ids, if not with `model_dir`'s
+        tokenizer (`orch serve`'s char-level policy: `orchestrator.serve.tokenizer.task_prompt_ids`);
+        neither: the envs play their episodes themselves (`AgentEnv`)."""
         self.run_dir, self.envs, self.client, self.seed = Path(run_dir).resolve(), envs, client, seed
         self.temperature, self.max_new_tokens, self.load_timeout_s = temperature, max_new_tokens, load_timeout_s
         self.model_dir, self.launcher = model_dir, launcher
-        self.encode_prompt = prompt_renderer(model_dir, chat_template_kwargs)
+        if encode_prompt is None and model_dir is not None:
+            encode_prompt = prompt_renderer(model_dir, chat_template_kwargs)
+        self.encode_prompt = encode_prompt
         self._loaded = asyncio.Event()
         self._ready = launcher is None  # launched servers: once they answered /health
         self.version = -1  # newest version confirmed by at least one endpoint
@@ -198,6 +203,8 @@ class EndpointsBackend:
         env = self.envs[req.env]
         if isinstance(env, AgentEnv):  # it plays the episode, its model calls through this client
             return await env.episode(req, self.client)
+        if self.encode_prompt is None:
+            raise ValueError(f"env {req.env!r} gives prompts, and this backend has no model dir to render them with")
         task = await env.task(req.task_id)
         prompt_ids = self.encode_prompt(task)
         seed = episode_seed(self.seed, req.episode_id, req.attempt)

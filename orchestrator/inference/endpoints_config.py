@@ -1,25 +1,14 @@
-"""`openai`: OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) as the run's sampler; the
-endpoint URL rules the config and the client share. No httpx here: the backend
-(:mod:`.endpoints_backend`) is imported only when a run uses it."""
+"""The `inference.openai` section's settings: OpenAI-compatible endpoints (vLLM, SGLang, `orch
+serve`), given or launched (the component is :mod:`.component`). Light: pydantic."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar, Literal
-from urllib.parse import urlsplit
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from orchestrator.components import BuildContext, InferenceComponent, Section, synthetic_envs
-from orchestrator.embedded.sampler_backend import check_samples_published_weights
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from orchestrator.config import RunConfig
-    from orchestrator.envs.base import AgentEnv, RolloutEnv
-    from orchestrator.inference.endpoints_backend import EndpointsBackend
-
+from orchestrator.contracts import Section
+from orchestrator.urls import endpoint_base_urls
 
 VLLM_MODES = ("vllm_reload", "vllm_lora")  # weight syncs of a vLLM server, which serves an HF model dir
 
@@ -55,15 +44,10 @@ class LaunchSection(Section):
         return self
 
 
-class EndpointsConfig(InferenceComponent):
-    """OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) instead of the in-process sampler.
+class EndpointsSettings(Section):
+    """The `inference.openai` section's settings: the endpoints, given or launched, and how the
+    client talks to them."""
 
-    Given (`endpoints`), or vLLM servers the run starts and stops itself (`launch`)."""
-
-    follows_weights: ClassVar[bool] = True
-    resumable: ClassVar[frozenset[str]] = frozenset(
-        {"endpoints", "request_timeout_s", "max_attempts", "backoff_s", "max_backoff_s", "pin_groups", "max_loras"}
-    )
     endpoints: list[str] = Field(
         default_factory=list,
         description="base URLs (http://host:port); setting them selects this backend when inference.kind is not set",
@@ -92,7 +76,7 @@ class EndpointsConfig(InferenceComponent):
     )
 
     @model_validator(mode="after")
-    def _endpoints_are_urls(self) -> EndpointsConfig:
+    def _endpoints_are_urls(self) -> EndpointsSettings:
         endpoint_base_urls(self.endpoints)
         if self.launch.servers:
             if self.endpoints:
@@ -111,66 +95,3 @@ class EndpointsConfig(InferenceComponent):
     def enabled(self) -> bool:
         """Endpoints are given or launched."""
         return bool(self.endpoints or self.launch.servers)
-
-    def check(self, run: RunConfig) -> None:
-        synthetic = synthetic_envs(run)
-        if synthetic:
-            raise ValueError(f"inference endpoints sample the model, not the {', '.join(synthetic)} env's episodes")
-        if not self.enabled:
-            raise ValueError(
-                "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers"
-            )
-        check_samples_published_weights(run, "the openai backend (inference.openai)")
-
-    def check_model(self, run: RunConfig, model_dir: Path) -> None:
-        from orchestrator.inference.endpoints_backend import check_inference  # httpx: only now
-
-        check_inference(run, model_dir)
-
-    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]) -> EndpointsBackend:
-        from orchestrator.inference.endpoints_backend import build_endpoints_backend  # httpx: only now
-
-        return build_endpoints_backend(self, ctx, envs)
-
-
-def endpoint_base_urls(urls: list[str]) -> list[str]:
-    """The endpoints as the client addresses them (`endpoint_base_url`); ValueError naming the
-    URL if one is not an http(s) URL or two are the same endpoint. The config checks it (exit 2
-    before anything runs) and the client, also usable on its own, builds on it."""
-    seen: dict[str, str] = {}
-    for url in urls:
-        base = endpoint_base_url(url)
-        check_http_url(base, f"endpoint {url!r}")
-        if base in seen:
-            raise ValueError(f"endpoints {seen[base]!r} and {url!r} are the same")
-        seen[base] = url
-    return list(seen)
-
-
-def check_http_url(url: str, what: str) -> None:
-    """ValueError naming `what` unless `url` is http(s)://host[:port][/path] with a valid port
-    (no spaces, user, query or fragment)."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
-    except ValueError:
-        raise ValueError(f"{what} has an invalid host or port") from None
-    if (
-        parts.scheme not in ("http", "https")
-        or not parts.hostname
-        or any(c.isspace() for c in url)
-        or "@" in parts.netloc
-        or parts.query
-        or parts.fragment
-        or parts.netloc.endswith(":")
-    ):
-        raise ValueError(f"{what} is not an http(s)://host[:port] URL")
-
-
-def endpoint_base_url(url: str) -> str:
-    """An endpoint as the client addresses it: scheme added (http), trailing `/` and `/v1` removed."""
-    url = url.strip()
-    if "://" not in url:
-        url = "http://" + url
-    url = url.rstrip("/")
-    return url.removesuffix("/v1")

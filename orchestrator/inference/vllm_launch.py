@@ -31,16 +31,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 
-from orchestrator.components import ConfigError
+from orchestrator.contracts import ConfigError
 from orchestrator.inference.client import InferenceError
 from orchestrator.inference.endpoints_config import LaunchSection
-
-if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
 
 LOGS_DIR = "logs"
 _PR_SET_PDEATHSIG = 1
@@ -51,10 +47,9 @@ class LaunchError(InferenceError):
     """A launched server that failed to start or died; one line naming it and its log."""
 
 
-def check_launch(config: RunConfig, model_dir: Path) -> None:
+def check_launch(launch: LaunchSection, model_dir: Path) -> None:
     """ConfigError (one line) if the launch cannot work, found before anything runs: vLLM missing
     from this interpreter, a model dir vLLM cannot load, a head size vLLM's CPU attention lacks."""
-    launch = config.inference.openai.launch
     if not launch.servers:
         return
     if importlib.util.find_spec("vllm") is None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from orchestrator.collection.collect import Outcome
-from orchestrator.components import RolloutRequest
+from orchestrator.contracts import RolloutRequest
 from orchestrator.core import events as ev
 from orchestrator.core.state import State
-from orchestrator.envs.reverse_text import solved as reverse_text_solved
 
-# env -> its success notion (the "pass" of pass@k); an env without one reports no pass@k.
-SUCCESS: dict[str, Callable[[float], bool]] = {"reverse_text": reverse_text_solved}
+# An env's success notion for a reward (the "pass" of pass@k: `EnvComponent.solved`); None: it
+# has none, and reports no pass@k.
+Solved = Callable[[float], "bool | None"]
 
 
 def eval_request(state: State, e: ev.EvalEpisodeDispatched) -> RolloutRequest:
@@ -30,9 +30,10 @@ def eval_request(state: State, e: ev.EvalEpisodeDispatched) -> RolloutRequest:
     )
 
 
-def eval_result(outcome: Outcome) -> ev.EvalEpisodeCompleted:
+def eval_result(outcome: Outcome, solved: Solved) -> ev.EvalEpisodeCompleted:
     """The input for an eval rollout's outcome: a failure (the rollout raised or returned a
-    failed episode) or the figures of its completion, with the versions that sampled it."""
+    failed episode) or the figures of its completion, with the versions that sampled it and
+    whether it succeeded (`solved`: its env's success notion)."""
     req: RolloutRequest = outcome.example
     done: ev.EpisodeCompleted | None = outcome.result
     if outcome.exception is not None or not done.ok:
@@ -45,13 +46,12 @@ def eval_result(outcome: Outcome) -> ev.EvalEpisodeCompleted:
             policy_end=req.policy_version,
             error=error,
         )
-    success = SUCCESS.get(req.env)
     return ev.EvalEpisodeCompleted(
         episode_id=req.episode_id,
         eval_id=req.eval_id,
         ok=True,
         reward=done.reward,
-        success=None if success is None else success(done.reward),
+        success=solved(done.reward),
         sampled_tokens=done.sampled_tokens,
         policy_start=done.policy_start,
         policy_end=done.policy_end,

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
-from orchestrator.components import Algorithm, InferenceBackend, RolloutRequest, Trainer
 from orchestrator.config import RunConfig
+from orchestrator.contracts import Algorithm, InferenceBackend, RolloutRequest, Trainer
 from orchestrator.core import events as ev
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_of
 from orchestrator.core.decide import decide
@@ -105,6 +105,7 @@ class Orchestrator:
         sinks=None,
     ):
         self.config, self.run_dir, self.log, self.state = config, run_dir, log, state
+        self._solved = {name: getattr(config.env, name).solved for name in config.eval.envs}  # envs' success notions
         self.backend, self.trainer, self.progress = backend, trainer, progress
         self.sinks = sinks  # observe.sinks.SinkFeeder: metric sinks fed from the committed log
         self.stall_timeout_s = stall_timeout_s or config.trainer.publish_timeout_s
@@ -228,7 +229,7 @@ class Orchestrator:
     def _completion_of(self, outcome: Outcome) -> ev.EpisodeCompleted | ev.EvalEpisodeCompleted:
         req: RolloutRequest = outcome.example
         if req.eval_id is not None:
-            return eval_result(outcome)
+            return eval_result(outcome, self._solved[req.env])
         if outcome.exception is None:
             return outcome.result
         exc = outcome.exception

@@ -1,13 +1,10 @@
-"""Compose a run: the run directory, its log, the components its config names, and the loop;
-create or resume."""
+"""Create or resume a run: its directory, its log (checked as `orchestrator.orch_log` says), its
+config (stored, and what a resume may change) and its model, checked before anything runs. The
+run's components are composed by :mod:`.compose`, on the event loop of :mod:`.eventloop`."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-import signal
-from collections.abc import Sequence
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,23 +12,16 @@ from typing import TYPE_CHECKING
 import orjson
 
 from eventlog import EventLog, LogExistsError, LogNotFoundError
-from orchestrator.components import Algorithm, BuildContext, InferenceBackend, Trainer
 from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes, with_added_fields
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
 from orchestrator.fold import fold_log
 from orchestrator.gc_tuning import tuned_gc
-from orchestrator.notices import warn
-from orchestrator.observe.sinks import build_feeder
+from orchestrator.orch_log import LOG_MAGIC_META, OrchLogError, open_orch_log
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
-from orchestrator.shell.loop import Orchestrator
-from orchestrator.shell.progress import Progress
 
 if TYPE_CHECKING:
-    from orchestrator.hf.model import PreparedModel
-    from orchestrator.observe.sinks import SinkFeeder
-
-LOG_MAGIC_META = {"app": "orch", "schema_version": str(ev.EVENT_SCHEMA_VERSION)}
+    from orchestrator.contracts import PreparedModel
 
 
 class RunDirError(ValueError):
@@ -53,11 +43,14 @@ MODEL_HASH_META = "model_sha256"
 
 
 def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
-    """The trainer's model dir (if it trains one), checked by the trainer and by the inference
-    backend that samples it, before anything runs (ConfigError: one line)."""
-    model = config.trainer.chosen().prepare_model(config, stored_hash)
+    """The pre-run steps, before anything runs (ConfigError: one line): each env's, then the
+    trainer's model dir (if it trains one), checked by the trainer and by the inference backend
+    that samples it."""
+    for env in config.env_components().values():
+        env.preflight()
+    model = config.trainer.chosen().prepare_model(config.model_request(), stored_hash)
     if model is not None:
-        config.inference_backend().check_model(config, model.path.resolve())
+        config.inference_backend().preflight(model.path.resolve(), config.trainer.publish_timeout_s)
     return model
 
 
@@ -153,16 +146,12 @@ def _check_no_batch_file_beyond(run_dir: Path, shipped: int) -> None:
 def _stored_config(db: Path) -> tuple[RunConfig, str | None]:
     """The config the run was created with and its model's hash, from the log's meta table."""
     try:
-        with EventLog.open_reader(db) as reader:
+        with open_orch_log(db) as reader:
             meta = reader.meta
-    except LogNotFoundError as err:
+    except (LogNotFoundError, OrchLogError) as err:
         raise RunDirError(str(err)) from None
-    if meta.get("app") != "orch" or "config" not in meta:
-        raise RunDirError(f"{db} is an event log, but not one written by `orch run`")
-    try:  # its events' format, before its config (which may not load for the same reason)
-        ev.check_schema_version(meta.get("schema_version", "(none)"))
-    except ValueError as err:
-        raise RunDirError(f"{db}: {err}") from None
+    if "config" not in meta:
+        raise RunDirError(f"{db} is an orch event log, but not one written by `orch run` (it holds no config)")
     try:
         stored_json = orjson.loads(meta["config"])
     except orjson.JSONDecodeError:
@@ -190,225 +179,3 @@ def _requested_config(
             "(only max_steps and operational fields may change)"
         )
     return requested
-
-
-@dataclass
-class RunParts:
-    """The components a run is made of, as its config names them (`orchestrator.components`)."""
-
-    trainer: Trainer
-    backend: InferenceBackend
-    algorithm: Algorithm
-    sinks: SinkFeeder | None  # the metric sinks the config turns on
-
-
-async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
-    """Build the run's components; `stack` closes them at the end, in the reverse order: the
-    trainer stops first (cleanly only after a completed run), then the sampler, then the envs,
-    then the metric sinks write what the log holds by then."""
-    config = run.config
-    sinks = build_feeder(config.metrics, run.run_dir, run.log)
-    if sinks is not None:
-        stack.push_async_callback(lambda: sinks.aclose(run.log.last_seq, warn))
-    # The state is the loop's own (evolve updates it in place): its version is the one the run holds.
-    ctx = BuildContext(config, run.run_dir, version_now=lambda: run.state.version, model=run.model)
-    envs = {}  # those with a task source of their own
-    for name, env in config.env_components().items():
-        opened = await stack.enter_async_context(env.open(ctx))
-        if opened is not None:
-            envs[name] = opened
-    backend = config.inference_backend().build(ctx, envs)
-    stack.push_async_callback(backend.aclose)
-    trainer = config.trainer.chosen().build(ctx)
-
-    async def stop_trainer() -> None:
-        clean = run.state.stop_reason == "completed"
-        await trainer.stop(config.trainer.exit_timeout_s if clean else 0.0)
-
-    stack.push_async_callback(stop_trainer)
-    return RunParts(trainer, backend, config.algorithm.chosen().build(ctx), sinks)
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop where it is installed (Linux, macOS): its task and callback machinery gives the
-    loop more episodes/s (measured by bench/test_core_bench.py); asyncio's own loop elsewhere."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-LEFTOVER_WAIT_S = 10.0  # at exit, the longest wait for tasks cancelled because they outlived the run
-
-
-def run_on_new_loop(coro):
-    """Run `coro` with `asyncio.Runner` on the event loop `orch run` uses (`new_event_loop`), with
-    a bounded close. The Runner's own close cancels the tasks still running when `coro` ends and
-    waits for them without a bound: a task that ignores its cancellation (a rollout swallowing
-    CancelledError) would hang the exit forever. So they are cancelled first here, waited for at
-    most LEFTOVER_WAIT_S, then named on stderr and abandoned with the loop; the wait for worker
-    threads is bounded the same way. Only a loop left with nothing running is closed by the Runner."""
-    runner = asyncio.Runner(loop_factory=new_event_loop)
-    try:
-        return runner.run(coro)
-    finally:
-        loop = runner.get_loop()
-        if runner.run(_close_leftovers(LEFTOVER_WAIT_S)):
-            runner.close()
-        else:
-            loop.close()
-
-
-async def _close_leftovers(timeout_s: float) -> bool:
-    """Cancel the tasks left running, wait for them and for the worker threads (each at most
-    `timeout_s`); True if nothing is left, else what is left was named in a warning."""
-    tasks_done = await _cancel_leftover_tasks(timeout_s)
-    loop = asyncio.get_running_loop()
-    await loop.shutdown_asyncgens()
-    return await _shutdown_default_executor(loop, timeout_s) and tasks_done
-
-
-async def _shutdown_default_executor(loop: asyncio.AbstractEventLoop, timeout_s: float) -> bool:
-    """Join the `to_thread` workers, waiting at most `timeout_s`. A thread cannot be cancelled:
-    one still busy is named in a warning, and Python joins it again at interpreter exit."""
-    try:
-        await asyncio.wait_for(loop.shutdown_default_executor(), timeout_s)
-    except TimeoutError:
-        warn(
-            f"a worker thread (log commit, file write) was still busy {timeout_s:g}s after the run ended; "
-            "the process exits once it returns"
-        )
-        return False
-    return True
-
-
-async def _cancel_leftover_tasks(timeout_s: float) -> bool:
-    leftovers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    for task in leftovers:
-        task.cancel()
-    if not leftovers:
-        return True
-    _, stuck = await asyncio.wait(leftovers, timeout=timeout_s)
-    loop = asyncio.get_running_loop()
-    for task in leftovers:  # an error on the way out is reported, as asyncio.run reports it
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            loop.call_exception_handler(
-                {"message": "unhandled exception during orch shutdown", "exception": task.exception(), "task": task}
-            )
-    if not stuck:
-        return True
-    names = sorted(task.get_name() for task in stuck)
-    _quiet_about_destroying(loop, frozenset(names))
-    warn(f"{len(stuck)} task(s) still running {timeout_s:g}s after cancellation at exit, abandoned: {', '.join(names)}")
-    return False
-
-
-def _quiet_about_destroying(loop: asyncio.AbstractEventLoop, abandoned: frozenset[str]) -> None:
-    """Named in a warning already: asyncio would report each again when it is destroyed pending
-    (with a traceback). By name, so the handler holds no reference that keeps them alive."""
-    report = loop.get_exception_handler()
-
-    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        task = context.get("task")
-        if (
-            task is not None
-            and task.get_name() in abandoned
-            and context.get("message", "").startswith("Task was destroyed but it is pending")
-        ):
-            return
-        if report is not None:
-            report(loop, context)
-        else:
-            loop.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def run_job(run: OpenedRun, progress: Progress | None) -> Orchestrator:
-    """Run `run` to its end on a new event loop (what `orch run` does).
-
-    A SIGINT/SIGTERM that arrives before the loop's own handlers are installed is kept and
-    handled as if it came just after, rather than falling to Python's or asyncio's default
-    handler (which abort at once)."""
-    early: list[str] = []
-    previous = {
-        sig: signal.signal(sig, lambda signum, frame: early.append(signal.Signals(signum).name))
-        for sig in _STOP_SIGNALS
-    }
-    try:
-        return run_on_new_loop(run_async(run, progress, early))
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-async def run_async(run: OpenedRun, progress: Progress | None, early_signals: Sequence[str] = ()) -> Orchestrator:
-    with tuned_gc():
-        return await _run_async(run, progress, early_signals)
-
-
-async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: Sequence[str]) -> Orchestrator:
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
-    interrupts = 0
-    orch: Orchestrator | None = None
-    warm_start: asyncio.Task | None = None
-
-    def on_signal(signame: str) -> None:
-        nonlocal interrupts
-        interrupts += 1
-        if interrupts == 1:
-            print(f"\norch: {signame}: draining and stopping (again to abort)", flush=True)
-            if orch is not None:  # else asked for as soon as it is built
-                orch.request_stop("interrupted")
-            if warm_start is not None:  # no use waiting for weights: the run stops at its first event
-                warm_start.cancel()
-        else:
-            main.cancel()
-
-    # Before the (slow: torch) build; the loop runs the handler at its next await, as it does
-    # the signals that came before the loop ran.
-    for sig in _STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig.name)
-    try:
-        for signame in early_signals:
-            on_signal(signame)
-        async with AsyncExitStack() as stack:
-            parts = await open_parts(run, stack)
-            orch = Orchestrator(
-                run.config,
-                run.run_dir,
-                run.log,
-                run.state,
-                backend=parts.backend,
-                algorithm=parts.algorithm,
-                trainer=parts.trainer,
-                progress=progress,
-                sinks=parts.sinks,
-            )
-            if interrupts:
-                orch.request_stop("interrupted")
-            if run.first_input.kind == "run_resumed":
-                orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
-            await parts.trainer.start()
-            if parts.backend.follows_weights and not interrupts:
-                # Version 0 is the trainer's warm start; the run resumes from the newest version.
-                warm_start = waiting = loop.create_task(
-                    parts.backend.load(run.state.version, health_check=parts.trainer.check)
-                )
-                try:
-                    await waiting
-                except asyncio.CancelledError:
-                    if main.cancelling() or not waiting.cancelled():
-                        raise
-                    # Cancelled by an interrupt: the stop it requested ends the run at its first event.
-                warm_start = None
-            await orch.run(run.first_input)
-            return orch
-    finally:
-        for sig in _STOP_SIGNALS:
-            loop.remove_signal_handler(sig)

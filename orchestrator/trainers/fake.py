@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from orchestrator.components import BuildContext, Publish, TrainerComponent
+from orchestrator.contracts import BuildContext, Publish, TrainerComponent
 from orchestrator.rundir import BatchFileError, batch_path, read_batch_file
 from orchestrator.trainers import TrainerFailed
 
@@ -25,15 +25,6 @@ class FakeTrainerConfig(TrainerComponent):
     writes_weights: ClassVar[bool] = False
     resumable: ClassVar[frozenset[str]] = frozenset({"step_time_s"})
     step_time_s: float = Field(0.0, ge=0, description="time per optimizer step")
-
-    def check(self, run) -> None:
-        hf = getattr(run.trainer, "hf", None)  # another trainer's options would be ignored: refuse them
-        loss_set = hf.loss.model_dump(exclude_defaults=True) if hf is not None else {}
-        if loss_set:
-            raise ValueError(
-                f"trainer.hf.loss.{next(iter(loss_set))} is an option of the hf trainer; "
-                "trainer.kind='fake' has no loss"
-            )
 
     def build(self, ctx: BuildContext) -> FakeTrainer:
         return FakeTrainer(ctx.run_dir, self.step_time_s)

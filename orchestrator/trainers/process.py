@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.components import Publish
+from orchestrator.contracts import Publish
 from orchestrator.notices import warn
 from orchestrator.rundir import latest_stable_version, read_metrics, trainer_log, weights_dir
 from orchestrator.trainers import TrainerFailed

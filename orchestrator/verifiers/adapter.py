@@ -32,7 +32,8 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-from orchestrator.inference.client import InferenceClient, InferenceRequestError, InferenceUnavailable
+from orchestrator.contracts import ModelCalls
+from orchestrator.inference.client import InferenceRequestError, InferenceUnavailable
 
 GENERATE_PATH = "/inference/v1/generate"
 MODELS_PATH = "/v1/models"
@@ -74,7 +75,7 @@ class Rollout:
 class GenerateRoute:
     """Routes the generate calls of every rollout of a run through `client`."""
 
-    def __init__(self, client: InferenceClient):
+    def __init__(self, client: ModelCalls):
         self.client = client
         self.id = f"orch-{next(_route_ids)}"
         self._sessions: dict[str, Rollout] = {}

@@ -1,7 +1,7 @@
-"""`env.verifiers`: a verifiers (v1) taskset as an orch env, and the checks made before a run.
+"""`env.verifiers`'s settings: a verifiers (v1) taskset, and the checks made of it before a run.
 
 Light (pydantic and the stdlib): verifiers is imported by the checks, when a run names this env,
-and by the factory (:mod:`orchestrator.verifiers.env`).
+and by the env (:mod:`orchestrator.verifiers.env`); the component is :mod:`.component`.
 """
 
 from __future__ import annotations
@@ -9,28 +9,17 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
 from pydantic import Field, field_validator
 
-from orchestrator.components import BuildContext, EnvComponent
-
-if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
-    from orchestrator.verifiers.env import VerifiersEnv
+from orchestrator.contracts import Section
 
 
-class VerifiersConfig(EnvComponent):
-    """A verifiers (v1) taskset, its model calls through inference.openai (vLLM with --enable-scale-out)."""
+class VerifiersSettings(Section):
+    """A verifiers (v1) taskset and how its agents run: the `env.verifiers` section's settings."""
 
-    gives_messages: ClassVar[bool] = True  # rendered client-side with the model's chat template
-
-    resumable: ClassVar[frozenset[str]] = frozenset(
-        {"path", "rollout_timeout_s", "setup_timeout_s", "scoring_timeout_s"}
-    )
     taskset: str | None = Field(
         None,
         description="taskset id: an importable module exporting one vf.Taskset (verifiers' own, an "
@@ -80,58 +69,10 @@ class VerifiersConfig(EnvComponent):
             **{seat: agent for seat in seats},
         }
 
-    def check(self, run: RunConfig) -> None:
-        """ValueError (one line) unless the taskset can run here: alone, sampled by the `openai`
-        backend, without evals; verifiers installed, the taskset module found, and its env with a
-        trainable agent (what orch trains on)."""
-        if set(run.envs) != {"verifiers"}:
-            raise ValueError("env 'verifiers' runs alone (its episodes come whole from verifiers)")
-        if run.inference_kind() != "openai":
-            raise ValueError(
-                "env 'verifiers' samples through inference.kind='openai' (vLLM started with --enable-scale-out), "
-                f"not {run.inference_kind()!r}"
-            )
-        if run.eval.envs:
-            raise ValueError("evals of env 'verifiers' are not supported yet: its tasksets have no held-out split")
-        if run.rollout.env_server is not None:
-            raise ValueError(
-                "rollout.env_server serves reverse_text; env 'verifiers' plays its taskset in this process"
-            )
-        if self.taskset is None:
-            raise ValueError("env 'verifiers' needs env.verifiers.taskset (an importable taskset module)")
-        if importlib.util.find_spec("verifiers") is None:
-            raise ValueError("env 'verifiers' needs the verifiers package: pip install 'orch[verifiers]'")
-        _check_env(self.model_dump_json())
 
-    @asynccontextmanager
-    async def open(self, ctx: BuildContext) -> AsyncIterator[VerifiersEnv]:
-        """The taskset's env with verifiers' serving resources (its interception server) up for
-        the run; at its end, the run's episode figures (`VerifiersEnv.report`)."""
-        from orchestrator.notices import report
-        from orchestrator.verifiers.env import VerifiersEnv  # verifiers: only now
-
-        config = ctx.config
-        if ctx.model is None:
-            raise ValueError("env 'verifiers' renders its prompts with the run's prepared model (the hf trainer's)")
-        model_dir = str(ctx.model.path.resolve())
-        env = VerifiersEnv(
-            self,
-            seed=config.seed,
-            temperature=config.rollout.temperature,
-            max_tokens=config.rollout.max_new_tokens,
-            model=config.inference.openai.model or model_dir,  # the name vLLM serves it under
-            renderer_model=model_dir,
-        )
-        try:
-            async with env.serving():
-                yield env
-        finally:
-            report(env.report())
-
-
-@functools.cache  # a config is validated several times (a resume: stored, then requested)
-def _check_env(section_json: str) -> None:
-    section = VerifiersConfig.model_validate_json(section_json)
+@functools.cache  # a taskset's env is loaded once per process
+def check_env(section_json: str) -> None:
+    section = VerifiersSettings.model_validate_json(section_json)
     add_path(section.path)
     taskset = section.taskset or ""
     module = taskset.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
@@ -155,7 +96,7 @@ def add_path(paths: list[str]) -> None:
             sys.path.insert(0, path)
 
 
-def load_env(section: VerifiersConfig):
+def load_env(section: VerifiersSettings):
     """The verifiers Env of `section` (ValueError, one line, if verifiers refuses it)."""
     import verifiers.v1 as vf
     from pydantic import ValidationError

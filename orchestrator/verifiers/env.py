@@ -22,15 +22,12 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from orchestrator.components import RolloutRequest
+from orchestrator.contracts import ModelCalls, RolloutRequest
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.verifiers import adapter
-from orchestrator.verifiers.config import VerifiersConfig, load_env
-
-if TYPE_CHECKING:
-    from orchestrator.inference.client import InferenceClient
+from orchestrator.verifiers.config import VerifiersSettings, load_env
 
 
 class VerifiersEpisodeError(RuntimeError):
@@ -77,7 +74,7 @@ class VerifiersEnv:
 
     def __init__(
         self,
-        section: VerifiersConfig,
+        section: VerifiersSettings,
         *,
         seed: int,
         temperature: float,
@@ -119,7 +116,7 @@ class VerifiersEnv:
                 self._tasks.append(next(self._stream))
         return self._tasks[index]
 
-    def _bind(self, client: InferenceClient) -> tuple[adapter.GenerateRoute, Any]:
+    def _bind(self, client: ModelCalls) -> tuple[adapter.GenerateRoute, Any]:
         """The route of the run's model calls through `client`, and the verifiers ModelContext on it."""
         if self.route is None:
             import verifiers.v1 as vf
@@ -134,7 +131,7 @@ class VerifiersEnv:
             raise RuntimeError("a verifiers env samples through one inference client per run")
         return self.route, self._context
 
-    async def episode(self, req: RolloutRequest, client: InferenceClient) -> EpisodeCompleted:
+    async def episode(self, req: RolloutRequest, client: ModelCalls) -> EpisodeCompleted:
         route, context = self._bind(client)
         loop = asyncio.get_running_loop()
         began = loop.time()

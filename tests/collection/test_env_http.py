@@ -15,9 +15,10 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator.collection.collect import run_examples
+from orchestrator.config import served_env
 from orchestrator.envs.client import EnvServerError, EnvServerTimeout, HttpEnvClient
 from orchestrator.envs.reverse_text import ReverseTextEnv
-from orchestrator.envs.server import ENV_FACTORIES, RunningServer, create_app, make_env, register_env, running_server
+from orchestrator.envs.server import RunningServer, create_app, running_server
 
 SEED = 7
 CANCEL_BOUND_S = 10.0  # a hang guard: an uncancelled handler sleeps 60 s and never counts as cancelled
@@ -25,7 +26,7 @@ CANCEL_BOUND_S = 10.0  # a hang guard: an uncancelled handler sleeps 60 s and ne
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    with running_server(create_app(make_env("reverse_text", SEED))) as srv:
+    with running_server(create_app(served_env("reverse_text", SEED))) as srv:
         yield srv
 
 
@@ -167,19 +168,21 @@ def test_rollout_stream_close_and_drain_over_http(arun, server):
     arun(main)
 
 
-def test_env_registry():
-    assert "reverse_text" in ENV_FACTORIES
-    with pytest.raises(ValueError, match="unknown env 'nope'"):
-        make_env("nope")
-    with pytest.raises(ValueError, match="already registered"):
-        register_env("reverse_text", lambda seed: ReverseTextEnv(seed=seed))
+def test_an_env_server_serves_the_envs_of_the_run_configs_registry():
+    assert served_env("reverse_text", 3, max_len=9).params == {"seed": 3, "min_len": 3, "max_len": 9}
+    with pytest.raises(ValueError, match="unknown env 'nope'; known: fake, reverse_text, verifiers"):
+        served_env("nope")
+    with pytest.raises(ValueError, match="^env 'fake' cannot be served by an env server; these can: reverse_text$"):
+        served_env("fake")
+    with pytest.raises(ValueError, match="^max_len: Input should be greater than or equal to 1$"):
+        served_env("reverse_text", max_len=0)
 
 
 def test_cli_serves_over_http_in_a_subprocess(arun):
-    """`python -m orchestrator.envs.server` (the command behind `orch env-server`)."""
+    """`python -m orchestrator.envs.cli` (the command behind `orch env-server`)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.envs.server", "--port", "0", "--seed", "3", "--log-level", "warning"],
+        [sys.executable, "-m", "orchestrator.envs.cli", "--port", "0", "--seed", "3", "--log-level", "warning"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -215,7 +218,7 @@ def test_cli_serves_over_http_in_a_subprocess(arun):
             proc.stdout.close()
 
 
-@pytest.mark.parametrize("command", [["orchestrator.envs.server"], ["orchestrator.cli", "serve"]])
+@pytest.mark.parametrize("command", [["orchestrator.envs.cli"], ["orchestrator.cli", "serve"]])
 def test_a_port_in_use_is_one_line_and_exit_1(command):
     """uvicorn would call sys.exit inside its serve task: two tracebacks and an unretrieved task."""
     with socket.socket() as taken:

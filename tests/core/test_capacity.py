@@ -13,6 +13,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.decide import capacity_has_room, dispatch_gate
 from orchestrator.sim import SimOptions, TimedSimWorld
 from tests.core.encoded import fold_encoded
+from tests.support.params import trainer_bound_params
 
 VARIED = [0.0, 0.25, 0.5, 1.0]  # rewards with spread: admitted, no zero advantage
 
@@ -145,16 +146,13 @@ def test_stale_fraction_stays_small_in_a_steady_trainer_bound_run(
     capacity overshoots by less than a group)."""
     batch_size = group_size * groups_per_batch
     max_off = target_lag + max_off_beyond_lag
-    params = ev.CoreParams(
-        seed=seed,
-        env_ratios={"a": 1.0},
+    params = trainer_bound_params(
+        seed,
         group_size=group_size,
         batch_size=batch_size,
         max_inflight=slack * batch_size,
         max_off_policy_steps=max_off,
         target_lag=target_lag,
-        max_steps=25,
-        zero_output_batches=1000,
         capacity="staleness",
     )
     options = SimOptions(error_rate=error_rate, empty_rate=0.0, reward_levels=20)
@@ -168,17 +166,7 @@ def test_stale_fraction_stays_small_in_a_steady_trainer_bound_run(
 @pytest.mark.parametrize("seed", range(3))
 def test_off_the_same_run_drops_most_of_what_it_generates(seed):
     """The property above is not vacuous: the same world without the rule burns its slack."""
-    params = ev.CoreParams(
-        seed=seed,
-        env_ratios={"a": 1.0},
-        group_size=8,
-        batch_size=64,
-        max_inflight=512,
-        max_off_policy_steps=2,
-        target_lag=1,
-        max_steps=25,
-        zero_output_batches=1000,
-    )
+    params = trainer_bound_params(seed)
     options = SimOptions(error_rate=0.0, empty_rate=0.0, reward_levels=20)
     world = TimedSimWorld(params, seed=seed, options=options, latency=(1, 9), train_ticks=5)
     world.run()

@@ -17,27 +17,8 @@ from orchestrator.core.state import (
     state_hash,
 )
 from orchestrator.sim import SimOptions, SimWorld
-from tests.core.conftest import Driver
 from tests.core.encoded import fold_encoded
-
-
-def eval_params(**kw) -> ev.EvalParams:
-    base = {"envs": ["a"], "every": 2, "num_tasks": 3, "samples_per_task": 2, "max_inflight": 4}
-    return ev.EvalParams(**{**base, **kw})
-
-
-def sim_params(seed: int = 0, **kw) -> ev.CoreParams:
-    base = {
-        "seed": seed,
-        "env_ratios": {"a": 1.0, "b": 1.0},
-        "group_size": 4,
-        "batch_size": 8,
-        "max_inflight": 16,
-        "max_steps": 6,
-        "zero_output_batches": 1000,
-        "eval": eval_params(),
-    }
-    return ev.CoreParams(**{**base, **kw})
+from tests.support.params import Driver, eval_params, eval_sim_params
 
 
 def of(log, kind: str) -> list:
@@ -65,7 +46,7 @@ def complete_eval_episode(
 
 
 def test_evals_run_at_version_0_every_n_versions_and_at_the_end():
-    world = SimWorld(sim_params(max_steps=7, eval=eval_params(every=3)), seed=1)
+    world = SimWorld(eval_sim_params(max_steps=7, eval=eval_params(every=3)), seed=1)
     world.run()
     s = world.state
     assert s.stop_reason == "completed"
@@ -122,7 +103,7 @@ def test_seed_000_the_finalizing_cap_closes_the_train_gate_while_evals_keep_flow
 
 
 def test_eval_traffic_is_never_counted_in_the_train_accounting():
-    with_evals = SimWorld(sim_params(3), seed=3)
+    with_evals = SimWorld(eval_sim_params(3), seed=3)
     with_evals.run()
     acct = with_evals.state.acct
     train_dispatches = of(with_evals.log, "episode_dispatched")
@@ -238,7 +219,7 @@ def test_a_stop_cancels_eval_episodes_and_a_resume_finishes_the_same_eval():
 
 @pytest.mark.parametrize("through_snapshot", [False, True])
 def test_a_crash_loses_in_flight_eval_episodes_and_resume_re_runs_them(through_snapshot):
-    world = SimWorld(sim_params(5), seed=5)
+    world = SimWorld(eval_sim_params(5), seed=5)
     world.start()
     while not (world.state.evals.inflight and world.state.evals.last_version > 0):  # mid-way through an eval
         assert world.advance()
@@ -263,7 +244,7 @@ def test_the_same_inputs_give_the_same_eval_events(seed):
     options = SimOptions(settle="random", eval_off_version_rate=0.1)
     runs = []
     for _ in range(2):
-        world = SimWorld(sim_params(seed, finalize_in_background=True), seed=seed, options=options)
+        world = SimWorld(eval_sim_params(seed, finalize_in_background=True), seed=seed, options=options)
         world.run()
         runs.append(world)
     a, b = ([ev.encode_event(e) for e in w.log] for w in runs)
@@ -272,7 +253,7 @@ def test_the_same_inputs_give_the_same_eval_events(seed):
 
 
 def test_evals_off_decide_nothing_about_evals():
-    world = SimWorld(sim_params(2, eval=None), seed=2)
+    world = SimWorld(eval_sim_params(2, eval=None), seed=2)
     world.run()
     assert not [e for e in world.log if e.kind.startswith("eval_")]
     # `run_started` is the bytes it was before evals existed: no `eval` key (the same-events digests).
@@ -291,7 +272,7 @@ def test_evals_off_decide_nothing_about_evals():
     background=st.booleans(),
 )
 def test_eval_tasks_never_appear_in_train_groups(seed, group_size, every, num_tasks, max_steps, ratio, background):
-    params = sim_params(
+    params = eval_sim_params(
         seed,
         group_size=group_size,
         max_steps=max_steps,

@@ -18,6 +18,7 @@ from orchestrator.core.evolve import fold
 from orchestrator.core.state import State, conservation, state_bytes, state_from_bytes, state_hash
 from orchestrator.sim import SimOptions, SimWorld
 from tests.core.encoded import fold_encoded
+from tests.support.params import sim_params
 
 
 def fold_rows_of(log) -> State:
@@ -202,21 +203,6 @@ TestCoreMachine.settings = settings(
 )
 
 
-def _params(seed: int, **kw) -> ev.CoreParams:
-    base = dict(
-        seed=seed,
-        env_ratios={"a": 1.0, "b": 1.5},
-        group_size=4,
-        batch_size=16,
-        max_inflight=24,
-        max_steps=12,
-        max_off_policy_steps=2,
-        zero_output_batches=1000,
-    )
-    base.update(kw)
-    return ev.CoreParams(**base)
-
-
 def _canonical(log) -> bytes:
     return b"\n".join(
         kind.encode() + b" " + data + b" " + (payload or b"") for kind, data, payload in map(ev.encode_event, log)
@@ -225,8 +211,8 @@ def _canonical(log) -> bytes:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_identical_inputs_give_byte_identical_events(seed):
-    a = SimWorld(_params(seed), seed=seed)
-    b = SimWorld(_params(seed), seed=seed)
+    a = SimWorld(sim_params(seed, max_steps=12), seed=seed)
+    b = SimWorld(sim_params(seed, max_steps=12), seed=seed)
     a.run()
     b.run()
     assert a.state.stop_reason == "completed"
@@ -237,7 +223,7 @@ def test_identical_inputs_give_byte_identical_events(seed):
 def test_a_state_restored_from_its_snapshot_decides_like_the_live_one(seed):
     """The snapshot's keys are sorted; the order of env_ratios, which the env choice walks, must
     survive it (it did not: a resume from a snapshot chose other envs)."""
-    world = SimWorld(_params(seed, env_ratios={"b": 1.0, "a": 1.0, "c": 2.0}), seed=seed)
+    world = SimWorld(sim_params(seed, max_steps=12, env_ratios={"b": 1.0, "a": 1.0, "c": 2.0}), seed=seed)
     world.start()
     restored = state_from_bytes(state_bytes(world.state))
     assert list(restored.params.env_ratios) == ["b", "a", "c"]
@@ -263,8 +249,9 @@ def test_dispatch_gate_is_current_after_every_input(target_lag, background, capa
     state machine above checks it too, on fewer, shorter runs)."""
     for seed in range(3):
         world = SimWorld(
-            _params(
+            sim_params(
                 seed,
+                max_steps=12,
                 target_lag=target_lag,
                 finalize_in_background=background,
                 max_finalizing_groups=2,
@@ -288,8 +275,8 @@ def test_dispatch_gate_is_current_after_every_input(target_lag, background, capa
 
 @pytest.mark.parametrize("seed", range(12))
 def test_not_opted_in_and_opted_in_with_immediate_settle_ship_identical_batches(seed):
-    inline = SimWorld(_params(seed), seed=seed)
-    background = SimWorld(_params(seed, finalize_in_background=True), seed=seed)
+    inline = SimWorld(sim_params(seed, max_steps=12), seed=seed)
+    background = SimWorld(sim_params(seed, max_steps=12, finalize_in_background=True), seed=seed)
     inline.run()
     background.run()
     batches = [[e for e in w.log if e.kind == "batch_shipped"] for w in (inline, background)]
@@ -301,7 +288,7 @@ def test_not_opted_in_and_opted_in_with_immediate_settle_ship_identical_batches(
 @pytest.mark.parametrize("seed", range(6))
 def test_random_settle_order_keeps_totals_and_meets_stale_cancels(seed):
     opts = SimOptions(settle="random", deliver_weight=0.05)
-    params = _params(seed, finalize_in_background=True, max_off_policy_steps=0, target_lag=2)
+    params = sim_params(seed, max_steps=12, finalize_in_background=True, max_off_policy_steps=0, target_lag=2)
     world = SimWorld(params, seed=seed, options=opts)
     world.run()
     assert world.state.stop_reason == "completed"
@@ -310,7 +297,9 @@ def test_random_settle_order_keeps_totals_and_meets_stale_cancels(seed):
 
 
 def test_unvalidated_decoding_round_trips_every_kind_exactly():
-    world = SimWorld(_params(3, finalize_in_background=True), seed=3, options=SimOptions(settle="random"))
+    world = SimWorld(
+        sim_params(3, max_steps=12, finalize_in_background=True), seed=3, options=SimOptions(settle="random")
+    )
     world.run()
     kinds = set()
     for event in world.log:

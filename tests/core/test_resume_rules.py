@@ -1,8 +1,8 @@
-"""Rule 11 (resume) in the pure core: fold the log, then `run_resumed` (seed 001 in our terms).
+"""Rule 10 (resume, docs/rules.md) in the pure core: fold the log, then `run_resumed`.
 
 The queue is swept at every step advance, so on resume it is already fresh; what can age out
 while a run is down are the finished members of open groups (never swept live), which is where
-seed 001's resume-time staleness drop bites here."""
+the resume-time staleness drop (docs/rules.md, 5. Staleness) bites here."""
 
 from __future__ import annotations
 

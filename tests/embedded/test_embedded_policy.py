@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from orchestrator import rundir as files
-from orchestrator.embedded.policy import (
+from orchestrator.serve.policy import (
     EmbeddedSampler,
     PolicyConfig,
     batch_sequence_logprobs,
@@ -14,7 +14,7 @@ from orchestrator.embedded.policy import (
     save_weights,
     sequence_logprobs,
 )
-from orchestrator.embedded.tokenizer import EOS
+from orchestrator.serve.tokenizer import EOS
 
 TINY_POLICY = PolicyConfig(d_model=16, layers=1, heads=2, d_ff=16)
 
@@ -149,7 +149,7 @@ def test_sampler_is_safe_to_use_while_reloading(tmp_path):
 
 
 def test_batched_groups_match_single_group_sampling():
-    from orchestrator.embedded.policy import sample_groups
+    from orchestrator.serve.policy import sample_groups
 
     model = build_policy(PolicyConfig(d_model=32, heads=4), seed=2)
     prompts = ["abc", "hgfedc", "bad", "aaaa", "hh"]

@@ -1,7 +1,7 @@
 import pytest
 
-from orchestrator.embedded import tokenizer as tok
 from orchestrator.envs.reverse_text import ALPHABET, CLOSE_TAG, OPEN_TAG
+from orchestrator.serve import tokenizer as tok
 
 
 def test_roundtrip_and_rendering():

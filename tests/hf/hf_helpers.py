@@ -11,10 +11,10 @@ import torch
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 torch.set_num_threads(1)
 
-from orchestrator.hf.config import LoraSection  # noqa: E402
+from orchestrator.hf.config import LoraSection, TrainerConfig  # noqa: E402
 from orchestrator.hf.loss import token_logprobs  # noqa: E402
 from orchestrator.hf.tiny_model import answer_ids, build_untrained, render_prompt  # noqa: E402
-from orchestrator.hf.trainer import Trainer, TrainerConfig  # noqa: E402
+from orchestrator.hf.trainer import Trainer  # noqa: E402
 
 TEXTS = ["abc", "hgfe", "bbad", "cadhe"]
 VARIANTS = {"full": LoraSection(), "lora": LoraSection(rank=4, alpha=8.0)}

@@ -5,13 +5,13 @@ asserting it would only measure how busy the machine is)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import orjson
 import pytest
+
+from tests.support.cli import orch
 
 pytestmark = pytest.mark.slow
 
@@ -20,21 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_default_run_gains_the_target_reward(tmp_path, capsys):
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "run",
-            "--runs-dir",
-            str(tmp_path),
-            "--json-summary",
-            str(tmp_path / "summary.json"),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=1200,
+    result = orch(
+        "run", "--runs-dir", str(tmp_path), "--json-summary", str(tmp_path / "summary.json"), cwd=tmp_path, timeout=1200
     )
     wall = time.monotonic() - started
     assert result.returncode == 0, result.stderr[-3000:]

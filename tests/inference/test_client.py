@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from orchestrator.embedded.tokenizer import encode_prompt
 from orchestrator.inference.client import (
     InferenceClient,
     InferenceError,
     InferenceRequestError,
     InferenceUnavailable,
 )
+from orchestrator.serve.tokenizer import encode_prompt
 from tests.inference.util import SlowPolicyServer, publish, run, serving
 
 PROMPT = encode_prompt("abcd")
@@ -209,79 +209,6 @@ def test_load_is_confirmed_by_every_endpoint_and_fails_only_if_none_confirms(wdi
 
         run(main())
         assert a.policy.sampler.version == b.policy.sampler.version == 1
-
-
-def vllm_like_app(loaded: list):
-    """A stand-in that speaks vLLM's dialect: LoRA adapters loaded and unloaded at runtime (listed
-    by /v1/models), ids only as ``token_id:N`` strings in ``logprobs.tokens``, no
-    ``policy_version``. (The real server: test_vllm_lora.py; this one answers in milliseconds.)"""
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
-
-    async def load_lora(request):
-        name = (await request.json())["lora_name"]
-        if name not in loaded:
-            loaded.append(name)
-        return Response(f"Success: LoRA adapter '{name}' added successfully.")
-
-    async def unload_lora(request):
-        name = (await request.json())["lora_name"]
-        if name not in loaded:
-            return JSONResponse(
-                {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}, status_code=404
-            )
-        loaded.remove(name)
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
-
-    async def models(request):
-        return JSONResponse({"data": [{"id": "base", "parent": None}] + [{"id": n, "parent": "base"} for n in loaded]})
-
-    async def completions(request):
-        body = await request.json()
-        if body.get("model") not in loaded:
-            return JSONResponse(
-                {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}, status_code=404
-            )
-        v = int(body["model"].split("_")[1])
-        return JSONResponse(
-            {
-                "object": "text_completion",
-                "model": body["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "ba",
-                        "finish_reason": "stop",
-                        "logprobs": {
-                            "tokens": [f"token_id:{t}" for t in (9, 8, 2)],
-                            "token_logprobs": [-0.1 * v, -0.2, -0.3],
-                        },
-                    }
-                ],
-            }
-        )
-
-    return Starlette(
-        routes=[
-            Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
-            Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
-            Route("/v1/models", models),
-            Route("/v1/completions", completions, methods=["POST"]),
-        ]
-    )
-
-
-def adapter_dirs(root, versions) -> list[str]:
-    """Dirs with the files the client checks before it asks for an adapter load."""
-    dirs = []
-    for v in versions:
-        wdir = root / f"step_{v}"
-        wdir.mkdir(parents=True)
-        (wdir / "adapter_config.json").write_text("{}")
-        (wdir / "adapter_model.safetensors").write_bytes(b"")
-        dirs.append(str(wdir))
-    return dirs
 
 
 def test_weight_sync_none_reports_the_version_it_was_told(wdirs):

@@ -8,13 +8,14 @@ import sys
 import pytest
 
 from orchestrator.config import ConfigError, load_config, meaning_changes
-from orchestrator.hf.component import write_trainer_json
+from orchestrator.contracts import PreparedModel
 from orchestrator.hf.distributed import torchrun_command
-from orchestrator.hf.model import PreparedModel
+from orchestrator.hf.factory import write_trainer_json
 from orchestrator.inference.endpoints_backend import EndpointsBackend
 from orchestrator.trainers.process import ProcessTrainer
 from orchestrator.trainers.torchrun import TorchrunTrainer
-from tests.shell.test_components import parts_of
+from tests.support.parts import parts_of
+from tests.support.runs import fake_run_args
 
 
 def test_defaults_keep_the_embedded_single_process_job():
@@ -124,17 +125,7 @@ def test_cli_inference_shorthand(tmp_path):
     # A bad URL list still parses into the config; the fake env refuses it with one line.
     result = CliRunner().invoke(
         main,
-        [
-            "run",
-            "--env",
-            "fake",
-            "--trainer",
-            "fake",
-            "--runs-dir",
-            str(tmp_path),
-            "--inference",
-            "http://a:1, http://b:2",
-        ],
+        fake_run_args(tmp_path, None, "--inference", "http://a:1, http://b:2"),
     )
     assert (
         result.exit_code == 2 and "inference endpoints sample the model, not the fake env's episodes" in result.output
@@ -148,5 +139,6 @@ def test_the_trainer_keeps_every_version_a_resume_may_reload(tmp_path, target_la
     from orchestrator.hf.trainer import read_trainer_config  # imports torch
 
     config = load_config(overrides=[f"off_policy.target_lag={target_lag}"])
-    write_trainer_json(config, tmp_path, PreparedModel(tmp_path / "model", ""))
+    ctx = config.build_context(tmp_path, version_now=lambda: 0)
+    write_trainer_json(config.trainer.hf, ctx, PreparedModel(tmp_path / "model", ""))
     assert read_trainer_config(tmp_path).keep_weights == kept

@@ -8,15 +8,14 @@ import re
 
 import pytest
 
-from orchestrator.components import RolloutRequest
-from orchestrator.embedded.policy import load_policy, sequence_logprobs
-from orchestrator.embedded.tokenizer import decode, encode_prompt
-from orchestrator.envs.base import InProcessEnv
+from orchestrator.contracts import InProcessEnv, RolloutRequest
 from orchestrator.envs.client import HttpEnvClient
 from orchestrator.envs.reverse_text import ReverseTextEnv
 from orchestrator.envs.server import create_app, running_server
 from orchestrator.inference.client import InferenceClient
 from orchestrator.inference.endpoints_backend import EndpointsBackend
+from orchestrator.serve.policy import load_policy, sequence_logprobs
+from orchestrator.serve.tokenizer import decode, encode_prompt, task_prompt_ids
 from tests.inference.util import publish, run, serving
 
 
@@ -46,6 +45,7 @@ def test_episodes_carry_the_endpoints_tokens_logprobs_and_version(tmp_path, wher
                 max_new_tokens=20,
                 seed=5,
                 load_timeout_s=5,
+                encode_prompt=task_prompt_ids,
             )
             try:
                 await backend.load(0, health_check=lambda: checks.append(1))
@@ -112,6 +112,7 @@ def test_a_load_every_endpoint_refuses_for_good_fails_at_once(tmp_path, status, 
                 max_new_tokens=4,
                 seed=0,
                 load_timeout_s=3 if not fails_at_once else 60,
+                encode_prompt=task_prompt_ids,
             )
             try:
                 with pytest.raises(InferenceError, match=f"HTTP {status}.*not a published weights directory") as err:

@@ -7,8 +7,8 @@ import concurrent.futures
 import httpx
 import pytest
 
-from orchestrator.embedded.policy import load_policy, sequence_logprobs
-from orchestrator.embedded.tokenizer import EOS, decode, encode_prompt
+from orchestrator.serve.policy import load_policy, sequence_logprobs
+from orchestrator.serve.tokenizer import EOS, decode, encode_prompt
 from tests.inference.util import publish, serving
 
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.config import ConfigError, load_config
 from orchestrator.envs.server import running_server
-from orchestrator.inference.endpoints_backend import check_inference
-from tests.inference.test_vllm_protocol import replaying_vllm
-from tests.inference.util import REPO
+from tests.inference.util import REPO, replaying_vllm
 from tests.inference.vllm_util import needs_vllm
+from tests.support.cli import orch
+from tests.support.runs import sets
 
 
 def model_dir(path: Path, head_dim: int = 32, chat_template: bool = True) -> Path:
@@ -36,22 +35,9 @@ def model_dir(path: Path, head_dim: int = 32, chat_template: bool = True) -> Pat
     return path
 
 
-def orch_run(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "run",
-        "--runs-dir",
-        str(tmp_path / "runs"),
-        "--name",
-        "r",
-        "--max-steps",
-        "2",
-    ]
-    for s in sets:
-        cmd += ["--set", s]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+def orch_run(tmp_path: Path, *assignments: str) -> subprocess.CompletedProcess:
+    args = ["run", "--runs-dir", str(tmp_path / "runs"), "--name", "r", "--max-steps", "2", *sets(*assignments)]
+    return orch(*args, cwd=REPO, timeout=120, check=False)
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, tmp_path: Path, *words: str) -> None:
@@ -107,7 +93,7 @@ def test_vllm_not_installed_when_asked_to_launch_it(tmp_path, monkeypatch):
         ],
     )
     with pytest.raises(ConfigError, match="vLLM is not installed in .*make vllm"):
-        check_inference(config, config.model.path)
+        config.inference.openai.preflight(config.model.path, config.trainer.publish_timeout_s)
 
 
 @needs_vllm
@@ -118,18 +104,16 @@ def test_a_head_dim_the_cpu_backend_does_not_support(tmp_path):
     )
     assert_one_line_error(done, tmp_path, "attention heads of size 48", "CPU backend does not support")
     # On GPUs the CPU backend's limits do not apply: no error from this check.
-    check_inference(
-        load_config(
-            None,
-            [
-                f"model.path={model}",
-                "inference.openai.weight_sync=vllm_lora",
-                "inference.openai.launch.servers=1",
-                'inference.openai.launch.gpus=["0"]',
-            ],
-        ),
-        model,
+    on_gpus = load_config(
+        None,
+        [
+            f"model.path={model}",
+            "inference.openai.weight_sync=vllm_lora",
+            "inference.openai.launch.servers=1",
+            'inference.openai.launch.gpus=["0"]',
+        ],
     )
+    on_gpus.inference.openai.preflight(model, on_gpus.trainer.publish_timeout_s)
 
 
 @needs_vllm

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from tests.inference.test_vllm_run import events, orch_run_cmd, shipped
 from tests.inference.util import REPO
-from tests.inference.vllm_util import launched, needs_vllm, tiny_model
-from tests.shell.test_e2e_fake import assert_log_invariants
+from tests.inference.vllm_util import RUN, launched, needs_vllm, tiny_model
+from tests.support.cli import orch_argv
+from tests.support.logs import assert_log_invariants, events, shipped_batches
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 STEPS = 5
@@ -29,7 +29,8 @@ def servers(tmp_path_factory):
 
 def start_run(runs, name: str, urls: list[str], *sets: str) -> subprocess.Popen:
     return subprocess.Popen(
-        orch_run_cmd(
+        orch_argv(
+            *RUN,
             "--runs-dir",
             str(runs),
             "--name",
@@ -61,9 +62,9 @@ def start_run(runs, name: str, urls: list[str], *sets: str) -> subprocess.Popen:
     )
 
 
-def kill_when_shipped(run: subprocess.Popen, db, steps: int, server) -> tuple[str, str]:
+def kill_when_shipped(run: subprocess.Popen, run_dir, steps: int, server) -> tuple[str, str]:
     deadline = time.monotonic() + 600
-    while shipped(db) < steps:
+    while shipped_batches(run_dir) < steps:
         assert run.poll() is None, run.communicate()
         assert time.monotonic() < deadline, f"the run did not reach step {steps}"
         time.sleep(0.1)
@@ -79,7 +80,7 @@ def kill_when_shipped(run: subprocess.Popen, db, steps: int, server) -> tuple[st
 def test_with_two_endpoints_the_run_goes_on_on_the_other(servers, tmp_path):
     dead, alive = servers.servers
     run = start_run(tmp_path, "two", servers.urls)
-    out, err = kill_when_shipped(run, tmp_path / "two" / "events.db", 2, dead)
+    out, err = kill_when_shipped(run, tmp_path / "two", 2, dead)
     assert run.returncode == 0, err[-3000:]
     assert f"inference endpoint {dead.url} marked down" in err
     (report,) = [line for line in err.splitlines() if line.startswith("orch: inference: ")]
@@ -91,7 +92,7 @@ def test_with_one_endpoint_the_run_ends_in_one_line_naming_it_and_resumes_later(
     (_, only) = servers.servers
     # A request waits for a down endpoint as long as it may take (request_timeout_s), then fails.
     run = start_run(tmp_path, "one", [only.url], "--set", "inference.openai.request_timeout_s=10")
-    out, err = kill_when_shipped(run, tmp_path / "one" / "events.db", 1, only)
+    out, err = kill_when_shipped(run, tmp_path / "one", 1, only)
     assert run.returncode != 0
     errors = [line for line in err.splitlines() if line.startswith("orch: error: ")]
     assert len(errors) == 1 and only.url in errors[0], err[-3000:]
@@ -102,7 +103,7 @@ def test_with_one_endpoint_the_run_ends_in_one_line_naming_it_and_resumes_later(
     # the resumed run brings it to the run's version and completes, nothing shipped twice.
     with launched(tiny_model(), tmp_path / "restarted", "vllm_reload", ports=[only.port]):
         resumed = subprocess.run(
-            orch_run_cmd("--resume", str(tmp_path / "one")), capture_output=True, text=True, cwd=REPO, timeout=600
+            orch_argv(*RUN, "--resume", str(tmp_path / "one")), capture_output=True, text=True, cwd=REPO, timeout=600
         )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_log_invariants(tmp_path / "one", STEPS, max_off_policy=2, target_lag=1)

@@ -10,13 +10,13 @@ import httpx
 import pytest
 
 from orchestrator.inference.client import InferenceClient
-from tests.inference.test_vllm_reload import prompts
 from tests.inference.vllm_util import (
     groups_alive,
     launched,
     load_model,
     load_version,
     needs_vllm,
+    prompts,
     publish_lora,
     recompute_logprobs,
 )

@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
-from tests.inference.test_vllm_run import check_completion_versions, orch_run_cmd
 from tests.inference.util import REPO
-from tests.inference.vllm_util import LORA_RANK, needs_vllm, tiny_model
-from tests.shell.test_e2e_fake import assert_log_invariants
+from tests.inference.vllm_util import LORA_RANK, RUN, check_completion_versions, needs_vllm, tiny_model
+from tests.support.cli import orch_argv
+from tests.support.logs import assert_log_invariants
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 STEPS = 6
@@ -21,7 +21,8 @@ MAX_LORAS = 2
 
 def test_a_lora_run_samples_each_version_from_its_adapter_and_keeps_at_most_max_loras(tmp_path):
     done = subprocess.run(
-        orch_run_cmd(
+        orch_argv(
+            *RUN,
             "--config",
             str(REPO / "examples" / "reverse_text_hf.toml"),
             "--runs-dir",

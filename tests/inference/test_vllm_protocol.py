@@ -4,25 +4,15 @@ weight-sync sequences run in the fast suite too (the slow tests run them against
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from orchestrator.envs.server import running_server
 from orchestrator.inference.client import InferenceClient, InferenceRequestError
 from orchestrator.inference.protocol import parse_completion
-from tests.inference.util import run
-
-DATA = Path(__file__).parent / "data"
-
-
-def recorded(name: str) -> dict:
-    return json.loads((DATA / f"vllm-0.32-{name}.json").read_text())
+from orchestrator.inference.weight_sync.vllm_check import check_vllm_endpoints
+from tests.inference.util import recorded, replaying_vllm, run
 
 
 def test_a_recorded_completion_parses_to_its_token_ids_logprobs_and_prompt():
@@ -37,36 +27,6 @@ def test_a_recorded_completion_parses_to_its_token_ids_logprobs_and_prompt():
         assert choice.text.startswith("<reversed_text>")  # special tokens are not in the text
     # logprobs: 1 lists the top token beside the sampled one where they differ; the parse ignores it.
     assert any(len(top) == 2 for top in rec["response"]["choices"][0]["logprobs"]["top_logprobs"])
-
-
-def replaying_vllm(calls: list[str], dev_mode: bool = True) -> Starlette:
-    """Answers each route with what vLLM answered it (recorded); without ``dev_mode`` (vLLM
-    started without VLLM_SERVER_DEV_MODE=1) the weight-reload routes are missing."""
-    reload_seq = recorded("reload_sequence")
-
-    def replay(step: dict) -> Response:
-        return Response(step["text"], status_code=step["status"], media_type="application/json")
-
-    async def handle(request: Request) -> Response:
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        calls.append(path)
-        body = await request.json() if request.method == "POST" and await request.body() else None
-        if path == "/v1/completions":
-            rec = recorded("completion_lora" if str(body.get("model")).startswith("step_") else "completion")
-            assert set(body) <= set(rec["request"]) | {"model"}, body  # nothing vLLM was not sent
-            return JSONResponse(rec["response"])
-        if path == "/v1/load_lora_adapter":
-            return Response(recorded("lora_load_ok")["text"])
-        if path == "/v1/unload_lora_adapter":
-            return Response(recorded("lora_unload_ok")["text"])
-        if path == "/v1/models":
-            return JSONResponse(recorded("models_with_adapters")["response"])
-        for step in reload_seq.values():
-            if step["request"]["path"] == path and dev_mode:
-                return replay(step)
-        return JSONResponse({"detail": "Not Found"}, status_code=404)
-
-    return Starlette(routes=[Route("/{path:path}", handle, methods=["GET", "POST"])])
 
 
 def hf_dir(path: Path, marker: str) -> str:
@@ -128,7 +88,7 @@ def test_an_endpoint_serving_another_model_or_lacking_the_routes_is_named(tmp_pa
 
         async def check(model_dir, weight_sync, model=None):
             async with InferenceClient([vllm.base_url], weight_sync=weight_sync, model=model) as client:
-                await client.check_vllm_endpoints(Path(model_dir))
+                await check_vllm_endpoints(client, Path(model_dir))
 
         with pytest.raises(InferenceRequestError, match=f"{vllm.base_url} serves /models/tiny, not this run's model"):
             run(check(tmp_path, "vllm_reload"))

@@ -5,7 +5,6 @@ recompute of the version it reports."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
@@ -16,6 +15,7 @@ from tests.inference.vllm_util import (
     launched,
     load_model,
     needs_vllm,
+    prompts,
     publish_full,
     recompute_logprobs,
 )
@@ -42,14 +42,6 @@ def tokenizer(base):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(base)
-
-
-def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
-    from orchestrator.envs.reverse_text import ALPHABET
-    from orchestrator.hf.tiny_model import render_prompt
-
-    rng = random.Random(seed)
-    return [render_prompt(tokenizer, "".join(rng.choice(ALPHABET) for _ in range(rng.randint(3, 6)))) for _ in range(n)]
 
 
 def test_every_completion_comes_from_the_version_it_reports_while_versions_change(server, versions, tokenizer):

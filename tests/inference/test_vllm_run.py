@@ -8,44 +8,26 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from eventlog import EventLog
-from orchestrator.core.events import decode_event
 from tests.inference.util import REPO
 from tests.inference.vllm_util import (
-    load_version,
+    RUN,
+    check_completion_versions,
     needs_vllm,
-    recompute_logprobs,
     tiny_model,
 )
-from tests.shell.test_e2e_fake import assert_log_invariants
+from tests.support.cli import orch_argv
+from tests.support.logs import assert_log_invariants, events, shipped_batches
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 STEPS = 30
 KILL_AT = 6
 LEARNING_WINDOW = 5  # batches averaged at the start and at the end
-
-
-def orch_run_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", "run", "--progress-every", "1", *args]
-
-
-def shipped(db_path: Path) -> int:
-    try:
-        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=1)
-        try:
-            return db.execute("SELECT count(*) FROM events WHERE kind = 'batch_shipped'").fetchone()[0]
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return 0
 
 
 def server_groups(orch_pid: int) -> list[int]:
@@ -89,7 +71,7 @@ def run(tmp_path_factory):
         f"trainer.hf.keep_weights={STEPS + 1}",
     ]
     first = subprocess.Popen(
-        orch_run_cmd("--runs-dir", str(runs), "--name", "r", "--max-steps", str(STEPS), *args),
+        orch_argv(*RUN, "--runs-dir", str(runs), "--name", "r", "--max-steps", str(STEPS), *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -97,7 +79,7 @@ def run(tmp_path_factory):
     )
     try:
         deadline = time.monotonic() + 600
-        while shipped(run_dir / "events.db") < KILL_AT:
+        while shipped_batches(run_dir) < KILL_AT:
             assert first.poll() is None, first.communicate()
             assert time.monotonic() < deadline, f"the run did not reach step {KILL_AT}"
             time.sleep(0.2)
@@ -113,16 +95,14 @@ def run(tmp_path_factory):
         time.sleep(0.2)
     left = [g for g in groups if not group_gone(g)]
     resumed = subprocess.run(
-        orch_run_cmd("--resume", str(run_dir)), capture_output=True, text=True, cwd=REPO, timeout=1200, check=False
+        orch_argv(*RUN, "--resume", str(run_dir)),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=1200,
+        check=False,
     )
     return {"dir": run_dir, "first_err": err, "groups": groups, "left_after_kill": left, "resumed": resumed}
-
-
-def events(run_dir: Path, kind: str) -> list[tuple[int, dict]]:
-    """(seq, fields) of the `kind` events; a trace's packed arrays decoded into lists."""
-    with EventLog.open_reader(run_dir / "events.db") as log:
-        rows = list(log.read_rows(kinds=(kind,)))
-    return [(seq, decode_event(k, data, payload).model_dump(mode="json")) for seq, _ts, k, data, payload in rows]
 
 
 def test_the_resumed_run_completes_each_step_shipped_once(run):
@@ -136,30 +116,6 @@ def test_the_resumed_run_completes_each_step_shipped_once(run):
 def test_a_sigkilled_orch_leaves_no_vllm_server_behind(run):
     assert "vLLM server(s) on " in run["first_err"]
     assert run["groups"] and run["left_after_kill"] == []
-
-
-def check_completion_versions(run_dir: Path, lora: bool, per_version: int = 8) -> int:
-    """Exact versions (start == end), and where a version's weights are still on disk (the
-    trainer keeps the newest few), the sampled logprobs are that version's, not a neighbour's.
-    Up to `per_version` completions of each version are recomputed; returns how many were."""
-    episodes = [e for _, e in events(run_dir, "episode_completed") if e["ok"]]
-    assert episodes and all(e["policy_start"] == e["policy_end"] for e in episodes)
-    kept = sorted(int(p.name.split("_")[1]) for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").exists())
-    models = {v: load_version(run_dir / "weights" / f"step_{v}", tiny_model(), lora) for v in kept}
-    checked = 0
-    for version in kept:
-        neighbour = next((v for v in reversed(kept) if v != version), None)
-        for e in [e for e in episodes if e["policy_start"] == version][:per_version]:
-            prompt_len = e["mask"].index(1)
-            prompt, completion = e["token_ids"][:prompt_len], e["token_ids"][prompt_len:]
-            sampled = e["logprobs"][prompt_len:]
-            own = recompute_logprobs(models[version], prompt, completion)
-            assert max(abs(a - b) for a, b in zip(own, sampled)) < 1e-3, (version, own, sampled)
-            if neighbour is not None:
-                theirs = recompute_logprobs(models[neighbour], prompt, completion)
-                assert max(abs(a - b) for a, b in zip(theirs, sampled)) > 1e-5
-            checked += 1
-    return checked
 
 
 def test_every_completion_comes_from_the_version_it_reports(run):

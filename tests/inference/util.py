@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import select
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 torch.set_num_threads(1)
 
-from orchestrator.embedded.policy import PolicyConfig, build_policy, save_weights  # noqa: E402
 from orchestrator.envs.server import running_server  # noqa: E402
-from orchestrator.inference.server import PolicyServer, create_app  # noqa: E402
 from orchestrator.rundir import mark_stable, weights_dir  # noqa: E402
+from orchestrator.serve.policy import PolicyConfig, build_policy, save_weights  # noqa: E402
+from orchestrator.serve.server import PolicyServer, create_app  # noqa: E402
+from tests.support.cli import orch_argv  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).parent / "data"
 TINY = PolicyConfig(d_model=16, layers=1, heads=2, d_ff=16)
 
 
@@ -68,7 +74,7 @@ class ServeProcess:
 
     def __init__(self, *args: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", *args],
+            orch_argv("serve", "--port", "0", *args),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -118,3 +124,110 @@ def processes_mentioning(text: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def vllm_like_app(loaded: list):
+    """A stand-in that speaks vLLM's dialect: LoRA adapters loaded and unloaded at runtime (listed
+    by /v1/models), ids only as ``token_id:N`` strings in ``logprobs.tokens``, no
+    ``policy_version``. (The real server: test_vllm_lora.py; this one answers in milliseconds.)"""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def load_lora(request):
+        name = (await request.json())["lora_name"]
+        if name not in loaded:
+            loaded.append(name)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(request):
+        name = (await request.json())["lora_name"]
+        if name not in loaded:
+            return JSONResponse(
+                {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}, status_code=404
+            )
+        loaded.remove(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def models(request):
+        return JSONResponse({"data": [{"id": "base", "parent": None}] + [{"id": n, "parent": "base"} for n in loaded]})
+
+    async def completions(request):
+        body = await request.json()
+        if body.get("model") not in loaded:
+            return JSONResponse(
+                {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}, status_code=404
+            )
+        v = int(body["model"].split("_")[1])
+        return JSONResponse(
+            {
+                "object": "text_completion",
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "ba",
+                        "finish_reason": "stop",
+                        "logprobs": {
+                            "tokens": [f"token_id:{t}" for t in (9, 8, 2)],
+                            "token_logprobs": [-0.1 * v, -0.2, -0.3],
+                        },
+                    }
+                ],
+            }
+        )
+
+    return Starlette(
+        routes=[
+            Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
+
+
+def adapter_dirs(root, versions) -> list[str]:
+    """Dirs with the files the client checks before it asks for an adapter load."""
+    dirs = []
+    for v in versions:
+        wdir = root / f"step_{v}"
+        wdir.mkdir(parents=True)
+        (wdir / "adapter_config.json").write_text("{}")
+        (wdir / "adapter_model.safetensors").write_bytes(b"")
+        dirs.append(str(wdir))
+    return dirs
+
+
+def recorded(name: str) -> dict:
+    return json.loads((DATA / f"vllm-0.32-{name}.json").read_text())
+
+
+def replaying_vllm(calls: list[str], dev_mode: bool = True) -> Starlette:
+    """Answers each route with what vLLM answered it (recorded); without ``dev_mode`` (vLLM
+    started without VLLM_SERVER_DEV_MODE=1) the weight-reload routes are missing."""
+    reload_seq = recorded("reload_sequence")
+
+    def replay(step: dict) -> Response:
+        return Response(step["text"], status_code=step["status"], media_type="application/json")
+
+    async def handle(request: Request) -> Response:
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        calls.append(path)
+        body = await request.json() if request.method == "POST" and await request.body() else None
+        if path == "/v1/completions":
+            rec = recorded("completion_lora" if str(body.get("model")).startswith("step_") else "completion")
+            assert set(body) <= set(rec["request"]) | {"model"}, body  # nothing vLLM was not sent
+            return JSONResponse(rec["response"])
+        if path == "/v1/load_lora_adapter":
+            return Response(recorded("lora_load_ok")["text"])
+        if path == "/v1/unload_lora_adapter":
+            return Response(recorded("lora_unload_ok")["text"])
+        if path == "/v1/models":
+            return JSONResponse(recorded("models_with_adapters")["response"])
+        for step in reload_seq.values():
+            if step["request"]["path"] == path and dev_mode:
+                return replay(step)
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+    return Starlette(routes=[Route("/{path:path}", handle, methods=["GET", "POST"])])

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from orchestrator.inference.endpoints_config import LaunchSection
 from orchestrator.inference.vllm_launch import VllmLauncher, group_alive
 from orchestrator.rundir import mark_stable, weights_dir
+from tests.support.logs import events
 
 torch.set_num_threads(1)
 
@@ -28,6 +30,8 @@ CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefil
 
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orch-tests"
+# `orch run` as the vLLM runs start it: a progress line per step (shown when one fails).
+RUN = ("run", "--progress-every", "1")
 
 
 def tiny_model() -> Path:
@@ -152,3 +156,35 @@ def k3_kl(sampled: list[float], recomputed: list[float]) -> float:
         log_ratio = lp_model - lp_sampler
         total += torch.expm1(torch.tensor(log_ratio)).item() - log_ratio
     return total / len(sampled)
+
+
+def check_completion_versions(run_dir: Path, lora: bool, per_version: int = 8) -> int:
+    """Exact versions (start == end), and where a version's weights are still on disk (the
+    trainer keeps the newest few), the sampled logprobs are that version's, not a neighbour's.
+    Up to `per_version` completions of each version are recomputed; returns how many were."""
+    episodes = [e for _, e in events(run_dir, "episode_completed") if e["ok"]]
+    assert episodes and all(e["policy_start"] == e["policy_end"] for e in episodes)
+    kept = sorted(int(p.name.split("_")[1]) for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").exists())
+    models = {v: load_version(run_dir / "weights" / f"step_{v}", tiny_model(), lora) for v in kept}
+    checked = 0
+    for version in kept:
+        neighbour = next((v for v in reversed(kept) if v != version), None)
+        for e in [e for e in episodes if e["policy_start"] == version][:per_version]:
+            prompt_len = e["mask"].index(1)
+            prompt, completion = e["token_ids"][:prompt_len], e["token_ids"][prompt_len:]
+            sampled = e["logprobs"][prompt_len:]
+            own = recompute_logprobs(models[version], prompt, completion)
+            assert max(abs(a - b) for a, b in zip(own, sampled)) < 1e-3, (version, own, sampled)
+            if neighbour is not None:
+                theirs = recompute_logprobs(models[neighbour], prompt, completion)
+                assert max(abs(a - b) for a, b in zip(theirs, sampled)) > 1e-5
+            checked += 1
+    return checked
+
+
+def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    from orchestrator.envs.reverse_text import ALPHABET
+    from orchestrator.hf.tiny_model import render_prompt
+
+    rng = random.Random(seed)
+    return [render_prompt(tokenizer, "".join(rng.choice(ALPHABET) for _ in range(rng.randint(3, 6)))) for _ in range(n)]

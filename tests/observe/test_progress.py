@@ -8,15 +8,14 @@ import pty
 import re
 import select
 import subprocess
-import sys
 
 from rich.console import Console
 
 from orchestrator.core.events import BatchShipped, CoreParams
 from orchestrator.core.state import initial_state
 from orchestrator.shell.progress import Progress
-
-from .conftest import orch
+from tests.support.cli import orch, orch_argv
+from tests.support.runs import fake_run_args
 
 
 def _ship(progress: Progress, steps: range, max_steps: int) -> None:
@@ -67,9 +66,7 @@ def test_a_pipe_gets_the_plain_lines_only():
 
 
 def test_orch_run_in_a_pipe_prints_plain_lines(tmp_path):
-    result = orch(
-        "run", "--env", "fake", "--trainer", "fake", "--max-steps", "3", "--runs-dir", str(tmp_path), "--name", "r"
-    )
+    result = orch(*fake_run_args(tmp_path, "r", steps=3))
     assert result.returncode == 0, result.stderr
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in steps] == ["step    1/3", "step    2/3", "step    3/3"]
@@ -79,22 +76,7 @@ def test_orch_run_in_a_pipe_prints_plain_lines(tmp_path):
 def test_orch_run_on_a_terminal_shows_the_live_bar(tmp_path):
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "run",
-            "--env",
-            "fake",
-            "--trainer",
-            "fake",
-            "--max-steps",
-            "3",
-            "--runs-dir",
-            str(tmp_path),
-            "--name",
-            "r",
-        ],
+        orch_argv(*fake_run_args(tmp_path, "r", steps=3)),
         stdin=subprocess.DEVNULL,
         stdout=follower,
         stderr=follower,

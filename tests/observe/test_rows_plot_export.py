@@ -10,8 +10,8 @@ from matplotlib.lines import Line2D
 
 from eventlog import EventLog
 from orchestrator.observe.plot import PANELS, plot_runs, series
-
-from .conftest import STEPS, connect, orch, sql_series
+from tests.observe.util import STEPS, connect, sql_series
+from tests.support.cli import orch
 
 
 def _close(a, b):

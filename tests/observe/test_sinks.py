@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from eventlog import EventLog
 from orchestrator.observe import sinks
 from orchestrator.observe.rows import log_rows
-
-from .conftest import orch, run_fake
+from tests.observe.util import run_fake
+from tests.support.cli import orch
+from tests.support.runs import fake_run_args, sets
 
 
 def tensorboard_points(log_dir) -> list[tuple[str, int, float, float]]:
@@ -116,17 +117,7 @@ def test_a_sink_that_is_not_installed_is_one_line_before_anything_runs(tmp_path,
     monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     result = CliRunner().invoke(
         cli.main,
-        [
-            "run",
-            "--env",
-            "fake",
-            "--trainer",
-            "fake",
-            "--runs-dir",
-            str(tmp_path / "runs"),
-            "--set",
-            "metrics.wandb.project=p",
-        ],
+        fake_run_args(tmp_path / "runs", None, *sets("metrics.wandb.project=p")),
     )
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
@@ -152,19 +143,7 @@ def test_sinks_are_operational_config_a_resume_may_turn_on_or_off():
 def test_a_sink_that_cannot_start_is_one_line_with_the_resume_hint(tmp_path):
     (tmp_path / "afile").write_text("")
     result = orch(
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--max-steps",
-        "2",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--set",
-        f"metrics.tensorboard.log_dir={tmp_path / 'afile' / 'tb'}",
+        *fake_run_args(tmp_path, "r", *sets(f"metrics.tensorboard.log_dir={tmp_path / 'afile' / 'tb'}"), steps=2)
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [

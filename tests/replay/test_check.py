@@ -15,7 +15,8 @@ from orchestrator.core.rng import choose_by_ratio
 from orchestrator.sim import SimOptions
 from replay.check import CAPACITY_OFF_NOTE, check_log
 from replay.source import open_run
-from tests.replay.conftest import rows, sim_log, sim_params
+from tests.support.logs import rows, sim_log
+from tests.support.params import sim_params
 
 
 @pytest.mark.parametrize("background,settle", [(False, "immediate"), (True, "immediate"), (True, "random")])

@@ -8,7 +8,8 @@ import sqlite3
 import pytest
 
 from eventlog import EventLog
-from tests.replay.conftest import sim_log, sim_params
+from tests.support.logs import sim_log
+from tests.support.params import sim_params
 
 
 @pytest.fixture
@@ -54,6 +55,10 @@ def _bad_files(tmp_path, good):
     shutil.copy(good, older_table)
     with sqlite3.connect(older_table) as db:
         db.execute("UPDATE meta SET value = '1' WHERE key = 'format_version'")
+    unversioned = tmp_path / "unversioned.db"  # no schema_version: refused, as `orch run --resume` does
+    shutil.copy(good, unversioned)
+    with sqlite3.connect(unversioned) as db:
+        db.execute("DELETE FROM meta WHERE key = 'schema_version'")
     truncated = tmp_path / "truncated.db"
     data = good.read_bytes()
     truncated.write_bytes(data[: len(data) // 2 + 100])
@@ -66,6 +71,10 @@ def _bad_files(tmp_path, good):
         "newer format": (newer, "format version 99"),
         "older event format": (older, "an orch log of format version 2; this orch reads version 3 only"),
         "older table format": (older_table, "uses log format version 1 (no payload column)"),
+        "no event format version": (
+            unversioned,
+            "an orch log of format version (none); this orch reads version 3 only",
+        ),
         "truncated": (truncated, "truncated"),
     }
 
@@ -81,6 +90,7 @@ def _bad_files(tmp_path, good):
         "newer format",
         "older event format",
         "older table format",
+        "no event format version",
         "truncated",
     ],
 )

@@ -9,12 +9,14 @@ import pytest
 
 from eventlog import EventLog
 from orchestrator.core import events as ev
+from orchestrator.orch_log import LOG_MAGIC_META
 from orchestrator.sim import SimOptions
 from replay.diff import MAX_FIELD_DIFFS, diff_logs, normalize, structural_diff
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import open_run
-from tests.replay.conftest import rows, sim_log, sim_params, sim_run
+from tests.support.logs import rows, sim_log, sim_run
+from tests.support.params import sim_params
 
 
 def reference_first(a_rows, b_rows, kinds=None, key=lambda d: d):
@@ -59,7 +61,7 @@ def _seqs(div):
     return (div.a.seq if div.a else None, div.b.seq if div.b else None)
 
 
-# --- the random-delay run (seed 000): totals equal, membership differs, stale cancels occur ------
+# --- the random-delay run: totals equal, membership differs, stale cancels occur ------
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -211,7 +213,7 @@ def test_structural_diff():
 def _synthetic_log(path, n: int) -> None:
     """n small events, appended raw (the diff never decodes identical rows)."""
     data = orjson.dumps({"episode_id": 1, "group_id": 1, "ok": True, "token_ids": list(range(24))}).decode()
-    with EventLog.create(path, meta={"app": "orch"}, durability="normal") as log:
+    with EventLog.create(path, meta=LOG_MAGIC_META, durability="normal") as log:
         for _ in range(n):
             log.append_json("episode_completed", data)
             if log.pending >= 8192:

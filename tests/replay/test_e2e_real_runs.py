@@ -6,39 +6,17 @@ strong checks are --check and --reexecute of one real log, which are exact.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.cli import orch
+from tests.support.runs import fake_run_args, sets
 
-def orch_run(runs_dir: Path, name: str, *sets: str, max_steps: int = 12) -> Path:
-    args = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--max-steps",
-        str(max_steps),
-        "--runs-dir",
-        str(runs_dir),
-        "--name",
-        name,
-        "--progress-every",
-        "1000",
-        "--set",
-        "batch.size=32",
-        "--set",
-        "log.durability=normal",
-    ]
-    for s in sets:
-        args += ["--set", s]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
+
+def orch_run(runs_dir: Path, name: str, *assignments: str, max_steps: int = 12) -> Path:
+    extra = ["--progress-every", "1000", *sets("batch.size=32", "log.durability=normal", *assignments)]
+    proc = orch(*fake_run_args(runs_dir, name, *extra, steps=max_steps))
     assert proc.returncode == 0, proc.stderr
     return runs_dir / name
 
@@ -57,7 +35,7 @@ def test_a_real_run_is_deterministic_and_reexecutes_identically(real_inline, tmp
     # inline -> inline: the very same log
     result = cli(real_inline, "--reexecute", "--finalize", "inline", "--out", tmp_path / "inline", "--level", "events")
     assert result.exit_code == 0, result.output
-    # inline -> background, each result settled before the next input: the same batches (seed 000)
+    # inline -> background, each result settled before the next input: the same batches (docs/rules.md, 2. Completion)
     code, out = cli.json(
         real_inline, "--reexecute", "--finalize", "background", "--settle-order", "recorded", "--out", tmp_path / "bg"
     )

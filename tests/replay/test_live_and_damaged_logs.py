@@ -11,11 +11,13 @@ from eventlog import CorruptLogError, EventLog
 from orchestrator.core import events as ev
 from orchestrator.core.state import REDUCER_VERSION, state_hash
 from orchestrator.fold import fold_log
+from orchestrator.orch_log import APP
 from replay.diff import diff_logs
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute
-from replay.source import APP, open_run
-from tests.replay.conftest import sim_log, sim_params, sim_run
+from replay.source import open_run
+from tests.support.logs import sim_log, sim_run
+from tests.support.params import sim_params
 
 
 def _live_log(path, events, committed: int) -> EventLog:

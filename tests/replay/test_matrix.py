@@ -19,7 +19,8 @@ from orchestrator.sim import SimOptions
 from replay.diff import diff_logs
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import open_run
-from tests.replay.conftest import rows, sim_log, sim_params
+from tests.support.logs import rows, sim_log
+from tests.support.params import sim_params
 
 SEEDS = range(12)
 BATCHING = {"trace": {}, "token": {"token_batch_size": 120}}

@@ -11,7 +11,8 @@ from replay.diff import diff_logs
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import REEXECUTED_META, open_run
-from tests.replay.conftest import rows, sim_log, sim_params
+from tests.support.logs import rows, sim_log
+from tests.support.params import sim_params
 
 
 def _reexec(path, out, *args):

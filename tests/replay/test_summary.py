@@ -8,7 +8,8 @@ import pytest
 from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.state import conservation, initial_state, state_hash
 from orchestrator.sim import SimOptions
-from tests.replay.conftest import decoded, rows, sim_log, sim_params
+from tests.support.logs import decoded, rows, sim_log
+from tests.support.params import sim_params
 
 
 @pytest.fixture

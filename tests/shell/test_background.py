@@ -8,22 +8,13 @@ from eventlog import EventLog
 from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.state import conservation, initial_state
-from tests.shell.test_e2e_fake import assert_log_invariants, orch
+from tests.support.cli import orch
+from tests.support.logs import assert_log_invariants
+from tests.support.runs import fake_run_args, sets
 
 GAR = [
-    "run",
-    "--env",
-    "fake",
-    "--trainer",
-    "fake",
-    "--set",
-    "algorithm.name=gar",
-    "--set",
-    "batch.size=16",
-    "--set",
-    "rollout.group_size=4",
-    "--set",
-    "rollout.max_inflight=32",
+    *fake_run_args(),
+    *sets("algorithm.name=gar", "batch.size=16", "rollout.group_size=4", "rollout.max_inflight=32"),
 ]
 
 

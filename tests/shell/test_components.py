@@ -2,32 +2,32 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import textwrap
-from contextlib import AsyncExitStack
 from typing import ClassVar
 
 import pytest
 from pydantic import Field, ValidationError
 
-from orchestrator.components import (
+from orchestrator.config import (
     ALGORITHMS,
     ENVS,
     INFERENCE,
+    RESUMABLE_FIELDS,
     TRAINERS,
-    Algorithm,
-    InferenceBackend,
+    ConfigError,
     Registry,
-    Trainer,
-    TrainerComponent,
+    _TrainerChoice,
+    _with_components,
+    load_config,
+    with_added_fields,
 )
-from orchestrator.config import RESUMABLE_FIELDS, ConfigError, _TrainerChoice, _with_components, load_config
+from orchestrator.contracts import Algorithm, InferenceBackend, Trainer, TrainerComponent
 from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.finalizers import GAR
-from orchestrator.shell.runner import RunParts, create_run, open_parts
 from orchestrator.trainers.fake import FakeTrainer
+from tests.support.parts import parts_of
 
 FAKE = ['envs={"fake": 1}', "trainer.kind=fake"]
 
@@ -78,13 +78,13 @@ def test_the_fake_env_needs_its_own_episode_source():
     stated by the env itself for the next sampler."""
     config = load_config(overrides=FAKE)
     elsewhere = config.model_copy(update={"inference": config.inference.model_copy(update={"kind": "embedded"})})
-    config.env.fake.check(config)
+    config.env.fake.check(config.plan())
     with pytest.raises(
         ValueError,
         match=r"^the fake env's episodes come whole from inference.kind='fake', not "
         r"'embedded'$",
     ):
-        elsewhere.env.fake.check(elsewhere)
+        elsewhere.env.fake.check(elsewhere.plan())
 
 
 def test_every_registered_component_has_its_own_section():
@@ -107,7 +107,20 @@ def test_the_inference_backend_is_chosen_as_before_unless_named():
 
 def test_components_name_the_fields_a_resume_may_change():
     assert {"trainer.fake.step_time_s", "trainer.hf.nproc", "inference.openai.endpoints"} <= RESUMABLE_FIELDS
+    assert "env.reverse_text.server" in RESUMABLE_FIELDS
     assert "trainer.hf.lr" not in RESUMABLE_FIELDS and "env.fake.latency_s" not in RESUMABLE_FIELDS
+
+
+def test_the_env_server_is_reverse_text_s_own_setting_and_a_stored_config_moves_it_there():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["rollout.env_server=http://127.0.0.1:9"])
+    assert str(err.value) == (
+        "invalid config: rollout: env_server is now env.reverse_text.server (the reverse_text env's own setting)"
+    )
+    stored = load_config().model_dump(mode="json")
+    del stored["env"]["reverse_text"]["server"]
+    stored["rollout"]["env_server"] = "http://127.0.0.1:9"  # as a run written before the move stored it
+    assert load_config(base=with_added_fields(stored)).env.reverse_text.server == "http://127.0.0.1:9"
 
 
 class ProbeTrainerConfig(TrainerComponent):
@@ -139,18 +152,6 @@ def test_a_component_added_to_a_table_gets_its_section_validated():
         section.model_validate({"probe": {"width": 1}})
 
 
-def parts_of(config) -> RunParts:
-    """The parts a new run of `config` is built of (built, then closed again)."""
-    run = create_run(config)
-
-    async def parts() -> RunParts:
-        async with AsyncExitStack() as stack:
-            return await open_parts(run, stack)
-
-    with run.log:
-        return asyncio.run(parts())
-
-
 def test_the_fake_parts_are_built_from_the_config_and_follow_the_interfaces(tmp_path):
     parts = parts_of(
         load_config(
@@ -168,7 +169,8 @@ def test_a_fake_run_imports_neither_torch_nor_httpx(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         from orchestrator.config import load_config
-        from orchestrator.shell.runner import create_run, run_job
+        from orchestrator.shell.compose import run_job
+        from orchestrator.shell.runner import create_run
         run = create_run(load_config(overrides=['envs={{"fake": 1}}', "trainer.kind=fake", "max_steps=2",
                                                 "batch.size=8", "runs_dir={tmp_path}", "name=r"]))
         with run.log:

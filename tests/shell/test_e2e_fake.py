@@ -2,57 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import sqlite3
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from eventlog import EventLog
-from orchestrator.core.state import conservation
-from orchestrator.fold import fold_log
-
-
-def orch(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`orch ARGS...` in a subprocess (`env`: its environment, default this one's)."""
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, target_lag: int) -> None:
-    db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True)
-    seqs = [row[0] for row in db.execute("SELECT seq FROM events ORDER BY seq")]
-    assert seqs == list(range(1, len(seqs) + 1)), "contiguous seq"
-    ships = db.execute(
-        "SELECT seq, json_extract(data, '$.step'), json_extract(data, '$.sha256'), "
-        "json_extract(data, '$.off_policy_max')"
-        " FROM events WHERE kind = 'batch_shipped' ORDER BY seq"
-    ).fetchall()
-    assert [step for _, step, _, _ in ships] == list(range(1, max_steps + 1)), (
-        "each step shipped exactly once, in order"
-    )
-    for seq, step, sha, lag_max in ships:
-        assert lag_max <= max_off_policy
-        (version,) = db.execute(
-            "SELECT coalesce(max(json_extract(data, '$.version')), 0) FROM events"
-            " WHERE kind = 'version_published' AND seq < ?",
-            (seq,),
-        ).fetchone()
-        assert version >= step - 1 - target_lag, f"batch {step} shipped before version {step - 1 - target_lag}"
-        payload = (run_dir / "batches" / f"step_{step}.safetensors").read_bytes()
-        assert hashlib.sha256(payload).hexdigest() == sha
-    last_kind, reason = db.execute(
-        "SELECT kind, json_extract(data, '$.reason') FROM events ORDER BY seq DESC LIMIT 1"
-    ).fetchone()
-    assert (last_kind, reason) == ("run_stopped", "completed")
-    with EventLog.open_reader(run_dir / "events.db") as log:
-        state = fold_log(log, use_snapshots=False).state
-    holds, terms = conservation(state)
-    assert holds, terms
-    assert state.acct.completed == terms["shipped"] + terms["dropped"]  # nothing left behind
+from tests.support.cli import orch
+from tests.support.logs import assert_log_invariants
+from tests.support.runs import fake_run_args, sets
 
 
 @pytest.mark.parametrize(
@@ -75,27 +32,9 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
 def test_fake_run_keeps_every_invariant(tmp_path, extra):
     steps = 120
     result = orch(
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--max-steps",
-        str(steps),
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--progress-every",
-        "40",
-        "--set",
-        "batch.size=32",
-        "--set",
-        "env.fake.empty_rate=0.02",
-        "--set",
-        "off_policy.max_off_policy_steps=1",
-        "--set",
-        "zero_output_batches=100000",
+        *fake_run_args(tmp_path, "r", "--progress-every", "40", steps=steps),
+        *sets("batch.size=32", "env.fake.empty_rate=0.02", "off_policy.max_off_policy_steps=1"),
+        *sets("zero_output_batches=100000"),
         *extra,
     )
     assert result.returncode == 0, result.stderr
@@ -104,7 +43,7 @@ def test_fake_run_keeps_every_invariant(tmp_path, extra):
 
 
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--set", "batch.size=0")
+    result = orch(*fake_run_args(tmp_path), *sets("batch.size=0"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "orch: error: invalid config: batch.size: Input should be greater than or equal to 1"
@@ -139,13 +78,14 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
         (
             ["--set", "rollout.env_server=http://127.0.0.1:9"],
             2,
-            "orch: error: invalid config: rollout.env_server serves reverse_text episodes only "
-            "(the fake env runs in-process)",
+            "orch: error: invalid config: rollout: env_server is now env.reverse_text.server "
+            "(the reverse_text env's own setting)",
         ),
         (
-            ["--set", "rollout.env_server=localhost:9"],
+            ["--set", "env.reverse_text.server=localhost:9"],
             2,
-            "orch: error: invalid config: rollout: env_server 'localhost:9' is not an http(s)://host[:port] URL",
+            "orch: error: invalid config: env.reverse_text.server: server 'localhost:9' is not an "
+            "http(s)://host[:port] URL",
         ),
         (
             ["--name", "../escape"],
@@ -184,25 +124,14 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
 def test_user_mistakes_are_one_line_before_anything_runs(tmp_path, args, code, message):
     (tmp_path / "afile").write_text("")
     (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
-    result = orch(
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--max-steps",
-        "2",
-        "--runs-dir",
-        str(tmp_path / "runs"),
-        *[a.format(tmp=tmp_path) for a in args],
-    )
+    result = orch(*fake_run_args(tmp_path / "runs", None, *[a.format(tmp=tmp_path) for a in args], steps=2))
     assert result.returncode == code
     assert result.stderr.strip().splitlines()[-1] == message.format(tmp=tmp_path)
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
 
 
 def test_existing_run_needs_resume_and_missing_resume_is_an_error(tmp_path):
-    args = ("run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r")
+    args = fake_run_args(tmp_path, "r", steps=2)
     assert orch(*args).returncode == 0
     again = orch(*args)
     assert again.returncode == 1 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
@@ -220,7 +149,7 @@ def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_pat
         "--max-steps",
         "1",
         "--set",
-        "rollout.env_server=http://127.0.0.1:9",
+        "env.reverse_text.server=http://127.0.0.1:9",
     )
     assert result.returncode == 1
     assert (
@@ -233,9 +162,10 @@ def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_pat
 
 def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
     """Tasks are a function of (seed, index) and the prompt lengths: the server must serve this run's."""
-    from orchestrator.envs.server import create_app, make_env, running_server
+    from orchestrator.config import served_env
+    from orchestrator.envs.server import create_app, running_server
 
-    with running_server(create_app(make_env("reverse_text", seed=1, max_len=9))) as server:
+    with running_server(create_app(served_env("reverse_text", seed=1, max_len=9))) as server:
         result = orch(
             "run",
             "--runs-dir",
@@ -245,7 +175,7 @@ def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
             "--max-steps",
             "1",
             "--set",
-            f"rollout.env_server={server.base_url}",
+            f"env.reverse_text.server={server.base_url}",
         )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
@@ -256,20 +186,7 @@ def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
 
 
 def _fake_run(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
-    return orch(
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        name,
-        "--set",
-        "batch.size=16",
-        *args,
-    )
+    return orch(*fake_run_args(tmp_path, name, *sets("batch.size=16"), *args))
 
 
 def test_a_renamed_run_dir_resumes_and_max_steps_below_the_shipped_batches_is_refused(tmp_path):
@@ -345,9 +262,7 @@ def test_a_batch_file_past_the_logs_last_shipped_step_refuses_the_resume(tmp_pat
 
 
 def test_a_json_summary_dir_that_cannot_be_written_is_found_before_the_run(tmp_path):
-    result = orch(
-        "run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--json-summary", "/proc/s.json"
-    )
+    result = orch(*fake_run_args(tmp_path, None, "--json-summary", "/proc/s.json"))
     assert result.returncode == 2 and not (tmp_path / "r").exists()
     assert (
         result.stderr.strip()
@@ -358,19 +273,7 @@ def test_a_json_summary_dir_that_cannot_be_written_is_found_before_the_run(tmp_p
 
 def test_set_name_names_the_run_and_a_resume_config_file_is_laid_over_the_stored_config(tmp_path):
     assert _fake_run(tmp_path, "x", "--max-steps", "2").returncode == 0  # --name x
-    named = orch(
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--runs-dir",
-        str(tmp_path),
-        "--max-steps",
-        "1",
-        "--set",
-        "name=by-set",
-    )
+    named = orch(*fake_run_args(tmp_path, None, *sets("name=by-set"), steps=1))
     assert named.returncode == 0 and (tmp_path / "by-set" / "events.db").exists(), named.stderr
     (tmp_path / "more.toml").write_text("max_steps = 4\n")  # says nothing of envs, trainer or batch size
     resumed = orch("run", "--resume", str(tmp_path / "x"), "--config", str(tmp_path / "more.toml"))

@@ -8,26 +8,17 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.shell.test_e2e_fake import assert_log_invariants, orch
+from tests.support.cli import orch, spawn_orch, wait_until
+from tests.support.logs import assert_log_invariants, shipped_batches
+from tests.support.runs import sets
 
 pytestmark = pytest.mark.slow
 
-SMALL = [
-    "--set",
-    "batch.size=32",
-    "--set",
-    "rollout.group_size=4",
-    "--set",
-    "rollout.max_inflight=32",
-    "--set",
-    "trainer.publish_timeout_s=120",
-]
+SMALL = sets("batch.size=32", "rollout.group_size=4", "rollout.max_inflight=32", "trainer.publish_timeout_s=120")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -53,29 +44,8 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
-
-
-def shipped_steps(run_dir: Path) -> int:
-    try:
-        db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True, timeout=5)
-        return db.execute("SELECT count(*) FROM events WHERE kind = 'batch_shipped'").fetchone()[0]
-    except sqlite3.Error:
-        return 0
-
-
-def spawn_run(tmp_path: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path), "--name", "r", *SMALL, *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def spawn_run(tmp_path: Path, *extra: str, **popen) -> subprocess.Popen:
+    return spawn_orch("run", "--runs-dir", str(tmp_path), "--name", "r", *SMALL, *extra, **popen)
 
 
 def test_short_embedded_run_trains_in_order_and_leaves_no_process(tmp_path):
@@ -123,7 +93,7 @@ def test_trainer_error_stops_the_orchestrator_with_the_trainers_message(tmp_path
 def test_orchestrator_crash_makes_the_trainer_exit(tmp_path):
     run_dir = tmp_path / "r"
     proc = spawn_run(tmp_path, "--max-steps", "50")
-    wait_until(lambda: shipped_steps(run_dir) >= 1, 120, "batch 1")
+    wait_until(lambda: shipped_batches(run_dir) >= 1, 120, "batch 1")
     trainers = [pid for pid in processes_mentioning(str(run_dir)) if pid != proc.pid]
     assert trainers, "the trainer child should be running"
     os.kill(proc.pid, signal.SIGKILL)
@@ -134,7 +104,7 @@ def test_orchestrator_crash_makes_the_trainer_exit(tmp_path):
 def test_ctrl_c_drains_and_stops_within_a_bound_then_resume_finishes(tmp_path):
     run_dir = tmp_path / "r"
     proc = spawn_run(tmp_path, "--max-steps", "6")
-    wait_until(lambda: shipped_steps(run_dir) >= 2, 120, "batch 2")
+    wait_until(lambda: shipped_batches(run_dir) >= 2, 120, "batch 2")
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)  # drains and stops within a bound
     assert proc.returncode == 130
@@ -149,25 +119,7 @@ def test_terminal_ctrl_c_during_start_up_stops_cleanly_then_resume_finishes(tmp_
     warms up: the run stops on interrupt (130, not 'aborted', not 'trainer failed'), leaves no
     process, and --resume finishes it (from an empty log if nothing had been committed)."""
     run_dir = tmp_path / "r"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "run",
-            "--runs-dir",
-            str(tmp_path),
-            "--name",
-            "r",
-            *SMALL,
-            "--max-steps",
-            "2",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = spawn_run(tmp_path, "--max-steps", "2", start_new_session=True)
     wait_until(lambda: (run_dir / "events.db").exists(), 60, "the run's log")  # then torch loads
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=120)
@@ -183,7 +135,7 @@ def test_terminal_ctrl_c_during_start_up_stops_cleanly_then_resume_finishes(tmp_
 def test_sigkill_then_resume_of_the_embedded_job(tmp_path):
     run_dir = tmp_path / "r"
     proc = spawn_run(tmp_path, "--max-steps", "6")
-    wait_until(lambda: shipped_steps(run_dir) >= 3, 150, "batch 3")
+    wait_until(lambda: shipped_batches(run_dir) >= 3, 150, "batch 3")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "the trainer to exit")
@@ -195,9 +147,10 @@ def test_sigkill_then_resume_of_the_embedded_job(tmp_path):
 
 def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
     """`rollout.env_server`: tasks and rewards come from `orch env-server` over HTTP."""
-    from orchestrator.envs.server import create_app, make_env, running_server
+    from orchestrator.config import served_env
+    from orchestrator.envs.server import create_app, running_server
 
-    app = create_app(make_env("reverse_text", seed=0))
+    app = create_app(served_env("reverse_text", seed=0))
     with running_server(app) as server:
         result = orch(
             "run",
@@ -209,7 +162,7 @@ def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
             "2",
             *SMALL,
             "--set",
-            f"rollout.env_server={server.base_url}",
+            f"env.reverse_text.server={server.base_url}",
             timeout=300,
         )
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""Evals in the shell (docs/evals.md): end to end with the fake env (seed 000's finalizing cap,
+"""Evals in the shell (docs/evals.md): end to end with the fake env (rule 1's finalizing cap,
 schedule, kill and resume, replay), the held-out split of reverse_text, the rollout backends."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from eventlog import EventLog
 from orchestrator.collection.collect import Outcome
-from orchestrator.components import RolloutRequest
+from orchestrator.contracts import RolloutRequest
 from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve_from
 from orchestrator.core.state import conservation
@@ -24,23 +24,13 @@ from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.envs.reverse_text import ReverseTextEnv, is_held_out
 from orchestrator.fold import fold_log
 from orchestrator.shell.evals import eval_result
-from tests.shell.test_e2e_fake import assert_log_invariants, orch
-from tests.shell.test_resume import spawn
+from tests.support.cli import orch, spawn_orch, wait_until
+from tests.support.logs import assert_log_invariants
+from tests.support.runs import fake_run_args, sets
 
 FAKE_EVALS = [
-    "run",
-    "--env",
-    "fake",
-    "--trainer",
-    "fake",
-    "--set",
-    'eval.envs=["fake"]',
-    "--set",
-    "batch.size=16",
-    "--set",
-    "rollout.group_size=4",
-    "--set",
-    "rollout.max_inflight=16",
+    *fake_run_args(),
+    *sets('eval.envs=["fake"]', "batch.size=16", "rollout.group_size=4", "rollout.max_inflight=16"),
 ]
 
 
@@ -186,7 +176,7 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
 
 def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishes_it(tmp_path):
     run_dir = tmp_path / "r"
-    proc = spawn(
+    proc = spawn_orch(
         *FAKE_EVALS,
         "--max-steps",
         "4",
@@ -204,7 +194,6 @@ def test_a_kill_during_an_eval_then_resume_re_runs_its_lost_episodes_and_finishe
         "eval.max_inflight=4",
     )
     try:
-        from tests.shell.test_embedded_run import wait_until
 
         def mid_eval() -> bool:
             if not (run_dir / "events.db").exists():
@@ -272,9 +261,9 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
 
     from orchestrator.shell.progress import Progress
     from orchestrator.sim import SimWorld
-    from tests.core.test_evals import sim_params
+    from tests.support.params import eval_sim_params
 
-    world = SimWorld(sim_params(1), seed=1)
+    world = SimWorld(eval_sim_params(1), seed=1)
     world.run()
     out = io.StringIO()
     progress = Progress(Console(file=out, width=300))
@@ -304,7 +293,7 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
     ],
 )
 def test_a_bad_eval_config_is_one_line_and_exit_2(tmp_path, args, message):
-    result = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), *args)
+    result = orch(*fake_run_args(tmp_path, None, *args))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [message]
 
@@ -356,7 +345,7 @@ def test_the_fake_env_samples_an_eval_episode_with_its_pinned_version():
     assert (done.policy_start, done.policy_end) == (3, 3)
     train = asyncio.run(backend(eval_req(5, version=3)._replace(eval_id=None, temperature=None)))
     assert (train.policy_start, train.policy_end) == (9, 9)
-    result = eval_result(Outcome(5, eval_req(5, 3)._replace(env="fake"), done, None, 0.0, 0.0))
+    result = eval_result(Outcome(5, eval_req(5, 3)._replace(env="fake"), done, None, 0.0, 0.0), FakeEnvConfig().solved)
     assert result.ok and result.success is None and result.sampled_tokens == done.sampled_tokens
 
 
@@ -364,16 +353,16 @@ def test_the_fake_env_samples_an_eval_episode_with_its_pinned_version():
 def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_temperature(tmp_path):
     import torch
 
-    from orchestrator.embedded.policy import load_policy, sequence_logprobs
+    from orchestrator.contracts import InProcessEnv
     from orchestrator.embedded.sampler_backend import EmbeddedBackend
-    from orchestrator.embedded.tokenizer import encode_prompt
-    from orchestrator.envs.base import InProcessEnv
     from orchestrator.hf.loss import token_logprobs
     from orchestrator.hf.model import render_prompt
     from orchestrator.hf.tiny_model import build_untrained
     from orchestrator.inference.client import InferenceClient
     from orchestrator.inference.endpoints_backend import EndpointsBackend
     from orchestrator.rundir import mark_stable, weights_dir
+    from orchestrator.serve.policy import load_policy, sequence_logprobs
+    from orchestrator.serve.tokenizer import encode_prompt, task_prompt_ids
     from tests.inference.util import publish, run, serving
 
     env = ReverseTextEnv(seed=3)
@@ -437,6 +426,7 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
                 max_new_tokens=20,
                 seed=5,
                 load_timeout_s=5,
+                encode_prompt=task_prompt_ids,
             )
             try:
                 await backend.load(1)
@@ -448,15 +438,16 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
     check(on_pin, 1, 0.5)
     # The endpoint holds version 1 only: a sample for an eval pinned to 0 says so, and the core
     # counts it apart from that eval's figures.
-    result = eval_result(Outcome(8, eval_req(8, 0), off_pin, None, 0.0, 0.0))
+    from orchestrator.envs.reverse_text import ReverseTextConfig
+
+    result = eval_result(Outcome(8, eval_req(8, 0), off_pin, None, 0.0, 0.0), ReverseTextConfig().solved)
     assert (result.policy_start, result.policy_end) == (1, 1) and result.success == (off_pin.reward == 1.0)
 
 
 def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pin(tmp_path):
     from orchestrator.envs.server import running_server
     from orchestrator.inference.client import InferenceClient
-    from tests.inference.test_client import adapter_dirs, vllm_like_app
-    from tests.inference.util import run
+    from tests.inference.util import adapter_dirs, run, vllm_like_app
 
     step_3, step_4 = adapter_dirs(tmp_path, (3, 4))
 

@@ -1,10 +1,10 @@
-"""`orch run` runs on uvloop where it is installed (see orchestrator.shell.runner.new_event_loop)."""
+"""`orch run` runs on uvloop where it is installed (see orchestrator.shell.eventloop.new_event_loop)."""
 
 import asyncio
 
 import pytest
 
-from orchestrator.shell.runner import new_event_loop
+from orchestrator.shell.eventloop import new_event_loop
 
 
 def test_the_run_loop_is_uvloop_where_installed():

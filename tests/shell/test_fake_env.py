@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 
-from orchestrator.components import RolloutRequest
+from orchestrator.contracts import RolloutRequest
 from orchestrator.core.events import EpisodeCompleted, encode_event
 from orchestrator.envs.fake import FakeEnvConfig, FakeEpisodes
 

@@ -20,7 +20,8 @@ from orchestrator.core._fast_events import decode_unvalidated
 from orchestrator.core.state import initial_state, state_bytes, state_from_bytes
 from orchestrator.fold import fold_log
 from orchestrator.rundir import batch_path, read_batch_file
-from tests.shell.test_e2e_fake import orch
+from tests.support.cli import orch
+from tests.support.runs import FAKE, sets
 
 
 def _trace(n: int, episode_id: int = 7) -> tuple[ev.EpisodeCompleted, np.ndarray, np.ndarray, np.ndarray]:
@@ -107,22 +108,9 @@ def test_arrays_of_the_wrong_kind_are_refused_in_one_line(field, value, fragment
 
 
 LONG = [
-    "--env",
-    "fake",
-    "--trainer",
-    "fake",
-    "--set",
-    "env.fake.prompt_tokens=1024",
-    "--set",
-    "env.fake.min_tokens=4000",
-    "--set",
-    "env.fake.max_tokens=16000",
-    "--set",
-    "batch.size=8",
-    "--set",
-    "rollout.group_size=4",
-    "--set",
-    "rollout.max_inflight=24",
+    *FAKE,
+    *sets("env.fake.prompt_tokens=1024", "env.fake.min_tokens=4000", "env.fake.max_tokens=16000"),
+    *sets("batch.size=8", "rollout.group_size=4", "rollout.max_inflight=24"),
 ]
 
 

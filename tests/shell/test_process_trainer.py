@@ -45,10 +45,12 @@ def test_a_trainer_killed_by_a_signal_says_so(tmp_path):
 
 def test_a_trainer_config_that_cannot_be_written_is_a_trainer_failure(tmp_path):
     from orchestrator.config import load_config
-    from orchestrator.hf.component import write_trainer_json
-    from orchestrator.hf.model import PreparedModel
+    from orchestrator.contracts import PreparedModel
+    from orchestrator.hf.factory import write_trainer_json
     from orchestrator.rundir import TRAINER_CONFIG_FILE
 
     (tmp_path / TRAINER_CONFIG_FILE).mkdir()  # in the way
     with pytest.raises(TrainerFailed, match=f"cannot write the trainer's config in {tmp_path}: "):
-        write_trainer_json(load_config(None, []), tmp_path, PreparedModel(tmp_path / "model", ""))
+        config = load_config(None, [])
+        ctx = config.build_context(tmp_path, version_now=lambda: 0)
+        write_trainer_json(config.trainer.hf, ctx, PreparedModel(tmp_path / "model", ""))

@@ -6,26 +6,15 @@ import io
 
 from rich.console import Console
 
-from orchestrator.core import events as ev
 from orchestrator.shell.progress import Progress
 from orchestrator.sim import SimOptions, TimedSimWorld
+from tests.support.params import trainer_bound_params
 
 
 def _trainer_bound_run(tmp_path, capacity: str) -> tuple[Progress, list[str], str, dict]:
     out, warnings = io.StringIO(), []
     progress = Progress(Console(file=out, width=400, highlight=False), warn=warnings.append)
-    params = ev.CoreParams(
-        seed=1,
-        env_ratios={"a": 1.0},
-        group_size=8,
-        batch_size=64,
-        max_inflight=512,
-        max_off_policy_steps=2,
-        target_lag=1,
-        max_steps=15,
-        zero_output_batches=1000,
-        capacity=capacity,
-    )
+    params = trainer_bound_params(1, max_steps=15, capacity=capacity)
     world = TimedSimWorld(params, seed=1, options=SimOptions(error_rate=0.0, empty_rate=0.0, reward_levels=20))
     feed = world.feed
 

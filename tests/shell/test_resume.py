@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,30 +16,19 @@ from orchestrator.config import load_config
 from orchestrator.core.state import state_hash
 from orchestrator.fold import fold_log
 from orchestrator.shell.runner import create_run, resume_run
-from tests.shell.test_e2e_fake import assert_log_invariants, orch
+from tests.support.cli import orch, spawn_orch
+from tests.support.logs import assert_log_invariants
+from tests.support.runs import fake_run_args, sets
 
-FAKE = [
-    "--set",
+FAKE = sets(
     "env.fake.latency_s=0.004",
-    "--set",
     "env.fake.latency_jitter_s=0.004",
-    "--set",
     "trainer.fake.step_time_s=0.01",
-    "--set",
     "batch.size=16",
-    "--set",
     "rollout.group_size=4",
-    "--set",
     "env.fake.error_rate=0.03",
-    "--set",
     "log.snapshot_every=500",
-]
-
-
-def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+)
 
 
 @pytest.mark.slow
@@ -55,25 +42,11 @@ def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, backgroun
     if background:
         extra += ["--set", "algorithm.finalize_in_background=true", "--set", "off_policy.max_off_policy_steps=1"]
     run_dir = tmp_path / "r"
-    first = [
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--max-steps",
-        "100000",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        *FAKE,
-        *extra,
-    ]
+    first = fake_run_args(tmp_path, "r", *FAKE, *extra, steps=100000)
     killed = 0
     args = first
     while killed < kills:
-        proc = spawn(*args)
+        proc = spawn_orch(*args)
         time.sleep(rng.uniform(0.6, 1.6))  # python start-up is ~0.5 s of that
         assert proc.poll() is None, proc.stderr.read()
         os.kill(proc.pid, signal.SIGKILL)
@@ -100,21 +73,7 @@ def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, backgroun
 
 
 def test_resume_continues_a_finished_run_with_more_steps_and_refuses_meaning_changes(tmp_path):
-    args = [
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--max-steps",
-        "3",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--set",
-        "batch.size=16",
-    ]
+    args = fake_run_args(tmp_path, "r", *sets("batch.size=16"), steps=3)
     assert orch(*args).returncode == 0
     changed = orch("run", "--resume", str(tmp_path / "r"), "--set", "seed=9", "--set", "batch.size=8")
     assert changed.returncode == 2
@@ -125,22 +84,7 @@ def test_resume_continues_a_finished_run_with_more_steps_and_refuses_meaning_cha
 
 
 def test_second_writer_on_the_same_run_fails_at_once(tmp_path):
-    args = [
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--max-steps",
-        "100000",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--set",
-        "env.fake.latency_s=0.01",
-    ]
-    proc = spawn(*args)
+    proc = spawn_orch(*fake_run_args(tmp_path, "r", *sets("env.fake.latency_s=0.01"), steps=100000))
     try:
         deadline = time.monotonic() + 20
         while not (tmp_path / "r" / "events.db").exists() and time.monotonic() < deadline:
@@ -158,12 +102,7 @@ def test_second_writer_on_the_same_run_fails_at_once(tmp_path):
 @pytest.mark.parametrize("damage", ["garbage", "foreign", "truncated", "newer_events"])
 def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, damage):
     run_dir = tmp_path / "r"
-    assert (
-        orch(
-            "run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r"
-        ).returncode
-        == 0
-    )
+    assert orch(*fake_run_args(tmp_path, "r", steps=2)).returncode == 0
     db = run_dir / "events.db"
     for suffix in ("-wal", "-shm"):
         Path(str(db) + suffix).unlink(missing_ok=True)
@@ -199,26 +138,10 @@ def test_resume_of_a_bad_log_is_a_clear_error_and_leaves_it_untouched(tmp_path, 
 
 def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_identically(tmp_path):
     run_dir = tmp_path / "r"
-    proc = spawn(
-        "run",
-        "--env",
-        "fake",
-        "--trainer",
-        "fake",
-        "--max-steps",
-        "8",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--set",
-        "trainer.fake.step_time_s=1.5",
-        "--set",
-        "batch.size=16",
-        "--set",
-        "off_policy.target_lag=2",
-        "--set",
-        "off_policy.max_off_policy_steps=4",
+    proc = spawn_orch(
+        *fake_run_args(tmp_path, "r", steps=8),
+        *sets("trainer.fake.step_time_s=1.5", "batch.size=16", "off_policy.target_lag=2"),
+        *sets("off_policy.max_off_policy_steps=4"),
     )
     deadline = time.monotonic() + 60
     untrained: list[int] = []
@@ -249,7 +172,7 @@ def test_a_run_stopped_before_its_first_commit_is_started_by_resume(tmp_path):
         [f"runs_dir={tmp_path}", "name=r", 'envs={"fake": 1.0}', "trainer.kind=fake", "max_steps=3", "batch.size=16"],
     )
     create_run(config).log.close()
-    again = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", "r")
+    again = orch(*fake_run_args(tmp_path, "r"))
     assert again.returncode == 1 and "--resume" in again.stderr
     resumed = orch("run", "--resume", str(tmp_path / "r"))
     assert resumed.returncode == 0, resumed.stderr
@@ -258,8 +181,7 @@ def test_a_run_stopped_before_its_first_commit_is_started_by_resume(tmp_path):
 
 
 def test_resume_opens_the_log_with_the_durability_asked_for(tmp_path):
-    args = ["run", "--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r"]
-    assert orch(*args, "--set", "log.durability=normal").returncode == 0
+    assert orch(*fake_run_args(tmp_path, "r", steps=2), *sets("log.durability=normal")).returncode == 0
     for asked, pragma in (["log.durability=full"], 2), ([], 1), (["log.durability=normal"], 1):
         run = resume_run(tmp_path / "r", asked)
         try:

@@ -20,20 +20,20 @@ SCRIPT = textwrap.dedent("""
     from orchestrator.core import events as ev
     from orchestrator.core.state import initial_state
     from orchestrator.envs.fake import FakeEpisodes
-    from orchestrator.shell import loop, runner
+    from orchestrator.shell import compose, eventloop, loop, runner
 
-    loop.SHUTDOWN_STEP_S = runner.LEFTOVER_WAIT_S = 0.5
+    loop.SHUTDOWN_STEP_S = eventloop.LEFTOVER_WAIT_S = 0.5
     fake = FakeEpisodes.__call__
 
     stuck_from, stop_when_stuck = int(sys.argv[2]), sys.argv[3] == "stop"
     orchestrators = []
 
-    class Orchestrator(runner.Orchestrator):
+    class Orchestrator(compose.Orchestrator):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             orchestrators.append(self)
 
-    runner.Orchestrator = Orchestrator
+    compose.Orchestrator = Orchestrator
 
     async def stubborn(self, req):
         if req.episode_id < stuck_from:
@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
     params = config.core_params()
     run = runner.OpenedRun(config, config.run_dir, log, initial_state(params), ev.RunStarted(params=params), None)
     try:
-        print(f"stopped: {runner.run_job(run, None).state.stop_reason}")
+        print(f"stopped: {compose.run_job(run, None).state.stop_reason}")
     except Exception as err:
         print(f"raised {type(err).__name__}: {err}")
 """)
@@ -98,7 +98,7 @@ def test_an_error_raised_by_a_leftover_task_on_its_way_out_is_reported(caplog):
     """As asyncio.run reports it (review: the bounded close first retrieved it silently)."""
     import asyncio
 
-    from orchestrator.shell.runner import run_on_new_loop
+    from orchestrator.shell.eventloop import run_on_new_loop
 
     async def main():
         async def fails_when_cancelled():

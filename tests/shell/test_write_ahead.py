@@ -12,7 +12,8 @@ from orchestrator.core import events as ev
 from orchestrator.core.state import initial_state, state_hash
 from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.fold import fold_log
-from orchestrator.shell.runner import OpenedRun, run_job
+from orchestrator.shell.compose import run_job
+from orchestrator.shell.runner import OpenedRun
 from orchestrator.trainers.fake import FakeTrainer
 
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -23,6 +20,9 @@ from orchestrator.config import ConfigError, load_config  # noqa: E402
 from orchestrator.inference.client import InferenceClient  # noqa: E402
 from orchestrator.verifiers import adapter  # noqa: E402
 from orchestrator.verifiers.env import task_index  # noqa: E402
+from tests.support.cli import orch  # noqa: E402
+from tests.support.runs import sets  # noqa: E402
+from tests.verifiers.util import orch_env  # noqa: E402
 
 RECORDED = Path(__file__).parent / "data" / "vllm032_generate.json"
 TASKSETS = Path(__file__).parent / "tasksets"
@@ -171,16 +171,18 @@ def verifiers_config(**section) -> list[str]:
 
 
 def test_config_refuses_a_missing_taskset_in_one_line():
-    with pytest.raises(ConfigError) as err:
-        load_config(overrides=verifiers_config(taskset="orch_no_such_taskset", path=[str(TASKSETS)]))
+    config = load_config(overrides=verifiers_config(taskset="orch_no_such_taskset", path=[str(TASKSETS)]))
+    with pytest.raises(ConfigError) as err:  # before the run, not while the config is validated
+        config.env.verifiers.preflight()
     message = str(err.value)
     assert "no module 'orch_no_such_taskset'" in message and str(TASKSETS) in message
     assert "\n" not in message
 
 
 def test_config_refuses_a_taskset_without_a_trainable_agent():
+    config = load_config(overrides=verifiers_config(taskset="orch_test_untrainable", path=[str(TASKSETS)]))
     with pytest.raises(ConfigError, match="JudgeOnlyEnv has no trainable agent") as err:
-        load_config(overrides=verifiers_config(taskset="orch_test_untrainable", path=[str(TASKSETS)]))
+        config.env.verifiers.preflight()
     assert "\n" not in str(err.value)
 
 
@@ -195,6 +197,7 @@ def test_config_needs_the_openai_backend_and_accepts_the_examples_tasksets():
         )
     for taskset in ("orch_reverse_text", "orch_reverse_text_two_turn"):
         config = load_config(overrides=verifiers_config(taskset=taskset, path=[str(EXAMPLES)]))
+        config.env.verifiers.preflight()
         assert config.env.verifiers.taskset == taskset
 
 
@@ -207,15 +210,8 @@ def test_config_needs_the_openai_backend_and_accepts_the_examples_tasksets():
     ],
 )
 def test_orch_run_refuses_a_taskset_it_cannot_train_on_before_the_run(tmp_path, taskset, message):
-    sets = verifiers_config(taskset=taskset, path=[str(TASKSETS)])
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--runs-dir", str(tmp_path), "--name", "r"]
-    done = subprocess.run(
-        [*cmd, *[arg for s in sets for arg in ("--set", s)]],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
+    assignments = verifiers_config(taskset=taskset, path=[str(TASKSETS)])
+    done = orch("run", "--runs-dir", str(tmp_path), "--name", "r", *sets(*assignments), timeout=300, env=orch_env())
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("orch: error: invalid config: ")
     assert message in done.stderr

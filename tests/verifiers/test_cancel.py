@@ -67,9 +67,9 @@ async def wait_until(condition, what: str, timeout_s: float) -> None:
 
 
 def test_a_cancelled_episode_leaves_no_harness_and_drops_its_call():
-    from orchestrator.components import RolloutRequest
+    from orchestrator.contracts import RolloutRequest
     from orchestrator.inference.client import InferenceClient
-    from orchestrator.verifiers.config import VerifiersConfig
+    from orchestrator.verifiers.component import VerifiersConfig
     from orchestrator.verifiers.env import VerifiersEnv
 
     endpoint = SilentEndpoint()

@@ -13,7 +13,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +20,8 @@ import pytest
 pytest.importorskip("verifiers.v1")
 
 from tests.inference.vllm_util import launched, needs_vllm, tiny_model  # noqa: E402
-from tests.shell.test_e2e_fake import assert_log_invariants  # noqa: E402
+from tests.support.cli import orch_argv  # noqa: E402
+from tests.support.logs import assert_log_invariants  # noqa: E402
 from tests.verifiers.util import (  # noqa: E402
     EXAMPLES,
     GENERATE_ARGS,
@@ -146,7 +146,7 @@ def resumed(served, tmp_path_factory):
     # The killed run's harness programs lose their interception server and exit.
     left_after_kill = wait_for_no_harness(60)
     done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "run", "--resume", str(run_dir)],
+        orch_argv("run", "--resume", str(run_dir)),
         env=orch_env(),
         capture_output=True,
         text=True,

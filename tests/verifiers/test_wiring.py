@@ -7,10 +7,9 @@ import asyncio
 
 import pytest
 
-from orchestrator.components import RolloutRequest
 from orchestrator.config import load_config
+from orchestrator.contracts import AgentEnv, InProcessEnv, RolloutRequest
 from orchestrator.core.events import EpisodeCompleted
-from orchestrator.envs.base import AgentEnv, InProcessEnv
 from orchestrator.envs.reverse_text import ReverseTextEnv
 from orchestrator.inference.client import InferenceClient
 from orchestrator.inference.endpoints_backend import EndpointsBackend

@@ -8,10 +8,12 @@ import contextlib
 import http.client
 import json
 import os
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from tests.support import logs, runs
+from tests.support.cli import orch_argv
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
@@ -68,15 +70,15 @@ class RecordingProxy:
 
 def orch_run_cmd(config: Path, runs_dir: Path, name: str, endpoint: str, model: Path, *extra: str) -> list[str]:
     """`orch run` of an example on the given endpoint (instead of a server of its own)."""
-    sets = [
+    assignments = [
         "inference.openai.launch.servers=0",
         f'inference.openai.endpoints=["{endpoint}"]',
         f"model.path={model}",
         f'env.verifiers.path=["{EXAMPLES / "verifiers_tasksets"}", "{TASKSETS}"]',
         "log.durability=normal",
     ]
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", "--config", str(config), "--runs-dir", str(runs_dir)]
-    return [*cmd, "--name", name, *[arg for s in sets for arg in ("--set", s)], *extra]
+    args = ["run", "--config", str(config), "--runs-dir", str(runs_dir), "--name", name, *runs.sets(*assignments)]
+    return orch_argv(*args, *extra)
 
 
 def orch_env() -> dict[str, str]:
@@ -85,12 +87,7 @@ def orch_env() -> dict[str, str]:
 
 def events(run_dir: Path, kind: str) -> list[dict]:
     """The `kind` events of a run's log, decoded (packed token lists included)."""
-    from eventlog import EventLog
-    from orchestrator.core import events as ev
-
-    with EventLog.open_reader(run_dir / "events.db") as log:
-        rows = list(log.read_rows(kinds=(kind,)))
-    return [ev.decode_event(k, d, payload).model_dump(mode="json") for _seq, _ts, k, d, payload in rows]
+    return [event for _seq, event in logs.events(run_dir, kind)]
 
 
 def harness_processes() -> list[int]:

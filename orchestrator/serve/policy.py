@@ -1,7 +1,7 @@
-"""The embedded policy: a tiny char-level causal language model, its sampler and its weight files.
+"""`orch serve`'s policy: a tiny char-level causal language model, its sampler and its weight files.
 
 Everything runs on the CPU. Sequences are ``prompt_ids + completion_ids`` as rendered by
-:mod:`orchestrator.embedded.tokenizer`; the model is causal, so right padding (PAD) never changes
+:mod:`orchestrator.serve.tokenizer`; the model is causal, so right padding (PAD) never changes
 the logits of earlier positions.
 
 Log-probabilities are always those of the temperature-scaled distribution
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from orchestrator import rundir as files
-from orchestrator.embedded.tokenizer import BOS, EOS, PAD, SEP, VOCAB_SIZE, decode, encode_prompt
+from orchestrator.serve.tokenizer import BOS, EOS, PAD, SEP, VOCAB_SIZE, decode, encode_prompt
 
 
 class PolicyConfig(BaseModel):
@@ -360,7 +360,7 @@ def load_policy(wdir: str | os.PathLike) -> Policy:
 
 # ----------------------------------------------------------------------------------- the sampler
 class EmbeddedSampler:
-    """The current policy of `orch serve` (orchestrator.inference.server).
+    """The current policy of `orch serve` (orchestrator.serve.server).
 
     Thread-safe: :meth:`sample_group` may run in worker threads (``asyncio.to_thread``) while
     :meth:`reload` runs in another. A reload loads the new model fully *outside* the lock, then

@@ -1,4 +1,4 @@
-"""Char-level tokenizer for the embedded policy.
+"""Char-level tokenizer of `orch serve`'s policy.
 
 Vocabulary (ids are stable; ``VOCAB_SIZE`` = 4 specials + the sorted characters below):
 
@@ -65,6 +65,12 @@ def decode(ids: Iterable[int]) -> str:
 def encode_prompt(prompt: str) -> list[int]:
     """``[BOS] + chars(prompt) + [SEP]``: what the policy is conditioned on."""
     return [BOS, *encode(prompt), SEP]
+
+
+def task_prompt_ids(task) -> list[int]:
+    """A task's prompt as the policy is conditioned on it (how an endpoints backend renders
+    prompts for `orch serve`: `EndpointsBackend(encode_prompt=...)`)."""
+    return encode_prompt(task.prompt)
 
 
 def encode_completion(answer: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""`orch serve`: the embedded torch policy behind an OpenAI-compatible completions API.
+"""`orch serve`: its char-level torch policy behind an OpenAI-compatible completions API.
 
 Endpoints (JSON; request/response formats in :mod:`orchestrator.inference.protocol`):
 
@@ -74,7 +74,7 @@ class PolicyServer:
     """The served policy: an ``EmbeddedSampler``, its micro-batching worker and weight reloads."""
 
     def __init__(self, model_name: str = DEFAULT_MODEL_NAME, max_batch: int = 64):
-        from orchestrator.embedded.policy import EmbeddedSampler  # torch
+        from orchestrator.serve.policy import EmbeddedSampler  # torch
 
         self.model_name, self.max_batch = model_name, max_batch
         self.sampler = EmbeddedSampler()
@@ -122,7 +122,7 @@ class PolicyServer:
     # -- sampling ---------------------------------------------------------------------------------
     def render(self, params: CompletionParams) -> list[str]:
         """Prompt texts of a request, validated against the tokenizer and the position table."""
-        from orchestrator.embedded.tokenizer import TokenizerError, decode, encode_prompt
+        from orchestrator.serve.tokenizer import TokenizerError, decode, encode_prompt
 
         model, _ = self.sampler.current()
         config = model.config
@@ -249,7 +249,7 @@ async def _json(request: Request) -> Any:
 
 def create_app(server: PolicyServer) -> Starlette:
     """The starlette app of one `orch serve` process (``app.state.server`` is ``server``)."""
-    from orchestrator.embedded.tokenizer import decode
+    from orchestrator.serve.tokenizer import decode
 
     def token_text(token_id: int) -> str:
         return decode([token_id])
@@ -399,7 +399,7 @@ _STEP_DIR = re.compile(r"step_(\d+)$")
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
 def serve_command(host, port, weights, version, model_name, max_batch, threads, log_level) -> None:
-    """OpenAI-compatible server for the embedded policy (POST /v1/completions, POST /update_weights)."""
+    """OpenAI-compatible server of its char-level policy (POST /v1/completions, POST /update_weights)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -424,5 +424,5 @@ def serve_command(host, port, weights, version, model_name, max_batch, threads, 
     serve_command_line(create_app(server), "serve", host=host, port=port, log_level=log_level, on_ready=ready)
 
 
-if __name__ == "__main__":  # python -m orchestrator.inference.server
+if __name__ == "__main__":  # python -m orchestrator.serve.server
     serve_command()

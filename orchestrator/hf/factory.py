@@ -1,0 +1,83 @@
+"""The hf trainer's factory: its model checked before anything runs, its ``trainer.json``
+written, and the supervised process (one, or torchrun's N ranks) that trains.
+
+The runner has the section (`HFTrainerConfig`, orchestrator/hf/component.py) prepare the model
+before the run dir exists (the model's hash goes in the log's meta); its `build` calls
+`make_trainer`, whose trainer is a :mod:`orchestrator.trainers.process` one (start, run,
+batch_written, check, stop).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from orchestrator.contracts import BuildContext, ModelRequest, PreparedModel
+from orchestrator.hf.config import HFTrainerSettings, HFTrainSettings, LoraSection
+from orchestrator.hf.model import ModelError
+from orchestrator.trainers import TrainerFailed
+from orchestrator.trainers.process import ProcessTrainer
+
+
+def prepare_model(request: ModelRequest, lora: LoraSection, stored_hash: str | None = None) -> PreparedModel:
+    """The run's model dir, checked (ModelError: one line); on a resume, also the one the run
+    started from (`stored_hash`, as kept in the log's meta)."""
+    from orchestrator.hf.model import prepare_model as prepare_model_dir
+
+    model = prepare_model_dir(
+        request.path,
+        request.cache_dir,
+        env_gives_messages=request.env_gives_messages,
+        lora_targets=lora.target_modules if lora.rank else None,
+    )
+    if stored_hash is not None and model.sha256 != stored_hash:
+        raise ModelError(
+            f"the model dir {model.path} changed since the run started (its files' sha256 is {model.sha256[:12]}, "
+            f"the run's was {stored_hash[:12]}); restore it, or start a new run"
+        )
+    return model
+
+
+def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: PreparedModel) -> None:
+    from orchestrator.hf.config import TrainerConfig
+    from orchestrator.hf.trainer import write_trainer_config
+
+    settings = section.model_dump(include=set(HFTrainSettings.model_fields))
+    # The trainer may publish versions the log has not recorded yet (a crash): at least the ones a
+    # resume may reload stay on disk.
+    settings["keep_weights"] = max(section.keep_weights, ctx.kept_versions)
+    config_for_trainer = TrainerConfig(
+        **settings,
+        model_path=model.path.resolve(),
+        model_hash=model.sha256,
+        max_steps=ctx.max_steps,
+        seed=ctx.seed,
+        batch_wait_timeout_s=ctx.publish_timeout_s,
+        parent_pid=os.getpid(),
+    )
+    try:
+        write_trainer_config(ctx.run_dir, config_for_trainer)
+    except OSError as err:  # e.g. a directory in its place: one line, like the trainer's own failures
+        raise TrainerFailed(f"cannot write the trainer's config in {ctx.run_dir}: {err.strerror or err}") from err
+
+
+def make_trainer(section: HFTrainerSettings, ctx: BuildContext, model: PreparedModel) -> ProcessTrainer:
+    """The supervised trainer process, its trainer.json written: torchrun's ranks for several
+    ranks or nodes, else one `orch trainer` process."""
+    write_trainer_json(section, ctx, model)
+    run_dir = Path(ctx.run_dir)
+    if section.nproc > 1 or section.nnodes > 1:
+        from orchestrator.hf.distributed import torchrun_command
+        from orchestrator.trainers.torchrun import TorchrunTrainer
+
+        return TorchrunTrainer(
+            run_dir,
+            torchrun_command(
+                run_dir,
+                nproc=section.nproc,
+                nnodes=section.nnodes,
+                node_rank=section.node_rank,
+                rdzv_endpoint=section.rdzv_endpoint,
+            ),
+        )
+    return ProcessTrainer(run_dir)

@@ -1,0 +1,48 @@
+"""`openai`: OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) as the run's sampler: the
+section (`inference.openai`, its settings in :mod:`.endpoints_config`), what it supports, its
+pre-run step and its factory. No httpx here: the backend (:mod:`.endpoints_backend`) is imported
+only when a run uses it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from orchestrator.contracts import AgentEnv, BuildContext, InferenceComponent, RolloutEnv, RunPlan
+from orchestrator.inference.endpoints_config import EndpointsSettings
+
+if TYPE_CHECKING:
+    from orchestrator.inference.endpoints_backend import EndpointsBackend
+
+
+class EndpointsConfig(InferenceComponent, EndpointsSettings):
+    """OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) instead of the in-process sampler.
+
+    Given (`endpoints`), or vLLM servers the run starts and stops itself (`launch`)."""
+
+    follows_weights: ClassVar[bool] = True
+    refuses_synthetic: ClassVar[str | None] = "inference endpoints sample the model, not the {envs} env's episodes"
+    sampler: ClassVar[str] = "the openai backend (inference.openai)"
+    resumable: ClassVar[frozenset[str]] = frozenset(
+        {"endpoints", "request_timeout_s", "max_attempts", "backoff_s", "max_backoff_s", "pin_groups", "max_loras"}
+    )
+
+    def check(self, plan: RunPlan) -> None:
+        if not self.enabled:
+            raise ValueError(
+                "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers"
+            )
+
+    def served_model(self) -> str | None:
+        return self.model
+
+    def preflight(self, model_dir: Path, publish_timeout_s: float) -> None:
+        from orchestrator.inference.endpoints_backend import check_inference  # httpx: only now
+
+        check_inference(self, model_dir, publish_timeout_s)
+
+    def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]) -> EndpointsBackend:
+        from orchestrator.inference.endpoints_backend import build_endpoints_backend  # httpx: only now
+
+        return build_endpoints_backend(self, ctx, envs)

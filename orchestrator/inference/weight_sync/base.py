@@ -1,0 +1,51 @@
+"""What a weight-sync dialect uses of the inference client (a Protocol, so that the dialects do
+not import the client, which dispatches to them), and the checks they share."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Protocol
+
+from orchestrator.inference.errors import InferenceRequestError
+
+
+class SyncedEndpoint(Protocol):
+    """An endpoint's state as the dialects read and update it (`client.Endpoint`)."""
+
+    url: str
+    version: int  # newest weight version it confirmed (-1: unknown)
+    idle: asyncio.Event  # set while no sampling call is in flight
+    reloading: asyncio.Event | None  # vllm_reload: set (and dropped) once a reload is done
+    adapters: dict[int, int]  # vllm_lora: version loaded -> its requests in flight
+    adapter_released: asyncio.Event  # vllm_lora: an adapter's count hit 0
+
+
+class WeightSyncClient(Protocol):
+    """The inference client as a dialect drives it."""
+
+    endpoints: list[Any]
+    load_timeout_s: float
+    max_loras: int
+    model: str | None
+    weight_sync: str
+
+    async def _call(
+        self,
+        ep: Any,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float | None = None,
+        text: bool = False,
+    ) -> Any: ...
+
+
+def check_weights_dir(path: str, marker: str, what: str) -> None:
+    """InferenceRequestError unless ``path`` holds ``marker`` and a ``*.safetensors`` file."""
+    wdir = Path(path)
+    if not (wdir / marker).is_file() or not any(wdir.glob("*.safetensors")):
+        raise InferenceRequestError(
+            f"{wdir} is not {what} ({marker} and *.safetensors): the trainer publishes "
+            "another kind of weights than this weight_sync loads"
+        )

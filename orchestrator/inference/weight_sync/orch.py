@@ -1,0 +1,26 @@
+"""`orch`: `orch serve`'s own weight load, ``POST /update_weights {"path", "version"}`` ->
+``{"version": N}`` (its completions carry the version that sampled them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.inference.errors import InferenceRequestError
+from orchestrator.inference.weight_sync.base import SyncedEndpoint, WeightSyncClient
+
+
+async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path: str) -> int:
+    answer = await client._call(
+        ep, "POST", "/update_weights", {"path": path, "version": version}, timeout=client.load_timeout_s
+    )
+    confirmed = answer.get("version") if isinstance(answer, dict) else None
+    if not isinstance(confirmed, int) or confirmed < version:
+        raise InferenceRequestError(
+            f"{ep.url}/update_weights: asked for version {version}, the endpoint answered {answer!r}"
+        )
+    served = answer.get("path")
+    if isinstance(served, str) and Path(served).parent != Path(path).parent:
+        raise InferenceRequestError(
+            f"{ep.url}/update_weights: asked for {path}, the endpoint serves {served}, another run's weights"
+        )
+    return confirmed

@@ -1,0 +1,56 @@
+"""Before a run samples given vLLM endpoints (`vllm_reload`, `vllm_lora`): each serves the run's
+model and has the routes of the weight sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.inference.errors import InferenceRequestError, Retryable
+from orchestrator.inference.weight_sync.base import WeightSyncClient
+
+
+async def check_vllm_endpoints(client: WeightSyncClient, model_dir: Path) -> None:
+    """InferenceRequestError (one line) if a reachable endpoint serves another model than
+    ``model_dir`` (or ``model``, when given), or lacks the routes of this weight sync. One not
+    reachable yet is left to the weight loads, which wait for endpoints that are starting."""
+    for ep in client.endpoints:
+        try:
+            listed = await client._call(ep, "GET", "/v1/models")
+        except Retryable:
+            continue
+        bases = (
+            [m for m in listed.get("data", []) if isinstance(m, dict) and m.get("parent") is None]
+            if isinstance(listed, dict)
+            else []
+        )
+        names = {str(m.get(key)) for m in bases for key in ("id", "root")}
+        if not (client.model in names or any(_same_path(name, model_dir) for name in names)):
+            served = ", ".join(sorted(names)) or repr(listed)[:200]
+            hint = "" if client.model else " (set inference.openai.model to its served name)"
+            raise InferenceRequestError(
+                f"{ep.url} serves {served}, not this run's model {client.model or model_dir}" + hint
+            )
+        if client.weight_sync == "vllm_reload":
+            probe, needs = ("GET", "/is_paused", None), "VLLM_SERVER_DEV_MODE=1"
+        else:
+            probe, needs = (
+                ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}, None, True),
+                "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
+            )
+        try:
+            await client._call(ep, *probe)
+        except InferenceRequestError as exc:
+            if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
+                raise InferenceRequestError(
+                    f"{ep.url} lacks {probe[1]} ({exc}): weight_sync "
+                    f"{client.weight_sync!r} needs vLLM started with {needs}"
+                ) from None
+        except Retryable:
+            continue
+
+
+def _same_path(name: str, path: Path) -> bool:
+    try:
+        return Path(name).resolve() == Path(path).resolve()
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,43 @@
+"""`vllm_reload`: a vLLM server's full-weight reload (``VLLM_SERVER_DEV_MODE=1``): ``POST
+/pause?mode=wait`` -> ``POST /collective_rpc {"method": "reload_weights", ...}`` -> ``POST
+/reset_prefix_cache`` -> ``POST /resume``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from orchestrator.inference.errors import InferenceRequestError, Retryable
+from orchestrator.inference.weight_sync.base import SyncedEndpoint, WeightSyncClient, check_weights_dir
+
+
+async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path: str) -> int:
+    """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1). The endpoint's requests in flight end
+    with the old weights, none is sent until it resumed, so each completion's version is exact."""
+    check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
+    ep.reloading = asyncio.Event()
+    try:
+        try:
+            await asyncio.wait_for(ep.idle.wait(), client.load_timeout_s)
+        except TimeoutError:
+            raise Retryable(
+                f"{ep.url}: its requests in flight did not end within {client.load_timeout_s:g}s "
+                f"of the reload of version {version}",
+                "reload drain",
+            ) from None
+        await client._call(ep, "POST", "/pause?mode=wait", timeout=client.load_timeout_s)
+        await client._call(
+            ep,
+            "POST",
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": path}},
+            timeout=client.load_timeout_s,
+        )
+        # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
+        answer = await client._call(ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            raise InferenceRequestError(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
+        await client._call(ep, "POST", "/resume", timeout=client.load_timeout_s)
+        return version
+    finally:
+        ep.reloading.set()
+        ep.reloading = None

@@ -1,0 +1,96 @@
+"""A run's log: its invariants checked by SQL, its events read back, and simulated runs written as logs."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from pathlib import Path
+
+import orjson
+
+from eventlog import EventLog
+from orchestrator.core import events as ev
+from orchestrator.core.state import conservation
+from orchestrator.fold import fold_log
+from orchestrator.sim import SimOptions, SimWorld
+from replay.logs import write_events
+
+
+def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, target_lag: int) -> None:
+    """A completed run: contiguous seqs, each step shipped once and in order within the lag rules,
+    each batch file the one its event hashes, a `completed` stop, and nothing left behind."""
+    db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True)
+    seqs = [row[0] for row in db.execute("SELECT seq FROM events ORDER BY seq")]
+    assert seqs == list(range(1, len(seqs) + 1)), "contiguous seq"
+    ships = db.execute(
+        "SELECT seq, json_extract(data, '$.step'), json_extract(data, '$.sha256'), "
+        "json_extract(data, '$.off_policy_max')"
+        " FROM events WHERE kind = 'batch_shipped' ORDER BY seq"
+    ).fetchall()
+    assert [step for _, step, _, _ in ships] == list(range(1, max_steps + 1)), (
+        "each step shipped exactly once, in order"
+    )
+    for seq, step, sha, lag_max in ships:
+        assert lag_max <= max_off_policy
+        (version,) = db.execute(
+            "SELECT coalesce(max(json_extract(data, '$.version')), 0) FROM events"
+            " WHERE kind = 'version_published' AND seq < ?",
+            (seq,),
+        ).fetchone()
+        assert version >= step - 1 - target_lag, f"batch {step} shipped before version {step - 1 - target_lag}"
+        payload = (run_dir / "batches" / f"step_{step}.safetensors").read_bytes()
+        assert hashlib.sha256(payload).hexdigest() == sha
+    last_kind, reason = db.execute(
+        "SELECT kind, json_extract(data, '$.reason') FROM events ORDER BY seq DESC LIMIT 1"
+    ).fetchone()
+    assert (last_kind, reason) == ("run_stopped", "completed")
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        state = fold_log(log, use_snapshots=False).state
+    holds, terms = conservation(state)
+    assert holds, terms
+    assert state.acct.completed == terms["shipped"] + terms["dropped"]  # nothing left behind
+
+
+def shipped_batches(run_dir: Path) -> int:
+    """How many batches a (possibly running, possibly not yet created) run's log has shipped."""
+    try:
+        db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True, timeout=5)
+        try:
+            return db.execute("SELECT count(*) FROM events WHERE kind = 'batch_shipped'").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return 0
+
+
+def events(run_dir: Path, kind: str) -> list[tuple[int, dict]]:
+    """(seq, fields) of a run's `kind` events; a trace's packed arrays decoded into lists."""
+    with EventLog.open_reader(run_dir / "events.db") as log:
+        found = list(log.read_rows(kinds=(kind,)))
+    return [(seq, ev.decode_event(k, data, payload).model_dump(mode="json")) for seq, _ts, k, data, payload in found]
+
+
+def decoded(path: Path) -> list[tuple[int, object]]:
+    """Every event of a (small) log, decoded with its payload: (seq, event)."""
+    with EventLog.open_reader(path) as log:
+        return [(seq, ev.decode_event(kind, data, payload)) for seq, _ts, kind, data, payload in log.read_rows()]
+
+
+def rows(path: Path) -> list[tuple[int, str, dict]]:
+    """Every event of a (small) log: (seq, kind, data)."""
+    with EventLog.open_reader(path) as log:
+        return [(seq, kind, orjson.loads(data)) for seq, _ts, kind, data in log.read_raw()]
+
+
+def sim_run(params: ev.CoreParams, seed: int, options: SimOptions | None = None) -> SimWorld:
+    """A SimWorld run to its end."""
+    world = SimWorld(params, seed=seed, options=options)
+    world.run()
+    return world
+
+
+def sim_log(path: Path, params: ev.CoreParams, seed: int, options: SimOptions | None = None) -> Path:
+    """Run a SimWorld and write its stream into an orch log at `path` (a .db file)."""
+    world = sim_run(params, seed, options)
+    write_events(path, world.log, meta={"seed": str(seed)})
+    return path
