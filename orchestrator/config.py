@@ -136,6 +136,17 @@ def refuse_synthetic_envs(component: TrainerComponent | InferenceComponent, run:
         raise ValueError(component.refuses_synthetic.format(envs=", ".join(synthetic)))
 
 
+def refuse_loss_options_of_another_trainer(run: RunConfig) -> None:
+    """`trainer.hf.loss` is the hf trainer's: with another trainer it would be silently ignored."""
+    hf = getattr(run.trainer, "hf", None)
+    loss_set = hf.loss.model_dump(exclude_defaults=True) if hf is not None and run.trainer.kind != "hf" else {}
+    if loss_set:
+        raise ValueError(
+            f"trainer.hf.loss.{next(iter(loss_set))} is an option of the hf trainer; "
+            f"trainer.kind={run.trainer.kind!r} has no loss"
+        )
+
+
 def check_samples_published_weights(backend: InferenceComponent, trainer: TrainerComponent, kind: str) -> None:
     """A sampler of the trainer's published weights needs a trainer that writes them."""
     if backend.follows_weights and not trainer.writes_weights:
@@ -377,6 +388,7 @@ class RunConfig(_Section):
         backend.check(plan)
         check_samples_published_weights(backend, trainer, self.trainer.kind)
         refuse_synthetic_envs(trainer, self)
+        refuse_loss_options_of_another_trainer(self)
         trainer.check(plan)
         for env in self.env_components().values():
             env.check(plan)
@@ -461,6 +473,7 @@ class RunConfig(_Section):
             max_finalizing_groups=self.algorithm.max_finalizing_groups,
             max_steps=self.max_steps,
             algorithm=self.algorithm.name,
+            std_normalization=getattr(self.algorithm.chosen(), "std_normalization", False),
             finalize_in_background=self.finalize_in_background(),
             zero_output_batches=self.zero_output_batches,
             capacity=self.rollout.capacity,

@@ -22,10 +22,14 @@ from orchestrator.core.events import EpisodeCompleted
 
 
 class GRPOConfig(AlgorithmComponent):
-    """grpo: advantage = reward - group mean (inline)."""
+    """grpo: advantage = reward - group mean (inline), optionally divided by the group's std."""
+
+    std_normalization: bool = Field(
+        False, description="divide by the group's std + 1e-6 (off: Dr. GRPO, the centred rewards)"
+    )
 
     def build(self, ctx: BuildContext) -> GRPO:
-        return GRPO()
+        return GRPO(self.std_normalization)
 
 
 class GARConfig(AlgorithmComponent):
@@ -46,8 +50,11 @@ class GRPO:
     name: ClassVar[str] = "grpo"
     finalize_in_background: ClassVar[bool] = False
 
+    def __init__(self, std_normalization: bool = False):
+        self.std_normalization = std_normalization
+
     async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
-        return grpo_advantages([t.reward for t in traces])
+        return grpo_advantages([t.reward for t in traces], self.std_normalization)
 
 
 class Grader(Protocol):

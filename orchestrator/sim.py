@@ -44,10 +44,11 @@ class SimWorld(IgnoringPort):
         params: ev.CoreParams,
         seed: int = 0,
         options: SimOptions | None = None,
-        scorer: Callable[[list[float]], list[float]] = grpo_advantages,
+        scorer: Callable[[list[float]], list[float]] | None = None,
         state: State | None = None,
     ):
-        self.params, self.options, self.scorer = params, options or SimOptions(), scorer
+        self.params, self.options = params, options or SimOptions()
+        self.scorer = scorer or (lambda rewards: grpo_advantages(rewards, params.std_normalization))
         self.rng = random.Random(seed)
         self.started = state is not None  # a given state has had its run_started
         self.state = state or initial_state(params)

@@ -162,7 +162,7 @@ class Reexecutor(IgnoringPort):
         self.scheduled: dict[int, tuple[int, ev.BackgroundFinalized | ev.FinalizeFailed]] = {}
         self.held: list[ev.BackgroundFinalized | ev.FinalizeFailed] = []  # shuffled: to deliver at random points
         self.cursor, self.cursor_kind = 0, ""  # the recorded row being processed
-        self.algorithm = "grpo"
+        self.algorithm, self.std_normalization = "grpo", False
         self.source_background = False
 
     # --- the new log ------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ class Reexecutor(IgnoringPort):
             result = ev.BackgroundFinalized(
                 group_id=started.group_id,
                 trace_ids=started.trace_ids,
-                advantages=INLINE_SCORERS[self.algorithm]([t.reward for t in traces]),
+                advantages=INLINE_SCORERS[self.algorithm]([t.reward for t in traces], self.std_normalization),
             )
             self.report.results_computed += 1
         else:
@@ -272,7 +272,7 @@ class Reexecutor(IgnoringPort):
                 raise ReplayInputError(
                     one_line(f"cannot re-execute with --finalize {self.options.finalize}: {msg}")
                 ) from None
-            self.algorithm = params.algorithm
+            self.algorithm, self.std_normalization = params.algorithm, params.std_normalization
             return ev.RunStarted(schema_version=event.schema_version, params=params)
         s = self.state
         if event.kind == "episode_completed":

@@ -3,13 +3,22 @@ finalization compute exactly the same numbers."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+# Added to the group's std before dividing by it: a group of equal rewards has advantages 0.
+STD_EPSILON = 1e-6
 
-def grpo_advantages(rewards: Sequence[float]) -> list[float]:
-    """GRPO: advantage = reward - group mean."""
+
+def grpo_advantages(rewards: Sequence[float], std_normalization: bool = False) -> list[float]:
+    """GRPO: advantage = reward - group mean; with `std_normalization`, divided by the group's
+    (population) std + STD_EPSILON. Off (Dr. GRPO): the centred rewards alone."""
     mean = sum(rewards) / len(rewards)
-    return [reward - mean for reward in rewards]
+    centred = [reward - mean for reward in rewards]
+    if not std_normalization:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(centred))
+    return [c / (std + STD_EPSILON) for c in centred]
 
 
 def gar_advantages(rewards: Sequence[float], ranks: Sequence[int], rank_weight: float) -> list[float]:
@@ -33,8 +42,9 @@ def gar_advantages(rewards: Sequence[float], ranks: Sequence[int], rank_weight: 
     return grpo_advantages(scores)
 
 
-# Algorithms whose scoring the core can run inline, by name. An algorithm missing here needs the
-# shell (an external grader) and must finalize in the background.
+# Algorithms whose scoring the core can run inline, by name: (rewards, std_normalization) ->
+# advantages. An algorithm missing here needs the shell (an external grader) and must finalize in
+# the background.
 INLINE_SCORERS = {"grpo": grpo_advantages}
 BACKGROUND_ONLY = frozenset({"gar"})
 KNOWN_ALGORITHMS = frozenset(INLINE_SCORERS) | BACKGROUND_ONLY

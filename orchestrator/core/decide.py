@@ -267,7 +267,7 @@ def finalize_group(d: _Decisions, group: Group) -> None:
     if p.finalize_in_background:
         return  # the shell scores it; the result comes back as a `background_finalized` input
     rewards = [s.traces[trace_id].reward for trace_id in survivors]
-    advantages = INLINE_SCORERS[p.algorithm](rewards)
+    advantages = INLINE_SCORERS[p.algorithm](rewards, p.std_normalization)
     d.emit(
         ev.GroupFinalized.unvalidated(
             group_id=group.group_id,

@@ -101,6 +101,10 @@ class CoreParams(_Model):
     finalize_in_background: bool = Field(
         False, description="resolved from the algorithm's class flag and the config override"
     )
+    # Left out of the JSON while off (GRPO's advantages as they always were): the digests hold.
+    std_normalization: bool = Field(
+        False, exclude_if=lambda value: not value, description="grpo: advantages divided by the group's std"
+    )
     zero_output_batches: int = Field(
         10, ge=1, description="batch-equivalents of zero output in a row that stop the run"
     )

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from orchestrator.contracts import Section
+from orchestrator.hf.loss_config import LossConfig
 
 
 class LoraSection(Section):
@@ -41,6 +42,7 @@ class HFTrainSettings(Section):
         "a resume finds the version it reloads)",
     )
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters instead of full fine-tuning")
+    loss: LossConfig = Field(default_factory=LossConfig, description="the loss options: docs/hf.md Loss")
     distributed: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="how ranks share the model: DDP replicas or FSDP2 (torch.distributed.fsdp.fully_shard) shards",

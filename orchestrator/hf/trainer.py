@@ -9,7 +9,7 @@ Its configuration is ``RUN_DIR/trainer.json`` (:class:`.config.TrainerConfig`, w
    ``trainer_ckpt/ckpt.pt`` (weights, AdamW state, step); publish the current version if its
    publication had not completed (step_0: the model as loaded).
 2. For N = last_step+1 .. max_steps: wait (bounded) for ``batches/step_N.safetensors``, take ONE AdamW
-   step of the clipped importance-ratio loss (:func:`.loss.pg_loss`) on it, checkpoint step N,
+   step (by default; trainer.hf.loss may ask for several) of :func:`.loss.policy_loss` on it, checkpoint step N,
    publish ``weights/step_N`` (+ ``metrics.json``) then its STABLE marker, prune old versions.
 3. Exit 0 after max_steps. An error: one line ``orch trainer: error: ...`` on stderr, then the
    traceback, exit 1. If the orchestrator (``parent_pid``) or the torchrun agent dies, exit 3.
@@ -32,7 +32,15 @@ from orchestrator.hf import checkpoint
 from orchestrator.hf.batch import Batch, BatchError, parse_batch
 from orchestrator.hf.config import TrainerConfig
 from orchestrator.hf.distributed import Ranks
-from orchestrator.hf.loss import pg_loss, token_logprobs
+from orchestrator.hf.loss import (
+    MAX_STATS,
+    Counts,
+    batch_metrics,
+    merge_stats,
+    mini_batches,
+    policy_loss,
+    token_logprobs,
+)
 from orchestrator.hf.model import ModelError, check_lora_targets, load_model, load_tokenizer
 from orchestrator.hf.process import TrainerError, TrainerSetupError, exit_code_of, start_parent_watchdog
 from orchestrator.hf.publish import prune, publish
@@ -80,6 +88,16 @@ def build_model(config: TrainerConfig):
     )
 
 
+def reference_model(config: TrainerConfig, device: torch.device):
+    """The KL reference as a model of its own: the starting weights of full fine-tuning (None
+    without a reference, and with LoRA, whose base with the adapter off is the reference)."""
+    if config.loss.kl_reference == "none" or config.lora.rank:
+        return None
+    reference = load_model(config.model_path).to(device).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
 class Trainer:
     """One rank of the trainer (the only one by default); usable in-process by tests."""
 
@@ -115,6 +133,7 @@ class Trainer:
                 )
             checkpoint.load_weights(self.model, ckpt)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.reference = reference_model(config, self.ranks.device)
         self.module = ranks.wrap(self.model, config.distributed)
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -142,71 +161,123 @@ class Trainer:
         return self.config.lr * (min(1.0, step / warm) if warm > 0 else 1.0)
 
     def train_on_batch(self, batch: Batch) -> dict:
-        """ONE optimizer step on `batch` (this rank's shard of it); returns the step's metrics."""
+        """The optimizer steps of `batch` (this rank's shard of it; one step by default, see
+        trainer.hf.loss); returns the batch's metrics."""
         t0 = time.perf_counter()
-        ranks, module = self.ranks, self.module
+        ranks, options = self.ranks, self.config.loss
         total_tokens = batch.n_tokens  # the whole batch's: every rank computes the same number
-        sums, ratio_max, grad_norm = [0.0, 0.0, 0.0, 0.0], 1.0, 0.0
         lr = self.lr_at(batch.step)
+        steps: list[dict[str, float]] = []  # each optimizer step's stats (reduced over the ranks)
+        first_pass: dict[str, float] = {}  # each token once: the first epoch's steps
+        old_pass: dict[str, float] = {}
         if total_tokens == 0:
             self.log(f"trainer step={batch.step}: batch has no sampled tokens; weights unchanged")
         else:
-            chunks = ranks.shard(batch, self.config.micro_batch_size)
-            self.optimizer.zero_grad(set_to_none=True)
-            module.train()
-            ratio_max = float("-inf")
-            for k, chunk in enumerate(chunks):
-                with ranks.gradient_sync(module, k == len(chunks) - 1):  # reduce once, after the last
-                    *shares, chunk_ratio_max = self._backward(chunk, total_tokens)
-                sums = [a + b for a, b in zip(sums, shares, strict=True)]
-                ratio_max = max(ratio_max, chunk_ratio_max)
-            grad_norm = full_value(torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip))
+            minis = mini_batches(batch, options.mini_batches)
+            old = self._old_logprobs(minis, old_pass) if options.needs_old_policy() else None
+            for epoch in range(options.epochs):
+                for m, mini in enumerate(minis):
+                    step = self._optimizer_step(mini, old[m] if old is not None else None, lr)
+                    if step is None:
+                        continue  # no samples in this mini-batch
+                    steps.append(step)
+                    if epoch == 0:
+                        first_pass = merge_stats(first_pass, step)
+            skipped = sum(1 for step in steps if step["skipped"])
+            if steps and skipped == len(steps):
+                self.log(f"trainer step={batch.step}: every sampled token was masked; weights unchanged")
+        metrics = batch_metrics(batch, steps, first_pass, old_pass, total_tokens, options.kl_reference != "none")
+        delay = options.min_step_time_s - (time.perf_counter() - t0)
+        if delay > 0:
+            time.sleep(delay)  # the bench's slow trainer (trainer.hf.loss.min_step_time_s)
+        return metrics | {"lr": lr, "step_time_s": time.perf_counter() - t0, "ranks": ranks.world}
+
+    def _optimizer_step(self, mini: Batch, old: list[torch.Tensor] | None, lr: float) -> dict[str, float] | None:
+        """One optimizer step on the mini-batch `mini` (accumulated over this rank's
+        micro-batches); its stats over every rank. None if it has no sampled token; a step
+        whose every token is masked is not taken (``skipped``)."""
+        ranks, module = self.ranks, self.module
+        counts = Counts.of(mini.mask)
+        if counts.tokens == 0:
+            return None
+        chunks = ranks.shard(mini, self.config.micro_batch_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        module.train()
+        sums: dict[str, float] = {}
+        for k, chunk in enumerate(chunks):
+            with ranks.gradient_sync(module, k == len(chunks) - 1):  # reduce once, after the last
+                sums = merge_stats(sums, self._backward(chunk, counts, old[k] if old is not None else None))
+        summed = [key for key in sorted(sums) if key not in MAX_STATS]
+        step = dict(zip(summed, ranks.sum([sums[key] for key in summed]), strict=True))
+        step |= {key: ranks.max(sums[key]) for key in sorted(MAX_STATS)}
+        step["tokens"] = float(counts.tokens)
+        step["skipped"] = float(step["kept"] == 0)
+        step["grad_norm"] = 0.0
+        if not step["skipped"]:
+            step["grad_norm"] = full_value(torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip))
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-            module.eval()
-            ratio_max = ranks.max(ratio_max)
-            sums = ranks.sum(sums)
-        loss_v, clipfrac, mismatch_kl, entropy_v = sums
-        adv = batch.advantages
-        rewards = {"reward_mean": sum(batch.rewards) / len(batch.rewards)} if batch.rewards else {}
-        return {
-            "step": batch.step,
-            "loss": loss_v,
-            "grad_norm": grad_norm,
-            "entropy": entropy_v,
-            "mismatch_kl": mismatch_kl,
-            "clipfrac": clipfrac,
-            "ratio_max": ratio_max,
-            "lr": lr,
-            "samples": int(batch.ids.shape[0]),
-            "tokens": total_tokens,
-            "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
-            **rewards,  # absent, not null, for a batch without rewards (e.g. an empty one)
-            "step_time_s": time.perf_counter() - t0,
-            "ranks": ranks.world,
-        }
+        self.optimizer.zero_grad(set_to_none=True)
+        module.eval()
+        return step
 
-    def _backward(self, chunk: Batch, total_tokens: int) -> list[float]:
-        """Forward and backward of one micro-batch; its [loss, clipfrac, mismatch_kl, entropy]
-        shares of the batch's means, and its largest ratio."""
-        dev, world = self.ranks.device, self.ranks.world
+    @torch.no_grad()
+    def _old_logprobs(self, minis: list[Batch], stats: dict[str, float]) -> list[list[torch.Tensor]]:
+        """The trainer's logprobs before this batch's first update (decoupled PPO's proximal
+        policy), per mini-batch and micro-batch of this rank; adds the exact pre-update
+        mismatch (k3 sum) and token count to `stats`."""
+        dev, old, k3 = self.ranks.device, [], 0.0
+        self.module.train()  # as the training passes run
+        for mini in minis:
+            per_chunk = []
+            for chunk in self.ranks.shard(mini, self.config.micro_batch_size):
+                ids = chunk.ids.to(dev)
+                logits = self.module(input_ids=ids, attention_mask=chunk.attention.to(dev)).logits
+                lp, _ = token_logprobs(logits, ids, chunk.temperature.to(dev))
+                mask = chunk.mask.to(dev)
+                log_r = torch.where(mask, lp - chunk.old_logprobs.to(dev), torch.zeros_like(lp))
+                k3 += float(((torch.exp(log_r) - 1.0 - log_r) * mask).sum())
+                per_chunk.append(lp)
+            old.append(per_chunk)
+        self.module.eval()
+        stats["mismatch_k3"] = self.ranks.sum([k3])[0]
+        return old
+
+    @torch.no_grad()
+    def _reference_logprobs(self, ids: torch.Tensor, chunk: Batch) -> torch.Tensor:
+        """The reference policy's logprobs: the starting weights (LoRA: the base, adapter off)."""
+        attention = chunk.attention.to(ids.device)
+        if self.reference is None:
+            with self.model.disable_adapter():
+                logits = self.module(input_ids=ids, attention_mask=attention).logits
+        else:
+            logits = self.reference(input_ids=ids, attention_mask=attention).logits
+        return token_logprobs(logits, ids, chunk.temperature.to(ids.device))[0]
+
+    def _backward(self, chunk: Batch, counts: Counts, old_logprobs: torch.Tensor | None) -> dict[str, float]:
+        """Forward and backward of one micro-batch; its shares of the mini-batch's loss and
+        stats (policy_loss's, plus ``entropy``)."""
+        dev, world, options = self.ranks.device, self.ranks.world, self.config.loss
         ids = chunk.ids.to(dev)
+        ref = self._reference_logprobs(ids, chunk) if options.kl_reference != "none" else None
         logits = self.module(input_ids=ids, attention_mask=chunk.attention.to(dev)).logits
         new_lp, entropy = token_logprobs(logits, ids, chunk.temperature.to(dev))
         del logits  # the [B, T, vocab] activations are the largest tensors of a step
         mask = chunk.mask.to(dev)
-        loss, info = pg_loss(
+        loss, stats = policy_loss(
             new_lp,
             chunk.old_logprobs.to(dev),
             chunk.advantages.to(dev),
             mask,
             self.config.clip_eps,
-            n_tokens=total_tokens,
+            options,
+            counts,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref,
         )
         (loss * world).backward()  # the ranks' gradients are averaged: see .distributed
-        entropy_share = float((entropy.detach() * mask).sum()) / total_tokens
-        return [float(loss.detach()), info["clipfrac"], info["mismatch_kl"], entropy_share, info["ratio_max"]]
+        return stats | {"loss": float(loss.detach()), "entropy": float((entropy.detach() * mask).sum())}
 
     def train_step(self, step: int) -> dict:
         """Wait for batch `step`, train on it, checkpoint, publish ``weights/step_{step}``."""

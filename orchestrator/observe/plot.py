@@ -35,6 +35,17 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
     ),
     ("trainer loss", "loss", ((TRAINER_PREFIX + "loss", "-", "loss"),)),
     ("mismatch KL", "KL(sampler || trainer)", ((TRAINER_PREFIX + "mismatch_kl", "-", "mismatch KL"),)),
+    (
+        "loss corrections (trainer.hf.loss)",
+        "weight / fraction of tokens / KL",
+        (
+            (TRAINER_PREFIX + "is_weight_mean", "-", "IS weight mean"),
+            (TRAINER_PREFIX + "clipfrac", "--", "clip fraction"),
+            (TRAINER_PREFIX + "truncated_frac", ":", "truncated"),
+            (TRAINER_PREFIX + "masked_frac", "-.", "masked"),
+            (TRAINER_PREFIX + "kl_ref", "-", "KL to the reference"),
+        ),
+    ),
 )
 COLUMNS = 2
 
