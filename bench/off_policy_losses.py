@@ -2,7 +2,7 @@
 
 Each variant runs the default embedded job (the tiny model, reverse_text, the hf trainer) made
 off-policy: `off_policy.max_off_policy_steps=4`, `off_policy.target_lag=3`, and a trainer slowed
-by `trainer.hf.loss.min_step_time_s`, so that batches hold samples several versions old (the
+by `trainer.hf.min_step_time_s`, so that batches hold samples several versions old (the
 measured mean lag is reported). The on-policy run (target lag 0, nothing older than the last
 version) is beside them, with the same slow trainer. Per run: the mean reward of the last 5
 steps and the held-out eval reward (docs/evals.md) at the last version.
@@ -46,7 +46,7 @@ def run_one(runs_dir: Path, name: str, sets: list[str], seed: int, steps: int, d
     common = [
         f"seed={seed}",
         f"max_steps={steps}",
-        f"trainer.hf.loss.min_step_time_s={delay}",
+        f"trainer.hf.min_step_time_s={delay}",
         'eval.envs=["reverse_text"]',
         f"eval.every={steps}",
     ]
@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--delay", type=float, default=1.5, help="trainer.hf.loss.min_step_time_s")
+    parser.add_argument("--delay", type=float, default=1.5, help="trainer.hf.min_step_time_s")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/off-policy-losses"))
     parser.add_argument("--out", type=Path, default=Path("runs/off-policy-losses.json"))

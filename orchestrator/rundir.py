@@ -4,7 +4,7 @@ run directory's paths, the batch file schema, the weights directories and the ST
 Layout of a run directory (``RUN_DIR``)::
 
     events.db                    the event log (eventlog; its -wal and -shm files beside it)
-    trainer.json                 the trainer's config (orchestrator.hf.trainer.TrainerConfig), written by the
+    trainer.json                 the trainer's config (orchestrator.hf.config.TrainerConfig), written by the
                                  orchestrator before it spawns the trainer
     trainer.log                  the trainer process's output (appended to across resumes)
     batches/step_N.safetensors   batch N (binary; written atomically by the orchestrator)

@@ -16,7 +16,7 @@ class HFTrainerConfig(TrainerComponent, HFTrainerSettings):
     """The transformers trainer process (full or LoRA, torchrun DDP/FSDP2): docs/hf.md."""
 
     resumable: ClassVar[frozenset[str]] = frozenset(
-        {"nproc", "distributed", "backend", "nnodes", "node_rank", "rdzv_endpoint"}
+        {"nproc", "distributed", "backend", "nnodes", "node_rank", "rdzv_endpoint", "min_step_time_s"}
     )
     refuses_synthetic: ClassVar[str | None] = (
         "the hf trainer learns the model's own tokens, not the {envs} env's; use trainer.kind='fake' for it"

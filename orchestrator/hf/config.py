@@ -43,6 +43,12 @@ class HFTrainSettings(Section):
     )
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters instead of full fine-tuning")
     loss: LossConfig = Field(default_factory=LossConfig, description="the loss options: docs/hf.md Loss")
+    min_step_time_s: float = Field(
+        0.0,
+        ge=0,
+        description="each batch's training takes at least this long: a slowed trainer, so that batches "
+        "hold samples several versions old (bench/off_policy_losses.py)",
+    )
     distributed: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="how ranks share the model: DDP replicas or FSDP2 (torch.distributed.fsdp.fully_shard) shards",

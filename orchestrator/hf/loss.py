@@ -2,8 +2,8 @@
 
 `token_logprobs` recomputes, from a causal LM's logits, the logprob of each token under the
 temperature-scaled distribution the sampler drew it from; `policy_loss` is the loss of a batch's
-sampled tokens under the `trainer.hf.loss` options (docs/hf.md "Loss"), `pg_loss` its default:
-the clipped importance-ratio (PPO form) loss against the sampler's logprobs.
+sampled tokens under the `trainer.hf.loss` options (docs/hf.md "Loss"); by default the clipped
+importance-ratio (PPO form) loss against the sampler's logprobs, a global token mean.
 
 Three policies take part: the sampler's (mu, the batch's logprobs), the trainer's before this
 batch's first update (old, recomputed by a forward pass only when an option needs it), and the
@@ -192,34 +192,9 @@ def policy_loss(
             "masked": float(masked.sum()),
             "kept": float(((weight > 0) & mask).sum()),
             "kl_ref": kl_sum,
-            "ratio_max": float(ratio.detach()[mask].max()) if any_token else 1.0,
+            "ratio_max": float(ratio.detach()[mask].max()) if any_token else 0.0,
         }
     return loss, stats
-
-
-def pg_loss(
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float,
-    n_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The default loss: clipped importance-ratio policy gradient (PPO form) against the sampler,
-    mean over sampled tokens. ratio = exp(new - old) per token; loss_t = -min(ratio * A,
-    clip(ratio, 1-eps, 1+eps) * A). `n_tokens` is the mean's divisor (default: these rows'
-    sampled tokens). Also returns ``clipfrac``, ``ratio_max`` and ``mismatch_kl`` (the k3
-    estimate of KL(sampler || this model) on the sampled tokens)."""
-    counts = Counts.of(mask)
-    if n_tokens is not None:
-        counts = Counts(int(n_tokens), counts.samples)
-    loss, stats = policy_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, LossConfig(), counts)
-    n = float(max(counts.tokens, 1))
-    return loss, {
-        "clipfrac": stats["clipped"] / n,
-        "mismatch_kl": stats["mismatch_k3"] / n,
-        "ratio_max": stats["ratio_max"],
-    }
 
 
 def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

@@ -47,9 +47,6 @@ class LossConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="weight of the reference KL in the loss (needs kl_reference)")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per pass over a batch (its samples split)")
     epochs: int = Field(1, ge=1, description="passes over each batch")
-    min_step_time_s: float = Field(
-        0.0, ge=0, description="bench knob: each batch takes at least this long (a slow trainer, off-policy samples)"
-    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LossConfig:
@@ -78,6 +75,3 @@ class LossConfig(BaseModel):
         """Whether a batch needs the trainer's logprobs before its first update (a forward pass):
         decoupled PPO's proximal policy, and the exact pre-update mismatch with several steps."""
         return self.correction == "decoupled" or self.optimizer_steps > 1
-
-    def is_default(self) -> bool:
-        return self == LossConfig()

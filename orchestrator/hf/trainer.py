@@ -187,9 +187,9 @@ class Trainer:
             if steps and skipped == len(steps):
                 self.log(f"trainer step={batch.step}: every sampled token was masked; weights unchanged")
         metrics = batch_metrics(batch, steps, first_pass, old_pass, total_tokens, options.kl_reference != "none")
-        delay = options.min_step_time_s - (time.perf_counter() - t0)
+        delay = self.config.min_step_time_s - (time.perf_counter() - t0)
         if delay > 0:
-            time.sleep(delay)  # the bench's slow trainer (trainer.hf.loss.min_step_time_s)
+            time.sleep(delay)  # a slowed trainer (trainer.hf.min_step_time_s)
         return metrics | {"lr": lr, "step_time_s": time.perf_counter() - t0, "ranks": ranks.world}
 
     def _optimizer_step(self, mini: Batch, old: list[torch.Tensor] | None, lr: float) -> dict[str, float] | None:

@@ -1,4 +1,4 @@
-"""The loss and the batch schema every trainer shares: pg_loss's values and gradients, and the
+"""The loss and the batch schema every trainer shares: the default loss's values and gradients, and the
 same suite of batches (good and bad) run on each trainer variant."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from hf_helpers import VARIANTS, samples, started_trainer, trainer_config
 
 from orchestrator.core.batch import BatchSample, encode_batch
 from orchestrator.hf.batch import BatchError, parse_batch
-from orchestrator.hf.loss import pg_loss, token_logprobs
+from orchestrator.hf.loss import Counts, policy_loss, token_logprobs
+from orchestrator.hf.loss_config import LossConfig
 from orchestrator.hf.process import TrainerError
 from orchestrator.rundir import write_batch_file
 
@@ -22,6 +23,15 @@ VOCAB = 300
 def _raw(sample_list, step=1) -> bytes:
     defaults = {"trace_id": 0, "group_id": 0, "env": "", "policy_start": 0, "lag": 0}
     return encode_batch(step, [BatchSample(**{**defaults, **sample}) for sample in sample_list])
+
+
+def pg_loss(new, sampler, advantages, mask, clip_eps):
+    """The default loss (`trainer.hf.loss` unset) of these rows, with its clip fraction and
+    mismatch KL as token means."""
+    counts = Counts.of(mask)
+    loss, stats = policy_loss(new, sampler, advantages, mask, clip_eps, LossConfig(), counts)
+    n = max(counts.tokens, 1)
+    return loss, {"clipfrac": stats["clipped"] / n, "mismatch_kl": stats["mismatch_k3"] / n}
 
 
 def test_zero_advantage_gives_zero_gradient():
