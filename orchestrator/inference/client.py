@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -302,6 +303,10 @@ class InferenceClient:
             return resp.text
         try:
             return orjson.loads(resp.content)
+        except ValueError:
+            pass
+        try:  # NaN or Infinity, which orjson refuses: parsed, so the answer's check names the value
+            return json.loads(resp.content)
         except ValueError:
             raise _Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 

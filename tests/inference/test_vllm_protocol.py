@@ -4,9 +4,13 @@ weight-sync sequences run in the fast suite too (the slow tests run them against
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
 
 from orchestrator.envs.server import running_server
 from orchestrator.inference.client import InferenceClient, InferenceRequestError
@@ -98,3 +102,27 @@ def test_an_endpoint_serving_another_model_or_lacking_the_routes_is_named(tmp_pa
     with running_server(replaying_vllm(calls, dev_mode=False)) as vllm:
         with pytest.raises(InferenceRequestError, match="needs vLLM started with VLLM_SERVER_DEV_MODE=1"):
             run(check(tmp_path, "vllm_reload", model="/models/tiny"))
+
+
+def test_a_nan_logprob_in_an_answer_is_named_and_not_retried():
+    """Python's json writes a NaN logprob as the bare token NaN, which is not JSON: the answer is
+    still read, and its check names the value (a server's wrong answer, not a retryable hiccup)."""
+    calls: list[str] = []
+    answer = recorded("completion")["response"]
+    answer["choices"][0]["logprobs"]["token_logprobs"][1] = float("nan")
+
+    async def handle(request):
+        calls.append(request.url.path)
+        return Response(json.dumps(answer), media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/completions", handle, methods=["POST"])])
+    with running_server(app) as server:
+
+        async def main():
+            async with InferenceClient([server.base_url], weight_sync="none") as client:
+                with pytest.raises(InferenceRequestError, match="logprob") as err:
+                    await client.complete([1, 2, 3], n=2, seed=7)
+                return str(err.value), client.retries
+
+        message, retries = run(main())
+    assert "not JSON" not in message and retries == 0 and calls == ["/v1/completions"]
