@@ -141,6 +141,26 @@ def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
     return meta
 
 
+# At most this many of quick_check's lines are read: the first names the damage.
+_DAMAGE_LINES = 8
+
+
+def check_damage(conn: sqlite3.Connection, path: str) -> None:
+    """Refuse a damaged database before a writer touches it: SQLite's ``PRAGMA quick_check``
+    (every page and b-tree reachable and well formed; a linear scan of the file). A writer that
+    appended onto a damaged file would spread the damage (docs/resume.md).
+
+    Raises CorruptLogError naming the file and the first problem found.
+    """
+    try:
+        rows = [row[0] for row in conn.execute(f"PRAGMA quick_check({_DAMAGE_LINES})")]
+    except sqlite3.DatabaseError as e:
+        raise CorruptLogError(f"{path} is damaged (SQLite's quick_check: {e})") from None
+    if rows != ["ok"]:
+        more = f" (+{len(rows) - 1} more problems)" if len(rows) > 1 else ""
+        raise CorruptLogError(f"{path} is damaged (SQLite's quick_check: {rows[0]}{more})")
+
+
 def check_version(raw: str | None, path: str) -> int:
     """Parse meta.format_version; refuse a newer one."""
     try:

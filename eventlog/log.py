@@ -320,6 +320,7 @@ class EventLog:
             raise fileformat.translate(e, path) from None
         try:
             fileformat.validate(conn, path)
+            fileformat.check_damage(conn, path)  # before anything is written (orphans removed, WAL mode set)
             _configure_writer(conn, sync, path)
             if os.path.isdir(side_dir(path)):
                 remove_orphans(path, _referenced_side_files(conn))

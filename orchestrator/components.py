@@ -226,6 +226,10 @@ class TrainerComponent(Component):
         one line); on a resume, also the one the run started from (`stored_hash`). None: no model."""
         return None
 
+    def check_resume(self, run_dir: Path, trained_steps: int) -> None:
+        """On a resume, before anything runs: ConfigError (one line) if what this trainer kept of
+        the `trained_steps` steps the log says it trained (e.g. its checkpoint) is gone or damaged."""
+
     @abstractmethod
     def build(self, ctx: BuildContext) -> Trainer: ...
 

@@ -9,6 +9,7 @@ whose trainer is a :mod:`orchestrator.trainers.process` one (start, run, batch_w
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,33 @@ def prepare_model(config: RunConfig, stored_hash: str | None = None) -> Prepared
             f"the run's was {stored_hash[:12]}); restore it, or start a new run"
         )
     return model
+
+
+def check_checkpoint(run_dir: Path, trained_steps: int) -> None:
+    """The trainer's checkpoint, before a resume runs anything: without it the trainer would start
+    again from the model and retrain every batch still on disk, silently. Read as the zip archive
+    `torch.save` writes (its directory, at the end, is the first thing a truncation loses), without
+    torch. ConfigError: one line naming the file and the way forward (docs/resume.md)."""
+    from orchestrator.config import ConfigError
+    from orchestrator.hf.checkpoint import path as ckpt_path
+
+    if trained_steps <= 0:
+        return  # nothing trained yet: a missing checkpoint is the model as loaded
+    file = ckpt_path(run_dir)
+    way_forward = "restore it from a backup, or start a new run (docs/resume.md)"
+    if not file.is_file():
+        raise ConfigError(
+            f"the trainer's checkpoint {file} is missing, but the log says the trainer trained up to "
+            f"step {trained_steps}; {way_forward}"
+        )
+    try:
+        with zipfile.ZipFile(file) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ConfigError(
+            f"the trainer's checkpoint {file} is damaged or truncated ({err}); the log says the trainer "
+            f"trained up to step {trained_steps}; {way_forward}"
+        ) from None
 
 
 def write_trainer_json(config: RunConfig, run_dir: Path, model: PreparedModel) -> None:

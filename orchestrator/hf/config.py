@@ -11,6 +11,8 @@ from pydantic import Field, model_validator
 from orchestrator.components import BuildContext, ConfigError, Section, Trainer, TrainerComponent, synthetic_envs
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from orchestrator.config import RunConfig
     from orchestrator.hf.model import PreparedModel
 
@@ -87,6 +89,11 @@ class HFTrainerConfig(TrainerComponent):
             return prepare_model(run, stored_hash)
         except ModelError as err:
             raise ConfigError(str(err)) from None
+
+    def check_resume(self, run_dir: Path, trained_steps: int) -> None:
+        from orchestrator.hf.component import check_checkpoint
+
+        check_checkpoint(run_dir, trained_steps)
 
     def build(self, ctx: BuildContext) -> Trainer:
         from orchestrator.hf.component import make_trainer  # torch, transformers: only now

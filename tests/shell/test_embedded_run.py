@@ -114,7 +114,7 @@ def test_trainer_error_stops_the_orchestrator_with_the_trainers_message(tmp_path
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
     assert (
-        last.startswith("orch: error: trainer exited with code 1: orch trainer: error:")
+        last.startswith("orch: error: trainer exited with code 1; its last error line: orch trainer: error:")
         and "step_1.safetensors" in last
     )
     wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "no process left")

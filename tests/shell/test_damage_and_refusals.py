@@ -1,0 +1,120 @@
+"""Damaged logs and refused commands (docs/resume.md "Damage and faults"): each is one line and
+exit 2, before anything runs, and nothing is appended to the log."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from tests.shell.test_e2e_fake import orch
+
+PAGE = 16384  # the log's page size (eventlog.log._PAGE_SIZE)
+
+
+def _fake_run(tmp_path: Path, steps: int = 5) -> Path:
+    args = ("--env", "fake", "--trainer", "fake", "--max-steps", str(steps), "--runs-dir", str(tmp_path))
+    done = orch("run", *args, "--name", "r")
+    assert done.returncode == 0, done.stderr
+    return tmp_path / "r"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orch: error: "), stderr
+    return lines[0]
+
+
+def test_resume_refuses_a_log_with_random_bytes_in_its_middle_and_appends_nothing(tmp_path):
+    run = _fake_run(tmp_path)
+    db = run / "events.db"
+    pages = db.stat().st_size // PAGE
+    with open(db, "r+b") as f:  # 4 KiB of noise at the start of a page in the middle of the file
+        f.seek(pages // 2 * PAGE)
+        f.write(random.Random(7).randbytes(4096))
+    before = _digest(db)
+    resumed = orch("run", "--resume", str(run), "--max-steps", "10")
+    assert resumed.returncode == 2
+    line = _one_error_line(resumed.stderr)
+    assert f"{db} is damaged" in line and "quick_check" in line
+    assert _digest(db) == before
+    assert not os.path.exists(f"{db}-wal") or os.path.getsize(f"{db}-wal") == 0
+
+
+def test_replay_and_resume_refuse_the_same_damage(tmp_path):
+    run = _fake_run(tmp_path)
+    db = run / "events.db"
+    with open(db, "r+b") as f:
+        f.seek(2 * PAGE)
+        f.write(bytes(4096))  # the events table's root page
+    before = _digest(db)
+    assert orch("replay", str(run)).returncode == 2
+    resumed = orch("run", "--resume", str(run), "--max-steps", "10")
+    assert resumed.returncode == 2
+    line = _one_error_line(resumed.stderr)
+    assert f"{db} is corrupted" in line or f"{db} is damaged" in line
+    assert _digest(db) == before
+
+
+def test_resume_of_a_complete_run_is_one_line_and_appends_nothing(tmp_path):
+    run = _fake_run(tmp_path, steps=3)
+    db = run / "events.db"
+    count = sqlite3.connect(db).execute("SELECT count(*) FROM events").fetchone()[0]
+    resumed = orch("run", "--resume", str(run))
+    assert resumed.returncode == 2
+    assert _one_error_line(resumed.stderr) == (
+        f"orch: error: {run} is complete at step 3; pass --max-steps 4 or more to continue it"
+    )
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM events").fetchone()[0] == count
+    assert orch("run", "--resume", str(run), "--max-steps", "4").returncode == 0
+
+
+def test_an_unwritable_runs_dir_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    result = orch("run", "--runs-dir", str(tmp_path / "a_file" / "runs"), "--max-steps", "1")
+    assert result.returncode == 2
+    assert _one_error_line(result.stderr) == (
+        f"orch: error: cannot write in the runs dir {tmp_path / 'a_file' / 'runs'}: Not a directory"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("replay", "RUN", "--episode", "abc"), "Invalid value for '--episode': 'abc' is not a valid integer"),
+        (("run", "--env", "nosuch"), "Invalid value for '--env': 'nosuch' is not one of"),
+        (("run", "--progress-every", "0"), "Invalid value for '--progress-every': 0 is not in the range x>=1"),
+        (("run", "--no-such-option"), "No such option '--no-such-option'"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(args, says):
+    result = orch(*args)
+    assert result.returncode == 2
+    line = _one_error_line(result.stderr)
+    assert says in line and line.endswith("--help`)")
+
+
+def test_resume_asks_the_trainer_whether_what_it_kept_of_the_trained_steps_is_there(tmp_path, monkeypatch):
+    from orchestrator.components import TrainerComponent
+    from orchestrator.config import ConfigError
+    from orchestrator.shell.runner import resume_run
+
+    run = _fake_run(tmp_path, steps=2)
+    asked = []
+
+    def check_resume(self, run_dir, trained_steps):
+        asked.append((run_dir, trained_steps))
+        raise ConfigError("its checkpoint is gone")
+
+    monkeypatch.setattr(TrainerComponent, "check_resume", check_resume)
+    with pytest.raises(ConfigError, match="its checkpoint is gone"):
+        resume_run(run, ["max_steps=3"])
+    assert asked == [(run, 2)]
