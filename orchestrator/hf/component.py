@@ -45,8 +45,7 @@ def check_checkpoint(run_dir: Path, trained_steps: int) -> None:
     """The trainer's checkpoint, before a resume runs anything: without it the trainer would start
     again from the model and retrain every batch still on disk, silently. Read as the zip archive
     `torch.save` writes (its directory, at the end, is the first thing a truncation loses), without
-    torch. ConfigError: one line naming the file and the way forward (docs/resume.md)."""
-    from orchestrator.config import ConfigError
+    torch. ModelError: one line naming the file and the way forward (docs/resume.md)."""
     from orchestrator.hf.checkpoint import path as ckpt_path
 
     if trained_steps <= 0:
@@ -54,7 +53,7 @@ def check_checkpoint(run_dir: Path, trained_steps: int) -> None:
     file = ckpt_path(run_dir)
     way_forward = "restore it from a backup, or start a new run (docs/resume.md)"
     if not file.is_file():
-        raise ConfigError(
+        raise ModelError(
             f"the trainer's checkpoint {file} is missing, but the log says the trainer trained up to "
             f"step {trained_steps}; {way_forward}"
         )
@@ -62,7 +61,7 @@ def check_checkpoint(run_dir: Path, trained_steps: int) -> None:
         with zipfile.ZipFile(file) as archive:
             archive.infolist()
     except (zipfile.BadZipFile, OSError) as err:
-        raise ConfigError(
+        raise ModelError(
             f"the trainer's checkpoint {file} is damaged or truncated ({err}); the log says the trainer "
             f"trained up to step {trained_steps}; {way_forward}"
         ) from None

@@ -92,8 +92,12 @@ class HFTrainerConfig(TrainerComponent):
 
     def check_resume(self, run_dir: Path, trained_steps: int) -> None:
         from orchestrator.hf.component import check_checkpoint
+        from orchestrator.hf.model import ModelError
 
-        check_checkpoint(run_dir, trained_steps)
+        try:
+            check_checkpoint(run_dir, trained_steps)
+        except ModelError as err:
+            raise ConfigError(str(err)) from None
 
     def build(self, ctx: BuildContext) -> Trainer:
         from orchestrator.hf.component import make_trainer  # torch, transformers: only now

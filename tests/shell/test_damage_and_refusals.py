@@ -9,6 +9,7 @@ import random
 import sqlite3
 from pathlib import Path
 
+import orjson
 import pytest
 
 from tests.shell.test_e2e_fake import orch
@@ -118,3 +119,36 @@ def test_resume_asks_the_trainer_whether_what_it_kept_of_the_trained_steps_is_th
     with pytest.raises(ConfigError, match="its checkpoint is gone"):
         resume_run(run, ["max_steps=3"])
     assert asked == [(run, 2)]
+
+
+def _shipped_trace_row(db: Path) -> tuple[int, int]:
+    """(seq, episode id) of the first trace batch 1 shipped, with a payload in the log's own column."""
+    conn = sqlite3.connect(db)
+    (trace_ids,) = conn.execute(
+        "SELECT json_extract(data, '$.trace_ids') FROM events WHERE kind = 'batch_shipped'"
+    ).fetchone()
+    for trace_id in orjson.loads(trace_ids):
+        row = conn.execute(
+            "SELECT seq FROM events WHERE kind = 'episode_completed' AND json_extract(data, '$.episode_id') = ?"
+            " AND length(payload) > 32",
+            (trace_id,),
+        ).fetchone()
+        if row:
+            return row[0], trace_id
+    raise AssertionError("no shipped trace with an inline payload")
+
+
+def test_check_names_a_damaged_payload_rather_than_blame_the_code(tmp_path):
+    run = _fake_run(tmp_path, steps=3)
+    db = run / "events.db"
+    seq, trace_id = _shipped_trace_row(db)
+    with sqlite3.connect(db) as conn:  # 16 bytes of its token ids zeroed, as a bad disk would
+        (payload,) = conn.execute("SELECT payload FROM events WHERE seq = ?", (seq,)).fetchone()
+        conn.execute("UPDATE events SET payload = ? WHERE seq = ?", (bytes(16) + payload[16:], seq))
+    checked = orch("replay", str(run), "--check")
+    assert checked.returncode == 2
+    line = _one_error_line(checked.stderr)
+    assert line.startswith(f"orch: error: {db} is damaged: seq {seq} (the episode_completed of trace {trace_id}): ")
+    assert "its token payload differs from what" in line and "not the code non-deterministic" in line
+    (run / "batches" / "step_1.safetensors").unlink()  # nothing left to compare with: a divergence, as before
+    assert orch("replay", str(run), "--check").returncode == 1
