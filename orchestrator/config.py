@@ -10,13 +10,15 @@ which also checks what the component supports.
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import AfterValidator, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from orchestrator.components import (
     ALGORITHMS,
@@ -382,8 +384,38 @@ def _format_validation_error(err: ValidationError) -> str:
     for item in err.errors():
         message = item["msg"].removeprefix("Value error, ")  # a validator's own message
         where = ".".join(str(x) for x in item["loc"])
+        if item["type"] == "extra_forbidden":
+            nearest = nearest_key(where)
+            message = f"no such key{f' (did you mean {nearest}?)' if nearest else ''}"
         parts.append(f"{where}: {message}" if where else message)
     return "invalid config: " + "; ".join(parts)
+
+
+def config_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (sections and their fields), as `--set` takes them."""
+    keys = []
+    for name, info in (model or RunConfig).model_fields.items():
+        key = f"{prefix}{name}"
+        keys.append(key)
+        for kind in (info.annotation, *typing.get_args(info.annotation)):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                keys.extend(config_keys(kind, key + "."))
+                break
+    return keys
+
+
+def nearest_key(unknown: str) -> str | None:
+    """The config key an unknown one most likely meant: a misspelt name in the same section,
+    else a key of the same name in another section (`trainer.lora` for `trainer.hf.lora`)."""
+    keys = config_keys()
+    section, _, name = unknown.rpartition(".")
+    siblings = {key.rpartition(".")[2]: key for key in keys if key.rpartition(".")[0] == section}
+    close = difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.6)
+    if close:
+        return siblings[close[0]]
+    same_name = [key for key in keys if key.rpartition(".")[2] == name]
+    close = difflib.get_close_matches(unknown, same_name, n=1, cutoff=0.0)
+    return close[0] if close else None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
