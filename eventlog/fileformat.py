@@ -12,6 +12,7 @@ import struct
 
 from .errors import (
     CorruptLogError,
+    DamagedSnapshotsError,
     ForeignDatabaseError,
     LogError,
     LogNotFoundError,
@@ -141,7 +142,7 @@ def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
     return meta
 
 
-# At most this many of quick_check's lines are read: the first names the damage.
+# At most this many of quick_check's problems are read: the first names the damage.
 _DAMAGE_LINES = 8
 
 
@@ -150,15 +151,29 @@ def check_damage(conn: sqlite3.Connection, path: str) -> None:
     (every page and b-tree reachable and well formed; a linear scan of the file). A writer that
     appended onto a damaged file would spread the damage (docs/resume.md).
 
-    Raises CorruptLogError naming the file and the first problem found.
+    Raises DamagedSnapshotsError when the events and meta tables check out and only the
+    snapshots (a cache) are damaged, else CorruptLogError; both name the file and the first
+    problem found.
     """
+    problems = _quick_check(conn)
+    if not problems:
+        return
+    more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    where = f"{path} is damaged (SQLite's quick_check: {problems[0]}{more})"
+    if not _quick_check(conn, "events") and not _quick_check(conn, "meta"):
+        raise DamagedSnapshotsError(f"{where}; its events and meta tables are intact, its snapshots are not")
+    raise CorruptLogError(where)
+
+
+def _quick_check(conn: sqlite3.Connection, table: str | None = None) -> list[str]:
+    """quick_check's problems (of one table and its indexes, or of the whole file), one per line."""
+    arg = _DAMAGE_LINES if table is None else table
     try:
-        rows = [row[0] for row in conn.execute(f"PRAGMA quick_check({_DAMAGE_LINES})")]
+        rows = [row[0] for row in conn.execute(f"PRAGMA quick_check({arg})")]
     except sqlite3.DatabaseError as e:
-        raise CorruptLogError(f"{path} is damaged (SQLite's quick_check: {e})") from None
-    if rows != ["ok"]:
-        more = f" (+{len(rows) - 1} more problems)" if len(rows) > 1 else ""
-        raise CorruptLogError(f"{path} is damaged (SQLite's quick_check: {rows[0]}{more})")
+        return [str(e)]
+    lines = [line.strip() for row in rows for line in str(row).splitlines()]
+    return [line for line in lines if line and line != "ok" and not line.startswith("***")]
 
 
 def check_version(raw: str | None, path: str) -> int:

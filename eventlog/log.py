@@ -40,6 +40,7 @@ from .codec import NONFINITE, NOT_JSON, has_nonfinite
 from .codec import OPTS as _OPTS
 from .errors import (
     CorruptLogError,
+    DamagedSnapshotsError,
     InvalidArgumentError,
     InvalidEventError,
     LogClosedError,
@@ -50,6 +51,7 @@ from .errors import (
     ReadOnlyLocationError,
 )
 from .lock import WriterLock
+from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
 
 __all__ = ["EventLog", "Record", "Snapshot", "VerifyReport"]
@@ -183,6 +185,8 @@ class EventLog:
         # Payloads longer than this go to a side file (eventlog.sidefiles); a setting of the writer.
         self.side_file_bytes = SIDE_FILE_BYTES
         self._pinned_end: int | None = None  # open_reader(pinned=True)
+        # The writer's open rebuilt the file without its damaged snapshots: where the damaged one is.
+        self.damaged_copy: str | None = None
         if self._writer:
             self._last = self._committed_bounds(conn)
             self._next = self._last + 1
@@ -314,20 +318,27 @@ class EventLog:
     def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> EventLog:
         _check_writable(path)
         _remove_stale_creation_files(path)
-        try:
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_S)
-        except sqlite3.Error as e:
-            raise fileformat.translate(e, path) from None
+        conn = _connect_writer(path)
+        repaired = None
         try:
             fileformat.validate(conn, path)
-            fileformat.check_damage(conn, path)  # before anything is written (orphans removed, WAL mode set)
+            try:  # before anything is written (orphans removed, WAL mode set)
+                fileformat.check_damage(conn, path)
+            except DamagedSnapshotsError:
+                conn.close()
+                repaired = rebuild_without_snapshots(path)
+                conn = _connect_writer(path)
+                fileformat.validate(conn, path)
+                fileformat.check_damage(conn, path)
             _configure_writer(conn, sync, path)
             if os.path.isdir(side_dir(path)):
                 remove_orphans(path, _referenced_side_files(conn))
-            return cls(path, conn, lock=lock, durability=durability)
+            log = cls(path, conn, lock=lock, durability=durability)
         except BaseException:
             conn.close()
             raise
+        log.damaged_copy = repaired
+        return log
 
     @staticmethod
     def _connect_reader(path: str) -> sqlite3.Connection:
@@ -637,7 +648,10 @@ class EventLog:
                     rows.close()
                     return Snapshot(seq, version, state_hash, bytes(state))
         except sqlite3.DatabaseError as e:
-            raise self._error(e) from None
+            error = self._error(e)
+            if isinstance(error, CorruptLogError):
+                return None  # a damaged snapshots table: a cache, folded around (the events are checked as read)
+            raise error from None
         return None
 
     # ------------------------------------------------------------ maintenance
@@ -850,6 +864,13 @@ def _remove_stale_creation_files(path: str) -> None:
             os.unlink(leftover)
         except OSError:
             pass
+
+
+def _connect_writer(path: str) -> sqlite3.Connection:
+    try:
+        return sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_S)
+    except sqlite3.Error as e:
+        raise fileformat.translate(e, path) from None
 
 
 def _check_writable(path: str) -> None:

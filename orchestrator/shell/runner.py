@@ -126,6 +126,11 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         log = EventLog.open(db, durability=requested.log.durability)
     except LogNotFoundError as err:
         raise RunDirError(str(err)) from None
+    if log.damaged_copy is not None:
+        warn(
+            f"{db}'s snapshots were damaged (its events are intact): rebuilt without them; "
+            f"the damaged file is {log.damaged_copy}"
+        )
     try:
         with tuned_gc():
             folded = fold_log(log)

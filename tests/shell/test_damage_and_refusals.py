@@ -152,3 +152,23 @@ def test_check_names_a_damaged_payload_rather_than_blame_the_code(tmp_path):
     assert "its token payload differs from what" in line and "not the code non-deterministic" in line
     (run / "batches" / "step_1.safetensors").unlink()  # nothing left to compare with: a divergence, as before
     assert orch("replay", str(run), "--check").returncode == 1
+
+
+def test_a_run_whose_snapshots_are_damaged_replays_and_resumes_around_them(tmp_path):
+    from tests.shell.test_e2e_fake import assert_log_invariants
+
+    args = ("--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", "r")
+    assert orch("run", *args, "--max-steps", "8", "--set", "log.snapshot_every=200").returncode == 0
+    run = tmp_path / "r"
+    db = run / "events.db"
+    (root,) = sqlite3.connect(db).execute("SELECT rootpage FROM sqlite_master WHERE name = 'snapshots'").fetchone()
+    with open(db, "r+b") as f:
+        f.seek((root - 1) * PAGE)
+        f.write(b"\xa5" * 4096)
+    assert orch("replay", str(run)).returncode == 0
+    assert orch("replay", str(run), "--check").returncode == 0
+    resumed = orch("run", "--resume", str(run), "--max-steps", "10")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{db}'s snapshots were damaged (its events are intact): rebuilt without them" in resumed.stderr
+    assert (run / "events.db.damaged-1").exists()
+    assert_log_invariants(run, 10, 2, 1)
