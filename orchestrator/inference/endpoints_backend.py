@@ -30,7 +30,7 @@ from orchestrator.components import BuildContext, ConfigError, RolloutRequest, s
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.envs.base import AgentEnv
 from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
-from orchestrator.inference.endpoints_config import VLLM_MODES, EndpointsConfig
+from orchestrator.inference.endpoints_config import VLLM_MODES, EndpointsConfig, endpoint_base_urls
 from orchestrator.notices import report, warn
 from orchestrator.rundir import is_stable, weights_dir
 
@@ -95,6 +95,13 @@ def check_inference(config: RunConfig, model_dir: Path) -> None:
 
     check_launch(config, model_dir)
     inf = config.inference.openai
+    if inf.endpoints and inf.preflight_timeout_s > 0:
+        from orchestrator.inference.preflight import PreflightError, check_endpoints
+
+        try:
+            asyncio.run(check_endpoints(endpoint_base_urls(inf.endpoints), inf.weight_sync, inf.preflight_timeout_s))
+        except PreflightError as err:
+            raise ConfigError(str(err)) from None
     if inf.endpoints and inf.weight_sync in VLLM_MODES:
 
         async def check() -> None:

@@ -62,7 +62,16 @@ class EndpointsConfig(InferenceComponent):
 
     follows_weights: ClassVar[bool] = True
     resumable: ClassVar[frozenset[str]] = frozenset(
-        {"endpoints", "request_timeout_s", "max_attempts", "backoff_s", "max_backoff_s", "pin_groups", "max_loras"}
+        {
+            "endpoints",
+            "request_timeout_s",
+            "preflight_timeout_s",
+            "max_attempts",
+            "backoff_s",
+            "max_backoff_s",
+            "pin_groups",
+            "max_loras",
+        }
     )
     endpoints: list[str] = Field(
         default_factory=list,
@@ -82,6 +91,12 @@ class EndpointsConfig(InferenceComponent):
         "newest and those requests still use",
     )
     request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
+    preflight_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="bound on the check of every given endpoint before the run (/v1/models, /health, "
+        "its engine from its routes); 0: no check",
+    )
     max_attempts: int = Field(3, ge=1, description="attempts per completion, over all endpoints (transport/5xx errors)")
     backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
     max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")
