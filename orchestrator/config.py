@@ -118,6 +118,12 @@ class _TrainerChoice(_Section):
     kind: _name_in(TRAINERS) = Field("hf", description="the trainer: " + ", ".join(TRAINERS.names()))
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        description="a trainer process killed or crashed is restarted from its checkpoint this many times "
+        "(each a trainer_restarted event), then the run stops",
+    )
 
     def chosen(self) -> TrainerComponent:
         return getattr(self, self.kind)
@@ -335,6 +341,7 @@ def _resumable_fields() -> frozenset[str]:
         "log.snapshot_every",
         "trainer.publish_timeout_s",
         "trainer.exit_timeout_s",
+        "trainer.max_restarts",
         "rollout.env_server",
         "inference.kind",
     }

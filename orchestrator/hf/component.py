@@ -94,6 +94,12 @@ def make_trainer(config: RunConfig, run_dir: Path, model: PreparedModel) -> Proc
     """The supervised trainer process, its trainer.json written: torchrun's ranks for several
     ranks or nodes, else one `orch trainer` process."""
     write_trainer_json(config, run_dir, model)
+    trainer = _process_trainer(config, run_dir)
+    trainer.max_restarts = config.trainer.max_restarts
+    return trainer
+
+
+def _process_trainer(config: RunConfig, run_dir: Path) -> ProcessTrainer:
     section = config.trainer.hf
     if section.nproc > 1 or section.nnodes > 1:
         from orchestrator.hf.distributed import torchrun_command

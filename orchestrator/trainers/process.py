@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.components import Publish
@@ -34,11 +35,19 @@ class ProcessTrainer:
         self.proc: subprocess.Popen | None = None
         self._published = -1
         self._log_start = 0  # where this process's output starts in trainer.log (appended to)
+        # A child killed or crashed is started again from its checkpoint this many times
+        # (`trainer.max_restarts`); `on_restart(attempt, cause)` tells the run (a logged input).
+        self.max_restarts = 0
+        self.restarts = 0
+        self.on_restart: Callable[[int, str], None] | None = None
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)]
 
     async def start(self) -> None:
+        self._spawn()
+
+    def _spawn(self) -> None:
         log = open(self.log_path, "ab")
         try:
             self._log_start = log.seek(0, os.SEEK_END)
@@ -99,12 +108,26 @@ class ProcessTrainer:
         return "it logged no error" if lines else "it wrote nothing to trainer.log"
 
     def check(self) -> None:
+        """Raise TrainerFailed if the child died; one killed or crashed is restarted instead, from
+        its checkpoint (at most `max_restarts` times). One that refused something itself (its own
+        `orch trainer: error:` line: a bad batch, a bad model) would refuse it again: not restarted."""
         if self.proc is None:
             return
         code = self.proc.poll()
-        if code not in (None, 0):
-            how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            raise TrainerFailed(f"trainer {how}; {self._last_error_lines()} (see {self.log_path})")
+        if code in (None, 0):
+            return
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        errors = self._last_error_lines()
+        cause = f"trainer {how}; {errors}"
+        if self.restarts < self.max_restarts and "orch trainer: error:" not in errors:
+            self.restarts += 1
+            warn(f"{cause}; restarting it from its checkpoint (restart {self.restarts} of {self.max_restarts})")
+            self._spawn()
+            if self.on_restart is not None:
+                self.on_restart(self.restarts, cause)
+            return
+        after = f", after {self.restarts} restart(s)" if self.restarts else ""
+        raise TrainerFailed(f"{cause} (see {self.log_path}{after})")
 
     def exited_ok(self) -> bool:
         return self.proc is not None and self.proc.poll() == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import pytest
 
@@ -83,3 +84,51 @@ def test_a_trainer_config_that_cannot_be_written_is_a_trainer_failure(tmp_path):
     (tmp_path / TRAINER_CONFIG_FILE).mkdir()  # in the way
     with pytest.raises(TrainerFailed, match=f"cannot write the trainer's config in {tmp_path}: "):
         write_trainer_json(load_config(None, []), tmp_path, PreparedModel(tmp_path / "model", ""))
+
+
+def test_a_killed_trainer_is_restarted_a_bounded_number_of_times_each_told(tmp_path):
+    # Dies by SIGKILL the first two times (a marker file counts them), then stays up.
+    script = (
+        f"import os, signal, time, pathlib; p = pathlib.Path({str(tmp_path / 'runs.txt')!r});"
+        " n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1));"
+        " print('step 3 loss 0.2', flush=True); os.kill(os.getpid(), signal.SIGKILL) if n < 2 else time.sleep(60)"
+    )
+    trainer = ScriptTrainer(tmp_path, script)
+    trainer.max_restarts = 2
+    told = []
+    trainer.on_restart = lambda attempt, cause: told.append((attempt, cause))
+    asyncio.run(trainer.start())
+    try:
+        for _ in range(2):
+            trainer.proc.wait(30)
+            trainer.check()  # restarts it
+        assert [a for a, _ in told] == [1, 2]
+        assert told[0][1] == "trainer was killed by signal SIGKILL; it logged no error"
+        time.sleep(1.0)
+        trainer.check()  # the third process stays up
+        assert trainer.proc.poll() is None
+    finally:
+        asyncio.run(trainer.stop(0.0))
+
+
+def test_restarts_run_out_then_the_failure_names_them(tmp_path):
+    trainer = ScriptTrainer(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    trainer.max_restarts = 1
+    asyncio.run(trainer.start())
+    trainer.proc.wait(30)
+    trainer.check()
+    trainer.proc.wait(30)
+    with pytest.raises(TrainerFailed) as failed:
+        trainer.check()
+    assert str(failed.value).endswith(", after 1 restart(s))")
+    assert trainer.restarts == 1
+
+
+def test_a_trainer_that_refused_something_itself_is_not_restarted(tmp_path):
+    trainer = ScriptTrainer(tmp_path, "import sys; print('orch trainer: error: bad batch 5'); sys.exit(3)")
+    trainer.max_restarts = 5
+    asyncio.run(trainer.start())
+    trainer.proc.wait(30)
+    with pytest.raises(TrainerFailed, match="bad batch 5"):
+        trainer.check()
+    assert trainer.restarts == 0
