@@ -339,8 +339,8 @@ def render(summary: dict[str, Any], console) -> None:
     )
     figures = {v: {name: _figure(metrics[v].get(name)) for name in names} for v in shown}
     for part in _columns_that_fit(names, figures, console.width):
-        rows = [(str(v), *(figures[v][n] for n in part)) for v in shown]
-        _print_items(console, title, ("version", *part), rows, justify="right")
+        metric_rows: list[tuple[str, ...]] = [(str(v), *(figures[v][n] for n in part)) for v in shown]
+        _print_items(console, title, ("version", *part), metric_rows, justify="right")
         title = f"{title.split(' (')[0]} (continued)"
     t = Table(title="accounting", title_justify="left", show_header=False)
     t.add_column("total", style="bold")
