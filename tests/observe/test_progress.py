@@ -139,21 +139,8 @@ def test_a_three_step_runs_summary_shows_a_real_gain_and_a_one_step_run_n_a(tmp_
     from tests.shell.test_e2e_fake import orch
 
     for steps, gain in ((3, None), (1, "n/a")):
-        result = orch(
-            "run",
-            "--env",
-            "fake",
-            "--trainer",
-            "fake",
-            "--max-steps",
-            str(steps),
-            "--runs-dir",
-            str(tmp_path),
-            "--name",
-            f"r{steps}",
-            "--json-summary",
-            str(tmp_path / f"s{steps}.json"),
-        )
+        fake = ("--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", f"r{steps}")
+        result = orch("run", *fake, "--max-steps", str(steps), "--json-summary", str(tmp_path / f"s{steps}.json"))
         assert result.returncode == 0, result.stderr
         summary = orjson.loads((tmp_path / f"s{steps}.json").read_bytes())
         row = next(line for line in result.stdout.splitlines() if "reward_gain" in line)
