@@ -13,6 +13,7 @@ __all__ = [
     "NewerFormatError",
     "OlderFormatError",
     "CorruptLogError",
+    "DamagedSnapshotsError",
     "WriterLockedError",
     "ReadOnlyLocationError",
     "StorageError",
@@ -47,6 +48,11 @@ class OlderFormatError(LogError):
 
 class CorruptLogError(LogError):
     """The file is truncated or corrupted, fails its integrity check, or has a seq gap."""
+
+
+class DamagedSnapshotsError(CorruptLogError):
+    """Only the snapshots table (a cache of folded states) is damaged; the events are intact.
+    A writer's open rebuilds the file without them (:mod:`eventlog.repair`)."""
 
 
 class WriterLockedError(LogError):

@@ -12,6 +12,7 @@ import struct
 
 from .errors import (
     CorruptLogError,
+    DamagedSnapshotsError,
     ForeignDatabaseError,
     LogError,
     LogNotFoundError,
@@ -34,6 +35,10 @@ SCHEMA = (
     "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)",
     "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT, state_hash TEXT, state BLOB)",
 )
+
+# New logs use 16 KiB pages: a sequential read of the log (a fold) walks a quarter as many
+# pages as with SQLite's 4 KiB default (bench/test_replay_bench.py measures the fold).
+PAGE_SIZE = 16384
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
 _HEADER_LEN = 100
@@ -141,6 +146,40 @@ def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
     return meta
 
 
+# At most this many of quick_check's problems are read: the first names the damage.
+_DAMAGE_LINES = 8
+
+
+def check_damage(conn: sqlite3.Connection, path: str) -> None:
+    """Refuse a damaged database before a writer touches it: SQLite's ``PRAGMA quick_check``
+    (every page and b-tree reachable and well formed; a linear scan of the file). A writer that
+    appended onto a damaged file would spread the damage (docs/resume.md).
+
+    Raises DamagedSnapshotsError when the events and meta tables check out and only the
+    snapshots (a cache) are damaged, else CorruptLogError; both name the file and the first
+    problem found.
+    """
+    problems = _quick_check(conn)
+    if not problems:
+        return
+    more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    where = f"{path} is damaged (SQLite's quick_check: {problems[0]}{more})"
+    if not _quick_check(conn, "events") and not _quick_check(conn, "meta"):
+        raise DamagedSnapshotsError(f"{where}; its events and meta tables are intact, its snapshots are not")
+    raise CorruptLogError(where)
+
+
+def _quick_check(conn: sqlite3.Connection, table: str | None = None) -> list[str]:
+    """quick_check's problems (of one table and its indexes, or of the whole file), one per line."""
+    arg = _DAMAGE_LINES if table is None else table
+    try:
+        rows = [row[0] for row in conn.execute(f"PRAGMA quick_check({arg})")]
+    except sqlite3.DatabaseError as e:
+        return [str(e)]
+    lines = [line.strip() for row in rows for line in str(row).splitlines()]
+    return [line for line in lines if line and line != "ok" and not line.startswith("***")]
+
+
 def check_version(raw: str | None, path: str) -> int:
     """Parse meta.format_version; refuse a newer one."""
     try:
@@ -165,3 +204,30 @@ def _as_log_error(exc: sqlite3.DatabaseError, path: str) -> LogError:
     """While checking a file: an error with no more specific type means the file is broken."""
     err = translate(exc, path)
     return err if type(err) is not LogError else CorruptLogError(f"{path}: {exc}")
+
+
+def write_new_database(tmp: str, meta: dict[str, str]) -> None:
+    """Create schema + meta in ``tmp`` in one transaction, then switch it to WAL."""
+    conn = sqlite3.connect(tmp, isolation_level=None)
+    try:
+        conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # only before the first table
+        conn.execute("BEGIN IMMEDIATE")
+        for ddl in SCHEMA:
+            conn.execute(ddl)
+        rows = [("magic", MAGIC), ("format_version", str(FORMAT_VERSION))]
+        conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", rows + list(meta.items()))
+        conn.execute("COMMIT")
+        # WAL mode is persistent (recorded in the file header): set it once here.
+        conn.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.Error as e:
+        raise translate(e, tmp) from None
+    finally:
+        conn.close()  # last connection: SQLite checkpoints and removes tmp-wal/-shm
+
+
+def fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

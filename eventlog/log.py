@@ -40,6 +40,7 @@ from .codec import NONFINITE, NOT_JSON, has_nonfinite
 from .codec import OPTS as _OPTS
 from .errors import (
     CorruptLogError,
+    DamagedSnapshotsError,
     InvalidArgumentError,
     InvalidEventError,
     LogClosedError,
@@ -50,6 +51,7 @@ from .errors import (
     ReadOnlyLocationError,
 )
 from .lock import WriterLock
+from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
 
 __all__ = ["EventLog", "Record", "Snapshot", "VerifyReport"]
@@ -64,12 +66,9 @@ _SYNC = {"full": "FULL", "normal": "NORMAL"}
 _MAX_ROWS_PER_INSERT = 256
 _BUSY_TIMEOUT_S = 5.0
 _MAX_SEQ = (1 << 63) - 1
-# New logs use 16 KiB pages: a sequential read of the log (a fold) walks a quarter as many
-# pages as with SQLite's 4 KiB default (bench/test_replay_bench.py measures the fold).
-_PAGE_SIZE = 16384
 # Passive auto-checkpoint every ~4 MiB of WAL (SQLite's default), and a WAL
 # truncated back to this size whenever it is reset.
-_WAL_AUTOCHECKPOINT_PAGES = (4 << 20) // _PAGE_SIZE
+_WAL_AUTOCHECKPOINT_PAGES = (4 << 20) // fileformat.PAGE_SIZE
 _JOURNAL_SIZE_LIMIT = 8 << 20
 # If the WAL still grows past this (readers starving the passive checkpoints: a reader
 # tailing a log written at 140k events/s kept it growing to 32-37 MiB), force a TRUNCATE
@@ -149,14 +148,6 @@ def _uri(path: str, **params: str) -> str:
     return f"{Path(path).absolute().as_uri()}?{query}"
 
 
-def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class EventLog:
     """A durable, append-only event log (see module docs). Not safe for concurrent
     use from several threads; one thread at a time (e.g. commit in a worker
@@ -183,6 +174,8 @@ class EventLog:
         # Payloads longer than this go to a side file (eventlog.sidefiles); a setting of the writer.
         self.side_file_bytes = SIDE_FILE_BYTES
         self._pinned_end: int | None = None  # open_reader(pinned=True)
+        # The writer's open rebuilt the file without its damaged snapshots: where the damaged one is.
+        self.damaged_copy: str | None = None
         if self._writer:
             self._last = self._committed_bounds(conn)
             self._next = self._last + 1
@@ -289,8 +282,8 @@ class EventLog:
             if os.path.lexists(leftover):
                 os.unlink(leftover)
         try:
-            _write_new_database(tmp, meta)
-            _fsync_path(tmp)
+            fileformat.write_new_database(tmp, meta)
+            fileformat.fsync_path(tmp)
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -299,7 +292,7 @@ class EventLog:
                 if os.path.lexists(path):
                     raise LogExistsError(f"{path} already exists") from None
                 os.rename(tmp, path)
-            _fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
+            fileformat.fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
         except PermissionError as e:
             raise ReadOnlyLocationError(f"cannot create {path}: {e.strerror}") from None
         except OSError as e:
@@ -314,19 +307,27 @@ class EventLog:
     def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> EventLog:
         _check_writable(path)
         _remove_stale_creation_files(path)
-        try:
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_S)
-        except sqlite3.Error as e:
-            raise fileformat.translate(e, path) from None
+        conn = _connect_writer(path)
+        repaired = None
         try:
             fileformat.validate(conn, path)
+            try:  # before anything is written (orphans removed, WAL mode set)
+                fileformat.check_damage(conn, path)
+            except DamagedSnapshotsError:
+                conn.close()
+                repaired = rebuild_without_snapshots(path)
+                conn = _connect_writer(path)
+                fileformat.validate(conn, path)
+                fileformat.check_damage(conn, path)
             _configure_writer(conn, sync, path)
             if os.path.isdir(side_dir(path)):
                 remove_orphans(path, _referenced_side_files(conn))
-            return cls(path, conn, lock=lock, durability=durability)
+            log = cls(path, conn, lock=lock, durability=durability)
         except BaseException:
             conn.close()
             raise
+        log.damaged_copy = repaired
+        return log
 
     @staticmethod
     def _connect_reader(path: str) -> sqlite3.Connection:
@@ -639,7 +640,10 @@ class EventLog:
                     rows.close()
                     return Snapshot(seq, version, state_hash, bytes(state))
         except sqlite3.DatabaseError as e:
-            raise self._error(e) from None
+            error = self._error(e)
+            if isinstance(error, CorruptLogError):
+                return None  # a damaged snapshots table: a cache, folded around (the events are checked as read)
+            raise error from None
         return None
 
     # ------------------------------------------------------------ maintenance
@@ -831,25 +835,6 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
             start, left = start + size, left - size
 
 
-def _write_new_database(tmp: str, meta: dict[str, str]) -> None:
-    """Create schema + meta in ``tmp`` in one transaction, then switch it to WAL."""
-    conn = sqlite3.connect(tmp, isolation_level=None)
-    try:
-        conn.execute(f"PRAGMA page_size={_PAGE_SIZE}")  # only before the first table
-        conn.execute("BEGIN IMMEDIATE")
-        for ddl in fileformat.SCHEMA:
-            conn.execute(ddl)
-        rows = [("magic", fileformat.MAGIC), ("format_version", str(fileformat.FORMAT_VERSION))]
-        conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", rows + list(meta.items()))
-        conn.execute("COMMIT")
-        # WAL mode is persistent (recorded in the file header): set it once here.
-        conn.execute("PRAGMA journal_mode=WAL")
-    except sqlite3.Error as e:
-        raise fileformat.translate(e, tmp) from None
-    finally:
-        conn.close()  # last connection: SQLite checkpoints and removes tmp-wal/-shm
-
-
 def _remove_stale_creation_files(path: str) -> None:
     """Delete ``<path>.creating-*`` left by a creator that was killed mid-create.
 
@@ -860,6 +845,13 @@ def _remove_stale_creation_files(path: str) -> None:
             os.unlink(leftover)
         except OSError:
             pass
+
+
+def _connect_writer(path: str) -> sqlite3.Connection:
+    try:
+        return sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_S)
+    except sqlite3.Error as e:
+        raise fileformat.translate(e, path) from None
 
 
 def _check_writable(path: str) -> None:

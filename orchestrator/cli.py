@@ -1,7 +1,9 @@
 """`orch`: run, resume, replay, and the helper processes (trainer, env server).
 
-User mistakes (bad config, missing or foreign run dir, locked log, ...) print one line on
-stderr and exit non-zero; a traceback is printed only for a genuine crash.
+Exit codes, one rule for every command (README "Mistakes"): 2 when orch refuses before anything
+runs (a usage error, a bad config, a missing, existing, foreign, damaged or locked run or log),
+1 when a run that started fails (its message says how to resume), 130 on an interrupt. Each
+error is one line on stderr, `orch: error: ...`; a traceback is printed only for a genuine crash.
 """
 
 from __future__ import annotations
@@ -29,7 +31,26 @@ def fail(message: str, code: int = EXIT_ERROR) -> None:
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineErrors(click.Group):
+    """click's usage errors (a bad option value, an unknown option or choice) as one line, like
+    every other error of orch, with the command's --help named instead of its usage text."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as err:
+            command = err.ctx.command_path if err.ctx is not None else "orch"
+            fail(f"{err.format_message()} (see `{command} --help`)", EXIT_USAGE)
+        except click.ClickException as err:
+            fail(err.format_message(), err.exit_code)
+        except click.Abort:
+            fail("aborted", EXIT_INTERRUPTED)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(dist_version("orch"), prog_name="orch")
 def main() -> None:
     """orch: an asynchronous RL orchestrator whose every decision is an event in a SQLite log."""
@@ -136,7 +157,7 @@ def run_command(
                 f"{run.config.max_steps} steps)"
             )
     except (ConfigError, RunDirError, LogError, FoldError, SinkUnavailable) as err:
-        fail(str(err), EXIT_USAGE if isinstance(err, (ConfigError, SinkUnavailable)) else EXIT_ERROR)
+        fail(str(err), EXIT_USAGE)  # refused before anything ran
     except KeyboardInterrupt:  # e.g. while a resume folds a long log: nothing was logged yet
         fail("interrupted before the run started; nothing was logged", EXIT_INTERRUPTED)
     progress = Progress(every=progress_every)

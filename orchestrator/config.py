@@ -13,15 +13,17 @@ them) are checked here.
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import importlib
 import tomllib
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import AfterValidator, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from orchestrator.contracts import (
     AlgorithmComponent,
@@ -237,6 +239,12 @@ class _TrainerChoice(_Section):
     kind: _name_in(TRAINERS) = Field("hf", description="the trainer: " + ", ".join(TRAINERS.names()))
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        description="a trainer process killed or crashed is restarted from its checkpoint this many times "
+        "(each a trainer_restarted event), then the run stops",
+    )
 
     def chosen(self) -> TrainerComponent:
         return getattr(self, self.kind)
@@ -450,6 +458,7 @@ class RunConfig(_Section):
             # The trainer may publish up to target_lag + 1 versions the log has not recorded yet (a
             # crash); a resume reloads the newest recorded one, which must still be on disk.
             kept_versions=self.off_policy.target_lag + 2,
+            max_restarts=self.trainer.max_restarts,
             model=model,
             served_model=self.inference_backend().served_model(),
             env_sections=self.env_components(),
@@ -495,6 +504,7 @@ def _resumable_fields() -> frozenset[str]:
         "log.snapshot_every",
         "trainer.publish_timeout_s",
         "trainer.exit_timeout_s",
+        "trainer.max_restarts",
         "inference.kind",
     }
     for section, registry in (
@@ -555,8 +565,38 @@ def _format_validation_error(err: ValidationError) -> str:
     for item in err.errors():
         message = item["msg"].removeprefix("Value error, ")  # a validator's own message
         where = ".".join(str(x) for x in item["loc"])
+        if item["type"] == "extra_forbidden":
+            nearest = nearest_key(where)
+            message = f"no such key{f' (did you mean {nearest}?)' if nearest else ''}"
         parts.append(f"{where}: {message}" if where else message)
     return "invalid config: " + "; ".join(parts)
+
+
+def config_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (sections and their fields), as `--set` takes them."""
+    keys = []
+    for name, info in (model or RunConfig).model_fields.items():
+        key = f"{prefix}{name}"
+        keys.append(key)
+        for kind in (info.annotation, *typing.get_args(info.annotation)):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                keys.extend(config_keys(kind, key + "."))
+                break
+    return keys
+
+
+def nearest_key(unknown: str) -> str | None:
+    """The config key an unknown one most likely meant: a misspelt name in the same section,
+    else a key of the same name in another section (`trainer.lora` for `trainer.hf.lora`)."""
+    keys = config_keys()
+    section, _, name = unknown.rpartition(".")
+    siblings = {key.rpartition(".")[2]: key for key in keys if key.rpartition(".")[0] == section}
+    close = difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.6)
+    if close:
+        return siblings[close[0]]
+    same_name = [key for key in keys if key.rpartition(".")[2] == name]
+    close = difflib.get_close_matches(unknown, same_name, n=1, cutoff=0.0)
+    return close[0] if close else None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -184,6 +184,7 @@ class BuildContext:
     version_now: Callable[[], int]
     publish_timeout_s: float  # the longest wait for the trainer's next version
     kept_versions: int  # weight versions that must stay on disk: a resume reloads the oldest
+    max_restarts: int = 0  # times a dead trainer process is restarted from its checkpoint
     model: PreparedModel | None = None  # the run's model dir, checked and hashed (the hf trainer's)
     served_model: str | None = None  # the model name the inference backend's servers serve it under
     env_sections: Mapping[str, EnvComponent] = field(default_factory=dict)  # the run's envs' sections
@@ -337,6 +338,10 @@ class TrainerComponent(Component):
         """The model dir this trainer trains, checked and hashed before anything runs (ConfigError:
         one line); on a resume, also the one the run started from (`stored_hash`). None: no model."""
         return None
+
+    def check_resume(self, run_dir: Path, trained_steps: int) -> None:
+        """On a resume, before anything runs: ConfigError (one line) if what this trainer kept of
+        the `trained_steps` steps the log says it trained (e.g. its checkpoint) is gone or damaged."""
 
     @abstractmethod
     def build(self, ctx: BuildContext) -> Trainer: ...

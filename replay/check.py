@@ -19,6 +19,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.decide import decide
 from orchestrator.core.events import EVENT_TYPES, INPUT_KINDS, encode_event
 from orchestrator.core.state import State, initial_state
+from replay.damage import payload_damage
 from replay.diff import Divergence, Side, divergence_of
 from replay.inputs import decode
 from replay.source import guarded, row_data
@@ -40,6 +41,7 @@ class CheckResult:
     decisions: int  # recorded decisions re-derived identically
     divergence: Divergence | None = None
     notes: list[str] = field(default_factory=list)  # how the log's own parameters shaped the check
+    damage: str | None = None  # the divergence is the log's damage (replay.damage), named here
 
     def to_dict(self) -> dict:
         return {
@@ -49,6 +51,7 @@ class CheckResult:
             "decisions": self.decisions,
             "divergence": self.divergence.to_dict() if self.divergence else None,
             "notes": self.notes,
+            "damage": self.damage,
         }
 
 
@@ -77,6 +80,9 @@ def _state_for(first: ev.Event) -> State:
 
 def check_log(log: EventLog) -> CheckResult:
     result = _check(log)
+    recorded = result.divergence.a if result.divergence is not None else None
+    if recorded is not None and recorded.kind == "batch_shipped" and isinstance(recorded.data, dict):
+        result.damage = payload_damage(log, recorded.seq, recorded.data)
     if _capacity_off(log):
         result.notes.append(CAPACITY_OFF_NOTE)
     return result

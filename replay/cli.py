@@ -85,7 +85,8 @@ def replay_command(
                                                 logprobs included): one JSON line per completion
 
     Exit status: 0 equivalent / deterministic; 1 divergent (for the state summary: the
-    conservation check fails); 2 bad input (one line on stderr).
+    conservation check fails); 2 bad input (one line on stderr), a damaged log included: --check
+    names the damaged row rather than blame the code.
     """
     flags = (
         ("--diff", bool(diff_paths)),
@@ -182,6 +183,10 @@ def _check(run: Path, as_json: bool) -> int:
         result = check_log(log)
     if as_json:
         _emit_json(result.to_dict())
+        if result.damage is not None:
+            return EXIT_BAD_INPUT
+    elif result.damage is not None:
+        raise ReplayInputError(f"{result.path} is damaged: {result.damage}")
     elif result.deterministic:
         click.echo(f"deterministic: {result.decisions} decisions re-derived from {result.inputs} inputs")
     else:

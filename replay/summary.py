@@ -177,6 +177,22 @@ def _figure(value) -> str:
     return str(value) if isinstance(value, int) else f"{value:.4g}"
 
 
+def _columns_that_fit(names: list[str], rows: dict[int, dict[str, str]], width: int) -> list[list[str]]:
+    """The metric names in runs of columns, each run a table no wider than the terminal (a
+    table wider than it has its values cut to "0.1…"); at least one column a table."""
+    version_width = max([len("version"), *(len(str(v)) for v in rows)]) + 4  # padding, both borders
+    parts: list[list[str]] = [[]]
+    used = version_width
+    for name in names:
+        column = max([len(name), *(len(row[name]) for row in rows.values())]) + 3  # padding, border
+        if parts[-1] and used + column > width:
+            parts.append([])
+            used = version_width
+        parts[-1].append(name)
+        used += column
+    return parts if names else []
+
+
 def _ids(ids: list[int], limit: int = 12) -> str:
     text = ", ".join(map(str, ids[:limit]))
     return text + (f", … (+{len(ids) - limit})" if len(ids) > limit else "")
@@ -316,15 +332,16 @@ def render(summary: dict[str, Any], console) -> None:
     metrics = summary["trainer_metrics"]
     names = list(dict.fromkeys(name for figures in metrics.values() for name in figures))
     shown = sorted(metrics)[-TRAINER_METRICS_SHOWN:]
-    _print_items(
-        console,
+    title = (
         f"trainer metrics (the newest {len(shown)} of {len(metrics)} versions)"
         if len(shown) < len(metrics)
-        else "trainer metrics",
-        ("version", *names),
-        [(str(v), *(_figure(metrics[v].get(name)) for name in names)) for v in shown],
-        justify="right",
+        else "trainer metrics"
     )
+    figures = {v: {name: _figure(metrics[v].get(name)) for name in names} for v in shown}
+    for part in _columns_that_fit(names, figures, console.width):
+        metric_rows: list[tuple[str, ...]] = [(str(v), *(figures[v][n] for n in part)) for v in shown]
+        _print_items(console, title, ("version", *part), metric_rows, justify="right")
+        title = f"{title.split(' (')[0]} (continued)"
     t = Table(title="accounting", title_justify="left", show_header=False)
     t.add_column("total", style="bold")
     t.add_column("value", justify="right")

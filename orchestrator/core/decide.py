@@ -544,6 +544,11 @@ def on_finalize_failed(d: _Decisions, e: ev.FinalizeFailed) -> None:
     """Rule 10: recorded; the shell re-raises the original error in its main loop."""
 
 
+def on_trainer_restarted(d: _Decisions, e: ev.TrainerRestarted) -> None:
+    """Recorded only: the trainer resumes from its checkpoint and takes the same next step; the
+    batches it has not trained are on disk, and the versions it publishes arrive as before."""
+
+
 _INPUT_RULES: dict[str, Callable] = {
     "run_started": on_run_started,
     "run_resumed": on_run_resumed,
@@ -552,6 +557,7 @@ _INPUT_RULES: dict[str, Callable] = {
     "finalize_failed": on_finalize_failed,
     "version_published": on_version_published,
     "stop_requested": on_stop_requested,
+    "trainer_restarted": on_trainer_restarted,
     "eval_episode_completed": on_eval_episode_completed,
 }
 assert set(_INPUT_RULES) == ev.INPUT_KINDS

@@ -401,6 +401,17 @@ class StopRequested(_Model):
     reason: str
 
 
+class TrainerRestarted(_Model):
+    """Input: the trainer process died (`cause`: its signal or exit code, its last error line) and
+    was started again from its checkpoint, the `attempt`-th time in this run. Recorded for
+    `orch replay`; it changes nothing the core decides (docs/resume.md)."""
+
+    role = "input"
+    kind: Literal["trainer_restarted"] = Field("trainer_restarted", exclude=True)
+    attempt: int
+    cause: str
+
+
 class RunStopped(_Model):
     role = "decision"
     kind: Literal["run_stopped"] = Field("run_stopped", exclude=True)
@@ -427,6 +438,7 @@ Event = Annotated[
     | BatchShipped
     | DrainStarted
     | StopRequested
+    | TrainerRestarted
     | RunStopped
     | EvalStarted
     | EvalEpisodeDispatched

@@ -210,6 +210,10 @@ def _stop_requested(s: State, e: ev.StopRequested) -> None:
     """A request only: `decide` turns it into cancellations and `run_stopped`."""
 
 
+def _trainer_restarted(s: State, e: ev.TrainerRestarted) -> None:
+    """Nothing of the state: the restarted trainer goes on from its checkpoint."""
+
+
 def _run_stopped(s: State, e: ev.RunStopped) -> None:
     s.stopped, s.stop_reason = True, e.reason
 
@@ -298,6 +302,7 @@ _REDUCERS: dict[str, Callable[[State, Any], None]] = {
     "batch_shipped": _batch_shipped,
     "drain_started": _drain_started,
     "stop_requested": _stop_requested,
+    "trainer_restarted": _trainer_restarted,
     "run_stopped": _run_stopped,
     "eval_started": _eval_started,
     "eval_episode_dispatched": _eval_episode_dispatched,

@@ -6,6 +6,7 @@ plus how its processes are started), and its factory. Light: the factory's modul
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 from orchestrator.contracts import BuildContext, ConfigError, ModelRequest, PreparedModel, Trainer, TrainerComponent
@@ -28,6 +29,15 @@ class HFTrainerConfig(TrainerComponent, HFTrainerSettings):
 
         try:
             return prepare_model(request, self.lora, stored_hash)
+        except ModelError as err:
+            raise ConfigError(str(err)) from None
+
+    def check_resume(self, run_dir: Path, trained_steps: int) -> None:
+        from orchestrator.hf.factory import check_checkpoint
+        from orchestrator.hf.model import ModelError
+
+        try:
+            check_checkpoint(run_dir, trained_steps)
         except ModelError as err:
             raise ConfigError(str(err)) from None
 

@@ -10,6 +10,7 @@ batch_written, check, stop).
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 from orchestrator.contracts import BuildContext, ModelRequest, PreparedModel
@@ -36,6 +37,32 @@ def prepare_model(request: ModelRequest, lora: LoraSection, stored_hash: str | N
             f"the run's was {stored_hash[:12]}); restore it, or start a new run"
         )
     return model
+
+
+def check_checkpoint(run_dir: Path, trained_steps: int) -> None:
+    """The trainer's checkpoint, before a resume runs anything: without it the trainer would start
+    again from the model and retrain every batch still on disk, silently. Read as the zip archive
+    `torch.save` writes (its directory, at the end, is the first thing a truncation loses), without
+    torch. ModelError: one line naming the file and the way forward (docs/resume.md)."""
+    from orchestrator.hf.checkpoint import path as ckpt_path
+
+    if trained_steps <= 0:
+        return  # nothing trained yet: a missing checkpoint is the model as loaded
+    file = ckpt_path(run_dir)
+    way_forward = "restore it from a backup, or start a new run (docs/resume.md)"
+    if not file.is_file():
+        raise ModelError(
+            f"the trainer's checkpoint {file} is missing, but the log says the trainer trained up to "
+            f"step {trained_steps}; {way_forward}"
+        )
+    try:
+        with zipfile.ZipFile(file) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ModelError(
+            f"the trainer's checkpoint {file} is damaged or truncated ({err}); the log says the trainer "
+            f"trained up to step {trained_steps}; {way_forward}"
+        ) from None
 
 
 def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: PreparedModel) -> None:
@@ -65,7 +92,12 @@ def make_trainer(section: HFTrainerSettings, ctx: BuildContext, model: PreparedM
     """The supervised trainer process, its trainer.json written: torchrun's ranks for several
     ranks or nodes, else one `orch trainer` process."""
     write_trainer_json(section, ctx, model)
-    run_dir = Path(ctx.run_dir)
+    trainer = _process_trainer(section, Path(ctx.run_dir))
+    trainer.max_restarts = ctx.max_restarts
+    return trainer
+
+
+def _process_trainer(section: HFTrainerSettings, run_dir: Path) -> ProcessTrainer:
     if section.nproc > 1 or section.nnodes > 1:
         from orchestrator.hf.distributed import torchrun_command
         from orchestrator.trainers.torchrun import TorchrunTrainer

@@ -100,6 +100,7 @@ class Endpoint:
     reloading: asyncio.Event | None = field(default=None, repr=False)  # vllm_reload: set (and dropped) once done
     adapters: dict[int, int] = field(default_factory=dict)  # vllm_lora: version loaded -> its requests in flight
     adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
+    last_server_error: tuple[int, str, str] | None = None  # (status, path, message) of its last 5xx answer
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -292,9 +293,8 @@ class InferenceClient:
                 f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
             ) from None
         if resp.status_code >= 500:
-            raise _Retryable(
-                f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", f"HTTP {resp.status_code} {path}"
-            )
+            _raise_server_error(ep, method, url, path, resp)
+        ep.last_server_error = None
         if resp.status_code >= 400:
             raise InferenceRequestError(
                 f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
@@ -552,6 +552,19 @@ class InferenceClient:
             if ep.version >= 0:
                 return ep.version
             raise
+
+
+def _raise_server_error(ep: Endpoint, method: str, url: str, path: str, resp: httpx.Response) -> None:
+    """A 5xx answer: retried like a lost connection (_Retryable), except an HTTP 500 that repeats,
+    on the same route, with the same message: that one is the endpoint's permanent state (a dead
+    engine, a bug), refused at once (InferenceRequestError) rather than retried for minutes."""
+    error = (resp.status_code, path, _error_message(resp))
+    repeated, ep.last_server_error = ep.last_server_error == error, error
+    if repeated and resp.status_code == 500:
+        raise InferenceRequestError(
+            f"{method} {url}: HTTP 500: {error[2]} (the same server error twice in a row: not retried)", 500
+        )
+    raise _Retryable(f"{method} {url}: HTTP {resp.status_code}: {error[2]}", f"HTTP {resp.status_code} {path}")
 
 
 def _is_batch(prompt: Any) -> bool:

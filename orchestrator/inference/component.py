@@ -25,7 +25,16 @@ class EndpointsConfig(InferenceComponent, EndpointsSettings):
     refuses_synthetic: ClassVar[str | None] = "inference endpoints sample the model, not the {envs} env's episodes"
     sampler: ClassVar[str] = "the openai backend (inference.openai)"
     resumable: ClassVar[frozenset[str]] = frozenset(
-        {"endpoints", "request_timeout_s", "max_attempts", "backoff_s", "max_backoff_s", "pin_groups", "max_loras"}
+        {
+            "endpoints",
+            "request_timeout_s",
+            "preflight_timeout_s",
+            "max_attempts",
+            "backoff_s",
+            "max_backoff_s",
+            "pin_groups",
+            "max_loras",
+        }
     )
 
     def check(self, plan: RunPlan) -> None:

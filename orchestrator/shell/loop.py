@@ -128,6 +128,8 @@ class Orchestrator:
         self._batches_to_announce: list[ev.BatchShipped] = []
         self._versions_published: list[int] = []
         self._drain_due = self._snapshot_due = False
+        if hasattr(trainer, "on_restart"):  # a trainer process that restarts a dead child (trainers.process)
+            trainer.on_restart = self.trainer_restarted
 
     # --- inputs from the outside world (called on the loop thread) ---------------------------
 
@@ -141,6 +143,10 @@ class Orchestrator:
 
     def publish_version(self, version: int, metrics: dict | None = None) -> None:
         self._versions.append((version, metrics))
+        self._poke()
+
+    def trainer_restarted(self, attempt: int, cause: str) -> None:
+        self._control.append(ev.TrainerRestarted(attempt=attempt, cause=cause))
         self._poke()
 
     def request_stop(self, reason: str) -> None:

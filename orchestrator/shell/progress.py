@@ -135,8 +135,7 @@ class Progress:
 
     def summary(self, state: State, run_dir) -> dict:
         steps = sorted(self.rewards)
-        first = [self.rewards[s] for s in steps[:5]]
-        last = [self.rewards[s] for s in steps[-5:]]
+        first, last = reward_windows([self.rewards[s] for s in steps])
         holds, terms = conservation(state)
         acct = state.acct
         out: dict[str, Any] = {
@@ -144,8 +143,8 @@ class Progress:
             "stop_reason": state.stop_reason,
             "steps": len(steps),
             "reward_first5": sum(first) / len(first) if first else None,
-            "reward_last5": sum(last) / len(last) if last else None,
-            "reward_gain": sum(last) / len(last) - sum(first) / len(first) if first else None,
+            "reward_last5": sum(last) / len(last) if last else None,  # None (n/a): one step, no gain to show
+            "reward_gain": sum(last) / len(last) - sum(first) / len(first) if first and last else None,
             "wall_s": time.monotonic() - self.started,
             "conservation": holds,
             **terms,
@@ -168,6 +167,21 @@ class Progress:
                 continue
             if isinstance(value, dict):
                 value = ", ".join(f"{reason} {n}" for reason, n in value.items()) or "none"
+            elif value is None and key.startswith("reward_"):
+                value = "n/a"
             table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
         self.console.print(table)
         return out
+
+
+REWARD_WINDOW_STEPS = 5
+
+
+def reward_windows(rewards: list[float]) -> tuple[list[float], list[float]]:
+    """The first and last steps' rewards the summary compares: 5 each, or each half of a run
+    of fewer than 10 steps, so that they never share a step (a 3-step run's gain would else be
+    0 by construction); none for a single step (the gain is n/a)."""
+    window = min(REWARD_WINDOW_STEPS, len(rewards) // 2)
+    if window == 0:
+        return (rewards[:1], []) if rewards else ([], [])
+    return rewards[:window], rewards[-window:]

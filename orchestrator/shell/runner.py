@@ -5,6 +5,7 @@ run's components are composed by :mod:`.compose`, on the event loop of :mod:`.ev
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
 from orchestrator.fold import fold_log
 from orchestrator.gc_tuning import tuned_gc
+from orchestrator.notices import warn
 from orchestrator.orch_log import LOG_MAGIC_META, OrchLogError, open_orch_log
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 
@@ -69,6 +71,7 @@ def create_run(config: RunConfig) -> OpenedRun:
         raise RunDirError(
             f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name"
         )
+    _check_runs_dir(config.runs_dir)
     model = prepare_model(config)  # before the run dir exists: a bad model leaves nothing behind
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +97,16 @@ def create_run(config: RunConfig) -> OpenedRun:
     return OpenedRun(config, run_dir, log, initial_state(params), ev.RunStarted(params=params), None, model)
 
 
+def _check_runs_dir(runs_dir: Path) -> None:
+    """runs_dir exists (made if not) and takes files: found out now, in one line, not as an
+    OSError from whatever writes there first (the model cache, the run dir)."""
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=runs_dir).close()  # a real probe: permission bits say little to root
+    except OSError as err:
+        raise RunDirError(f"cannot write in the runs dir {runs_dir}: {err.strerror or err}") from None
+
+
 def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
     db = events_db(run_dir)
     if not run_dir.is_dir():
@@ -107,6 +120,11 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         log = EventLog.open(db, durability=requested.log.durability)
     except LogNotFoundError as err:
         raise RunDirError(str(err)) from None
+    if log.damaged_copy is not None:
+        warn(
+            f"{db}'s snapshots were damaged (its events are intact): rebuilt without them; "
+            f"the damaged file is {log.damaged_copy}"
+        )
     try:
         with tuned_gc():
             folded = fold_log(log)
@@ -123,11 +141,23 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
                 f"max_steps {requested.max_steps} is below the {shipped} batches {run_dir} already "
                 f"shipped; resume with --max-steps {shipped} or more"
             )
+        _check_not_complete(run_dir, folded.state, requested.max_steps)
+        requested.trainer.chosen().check_resume(run_dir, folded.state.version)
         first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
         return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq, model)
     except BaseException:
         log.close()
         raise
+
+
+def _check_not_complete(run_dir: Path, state: State, max_steps: int) -> None:
+    """A completed run resumed without a higher max_steps would start its components only to stop
+    at once, appending a resume and a stop: refused instead, with nothing appended."""
+    shipped = state.step - 1
+    if state.stop_reason == "completed" and max_steps <= shipped:
+        raise RunDirError(
+            f"{run_dir} is complete at step {shipped}; pass --max-steps {shipped + 1} or more to continue it"
+        )
 
 
 def _check_no_batch_file_beyond(run_dir: Path, shipped: int) -> None:

@@ -9,11 +9,20 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.contracts import Publish
 from orchestrator.notices import warn
-from orchestrator.rundir import latest_stable_version, read_metrics, trainer_log, weights_dir
+from orchestrator.rundir import (
+    ckpt_dir,
+    clean_tmp,
+    latest_stable_version,
+    read_metrics,
+    trainer_log,
+    weights_dir,
+    weights_root,
+)
 from orchestrator.trainers import TrainerFailed
 
 
@@ -26,11 +35,19 @@ class ProcessTrainer:
         self.proc: subprocess.Popen | None = None
         self._published = -1
         self._log_start = 0  # where this process's output starts in trainer.log (appended to)
+        # A child killed or crashed is started again from its checkpoint this many times
+        # (`trainer.max_restarts`); `on_restart(attempt, cause)` tells the run (a logged input).
+        self.max_restarts = 0
+        self.restarts = 0
+        self.on_restart: Callable[[int, str], None] | None = None
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)]
 
     async def start(self) -> None:
+        self._spawn()
+
+    def _spawn(self) -> None:
         log = open(self.log_path, "ab")
         try:
             self._log_start = log.seek(0, os.SEEK_END)
@@ -73,42 +90,67 @@ class ProcessTrainer:
             warn(f"{wdir}/metrics.json {what}; left out of the log")
         return metrics
 
-    def _last_error_line(self) -> str:
-        """The last error line this trainer process wrote (not an earlier one's: the log is
-        appended to across resumes)."""
+    def _last_error_lines(self) -> str:
+        """The last error this trainer process wrote (not an earlier one's: the log is appended
+        to across resumes): its own one-line summary, else a traceback's last line, else any line
+        naming an error. A trainer killed by a signal writes none: then that is said, not its last
+        progress line quoted as if it were the error."""
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(self._log_start)
-                lines = log.read().decode(errors="replace").splitlines()
+                lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
         except OSError:
-            return "(no trainer.log)"
-        for marker in ("orch trainer: error:", "error"):  # its own one-line summary first
+            return "no trainer.log"
+        for marker in ("orch trainer: error:", "error", "exception"):
             for line in reversed(lines):
                 if marker in line.lower():
-                    return line.strip()
-        return lines[-1].strip() if lines else "(it wrote nothing to trainer.log)"
+                    return f"its last error line: {line}"
+        return "it logged no error" if lines else "it wrote nothing to trainer.log"
 
     def check(self) -> None:
+        """Raise TrainerFailed if the child died; one killed or crashed is restarted instead, from
+        its checkpoint (at most `max_restarts` times). One that refused something itself (its own
+        `orch trainer: error:` line: a bad batch, a bad model) would refuse it again: not restarted."""
         if self.proc is None:
             return
         code = self.proc.poll()
-        if code not in (None, 0):
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            raise TrainerFailed(f"trainer {how}: {self._last_error_line()} (see {self.log_path})")
+        if code in (None, 0):
+            return
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        errors = self._last_error_lines()
+        cause = f"trainer {how}; {errors}"
+        if self.restarts < self.max_restarts and "orch trainer: error:" not in errors:
+            self.restarts += 1
+            warn(f"{cause}; restarting it from its checkpoint (restart {self.restarts} of {self.max_restarts})")
+            self._spawn()
+            if self.on_restart is not None:
+                self.on_restart(self.restarts, cause)
+            return
+        after = f", after {self.restarts} restart(s)" if self.restarts else ""
+        raise TrainerFailed(f"{cause} (see {self.log_path}{after})")
 
     def exited_ok(self) -> bool:
         return self.proc is not None and self.proc.poll() == 0
 
     async def stop(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for a clean exit, then SIGTERM, then SIGKILL: never orphaned."""
+        """Wait up to `timeout_s` for a clean exit, then SIGTERM, then SIGKILL: never orphaned.
+        A trainer stopped (or dead) mid-write, e.g. on a full disk, leaves a temp sibling of its
+        checkpoint or weights: removed once it is gone."""
         proc = self.proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        for action, wait_s in ((None, timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            if action is not None:
-                os.kill(proc.pid, action)
-            try:
-                await asyncio.to_thread(proc.wait, wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            for action, wait_s in ((None, timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+                if proc.poll() is not None:
+                    return
+                if action is not None:
+                    os.kill(proc.pid, action)
+                try:
+                    await asyncio.to_thread(proc.wait, wait_s)
+                    return
+                except subprocess.TimeoutExpired:
+                    continue
+        finally:
+            if proc.poll() is not None:
+                for directory in (weights_root(self.run_dir), ckpt_dir(self.run_dir)):
+                    clean_tmp(directory)

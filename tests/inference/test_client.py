@@ -417,3 +417,49 @@ def test_requests_waiting_for_a_down_endpoint_give_up_after_their_timeout():
     ]
     assert len(waited) >= 15, errors
     assert all(f"{url}: POST {url}/v1/completions: ConnectError" in str(e) for e in waited), waited[0]
+
+
+def _failing_app(bodies):
+    """A real HTTP app whose completions answer HTTP 500 with the next of `bodies`."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    answers = iter(bodies)
+
+    async def completions(request):
+        return PlainTextResponse(next(answers), status_code=500)
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+def test_the_same_http_500_twice_is_permanent_and_not_retried():
+    from orchestrator.envs.server import running_server
+
+    with running_server(_failing_app(["engine is dead"] * 20)) as server:
+
+        async def main():
+            async with InferenceClient([server.base_url], weight_sync="none", max_attempts=10, backoff_s=0.01) as c:
+                await c.load(0, "/elsewhere")
+                with pytest.raises(InferenceRequestError) as err:
+                    await ask(c)
+                return str(err.value), c.retries
+
+        message, retries = run(main())
+    assert message.endswith("HTTP 500: engine is dead (the same server error twice in a row: not retried)")
+    assert retries == 1
+
+
+def test_server_errors_that_change_are_retried_as_before():
+    from orchestrator.envs.server import running_server
+
+    with running_server(_failing_app([f"busy {i}" for i in range(20)])) as server:
+
+        async def main():
+            async with InferenceClient([server.base_url], weight_sync="none", max_attempts=4, backoff_s=0.01) as c:
+                await c.load(0, "/elsewhere")
+                with pytest.raises(InferenceUnavailable, match="failed after 4 attempt"):
+                    await ask(c)
+                return c.retries
+
+        assert run(main()) == 3

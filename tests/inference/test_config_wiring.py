@@ -81,6 +81,7 @@ def test_the_config_picks_the_endpoints_backend_and_torchrun(tmp_path):
             f"runs_dir={tmp_path}",
             "name=r",
             'inference.openai.endpoints=["127.0.0.1:9/v1"]',
+            "inference.openai.preflight_timeout_s=0",  # the wiring, not the endpoint: nothing listens there
             "trainer.hf.nproc=2",
             "trainer.hf.backend=gloo",
             f"model.path={tmp_path / 'model'}",

@@ -9,6 +9,7 @@ import re
 import select
 import subprocess
 
+import orjson
 from rich.console import Console
 
 from orchestrator.core.events import BatchShipped, CoreParams
@@ -104,3 +105,28 @@ def test_orch_run_on_a_terminal_shows_the_live_bar(tmp_path):
     assert "step    3/3 | reward" in plain
     bars = [part for part in re.split(r"[\r\n]", plain) if "ETA" in part]
     assert bars and "3/3" in bars[-1]  # the live bar, complete at the end
+
+
+def test_the_reward_gain_of_a_short_run_compares_halves_and_one_step_is_n_a():
+    from orchestrator.shell.progress import reward_windows
+
+    assert reward_windows([0.1, 0.2, 0.6]) == ([0.1], [0.6])  # never the same steps on both sides
+    assert reward_windows([0.1, 0.2, 0.3, 0.4]) == ([0.1, 0.2], [0.3, 0.4])
+    assert reward_windows([float(i) for i in range(12)]) == ([0.0, 1.0, 2.0, 3.0, 4.0], [7.0, 8.0, 9.0, 10.0, 11.0])
+    assert reward_windows([0.5]) == ([0.5], [])
+    assert reward_windows([]) == ([], [])
+
+
+def test_a_three_step_runs_summary_shows_a_real_gain_and_a_one_step_run_n_a(tmp_path):
+    from tests.shell.test_e2e_fake import orch
+
+    for steps, gain in ((3, None), (1, "n/a")):
+        fake = ("--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", f"r{steps}")
+        result = orch("run", *fake, "--max-steps", str(steps), "--json-summary", str(tmp_path / f"s{steps}.json"))
+        assert result.returncode == 0, result.stderr
+        summary = orjson.loads((tmp_path / f"s{steps}.json").read_bytes())
+        row = next(line for line in result.stdout.splitlines() if "reward_gain" in line)
+        if gain is None:
+            assert summary["reward_gain"] == summary["reward_last5"] - summary["reward_first5"]
+        else:
+            assert summary["reward_gain"] is None and gain in row

@@ -92,3 +92,31 @@ def test_a_violated_conservation_exits_1(tmp_path, cli):
     code, out = cli.json(path, "--at", seq)
     assert code == 1 and out["conservation"]["holds"] is False
     assert cli.json(path, "--at", seq - 1) == (0, cli.json(path, "--at", seq - 1)[1])
+
+
+def test_the_trainer_metrics_table_fits_a_narrow_terminal_without_cutting_values(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from replay.source import open_run
+    from replay.summary import fold_run, render, summarize
+
+    metrics = {"loss": 0.123456, "grad_norm": 12.3456, "entropy": 1.23456, "mismatch_kl": 0.000123456}
+    metrics |= {"tokens": 123456, "learning_rate": 0.0005, "step_time_s": 0.0123456, "clipfrac": 0.0456}
+    path = sim_log(tmp_path / "a.db", sim_params(3), 3)
+    with open_run(path) as log:
+        summary = summarize(fold_run(log, None), log)
+    summary["trainer_metrics"] = {v: metrics for v in range(1, 6)}
+    for width in (60, 80, 200):
+        out = io.StringIO()
+        render(summary, Console(file=out, width=width, highlight=False))
+        text = out.getvalue()
+        section = text[text.index("trainer metrics") : text.index("accounting")]
+        assert "…" not in section, section
+        assert max(len(line) for line in section.splitlines()) <= width
+        for name in metrics:
+            assert name in section
+        for shown in ("0.1235", "12.35", "0.0001235", "123456"):
+            assert shown in section
+    assert section.count("trainer metrics") == 1  # wide enough: one table

@@ -39,7 +39,10 @@ FAKE = ['envs={"fake": 1}', "trainer.kind=fake"]
         ("inference.kind=nope", "inference.kind: unknown inference backend 'nope'; known: embedded, fake, openai"),
         ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo"),
         ('envs={"nope": 1}', "envs: unknown env 'nope'; known: fake, reverse_text, verifiers"),
-        ("trainer.fake.nope=1", "trainer.fake.nope: Extra inputs are not permitted"),
+        ("trainer.fake.nope=1", "trainer.fake.nope: no such key"),
+        ("trainer.lora.rank=16", "trainer.lora: no such key (did you mean trainer.hf.lora?)"),
+        ("trainer.lr=0.1", "trainer.lr: no such key (did you mean trainer.hf.lr?)"),
+        ("batch.sise=64", "batch.sise: no such key (did you mean batch.size?)"),
     ],
 )
 def test_an_unknown_name_is_one_line_listing_the_known_ones(override, message):

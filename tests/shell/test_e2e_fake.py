@@ -53,7 +53,12 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
 @pytest.mark.parametrize(
     "args, code, message",
     [
-        (["--progress-every", "0"], 2, "Error: Invalid value for '--progress-every': 0 is not in the range x>=1."),
+        (
+            ["--progress-every", "0"],
+            2,
+            "orch: error: Invalid value for '--progress-every': 0 is not in the range x>=1. "
+            "(see `python -m orchestrator.cli run --help`)",
+        ),
         (
             ["--json-summary", "{tmp}/nodir/s.json"],
             2,
@@ -61,8 +66,8 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
         ),
         (
             ["--runs-dir", "{tmp}/afile/sub", "--name", "r"],
-            1,
-            "orch: error: cannot create the run directory {tmp}/afile/sub/r: Not a directory",
+            2,
+            "orch: error: cannot write in the runs dir {tmp}/afile/sub: Not a directory",
         ),
         (
             ["--set", "algorithm.name=gar", "--set", "algorithm.finalize_in_background=false"],
@@ -134,9 +139,9 @@ def test_existing_run_needs_resume_and_missing_resume_is_an_error(tmp_path):
     args = fake_run_args(tmp_path, "r", steps=2)
     assert orch(*args).returncode == 0
     again = orch(*args)
-    assert again.returncode == 1 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
+    assert again.returncode == 2 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
     missing = orch("run", "--resume", str(tmp_path / "nope"))
-    assert missing.returncode == 1 and "no such run directory" in missing.stderr
+    assert missing.returncode == 2 and "no such run directory" in missing.stderr
 
 
 def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_path):
@@ -207,7 +212,7 @@ def test_a_stored_config_that_is_not_json_is_one_line(tmp_path):
     with sqlite3.connect(tmp_path / "r" / "events.db") as db:
         db.execute("UPDATE meta SET value = '{bad' WHERE key = 'config'")
     result = orch("run", "--resume", str(tmp_path / "r"))
-    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         f"orch: error: {tmp_path / 'r' / 'events.db'} is corrupted: the run's stored config is not a JSON object"
     ]
 
@@ -254,7 +259,7 @@ def test_a_batch_file_past_the_logs_last_shipped_step_refuses_the_resume(tmp_pat
     batches = tmp_path / "r" / "batches"
     (batches / "step_4.safetensors").write_bytes((batches / "step_2.safetensors").read_bytes())
     result = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "6")
-    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         f"orch: error: {batches} holds batch files for steps 4..4, but the log shipped only up to step 2: it lost "
         "committed events (its -wal file deleted or damaged?); move those files away to resume from the log as it is"
     ]
@@ -285,5 +290,5 @@ def test_a_plain_resume_keeps_the_max_steps_an_earlier_resume_raised(tmp_path):
     assert _fake_run(tmp_path, "_r", "--max-steps", "2").returncode == 0  # a name may start with "_"
     assert orch("run", "--resume", str(tmp_path / "_r"), "--max-steps", "4").returncode == 0
     again = orch("run", "--resume", str(tmp_path / "_r"))  # what the stop and error lines tell users to run
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 2 and f"{tmp_path / '_r'} is complete at step 4; pass --max-steps 5" in again.stderr
     assert_log_invariants(tmp_path / "_r", 4, 2, 1)

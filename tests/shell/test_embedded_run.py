@@ -84,7 +84,7 @@ def test_trainer_error_stops_the_orchestrator_with_the_trainers_message(tmp_path
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
     assert (
-        last.startswith("orch: error: trainer exited with code 1: orch trainer: error:")
+        last.startswith("orch: error: trainer exited with code 1; its last error line: orch trainer: error:")
         and "step_1.safetensors" in last
     )
     wait_until(lambda: processes_mentioning(str(run_dir)) == [], 10, "no process left")
@@ -170,3 +170,31 @@ def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
     db = sqlite3.connect(tmp_path / "r" / "events.db")
     completed = db.execute("SELECT count(*) FROM events WHERE kind = 'episode_completed'").fetchone()[0]
     assert app.state.stats["task"] >= completed >= 64 and app.state.stats["score_completed"] >= completed
+
+
+def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_the_run_completes(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = spawn_run(tmp_path, "--max-steps", "6")
+    try:
+        wait_until(lambda: shipped_batches(run_dir) >= 2, 150, "batch 2")
+        trainers = [pid for pid in processes_mentioning(str(run_dir)) if pid != proc.pid]
+        assert len(trainers) == 1, trainers
+        os.kill(trainers[0], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "trainer was killed by signal SIGKILL; it logged no error; restarting it from its checkpoint" in stderr
+    db = sqlite3.connect(run_dir / "events.db")
+    restarts = db.execute(
+        "SELECT json_extract(data, '$.attempt'), json_extract(data, '$.cause') FROM events"
+        " WHERE kind = 'trainer_restarted'"
+    ).fetchall()
+    assert restarts == [(1, "trainer was killed by signal SIGKILL; it logged no error")]
+    assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)  # each step trained once, in order
+    versions = [
+        v for (v,) in db.execute("SELECT json_extract(data, '$.version') FROM events WHERE kind = 'version_published'")
+    ]
+    assert versions == [1, 2, 3, 4, 5, 6]  # the restarted trainer went on from its checkpoint
+    assert processes_mentioning(str(run_dir)) == []
+    assert orch("replay", str(run_dir), "--check").returncode == 0

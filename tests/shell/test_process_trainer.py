@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import pytest
 
@@ -34,13 +35,44 @@ def _failure(run_dir, script: str) -> str:
 def test_the_error_quoted_is_this_processs_not_an_earlier_ones(tmp_path):
     (tmp_path / "trainer.log").write_text("orch trainer: error: timed out waiting for step_3.json (an earlier run)\n")
     message = _failure(tmp_path, "import sys; print('orch trainer: error: bad batch 5'); sys.exit(3)")
-    assert message == f"trainer exited with code 3: orch trainer: error: bad batch 5 (see {tmp_path / 'trainer.log'})"
+    assert message == (
+        "trainer exited with code 3; its last error line: orch trainer: error: bad batch 5 "
+        f"(see {tmp_path / 'trainer.log'})"
+    )
 
 
 def test_a_trainer_killed_by_a_signal_says_so(tmp_path):
     (tmp_path / "trainer.log").write_text("trainer waiting for step_1.json (an earlier run)\n")
     message = _failure(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
-    assert message.startswith("trainer was killed by SIGKILL: (it wrote nothing to trainer.log)")
+    assert message.startswith("trainer was killed by signal SIGKILL; it wrote nothing to trainer.log")
+
+
+def test_a_killed_trainers_last_metrics_line_is_not_quoted_as_its_error(tmp_path):
+    script = "import os, signal; print('step 4 loss 0.31', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    message = _failure(tmp_path, script)
+    assert message.startswith("trainer was killed by signal SIGKILL; it logged no error (see ")
+    assert "loss" not in message
+
+
+def test_a_traceback_s_last_line_is_the_error_quoted(tmp_path):
+    message = _failure(tmp_path, "print('step 1 loss 0.5', flush=True); raise RuntimeError('CUDA went away')")
+    assert message.startswith("trainer exited with code 1; its last error line: RuntimeError: CUDA went away")
+
+
+def test_a_trainer_stopped_mid_write_leaves_no_temp_file(tmp_path):
+    from orchestrator.rundir import ckpt_dir, weights_root
+
+    for directory in (ckpt_dir(tmp_path), weights_root(tmp_path)):
+        directory.mkdir()
+    leftovers = [ckpt_dir(tmp_path) / ".ckpt.pt.tmp-123-abcd", weights_root(tmp_path) / ".step_3.tmp-123-abcd"]
+    leftovers[0].write_bytes(b"x" * 1000)
+    leftovers[1].mkdir()
+    trainer = ScriptTrainer(tmp_path, "import time; time.sleep(60)")
+    asyncio.run(trainer.start())
+    asyncio.run(trainer.stop(0.0))
+    assert trainer.proc.poll() is not None
+    assert not any(path.exists() for path in leftovers)
+    assert (ckpt_dir(tmp_path)).is_dir()
 
 
 def test_a_trainer_config_that_cannot_be_written_is_a_trainer_failure(tmp_path):
@@ -54,3 +86,51 @@ def test_a_trainer_config_that_cannot_be_written_is_a_trainer_failure(tmp_path):
         config = load_config(None, [])
         ctx = config.build_context(tmp_path, version_now=lambda: 0)
         write_trainer_json(config.trainer.hf, ctx, PreparedModel(tmp_path / "model", ""))
+
+
+def test_a_killed_trainer_is_restarted_a_bounded_number_of_times_each_told(tmp_path):
+    # Dies by SIGKILL the first two times (a marker file counts them), then stays up.
+    script = (
+        f"import os, signal, time, pathlib; p = pathlib.Path({str(tmp_path / 'runs.txt')!r});"
+        " n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1));"
+        " print('step 3 loss 0.2', flush=True); os.kill(os.getpid(), signal.SIGKILL) if n < 2 else time.sleep(60)"
+    )
+    trainer = ScriptTrainer(tmp_path, script)
+    trainer.max_restarts = 2
+    told = []
+    trainer.on_restart = lambda attempt, cause: told.append((attempt, cause))
+    asyncio.run(trainer.start())
+    try:
+        for _ in range(2):
+            trainer.proc.wait(30)
+            trainer.check()  # restarts it
+        assert [a for a, _ in told] == [1, 2]
+        assert told[0][1] == "trainer was killed by signal SIGKILL; it logged no error"
+        time.sleep(1.0)
+        trainer.check()  # the third process stays up
+        assert trainer.proc.poll() is None
+    finally:
+        asyncio.run(trainer.stop(0.0))
+
+
+def test_restarts_run_out_then_the_failure_names_them(tmp_path):
+    trainer = ScriptTrainer(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    trainer.max_restarts = 1
+    asyncio.run(trainer.start())
+    trainer.proc.wait(30)
+    trainer.check()
+    trainer.proc.wait(30)
+    with pytest.raises(TrainerFailed) as failed:
+        trainer.check()
+    assert str(failed.value).endswith(", after 1 restart(s))")
+    assert trainer.restarts == 1
+
+
+def test_a_trainer_that_refused_something_itself_is_not_restarted(tmp_path):
+    trainer = ScriptTrainer(tmp_path, "import sys; print('orch trainer: error: bad batch 5'); sys.exit(3)")
+    trainer.max_restarts = 5
+    asyncio.run(trainer.start())
+    trainer.proc.wait(30)
+    with pytest.raises(TrainerFailed, match="bad batch 5"):
+        trainer.check()
+    assert trainer.restarts == 0

@@ -91,7 +91,7 @@ def test_second_writer_on_the_same_run_fails_at_once(tmp_path):
             time.sleep(0.05)
         time.sleep(0.3)
         second = orch("run", "--resume", str(tmp_path / "r"), timeout=30)
-        assert second.returncode == 1
+        assert second.returncode == 2
         assert str(proc.pid) in second.stderr and "Traceback" not in second.stderr
     finally:
         proc.send_signal(signal.SIGINT)
@@ -173,7 +173,7 @@ def test_a_run_stopped_before_its_first_commit_is_started_by_resume(tmp_path):
     )
     create_run(config).log.close()
     again = orch(*fake_run_args(tmp_path, "r"))
-    assert again.returncode == 1 and "--resume" in again.stderr
+    assert again.returncode == 2 and "--resume" in again.stderr
     resumed = orch("run", "--resume", str(tmp_path / "r"))
     assert resumed.returncode == 0, resumed.stderr
     assert "stopped before its first event was committed" in resumed.stdout
@@ -183,7 +183,7 @@ def test_a_run_stopped_before_its_first_commit_is_started_by_resume(tmp_path):
 def test_resume_opens_the_log_with_the_durability_asked_for(tmp_path):
     assert orch(*fake_run_args(tmp_path, "r", steps=2), *sets("log.durability=normal")).returncode == 0
     for asked, pragma in (["log.durability=full"], 2), ([], 1), (["log.durability=normal"], 1):
-        run = resume_run(tmp_path / "r", asked)
+        run = resume_run(tmp_path / "r", [*asked, "max_steps=3"])  # it completed at 2
         try:
             assert run.log.durability == run.config.log.durability
             assert run.log._live_conn().execute("PRAGMA synchronous").fetchone()[0] == pragma

@@ -1,0 +1,78 @@
+"""Telling a damaged log from non-deterministic code, for `orch replay RUN --check`.
+
+A payload stored in the log's own `payload` column has no checksum (a side file's has, and a read
+refuses it): bytes changed inside one decode as other token values, and the batch the check
+re-derives from them hashes differently from the `batch_shipped` recorded. That divergence is the
+log's damage, not the code's, when the batch file the run wrote is still on disk with the recorded
+sha256: each shipped trace's payload is then compared with what that file holds of it, and the first
+that differs names the damaged row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from eventlog import EventLog
+from orchestrator.core.arrays import PayloadError, unpack
+from orchestrator.core.batch import decode_batch
+
+
+def batch_file(log_path: str, step: int) -> Path:
+    """Where the run that wrote `log_path` put batch `step` (orchestrator.rundir's layout)."""
+    return Path(log_path).parent / "batches" / f"step_{step}.safetensors"
+
+
+def payload_damage(log: EventLog, shipped_seq: int, shipped: dict[str, Any]) -> str | None:
+    """One line naming the damaged payload behind the recorded `batch_shipped` at `shipped_seq`
+    (its data `shipped`), or None if the damage cannot be shown (no intact batch file to compare
+    with, or every shipped trace's payload matches it)."""
+    step, sha256 = shipped.get("step"), shipped.get("sha256")
+    if not isinstance(step, int) or not isinstance(sha256, str):
+        return None
+    path = batch_file(log.path, step)
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    if hashlib.sha256(raw).hexdigest() != sha256:
+        return None
+    try:
+        batch = decode_batch(raw)
+    except ValueError:
+        return None
+    index = {int(trace_id): i for i, trace_id in enumerate(batch.trace_id)}
+    for seq, _ts, _kind, data, payload in log.read_rows(stop=shipped_seq, kinds=("episode_completed",)):
+        fields = _episode_fields(data)
+        i = index.get(fields.get("episode_id", -1))
+        if i is None:
+            continue
+        where = f"seq {seq} (the episode_completed of trace {fields['episode_id']})"
+        try:
+            token_ids, mask, logprobs = unpack(payload, fields.get("n_tokens", -1))
+        except PayloadError as err:
+            return f"{where}: its token payload does not decode ({err})"
+        start, end = int(batch.offsets[i]), int(batch.offsets[i + 1])
+        same = (
+            np.array_equal(np.frombuffer(token_ids, np.int32), batch.token_ids[start:end])
+            and np.frombuffer(mask, np.uint8).tobytes() == batch.mask[start:end].tobytes()
+            and np.frombuffer(logprobs, np.float32).tobytes() == batch.logprobs[start:end].tobytes()
+        )
+        if not same:
+            return (
+                f"{where}: its token payload differs from what {path} (sha256 {sha256[:12]}, as recorded at seq "
+                f"{shipped_seq}) shipped of it: the log is damaged, not the code non-deterministic"
+            )
+    return None
+
+
+def _episode_fields(data: bytes) -> dict[str, Any]:
+    try:
+        fields = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return {}
+    return fields if isinstance(fields, dict) else {}

@@ -1,0 +1,89 @@
+"""The guard of a launched server (orchestrator.inference.server_guard) ends the server's whole
+process group once orch is gone, at any moment, even for a server that ignores SIGTERM (vLLM's
+start-up does) and has forked children (its engine core): real processes, no vLLM needed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from orchestrator.inference.vllm_launch import group_alive, guarded
+
+# A stand-in server: ignores SIGTERM, forks a child that ignores it too, then runs (or exits).
+SERVER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.fork() == 0:
+        time.sleep(120); os._exit(0)
+    print("ready", flush=True)
+    time.sleep(float(sys.argv[1])); sys.exit(3)
+    """
+)
+
+# A stand-in orch: starts the guarded server in a session of its own, says its pid, waits.
+ORCH = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from orchestrator.inference.vllm_launch import guarded
+    command = guarded([sys.executable, "-c", sys.argv[1], sys.argv[2]], 1.0)
+    proc = subprocess.Popen(command, start_new_session=True)
+    print(proc.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def _wait_gone(pgid: int, within_s: float) -> float:
+    start = time.monotonic()
+    while group_alive(pgid):
+        assert time.monotonic() - start < within_s, f"process group {pgid} still alive after {within_s}s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _group_size(pgid: int) -> int:
+    return sum(1 for e in os.listdir("/proc") if e.isdigit() and _pgid(int(e)) == pgid)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def test_a_sigkilled_orch_takes_the_whole_server_group_with_it(tmp_path):
+    orch = subprocess.Popen([sys.executable, "-c", ORCH, SERVER, "120"], stdout=subprocess.PIPE, text=True)
+    try:
+        guard = int(orch.stdout.readline())
+        deadline = time.monotonic() + 30
+        while _group_size(guard) < 3:  # the guard, the server and the server's child
+            assert time.monotonic() < deadline, "the stand-in server did not start"
+            time.sleep(0.05)
+        os.kill(orch.pid, signal.SIGKILL)
+        orch.wait()
+        assert _wait_gone(guard, within_s=10) < 10  # SIGTERM ignored: SIGKILL after the 1 s stop timeout
+    finally:
+        orch.kill()
+
+
+def test_told_to_stop_the_guard_ends_the_group():
+    proc = subprocess.Popen(guarded([sys.executable, "-c", SERVER, "120"], 1.0), start_new_session=True)
+    deadline = time.monotonic() + 30
+    while _group_size(proc.pid) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # what VllmLauncher.stop sends first
+    assert proc.wait(10) == -signal.SIGKILL  # the group's SIGKILL ends the guard last
+    _wait_gone(proc.pid, within_s=5)
+
+
+def test_a_server_that_exits_by_itself_gives_its_code_and_leaves_nothing():
+    proc = subprocess.Popen(guarded([sys.executable, "-c", SERVER, "1"], 1.0), start_new_session=True)
+    assert proc.wait(30) == 3
+    _wait_gone(proc.pid, within_s=5)

@@ -1,0 +1,173 @@
+"""Damaged logs and refused commands (docs/resume.md "Damage and faults"): each is one line and
+exit 2, before anything runs, and nothing is appended to the log."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sqlite3
+from pathlib import Path
+
+import orjson
+import pytest
+
+from eventlog.fileformat import PAGE_SIZE as PAGE
+from tests.support.cli import orch
+
+
+def _fake_run(tmp_path: Path, steps: int = 5) -> Path:
+    args = ("--env", "fake", "--trainer", "fake", "--max-steps", str(steps), "--runs-dir", str(tmp_path))
+    done = orch("run", *args, "--name", "r")
+    assert done.returncode == 0, done.stderr
+    return tmp_path / "r"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orch: error: "), stderr
+    return lines[0]
+
+
+def test_resume_refuses_a_log_with_random_bytes_in_its_middle_and_appends_nothing(tmp_path):
+    run = _fake_run(tmp_path)
+    db = run / "events.db"
+    pages = db.stat().st_size // PAGE
+    with open(db, "r+b") as f:  # 4 KiB of noise at the start of a page in the middle of the file
+        f.seek(pages // 2 * PAGE)
+        f.write(random.Random(7).randbytes(4096))
+    before = _digest(db)
+    resumed = orch("run", "--resume", str(run), "--max-steps", "10")
+    assert resumed.returncode == 2
+    line = _one_error_line(resumed.stderr)
+    assert f"{db} is damaged" in line and "quick_check" in line
+    assert _digest(db) == before
+    assert not os.path.exists(f"{db}-wal") or os.path.getsize(f"{db}-wal") == 0
+
+
+def test_replay_and_resume_refuse_the_same_damage(tmp_path):
+    run = _fake_run(tmp_path)
+    db = run / "events.db"
+    with open(db, "r+b") as f:
+        f.seek(2 * PAGE)
+        f.write(bytes(4096))  # the events table's root page
+    before = _digest(db)
+    assert orch("replay", str(run)).returncode == 2
+    resumed = orch("run", "--resume", str(run), "--max-steps", "10")
+    assert resumed.returncode == 2
+    line = _one_error_line(resumed.stderr)
+    assert f"{db} is corrupted" in line or f"{db} is damaged" in line
+    assert _digest(db) == before
+
+
+def test_resume_of_a_complete_run_is_one_line_and_appends_nothing(tmp_path):
+    run = _fake_run(tmp_path, steps=3)
+    db = run / "events.db"
+    count = sqlite3.connect(db).execute("SELECT count(*) FROM events").fetchone()[0]
+    resumed = orch("run", "--resume", str(run))
+    assert resumed.returncode == 2
+    assert _one_error_line(resumed.stderr) == (
+        f"orch: error: {run} is complete at step 3; pass --max-steps 4 or more to continue it"
+    )
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM events").fetchone()[0] == count
+    assert orch("run", "--resume", str(run), "--max-steps", "4").returncode == 0
+
+
+def test_an_unwritable_runs_dir_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    result = orch("run", "--runs-dir", str(tmp_path / "a_file" / "runs"), "--max-steps", "1")
+    assert result.returncode == 2
+    assert _one_error_line(result.stderr) == (
+        f"orch: error: cannot write in the runs dir {tmp_path / 'a_file' / 'runs'}: Not a directory"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("replay", "RUN", "--episode", "abc"), "Invalid value for '--episode': 'abc' is not a valid integer"),
+        (("run", "--env", "nosuch"), "Invalid value for '--env': 'nosuch' is not one of"),
+        (("run", "--progress-every", "0"), "Invalid value for '--progress-every': 0 is not in the range x>=1"),
+        (("run", "--no-such-option"), "No such option '--no-such-option'"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(args, says):
+    result = orch(*args)
+    assert result.returncode == 2
+    line = _one_error_line(result.stderr)
+    assert says in line and line.endswith("--help`)")
+
+
+def test_resume_asks_the_trainer_whether_what_it_kept_of_the_trained_steps_is_there(tmp_path, monkeypatch):
+    from orchestrator.config import ConfigError
+    from orchestrator.contracts import TrainerComponent
+    from orchestrator.shell.runner import resume_run
+
+    run = _fake_run(tmp_path, steps=2)
+    asked = []
+
+    def check_resume(self, run_dir, trained_steps):
+        asked.append((run_dir, trained_steps))
+        raise ConfigError("its checkpoint is gone")
+
+    monkeypatch.setattr(TrainerComponent, "check_resume", check_resume)
+    with pytest.raises(ConfigError, match="its checkpoint is gone"):
+        resume_run(run, ["max_steps=3"])
+    assert asked == [(run, 2)]
+
+
+def _shipped_trace_row(db: Path) -> tuple[int, int]:
+    """(seq, episode id) of the first trace batch 1 shipped, with a payload in the log's own column."""
+    conn = sqlite3.connect(db)
+    (trace_ids,) = conn.execute(
+        "SELECT json_extract(data, '$.trace_ids') FROM events WHERE kind = 'batch_shipped'"
+    ).fetchone()
+    for trace_id in orjson.loads(trace_ids):
+        row = conn.execute(
+            "SELECT seq FROM events WHERE kind = 'episode_completed' AND json_extract(data, '$.episode_id') = ?"
+            " AND length(payload) > 32",
+            (trace_id,),
+        ).fetchone()
+        if row:
+            return row[0], trace_id
+    raise AssertionError("no shipped trace with an inline payload")
+
+
+def test_check_names_a_damaged_payload_rather_than_blame_the_code(tmp_path):
+    run = _fake_run(tmp_path, steps=3)
+    db = run / "events.db"
+    seq, trace_id = _shipped_trace_row(db)
+    with sqlite3.connect(db) as conn:  # 16 bytes of its token ids zeroed, as a bad disk would
+        (payload,) = conn.execute("SELECT payload FROM events WHERE seq = ?", (seq,)).fetchone()
+        conn.execute("UPDATE events SET payload = ? WHERE seq = ?", (bytes(16) + payload[16:], seq))
+    checked = orch("replay", str(run), "--check")
+    assert checked.returncode == 2
+    line = _one_error_line(checked.stderr)
+    assert line.startswith(f"orch: error: {db} is damaged: seq {seq} (the episode_completed of trace {trace_id}): ")
+    assert "its token payload differs from what" in line and "not the code non-deterministic" in line
+    (run / "batches" / "step_1.safetensors").unlink()  # nothing left to compare with: a divergence, as before
+    assert orch("replay", str(run), "--check").returncode == 1
+
+
+def test_a_run_whose_snapshots_are_damaged_replays_and_resumes_around_them(tmp_path):
+    from tests.support.logs import assert_log_invariants
+
+    args = ("--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", "r")
+    assert orch("run", *args, "--max-steps", "8", "--set", "log.snapshot_every=200").returncode == 0
+    run = tmp_path / "r"
+    db = run / "events.db"
+    (root,) = sqlite3.connect(db).execute("SELECT rootpage FROM sqlite_master WHERE name = 'snapshots'").fetchone()
+    with open(db, "r+b") as f:
+        f.seek((root - 1) * PAGE)
+        f.write(b"\xa5" * 4096)
+    assert orch("replay", str(run)).returncode == 0
+    assert orch("replay", str(run), "--check").returncode == 0
+    resumed = orch("run", "--resume", str(run), "--max-steps", "10")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{db}'s snapshots were damaged (its events are intact): rebuilt without them" in resumed.stderr
+    assert (run / "events.db.damaged-1").exists()
+    assert_log_invariants(run, 10, 2, 1)
