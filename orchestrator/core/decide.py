@@ -167,12 +167,10 @@ def trainer_keeps_up(s: State) -> bool:
     """Rule 1 (d): the trainer has trained every batch shipped and nothing waits in the queue for
     it, though the ship hold would let a batch wait (`target_lag` >= 1: a trainer-bound run always
     has one waiting; with 0 the hold itself idles the trainer, which then tells nothing). Read
-    after the trainer's first step (a run's start says nothing yet of which side is the slower)
-    and before the last step (its one batch needs no more than the capacity admits).
+    after the trainer's first step: a run's start says nothing yet of which side is the slower.
     Generation is then the bound, and the capacity does not throttle it: `max_inflight` alone
     caps dispatch. Ships, publishes and settles, which change this, re-check the gate."""
-    trained_every_batch = s.version >= 1 and s.version >= s.step - 1
-    return s.params.target_lag >= 1 and trained_every_batch and s.step < s.params.max_steps and not s.pending
+    return s.params.target_lag >= 1 and s.version >= 1 and s.version >= s.step - 1 and not s.pending
 
 
 def update_dispatch_gate(d: _Decisions) -> None:
