@@ -50,9 +50,13 @@ lint: $(STAMP)
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy orchestrator/core eventlog replay
 
+# Two pytest-xdist workers (TEST_WORKERS=1 runs serially): the slow suite's tests wait on servers
+# and subprocesses, so two overlap on 2 cores. A module's tests stay on one worker (module-scoped
+# fixtures, a run or a server, are built once); more workers would start more vLLM servers at once.
+TEST_WORKERS ?= 2
 test: $(VERIFIERS_STAMP) lint
-	$(BIN)/python -m pytest -q
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 bench: $(VERIFIERS_STAMP)
 	mkdir -p bench/results

@@ -3,9 +3,10 @@ plugin by tests/conftest.py): a server takes 25-90 s to start and holds ~3 GiB.
 
 `vllm_reload_server` is one `vllm_reload` server of the tiny model, with the union of the flags
 its users need (`--enable-scale-out`: verifiers' train client posts to /inference/v1/generate).
-The tests that use it run as one block, at the place of the first of them in the collected order,
-so the server lives from the first of them to the last; after the last one's teardown it is
-stopped, and that teardown fails if any of its processes outlived the stop.
+The tests that use it run as one block, at the place of the first of them in the collected order
+(and, under pytest-xdist, as one group on one worker), so the server lives from the first of them
+to the last; after the last one's teardown it is stopped, and that teardown fails if any of its
+processes outlived the stop.
 
 Isolation: each module gets the server back with the base model reloaded (a pause, reload,
 prefix-cache reset and resume, so whatever weights, cached KV or pause an earlier module left are
@@ -27,7 +28,6 @@ class SharedServer:
     """The shared server, started on first use, stopped once no collected test still needs it."""
 
     def __init__(self) -> None:
-        self.users_left = 0
         self.launcher = None
         self._stack = contextlib.ExitStack()
 
@@ -58,27 +58,26 @@ def uses_shared(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The server's users as one block (their order kept), where the first of them was."""
+    """The server's users as one block (their order kept), where the first of them was; under
+    pytest-xdist (`--dist loadgroup`) each module is one group, and the server's users one more, so
+    a module's fixtures are built once and the server is started by one worker."""
     users = [item for item in items if uses_shared(item)]
     if users:
         first = items.index(users[0])
         others = [item for item in items if not uses_shared(item)]
         items[:] = others[:first] + users + others[first:]
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    _reload.users_left = sum(uses_shared(item) for item in session.items)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SHARED_RELOAD if uses_shared(item) else item.nodeid.split("::")[0]))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the last user of the block (the next test is not one) the server is stopped."""
     try:
         return (yield)
     finally:
-        if uses_shared(item):
-            _reload.users_left -= 1
-            if _reload.users_left == 0:
-                _reload.stop()
+        if uses_shared(item) and (nextitem is None or not uses_shared(nextitem)):
+            _reload.stop()
 
 
 def pytest_sessionfinish() -> None:
