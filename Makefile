@@ -50,7 +50,7 @@ lint: $(STAMP)
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy orchestrator/core eventlog replay
 
-# Two pytest-xdist workers (TEST_WORKERS=1 runs serially): the slow suite's tests wait on servers
+# Two pytest-xdist workers (TEST_WORKERS=0: in one process, no workers): the slow suite's tests wait on servers
 # and subprocesses, so two overlap on 2 cores. A module's tests stay on one worker (module-scoped
 # fixtures, a run or a server, are built once); more workers would start more vLLM servers at once.
 TEST_WORKERS ?= 2
