@@ -106,11 +106,21 @@ def bypass_weight(
     return torch.where(outside, torch.zeros_like(ratio), ratio), none, outside & mask
 
 
+def masked_log_ratio(logprobs: torch.Tensor, anchor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log(p / anchor) per token, 0 off the sampled tokens."""
+    return torch.where(mask, logprobs - anchor, torch.zeros_like(logprobs))
+
+
+def k3(log_r: torch.Tensor) -> torch.Tensor:
+    """The k3 estimate, r - 1 - log r, per token of the log ratios `log_r` (>= 0)."""
+    return torch.exp(log_r) - 1.0 - log_r
+
+
 def reference_kl(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled near pi_theta: k1 = log
     pi_theta - log pi_ref; k3 = exp(log pi_ref - log pi_theta) - (log pi_ref - log pi_theta) - 1."""
     log_r = ref_logprobs - new_logprobs
-    return -log_r if estimator == "k1" else torch.exp(log_r) - log_r - 1.0
+    return -log_r if estimator == "k1" else k3(log_r)
 
 
 def policy_loss(
@@ -143,7 +153,7 @@ def policy_loss(
     if decoupled and old_logprobs is None:
         raise ValueError("decoupled PPO needs the old policy's logprobs")
     anchor = old_logprobs if decoupled and old_logprobs is not None else sampler_logprobs
-    token_log_ratio = torch.where(mask, new_logprobs - anchor, zeros)
+    token_log_ratio = masked_log_ratio(new_logprobs, anchor, mask)
     log_ratio = at_level(token_log_ratio, mask, config.ratio_level)
     ratio = torch.exp(log_ratio)
     adv = advantages.to(ratio.dtype).view(-1, 1).expand_as(ratio)
@@ -164,7 +174,7 @@ def policy_loss(
         else:
             token_loss = -ratio * adv
         if decoupled and old_logprobs is not None:
-            old_log_ratio = torch.where(mask, old_logprobs - sampler_logprobs, zeros)
+            old_log_ratio = masked_log_ratio(old_logprobs, sampler_logprobs, mask)
             behaviour = torch.exp(at_level(old_log_ratio, mask, config.ratio_level))
             weight = behaviour.clamp(max=config.truncate_at)
             truncated = (behaviour > config.truncate_at) & mask
@@ -181,11 +191,11 @@ def policy_loss(
             loss = loss + config.kl_coef * (kl * aggregation_weights(mask, config, counts, kl.dtype)).sum()
         kl_sum = float((kl.detach() * mask_f).sum())
     with torch.no_grad():
-        sampler_log_ratio = torch.where(mask, new_logprobs - sampler_logprobs, zeros)
+        sampler_log_ratio = masked_log_ratio(new_logprobs, sampler_logprobs, mask)
         any_token = bool(mask.any())
         stats = {
             "clipped": float(outside_clip.sum()) if ppo else 0.0,
-            "mismatch_k3": float(((torch.exp(sampler_log_ratio) - 1.0 - sampler_log_ratio) * mask_f).sum()),
+            "mismatch_k3": float((k3(sampler_log_ratio) * mask_f).sum()),
             "weight": float((weight * mask_f).sum()),
             "weight_max": float(weight[mask].max()) if any_token else 0.0,
             "truncated": float(truncated.sum()),

@@ -36,6 +36,8 @@ from orchestrator.hf.loss import (
     MAX_STATS,
     Counts,
     batch_metrics,
+    k3,
+    masked_log_ratio,
     merge_stats,
     mini_batches,
     policy_loss,
@@ -227,7 +229,7 @@ class Trainer:
         """The trainer's logprobs before this batch's first update (decoupled PPO's proximal
         policy), per mini-batch and micro-batch of this rank; adds the exact pre-update
         mismatch (k3 sum) and token count to `stats`."""
-        dev, old, k3 = self.ranks.device, [], 0.0
+        dev, old, k3_sum = self.ranks.device, [], 0.0
         self.module.train()  # as the training passes run
         for mini in minis:
             per_chunk = []
@@ -236,12 +238,12 @@ class Trainer:
                 logits = self.module(input_ids=ids, attention_mask=chunk.attention.to(dev)).logits
                 lp, _ = token_logprobs(logits, ids, chunk.temperature.to(dev))
                 mask = chunk.mask.to(dev)
-                log_r = torch.where(mask, lp - chunk.old_logprobs.to(dev), torch.zeros_like(lp))
-                k3 += float(((torch.exp(log_r) - 1.0 - log_r) * mask).sum())
+                log_r = masked_log_ratio(lp, chunk.old_logprobs.to(dev), mask)
+                k3_sum += float((k3(log_r) * mask).sum())
                 per_chunk.append(lp)
             old.append(per_chunk)
         self.module.eval()
-        stats["mismatch_k3"] = self.ranks.sum([k3])[0]
+        stats["mismatch_k3"] = self.ranks.sum([k3_sum])[0]
         return old
 
     @torch.no_grad()
