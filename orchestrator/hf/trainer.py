@@ -242,7 +242,7 @@ class Trainer:
                 logits = self.module(input_ids=ids, attention_mask=chunk.attention.to(dev)).logits
                 lp, _ = token_logprobs(logits, ids, chunk.temperature.to(dev))
                 mask = chunk.mask.to(dev)
-                log_r = masked_log_ratio(lp, chunk.old_logprobs.to(dev), mask)
+                log_r = masked_log_ratio(lp, chunk.sampler_logprobs.to(dev), mask)
                 k3_sum += float((k3(log_r) * mask).sum())
                 per_chunk.append(lp)
             old.append(per_chunk)
@@ -273,7 +273,7 @@ class Trainer:
         mask = chunk.mask.to(dev)
         loss, stats = policy_loss(
             new_lp,
-            chunk.old_logprobs.to(dev),
+            chunk.sampler_logprobs.to(dev),
             chunk.advantages.to(dev),
             mask,
             self.config.clip_eps,
