@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 from orchestrator.contracts import BuildContext, ModelRequest, PreparedModel
-from orchestrator.hf.config import HFTrainerSettings, HFTrainSettings, LoraSection
+from orchestrator.hf.config import HFTrainerSettings, LoraSection, TrainingSettings
 from orchestrator.hf.model import ModelError
 from orchestrator.trainers import TrainerFailed
 from orchestrator.trainers.process import ProcessTrainer
@@ -69,7 +69,7 @@ def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: Pre
     from orchestrator.hf.config import TrainerConfig
     from orchestrator.hf.trainer import write_trainer_config
 
-    settings = section.model_dump(include=set(HFTrainSettings.model_fields))
+    settings = section.model_dump(include=set(TrainingSettings.model_fields))
     # The trainer may publish versions the log has not recorded yet (a crash): at least the ones a
     # resume may reload stay on disk.
     settings["keep_weights"] = max(section.keep_weights, ctx.kept_versions)
