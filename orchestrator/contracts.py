@@ -358,7 +358,7 @@ class InferenceComponent(Component):
         """The name its servers serve the model under (None: they serve it as its dir)."""
         return None
 
-    def preflight(self, model_dir: Path, publish_timeout_s: float) -> None:
+    def preflight(self, model_dir: Path) -> None:
         """The pre-run step, before the run dir exists: ConfigError (one line) if this backend
         cannot sample `model_dir` (e.g. its servers cannot be launched, or a given endpoint
         serves another model)."""

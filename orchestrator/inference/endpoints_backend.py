@@ -95,7 +95,7 @@ def make_client(section: EndpointsSettings, urls: list[str], load_timeout_s: flo
     )
 
 
-def check_inference(section: EndpointsSettings, model_dir: Path, load_timeout_s: float) -> None:
+def check_inference(section: EndpointsSettings, model_dir: Path) -> None:
     """The backend's pre-run step (`EndpointsConfig.preflight`, before the run dir exists; the
     model dir itself is checked by ``orchestrator.hf.model``): ConfigError (one line) for a launch
     that cannot work (`check_launch`), or a given vLLM endpoint that serves another model or lacks
@@ -117,7 +117,8 @@ def check_inference(section: EndpointsSettings, model_dir: Path, load_timeout_s:
     if section.endpoints and section.weight_sync in VLLM_MODES:
 
         async def check() -> None:
-            async with make_client(section, section.endpoints, load_timeout_s) as client:
+            # the check loads no weights: its client's load bound is the request timeout
+            async with make_client(section, section.endpoints, section.request_timeout_s) as client:
                 await check_vllm_endpoints(client, model_dir)
 
         try:

@@ -52,7 +52,7 @@ def prepare_model(config: RunConfig, stored_hash: str | None = None) -> Prepared
         env.preflight()
     model = config.trainer.chosen().prepare_model(config.model_request(), stored_hash)
     if model is not None:
-        config.inference_backend().preflight(model.path.resolve(), config.trainer.publish_timeout_s)
+        config.inference_backend().preflight(model.path.resolve())
     return model
 
 
