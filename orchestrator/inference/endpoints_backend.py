@@ -258,7 +258,7 @@ class EndpointsBackend:
             at_version=None if req.eval_id is None else req.policy_version,
         )
         (choice,) = done.choices
-        if choice.prompt_ids is not None and list(choice.prompt_ids) != prompt_ids:
+        if choice.prompt_ids is not None and choice.prompt_ids != prompt_ids:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
         return sampled_episode(
             req,
