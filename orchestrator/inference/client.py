@@ -59,8 +59,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 import orjson
 
-from orchestrator.inference.errors import InferenceError, InferenceRequestError, InferenceUnavailable
-from orchestrator.inference.errors import Retryable as _Retryable
+from orchestrator.inference.errors import InferenceError, InferenceRequestError, InferenceUnavailable, Retryable
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 from orchestrator.inference.weight_sync import DIALECTS
 from orchestrator.inference.weight_sync.vllm_lora import lora_name
@@ -270,10 +269,10 @@ class InferenceClient:
             await asyncio.sleep(delay)
 
     # -- HTTP -------------------------------------------------------------------------------------
-    async def _call(
+    async def call(
         self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None, text: bool = False
     ) -> Any:
-        """One HTTP call; transport errors and 5xx -> _Retryable, 4xx -> InferenceRequestError.
+        """One HTTP call; transport errors and 5xx -> Retryable, 4xx -> InferenceRequestError.
         The answer's JSON, or its text with ``text`` (vLLM's LoRA routes answer in plain text)."""
         url = ep.url + path
         try:
@@ -285,11 +284,11 @@ class InferenceClient:
                 kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
             resp = await self._http.request(method, url, **kwargs)
         except httpx.TimeoutException as exc:
-            raise _Retryable(
+            raise Retryable(
                 f"{method} {url}: timed out ({type(exc).__name__})", f"{type(exc).__name__} {path}"
             ) from None
         except httpx.TransportError as exc:
-            raise _Retryable(
+            raise Retryable(
                 f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
             ) from None
         if resp.status_code >= 500:
@@ -308,7 +307,7 @@ class InferenceClient:
         try:  # NaN or Infinity, which orjson refuses: parsed, so the answer's check names the value
             return json.loads(resp.content)
         except ValueError:
-            raise _Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
+            raise Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(
@@ -379,14 +378,14 @@ class InferenceClient:
         errors = []
         for ep in self.endpoints:
             try:
-                return await self._call(ep, "GET", "/v1/models")
-            except (_Retryable, InferenceRequestError) as exc:
+                return await self.call(ep, "GET", "/v1/models")
+            except (Retryable, InferenceRequestError) as exc:
                 errors.append(str(exc))
         raise InferenceUnavailable("no inference endpoint answered GET /v1/models: " + "; ".join(errors))
 
     async def routed(self, send: Callable[[Endpoint], Awaitable[T]], pin: Any, what: str) -> tuple[Endpoint, T, int]:
         """``send(endpoint)`` with the client's routing and retries: (the endpoint that answered,
-        what ``send`` returned, attempts). ``send`` raises ``_Retryable`` on a transport or server
+        what ``send`` returned, attempts). ``send`` raises ``Retryable`` on a transport or server
         failure (the endpoint is marked down, the next attempt goes to another) and
         InferenceRequestError on a request the endpoint refused (raised at once)."""
         errors: list[str] = []
@@ -416,7 +415,7 @@ class InferenceClient:
             ep.assigned += 1
             try:
                 result = await send(ep)
-            except _Retryable as exc:
+            except Retryable as exc:
                 if not exc.counted:
                     self.mark_down(ep, exc.message, exc.kind)
                 errors.append(exc.message)
@@ -462,13 +461,13 @@ class InferenceClient:
         if adapter is not None:
             ep.adapters[version] = ep.adapters.get(version, 0) + 1
         try:
-            answer = await self._call(ep, "POST", path, request)
+            answer = await self.call(ep, "POST", path, request)
         except InferenceRequestError as exc:
             if adapter is None or exc.status_code != 404 or adapter not in str(exc):
                 raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
             # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
             # down, it gets the adapter again before it next serves (_ensure_version).
-            raise _Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
+            raise Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
         finally:
             ep.sending -= 1
             if ep.sending == 0:
@@ -527,7 +526,7 @@ class InferenceClient:
                 return ep.version
             try:
                 confirmed = await DIALECTS[self.weight_sync](self, ep, version, path)
-            except _Retryable as exc:
+            except Retryable as exc:
                 self.mark_down(ep, exc.message, exc.kind)
                 raise InferenceUnavailable(exc.message) from None
             ep.version = max(ep.version, confirmed)
@@ -547,7 +546,7 @@ class InferenceClient:
         try:
             return await self._load_one(ep, version, path)
         except InferenceUnavailable as exc:
-            raise _Retryable(str(exc), "weight sync", counted=True) from None
+            raise Retryable(str(exc), "weight sync", counted=True) from None
         except InferenceRequestError:
             if ep.version >= 0:
                 return ep.version
@@ -555,7 +554,7 @@ class InferenceClient:
 
 
 def _raise_server_error(ep: Endpoint, method: str, url: str, path: str, resp: httpx.Response) -> None:
-    """A 5xx answer: retried like a lost connection (_Retryable), except an HTTP 500 that repeats,
+    """A 5xx answer: retried like a lost connection (Retryable), except an HTTP 500 that repeats,
     on the same route, with the same message: that one is the endpoint's permanent state (a dead
     engine, a bug), refused at once (InferenceRequestError) rather than retried for minutes."""
     error = (resp.status_code, path, _error_message(resp))
@@ -564,7 +563,7 @@ def _raise_server_error(ep: Endpoint, method: str, url: str, path: str, resp: ht
         raise InferenceRequestError(
             f"{method} {url}: HTTP 500: {error[2]} (the same server error twice in a row: not retried)", 500
         )
-    raise _Retryable(f"{method} {url}: HTTP {resp.status_code}: {error[2]}", f"HTTP {resp.status_code} {path}")
+    raise Retryable(f"{method} {url}: HTTP {resp.status_code}: {error[2]}", f"HTTP {resp.status_code} {path}")
 
 
 def _is_batch(prompt: Any) -> bool:
