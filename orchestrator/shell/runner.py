@@ -44,7 +44,7 @@ class OpenedRun:
 MODEL_HASH_META = "model_sha256"
 
 
-def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
+def preflight(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
     """The pre-run steps, before anything runs (ConfigError: one line): each env's, then the
     trainer's model dir (if it trains one), checked by the trainer and by the inference backend
     that samples it."""
@@ -72,7 +72,7 @@ def create_run(config: RunConfig) -> OpenedRun:
             f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name"
         )
     _check_runs_dir(config.runs_dir)
-    model = prepare_model(config)  # before the run dir exists: a bad model leaves nothing behind
+    model = preflight(config)  # before the run dir exists: a bad model leaves nothing behind
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -115,7 +115,7 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         raise RunDirError(f"cannot resume {run_dir}: it holds no {EVENTS_DB}")
     stored, stored_model_hash = _stored_config(db)
     requested = _requested_config(stored, run_dir, overrides, config_file)
-    model = prepare_model(requested, stored_model_hash)
+    model = preflight(requested, stored_model_hash)
     try:  # with the durability asked for now (an operational field a resume may change)
         log = EventLog.open(db, durability=requested.log.durability)
     except LogNotFoundError as err:
