@@ -281,6 +281,10 @@ class Trainer(Protocol):
     def check(self) -> None:
         """Raise if the trainer has failed (called at every loop iteration and while waiting)."""
 
+    def report_restarts_to(self, listener: Callable[[int, str], None], /) -> None:
+        """Call `listener(attempt, cause)` each time `check` restarts a dead trainer process from
+        its checkpoint (a logged input); a trainer that never restarts never calls it."""
+
     async def stop(self, timeout_s: float, /) -> None:
         """Let it exit cleanly within `timeout_s`, then end it: nothing is left running."""
 
