@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from orchestrator.contracts import Section
 from orchestrator.hf.loss_config import LossConfig
@@ -82,8 +82,6 @@ class HFTrainerSettings(TrainingSettings):
 
 class TrainerConfig(TrainingSettings):
     """``RUN_DIR/trainer.json``: the `trainer.hf` settings, and what the run tells the process."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model_path: Path = Field(description="the HF model dir the run starts from")
     model_hash: str = Field("", description="its model_dir_hash, kept in the checkpoint")
