@@ -59,7 +59,14 @@ from typing import Any, Literal, TypeVar
 import httpx
 import orjson
 
-from orchestrator.inference.errors import InferenceError, InferenceRequestError, InferenceUnavailable, Retryable
+from orchestrator.inference.errors import (
+    InferenceError,
+    InferenceRequestError,
+    InferenceUnavailable,
+    Retryable,
+    ServerError,
+    same_server_error_again,
+)
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 from orchestrator.inference.weight_sync import DIALECTS
 from orchestrator.inference.weight_sync.vllm_lora import lora_name
@@ -99,7 +106,7 @@ class Endpoint:
     reloading: asyncio.Event | None = field(default=None, repr=False)  # vllm_reload: set (and dropped) once done
     adapters: dict[int, int] = field(default_factory=dict)  # vllm_lora: version loaded -> its requests in flight
     adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
-    last_server_error: tuple[int, str, str] | None = None  # (status, path, message) of its last 5xx answer
+    last_load_error: ServerError | None = None  # its last load's 5xx, if that load failed on one
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -292,8 +299,10 @@ class InferenceClient:
                 f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
             ) from None
         if resp.status_code >= 500:
-            _raise_server_error(ep, method, url, path, resp)
-        ep.last_server_error = None
+            error = (resp.status_code, path, _error_message(resp))
+            raise Retryable(
+                f"{method} {url}: HTTP {error[0]}: {error[2]}", f"HTTP {error[0]} {path}", server_error=error
+            )
         if resp.status_code >= 400:
             raise InferenceRequestError(
                 f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
@@ -390,6 +399,7 @@ class InferenceClient:
         InferenceRequestError on a request the endpoint refused (raised at once)."""
         errors: list[str] = []
         tried: set[Endpoint] = set()
+        server_errors: dict[Endpoint, ServerError | None] = {}  # this request's last failure of each
         attempt = 0
         waiting_since: float | None = None
         while True:
@@ -416,6 +426,9 @@ class InferenceClient:
             try:
                 result = await send(ep)
             except Retryable as exc:
+                if same_server_error_again(server_errors.get(ep), exc.server_error):
+                    raise exc.permanent() from None
+                server_errors[ep] = exc.server_error
                 if not exc.counted:
                     self.mark_down(ep, exc.message, exc.kind)
                 errors.append(exc.message)
@@ -527,8 +540,13 @@ class InferenceClient:
             try:
                 confirmed = await DIALECTS[self.weight_sync](self, ep, version, path)
             except Retryable as exc:
+                # an endpoint's loads run one at a time (its sync_lock): their retries are one loop
+                if same_server_error_again(ep.last_load_error, exc.server_error):
+                    raise exc.permanent() from None
+                ep.last_load_error = exc.server_error
                 self.mark_down(ep, exc.message, exc.kind)
                 raise InferenceUnavailable(exc.message) from None
+            ep.last_load_error = None
             ep.version = max(ep.version, confirmed)
             self.mark_up(ep)
             return ep.version
@@ -551,19 +569,6 @@ class InferenceClient:
             if ep.version >= 0:
                 return ep.version
             raise
-
-
-def _raise_server_error(ep: Endpoint, method: str, url: str, path: str, resp: httpx.Response) -> None:
-    """A 5xx answer: retried like a lost connection (Retryable), except an HTTP 500 that repeats,
-    on the same route, with the same message: that one is the endpoint's permanent state (a dead
-    engine, a bug), refused at once (InferenceRequestError) rather than retried for minutes."""
-    error = (resp.status_code, path, _error_message(resp))
-    repeated, ep.last_server_error = ep.last_server_error == error, error
-    if repeated and resp.status_code == 500:
-        raise InferenceRequestError(
-            f"{method} {url}: HTTP 500: {error[2]} (the same server error twice in a row: not retried)", 500
-        )
-    raise Retryable(f"{method} {url}: HTTP {resp.status_code}: {error[2]}", f"HTTP {resp.status_code} {path}")
 
 
 def _is_batch(prompt: Any) -> bool:

@@ -409,6 +409,43 @@ def test_the_same_http_500_twice_is_permanent_and_not_retried():
     assert retries == 1
 
 
+def test_two_requests_meeting_one_transient_http_500_at_once_are_both_retried():
+    """The same-error-twice rule counts per request: two requests in flight when an endpoint
+    answers both with one transient 500 are each retried (one shared count failed the second)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    from orchestrator.envs.server import running_server
+
+    arrived = 0
+
+    async def completions(request):
+        nonlocal arrived
+        arrived += 1
+        if arrived > 2:
+            return JSONResponse(
+                {"choices": [{"index": 0, "text": "x", "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}}]}
+            )
+        for _ in range(500):  # both in flight before either is answered (bounded: 5 s)
+            if arrived >= 2:
+                break
+            await asyncio.sleep(0.01)
+        return PlainTextResponse("engine restarting", status_code=500)
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    with running_server(app) as server:
+
+        async def main():
+            async with InferenceClient([server.base_url], weight_sync="none", max_attempts=4, backoff_s=0.01) as c:
+                await c.load(0, "/elsewhere")
+                done = await asyncio.gather(ask(c, seed=1), ask(c, seed=2))
+                return [d.attempts for d in done], c.retries
+
+        attempts, retries = run(main())
+    assert (attempts, retries) == ([2, 2], 2)
+
+
 def test_server_errors_that_change_are_retried_as_before():
     from orchestrator.envs.server import running_server
 

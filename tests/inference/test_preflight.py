@@ -106,6 +106,20 @@ def test_a_transient_error_is_asked_again():
         assert _check([server.base_url], timeout_s=5.0) == {server.base_url: None}
 
 
+def test_the_same_503_twice_is_asked_again():
+    """Only a repeated HTTP 500 is permanent: a server loading answers 503 with one body until it is up."""
+    answers = iter([(503, "loading"), (503, "loading"), (503, "loading")])
+
+    async def models(request):
+        status_body = next(answers, None)
+        if status_body is None:
+            return JSONResponse(MODELS)
+        return PlainTextResponse(status_body[1], status_code=status_body[0])
+
+    with running_server(Starlette(routes=[Route("/v1/models", models)])) as server:
+        assert _check([server.base_url], timeout_s=5.0) == {server.base_url: None}
+
+
 def test_orch_run_against_a_dead_endpoint_fails_in_seconds_before_the_run_dir_exists(tmp_path):
     from orchestrator.hf.tiny_model import build_untrained
 
