@@ -93,22 +93,15 @@ def test_a_permanent_error_is_not_retried_until_the_bound():
             assert f"GET /v1/models answered HTTP {status}: {body}" in str(refused.value)
 
 
-def test_a_transient_error_is_asked_again():
-    answers = iter([(503, "loading"), (429, "slow down")])
-
-    async def models(request):
-        status_body = next(answers, None)
-        if status_body is None:
-            return JSONResponse(MODELS)
-        return PlainTextResponse(status_body[1], status_code=status_body[0])
-
-    with running_server(Starlette(routes=[Route("/v1/models", models)])) as server:
-        assert _check([server.base_url], timeout_s=5.0) == {server.base_url: None}
-
-
-def test_the_same_503_twice_is_asked_again():
-    """Only a repeated HTTP 500 is permanent: a server loading answers 503 with one body until it is up."""
-    answers = iter([(503, "loading"), (503, "loading"), (503, "loading")])
+@pytest.mark.parametrize(
+    "transient",
+    [
+        [(503, "loading"), (429, "slow down")],
+        [(503, "loading")] * 3,  # only a repeated HTTP 500 is permanent: a loading server's 503 is not
+    ],
+)
+def test_a_transient_error_is_asked_again(transient):
+    answers = iter(transient)
 
     async def models(request):
         status_body = next(answers, None)
