@@ -159,17 +159,17 @@ def check_damage(conn: sqlite3.Connection, path: str) -> None:
     snapshots (a cache) are damaged, else CorruptLogError; both name the file and the first
     problem found.
     """
-    problems = _quick_check(conn)
+    problems = quick_check_problems(conn)
     if not problems:
         return
     more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
     where = f"{path} is damaged (SQLite's quick_check: {problems[0]}{more})"
-    if not _quick_check(conn, "events") and not _quick_check(conn, "meta"):
+    if not quick_check_problems(conn, "events") and not quick_check_problems(conn, "meta"):
         raise DamagedSnapshotsError(f"{where}; its events and meta tables are intact, its snapshots are not")
     raise CorruptLogError(where)
 
 
-def _quick_check(conn: sqlite3.Connection, table: str | None = None) -> list[str]:
+def quick_check_problems(conn: sqlite3.Connection, table: str | None = None) -> list[str]:
     """quick_check's problems (of one table and its indexes, or of the whole file), one per line."""
     arg = _DAMAGE_LINES if table is None else table
     try:

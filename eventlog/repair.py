@@ -40,7 +40,7 @@ def rebuild_without_snapshots(path: str) -> str:
             )
             conn.execute("COMMIT")
             conn.execute("DETACH DATABASE damaged")
-            if copied != expected or fileformat._quick_check(conn):
+            if copied != expected or fileformat.quick_check_problems(conn):
                 raise CorruptLogError(f"{path}: rebuilding it without its damaged snapshots failed")
         except sqlite3.DatabaseError as e:
             raise CorruptLogError(f"{path}: rebuilding it without its damaged snapshots failed: {e}") from None

@@ -536,7 +536,7 @@ ADDED_FIELDS = {("rollout", "capacity"): "off"}
 MOVED_FIELDS = {("rollout", "env_server"): ("env", "reverse_text", "server")}
 
 
-def with_added_fields(stored: dict) -> dict:
+def upgraded_stored_config(stored: dict) -> dict:
     """A stored config (JSON) with every field it predates set to what its run did, and every
     field that moved since at its new place."""
     upgraded = copy.deepcopy(stored)

@@ -281,6 +281,10 @@ class Trainer(Protocol):
     def check(self) -> None:
         """Raise if the trainer has failed (called at every loop iteration and while waiting)."""
 
+    def report_restarts_to(self, listener: Callable[[int, str], None], /) -> None:
+        """Call `listener(attempt, cause)` each time `check` restarts a dead trainer process from
+        its checkpoint (a logged input); a trainer that never restarts never calls it."""
+
     async def stop(self, timeout_s: float, /) -> None:
         """Let it exit cleanly within `timeout_s`, then end it: nothing is left running."""
 
@@ -358,7 +362,7 @@ class InferenceComponent(Component):
         """The name its servers serve the model under (None: they serve it as its dir)."""
         return None
 
-    def preflight(self, model_dir: Path, publish_timeout_s: float) -> None:
+    def preflight(self, model_dir: Path) -> None:
         """The pre-run step, before the run dir exists: ConfigError (one line) if this backend
         cannot sample `model_dir` (e.g. its servers cannot be launched, or a given endpoint
         serves another model)."""

@@ -20,11 +20,7 @@ import orjson
 from eventlog import EventLog
 from orchestrator.core.arrays import PayloadError, unpack
 from orchestrator.core.batch import decode_batch
-
-
-def batch_file(log_path: str, step: int) -> Path:
-    """Where the run that wrote `log_path` put batch `step` (orchestrator.rundir's layout)."""
-    return Path(log_path).parent / "batches" / f"step_{step}.safetensors"
+from orchestrator.rundir import batch_path
 
 
 def payload_damage(log: EventLog, shipped_seq: int, shipped: dict[str, Any]) -> str | None:
@@ -34,7 +30,7 @@ def payload_damage(log: EventLog, shipped_seq: int, shipped: dict[str, Any]) -> 
     step, sha256 = shipped.get("step"), shipped.get("sha256")
     if not isinstance(step, int) or not isinstance(sha256, str):
         return None
-    path = batch_file(log.path, step)
+    path = batch_path(Path(log.path).parent, step)  # the run dir the log is in
     try:
         raw = path.read_bytes()
     except OSError:

@@ -27,7 +27,7 @@ class Batch:
     ids: torch.Tensor  # [B, T] long, right-padded with token 0
     attention: torch.Tensor  # [B, T] long: 1 on the sequence's tokens, 0 on the padding
     mask: torch.Tensor  # [B, T] bool: the sampled tokens (the loss's tokens)
-    old_logprobs: torch.Tensor  # [B, T] float: the sampler's logprob per sampled token
+    sampler_logprobs: torch.Tensor  # [B, T] float: the sampler's logprob per sampled token
     advantages: torch.Tensor  # [B] float
     temperature: torch.Tensor  # [B] float
     rewards: list[float] | None  # optional field "reward" of every sample, for the step line only
@@ -48,7 +48,7 @@ class Batch:
             self.ids[index],
             self.attention[index],
             self.mask[index],
-            self.old_logprobs[index],
+            self.sampler_logprobs[index],
             self.advantages[index],
             self.temperature[index],
             None,
@@ -107,18 +107,18 @@ def tensorize(batch: BatchArrays) -> Batch:
     width = int(lengths.max())
     ids = np.zeros((n, width), np.int64)
     mask = np.zeros((n, width), np.bool_)
-    old = np.zeros((n, width), np.float32)
+    sampler = np.zeros((n, width), np.float32)
     for i in range(n):
         span, k = batch.tokens(i), int(lengths[i])
         ids[i, :k] = batch.token_ids[span]
         mask[i, :k] = batch.mask[span]
-        old[i, :k] = batch.logprobs[span]
+        sampler[i, :k] = batch.logprobs[span]
     return Batch(
         step=batch.step,
         ids=torch.from_numpy(ids),
         attention=(torch.arange(width).view(1, -1) < torch.from_numpy(lengths).view(-1, 1)).long(),
         mask=torch.from_numpy(mask),
-        old_logprobs=torch.from_numpy(old),
+        sampler_logprobs=torch.from_numpy(sampler),
         advantages=torch.tensor(batch.advantage.tolist(), dtype=torch.float32),
         temperature=torch.tensor(batch.temperature.tolist(), dtype=torch.float32),
         rewards=batch.reward.tolist() if batch.reward is not None else None,

@@ -1,6 +1,6 @@
 """`hf`: the transformers trainer process (full fine-tuning or LoRA; one process, or torchrun's
 ranks with DDP or FSDP2) on the run's `model` dir, as a run composes it: its config section,
-`trainer.hf` (the training settings, `HFTrainSettings`, shared with the process's trainer.json,
+`trainer.hf` (the training settings, `TrainingSettings`, shared with the process's trainer.json,
 plus how its processes are started), and its factory. Light: the factory's module
 (orchestrator.hf.factory) is imported only in `prepare_model` and `build`."""
 

@@ -1,4 +1,4 @@
-"""The `hf` trainer's settings, declared once: `HFTrainSettings` (what it trains with) is part of
+"""The `hf` trainer's settings, declared once: `TrainingSettings` (what it trains with) is part of
 both the run config's section (`HFTrainerSettings`: with how its processes are started; the
 component, orchestrator/hf/component.py, adds what it supports and its factory) and the trainer
 process's ``RUN_DIR/trainer.json`` (`TrainerConfig`: with what the run tells it). Light: pydantic."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from orchestrator.contracts import Section
 from orchestrator.hf.loss_config import LossConfig
@@ -23,7 +23,7 @@ class LoraSection(Section):
     )
 
 
-class HFTrainSettings(Section):
+class TrainingSettings(Section):
     """What the trainer process trains with, as the run's `trainer.hf` section gives it."""
 
     lr: float = Field(5e-4, gt=0, description="AdamW learning rate")
@@ -58,7 +58,7 @@ class HFTrainSettings(Section):
     )
 
 
-class HFTrainerSettings(HFTrainSettings):
+class HFTrainerSettings(TrainingSettings):
     """The `trainer.hf` section's settings: the training ones, and how its processes are started."""
 
     nproc: int = Field(1, ge=1, description="ranks per node under torchrun; 1 (one node): one process")
@@ -80,10 +80,8 @@ class HFTrainerSettings(HFTrainSettings):
         return self
 
 
-class TrainerConfig(HFTrainSettings):
+class TrainerConfig(TrainingSettings):
     """``RUN_DIR/trainer.json``: the `trainer.hf` settings, and what the run tells the process."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model_path: Path = Field(description="the HF model dir the run starts from")
     model_hash: str = Field("", description="its model_dir_hash, kept in the checkpoint")

@@ -107,8 +107,8 @@ class Ranks:
     def sum(self, values: list[float]) -> list[float]:
         return self._reduce(values, "SUM")
 
-    def max(self, value: float) -> float:
-        return self._reduce([value], "MAX")[0]
+    def max(self, values: list[float]) -> list[float]:
+        return self._reduce(values, "MAX")
 
     def _reduce(self, values: list[float], op: str) -> list[float]:
         if self.world == 1:

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 from orchestrator.contracts import BuildContext, ModelRequest, PreparedModel
-from orchestrator.hf.config import HFTrainerSettings, HFTrainSettings, LoraSection
+from orchestrator.hf.config import HFTrainerSettings, LoraSection, TrainingSettings
 from orchestrator.hf.model import ModelError
 from orchestrator.trainers import TrainerFailed
 from orchestrator.trainers.process import ProcessTrainer
@@ -69,7 +69,7 @@ def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: Pre
     from orchestrator.hf.config import TrainerConfig
     from orchestrator.hf.trainer import write_trainer_config
 
-    settings = section.model_dump(include=set(HFTrainSettings.model_fields))
+    settings = section.model_dump(include=set(TrainingSettings.model_fields))
     # The trainer may publish versions the log has not recorded yet (a crash): at least the ones a
     # resume may reload stay on disk.
     settings["keep_weights"] = max(section.keep_weights, ctx.kept_versions)
@@ -92,12 +92,10 @@ def make_trainer(section: HFTrainerSettings, ctx: BuildContext, model: PreparedM
     """The supervised trainer process, its trainer.json written: torchrun's ranks for several
     ranks or nodes, else one `orch trainer` process."""
     write_trainer_json(section, ctx, model)
-    trainer = _process_trainer(section, Path(ctx.run_dir))
-    trainer.max_restarts = ctx.max_restarts
-    return trainer
+    return _process_trainer(section, Path(ctx.run_dir), ctx.max_restarts)
 
 
-def _process_trainer(section: HFTrainerSettings, run_dir: Path) -> ProcessTrainer:
+def _process_trainer(section: HFTrainerSettings, run_dir: Path, max_restarts: int) -> ProcessTrainer:
     if section.nproc > 1 or section.nnodes > 1:
         from orchestrator.hf.distributed import torchrun_command
         from orchestrator.trainers.torchrun import TorchrunTrainer
@@ -111,5 +109,6 @@ def _process_trainer(section: HFTrainerSettings, run_dir: Path) -> ProcessTraine
                 node_rank=section.node_rank,
                 rdzv_endpoint=section.rdzv_endpoint,
             ),
+            max_restarts=max_restarts,
         )
-    return ProcessTrainer(run_dir)
+    return ProcessTrainer(run_dir, max_restarts=max_restarts)

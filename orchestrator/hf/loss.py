@@ -106,11 +106,21 @@ def bypass_weight(
     return torch.where(outside, torch.zeros_like(ratio), ratio), none, outside & mask
 
 
+def masked_log_ratio(logprobs: torch.Tensor, anchor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log(p / anchor) per token, 0 off the sampled tokens."""
+    return torch.where(mask, logprobs - anchor, torch.zeros_like(logprobs))
+
+
+def k3(log_r: torch.Tensor) -> torch.Tensor:
+    """The k3 estimate, r - 1 - log r, per token of the log ratios `log_r` (>= 0)."""
+    return torch.exp(log_r) - 1.0 - log_r
+
+
 def reference_kl(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled near pi_theta: k1 = log
     pi_theta - log pi_ref; k3 = exp(log pi_ref - log pi_theta) - (log pi_ref - log pi_theta) - 1."""
     log_r = ref_logprobs - new_logprobs
-    return -log_r if estimator == "k1" else torch.exp(log_r) - log_r - 1.0
+    return -log_r if estimator == "k1" else k3(log_r)
 
 
 def policy_loss(
@@ -143,19 +153,21 @@ def policy_loss(
     if decoupled and old_logprobs is None:
         raise ValueError("decoupled PPO needs the old policy's logprobs")
     anchor = old_logprobs if decoupled and old_logprobs is not None else sampler_logprobs
-    token_log_ratio = torch.where(mask, new_logprobs - anchor, zeros)
+    token_log_ratio = masked_log_ratio(new_logprobs, anchor, mask)
     log_ratio = at_level(token_log_ratio, mask, config.ratio_level)
     ratio = torch.exp(log_ratio)
     adv = advantages.to(ratio.dtype).view(-1, 1).expand_as(ratio)
     r = ratio.detach()
+    r_log = token_log_ratio.detach()
     ppo = config.clip == "ppo"
-    outside_clip = ((r - 1.0 > high) | (1.0 - r > low)) & mask
+    above, below = r - 1.0 > high, 1.0 - r > low
+    outside_clip = (above | below) & mask
     truncated = masked = torch.zeros_like(mask)
     weight = r
     if config.correction in BYPASS_CORRECTIONS:
-        weight, truncated, masked = bypass_weight(config, r, token_log_ratio.detach(), mask)
+        weight, truncated, masked = bypass_weight(config, r, r_log, mask)
         # the PPO clip's region: no gradient where r is beyond it the way the advantage pushes
-        beyond = ((r - 1.0 > high) & (adv > 0)) | ((1.0 - r > low) & (adv < 0))
+        beyond = (above & (adv > 0)) | (below & (adv < 0))
         gate = torch.where(beyond, zeros, weight) if ppo else weight
         token_loss = -gate * adv * torch.exp(log_ratio - log_ratio.detach())
     else:
@@ -164,7 +176,7 @@ def policy_loss(
         else:
             token_loss = -ratio * adv
         if decoupled and old_logprobs is not None:
-            old_log_ratio = torch.where(mask, old_logprobs - sampler_logprobs, zeros)
+            old_log_ratio = masked_log_ratio(old_logprobs, sampler_logprobs, mask)
             behaviour = torch.exp(at_level(old_log_ratio, mask, config.ratio_level))
             weight = behaviour.clamp(max=config.truncate_at)
             truncated = (behaviour > config.truncate_at) & mask
@@ -174,26 +186,29 @@ def policy_loss(
         loss = (token_loss * mask_f).sum() / n
     else:
         loss = (token_loss * aggregation_weights(mask, config, counts, token_loss.dtype)).sum()
-    kl_sum = 0.0
+    kl: torch.Tensor | None = None
     if ref_logprobs is not None:
         kl = reference_kl(new_logprobs, ref_logprobs, config.kl_estimator)
         if config.kl_coef > 0:
             loss = loss + config.kl_coef * (kl * aggregation_weights(mask, config, counts, kl.dtype)).sum()
-        kl_sum = float((kl.detach() * mask_f).sum())
     with torch.no_grad():
-        sampler_log_ratio = torch.where(mask, new_logprobs - sampler_logprobs, zeros)
-        any_token = bool(mask.any())
-        stats = {
-            "clipped": float(outside_clip.sum()) if ppo else 0.0,
-            "mismatch_k3": float(((torch.exp(sampler_log_ratio) - 1.0 - sampler_log_ratio) * mask_f).sum()),
-            "weight": float((weight * mask_f).sum()),
-            "weight_max": float(weight[mask].max()) if any_token else 0.0,
-            "truncated": float(truncated.sum()),
-            "masked": float(masked.sum()),
-            "kept": float(((weight > 0) & mask).sum()),
-            "kl_ref": kl_sum,
-            "ratio_max": float(ratio.detach()[mask].max()) if any_token else 0.0,
+        # the anchor is the sampler's unless decoupled: then the ratio already is pi_theta / mu
+        sampler_log_ratio = masked_log_ratio(new_logprobs, sampler_logprobs, mask) if decoupled else r_log
+        zero = torch.zeros((), dtype=torch.float64, device=new_logprobs.device)
+        # maxima of values >= 0 with the other tokens at 0 (an empty micro-batch's is 0), and one
+        # transfer of every statistic to the host
+        values = {
+            "clipped": outside_clip.sum() if ppo else zero,
+            "mismatch_k3": (k3(sampler_log_ratio) * mask_f).sum(),
+            "weight": (weight * mask_f).sum(),
+            "weight_max": torch.where(mask, weight, 0.0).amax(),
+            "truncated": truncated.sum(),
+            "masked": masked.sum(),
+            "kept": ((weight > 0) & mask).sum(),
+            "kl_ref": zero if kl is None else (kl.detach() * mask_f).sum(),
+            "ratio_max": torch.where(mask, r, 0.0).amax(),
         }
+        stats = dict(zip(values, torch.stack([v.to(torch.float64) for v in values.values()]).tolist(), strict=True))
     return loss, stats
 
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from orchestrator.contracts import Section
 
 Correction = Literal["none", "tis", "seq_tis", "icepop", "seq_mask", "decoupled"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
 
 
-class LossConfig(BaseModel):
+class LossConfig(Section):
     """The policy-gradient loss of one batch and the optimizer steps taken on it."""
-
-    model_config = ConfigDict(extra="forbid")
 
     ratio_level: Literal["token", "sequence"] = Field(
         "token", description="token: one ratio per token; sequence (GSPO): the geometric mean of a sample's"

@@ -36,6 +36,8 @@ from orchestrator.hf.loss import (
     MAX_STATS,
     Counts,
     batch_metrics,
+    k3,
+    masked_log_ratio,
     merge_stats,
     mini_batches,
     policy_loss,
@@ -174,10 +176,12 @@ class Trainer:
             self.log(f"trainer step={batch.step}: batch has no sampled tokens; weights unchanged")
         else:
             minis = mini_batches(batch, options.mini_batches)
-            old = self._old_logprobs(minis, old_pass) if options.needs_old_policy() else None
+            # each mini-batch's micro-batches of this rank, cut once for every pass over them
+            shards = [ranks.shard(mini, self.config.micro_batch_size) for mini in minis]
+            old = self._old_logprobs(shards, old_pass) if options.needs_old_policy() else None
             for epoch in range(options.epochs):
                 for m, mini in enumerate(minis):
-                    step = self._optimizer_step(mini, old[m] if old is not None else None, lr)
+                    step = self._optimizer_step(mini, shards[m], old[m] if old is not None else None, lr)
                     if step is None:
                         continue  # no samples in this mini-batch
                     steps.append(step)
@@ -192,15 +196,16 @@ class Trainer:
             time.sleep(delay)  # a slowed trainer (trainer.hf.min_step_time_s)
         return metrics | {"lr": lr, "step_time_s": time.perf_counter() - t0, "ranks": ranks.world}
 
-    def _optimizer_step(self, mini: Batch, old: list[torch.Tensor] | None, lr: float) -> dict[str, float] | None:
-        """One optimizer step on the mini-batch `mini` (accumulated over this rank's
-        micro-batches); its stats over every rank. None if it has no sampled token; a step
+    def _optimizer_step(
+        self, mini: Batch, chunks: list[Batch], old: list[torch.Tensor] | None, lr: float
+    ) -> dict[str, float] | None:
+        """One optimizer step on the mini-batch `mini` (accumulated over `chunks`, this rank's
+        micro-batches of it); its stats over every rank. None if it has no sampled token; a step
         whose every token is masked is not taken (``skipped``)."""
         ranks, module = self.ranks, self.module
         counts = Counts.of(mini.mask)
         if counts.tokens == 0:
             return None
-        chunks = ranks.shard(mini, self.config.micro_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         module.train()
         sums: dict[str, float] = {}
@@ -209,7 +214,8 @@ class Trainer:
                 sums = merge_stats(sums, self._backward(chunk, counts, old[k] if old is not None else None))
         summed = [key for key in sorted(sums) if key not in MAX_STATS]
         step = dict(zip(summed, ranks.sum([sums[key] for key in summed]), strict=True))
-        step |= {key: ranks.max(sums[key]) for key in sorted(MAX_STATS)}
+        maxed = sorted(MAX_STATS)
+        step |= dict(zip(maxed, ranks.max([sums[key] for key in maxed]), strict=True))
         step["tokens"] = float(counts.tokens)
         step["skipped"] = float(step["kept"] == 0)
         step["grad_norm"] = 0.0
@@ -223,25 +229,25 @@ class Trainer:
         return step
 
     @torch.no_grad()
-    def _old_logprobs(self, minis: list[Batch], stats: dict[str, float]) -> list[list[torch.Tensor]]:
+    def _old_logprobs(self, shards: list[list[Batch]], stats: dict[str, float]) -> list[list[torch.Tensor]]:
         """The trainer's logprobs before this batch's first update (decoupled PPO's proximal
-        policy), per mini-batch and micro-batch of this rank; adds the exact pre-update
+        policy), per mini-batch and micro-batch of this rank (`shards`); adds the exact pre-update
         mismatch (k3 sum) and token count to `stats`."""
-        dev, old, k3 = self.ranks.device, [], 0.0
+        dev, old, k3_sum = self.ranks.device, [], 0.0
         self.module.train()  # as the training passes run
-        for mini in minis:
+        for chunks in shards:
             per_chunk = []
-            for chunk in self.ranks.shard(mini, self.config.micro_batch_size):
+            for chunk in chunks:
                 ids = chunk.ids.to(dev)
                 logits = self.module(input_ids=ids, attention_mask=chunk.attention.to(dev)).logits
                 lp, _ = token_logprobs(logits, ids, chunk.temperature.to(dev))
                 mask = chunk.mask.to(dev)
-                log_r = torch.where(mask, lp - chunk.old_logprobs.to(dev), torch.zeros_like(lp))
-                k3 += float(((torch.exp(log_r) - 1.0 - log_r) * mask).sum())
+                log_r = masked_log_ratio(lp, chunk.sampler_logprobs.to(dev), mask)
+                k3_sum += float((k3(log_r) * mask).sum())
                 per_chunk.append(lp)
             old.append(per_chunk)
         self.module.eval()
-        stats["mismatch_k3"] = self.ranks.sum([k3])[0]
+        stats["mismatch_k3"] = self.ranks.sum([k3_sum])[0]
         return old
 
     @torch.no_grad()
@@ -267,7 +273,7 @@ class Trainer:
         mask = chunk.mask.to(dev)
         loss, stats = policy_loss(
             new_lp,
-            chunk.old_logprobs.to(dev),
+            chunk.sampler_logprobs.to(dev),
             chunk.advantages.to(dev),
             mask,
             self.config.clip_eps,

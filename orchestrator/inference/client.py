@@ -59,8 +59,14 @@ from typing import Any, Literal, TypeVar
 import httpx
 import orjson
 
-from orchestrator.inference.errors import InferenceError, InferenceRequestError, InferenceUnavailable
-from orchestrator.inference.errors import Retryable as _Retryable
+from orchestrator.inference.errors import (
+    InferenceError,
+    InferenceRequestError,
+    InferenceUnavailable,
+    Retryable,
+    ServerError,
+    same_server_error_again,
+)
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 from orchestrator.inference.weight_sync import DIALECTS
 from orchestrator.inference.weight_sync.vllm_lora import lora_name
@@ -100,7 +106,7 @@ class Endpoint:
     reloading: asyncio.Event | None = field(default=None, repr=False)  # vllm_reload: set (and dropped) once done
     adapters: dict[int, int] = field(default_factory=dict)  # vllm_lora: version loaded -> its requests in flight
     adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
-    last_server_error: tuple[int, str, str] | None = None  # (status, path, message) of its last 5xx answer
+    last_load_error: ServerError | None = None  # its last load's 5xx, if that load failed on one
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -270,10 +276,10 @@ class InferenceClient:
             await asyncio.sleep(delay)
 
     # -- HTTP -------------------------------------------------------------------------------------
-    async def _call(
+    async def call(
         self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None, text: bool = False
     ) -> Any:
-        """One HTTP call; transport errors and 5xx -> _Retryable, 4xx -> InferenceRequestError.
+        """One HTTP call; transport errors and 5xx -> Retryable, 4xx -> InferenceRequestError.
         The answer's JSON, or its text with ``text`` (vLLM's LoRA routes answer in plain text)."""
         url = ep.url + path
         try:
@@ -285,16 +291,18 @@ class InferenceClient:
                 kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
             resp = await self._http.request(method, url, **kwargs)
         except httpx.TimeoutException as exc:
-            raise _Retryable(
+            raise Retryable(
                 f"{method} {url}: timed out ({type(exc).__name__})", f"{type(exc).__name__} {path}"
             ) from None
         except httpx.TransportError as exc:
-            raise _Retryable(
+            raise Retryable(
                 f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
             ) from None
         if resp.status_code >= 500:
-            _raise_server_error(ep, method, url, path, resp)
-        ep.last_server_error = None
+            error = (resp.status_code, path, _error_message(resp))
+            raise Retryable(
+                f"{method} {url}: HTTP {error[0]}: {error[2]}", f"HTTP {error[0]} {path}", server_error=error
+            )
         if resp.status_code >= 400:
             raise InferenceRequestError(
                 f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
@@ -308,7 +316,7 @@ class InferenceClient:
         try:  # NaN or Infinity, which orjson refuses: parsed, so the answer's check names the value
             return json.loads(resp.content)
         except ValueError:
-            raise _Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
+            raise Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(
@@ -379,18 +387,19 @@ class InferenceClient:
         errors = []
         for ep in self.endpoints:
             try:
-                return await self._call(ep, "GET", "/v1/models")
-            except (_Retryable, InferenceRequestError) as exc:
+                return await self.call(ep, "GET", "/v1/models")
+            except (Retryable, InferenceRequestError) as exc:
                 errors.append(str(exc))
         raise InferenceUnavailable("no inference endpoint answered GET /v1/models: " + "; ".join(errors))
 
     async def routed(self, send: Callable[[Endpoint], Awaitable[T]], pin: Any, what: str) -> tuple[Endpoint, T, int]:
         """``send(endpoint)`` with the client's routing and retries: (the endpoint that answered,
-        what ``send`` returned, attempts). ``send`` raises ``_Retryable`` on a transport or server
+        what ``send`` returned, attempts). ``send`` raises ``Retryable`` on a transport or server
         failure (the endpoint is marked down, the next attempt goes to another) and
         InferenceRequestError on a request the endpoint refused (raised at once)."""
         errors: list[str] = []
         tried: set[Endpoint] = set()
+        server_errors: dict[Endpoint, ServerError | None] = {}  # this request's last failure of each
         attempt = 0
         waiting_since: float | None = None
         while True:
@@ -416,7 +425,10 @@ class InferenceClient:
             ep.assigned += 1
             try:
                 result = await send(ep)
-            except _Retryable as exc:
+            except Retryable as exc:
+                if same_server_error_again(server_errors.get(ep), exc.server_error):
+                    raise exc.permanent() from None
+                server_errors[ep] = exc.server_error
                 if not exc.counted:
                     self.mark_down(ep, exc.message, exc.kind)
                 errors.append(exc.message)
@@ -462,13 +474,13 @@ class InferenceClient:
         if adapter is not None:
             ep.adapters[version] = ep.adapters.get(version, 0) + 1
         try:
-            answer = await self._call(ep, "POST", path, request)
+            answer = await self.call(ep, "POST", path, request)
         except InferenceRequestError as exc:
             if adapter is None or exc.status_code != 404 or adapter not in str(exc):
                 raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
             # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
             # down, it gets the adapter again before it next serves (_ensure_version).
-            raise _Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
+            raise Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
         finally:
             ep.sending -= 1
             if ep.sending == 0:
@@ -527,9 +539,14 @@ class InferenceClient:
                 return ep.version
             try:
                 confirmed = await DIALECTS[self.weight_sync](self, ep, version, path)
-            except _Retryable as exc:
+            except Retryable as exc:
+                # an endpoint's loads run one at a time (its sync_lock): their retries are one loop
+                if same_server_error_again(ep.last_load_error, exc.server_error):
+                    raise exc.permanent() from None
+                ep.last_load_error = exc.server_error
                 self.mark_down(ep, exc.message, exc.kind)
                 raise InferenceUnavailable(exc.message) from None
+            ep.last_load_error = None
             ep.version = max(ep.version, confirmed)
             self.mark_up(ep)
             return ep.version
@@ -547,24 +564,11 @@ class InferenceClient:
         try:
             return await self._load_one(ep, version, path)
         except InferenceUnavailable as exc:
-            raise _Retryable(str(exc), "weight sync", counted=True) from None
+            raise Retryable(str(exc), "weight sync", counted=True) from None
         except InferenceRequestError:
             if ep.version >= 0:
                 return ep.version
             raise
-
-
-def _raise_server_error(ep: Endpoint, method: str, url: str, path: str, resp: httpx.Response) -> None:
-    """A 5xx answer: retried like a lost connection (_Retryable), except an HTTP 500 that repeats,
-    on the same route, with the same message: that one is the endpoint's permanent state (a dead
-    engine, a bug), refused at once (InferenceRequestError) rather than retried for minutes."""
-    error = (resp.status_code, path, _error_message(resp))
-    repeated, ep.last_server_error = ep.last_server_error == error, error
-    if repeated and resp.status_code == 500:
-        raise InferenceRequestError(
-            f"{method} {url}: HTTP 500: {error[2]} (the same server error twice in a row: not retried)", 500
-        )
-    raise _Retryable(f"{method} {url}: HTTP {resp.status_code}: {error[2]}", f"HTTP {resp.status_code} {path}")
 
 
 def _is_batch(prompt: Any) -> bool:

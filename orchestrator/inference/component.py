@@ -46,10 +46,10 @@ class EndpointsConfig(InferenceComponent, EndpointsSettings):
     def served_model(self) -> str | None:
         return self.model
 
-    def preflight(self, model_dir: Path, publish_timeout_s: float) -> None:
+    def preflight(self, model_dir: Path) -> None:
         from orchestrator.inference.endpoints_backend import check_inference  # httpx: only now
 
-        check_inference(self, model_dir, publish_timeout_s)
+        check_inference(self, model_dir)
 
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv | AgentEnv]) -> EndpointsBackend:
         from orchestrator.inference.endpoints_backend import build_endpoints_backend  # httpx: only now

@@ -95,7 +95,7 @@ def make_client(section: EndpointsSettings, urls: list[str], load_timeout_s: flo
     )
 
 
-def check_inference(section: EndpointsSettings, model_dir: Path, load_timeout_s: float) -> None:
+def check_inference(section: EndpointsSettings, model_dir: Path) -> None:
     """The backend's pre-run step (`EndpointsConfig.preflight`, before the run dir exists; the
     model dir itself is checked by ``orchestrator.hf.model``): ConfigError (one line) for a launch
     that cannot work (`check_launch`), or a given vLLM endpoint that serves another model or lacks
@@ -117,7 +117,8 @@ def check_inference(section: EndpointsSettings, model_dir: Path, load_timeout_s:
     if section.endpoints and section.weight_sync in VLLM_MODES:
 
         async def check() -> None:
-            async with make_client(section, section.endpoints, load_timeout_s) as client:
+            # the check loads no weights: its client's load bound is the request timeout
+            async with make_client(section, section.endpoints, section.request_timeout_s) as client:
                 await check_vllm_endpoints(client, model_dir)
 
         try:
@@ -257,7 +258,7 @@ class EndpointsBackend:
             at_version=None if req.eval_id is None else req.policy_version,
         )
         (choice,) = done.choices
-        if choice.prompt_ids is not None and list(choice.prompt_ids) != prompt_ids:
+        if choice.prompt_ids is not None and choice.prompt_ids != prompt_ids:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
         return sampled_episode(
             req,

@@ -22,10 +22,27 @@ class InferenceUnavailable(InferenceError):
     """Every attempt failed on transport or server errors (endpoints down, timeouts, 5xx)."""
 
 
+# A 5xx answer: (HTTP status, route, the error's message).
+ServerError = tuple[int, str, str]
+
+
+def same_server_error_again(previous: ServerError | None, error: ServerError | None) -> bool:
+    """The same server error twice in a row, of one endpoint to one request (or load), means
+    permanent: an HTTP 500 that repeats on the same route with the same message is the endpoint's
+    state (a dead engine, a bug), refused at once rather than retried for minutes. Another 5xx (a
+    503 while a server loads) or one that changes is transient."""
+    return error is not None and error[0] == 500 and previous == error
+
+
 class Retryable(Exception):
     """A transport or server failure of one endpoint: the client marks it down and tries another."""
 
-    def __init__(self, message: str, kind: str, counted: bool = False):
+    def __init__(self, message: str, kind: str, counted: bool = False, server_error: ServerError | None = None):
         super().__init__(message)
         self.message, self.kind = message, kind
         self.counted = counted  # the endpoint was already marked down for this failure
+        self.server_error = server_error  # a 5xx answer's, for `same_server_error_again`
+
+    def permanent(self) -> InferenceRequestError:
+        """This server error as the refusal it is when it came twice in a row."""
+        return InferenceRequestError(f"{self.message} (the same server error twice in a row: not retried)", 500)

@@ -1,7 +1,7 @@
 """The pre-flight check of given inference endpoints: before the run dir exists, each endpoint is
 probed (`/health`, `/v1/models`, and its routes), all at once, for at most
 ``inference.openai.preflight_timeout_s``. An endpoint that does not answer in that bound, answers
-with an error that will not pass (a 4xx other than 408/429, or the same 5xx twice), or is an
+with an error that will not pass (a 4xx other than 408/429, or the same HTTP 500 twice), or is an
 engine whose weights the chosen ``weight_sync`` cannot load is one line naming it and the
 `weight_sync` to use (docs/vllm.md "Before the run"), rather than a run dir that fails minutes
 later and cannot be resumed with another weight sync.
@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 
 import httpx
+
+from orchestrator.inference.errors import same_server_error_again
 
 # The routes that tell an engine from its /openapi.json (vLLM and SGLang are FastAPI apps).
 VLLM_ROUTES = frozenset({"/pause", "/is_paused", "/collective_rpc", "/v1/load_lora_adapter", "/ping", "/tokenize"})
@@ -66,21 +68,17 @@ async def _check_one(http: httpx.AsyncClient, url: str, weight_sync: str, timeou
 
 async def _until_answered(http: httpx.AsyncClient, url: str, path: str, deadline: float, timeout_s: float) -> _Answer:
     """GET `path` until an answer that will not change: a 2xx, a 4xx other than 408/429, or the
-    same 5xx twice in a row (a server error that repeats with the same body is permanent); no
-    answer (refused, timed out) or a transient one is asked again until `deadline`."""
+    same HTTP 500 twice in a row (`same_server_error_again`); no answer (refused, timed out) or a
+    transient one is asked again until `deadline`."""
     last: _Answer | None = None
     while True:
         answer = await _get(http, url, path, deadline)
         status = answer.status
         if status is not None and status < 500 and status not in TRANSIENT_4XX:
             return answer
-        if (
-            status is not None
-            and status >= 500
-            and last is not None
-            and (last.status, last.body) == (status, answer.body)
-        ):
-            return answer
+        if status is not None and last is not None and last.status is not None:
+            if same_server_error_again((last.status, path, last.body), (status, path, answer.body)):
+                return answer
         last = answer
         if time.monotonic() + _POLL_S >= deadline:
             if status is None:

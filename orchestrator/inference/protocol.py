@@ -224,7 +224,7 @@ def parse_choice(choice: Any, response: dict, where: str = "response") -> Parsed
     text = choice.get("text")
     if not isinstance(text, str):
         raise ProtocolError(f"{where}: a choice has no 'text'")
-    return ParsedChoice(prompt_ids, list(ids), clean, text, choice.get("finish_reason"))
+    return ParsedChoice(prompt_ids, ids, clean, text, choice.get("finish_reason"))
 
 
 def _logprobs(logprobs: list, where: str) -> list[float]:

@@ -128,8 +128,7 @@ class Orchestrator:
         self._batches_to_announce: list[ev.BatchShipped] = []
         self._versions_published: list[int] = []
         self._drain_due = self._snapshot_due = False
-        if hasattr(trainer, "on_restart"):  # a trainer process that restarts a dead child (trainers.process)
-            trainer.on_restart = self.trainer_restarted
+        trainer.report_restarts_to(self.trainer_restarted)
 
     # --- inputs from the outside world (called on the loop thread) ---------------------------
 

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING
 import orjson
 
 from eventlog import EventLog, LogExistsError, LogNotFoundError
-from orchestrator.config import ConfigError, RunConfig, config_hash, load_config, meaning_changes, with_added_fields
+from orchestrator.config import (
+    ConfigError,
+    RunConfig,
+    config_hash,
+    load_config,
+    meaning_changes,
+    upgraded_stored_config,
+)
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
 from orchestrator.fold import fold_log
@@ -44,7 +51,7 @@ class OpenedRun:
 MODEL_HASH_META = "model_sha256"
 
 
-def prepare_model(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
+def preflight(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
     """The pre-run steps, before anything runs (ConfigError: one line): each env's, then the
     trainer's model dir (if it trains one), checked by the trainer and by the inference backend
     that samples it."""
@@ -52,7 +59,7 @@ def prepare_model(config: RunConfig, stored_hash: str | None = None) -> Prepared
         env.preflight()
     model = config.trainer.chosen().prepare_model(config.model_request(), stored_hash)
     if model is not None:
-        config.inference_backend().preflight(model.path.resolve(), config.trainer.publish_timeout_s)
+        config.inference_backend().preflight(model.path.resolve())
     return model
 
 
@@ -72,7 +79,7 @@ def create_run(config: RunConfig) -> OpenedRun:
             f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name"
         )
     _check_runs_dir(config.runs_dir)
-    model = prepare_model(config)  # before the run dir exists: a bad model leaves nothing behind
+    model = preflight(config)  # before the run dir exists: a bad model leaves nothing behind
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -115,7 +122,7 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         raise RunDirError(f"cannot resume {run_dir}: it holds no {EVENTS_DB}")
     stored, stored_model_hash = _stored_config(db)
     requested = _requested_config(stored, run_dir, overrides, config_file)
-    model = prepare_model(requested, stored_model_hash)
+    model = preflight(requested, stored_model_hash)
     try:  # with the durability asked for now (an operational field a resume may change)
         log = EventLog.open(db, durability=requested.log.durability)
     except LogNotFoundError as err:
@@ -189,7 +196,7 @@ def _stored_config(db: Path) -> tuple[RunConfig, str | None]:
     if not isinstance(stored_json, dict):
         raise RunDirError(f"{db} is corrupted: the run's stored config is not a JSON object")
     try:
-        return load_config(base=with_added_fields(stored_json)), meta.get(MODEL_HASH_META)
+        return load_config(base=upgraded_stored_config(stored_json)), meta.get(MODEL_HASH_META)
     except ConfigError as err:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
 

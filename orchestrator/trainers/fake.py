@@ -41,6 +41,9 @@ class FakeTrainer:
     async def start(self) -> None:
         """Nothing runs outside this process."""
 
+    def report_restarts_to(self, listener: Callable[[int, str], None]) -> None:
+        """It never restarts: nothing runs outside this process."""
+
     async def run(self, version: int, publish: Publish) -> None:
         """Train on shipped batches in step order, forever (the owner cancels it)."""
         expected = version + 1

@@ -25,11 +25,13 @@ from orchestrator.rundir import (
 )
 from orchestrator.trainers import TrainerFailed
 
+REFUSAL = "orch trainer: error:"  # the trainer's own one-line refusal (a bad batch, a bad model)
+
 
 class ProcessTrainer:
     """`orch trainer --run-dir D` as a supervised child process."""
 
-    def __init__(self, run_dir: Path, poll_s: float = 0.05):
+    def __init__(self, run_dir: Path, poll_s: float = 0.05, max_restarts: int = 0):
         self.run_dir, self.poll_s = run_dir, poll_s
         self.log_path = trainer_log(run_dir)
         self.proc: subprocess.Popen | None = None
@@ -37,7 +39,7 @@ class ProcessTrainer:
         self._log_start = 0  # where this process's output starts in trainer.log (appended to)
         # A child killed or crashed is started again from its checkpoint this many times
         # (`trainer.max_restarts`); `on_restart(attempt, cause)` tells the run (a logged input).
-        self.max_restarts = 0
+        self.max_restarts = max_restarts
         self.restarts = 0
         self.on_restart: Callable[[int, str], None] | None = None
 
@@ -90,22 +92,25 @@ class ProcessTrainer:
             warn(f"{wdir}/metrics.json {what}; left out of the log")
         return metrics
 
-    def _last_error_lines(self) -> str:
-        """The last error this trainer process wrote (not an earlier one's: the log is appended
-        to across resumes): its own one-line summary, else a traceback's last line, else any line
-        naming an error. A trainer killed by a signal writes none: then that is said, not its last
-        progress line quoted as if it were the error."""
+    def report_restarts_to(self, listener: Callable[[int, str], None]) -> None:
+        self.on_restart = listener
+
+    def _last_error_line(self) -> tuple[str | None, str]:
+        """The last error line this trainer process wrote (not an earlier one's: the log is
+        appended to across resumes): its own one-line summary, else a traceback's last line, else
+        any line naming an error; and what to say of it. A trainer killed by a signal writes none:
+        then that is said, not its last progress line quoted as if it were the error."""
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(self._log_start)
                 lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
         except OSError:
-            return "no trainer.log"
-        for marker in ("orch trainer: error:", "error", "exception"):
+            return None, "no trainer.log"
+        for marker in (REFUSAL, "error", "exception"):
             for line in reversed(lines):
                 if marker in line.lower():
-                    return f"its last error line: {line}"
-        return "it logged no error" if lines else "it wrote nothing to trainer.log"
+                    return line, f"its last error line: {line}"
+        return None, "it logged no error" if lines else "it wrote nothing to trainer.log"
 
     def check(self) -> None:
         """Raise TrainerFailed if the child died; one killed or crashed is restarted instead, from
@@ -117,9 +122,10 @@ class ProcessTrainer:
         if code in (None, 0):
             return
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        errors = self._last_error_lines()
-        cause = f"trainer {how}; {errors}"
-        if self.restarts < self.max_restarts and "orch trainer: error:" not in errors:
+        line, said = self._last_error_line()
+        cause = f"trainer {how}; {said}"
+        refused = line is not None and REFUSAL in line.lower()
+        if self.restarts < self.max_restarts and not refused:
             self.restarts += 1
             warn(f"{cause}; restarting it from its checkpoint (restart {self.restarts} of {self.max_restarts})")
             self._spawn()

@@ -25,9 +25,9 @@ from orchestrator.trainers.process import ProcessTrainer
 
 
 class TorchrunTrainer(ProcessTrainer):
-    def __init__(self, run_dir: Path, command: list[str], poll_s: float = 0.05):
+    def __init__(self, run_dir: Path, command: list[str], poll_s: float = 0.05, max_restarts: int = 0):
         """`command`: the torchrun command line (the hf trainer's: orchestrator.hf.distributed)."""
-        super().__init__(run_dir, poll_s)
+        super().__init__(run_dir, poll_s, max_restarts)
         self._command = command
 
     def command(self) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import load_config, meaning_changes, with_added_fields
+from orchestrator.config import load_config, meaning_changes, upgraded_stored_config
 from orchestrator.core import events as ev
 from orchestrator.core.decide import capacity_has_room, dispatch_gate, trainer_keeps_up
 from orchestrator.sim import SimOptions, TimedSimWorld
@@ -130,7 +130,7 @@ def test_the_config_turns_it_on_and_a_stored_config_from_before_the_rule_means_o
     assert config.rollout.capacity == "staleness" and config.core_params().capacity == "staleness"
     stored = orjson.loads(config.to_json())
     del stored["rollout"]["capacity"]  # what a run created before the rule stored
-    old = load_config(base=with_added_fields(stored))
+    old = load_config(base=upgraded_stored_config(stored))
     assert old.rollout.capacity == "off" and old.core_params().capacity == "off"
     # Turning it on in a resume of such a run changes what the run computes: refused.
     resumed = load_config(None, ["rollout.capacity=staleness"], base=old.model_dump(mode="json"))

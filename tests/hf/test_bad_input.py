@@ -82,3 +82,12 @@ def test_a_resumed_run_whose_model_dir_changed(tmp_path, model_dir):
     result = CliRunner().invoke(main, ["run", "--resume", str(tmp_path / "r")])
     assert _error_line(result).startswith(f"orch: error: the model dir {model} changed since the run started")
     assert result.exit_code == 2
+
+
+@pytest.mark.parametrize("key", ["clip_high", "truncate_at"])
+def test_a_non_finite_loss_option_is_refused_in_one_line(tmp_path, key):
+    result = _run("--runs-dir", str(tmp_path / "runs"), "--name", "r", "--set", f"trainer.hf.loss.{key}=inf")
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        f"orch: error: invalid config: trainer.hf.loss.{key}: Input should be a finite number"
+    ]
+    assert not (tmp_path / "runs" / "r").exists()

@@ -228,7 +228,9 @@ def _todays_step(trainer, batch):
     for chunk in trainer.ranks.shard(batch, trainer.config.micro_batch_size):
         logits = trainer.module(input_ids=chunk.ids, attention_mask=chunk.attention).logits
         new_lp, _ = token_logprobs(logits, chunk.ids, chunk.temperature)
-        loss = _todays_pg_loss(new_lp, chunk.old_logprobs, chunk.advantages, chunk.mask, trainer.config.clip_eps, total)
+        loss = _todays_pg_loss(
+            new_lp, chunk.sampler_logprobs, chunk.advantages, chunk.mask, trainer.config.clip_eps, total
+        )
         (loss * 1).backward()
     full_value(torch.nn.utils.clip_grad_norm_(trainer.module.parameters(), trainer.config.grad_clip))
     for group in trainer.optimizer.param_groups:

@@ -17,7 +17,7 @@ from orchestrator.inference.client import (
     InferenceUnavailable,
 )
 from orchestrator.serve.tokenizer import encode_prompt
-from tests.inference.util import SlowPolicyServer, publish, run, serving
+from tests.inference.util import SlowPolicyServer, adapter_dirs, publish, run, serving, vllm_like_app
 
 PROMPT = encode_prompt("abcd")
 
@@ -274,62 +274,21 @@ def test_sglang_weight_sync_reloads_from_disk_and_bounds_the_version():
     assert paths == ["/ckpt/step_2", "/ckpt/bad"]
 
 
-def _vllm_standin(loaded: list[str]):
-    """vLLM's LoRA endpoints, as far as the client uses them: 404 for an adapter not loaded."""
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
-    async def load(request):
-        loaded.append((await request.json())["lora_name"])
-        return JSONResponse({})
-
-    async def unload(request):
-        name = (await request.json())["lora_name"]
-        if name not in loaded:
-            return JSONResponse({"error": {"message": f"The lora adapter '{name}' cannot be found."}}, status_code=404)
-        loaded.remove(name)
-        return JSONResponse({})
-
-    async def models(request):
-        return JSONResponse({"data": [{"id": "base", "parent": None}] + [{"id": n, "parent": "base"} for n in loaded]})
-
-    async def complete(request):
-        model = (await request.json()).get("model")
-        if model not in loaded:
-            return JSONResponse({"error": {"message": f"The model `{model}` does not exist."}}, status_code=404)
-        return JSONResponse(
-            {"choices": [{"index": 0, "text": "x", "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}}]}
-        )
-
-    return Starlette(
-        routes=[
-            Route("/v1/load_lora_adapter", load, methods=["POST"]),
-            Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
-            Route("/v1/models", models),
-            Route("/v1/completions", complete, methods=["POST"]),
-        ]
-    )
-
-
 def test_vllm_lora_an_endpoint_restarted_unseen_gets_its_adapter_again(tmp_path):
     """Found by review: it answered 404 to every request for the adapter it had lost, forever.
     (A stand-in: restarting a real vLLM server on the same port takes a minute.)"""
     from orchestrator.envs.server import running_server
 
-    adapter = tmp_path / "step_1"  # the files the client checks before it asks for a load
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text("{}")
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (adapter,) = adapter_dirs(tmp_path, [1])
 
     port, before, after = free_port(), [], []
     loop = asyncio.new_event_loop()  # one client across both server processes
     try:
         client = InferenceClient([f"http://127.0.0.1:{port}"], weight_sync="vllm_lora", backoff_s=0.05)
-        with running_server(_vllm_standin(before), port=port):
-            loop.run_until_complete(client.load(1, str(adapter)))
+        with running_server(vllm_like_app(before), port=port):
+            loop.run_until_complete(client.load(1, adapter))
             first = loop.run_until_complete(client.complete([1, 2], seed=1))
-        with running_server(_vllm_standin(after), port=port):  # same endpoint, fresh process: no adapter
+        with running_server(vllm_like_app(after), port=port):  # same endpoint, fresh process: no adapter
             second = loop.run_until_complete(client.complete([1, 2], seed=1))
         loop.run_until_complete(client.aclose())
     finally:
@@ -448,6 +407,43 @@ def test_the_same_http_500_twice_is_permanent_and_not_retried():
         message, retries = run(main())
     assert message.endswith("HTTP 500: engine is dead (the same server error twice in a row: not retried)")
     assert retries == 1
+
+
+def test_two_requests_meeting_one_transient_http_500_at_once_are_both_retried():
+    """The same-error-twice rule counts per request: two requests in flight when an endpoint
+    answers both with one transient 500 are each retried (one shared count failed the second)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    from orchestrator.envs.server import running_server
+
+    arrived = 0
+
+    async def completions(request):
+        nonlocal arrived
+        arrived += 1
+        if arrived > 2:
+            return JSONResponse(
+                {"choices": [{"index": 0, "text": "x", "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}}]}
+            )
+        for _ in range(500):  # both in flight before either is answered (bounded: 5 s)
+            if arrived >= 2:
+                break
+            await asyncio.sleep(0.01)
+        return PlainTextResponse("engine restarting", status_code=500)
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    with running_server(app) as server:
+
+        async def main():
+            async with InferenceClient([server.base_url], weight_sync="none", max_attempts=4, backoff_s=0.01) as c:
+                await c.load(0, "/elsewhere")
+                done = await asyncio.gather(ask(c, seed=1), ask(c, seed=2))
+                return [d.attempts for d in done], c.retries
+
+        attempts, retries = run(main())
+    assert (attempts, retries) == ([2, 2], 2)
 
 
 def test_server_errors_that_change_are_retried_as_before():

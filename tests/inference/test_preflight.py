@@ -93,8 +93,15 @@ def test_a_permanent_error_is_not_retried_until_the_bound():
             assert f"GET /v1/models answered HTTP {status}: {body}" in str(refused.value)
 
 
-def test_a_transient_error_is_asked_again():
-    answers = iter([(503, "loading"), (429, "slow down")])
+@pytest.mark.parametrize(
+    "transient",
+    [
+        [(503, "loading"), (429, "slow down")],
+        [(503, "loading")] * 3,  # only a repeated HTTP 500 is permanent: a loading server's 503 is not
+    ],
+)
+def test_a_transient_error_is_asked_again(transient):
+    answers = iter(transient)
 
     async def models(request):
         status_body = next(answers, None)

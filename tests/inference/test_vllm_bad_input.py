@@ -93,7 +93,7 @@ def test_vllm_not_installed_when_asked_to_launch_it(tmp_path, monkeypatch):
         ],
     )
     with pytest.raises(ConfigError, match="vLLM is not installed in .*make vllm"):
-        config.inference.openai.preflight(config.model.path, config.trainer.publish_timeout_s)
+        config.inference.openai.preflight(config.model.path)
 
 
 @needs_vllm
@@ -113,7 +113,7 @@ def test_a_head_dim_the_cpu_backend_does_not_support(tmp_path):
             'inference.openai.launch.gpus=["0"]',
         ],
     )
-    on_gpus.inference.openai.preflight(model, on_gpus.trainer.publish_timeout_s)
+    on_gpus.inference.openai.preflight(model)
 
 
 @needs_vllm

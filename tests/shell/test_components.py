@@ -21,7 +21,7 @@ from orchestrator.config import (
     _TrainerChoice,
     _with_components,
     load_config,
-    with_added_fields,
+    upgraded_stored_config,
 )
 from orchestrator.contracts import Algorithm, InferenceBackend, Trainer, TrainerComponent
 from orchestrator.envs.fake import FakeEpisodes
@@ -123,7 +123,7 @@ def test_the_env_server_is_reverse_text_s_own_setting_and_a_stored_config_moves_
     stored = load_config().model_dump(mode="json")
     del stored["env"]["reverse_text"]["server"]
     stored["rollout"]["env_server"] = "http://127.0.0.1:9"  # as a run written before the move stored it
-    assert load_config(base=with_added_fields(stored)).env.reverse_text.server == "http://127.0.0.1:9"
+    assert load_config(base=upgraded_stored_config(stored)).env.reverse_text.server == "http://127.0.0.1:9"
 
 
 class ProbeTrainerConfig(TrainerComponent):

@@ -15,8 +15,8 @@ from orchestrator.trainers.process import ProcessTrainer
 class ScriptTrainer(ProcessTrainer):
     """The supervision of `orch trainer`, around a one-line script instead."""
 
-    def __init__(self, run_dir, script: str):
-        super().__init__(run_dir)
+    def __init__(self, run_dir, script: str, max_restarts: int = 0):
+        super().__init__(run_dir, max_restarts=max_restarts)
         self.script = script
 
     def command(self) -> list[str]:
@@ -95,10 +95,9 @@ def test_a_killed_trainer_is_restarted_a_bounded_number_of_times_each_told(tmp_p
         " n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1));"
         " print('step 3 loss 0.2', flush=True); os.kill(os.getpid(), signal.SIGKILL) if n < 2 else time.sleep(60)"
     )
-    trainer = ScriptTrainer(tmp_path, script)
-    trainer.max_restarts = 2
+    trainer = ScriptTrainer(tmp_path, script, max_restarts=2)
     told = []
-    trainer.on_restart = lambda attempt, cause: told.append((attempt, cause))
+    trainer.report_restarts_to(lambda attempt, cause: told.append((attempt, cause)))
     asyncio.run(trainer.start())
     try:
         for _ in range(2):
@@ -114,8 +113,7 @@ def test_a_killed_trainer_is_restarted_a_bounded_number_of_times_each_told(tmp_p
 
 
 def test_restarts_run_out_then_the_failure_names_them(tmp_path):
-    trainer = ScriptTrainer(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
-    trainer.max_restarts = 1
+    trainer = ScriptTrainer(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", max_restarts=1)
     asyncio.run(trainer.start())
     trainer.proc.wait(30)
     trainer.check()
@@ -127,8 +125,9 @@ def test_restarts_run_out_then_the_failure_names_them(tmp_path):
 
 
 def test_a_trainer_that_refused_something_itself_is_not_restarted(tmp_path):
-    trainer = ScriptTrainer(tmp_path, "import sys; print('orch trainer: error: bad batch 5'); sys.exit(3)")
-    trainer.max_restarts = 5
+    trainer = ScriptTrainer(
+        tmp_path, "import sys; print('orch trainer: error: bad batch 5'); sys.exit(3)", max_restarts=5
+    )
     asyncio.run(trainer.start())
     trainer.proc.wait(30)
     with pytest.raises(TrainerFailed, match="bad batch 5"):

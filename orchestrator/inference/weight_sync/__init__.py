@@ -12,13 +12,22 @@ orch, the client only records the version it was told.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable
+from typing import Protocol
 
 from orchestrator.inference.weight_sync import orch, sglang, vllm_lora, vllm_reload
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient
 
-# weight_sync -> load(client, endpoint, version, weights dir) -> the version the endpoint confirmed
-DIALECTS: dict[str, Callable[[Any, Any, int, str], Awaitable[int]]] = {
+
+class Load(Protocol):
+    """A dialect's load(client, endpoint, version, weights dir) -> the version the endpoint confirmed."""
+
+    def __call__(
+        self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str
+    ) -> Awaitable[int]: ...
+
+
+DIALECTS: dict[str, Load] = {
     "orch": orch.load,
     "vllm_reload": vllm_reload.load,
     "vllm_lora": vllm_lora.load,

@@ -4,8 +4,9 @@ not import the client, which dispatches to them), and the checks they share."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from orchestrator.inference.errors import InferenceRequestError
 
@@ -21,18 +22,25 @@ class SyncedEndpoint(Protocol):
     adapter_released: asyncio.Event  # vllm_lora: an adapter's count hit 0
 
 
-class WeightSyncClient(Protocol):
-    """The inference client as a dialect drives it."""
+EndpointT = TypeVar("EndpointT", bound=SyncedEndpoint)
 
-    endpoints: list[Any]
+
+class WeightSyncClient(Protocol[EndpointT]):
+    """The inference client as a dialect drives it, over its kind of endpoint."""
+
     load_timeout_s: float
     max_loras: int
     model: str | None
-    weight_sync: str
 
-    async def _call(
+    @property
+    def endpoints(self) -> Sequence[EndpointT]: ...
+
+    @property
+    def weight_sync(self) -> str: ...
+
+    async def call(
         self,
-        ep: Any,
+        ep: EndpointT,
         method: str,
         path: str,
         body: Any = None,

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.inference.errors import InferenceRequestError
-from orchestrator.inference.weight_sync.base import SyncedEndpoint, WeightSyncClient
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient
 
 
-async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path: str) -> int:
-    answer = await client._call(
+async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
+    answer = await client.call(
         ep, "POST", "/update_weights", {"path": path, "version": version}, timeout=client.load_timeout_s
     )
     confirmed = answer.get("version") if isinstance(answer, dict) else None

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 from orchestrator.inference.errors import InferenceRequestError
-from orchestrator.inference.weight_sync.base import SyncedEndpoint, WeightSyncClient
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient
 
 
-async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path: str) -> int:
-    answer = await client._call(
+async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
+    answer = await client.call(
         ep, "POST", "/update_weights_from_disk", {"model_path": path}, timeout=client.load_timeout_s
     )
     if not (isinstance(answer, dict) and answer.get("success") is True):

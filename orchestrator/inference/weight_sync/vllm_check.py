@@ -6,16 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.inference.errors import InferenceRequestError, Retryable
-from orchestrator.inference.weight_sync.base import WeightSyncClient
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient
 
 
-async def check_vllm_endpoints(client: WeightSyncClient, model_dir: Path) -> None:
+async def check_vllm_endpoints(client: WeightSyncClient[EndpointT], model_dir: Path) -> None:
     """InferenceRequestError (one line) if a reachable endpoint serves another model than
     ``model_dir`` (or ``model``, when given), or lacks the routes of this weight sync. One not
     reachable yet is left to the weight loads, which wait for endpoints that are starting."""
     for ep in client.endpoints:
         try:
-            listed = await client._call(ep, "GET", "/v1/models")
+            listed = await client.call(ep, "GET", "/v1/models")
         except Retryable:
             continue
         bases = (
@@ -38,7 +38,7 @@ async def check_vllm_endpoints(client: WeightSyncClient, model_dir: Path) -> Non
                 "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
             )
         try:
-            await client._call(ep, *probe)
+            await client.call(ep, *probe)
         except InferenceRequestError as exc:
             if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
                 raise InferenceRequestError(

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.inference.errors import InferenceRequestError, Retryable
-from orchestrator.inference.weight_sync.base import SyncedEndpoint, WeightSyncClient, check_weights_dir
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, check_weights_dir
 
 
-async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path: str) -> int:
+async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
     """vLLM LoRA (``--enable-lora``, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): version N is the
     adapter ``step_N``. The newest ``max_loras`` stay loaded (an eval pinned to a recent version
     samples with its adapter); to make room, the oldest that no request in flight uses is
@@ -40,7 +40,7 @@ async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path:
             ) from None
     # In place: a step_N left by an earlier run of this name (a crash before N was recorded)
     # is replaced rather than kept.
-    await client._call(
+    await client.call(
         ep,
         "POST",
         "/v1/load_lora_adapter",
@@ -52,9 +52,9 @@ async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path:
     return version
 
 
-async def _adopt_listed_adapters(client: WeightSyncClient, ep: SyncedEndpoint) -> None:
+async def _adopt_listed_adapters(client: WeightSyncClient[EndpointT], ep: EndpointT) -> None:
     """Count the ``step_N`` adapters the endpoint lists as loaded, so they are unloaded too."""
-    listed = await client._call(ep, "GET", "/v1/models")
+    listed = await client.call(ep, "GET", "/v1/models")
     for entry in listed.get("data", []) if isinstance(listed, dict) else []:
         name = entry.get("id") if isinstance(entry, dict) and entry.get("parent") is not None else None
         version = adapter_version(name) if isinstance(name, str) else None
@@ -62,12 +62,12 @@ async def _adopt_listed_adapters(client: WeightSyncClient, ep: SyncedEndpoint) -
             ep.adapters.setdefault(version, 0)
 
 
-async def _unload_adapter(client: WeightSyncClient, ep: SyncedEndpoint, old: int) -> None:
+async def _unload_adapter(client: WeightSyncClient[EndpointT], ep: EndpointT, old: int) -> None:
     """Unload adapter ``old``, which no request uses; forgotten first, so that no request
     (one pinned to ``old`` looks it up) takes it up meanwhile."""
     del ep.adapters[old]
     try:
-        await client._call(
+        await client.call(
             ep,
             "POST",
             "/v1/unload_lora_adapter",

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.inference.errors import InferenceRequestError, Retryable
-from orchestrator.inference.weight_sync.base import SyncedEndpoint, WeightSyncClient, check_weights_dir
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, check_weights_dir
 
 
-async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path: str) -> int:
+async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
     """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1). The endpoint's requests in flight end
     with the old weights, none is sent until it resumed, so each completion's version is exact."""
     check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
@@ -24,8 +24,8 @@ async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path:
                 f"of the reload of version {version}",
                 "reload drain",
             ) from None
-        await client._call(ep, "POST", "/pause?mode=wait", timeout=client.load_timeout_s)
-        await client._call(
+        await client.call(ep, "POST", "/pause?mode=wait", timeout=client.load_timeout_s)
+        await client.call(
             ep,
             "POST",
             "/collective_rpc",
@@ -33,10 +33,10 @@ async def load(client: WeightSyncClient, ep: SyncedEndpoint, version: int, path:
             timeout=client.load_timeout_s,
         )
         # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
-        answer = await client._call(ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
+        answer = await client.call(ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
         if not (isinstance(answer, dict) and answer.get("success") is True):
             raise InferenceRequestError(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
-        await client._call(ep, "POST", "/resume", timeout=client.load_timeout_s)
+        await client.call(ep, "POST", "/resume", timeout=client.load_timeout_s)
         return version
     finally:
         ep.reloading.set()
