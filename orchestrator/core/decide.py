@@ -497,11 +497,13 @@ def on_stop_requested(d: _Decisions, e: ev.StopRequested) -> None:
 
 
 def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
-    """Re-run lost episodes, keep fresh members, re-finalize, sweep the queue."""
+    """Re-run lost episodes, drop the traces whose payloads were lost, keep fresh members,
+    re-finalize, sweep the queue."""
     s = d.state
     for episode_id in list(s.inflight):
         d.emit(ev.EpisodeCancelled.unvalidated(episode_id=episode_id, reason="resume"))
     cancel_eval_episodes(d, "resume")
+    drop_damaged_traces(d, e.damaged_traces)
     oldest = min_fresh_version(s.params, s.step)
     stale_members = [
         trace_id
@@ -525,6 +527,25 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     if s.step > s.params.max_steps and not s.stopped:
         start_drain(d)
     common_tail(d)
+
+
+def drop_damaged_traces(d: _Decisions, trace_ids: list[int]) -> None:
+    """Rule 10 (`--drop-damaged`): held traces whose payloads are lost never train. A queued one
+    or a finished member of an open group is dropped (the member's slot reopens and is re-run);
+    a group being finalized is cancelled whole, since its scores were computed with the lost one."""
+    s = d.state
+    damaged = set(trace_ids)
+    finalizing = sorted(
+        {s.traces[t].group_id for t in trace_ids if s.traces[t].group_id in s.groups}
+        & {g.group_id for g in s.groups.values() if g.finalizing}
+    )
+    for group_id in finalizing:
+        group = s.groups[group_id]
+        damaged.difference_update(group.members)
+        d.emit(ev.GroupCancelled.unvalidated(group_id=group_id, reason="damaged", count=len(group.members)))
+    rest = [t for t in trace_ids if t in damaged]
+    if rest:
+        d.emit(ev.TracesDropped.unvalidated(trace_ids=rest, reason="damaged"))
 
 
 def on_run_started(d: _Decisions, e: ev.RunStarted) -> None:
