@@ -568,6 +568,11 @@ def on_trainer_restarted(d: _Decisions, e: ev.TrainerRestarted) -> None:
     batches it has not trained are on disk, and the versions it publishes arrive as before."""
 
 
+def on_endpoint_changed(d: _Decisions, e: ev.EndpointChanged) -> None:
+    """Recorded only: the episodes a down server fails come back as failed completions, and a
+    restarted one is brought to the current version before it serves again."""
+
+
 _INPUT_RULES: dict[str, Callable] = {
     "run_started": on_run_started,
     "run_resumed": on_run_resumed,
@@ -577,6 +582,7 @@ _INPUT_RULES: dict[str, Callable] = {
     "version_published": on_version_published,
     "stop_requested": on_stop_requested,
     "trainer_restarted": on_trainer_restarted,
+    "endpoint_changed": on_endpoint_changed,
     "eval_episode_completed": on_eval_episode_completed,
 }
 assert set(_INPUT_RULES) == ev.INPUT_KINDS

@@ -416,6 +416,20 @@ class TrainerRestarted(_Model):
     cause: str
 
 
+class EndpointChanged(_Model):
+    """Input: an inference server orch launched went down (`up` false: it exited, its `cause` the
+    exit code and its log's last line, or it missed its health deadline) or came back after a
+    restart (`up` true; `attempt`: the restart). Recorded for `orch replay`; it changes nothing the
+    core decides (docs/vllm.md)."""
+
+    role = "input"
+    kind: Literal["endpoint_changed"] = Field("endpoint_changed", exclude=True)
+    url: str
+    up: bool
+    attempt: int
+    cause: str
+
+
 class RunStopped(_Model):
     role = "decision"
     kind: Literal["run_stopped"] = Field("run_stopped", exclude=True)
@@ -443,6 +457,7 @@ Event = Annotated[
     | DrainStarted
     | StopRequested
     | TrainerRestarted
+    | EndpointChanged
     | RunStopped
     | EvalStarted
     | EvalEpisodeDispatched

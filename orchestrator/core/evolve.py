@@ -214,6 +214,10 @@ def _trainer_restarted(s: State, e: ev.TrainerRestarted) -> None:
     """Nothing of the state: the restarted trainer goes on from its checkpoint."""
 
 
+def _endpoint_changed(s: State, e: ev.EndpointChanged) -> None:
+    """Nothing of the state: the client routes around a server that is down."""
+
+
 def _run_stopped(s: State, e: ev.RunStopped) -> None:
     s.stopped, s.stop_reason = True, e.reason
 
@@ -303,6 +307,7 @@ _REDUCERS: dict[str, Callable[[State, Any], None]] = {
     "drain_started": _drain_started,
     "stop_requested": _stop_requested,
     "trainer_restarted": _trainer_restarted,
+    "endpoint_changed": _endpoint_changed,
     "run_stopped": _run_stopped,
     "eval_started": _eval_started,
     "eval_episode_dispatched": _eval_episode_dispatched,

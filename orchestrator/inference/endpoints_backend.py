@@ -186,6 +186,9 @@ class EndpointsBackend:
         self._loaded = asyncio.Event()
         self._agent_envs: dict[str, bool] = {}
         self._ready = launcher is None  # launched servers: once they answered /health
+        self._servers_ready = asyncio.Event()
+        # The run's recorder of a launched server's down and up (the loop sets it: an input event).
+        self.on_endpoint_change: Callable[[str, bool, int, str], None] | None = None
         self.version = -1  # newest version confirmed by at least one endpoint
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
@@ -199,6 +202,7 @@ class EndpointsBackend:
                 self.launcher.start()
             await self.launcher.wait_ready(health_check)
             self._ready = True
+            self._servers_ready.set()
         wdir = weights_dir(self.run_dir, version)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.load_timeout_s
@@ -269,6 +273,14 @@ class EndpointsBackend:
             policy_end=done.policy_end,
             temperature=temperature,
         )
+
+    async def watch(self) -> None:
+        """For the whole run, once they are ready: the servers it launched, restarted when they
+        die or freeze (`VllmLauncher.watch`). Without launched servers, nothing to watch."""
+        if self.launcher is None:
+            return
+        await self._servers_ready.wait()
+        await self.launcher.watch(self.client, self.on_endpoint_change or (lambda *change: None))
 
     def _plays_itself(self, name: str) -> bool:
         # Asked once per env: isinstance of a runtime-checkable Protocol walks its members each time.

@@ -130,6 +130,8 @@ class Orchestrator:
         self._drain_due = self._snapshot_due = False
         if hasattr(trainer, "on_restart"):  # a trainer process that restarts a dead child (trainers.process)
             trainer.on_restart = self.trainer_restarted
+        if hasattr(backend, "on_endpoint_change"):  # servers it launched and watches (inference.vllm_launch)
+            backend.on_endpoint_change = self.endpoint_changed
 
     # --- inputs from the outside world (called on the loop thread) ---------------------------
 
@@ -147,6 +149,10 @@ class Orchestrator:
 
     def trainer_restarted(self, attempt: int, cause: str) -> None:
         self._control.append(ev.TrainerRestarted(attempt=attempt, cause=cause))
+        self._poke()
+
+    def endpoint_changed(self, url: str, up: bool, attempt: int, cause: str) -> None:
+        self._control.append(ev.EndpointChanged(url=url, up=up, attempt=attempt, cause=cause))
         self._poke()
 
     def request_stop(self, reason: str) -> None:
@@ -170,6 +176,8 @@ class Orchestrator:
             self._start(self._forward_outcomes(self.stream), "orch-outcomes")
             self._start(self._forward_outcomes(self.eval_stream), "orch-eval-outcomes")
             self._start(self.trainer.run(self.state.version, self.publish_version), "orch-trainer")
+            if hasattr(self.backend, "watch"):
+                self._start(self.backend.watch(), "orch-endpoints-watch")
             try:
                 await self._drive(first_input)
             except Exception as exc:  # raised once the group is closed: as itself, not in a group
