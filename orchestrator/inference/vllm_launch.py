@@ -278,26 +278,26 @@ class VllmLauncher:
             if cause is None:
                 await asyncio.sleep(WATCH_EVERY_S)
                 continue
-            on_change(server.url, False, restarts, cause)
-            client.mark_down(ep, cause, "server down")
-            ep.version, ep.adapters = -1, {}  # a new process holds the model as launched
-            if restarts >= self.launch.max_restarts:
-                what = f"vLLM server {server.index} ({server.url}) {cause}, after {restarts} restart(s)"
-                if not any(e.failures == 0 for e in client.endpoints):
-                    raise LaunchError(f"{what}; no server left (inference.openai.launch.max_restarts)")
-                warn(f"{what}: left down (inference.openai.launch.max_restarts); the run goes on with the others")
+            while cause is not None:  # down until a restart serves the newest version
+                on_change(server.url, False, restarts, cause)
+                client.mark_down(ep, cause, "server down")
+                ep.version, ep.adapters = -1, {}  # a new process holds the model as launched
+                if restarts >= self.launch.max_restarts:
+                    what = f"vLLM server {server.index} ({server.url}) {cause}, after {restarts} restart(s)"
+                    if not any(e.failures == 0 for e in client.endpoints):
+                        raise LaunchError(f"{what}; no server left (inference.openai.launch.max_restarts)")
+                    warn(f"{what}: left down (inference.openai.launch.max_restarts); the run goes on with the others")
+                    await asyncio.to_thread(_kill_group, server.proc)
+                    return
+                restarts += 1
+                limit = self.launch.max_restarts
+                warn(f"vLLM server {server.index} ({server.url}) {cause}; restarting it ({restarts}/{limit})")
                 await asyncio.to_thread(_kill_group, server.proc)
-                return
-            restarts += 1
-            limit = self.launch.max_restarts
-            warn(f"vLLM server {server.index} ({server.url}) {cause}; restarting it ({restarts}/{limit})")
-            await asyncio.to_thread(_kill_group, server.proc)
-            self._spawn(server)  # on the loop's thread, which its death signal follows
-            cause = await self._restarted(server, ep, client, http)
-            if cause is None:
-                client.mark_up(ep)
-                on_change(server.url, True, restarts, f"restarted, at version {ep.version}")
-                report(f"orch: vLLM server {server.index} ({server.url}) is back, at version {ep.version}")
+                self._spawn(server)  # on the loop's thread, which its death signal follows
+                cause = await self._restarted(server, ep, client, http)
+            client.mark_up(ep)
+            on_change(server.url, True, restarts, f"restarted, at version {ep.version}")
+            report(f"orch: vLLM server {server.index} ({server.url}) is back, at version {ep.version}")
 
     async def _fault(self, server: Server, http: httpx.AsyncClient) -> str | None:
         """Why `server` cannot serve (None: it can): it exited, or missed its health deadline."""
@@ -323,20 +323,21 @@ class VllmLauncher:
         newest version; None once it serves it, else why not (the watch counts another fault)."""
         deadline = time.monotonic() + self.launch.ready_timeout_s
         while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                return None  # the next check names its exit
+            exited = self._exit_of(server)
+            if exited is not None:
+                return f"{exited}, during its restart"
             with contextlib.suppress(httpx.HTTPError):
                 if (await http.get(server.url + "/health")).status_code == 200:
                     break
             await asyncio.sleep(0.5)
         else:
-            return None  # the next check finds it not answering
+            return f"not ready {self.launch.ready_timeout_s:g}s after its restart (log: {server.log_path})"
         if client.target is not None:
             try:
                 await client._load_one(ep, *client.target)
             except InferenceError as err:
-                return f"could not load version {client.target[0]}: {err}"
-        return None if server.proc.poll() is None else "exited"
+                return f"could not load version {client.target[0]} after its restart: {err}"
+        return self._exit_of(server)
 
     def stop(self) -> None:
         """SIGTERM every server's process group, SIGKILL what is left after ``stop_timeout_s``
