@@ -80,6 +80,12 @@ def main() -> None:
     help="continue the run in this directory",
 )
 @click.option(
+    "--drop-damaged",
+    is_flag=True,
+    help="with --resume: drop the never-shipped traces whose payload files are missing or damaged "
+    "(logged as events) and continue",
+)
+@click.option(
     "--progress-every",
     type=click.IntRange(min=1),
     default=1,
@@ -99,6 +105,7 @@ def run_command(
     max_steps,
     inference_urls,
     resume_dir,
+    drop_damaged,
     progress_every,
     json_summary,
 ) -> None:
@@ -135,7 +142,7 @@ def run_command(
         if resume_dir is not None:
             if name is not None or runs_dir is not None:
                 fail("--resume takes the run directory; do not combine it with --name/--runs-dir", EXIT_USAGE)
-            run = resume_run(resume_dir, sets, config_file)
+            run = resume_run(resume_dir, sets, config_file, drop_damaged)
             try:
                 check_installed(run.config.metrics)
             except SinkUnavailable:
@@ -149,6 +156,8 @@ def run_command(
                     f"(step {run.state.step}, version {run.state.version})"
                 )
         else:
+            if drop_damaged:
+                fail("--drop-damaged is for --resume RUN: a new run has nothing to drop", EXIT_USAGE)
             config = load_config(config_file, sets)
             check_installed(config.metrics)
             run = create_run(config)

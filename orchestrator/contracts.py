@@ -301,6 +301,11 @@ class InferenceBackend(Protocol):
         """Make `version` current (bounded wait for its weights; `health_check` raises if the
         trainer that should publish them died). Called only if `follows_weights`."""
 
+    async def watch(self, report_endpoint_change: Callable[[str, bool, int, str], None], /) -> None:
+        """For the whole run (the loop owns and cancels it): the servers it launched, restarted
+        when they die or freeze, each down and up reported as `(url, up, attempt, cause)` (a
+        logged input). A backend that launched nothing returns at once."""
+
     async def aclose(self) -> None:
         """Release what it holds (threads, connections); reports what the run should know."""
 

@@ -18,6 +18,8 @@ Layout of a run directory (``RUN_DIR``)::
                                  "reward_mean" (when every sample has a reward), "wait_s", "ranks"),
                                  written before STABLE
         STABLE                   marker, written (tmp + fsync + rename) only after the files above
+    weights/.versions.lock       flock'd: shared while a server loads a version, exclusive while the
+                                 trainer prunes old ones (`hold_versions`), so no dir is deleted under a reload
     trainer_ckpt/ckpt.pt         trainer checkpoint (trained weights + AdamW state + step + model hash),
                                  replaced atomically
 
@@ -38,6 +40,7 @@ place, fsync the parent directory. A reader therefore sees either nothing or the
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -237,6 +240,32 @@ def remove_dir_safely(wdir: str | os.PathLike) -> None:
     except FileNotFoundError:
         return
     shutil.rmtree(trash, ignore_errors=True)
+
+
+VERSIONS_LOCK = ".versions.lock"
+
+
+def hold_versions(wdir: str | os.PathLike, *, exclusive: bool) -> int | None:
+    """Try to lock the weight versions beside `wdir` (its parent's `VERSIONS_LOCK`): shared for
+    a server's load of one (none is deleted until it ends), exclusive for the trainer's prune.
+    Never blocks: None if the other side holds it; otherwise an fd for `release_versions`, or
+    -1 where no lock file can be made (weights outside a writable run dir: nothing prunes them).
+    A flock dies with its process: a crashed loader or pruner leaves nothing held."""
+    try:
+        fd = os.open(Path(wdir).parent / VERSIONS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def release_versions(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)  # the lock goes with its last descriptor
 
 
 def clean_tmp(directory: str | os.PathLike) -> None:

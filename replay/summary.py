@@ -100,6 +100,7 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
         "accounting": _acct(s),
         "evals": _evals(s),
         "trainer_metrics": trainer_metrics(log, folded.seq),
+        "faults": faults(log, folded.seq),
         "conservation": {"holds": holds, **terms},
         "state_hash": state_hash(s),
     }
@@ -142,6 +143,28 @@ def trainer_metrics(log: EventLog, at: int) -> dict[int, dict[str, float]]:
     except LogError as err:
         raise ReplayInputError(one_line(str(err))) from None
     return out
+
+
+FAULT_KINDS = ("trainer_restarted", "endpoint_changed")
+
+
+def faults(log: EventLog, at: int) -> list[dict[str, Any]]:
+    """The trainer's restarts and the launched servers' downs and ups, up to seq `at`, in order:
+    {seq, kind, and the event's fields}."""
+    try:
+        return [
+            {"seq": seq, "kind": kind, **row_data(seq, data, str(log.path))}
+            for seq, _ts, kind, data in log.read_raw(1, at, kinds=FAULT_KINDS)
+        ]
+    except LogError as err:
+        raise ReplayInputError(one_line(str(err))) from None
+
+
+def _fault_row(fault: dict[str, Any]) -> tuple[str, str, str]:
+    if fault["kind"] == "trainer_restarted":
+        return str(fault["seq"]), f"trainer restarted ({fault['attempt']})", fault["cause"]
+    what = f"server {fault['url']} " + ("up" if fault["up"] else "down")
+    return str(fault["seq"]), what, fault["cause"]
 
 
 TRAINER_METRICS_SHOWN = 10  # the table shows the newest versions; --json has them all
@@ -244,6 +267,7 @@ def render(summary: dict[str, Any], console) -> None:
     for k, v in rows:
         head.add_row(k, v)
     console.print(head)
+    _print_items(console, "faults", ("seq", "what", "cause"), [_fault_row(f) for f in summary["faults"]])
 
     _print_items(
         console,

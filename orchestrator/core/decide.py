@@ -497,11 +497,13 @@ def on_stop_requested(d: _Decisions, e: ev.StopRequested) -> None:
 
 
 def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
-    """Re-run lost episodes, keep fresh members, re-finalize, sweep the queue."""
+    """Re-run lost episodes, drop the traces whose payloads were lost, keep fresh members,
+    re-finalize, sweep the queue."""
     s = d.state
     for episode_id in list(s.inflight):
         d.emit(ev.EpisodeCancelled.unvalidated(episode_id=episode_id, reason="resume"))
     cancel_eval_episodes(d, "resume")
+    drop_damaged_traces(d, e.damaged_traces)
     oldest = min_fresh_version(s.params, s.step)
     stale_members = [
         trace_id
@@ -527,6 +529,25 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     common_tail(d)
 
 
+def drop_damaged_traces(d: _Decisions, trace_ids: list[int]) -> None:
+    """Rule 10 (`--drop-damaged`): held traces whose payloads are lost never train. A queued one
+    or a finished member of an open group is dropped (the member's slot reopens and is re-run);
+    a group being finalized is cancelled whole, since its scores were computed with the lost one."""
+    s = d.state
+    damaged = set(trace_ids)
+    finalizing = sorted(
+        {s.traces[t].group_id for t in trace_ids if s.traces[t].group_id in s.groups}
+        & {g.group_id for g in s.groups.values() if g.finalizing}
+    )
+    for group_id in finalizing:
+        group = s.groups[group_id]
+        damaged.difference_update(group.members)
+        d.emit(ev.GroupCancelled.unvalidated(group_id=group_id, reason="damaged", count=len(group.members)))
+    rest = [t for t in trace_ids if t in damaged]
+    if rest:
+        d.emit(ev.TracesDropped.unvalidated(trace_ids=rest, reason="damaged"))
+
+
 def on_run_started(d: _Decisions, e: ev.RunStarted) -> None:
     common_tail(d)
 
@@ -547,6 +568,11 @@ def on_trainer_restarted(d: _Decisions, e: ev.TrainerRestarted) -> None:
     batches it has not trained are on disk, and the versions it publishes arrive as before."""
 
 
+def on_endpoint_changed(d: _Decisions, e: ev.EndpointChanged) -> None:
+    """Recorded only: the episodes a down server fails come back as failed completions, and a
+    restarted one is brought to the current version before it serves again."""
+
+
 _INPUT_RULES: dict[str, Callable] = {
     "run_started": on_run_started,
     "run_resumed": on_run_resumed,
@@ -556,6 +582,7 @@ _INPUT_RULES: dict[str, Callable] = {
     "version_published": on_version_published,
     "stop_requested": on_stop_requested,
     "trainer_restarted": on_trainer_restarted,
+    "endpoint_changed": on_endpoint_changed,
     "eval_episode_completed": on_eval_episode_completed,
 }
 assert set(_INPUT_RULES) == ev.INPUT_KINDS

@@ -151,6 +151,10 @@ class RunResumed(_Model):
     kind: Literal["run_resumed"] = Field("run_resumed", exclude=True)
     from_seq: int
     max_steps: int
+    # `orch run --resume --drop-damaged`: held traces, never shipped, whose token payloads are lost
+    # (a side file missing or damaged); the resume drops them first. Left out of the JSON while
+    # empty: a resume without damage logs the `run_resumed` it always did.
+    damaged_traces: list[int] = Field([], exclude_if=lambda value: not value)
 
 
 class GroupDispatched(_Model):
@@ -263,7 +267,7 @@ class GroupCancelled(_Model):
     role = "decision"
     kind: Literal["group_cancelled"] = Field("group_cancelled", exclude=True)
     group_id: int
-    reason: Literal["stale", "overload", "drain", "stop"]
+    reason: Literal["stale", "overload", "drain", "stop", "damaged"]
     count: int  # completed episodes of the group that will never train
 
 
@@ -271,7 +275,7 @@ class TracesDropped(_Model):
     role = "decision"
     kind: Literal["traces_dropped"] = Field("traces_dropped", exclude=True)
     trace_ids: list[int]
-    reason: Literal["stale", "drain", "stop"]
+    reason: Literal["stale", "drain", "stop", "damaged"]
 
 
 class GateChanged(_Model):
@@ -412,6 +416,20 @@ class TrainerRestarted(_Model):
     cause: str
 
 
+class EndpointChanged(_Model):
+    """Input: an inference server orch launched went down (`up` false: it exited, its `cause` the
+    exit code and its log's last line, or it missed its health deadline) or came back after a
+    restart (`up` true; `attempt`: the restart). Recorded for `orch replay`; it changes nothing the
+    core decides (docs/vllm.md)."""
+
+    role = "input"
+    kind: Literal["endpoint_changed"] = Field("endpoint_changed", exclude=True)
+    url: str
+    up: bool
+    attempt: int
+    cause: str
+
+
 class RunStopped(_Model):
     role = "decision"
     kind: Literal["run_stopped"] = Field("run_stopped", exclude=True)
@@ -439,6 +457,7 @@ Event = Annotated[
     | DrainStarted
     | StopRequested
     | TrainerRestarted
+    | EndpointChanged
     | RunStopped
     | EvalStarted
     | EvalEpisodeDispatched
@@ -456,7 +475,10 @@ EVENT_TYPES: dict[str, type[_Model]] = {
 assert all(getattr(cls, "role", None) in ("input", "decision") for cls in EVENT_TYPES.values()), "a kind lacks a role"
 INPUT_KINDS = frozenset(kind for kind, cls in EVENT_TYPES.items() if cls.role == "input")
 
-_NESTED_KINDS = frozenset({"run_started"})
+# Kinds encoded and decoded by pydantic itself: a nested model (run_started's params), or a field
+# left out of the JSON while empty (`exclude_if`, which the orjson path below does not know:
+# run_resumed's damaged_traces). Both are rare rows.
+_NESTED_KINDS = frozenset({"run_started", "run_resumed"})
 # An event's fields are its __dict__, `kind` first, in declaration order, so its data is the
 # orjson encoding of that dict minus the `{"kind":"...",` head: byte for byte what pydantic's
 # serializer writes (a property test checks it), at a fraction of the cost. What orjson refuses

@@ -214,6 +214,10 @@ def _trainer_restarted(s: State, e: ev.TrainerRestarted) -> None:
     """Nothing of the state: the restarted trainer goes on from its checkpoint."""
 
 
+def _endpoint_changed(s: State, e: ev.EndpointChanged) -> None:
+    """Nothing of the state: the client routes around a server that is down."""
+
+
 def _run_stopped(s: State, e: ev.RunStopped) -> None:
     s.stopped, s.stop_reason = True, e.reason
 
@@ -303,6 +307,7 @@ _REDUCERS: dict[str, Callable[[State, Any], None]] = {
     "drain_started": _drain_started,
     "stop_requested": _stop_requested,
     "trainer_restarted": _trainer_restarted,
+    "endpoint_changed": _endpoint_changed,
     "run_stopped": _run_stopped,
     "eval_started": _eval_started,
     "eval_episode_dispatched": _eval_episode_dispatched,
@@ -341,6 +346,7 @@ def fold_rows(
     rows: Iterable[tuple[str, bytes]],
     first_seq: int = 1,
     payloads: PayloadReader | None = None,
+    damaged: dict[int, tuple[int, str]] | None = None,
 ) -> tuple[State | None, int]:
     """Fold logged rows (kind, data JSON), the first one being seq `first_seq`, into `state`, or
     with no state into the state their `run_started` makes; return (the state, how many rows).
@@ -349,7 +355,10 @@ def fold_rows(
     Each row is read as a fold view (`_fast_events.FOLD_VIEWS`) rather than a validated model,
     and the traces still held at the end are decoded into full events, with their payloads read
     through `payloads`, so the result is the state that folding the models gives, at a fraction
-    of the cost. A row that fails raises FoldError."""
+    of the cost. A row that fails raises FoldError; so does a held trace whose payload is
+    missing or does not hold its arrays, unless `damaged` is given: a held trace never shipped
+    is then left undecoded (a `TraceView`) and recorded there (trace id -> its seq and why), for the
+    resume that drops it (`RunResumed.damaged_traces`)."""
     reducers, views = _REDUCERS, FOLD_VIEWS
     rows = iter(rows)
     count = 0
@@ -375,7 +384,7 @@ def fold_rows(
         except _FOLD_ERRORS as err:
             raise FoldError(first_seq + count, kind, err) from err
         count += 1
-    _decode_held_traces(state, payloads)
+    _decode_held_traces(state, payloads, damaged)
     return state, count
 
 
@@ -392,7 +401,9 @@ def evolve_from(state: State | None, event: ev.Event) -> State:
     return _state_made_by(event, event.kind) if state is None else evolve(state, event)
 
 
-def _decode_held_traces(state: State, payloads: PayloadReader | None) -> None:
+def _decode_held_traces(
+    state: State, payloads: PayloadReader | None, damaged: dict[int, tuple[int, str]] | None
+) -> None:
     shipped = [(x, x.trace) for xs in state.shipped_batches.values() for x in xs if isinstance(x.trace, TraceView)]
     held = [(trace_id, t) for trace_id, t in state.traces.items() if isinstance(t, TraceView)]
     views = [view for _, view in held] + [view for _, view in shipped]
@@ -401,7 +412,12 @@ def _decode_held_traces(state: State, payloads: PayloadReader | None) -> None:
     for view in views:
         view.payload = read.get(view.seq)
     for trace_id, view in held:
-        state.traces[trace_id] = _model_of(view)
+        try:
+            state.traces[trace_id] = _model_of(view)
+        except FoldError as err:
+            if damaged is None:
+                raise
+            damaged[trace_id] = (view.seq, str(err))
     for sample, view in shipped:
         sample.trace = _model_of(view)
 

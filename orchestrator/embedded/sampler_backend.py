@@ -110,6 +110,9 @@ class EmbeddedBackend:
             await asyncio.to_thread(self.sampler.reload, wdir, version)
             self._loaded.set()
 
+    async def watch(self, report_endpoint_change: Callable[[str, bool, int, str], None]) -> None:
+        """It launched no server: nothing to watch."""
+
     async def aclose(self) -> None:
         """Stop the sampling threads (a running forward pass finishes; nothing new starts)."""
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)

@@ -135,6 +135,9 @@ class FakeEpisodes:
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
         """Never called: it does not follow weights."""
 
+    async def watch(self, report_endpoint_change: Callable[[str, bool, int, str], None]) -> None:
+        """It launched no server: nothing to watch."""
+
     async def aclose(self) -> None:
         """It holds nothing."""
 

@@ -46,8 +46,17 @@ def is_peft(model) -> bool:
     return hasattr(model, "peft_config")
 
 
-def prune(run_dir: str | os.PathLike, newest: int, keep: int) -> None:
-    """Delete versions older than the newest `keep`."""
-    for version in rundir.stable_versions(run_dir):
-        if version <= newest - keep:
-            rundir.remove_dir_safely(rundir.weights_dir(run_dir, version))
+def prune(run_dir: str | os.PathLike, newest: int, keep: int) -> bool:
+    """Delete versions older than the newest `keep`, unless a server is loading one now (the
+    versions' lock held shared, `rundir.hold_versions`): then nothing is deleted, and the next
+    publish prunes them. Whether it pruned."""
+    held = rundir.hold_versions(rundir.weights_dir(run_dir, newest), exclusive=True)
+    if held is None:
+        return False
+    try:
+        for version in rundir.stable_versions(run_dir):
+            if version <= newest - keep:
+                rundir.remove_dir_safely(rundir.weights_dir(run_dir, version))
+    finally:
+        rundir.release_versions(held)
+    return True

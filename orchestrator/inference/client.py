@@ -47,18 +47,20 @@ endpoint's load is its dialect's, one module each in :mod:`.weight_sync`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import httpx
 import orjson
 
+from orchestrator import rundir
 from orchestrator.inference.errors import (
     InferenceError,
     InferenceRequestError,
@@ -535,10 +537,15 @@ class InferenceClient:
 
     async def _load_one(self, ep: Endpoint, version: int, path: str) -> int:
         async with ep.sync_lock:
+            # A load queued behind a slow one goes to the newest version: an older one's dir may
+            # be pruned by now, and the endpoint would only have to load again.
+            if self.target is not None and self.target[0] > version:
+                version, path = self.target
             if ep.version >= version:
                 return ep.version
             try:
-                confirmed = await DIALECTS[self.weight_sync](self, ep, version, path)
+                async with self._version_held(path):
+                    confirmed = await DIALECTS[self.weight_sync](self, ep, version, path)
             except Retryable as exc:
                 # an endpoint's loads run one at a time (its sync_lock): their retries are one loop
                 if same_server_error_again(ep.last_load_error, exc.server_error):
@@ -550,6 +557,21 @@ class InferenceClient:
             ep.version = max(ep.version, confirmed)
             self.mark_up(ep)
             return ep.version
+
+    @contextlib.asynccontextmanager
+    async def _version_held(self, path: str) -> AsyncIterator[None]:
+        """The weight versions beside `path` held against the trainer's prune while an endpoint
+        loads one (rundir.hold_versions): the trainer prunes at its next publish instead. A
+        prune holds them for milliseconds; waited for at most the load timeout."""
+        deadline = time.monotonic() + self.load_timeout_s
+        while (held := rundir.hold_versions(path, exclusive=False)) is None:
+            if time.monotonic() >= deadline:
+                raise Retryable(f"the trainer's prune held {path}'s versions for {self.load_timeout_s:g}s", "reload")
+            await asyncio.sleep(0.01)
+        try:
+            yield
+        finally:
+            rundir.release_versions(held)
 
     async def _ensure_version(self, ep: Endpoint) -> int:
         """Before a request: bring ``ep`` to the target version if it has not confirmed it.

@@ -187,6 +187,7 @@ class EndpointsBackend:
         self._loaded = asyncio.Event()
         self._agent_envs: dict[str, bool] = {}
         self._ready = launcher is None  # launched servers: once they answered /health
+        self._servers_ready = asyncio.Event()
         self.version = -1  # newest version confirmed by at least one endpoint
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
@@ -200,6 +201,7 @@ class EndpointsBackend:
                 self.launcher.start()
             await self.launcher.wait_ready(health_check)
             self._ready = True
+            self._servers_ready.set()
         wdir = weights_dir(self.run_dir, version)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.load_timeout_s
@@ -270,6 +272,14 @@ class EndpointsBackend:
             policy_end=done.policy_end,
             temperature=temperature,
         )
+
+    async def watch(self, report_endpoint_change: Callable[[str, bool, int, str], None]) -> None:
+        """For the whole run, once they are ready: the servers it launched, restarted when they
+        die or freeze (`VllmLauncher.watch`). Without launched servers, nothing to watch."""
+        if self.launcher is None:
+            return
+        await self._servers_ready.wait()
+        await self.launcher.watch(self.client, report_endpoint_change)
 
     def _plays_itself(self, name: str) -> bool:
         # Asked once per env: isinstance of a runtime-checkable Protocol walks its members each time.

@@ -31,6 +31,12 @@ class LaunchSection(Section):
     max_lora_rank: int = Field(16, ge=1, description="--max-lora-rank (vllm_lora): at least the trainer's rank")
     ready_timeout_s: float = Field(600.0, gt=0, description="max wait for every server's /health")
     stop_timeout_s: float = Field(20.0, gt=0, description="SIGTERM, then SIGKILL after this long")
+    max_restarts: int = Field(
+        2, ge=0, description="a server that dies or freezes is restarted this many times (each logged)"
+    )
+    health_timeout_s: float = Field(
+        5.0, gt=0, description="a running server that does not answer /health within this is frozen: restarted"
+    )
 
     @model_validator(mode="after")
     def _one_port_and_gpu_set_per_server(self) -> LaunchSection:

@@ -7,7 +7,8 @@ the whole tree running, ~3 GiB, after a SIGKILLed orch. The guard leads the serv
 (the launcher starts it in a session of its own) and runs COMMAND in that group. It ends the whole
 group, SIGTERM then SIGKILL after STOP_TIMEOUT_S, as soon as orch is gone (its death signal, or its
 parent pid no longer PARENT_PID: a death signal is lost when the thread that forked exits) or when
-told to stop (SIGTERM); it exits with COMMAND's exit code when COMMAND exits by itself.
+told to stop (SIGTERM); it exits with COMMAND's exit code when COMMAND exits by itself (128 + N
+when signal N killed it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main(argv: list[str]) -> int:
             return 0
         time.sleep(POLL_S)
     _kill_the_rest()  # what COMMAND forked and left behind (an engine core whose API server died)
-    return child.returncode
+    code = child.returncode
+    return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says it
 
 
 def _kill_the_rest() -> None:

@@ -15,6 +15,8 @@ A server runs in its own process group (vLLM forks its engine core and workers),
 (``PR_SET_PDEATHSIG``) and watches that process too, and takes the whole group with it, so a
 SIGKILLed orch leaves no server behind, even during a server's start-up. :meth:`VllmLauncher.stop`
 sends SIGTERM to each group, then SIGKILL to what is left after ``stop_timeout_s``.
+:meth:`VllmLauncher.watch` keeps them serving for the whole run: a server that exits or misses its
+health deadline is restarted (bounded), brought to the newest version and put back in rotation.
 """
 
 from __future__ import annotations
@@ -31,18 +33,22 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from orchestrator.contracts import ConfigError
-from orchestrator.inference.client import InferenceError
+from orchestrator.inference.client import InferenceClient, InferenceError
 from orchestrator.inference.endpoints_config import LaunchSection
+from orchestrator.notices import report, warn
 
 LOGS_DIR = "logs"
 _PR_SET_PDEATHSIG = 1
 GROUP_EXIT_WAIT_S = 5.0  # SIGKILLed members of a server's group: init reaps them within this
+WATCH_EVERY_S = 1.0  # how often the run checks each launched server
+GUARD_POLL_S = 0.5  # more than the guard's poll: a server that died has its guard's exit by then
 
 
 class LaunchError(InferenceError):
@@ -187,23 +193,26 @@ class VllmLauncher:
         """Spawn every server (from the event loop's thread: the death signal follows the thread
         that forked); returns at once, :meth:`wait_ready` waits for them."""
         for server in self.servers:
-            server.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(server.log_path, "ab") as log:
-                server.proc = subprocess.Popen(
-                    guarded(self.command(server), self.launch.stop_timeout_s),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=self.environment(server),
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )  # noqa: PLW1509 - one libc call
+            self._spawn(server)
         print(
             f"orch: started {len(self.servers)} vLLM server(s) on {', '.join(self.urls)} "
             f"(logs in {self.servers[0].log_path.parent})",
             file=sys.stderr,
             flush=True,
         )
+
+    def _spawn(self, server: Server) -> None:
+        server.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(server.log_path, "ab") as log:
+            server.proc = subprocess.Popen(
+                guarded(self.command(server), self.launch.stop_timeout_s),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(server),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )  # noqa: PLW1509 - one libc call
 
     def check_alive(self) -> None:
         """LaunchError if a server has exited."""
@@ -247,6 +256,89 @@ class VllmLauncher:
             f"orch: {len(self.servers)} vLLM server(s) ready after {loop.time() - t0:.0f}s", file=sys.stderr, flush=True
         )
 
+    async def watch(self, client: InferenceClient, on_change: Callable[[str, bool, int, str], None]) -> None:
+        """For the whole run (the loop owns this task): each server is checked every
+        `WATCH_EVERY_S`; one that exited (its exit code and last log line) or did not answer
+        `/health` within `health_timeout_s` (frozen) is marked down (`on_change`: an event), its
+        group killed and started again, at most `max_restarts` times, then brought to the newest
+        version and put back in rotation (`on_change` again). Past its restarts it is left down
+        while another server is up; with none up, LaunchError (one line)."""
+        async with httpx.AsyncClient(timeout=self.launch.health_timeout_s, trust_env=False) as http:
+            try:
+                async with asyncio.TaskGroup() as watching:
+                    for server, ep in zip(self.servers, client.endpoints, strict=True):
+                        watching.create_task(self._watch_one(server, ep, client, on_change, http))
+            except ExceptionGroup as group:  # the first server that could not be kept: as itself
+                raise group.exceptions[0] from None
+
+    async def _watch_one(self, server: Server, ep, client: InferenceClient, on_change, http: httpx.AsyncClient):
+        restarts = 0
+        while True:
+            cause = await self._fault(server, http)
+            if cause is None:
+                await asyncio.sleep(WATCH_EVERY_S)
+                continue
+            while cause is not None:  # down until a restart serves the newest version
+                on_change(server.url, False, restarts, cause)
+                client.mark_down(ep, cause, "server down")
+                ep.version, ep.adapters = -1, {}  # a new process holds the model as launched
+                if restarts >= self.launch.max_restarts:
+                    what = f"vLLM server {server.index} ({server.url}) {cause}, after {restarts} restart(s)"
+                    if not any(e.failures == 0 for e in client.endpoints):
+                        raise LaunchError(f"{what}; no server left (inference.openai.launch.max_restarts)")
+                    warn(f"{what}: left down (inference.openai.launch.max_restarts); the run goes on with the others")
+                    await asyncio.to_thread(_kill_group, server.proc)
+                    return
+                restarts += 1
+                limit = self.launch.max_restarts
+                warn(f"vLLM server {server.index} ({server.url}) {cause}; restarting it ({restarts}/{limit})")
+                await asyncio.to_thread(_kill_group, server.proc)
+                self._spawn(server)  # on the loop's thread, which its death signal follows
+                cause = await self._restarted(server, ep, client, http)
+            client.mark_up(ep)
+            on_change(server.url, True, restarts, f"restarted, at version {ep.version}")
+            report(f"orch: vLLM server {server.index} ({server.url}) is back, at version {ep.version}")
+
+    async def _fault(self, server: Server, http: httpx.AsyncClient) -> str | None:
+        """Why `server` cannot serve (None: it can): it exited, or missed its health deadline."""
+        exited = self._exit_of(server)
+        if exited is not None:
+            return exited
+        try:
+            answer = await http.get(server.url + "/health")
+        except httpx.TimeoutException:
+            return f"did not answer /health within {self.launch.health_timeout_s:g}s (frozen)"
+        except httpx.HTTPError as err:  # its process may be dying: its guard tells within a poll
+            await asyncio.sleep(GUARD_POLL_S)
+            return self._exit_of(server) or f"/health failed ({type(err).__name__}: {err})"
+        return None if answer.status_code == 200 else f"/health answered HTTP {answer.status_code}"
+
+    @staticmethod
+    def _exit_of(server: Server) -> str | None:
+        code = server.proc.poll() if server.proc is not None else None
+        return None if code is None else f"exited ({exit_cause(code)}): {last_line(server.log_path)}"
+
+    async def _restarted(self, server: Server, ep, client: InferenceClient, http: httpx.AsyncClient) -> str | None:
+        """Wait (at most `ready_timeout_s`) for the restarted server's /health, then load the
+        newest version; None once it serves it, else why not (the watch counts another fault)."""
+        deadline = time.monotonic() + self.launch.ready_timeout_s
+        while time.monotonic() < deadline:
+            exited = self._exit_of(server)
+            if exited is not None:
+                return f"{exited}, during its restart"
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(server.url + "/health")).status_code == 200:
+                    break
+            await asyncio.sleep(0.5)
+        else:
+            return f"not ready {self.launch.ready_timeout_s:g}s after its restart (log: {server.log_path})"
+        if client.target is not None:
+            try:
+                await client._load_one(ep, *client.target)
+            except InferenceError as err:
+                return f"could not load version {client.target[0]} after its restart: {err}"
+        return self._exit_of(server)
+
     def stop(self) -> None:
         """SIGTERM every server's process group, SIGKILL what is left after ``stop_timeout_s``
         (blocking: it runs on the way out, where an await could be cancelled)."""
@@ -271,6 +363,28 @@ class VllmLauncher:
             deadline = time.monotonic() + GROUP_EXIT_WAIT_S
             while group_alive(server.proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+def exit_cause(code: int) -> str:
+    """A guarded server's exit status in words: the signal that killed it (its guard exits with
+    128 + N, the guard itself killed: -N), or its exit code."""
+    for signum in (-code, code - 128):
+        if 0 < signum < 65:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(signum).name}"
+    return f"exit code {code}"
+
+
+def _kill_group(proc: subprocess.Popen | None) -> None:
+    """SIGKILL a server's whole group (a frozen one takes no SIGTERM) and reap its guard."""
+    if proc is None:
+        return
+    _signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(GROUP_EXIT_WAIT_S)
+    deadline = time.monotonic() + GROUP_EXIT_WAIT_S
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def group_alive(pgid: int) -> bool:

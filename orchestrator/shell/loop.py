@@ -148,6 +148,10 @@ class Orchestrator:
         self._control.append(ev.TrainerRestarted(attempt=attempt, cause=cause))
         self._poke()
 
+    def endpoint_changed(self, url: str, up: bool, attempt: int, cause: str) -> None:
+        self._control.append(ev.EndpointChanged(url=url, up=up, attempt=attempt, cause=cause))
+        self._poke()
+
     def request_stop(self, reason: str) -> None:
         self._control.append(ev.StopRequested(reason=reason))
         self._poke()
@@ -169,6 +173,7 @@ class Orchestrator:
             self._start(self._forward_outcomes(self.stream), "orch-outcomes")
             self._start(self._forward_outcomes(self.eval_stream), "orch-eval-outcomes")
             self._start(self.trainer.run(self.state.version, self.publish_version), "orch-trainer")
+            self._start(self.backend.watch(self.endpoint_changed), "orch-endpoints-watch")
             try:
                 await self._drive(first_input)
             except Exception as exc:  # raised once the group is closed: as itself, not in a group

@@ -23,7 +23,7 @@ from orchestrator.config import (
 )
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
-from orchestrator.fold import fold_log
+from orchestrator.fold import Folded, fold_log
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
 from orchestrator.orch_log import LOG_MAGIC_META, OrchLogError, open_orch_log
@@ -114,7 +114,9 @@ def _check_runs_dir(runs_dir: Path) -> None:
         raise RunDirError(f"cannot write in the runs dir {runs_dir}: {err.strerror or err}") from None
 
 
-def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = None) -> OpenedRun:
+def resume_run(
+    run_dir: Path, overrides: list[str], config_file: Path | None = None, drop_damaged: bool = False
+) -> OpenedRun:
     db = events_db(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"cannot resume {run_dir}: no such run directory")
@@ -134,7 +136,8 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
         )
     try:
         with tuned_gc():
-            folded = fold_log(log)
+            folded = fold_log(log, keep_damaged=True)
+        damaged, dropping = _damaged_traces(run_dir, folded, drop_damaged)
         if folded.state is None:  # it stopped before its first event was committed
             params = requested.core_params()
             return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None, model)
@@ -150,11 +153,32 @@ def resume_run(run_dir: Path, overrides: list[str], config_file: Path | None = N
             )
         _check_not_complete(run_dir, folded.state, requested.max_steps)
         requested.trainer.chosen().check_resume(run_dir, folded.state.version)
-        first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps)
+        if dropping:
+            warn(dropping)
+        first = ev.RunResumed(from_seq=folded.seq, max_steps=requested.max_steps, damaged_traces=damaged)
         return OpenedRun(requested, run_dir, log, folded.state, first, folded.seq, model)
     except BaseException:
         log.close()
         raise
+
+
+def _damaged_traces(run_dir: Path, folded: Folded, drop_damaged: bool) -> tuple[list[int], str | None]:
+    """The held traces, never shipped, whose payloads are lost: refused in one line naming the
+    first and the flag, or with `--drop-damaged` returned with the line that says so, for the
+    resume to drop them as logged events (docs/resume.md)."""
+    if not folded.damaged:
+        return [], None
+    lost = sorted(folded.damaged.items(), key=lambda item: item[1][0])
+    _first_id, (_seq, why) = lost[0]
+    seqs = ", ".join(str(seq) for _trace_id, (seq, _why) in lost[:5]) + (", ..." if len(lost) > 5 else "")
+    what = f"{len(lost)} trace{'s' if len(lost) > 1 else ''} never shipped (seq {seqs})"
+    if not drop_damaged:
+        raise RunDirError(
+            f"{why}; {what} lost their payloads: `orch run --resume {run_dir} --drop-damaged` drops them "
+            "(logged, shipped history untouched) and continues, or restore the payload files from a copy"
+        )
+    dropping = f"dropping {what} whose payloads are lost (--drop-damaged); first: {why}"
+    return sorted(trace_id for trace_id, _where in lost), dropping
 
 
 def _check_not_complete(run_dir: Path, state: State, max_steps: int) -> None:

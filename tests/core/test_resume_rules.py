@@ -92,3 +92,28 @@ def test_a_resume_that_lowers_max_steps_stops_only_once_every_shipped_batch_is_t
     assert "drain_started" in d.kinds(out) and "run_stopped" not in d.kinds(out)
     assert "run_stopped" not in d.kinds(d.publish(1) + d.publish(2))
     assert d.of(d.publish(3), "run_stopped")[0].reason == "completed"
+
+
+def test_damaged_traces_are_dropped_first_a_finalizing_group_cancelled_whole(driver):
+    """`--drop-damaged` (docs/resume.md): held traces whose payloads are lost never train. A
+    queued one is dropped; an open group's member too, its slot re-run; a finalizing group is
+    cancelled, since its scores included the lost one."""
+    d = driver(group_size=2, batch_size=100, max_inflight=6, finalize_in_background=True)
+    d.start()  # groups 1, 2, 3: episodes 1..6
+    d.complete_group(1, [0.0, 1.0])
+    d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))  # 1, 2 queued
+    d.complete_group(2, [0.0, 1.0])  # 3, 4 finalizing
+    d.complete(5, reward=1.0)  # an open group's member
+    assert list(d.state.pending) == [1, 2] and d.state.groups[2].finalizing and 5 in d.state.groups[3].members
+    d.state = fold(d.log)
+    out = d.feed(ev.RunResumed(from_seq=len(d.log), max_steps=d.params.max_steps, damaged_traces=[1, 3, 5]))
+    damaged = [e for e in out if getattr(e, "reason", None) == "damaged"]
+    assert [(e.kind, getattr(e, "group_id", None), getattr(e, "trace_ids", None)) for e in damaged] == [
+        ("group_cancelled", 2, None),
+        ("traces_dropped", None, [1, 5]),
+    ]
+    assert not any(e.kind == "finalize_started" and e.group_id == 2 for e in out)  # not re-finalized
+    assert list(d.state.pending) == [2] and not {1, 3, 4, 5} & set(d.state.traces)
+    assert any(e.kind == "episode_dispatched" and e.group_id == 3 for e in out)  # 5's slot re-run
+    assert d.state.acct.dropped["damaged"] == 4 and conservation(d.state)[0]
+    assert state_hash(fold(d.log)) == state_hash(d.state)

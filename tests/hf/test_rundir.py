@@ -123,7 +123,20 @@ def test_old_weight_dirs_are_pruned_keeping_the_newest(tmp_path):
         _publish(tmp_path, v)
         prune(tmp_path, v, keep=3)
         assert files.stable_versions(tmp_path) == list(range(max(0, v - 2), v + 1))
-    assert sorted(p.name for p in files.weights_root(tmp_path).iterdir()) == ["step_3", "step_4", "step_5"]
+    names = ["step_3", "step_4", "step_5", files.VERSIONS_LOCK]  # the lock a prune takes
+    assert sorted(p.name for p in files.weights_root(tmp_path).iterdir()) == sorted(names)
+
+
+def test_a_prune_waits_while_a_server_loads_a_version(tmp_path):
+    for v in range(4):
+        _publish(tmp_path, v)
+    loading = files.hold_versions(files.weights_dir(tmp_path, 0), exclusive=False)  # a reload of step_0
+    assert loading is not None and loading >= 0
+    try:
+        assert not prune(tmp_path, 3, keep=2) and files.stable_versions(tmp_path) == [0, 1, 2, 3]
+    finally:
+        files.release_versions(loading)
+    assert prune(tmp_path, 3, keep=2) and files.stable_versions(tmp_path) == [2, 3]
 
 
 def test_remove_dir_safely_unpublishes_first(tmp_path, monkeypatch):

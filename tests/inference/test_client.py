@@ -459,3 +459,72 @@ def test_server_errors_that_change_are_retried_as_before():
                 return c.retries
 
         assert run(main()) == 3
+
+
+def _reload_standin(reloads: list[tuple[str, bool]], pause_s: float):
+    """vLLM's full-weight reload routes (answers as recorded from vLLM 0.32), each
+    `/collective_rpc` recorded with whether its weights dir was there when it arrived (vLLM's
+    engine dies on a dir that is not); `/pause` takes `pause_s` (a slow server)."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from orchestrator.rundir import is_stable
+    from tests.inference.util import recorded
+
+    steps = {step["request"]["path"]: step for step in recorded("reload_sequence").values()}
+
+    async def handle(request):
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        if path == "/collective_rpc":
+            weights = (await request.json())["kwargs"]["weights_path"]
+            reloads.append((weights, is_stable(weights)))
+        elif path.startswith("/pause"):
+            await asyncio.sleep(pause_s)
+        return Response(steps[path]["text"], status_code=steps[path]["status"], media_type="application/json")
+
+    return Starlette(routes=[Route("/{path:path}", handle, methods=["GET", "POST"])])
+
+
+def test_a_slow_servers_queued_reload_goes_to_the_newest_version_and_no_dir_is_pruned_under_a_reload(tmp_path):
+    """Versions published faster than a slow server reloads, the trainer keeping 2: the slow
+    server's queued loads skip to the newest version, and no reload ever reaches a server after
+    its dir was pruned (the prune waits for the next publish while a load holds the versions)."""
+    from orchestrator.envs.server import running_server
+    from orchestrator.hf.publish import prune
+    from orchestrator.rundir import is_stable, mark_stable, weights_dir
+
+    def publish_version(version: int) -> str:
+        wdir = weights_dir(tmp_path, version)
+        wdir.mkdir(parents=True)
+        (wdir / "config.json").write_text("{}")
+        (wdir / "model.safetensors").write_bytes(b"")
+        mark_stable(wdir)
+        return str(wdir)
+
+    fast, slow = [], []
+    with (
+        running_server(_reload_standin(fast, 0.0)) as a,
+        running_server(_reload_standin(slow, 0.4)) as b,
+    ):
+
+        async def go():
+            pruned = []
+            async with InferenceClient([a.base_url, b.base_url], weight_sync="vllm_reload") as c:
+                loads = []
+                for version in range(1, 9):
+                    path = publish_version(version)
+                    pruned.append(prune(tmp_path, version, keep=2))
+                    loads.append(asyncio.create_task(c.load(version, path)))
+                    await asyncio.sleep(0.1)
+                answers = await asyncio.gather(*loads)
+                return pruned, answers, [e.version for e in c.endpoints]
+
+        pruned, answers, versions = run(go())
+    assert versions == [8, 8]  # both brought to the newest
+    assert all(isinstance(answer[b.base_url], int) and answer[b.base_url] >= v for v, answer in enumerate(answers, 1))
+    assert all(there for _path, there in fast + slow), "a reload reached a server after its dir was pruned"
+    slow_versions = [int(path.rsplit("_", 1)[1]) for path, _there in slow]
+    assert slow_versions == sorted(slow_versions) and slow_versions[-1] == 8 and len(slow_versions) < 8
+    assert not all(pruned) and any(pruned)  # a prune waited for a reload, a later one ran
+    assert prune(tmp_path, 8, keep=2) and [v for v in range(9) if is_stable(weights_dir(tmp_path, v))] == [7, 8]

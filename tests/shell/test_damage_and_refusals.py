@@ -7,6 +7,7 @@ import hashlib
 import os
 import random
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import orjson
@@ -171,3 +172,84 @@ def test_a_run_whose_snapshots_are_damaged_replays_and_resumes_around_them(tmp_p
     assert f"{db}'s snapshots were damaged (its events are intact): rebuilt without them" in resumed.stderr
     assert (run / "events.db.damaged-1").exists()
     assert_log_invariants(run, 10, 2, 1)
+
+
+def _crashed_before_ship(run: Path, ship: int) -> int:
+    """Cut `run`'s log right before its `ship`-th batch_shipped, as a crash there would leave it
+    (no snapshot, no later batch file): a batch of traces is queued. The seq it ends at."""
+    conn = sqlite3.connect(run / "events.db")
+    (cut,) = conn.execute(
+        "SELECT seq - 1 FROM events WHERE kind = 'batch_shipped' ORDER BY seq LIMIT 1 OFFSET ?", (ship - 1,)
+    ).fetchone()
+    conn.execute("DELETE FROM events WHERE seq > ?", (cut,))
+    conn.execute("DELETE FROM snapshots")  # caches: a snapshot would hold the traces whole
+    conn.commit()
+    conn.close()
+    for batch in (run / "batches").glob("step_*.safetensors"):
+        if int(batch.stem.removeprefix("step_")) >= ship:
+            batch.unlink()
+    return cut
+
+
+def test_drop_damaged_drops_the_never_shipped_traces_whose_payloads_are_lost_and_continues(tmp_path):
+    from eventlog import EventLog
+    from orchestrator.fold import fold_log
+    from tests.support.logs import assert_log_invariants, events, rows
+
+    run = _fake_run(tmp_path, steps=5)
+    cut = _crashed_before_ship(run, 2)
+    db = run / "events.db"
+    with EventLog.open_reader(db) as log:
+        state = fold_log(log).state
+    assert state is not None
+    queued = next((t for t in state.pending if state.traces[t].n_tokens), None)
+    members = [t for g in state.groups.values() for t in g.members if state.traces[t].n_tokens]
+    lost = sorted({t for t in (queued, *members[:2]) if t is not None})
+    assert lost, "held traces with tokens"
+    with closing(sqlite3.connect(db)) as conn:  # their payloads cut short in their rows, as a torn copy would
+        seqs = {
+            t: conn.execute(
+                "SELECT seq FROM events WHERE kind = 'episode_completed' AND json_extract(data, '$.episode_id') = ?",
+                (t,),
+            ).fetchone()[0]
+            for t in lost
+        }
+        for seq in seqs.values():
+            conn.execute("UPDATE events SET payload = substr(payload, 1, 10) WHERE seq = ?", (seq,))
+        conn.commit()
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    before = _digest(db)
+
+    refused = orch("run", "--resume", str(run))
+    assert refused.returncode == 2
+    line = _one_error_line(refused.stderr)
+    assert f"seq {min(seqs.values())}" in line and f"orch run --resume {run} --drop-damaged" in line, line
+    assert _digest(db) == before
+
+    resumed = orch("run", "--resume", str(run), "--drop-damaged")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"dropping {len(lost)} trace" in resumed.stderr and "--drop-damaged" in resumed.stderr
+    ((resume_seq, resume),) = events(run, "run_resumed")
+    assert resume_seq == cut + 1 and resume["damaged_traces"] == lost
+    # Dropped at once, as the resume's first decisions after the in-flight cancels.
+    decided = [(kind, fields) for seq, kind, fields in rows(db) if seq > resume_seq][:200]
+    dropped = [t for k, f in decided if k == "traces_dropped" and f["reason"] == "damaged" for t in f["trace_ids"]]
+    cancelled = {f["group_id"] for kind, f in decided if kind == "group_cancelled" and f["reason"] == "damaged"}
+    assert sorted(dropped) == [t for t in lost if state.traces[t].group_id not in cancelled]
+    assert cancelled <= {g.group_id for g in state.groups.values() if g.finalizing}
+    shipped = [t for _seq, fields in events(run, "batch_shipped") for t in fields["trace_ids"]]
+    assert not set(lost) & set(shipped) and len(shipped) == len(set(shipped))
+    ((_seq, started),) = events(run, "run_started")
+    params = started["params"]
+    assert_log_invariants(run, 5, params["max_off_policy_steps"], params["target_lag"])
+    assert orch("replay", str(run)).returncode == 0
+    # Nothing to drop any more: a later resume folds around them.
+    again = orch("run", "--resume", str(run), "--max-steps", "6")
+    assert again.returncode == 0, again.stderr
+
+
+def test_drop_damaged_needs_a_resume(tmp_path):
+    done = orch("run", "--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--drop-damaged")
+    assert done.returncode == 2
+    assert "--drop-damaged is for --resume" in _one_error_line(done.stderr)
+    assert not any(tmp_path.iterdir())

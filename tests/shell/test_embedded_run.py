@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
+import orjson
 import pytest
 
 from tests.support.cli import orch, spawn_orch, wait_until
@@ -198,3 +199,8 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_the_run_completes
     assert versions == [1, 2, 3, 4, 5, 6]  # the restarted trainer went on from its checkpoint
     assert processes_mentioning(str(run_dir)) == []
     assert orch("replay", str(run_dir), "--check").returncode == 0
+    shown = orch("replay", str(run_dir), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert [(f["kind"], f["attempt"]) for f in orjson.loads(shown.stdout)["faults"]] == [("trainer_restarted", 1)]
+    table = orch("replay", str(run_dir), env={**os.environ, "COLUMNS": "200"})
+    assert "faults" in table.stdout and "trainer restarted (1)" in table.stdout

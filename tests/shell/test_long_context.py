@@ -198,3 +198,57 @@ def test_a_long_context_run_resumes_and_replays_and_names_a_damaged_payload(tmp_
         db = sqlite3.connect(copy / "events.db")
         assert db.execute("select max(seq) from events").fetchone()[0] == cut, case
         db.close()
+    # The deleted file held a trace of a batch shipped and not yet trained, or only held traces
+    # never shipped: the flag refuses the one (shipped history is never rewritten), drops the other.
+    flagged = orch("run", "--resume", str(copies["deleted_file"]), "--max-steps", "5", "--drop-damaged")
+    assert flagged.returncode == 0 or (
+        flagged.returncode == 2 and "shipped and not yet trained" in _one_line(flagged.stderr)
+    ), flagged.stderr
+    # A crash right before batch 3's commit, and a held trace's piece of a side file damaged:
+    # the refusal names the way forward, which drops it as a logged event and goes on to the end;
+    # nothing ships twice.
+    lost = tmp_path / "lost"
+    shutil.copytree(run_dir, lost)
+    db = sqlite3.connect(lost / "events.db")
+    db.execute("delete from events where seq >= ?", (cut,))
+    db.execute("delete from snapshots")
+    db.commit()
+    db.close()
+    for step in (3, 4):
+        batch_path(lost, step).unlink()
+    with EventLog.open_reader(lost / "events.db") as log:
+        held_ids = list(fold_log(log).state.traces)
+    db = sqlite3.connect(lost / "events.db")
+    held_seq, held_id, held_ref = db.execute(
+        "select seq, data ->> '$.episode_id', payload_ref from events where kind = 'episode_completed'"
+        f" and payload_ref is not null and data ->> '$.episode_id' in ({','.join('?' * len(held_ids))})",
+        held_ids,
+    ).fetchone()
+    db.close()
+    held_file, held_offset = held_ref.split(":")[:2]
+    with open(f"{lost}/events.db.payloads/{held_file}", "r+b") as f:
+        f.seek(int(held_offset) + 10)
+        f.write(b"\xff\xfe")
+    refused = orch("run", "--resume", str(lost), "--max-steps", "5")
+    assert refused.returncode == 2 and f"seq {held_seq}" in refused.stderr and "--drop-damaged" in refused.stderr
+    dropped = orch("run", "--resume", str(lost), "--max-steps", "5", "--drop-damaged")
+    assert dropped.returncode == 0, dropped.stderr
+    assert "--drop-damaged" in dropped.stderr and held_file in dropped.stderr
+    db = sqlite3.connect(lost / "events.db")
+    (damaged,) = db.execute(
+        "select data ->> '$.damaged_traces' from events where kind = 'run_resumed' order by seq desc"
+    ).fetchone()
+    shipped = [
+        t
+        for (ids,) in db.execute("select data ->> '$.trace_ids' from events where kind = 'batch_shipped'")
+        for t in orjson.loads(ids)
+    ]
+    db.close()
+    assert orjson.loads(damaged) == [held_id]
+    assert held_id not in shipped and len(shipped) == len(set(shipped))
+
+
+def _one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orch: error:"), stderr
+    return lines[0]

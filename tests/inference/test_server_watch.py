@@ -1,0 +1,88 @@
+"""The launcher watches the servers it launched for the whole run (docs/vllm.md, "When a server
+dies or hangs"): a dead or frozen one is marked down, named, restarted a bounded number of times,
+brought to the newest version and put back in rotation, each down and up reported. The servers
+here are real `orch serve` processes (they start in a second) under the launcher's own guard and
+process groups; test_vllm_faults.py does it with vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.inference.client import InferenceClient
+from orchestrator.inference.endpoints_config import LaunchSection
+from orchestrator.inference.vllm_launch import LaunchError, Server, VllmLauncher, group_alive
+from tests.inference.util import publish, run
+from tests.support.cli import orch_argv
+
+
+class ServeLauncher(VllmLauncher):
+    """The launcher, starting `orch serve` on the run's weights instead of vLLM."""
+
+    def command(self, server: Server) -> list[str]:
+        weights = str(self.model_dir / "weights" / "step_0")
+        return orch_argv("serve", "--host", server.host, "--port", str(server.port), "--weights", weights)
+
+
+def _server_pid(server: Server) -> int:
+    """The server process itself: its guard's one child."""
+    guard = server.proc.pid
+    (child,) = Path(f"/proc/{guard}/task/{guard}/children").read_text().split()
+    return int(child)
+
+
+async def _until(changes: list, count: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(changes) < count:
+        assert time.monotonic() < deadline, f"waited {timeout_s:g}s for {count} changes: {changes}"
+        await asyncio.sleep(0.1)
+
+
+def test_a_dead_or_frozen_server_is_restarted_brought_to_the_newest_version_then_given_up(tmp_path, capfd):
+    for version in (0, 1):
+        publish(tmp_path, version)
+    launch = LaunchSection(servers=2, max_restarts=1, health_timeout_s=1.0, ready_timeout_s=60.0, stop_timeout_s=5.0)
+    launcher = ServeLauncher(launch, tmp_path, tmp_path, "orch", 2)
+    changes: list[tuple[str, bool, int, str]] = []
+
+    async def go():
+        launcher.start()
+        await launcher.wait_ready()
+        async with InferenceClient(launcher.urls, weight_sync="orch", backoff_s=0.2) as client:
+            await client.load(1, str(tmp_path / "weights" / "step_1"))
+            watch = asyncio.create_task(launcher.watch(client, lambda *change: changes.append(change)))
+            a, b = launcher.servers
+            t0 = time.monotonic()
+            os.kill(_server_pid(a), signal.SIGKILL)  # dies
+            await _until(changes, 2)
+            noticed_dead = time.monotonic() - t0
+            assert [c[:3] for c in changes] == [(a.url, False, 0), (a.url, True, 1)]
+            assert "killed by SIGKILL" in changes[0][3] and changes[1][3] == "restarted, at version 1"
+            assert client.endpoints[0].version == 1 and client.endpoints[0].failures == 0
+            frozen = _server_pid(b)
+            os.kill(frozen, signal.SIGSTOP)  # hangs
+            await _until(changes, 4)
+            assert [c[:3] for c in changes[2:]] == [(b.url, False, 0), (b.url, True, 1)]
+            assert "within 1s (frozen)" in changes[2][3] and client.endpoints[1].version == 1
+            assert not Path(f"/proc/{frozen}").exists() or Path(f"/proc/{frozen}/stat").read_text().split()[2] == "Z"
+            os.kill(_server_pid(a), signal.SIGKILL)  # past its restarts, while the other serves: left down
+            await _until(changes, 5)
+            assert changes[4][:3] == (a.url, False, 1) and not watch.done()
+            os.kill(_server_pid(b), signal.SIGKILL)  # and then no server is left: one line
+            with pytest.raises(LaunchError, match=r"no server left \(inference.openai.launch.max_restarts\)"):
+                await asyncio.wait_for(watch, 30)
+            return noticed_dead
+
+    try:
+        noticed_dead = run(go(), timeout=240)
+    finally:
+        launcher.stop()
+    assert noticed_dead < 60
+    assert not any(group_alive(s.proc.pid) for s in launcher.servers)
+    err = capfd.readouterr().err
+    assert "restarting it (1/1)" in err and "is back, at version 1" in err and "left down" in err
