@@ -55,8 +55,8 @@ lint: $(STAMP)
 # fixtures, a run or a server, are built once); more workers would start more vLLM servers at once.
 TEST_WORKERS ?= 2
 test: $(VERIFIERS_STAMP) lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
-	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench: $(VERIFIERS_STAMP)
 	mkdir -p bench/results

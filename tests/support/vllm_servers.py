@@ -3,10 +3,11 @@ plugin by tests/conftest.py): a server takes 25-90 s to start and holds ~3 GiB.
 
 `vllm_reload_server` is one `vllm_reload` server of the tiny model, with the union of the flags
 its users need (`--enable-scale-out`: verifiers' train client posts to /inference/v1/generate).
-The tests that use it run as one block, at the place of the first of them in the collected order
-(and, under pytest-xdist, as one group on one worker), so the server lives from the first of them
-to the last; after the last one's teardown it is stopped, and that teardown fails if any of its
-processes outlived the stop.
+The tests that use it run as one block, at the place of the first of them in the collected order,
+so the server lives from the first of them to the last; after the last one's teardown it is
+stopped, and that teardown fails if any of its processes outlived the stop. Under pytest-xdist
+(`--dist loadfile`: a module's tests on one worker) a worker that gets a user module starts its
+own and stops it when its next test is not a user.
 
 Isolation: each module gets the server back with the base model reloaded (a pause, reload,
 prefix-cache reset and resume, so whatever weights, cached KV or pause an earlier module left are
@@ -58,16 +59,12 @@ def uses_shared(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The server's users as one block (their order kept), where the first of them was; under
-    pytest-xdist (`--dist loadgroup`) each module is one group, and the server's users one more, so
-    a module's fixtures are built once and the server is started by one worker."""
+    """The server's users as one block (their order kept), where the first of them was."""
     users = [item for item in items if uses_shared(item)]
     if users:
         first = items.index(users[0])
         others = [item for item in items if not uses_shared(item)]
         items[:] = others[:first] + users + others[first:]
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(SHARED_RELOAD if uses_shared(item) else item.nodeid.split("::")[0]))
 
 
 @pytest.hookimpl(wrapper=True)
