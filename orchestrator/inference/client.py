@@ -507,6 +507,7 @@ class InferenceClient:
         """Tell every endpoint to load ``path`` as ``version``; returns url -> confirmed version or
         the error. Raises :class:`InferenceError` if no endpoint confirmed it. Endpoints that
         failed are marked down and brought up to date before they serve again."""
+        before = self.target
         if self.target is None or version >= self.target[0]:
             self.target = (version, path)
         if self.weight_sync == "none":
@@ -529,6 +530,8 @@ class InferenceClient:
             refused = all(
                 isinstance(res, InferenceRequestError) and res.status_code not in _MAY_PASS for res in results
             )
+            if refused and self.target == (version, path):
+                self.target = before  # a version no endpoint can load is no load's target
             raise (InferenceRequestError if refused else InferenceError)(
                 f"no inference endpoint confirmed weights version {version} ({path}): "
                 + "; ".join(f"{u}: {a}" for u, a in answers.items())
