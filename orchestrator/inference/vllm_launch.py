@@ -280,8 +280,8 @@ class VllmLauncher:
                 continue
             while cause is not None:  # down until a restart serves the newest version
                 on_change(server.url, False, restarts, cause)
-                client.mark_down(ep, cause, "server down")
-                ep.version, ep.adapters = -1, {}  # a new process holds the model as launched
+                client.mark_down(ep, cause, "server down")  # its version unknown from now on
+                ep.adapters = {}  # a new process holds no adapter, only the model as launched
                 if restarts >= self.launch.max_restarts:
                     what = f"vLLM server {server.index} ({server.url}) {cause}, after {restarts} restart(s)"
                     if not any(e.failures == 0 for e in client.endpoints):
