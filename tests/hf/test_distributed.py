@@ -139,7 +139,10 @@ def test_two_gloo_ranks_take_the_single_process_update_with_each_loss_option(tmp
     for version in (1, 2):
         a, b = _weights(one, version), _weights(two, version)
         worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-        assert worst < 1e-5, f"{case}: version {version}: max |difference| {worst:.2e}"
+        # AdamW's first steps move a weight by ~lr (1e-3) whatever its gradient's size, so float32
+        # rounding of the ranks' sums in a near-zero gradient shows up here amplified (seen: 1.3e-5
+        # with GSPO's exp of a mean); a wrong normaliser or mask differs by ~lr.
+        assert worst < 5e-5, f"{case}: version {version}: max |difference| {worst:.2e}"
         m1, m2 = (orjson.loads((rundir.weights_dir(r, version) / rundir.METRICS_FILE).read_bytes()) for r in (one, two))
         for key in ("loss", "clipfrac", "is_weight_mean", "truncated_frac", "masked_frac", "mismatch_kl", "kl_ref"):
             if key in m1:
