@@ -81,6 +81,16 @@ class ComponentFailed(RuntimeError):
     """A component failed (a trainer died, an endpoint or env server gave up); its message says
     what, in one line, and the run ends with it (a resume continues once it is fixed)."""
 
+    # What a failed episode is blamed on when this is what it raised (`episode_error`).
+    failure_source: ClassVar[str] = "env"
+
+
+def episode_error(exc: BaseException) -> str:
+    """A failed episode's recorded error: what failed first ("inference" for the inference
+    client's errors, "env" for anything else an episode raises: its own code, grader or env
+    server), then the exception (docs/resume.md, "Faults")."""
+    return f"{getattr(exc, 'failure_source', 'env')}: {type(exc).__name__}: {exc}"
+
 
 # ---------------------------------------------------------------------------------------- records
 class RolloutRequest(NamedTuple):

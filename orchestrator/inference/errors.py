@@ -9,6 +9,8 @@ from orchestrator.contracts import ComponentFailed
 class InferenceError(ComponentFailed):
     """Inference failed; the message names the endpoint(s) and what went wrong."""
 
+    failure_source = "inference"
+
 
 class InferenceRequestError(InferenceError):
     """The endpoint rejected the request itself (HTTP 4xx, malformed answer): never retried."""

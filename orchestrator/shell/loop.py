@@ -18,7 +18,7 @@ from typing import Any
 
 from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.config import RunConfig
-from orchestrator.contracts import Algorithm, InferenceBackend, RolloutRequest, Trainer
+from orchestrator.contracts import Algorithm, InferenceBackend, RolloutRequest, Trainer, episode_error
 from orchestrator.core import events as ev
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_of
 from orchestrator.core.decide import decide
@@ -242,8 +242,7 @@ class Orchestrator:
             return eval_result(outcome, self._solved[req.env])
         if outcome.exception is None:
             return outcome.result
-        exc = outcome.exception
-        self.last_episode_error = f"{type(exc).__name__}: {exc}"
+        self.last_episode_error = episode_error(outcome.exception)
         return ev.EpisodeCompleted(
             episode_id=req.episode_id,
             group_id=req.group_id,

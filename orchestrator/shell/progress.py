@@ -28,7 +28,7 @@ DROP_CAUSES = {
     "stale": "rollout.max_inflight, rollout.capacity, off_policy.max_off_policy_steps, off_policy.target_lag",
     "rejected": "groups whose rewards all tie (rollout.group_size, the tasks' difficulty)",
     "zero_advantage": "samples with a zero advantage pruned before the cut (batch.constant_trainer_batch_size)",
-    "failed": "episodes that failed (an env's error or an inference failure: each episode_completed's error names it)",
+    "failed": "episodes that failed (each episode_completed's error starts with what failed: inference or env)",
     "no_output": "episodes that sampled no token",
 }
 

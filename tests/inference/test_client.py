@@ -528,3 +528,11 @@ def test_a_slow_servers_queued_reload_goes_to_the_newest_version_and_no_dir_is_p
     assert slow_versions == sorted(slow_versions) and slow_versions[-1] == 8 and len(slow_versions) < 8
     assert not all(pruned) and any(pruned)  # a prune waited for a reload, a later one ran
     assert prune(tmp_path, 8, keep=2) and [v for v in range(9) if is_stable(weights_dir(tmp_path, v))] == [7, 8]
+
+
+def test_a_failed_episode_blames_inference_for_the_clients_errors_and_the_env_for_the_rest():
+    from orchestrator.contracts import episode_error
+
+    assert episode_error(InferenceUnavailable("all down")) == "inference: InferenceUnavailable: all down"
+    assert episode_error(InferenceRequestError("HTTP 400", 400)) == "inference: InferenceRequestError: HTTP 400"
+    assert episode_error(ValueError("bad grade")) == "env: ValueError: bad grade"

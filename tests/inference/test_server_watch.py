@@ -86,3 +86,23 @@ def test_a_dead_or_frozen_server_is_restarted_brought_to_the_newest_version_then
     assert not any(group_alive(s.proc.pid) for s in launcher.servers)
     err = capfd.readouterr().err
     assert "restarting it (1/1)" in err and "is back, at version 1" in err and "left down" in err
+
+
+@pytest.mark.parametrize(
+    "servers, cores, shares",
+    [(2, [0, 1], ["0", "1"]), (2, [0, 1, 2, 3, 4], ["0,1", "2,3"]), (3, [4, 6], ["4", "6", "4"])],
+)
+def test_several_cpu_servers_are_each_bound_to_their_own_cores(servers, cores, shares):
+    from orchestrator.inference.vllm_launch import cpu_share
+
+    assert [cpu_share(i, servers, cores) for i in range(servers)] == shares
+
+
+def test_the_launcher_binds_cpu_servers_apart_only_when_there_are_several(tmp_path):
+    def binding(launch: LaunchSection) -> list[str | None]:
+        launcher = VllmLauncher(launch, tmp_path, tmp_path / "run", "vllm_reload", 2)
+        return [launcher.environment(s).get("VLLM_CPU_OMP_THREADS_BIND") for s in launcher.servers]
+
+    assert binding(LaunchSection(servers=1)) == [os.environ.get("VLLM_CPU_OMP_THREADS_BIND")]
+    assert all(binding(LaunchSection(servers=2)))
+    assert binding(LaunchSection(servers=2, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})) == ["nobind", "nobind"]

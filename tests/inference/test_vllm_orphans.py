@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from tests.inference.test_vllm_run import group_gone, server_groups
+from orchestrator.inference.vllm_launch import group_alive
 from tests.inference.util import REPO
-from tests.inference.vllm_util import needs_vllm, tiny_model
+from tests.inference.vllm_util import child_groups, needs_vllm, tiny_model
 from tests.support.cli import orch_argv
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -32,17 +32,17 @@ def test_a_sigkilled_orch_leaves_no_server_behind_even_during_its_start_up(tmp_p
         while not groups:
             assert run.poll() is None, "orch ended before it started its server"
             assert time.monotonic() < deadline, "orch started no vLLM server"
-            groups = server_groups(run.pid)
+            groups = child_groups(run.pid)
             time.sleep(0.2)
         time.sleep(8)  # the server is importing vLLM or building its engine: ready only after 25-90 s
         os.kill(run.pid, signal.SIGKILL)
         run.wait()
         deadline = time.monotonic() + 45  # the guard's SIGTERM, then SIGKILL after stop_timeout_s (20 s)
-        while not all(group_gone(g) for g in groups):
+        while any(group_alive(g) for g in groups):
             assert time.monotonic() < deadline, f"server process group(s) {groups} outlived orch"
             time.sleep(0.2)
     finally:
         run.kill()
         for g in groups:
-            if not group_gone(g):
+            if group_alive(g):
                 os.killpg(g, signal.SIGKILL)

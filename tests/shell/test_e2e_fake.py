@@ -292,3 +292,14 @@ def test_a_plain_resume_keeps_the_max_steps_an_earlier_resume_raised(tmp_path):
     again = orch("run", "--resume", str(tmp_path / "_r"))  # what the stop and error lines tell users to run
     assert again.returncode == 2 and f"{tmp_path / '_r'} is complete at step 4; pass --max-steps 5" in again.stderr
     assert_log_invariants(tmp_path / "_r", 4, 2, 1)
+
+
+def test_a_run_whose_env_always_fails_stops_in_one_line_blaming_the_env(tmp_path):
+    result = orch(*fake_run_args(tmp_path, "r", steps=5), *sets("env.fake.error_rate=1", "zero_output_batches=1"))
+    assert result.returncode != 0
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("orch: error: ")]
+    assert line.startswith("orch: error: run stopped: zero_output (the last failed episode: env: FakeEpisodeError: ")
+    failed = sqlite3.connect(tmp_path / "r" / "events.db").execute(
+        "SELECT json_extract(data, '$.error') FROM events WHERE kind = 'episode_completed' LIMIT 1"
+    )
+    assert failed.fetchone()[0].startswith("env: FakeEpisodeError: fake env: episode ")

@@ -18,7 +18,7 @@ from orchestrator.core.state import state_hash
 from orchestrator.fold import fold_log
 from orchestrator.shell.runner import create_run, resume_run
 from tests.support.cli import orch, spawn_orch, wait_until
-from tests.support.logs import assert_log_invariants
+from tests.support.logs import assert_log_invariants, count_events
 from tests.support.runs import fake_run_args, sets
 
 FAKE = sets(
@@ -32,22 +32,9 @@ FAKE = sets(
 )
 
 
-def count_events(db: Path, kind: str) -> int:
-    """How many `kind` events a live run's log has committed (0 while it has no log yet)."""
-    if not db.exists():
-        return 0
-    import sqlite3
-
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
-        try:
-            return con.execute("SELECT count(*) FROM events WHERE kind = ?", (kind,)).fetchone()[0]
-        except sqlite3.OperationalError:  # created, its tables not yet
-            return 0
-
-
-def segment_started(proc, db: Path, kind: str, before: int) -> bool:
+def segment_started(proc, run_dir: Path, kind: str, before: int) -> bool:
     """Its `kind` event is committed (or it has exited, which the caller reports)."""
-    return count_events(db, kind) > before or proc.poll() is not None
+    return count_events(run_dir, kind) > before or proc.poll() is not None
 
 
 @pytest.mark.slow
@@ -71,12 +58,12 @@ def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, backgroun
     for killed in range(kills):
         resuming = args is not first
         kind = "run_resumed" if resuming else "run_started"
-        before = count_events(db, kind)
+        before = count_events(run_dir, kind)
         proc = spawn_orch(*args)
         if killed % 5 == 4:
             time.sleep(rng.uniform(0.05, 0.5))
         else:
-            wait_until(partial(segment_started, proc, db, kind, before), 60, f"{kind} in the log")
+            wait_until(partial(segment_started, proc, run_dir, kind, before), 60, f"{kind} in the log")
             time.sleep(rng.uniform(0.0, 1.0))
             running_kills += resuming
         assert proc.poll() is None, proc.stderr.read()

@@ -51,16 +51,20 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
     assert state.acct.completed == terms["shipped"] + terms["dropped"]  # nothing left behind
 
 
-def shipped_batches(run_dir: Path) -> int:
-    """How many batches a (possibly running, possibly not yet created) run's log has shipped."""
+def count_events(run_dir: Path, kind: str) -> int:
+    """How many `kind` events a (possibly running, possibly not yet created) run's log has committed."""
     try:
         db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True, timeout=5)
         try:
-            return db.execute("SELECT count(*) FROM events WHERE kind = 'batch_shipped'").fetchone()[0]
+            return db.execute("SELECT count(*) FROM events WHERE kind = ?", (kind,)).fetchone()[0]
         finally:
             db.close()
-    except sqlite3.Error:
+    except sqlite3.Error:  # no log yet, or its tables not yet created
         return 0
+
+
+def shipped_batches(run_dir: Path) -> int:
+    return count_events(run_dir, "batch_shipped")
 
 
 def events(run_dir: Path, kind: str) -> list[tuple[int, dict]]:
