@@ -145,7 +145,8 @@ def launched(
 
 def child_groups(parent_pid: int, marker: bytes = b"vllm.entrypoints.openai.api_server") -> list[int]:
     """Process groups of ``parent_pid``'s children whose command line holds ``marker`` (by default
-    the vLLM servers it started: each its api server's pid; `orchestrator.cli trainer`: its trainer)."""
+    the vLLM servers orch started, each group led by the server's guard, whose command line holds
+    the server's; `orchestrator.cli trainer`: its trainer)."""
     groups = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():

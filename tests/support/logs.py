@@ -51,12 +51,15 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
     assert state.acct.completed == terms["shipped"] + terms["dropped"]  # nothing left behind
 
 
-def count_events(run_dir: Path, kind: str) -> int:
-    """How many `kind` events a (possibly running, possibly not yet created) run's log has committed."""
+def count_events(run_dir: Path, kind: str, **fields: object) -> int:
+    """How many `kind` events (with these field values, if given) a (possibly running, possibly not
+    yet created) run's log has committed."""
+    where = "".join(f" AND json_extract(data, '$.{name}') = ?" for name in fields)
     try:
         db = sqlite3.connect(f"file:{run_dir / 'events.db'}?mode=ro", uri=True, timeout=5)
         try:
-            return db.execute("SELECT count(*) FROM events WHERE kind = ?", (kind,)).fetchone()[0]
+            query = f"SELECT count(*) FROM events WHERE kind = ?{where}"
+            return db.execute(query, (kind, *fields.values())).fetchone()[0]
         finally:
             db.close()
     except sqlite3.Error:  # no log yet, or its tables not yet created
