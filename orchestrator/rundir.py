@@ -125,12 +125,6 @@ def stable_versions(run_dir: str | os.PathLike) -> list[int]:
     return sorted(out)
 
 
-def latest_stable_version(run_dir: str | os.PathLike) -> int | None:
-    """Newest published weight version, or None if none is published yet."""
-    versions = stable_versions(run_dir)
-    return versions[-1] if versions else None
-
-
 # ------------------------------------------------------------------------------------ atomicity
 def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -1,6 +1,6 @@
 """The trainer process (`orch trainer`, or its ranks under torchrun: the hf trainer's)
-supervised as a child; a poll of `weights/step_N/STABLE` markers publishes each version with the
-step's `metrics.json` beside the marker. A crash of the child is noticed within one poll."""
+supervised as a child; a poll of `weights/step_N/STABLE` markers publishes each new version, in
+order, with the step's `metrics.json` beside the marker. A crash of the child is noticed within one poll."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from orchestrator.notices import warn
 from orchestrator.rundir import (
     ckpt_dir,
     clean_tmp,
-    latest_stable_version,
     read_metrics,
+    stable_versions,
     trainer_log,
     weights_dir,
     weights_root,
@@ -75,10 +75,12 @@ class ProcessTrainer:
         self._published = version
         while True:
             self.check()
-            newest = await asyncio.to_thread(latest_stable_version, self.run_dir)
-            if newest is not None and newest > self._published:
-                self._published = newest
-                publish(newest, await asyncio.to_thread(self._metrics_of, newest))
+            # Every version marked since the last poll, in order, each with its own metrics: a
+            # trainer (restarted from its checkpoint, say) may mark several within one poll.
+            for version in await asyncio.to_thread(stable_versions, self.run_dir):
+                if version > self._published:
+                    self._published = version
+                    publish(version, await asyncio.to_thread(self._metrics_of, version))
             await asyncio.sleep(self.poll_s)
 
     def _metrics_of(self, version: int) -> dict[str, int | float] | None:

@@ -100,7 +100,7 @@ def test_weights_dir_appears_whole_and_stable_comes_last(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "mark_stable", mark)
     _publish(tmp_path, 0)
     assert events == [("rename", False, contents), ("stable", contents)]
-    assert files.is_stable(wdir) and files.latest_stable_version(tmp_path) == 0
+    assert files.is_stable(wdir) and files.stable_versions(tmp_path) == [0]
     _publish(tmp_path, 0)  # idempotent: an already published version is left alone
     assert len(events) == 2
 

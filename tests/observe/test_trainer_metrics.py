@@ -86,6 +86,25 @@ def test_process_trainer_publishes_the_metrics_beside_the_marker(tmp_path, capsy
     assert (warning in err) if warning else err == ""
 
 
+def test_process_trainer_publishes_every_version_marked_between_two_polls_in_order(tmp_path):
+    """A restarted trainer may train two batches (already on disk) within one poll: each version
+    is published, with its own metrics, none skipped for the newest."""
+    published = []
+    watcher = ProcessTrainer(tmp_path, poll_s=0.01)
+    for version in (1, 2, 3):
+        _publish_weights(tmp_path, version, b'{"loss": %d}' % version)
+
+    async def main():
+        task = asyncio.create_task(watcher.run(0, lambda v, m: published.append((v, m))))
+        async with asyncio.timeout(10):
+            while len(published) < 3:
+                await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(main())
+    assert published == [(1, {"loss": 1}), (2, {"loss": 2}), (3, {"loss": 3})]
+
+
 def test_version_published_carries_metrics_in_every_constructor_and_view():
     metrics = {"loss": 0.25, "tokens": 7}
     validated = ev.VersionPublished(version=3, metrics=metrics)
