@@ -119,6 +119,7 @@ def sampled_episode(
     policy_start: int,
     policy_end: int,
     temperature: float,
+    token_versions: tuple[tuple[int, int], ...] = (),
 ) -> EpisodeCompleted:
     """A one-turn episode as a sampling backend returns it: the prompt (mask 0, logprob 0), then
     the sampled completion (mask 1), packed here once (orchestrator.core.arrays) rather than
@@ -138,6 +139,7 @@ def sampled_episode(
         policy_start=policy_start,
         policy_end=policy_end,
         temperature=temperature,
+        token_versions=token_versions,
     )
 
 

@@ -157,6 +157,10 @@ class TraceView(msgspec.Struct, gc=False):
     def logprobs(self) -> array:
         return self.model().logprobs
 
+    @property
+    def token_versions(self) -> tuple[tuple[int, int], ...]:
+        return self.model().token_versions
+
 
 if TYPE_CHECKING:
     _A_TRACE_VIEW_IS_A_TRACE: type[Trace] = TraceView

@@ -1,7 +1,7 @@
 """The batch file the trainer reads: binary, in canonical bytes, so a re-materialized batch hashes
 the same.
 
-Format 2 is a safetensors file (any safetensors reader opens it): an 8-byte little-endian header
+Format 3 is a safetensors file (any safetensors reader opens it): an 8-byte little-endian header
 length, a JSON header (sorted keys, padded with spaces to a multiple of 8 bytes), then the
 tensors' bytes, contiguous, little-endian, the 8-byte ones first, then the 4-byte, then the
 1-byte ones (each group by name), so every tensor is aligned for a zero-copy view:
@@ -9,12 +9,15 @@ tensors' bytes, contiguous, little-endian, the 8-byte ones first, then the 4-byt
     advantage     F64 [n]      group_id  I64 [n]     lag  I64 [n]     offsets  I64 [n + 1]
     policy_start  I64 [n]      reward    F64 [n]     (only when every sample has one)
     temperature   F64 [n]      trace_id  I64 [n]
-    logprobs      F32 [T]      token_ids I32 [T]     mask U8 [T]
+    logprobs      F32 [T]      token_ids I32 [T]     version I32 [T]    mask U8 [T]
 
 Sample i's tokens are `offsets[i]:offsets[i+1]` of the flat arrays (T tokens in all); `mask` is 1
-on sampled tokens, `logprobs` the sampler's (0.0 where mask is 0); `lag` the sample's true
-off-policy distance (step-1) - policy_start, queue time included. `__metadata__` holds
-`format` ("2"), `step` and `envs` (a JSON list of the samples' env names).
+on sampled tokens, `logprobs` the sampler's (0.0 where mask is 0), `version` the policy version
+that sampled each token (-1 where mask is 0; a trace whose backend could tell only the bounds of
+its versions has its oldest, policy_start, on every token: docs/rules.md, "A token's version");
+`lag` the sample's true off-policy distance (step-1) - policy_start, by its oldest token, queue
+time included. `__metadata__` holds `format` ("3"), `step` and `envs` (a JSON list of the
+samples' env names).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
-BATCH_FORMAT = 2
+BATCH_FORMAT = 3  # 3: the per-token `version`
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
     "I64": np.dtype("<i8"),
@@ -43,7 +46,7 @@ _PER_SAMPLE = {
     "temperature": "F64",
     "trace_id": "I64",
 }
-_PER_TOKEN = {"logprobs": "F32", "token_ids": "I32", "mask": "U8"}
+_PER_TOKEN = {"logprobs": "F32", "token_ids": "I32", "version": "I32", "mask": "U8"}
 _MAX_HEADER = 1 << 24
 
 
@@ -61,7 +64,23 @@ class BatchSample(NamedTuple):
     policy_start: int
     lag: int
     temperature: float
+    # Per token: the version that sampled it, -1 where mask is 0 (`token_versions`); None:
+    # policy_start on every sampled token.
+    version: Any = None
     reward: float | None = None
+
+
+def token_versions(mask: Any, runs: Sequence[tuple[int, int]], policy_start: int) -> np.ndarray:
+    """Each token's version (int32): -1 where `mask` is 0, the sampled tokens' from their runs
+    (`EpisodeCompleted.token_versions`), or all policy_start where there are none."""
+    flags = np.frombuffer(mask, dtype=np.uint8) if type(mask) is bytes else np.asarray(mask, dtype=np.uint8)
+    versions = np.full(len(flags), -1, dtype=np.int32)
+    sampled = flags.astype(bool)
+    if runs:
+        versions[sampled] = np.repeat([v for v, _ in runs], [n for _, n in runs])
+    else:
+        versions[sampled] = policy_start
+    return versions
 
 
 def sample_of(trace, env: str, advantage: float, lag: int) -> BatchSample:
@@ -77,15 +96,22 @@ def sample_of(trace, env: str, advantage: float, lag: int) -> BatchSample:
         trace.policy_start,
         lag,
         trace.temperature,
+        token_versions(trace.mask, trace.token_versions, trace.policy_start),
     )
 
 
 def _flat(samples: Sequence[BatchSample], field: str, dtype: np.dtype) -> np.ndarray:
     parts = [
         np.frombuffer(x, dtype=np.uint8) if type(x) is bytes else np.asarray(x)
-        for x in (s._asdict()[field] for s in samples)
+        for x in (_per_token(s, field) for s in samples)
     ]
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def _per_token(sample: BatchSample, field: str) -> Any:
+    if field == "version" and sample.version is None:
+        return token_versions(sample.mask, (), sample.policy_start)
+    return getattr(sample, field)
 
 
 def encode_batch(step: int, samples: Sequence[BatchSample]) -> bytes:
@@ -139,6 +165,7 @@ class BatchArrays:
     temperature: np.ndarray
     reward: np.ndarray | None  # float64 [n], when every sample has one
     token_ids: np.ndarray  # int32 [T]
+    version: np.ndarray  # int32 [T]: each token's policy version, -1 where mask is 0
     mask: np.ndarray  # uint8 [T]
     logprobs: np.ndarray  # float32 [T]
 
@@ -152,7 +179,7 @@ class BatchArrays:
 
 def decode_batch(payload: bytes | memoryview) -> BatchArrays:
     """The arrays of a batch file's bytes, as views; ValueError (one line) if it is not a batch
-    file of format 2 (header, dtypes, shapes, offsets)."""
+    file of format 3 (header, dtypes, shapes, offsets)."""
     view = memoryview(payload)
     if len(view) < 8:
         raise ValueError("shorter than a safetensors header")

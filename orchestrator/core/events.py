@@ -14,7 +14,7 @@ that skip validation (`Event.unvalidated`) and the fold views are in `_fast_even
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 import orjson
@@ -29,7 +29,9 @@ from orchestrator.core.advantages import BACKGROUND_ONLY, KNOWN_ALGORITHMS
 # 3: a trace's token ids, mask and logprobs are one packed payload beside its JSON, which has
 # `n_tokens` and `sampled_tokens` instead (logprobs are float32). A log of another version is
 # refused (docs/log-format.md).
-EVENT_SCHEMA_VERSION = 3
+# 4: a trace's `token_versions`: the policy version of each sampled token, run-length, where its
+# tokens came from more than one version (a weight update while it was sampled).
+EVENT_SCHEMA_VERSION = 4
 
 
 def check_schema_version(version: int | str) -> None:
@@ -197,11 +199,18 @@ class EpisodeCompleted(_Model):
     policy_end: int
     temperature: float = 1.0
     error: str | None = None
+    # The version of each sampled token, in their order, as runs [version, tokens]: given when
+    # they came from more than one version (`version_runs`). Empty: all from policy_start when
+    # policy_end equals it, else from versions between the two that the backend could not tell
+    # apart (docs/rules.md, "A token's version").
+    token_versions: tuple[tuple[int, int], ...] = ()
 
     @model_validator(mode="after")
     def _aligned(self) -> EpisodeCompleted:
         if not (len(self.token_ids) == len(self.mask) == len(self.logprobs)):
             raise ValueError("token_ids, mask and logprobs must have the same length")
+        if self.token_versions:
+            check_version_runs(self.token_versions, self.mask.count(1), self.policy_start, self.policy_end)
         return self
 
     @property
@@ -211,6 +220,35 @@ class EpisodeCompleted(_Model):
     @property
     def sampled_tokens(self) -> int:
         return self.mask.count(1)
+
+
+def version_runs(versions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The canonical `token_versions` of consecutive (version, tokens) segments: adjacent
+    segments of one version merged, empty ones left out, and no runs at all where a single
+    version sampled every token (then policy_start and policy_end say it)."""
+    runs: list[tuple[int, int]] = []
+    for version, count in versions:
+        if count <= 0:
+            continue
+        if runs and runs[-1][0] == version:
+            runs[-1] = (version, runs[-1][1] + count)
+        else:
+            runs.append((version, count))
+    return tuple(runs) if len(runs) > 1 else ()
+
+
+def check_version_runs(runs: tuple[tuple[int, int], ...], sampled: int, start: int, end: int) -> None:
+    """ValueError (one line) unless `runs` are canonical `token_versions` of `sampled` tokens
+    whose oldest version is `start` and newest `end`."""
+    if len(runs) < 2 or any(a[0] == b[0] for a, b in zip(runs, runs[1:])) or any(n <= 0 for _, n in runs):
+        raise ValueError(f"token_versions {runs} are not runs of two or more versions (version_runs)")
+    if sum(n for _, n in runs) != sampled:
+        raise ValueError(f"token_versions count {sum(n for _, n in runs)} tokens where {sampled} were sampled")
+    versions = [v for v, _ in runs]
+    if (min(versions), max(versions)) != (start, end):
+        raise ValueError(
+            f"token_versions span versions {min(versions)}..{max(versions)}, the trace says {start}..{end}"
+        )
 
 
 class EpisodeCancelled(_Model):
@@ -489,7 +527,8 @@ _FIELDS_JSON: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 
 def episode_fields(e: EpisodeCompleted) -> dict[str, Any]:
     """An `episode_completed` row's JSON fields: its scalars, with `n_tokens` and
-    `sampled_tokens` where the packed arrays are (`arrays.pack` makes its payload)."""
+    `sampled_tokens` where the packed arrays are (`arrays.pack` makes its payload), and its
+    `token_versions` only where it has some (a trace of one version logs what it always did)."""
     return {
         "episode_id": e.episode_id,
         "group_id": e.group_id,
@@ -501,6 +540,7 @@ def episode_fields(e: EpisodeCompleted) -> dict[str, Any]:
         "policy_end": e.policy_end,
         "temperature": e.temperature,
         "error": e.error,
+        **({"token_versions": e.token_versions} if e.token_versions else {}),
     }
 
 
@@ -513,6 +553,8 @@ def episode_from_fields(fields: dict[str, Any], payload: bytes | None, validate:
     if mask.count(1) != sampled:
         raise arrays.PayloadError(f"a payload with {mask.count(1)} sampled tokens where its event says {sampled}")
     fields.update(token_ids=token_ids, mask=mask, logprobs=logprobs)
+    if "token_versions" in fields:  # JSON lists: the runs are tuples
+        fields["token_versions"] = tuple(tuple(run) for run in fields["token_versions"])
     if validate:
         return EpisodeCompleted.model_validate(fields)
     return EpisodeCompleted.unvalidated(**fields)

@@ -47,10 +47,10 @@ def _bad_files(tmp_path, good):
     shutil.copy(good, newer)
     with sqlite3.connect(newer) as db:
         db.execute("UPDATE meta SET value = '99' WHERE key = 'format_version'")
-    older = tmp_path / "older.db"  # event format 2: token arrays were JSON lists
+    older = tmp_path / "older.db"  # event format 3: no token_versions, read as this format's would not be
     shutil.copy(good, older)
     with sqlite3.connect(older) as db:
-        db.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+        db.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
     older_table = tmp_path / "older_table.db"  # table format 1: no payload column
     shutil.copy(good, older_table)
     with sqlite3.connect(older_table) as db:
@@ -69,11 +69,11 @@ def _bad_files(tmp_path, good):
         "foreign sqlite": (foreign, "not an orch event log"),
         "other app": (not_orch, "not one written by orch"),
         "newer format": (newer, "format version 99"),
-        "older event format": (older, "an orch log of format version 2; this orch reads version 3 only"),
+        "older event format": (older, "an orch log of format version 3; this orch reads version 4 only"),
         "older table format": (older_table, "uses log format version 1 (no payload column)"),
         "no event format version": (
             unversioned,
-            "an orch log of format version (none); this orch reads version 3 only",
+            "an orch log of format version (none); this orch reads version 4 only",
         ),
         "truncated": (truncated, "truncated"),
     }
