@@ -48,12 +48,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -61,6 +62,7 @@ import httpx
 import orjson
 
 from orchestrator import rundir
+from orchestrator.core.events import version_runs
 from orchestrator.inference.errors import (
     InferenceError,
     InferenceRequestError,
@@ -75,6 +77,7 @@ from orchestrator.inference.weight_sync.vllm_lora import lora_name
 from orchestrator.urls import endpoint_base_urls
 
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
+UpdateMode = Literal["wait", "interrupt"]
 MAX_PINS = 65536
 JSON_HEADERS = {"content-type": "application/json"}
 KEEPALIVE_S = 2.0
@@ -105,6 +108,12 @@ class Endpoint:
     probe: asyncio.Future | None = field(default=None, repr=False)
     sending: int = 0  # completion calls sent and not answered yet
     idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while sending == 0
+    # interrupt: sampling calls in flight that a pause could not abort and continue: streamed
+    # completions until their first token is back (until then the engine may not hold them yet,
+    # and a pause would keep them for the new weights), any other route's call (its answer would
+    # lose what it sampled) until it returns. An event set while there is none.
+    unabortable: int = 0
+    abortable: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     reloading: asyncio.Event | None = field(default=None, repr=False)  # vllm_reload: set (and dropped) once done
     adapters: dict[int, int] = field(default_factory=dict)  # vllm_lora: version loaded -> its requests in flight
     adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
@@ -112,6 +121,27 @@ class Endpoint:
 
     def __post_init__(self) -> None:
         self.idle.set()
+        self.abortable.set()
+
+    @contextlib.contextmanager
+    def unabortable_call(self) -> Iterator[Callable[[], None]]:
+        """Counts a call in `unabortable` until the callable it gives is called or it ends."""
+        counted = True
+
+        def release() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.unabortable -= 1
+                if self.unabortable == 0:
+                    self.abortable.set()
+
+        self.unabortable += 1
+        self.abortable.clear()
+        try:
+            yield release
+        finally:
+            release()
 
     def up(self, now: float) -> bool:
         return now >= self.down_until
@@ -134,11 +164,14 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Completion:
-    endpoint: str
+    endpoint: str  # the one that answered (the last one, for a continued choice)
     choices: list[ParsedChoice]
     policy_start: int  # version the samples came from (exact when the server reports it)
     policy_end: int
     attempts: int
+    # interrupt: each choice's `token_versions` (runs, `orchestrator.core.events.version_runs`):
+    # empty where one version sampled all of it
+    choice_versions: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -169,6 +202,7 @@ class InferenceClient:
         pin_groups: bool = True,
         max_connections: int = 256,
         max_loras: int = 2,
+        update_mode: UpdateMode = "wait",
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one endpoint URL")
@@ -176,6 +210,9 @@ class InferenceClient:
             raise ValueError("max_attempts >= 1 and positive timeouts/backoff are required")
         self.endpoints = [Endpoint(url, i) for i, url in enumerate(endpoint_base_urls(urls))]
         self.model, self.weight_sync = model, weight_sync
+        if update_mode == "interrupt" and weight_sync != "vllm_reload":
+            raise ValueError(f"update_mode 'interrupt' needs weight_sync 'vllm_reload', not {weight_sync!r}")
+        self.update_mode = update_mode
         self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
         self.max_attempts, self.backoff_s, self.max_backoff_s = max_attempts, backoff_s, max_backoff_s
         self.pin_groups = pin_groups
@@ -284,31 +321,15 @@ class InferenceClient:
         """One HTTP call; transport errors and 5xx -> Retryable, 4xx -> InferenceRequestError.
         The answer's JSON, or its text with ``text`` (vLLM's LoRA routes answer in plain text)."""
         url = ep.url + path
-        try:
-            # orjson both ways: the sampling calls' bodies and answers are the client's hot path.
-            kwargs: dict[str, Any] = {}
-            if body is not None:
-                kwargs.update(content=orjson.dumps(body), headers=JSON_HEADERS)
-            if timeout is not None:
-                kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
+        # orjson both ways: the sampling calls' bodies and answers are the client's hot path.
+        kwargs: dict[str, Any] = {}
+        if body is not None:
+            kwargs.update(content=orjson.dumps(body), headers=JSON_HEADERS)
+        if timeout is not None:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
+        with _transport_errors(method, url, path):
             resp = await self._http.request(method, url, **kwargs)
-        except httpx.TimeoutException as exc:
-            raise Retryable(
-                f"{method} {url}: timed out ({type(exc).__name__})", f"{type(exc).__name__} {path}"
-            ) from None
-        except httpx.TransportError as exc:
-            raise Retryable(
-                f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
-            ) from None
-        if resp.status_code >= 500:
-            error = (resp.status_code, path, _error_message(resp))
-            raise Retryable(
-                f"{method} {url}: HTTP {error[0]}: {error[2]}", f"HTTP {error[0]} {path}", server_error=error
-            )
-        if resp.status_code >= 400:
-            raise InferenceRequestError(
-                f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
-            )
+        _raise_for_status(resp, method, url, path)
         if text:
             return resp.text
         try:
@@ -319,6 +340,39 @@ class InferenceClient:
             return json.loads(resp.content)
         except ValueError:
             raise Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
+
+    async def _stream(self, ep: Endpoint, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST path`` streamed (update_mode interrupt): the chunks gathered into the answer an
+        unstreamed call gives, so that an aborted request comes back with every token it was
+        sent (vLLM's unstreamed answer to an aborted request holds only its last one). Until its
+        first token is back the call is `unabortable`: a reload waits for none to be left, so that
+        the pause aborts every call in flight instead of holding one for the new weights
+        (docs/vllm.md, "Weight updates while requests run")."""
+        url = ep.url + path
+        choices: dict[int, dict[str, Any]] = {}
+        content = orjson.dumps({**body, "stream": True})
+        with ep.unabortable_call() as running, _transport_errors("POST", url, path):
+            async with self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _raise_for_status(resp, "POST", url, path)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    running()
+                    try:
+                        chunk = orjson.loads(line[6:])
+                    except ValueError:
+                        raise Retryable(f"POST {url}: a streamed chunk is not JSON", f"not JSON {path}") from None
+                    if isinstance(chunk, dict) and "error" in chunk:
+                        raise Retryable(f"POST {url}: the stream failed: {chunk['error']}", f"stream error {path}")
+                    try:
+                        _add_chunk(choices, chunk)
+                    except ProtocolError as exc:
+                        raise InferenceRequestError(f"{url}: {exc}") from None
+        if any(c["finish_reason"] is None for c in choices.values()):
+            raise Retryable(f"POST {url}: the stream ended before its choices did", f"stream cut {path}")
+        return {"choices": [choices[i] for i in sorted(choices)]}
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(
@@ -356,6 +410,31 @@ class InferenceClient:
         if extra:
             body.update(extra)
         expected = n * (len(prompt) if _is_batch(prompt) else 1)
+        ep, (choices, sampled_by, ended_at), attempts = await self.routed(
+            self._completion_sender(body, expected, at_version), pin, "completion"
+        )
+        if not any(c.finish_reason == "abort" for c in choices):
+            return Completion(ep.url, choices, sampled_by, ended_at, attempts)
+        # interrupt: a reload aborted some choices; each is continued with the new weights
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self._continue(c, i, sampled_by, body, pin)) for i, c in enumerate(choices)]
+        done = [t.result() for t in tasks]
+        # a part aborted before its first token sampled nothing: its version is no token's
+        versions = [v for _c, segments, _e, _a in done for v, count in segments if count] or [sampled_by]
+        return Completion(
+            done[-1][2] or ep.url,
+            [c for c, _segments, _e, _a in done],
+            min(versions),
+            max(versions),
+            attempts + sum(a for _c, _r, _e, a in done),
+            tuple(version_runs(segments) for _c, segments, _e, _a in done),
+        )
+
+    def _completion_sender(
+        self, body: dict[str, Any], expected: int, at_version: int | None
+    ) -> Callable[[Endpoint], Awaitable[tuple[list[ParsedChoice], int, int]]]:
+        """One attempt of a completion call on an endpoint (for `routed`): its parsed choices,
+        the version that sampled them and the one known when they came back."""
 
         async def send(ep: Endpoint) -> tuple[list[ParsedChoice], int, int]:
             answer, sampled_by, ended_at = await self._post_sampling(ep, "/v1/completions", body, at_version)
@@ -367,8 +446,39 @@ class InferenceClient:
                 return choices, reported, reported
             return choices, sampled_by, ended_at
 
-        ep, (choices, sampled_by, ended_at), attempts = await self.routed(send, pin, "completion")
-        return Completion(ep.url, choices, sampled_by, ended_at, attempts)
+        return send
+
+    async def _continue(
+        self, choice: ParsedChoice, index: int, version: int, body: dict[str, Any], pin: Any
+    ) -> tuple[ParsedChoice, list[tuple[int, int]], str | None, int]:
+        """A choice that a reload aborted, continued until it ends: prompt + what it has so far
+        as the prompt, `max_tokens` (and `min_tokens`) reduced by it, the seed derived
+        (`continuation_seed`), on any endpoint, as often as reloads abort it. (The whole
+        choice, its (version, tokens) segments, the endpoint of its last part, the attempts.)"""
+        segments = [(version, len(choice.token_ids))]
+        if choice.finish_reason != "abort":
+            return choice, segments, None, 0
+        if choice.prompt_ids is None:
+            raise InferenceRequestError("an interrupted completion came back without its prompt_token_ids")
+        ids, logprobs, text, finish = list(choice.token_ids), list(choice.logprobs), choice.text, "abort"
+        endpoint, attempts = None, 0
+        while finish == "abort" and len(ids) < body["max_tokens"]:
+            part_body = {**body, "prompt": choice.prompt_ids + ids, "n": 1, "max_tokens": body["max_tokens"] - len(ids)}
+            if "seed" in body:
+                part_body["seed"] = continuation_seed(body["seed"], index, len(ids))
+            if "min_tokens" in body:
+                part_body["min_tokens"] = max(0, body["min_tokens"] - len(ids))
+            ep, ((part,), sampled_by, _ended), tries = await self.routed(
+                self._completion_sender(part_body, 1, None), pin, "continued completion"
+            )
+            segments.append((sampled_by, len(part.token_ids)))
+            ids += part.token_ids
+            logprobs += part.logprobs
+            text += part.text
+            finish = part.finish_reason
+            endpoint, attempts = ep.url, attempts + tries
+        whole = ParsedChoice(choice.prompt_ids, ids, logprobs, text, "length" if finish == "abort" else finish)
+        return whole, segments, endpoint, attempts
 
     async def generate(self, path: str, body: dict[str, Any], *, pin: Any = None) -> Generated:
         """One sampling call of another route than ``/v1/completions`` (vLLM's token-in/token-out
@@ -476,7 +586,13 @@ class InferenceClient:
         if adapter is not None:
             ep.adapters[version] = ep.adapters.get(version, 0) + 1
         try:
-            answer = await self.call(ep, "POST", path, request)
+            if self.update_mode != "interrupt":
+                answer = await self.call(ep, "POST", path, request)
+            elif path == "/v1/completions":
+                answer = await self._stream(ep, path, request)
+            else:  # another route's call (verifiers' /inference/v1/generate) is not continued
+                with ep.unabortable_call():
+                    answer = await self.call(ep, "POST", path, request)
         except InferenceRequestError as exc:
             if adapter is None or exc.status_code != 404 or adapter not in str(exc):
                 raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
@@ -594,6 +710,62 @@ class InferenceClient:
             if ep.version >= 0:
                 return ep.version
             raise
+
+
+@contextlib.contextmanager
+def _transport_errors(method: str, url: str, path: str) -> Iterator[None]:
+    """A transport failure or a timeout of an HTTP exchange, as the Retryable it is."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise Retryable(f"{method} {url}: timed out ({type(exc).__name__})", f"{type(exc).__name__} {path}") from None
+    except httpx.TransportError as exc:
+        raise Retryable(
+            f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
+        ) from None
+
+
+def _raise_for_status(resp: httpx.Response, method: str, url: str, path: str) -> None:
+    """5xx -> Retryable (the endpoint's fault), 4xx -> InferenceRequestError (the request's)."""
+    if resp.status_code >= 500:
+        error = (resp.status_code, path, _error_message(resp))
+        raise Retryable(f"{method} {url}: HTTP {error[0]}: {error[2]}", f"HTTP {error[0]} {path}", server_error=error)
+    if resp.status_code >= 400:
+        raise InferenceRequestError(
+            f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
+        )
+
+
+def _add_chunk(choices: dict[int, dict[str, Any]], chunk: dict[str, Any]) -> None:
+    """A streamed completion chunk added to the choices gathered so far (each as an unstreamed
+    answer's choice: text, token ids and logprobs concatenated, the last finish_reason)."""
+    for part in chunk.get("choices") or ():
+        if not isinstance(part, dict):
+            raise ProtocolError("a streamed chunk's choice is not an object")
+        whole = choices.get(part.get("index", 0))
+        if whole is None:
+            whole = choices[part.get("index", 0)] = {
+                "index": part.get("index", 0),
+                "text": "",
+                "token_ids": [],
+                "logprobs": {"token_logprobs": [], "tokens": []},
+                "finish_reason": None,
+            }
+        whole["text"] += part.get("text") or ""
+        whole["token_ids"].extend(part.get("token_ids") or ())
+        block = part.get("logprobs") or {}
+        whole["logprobs"]["token_logprobs"].extend(block.get("token_logprobs") or ())
+        whole["logprobs"]["tokens"].extend(block.get("tokens") or ())
+        whole["finish_reason"] = part.get("finish_reason") or whole["finish_reason"]
+        if part.get("prompt_token_ids") is not None:
+            whole["prompt_token_ids"] = part["prompt_token_ids"]
+
+
+def continuation_seed(seed: int, choice: int, tokens_so_far: int) -> int:
+    """The seed of an interrupted choice's continuation: a function of the request's seed, the
+    choice and where it resumes, so a re-run continues the same way (docs/vllm.md)."""
+    digest = hashlib.blake2b(b"%d/%d/%d" % (seed, choice, tokens_so_far), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _is_batch(prompt: Any) -> bool:

@@ -92,6 +92,7 @@ def make_client(section: EndpointsSettings, urls: list[str], load_timeout_s: flo
         max_backoff_s=section.max_backoff_s,
         pin_groups=section.pin_groups,
         max_loras=section.max_loras,
+        update_mode=section.update_mode,  # type: ignore[arg-type]  # "keep" is refused by the section
     )
 
 
@@ -270,6 +271,7 @@ class EndpointsBackend:
             reward=await env.score(task, choice.text),
             policy_start=done.policy_start,
             policy_end=done.policy_end,
+            token_versions=done.choice_versions[0] if done.choice_versions else (),
             temperature=temperature,
         )
 

@@ -65,6 +65,12 @@ class EndpointsSettings(Section):
         "(/pause, reload_weights, /reset_prefix_cache, /resume), vLLM LoRA adapters, "
         "SGLang /update_weights_from_disk, or not at all",
     )
+    update_mode: Literal["wait", "interrupt", "keep"] = Field(
+        "wait",
+        description="vllm_reload: what a weight update does to the requests running: wait for them "
+        "to end (new ones held), or interrupt them (abort, reload, continue each with its tokens so "
+        "far, every token's version exact); keep is not offered (docs/vllm.md)",
+    )
     max_loras: int = Field(
         2,
         ge=2,
@@ -90,6 +96,17 @@ class EndpointsSettings(Section):
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> EndpointsSettings:
         endpoint_base_urls(self.endpoints)
+        if self.update_mode == "keep":
+            raise ValueError(
+                "inference.openai.update_mode 'keep' is not offered: vLLM 0.32's /v1/completions does not say "
+                "which tokens came before the update, so their versions would not be exact "
+                "(docs/vllm.md); use 'interrupt' or 'wait'"
+            )
+        if self.update_mode == "interrupt" and self.weight_sync != "vllm_reload":
+            raise ValueError(
+                f"inference.openai.update_mode 'interrupt' needs weight_sync 'vllm_reload', not "
+                f"{self.weight_sync!r} (vllm_lora never pauses: a request runs on its adapter to its end)"
+            )
         if self.launch.servers:
             if self.endpoints:
                 raise ValueError(

@@ -143,3 +143,29 @@ def test_the_trainer_keeps_every_version_a_resume_may_reload(tmp_path, target_la
     ctx = config.build_context(tmp_path, version_now=lambda: 0)
     write_trainer_json(config.trainer.hf, ctx, PreparedModel(tmp_path / "model", ""))
     assert read_trainer_config(tmp_path).keep_weights == kept
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["inference.openai.weight_sync=vllm_lora"], "update_mode 'interrupt' needs weight_sync 'vllm_reload'"),
+        (["inference.openai.weight_sync=sglang"], "update_mode 'interrupt' needs weight_sync 'vllm_reload'"),
+    ],
+)
+def test_an_update_mode_the_weight_sync_cannot_do_is_one_line(overrides, message):
+    base = ['inference.openai.endpoints=["http://h:1"]', "inference.openai.update_mode=interrupt"]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=base + overrides)
+
+
+def test_update_mode_keep_is_refused_saying_why():
+    with pytest.raises(ConfigError, match="'keep' is not offered: vLLM 0.32's /v1/completions does not say"):
+        load_config(overrides=['inference.openai.endpoints=["http://h:1"]', "inference.openai.update_mode=keep"])
+    c = load_config(
+        overrides=[
+            'inference.openai.endpoints=["http://h:1"]',
+            "inference.openai.weight_sync=vllm_reload",
+            "inference.openai.update_mode=interrupt",
+        ]
+    )
+    assert c.inference.openai.update_mode == "interrupt"

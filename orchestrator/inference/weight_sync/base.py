@@ -17,6 +17,7 @@ class SyncedEndpoint(Protocol):
     url: str
     version: int  # newest weight version it confirmed (-1: unknown)
     idle: asyncio.Event  # set while no sampling call is in flight
+    abortable: asyncio.Event  # interrupt: set while every sampling call in flight can be aborted and continued
     reloading: asyncio.Event | None  # vllm_reload: set (and dropped) once a reload is done
     adapters: dict[int, int]  # vllm_lora: version loaded -> its requests in flight
     adapter_released: asyncio.Event  # vllm_lora: an adapter's count hit 0
@@ -30,6 +31,7 @@ class WeightSyncClient(Protocol[EndpointT]):
 
     load_timeout_s: float
     max_loras: int
+    update_mode: str  # "wait" | "interrupt" (vllm_reload)
     model: str | None
 
     @property

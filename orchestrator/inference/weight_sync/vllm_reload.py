@@ -1,6 +1,6 @@
 """`vllm_reload`: a vLLM server's full-weight reload (``VLLM_SERVER_DEV_MODE=1``): ``POST
-/pause?mode=wait`` -> ``POST /collective_rpc {"method": "reload_weights", ...}`` -> ``POST
-/reset_prefix_cache`` -> ``POST /resume``."""
+/pause?mode=wait`` (update_mode interrupt: ``mode=abort``) -> ``POST /collective_rpc {"method":
+"reload_weights", ...}`` -> ``POST /reset_prefix_cache`` -> ``POST /resume``."""
 
 from __future__ import annotations
 
@@ -11,20 +11,27 @@ from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient,
 
 
 async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
-    """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1). The endpoint's requests in flight end
-    with the old weights, none is sent until it resumed, so each completion's version is exact."""
+    """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1); none of the endpoint's requests is sent
+    until it resumed. update_mode wait: its requests in flight end with the old weights first.
+    interrupt: once every one of them can be aborted and continued (`Endpoint.unabortable_call`),
+    the pause aborts them; each comes back with the tokens it has, all sampled by the old
+    weights, and the client continues it after the reload. Either way each token's version is
+    exact."""
     check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
     ep.reloading = asyncio.Event()
+    interrupt = client.update_mode == "interrupt"
     try:
         try:
-            await asyncio.wait_for(ep.idle.wait(), client.load_timeout_s)
+            await asyncio.wait_for((ep.abortable if interrupt else ep.idle).wait(), client.load_timeout_s)
         except TimeoutError:
+            what = "could not be aborted" if interrupt else "did not end"
             raise Retryable(
-                f"{ep.url}: its requests in flight did not end within {client.load_timeout_s:g}s "
+                f"{ep.url}: its requests in flight {what} within {client.load_timeout_s:g}s "
                 f"of the reload of version {version}",
                 "reload drain",
             ) from None
-        await client.call(ep, "POST", "/pause?mode=wait", timeout=client.load_timeout_s)
+        mode = "abort" if interrupt else "wait"
+        await client.call(ep, "POST", f"/pause?mode={mode}", timeout=client.load_timeout_s)
         await client.call(
             ep,
             "POST",

