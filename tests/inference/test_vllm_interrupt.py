@@ -6,16 +6,31 @@ sampled it (docs/vllm.md, "Weight updates while requests run")."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import pytest
 
 from orchestrator.inference.client import InferenceClient
-from tests.inference.vllm_util import k3_kl, load_model, needs_vllm, prompts, publish_full, recompute_logprobs
+from tests.inference.util import REPO
+from tests.inference.vllm_util import (
+    RUN,
+    check_completion_versions,
+    k3_kl,
+    load_model,
+    needs_vllm,
+    prompts,
+    publish_full,
+    recompute_logprobs,
+    tiny_model,
+)
+from tests.support.cli import orch_argv
+from tests.support.logs import assert_log_invariants, events
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 # Tokens per completion (ignore_eos: min_tokens would do it too, but vLLM 0.32 reports the
 # logprobs of the distribution it masks EOS out of): long enough to span the reloads.
 LENGTH = 240
+STEPS = 8  # the orch run's
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +95,48 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
         f"interrupt: {seams} seams in {2 * len(batch)} completions, max |dlogprob| {max(worst):.2e}, k3 {max(k3s):.2e}"
     )
     assert max(worst) < 1e-3
+
+
+def test_an_orch_run_with_interrupted_updates_logs_every_token_with_the_version_that_sampled_it(
+    vllm_reload_server, tmp_path
+):
+    """`orch run` on the shared server with update_mode interrupt: the run ends, its log holds
+    the usual invariants, and every logged completion's tokens (each segment, for one continued
+    across a reload) have the logprobs of the version the log says sampled them."""
+    (url,) = vllm_reload_server.urls
+    done = subprocess.run(
+        orch_argv(
+            *RUN,
+            "--config",
+            str(REPO / "examples" / "reverse_text_hf.toml"),
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "r",
+            "--max-steps",
+            str(STEPS),
+            "--set",
+            f"model.path={tiny_model()}",
+            "--set",
+            "log.durability=normal",
+            "--set",
+            "inference.openai.launch.servers=0",
+            "--set",
+            f'inference.openai.endpoints=["{url}"]',
+            "--set",
+            "inference.openai.update_mode=interrupt",
+            "--set",
+            "trainer.hf.keep_weights=8",
+        ),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "r"
+    assert_log_invariants(run_dir, STEPS, max_off_policy=2, target_lag=1)
+    assert check_completion_versions(run_dir, lora=False) >= 8
+    interrupted = sum(1 for _, e in events(run_dir, "episode_completed") if e.get("token_versions"))
+    print(f"interrupt run: {interrupted} completions continued across a reload")

@@ -178,27 +178,33 @@ def k3_kl(sampled: list[float], recomputed: list[float]) -> float:
 
 
 def check_completion_versions(run_dir: Path, lora: bool, per_version: int = 8) -> int:
-    """Exact versions (start == end), and where a version's weights are still on disk (the
-    trainer keeps the newest few), the sampled logprobs are that version's, not a neighbour's.
-    Up to `per_version` completions of each version are recomputed; returns how many were."""
+    """Exact versions (one version, or `token_versions` runs of an interrupted completion), and
+    where a version's weights are still on disk (the trainer keeps the newest few), the sampled
+    logprobs of its tokens are that version's, not a neighbour's. Up to `per_version`
+    completions of each version are recomputed; returns how many were."""
     episodes = [e for _, e in events(run_dir, "episode_completed") if e["ok"]]
-    assert episodes and all(e["policy_start"] == e["policy_end"] for e in episodes)
+    assert episodes and all(e["policy_start"] == e["policy_end"] or e.get("token_versions") for e in episodes)
     kept = sorted(int(p.name.split("_")[1]) for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").exists())
     models = {v: load_version(run_dir / "weights" / f"step_{v}", tiny_model(), lora) for v in kept}
-    checked = 0
-    for version in kept:
-        neighbour = next((v for v in reversed(kept) if v != version), None)
-        for e in [e for e in episodes if e["policy_start"] == version][:per_version]:
-            prompt_len = e["mask"].index(1)
-            prompt, completion = e["token_ids"][:prompt_len], e["token_ids"][prompt_len:]
-            sampled = e["logprobs"][prompt_len:]
+    checked = {v: 0 for v in kept}
+    for e in episodes:
+        prompt_len = e["mask"].index(1)
+        prompt, completion = e["token_ids"][:prompt_len], e["token_ids"][prompt_len:]
+        sampled = e["logprobs"][prompt_len:]
+        runs = e.get("token_versions") or [(e["policy_start"], len(completion))]
+        per_token = [v for v, n in runs for _ in range(n)]
+        for version in sorted(set(per_token) & set(kept)):
+            if checked[version] >= per_version:
+                continue
+            at = [i for i, v in enumerate(per_token) if v == version]
             own = recompute_logprobs(models[version], prompt, completion)
-            assert max(abs(a - b) for a, b in zip(own, sampled)) < 1e-3, (version, own, sampled)
+            assert max(abs(own[i] - sampled[i]) for i in at) < 1e-3, (version, own, sampled)
+            neighbour = next((v for v in reversed(kept) if v != version), None)
             if neighbour is not None:
                 theirs = recompute_logprobs(models[neighbour], prompt, completion)
-                assert max(abs(a - b) for a, b in zip(theirs, sampled)) > 1e-5
-            checked += 1
-    return checked
+                assert max(abs(theirs[i] - sampled[i]) for i in at) > 1e-5
+            checked[version] += 1
+    return sum(checked.values())
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
