@@ -10,6 +10,8 @@
    limit, not orch); reported, not asserted.
 2. Weight-sync time per version: full reload (pause, reload_weights, reset_prefix_cache, resume)
    and LoRA (load the new adapter, unload the unused one), as ``InferenceClient.load`` sees it.
+3. Updates during a long tail: sampled tokens/s with ``update_mode`` wait against interrupt
+   (docs/vllm.md, "Weight updates while requests run").
 
 Run: ``.venv/bin/python -m pytest bench/test_vllm_bench.py -o addopts= --benchmark-only -s``
 """
@@ -17,6 +19,7 @@ Run: ``.venv/bin/python -m pytest bench/test_vllm_bench.py -o addopts= --benchma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 
@@ -306,4 +309,90 @@ def test_weight_sync_time_per_version(benchmark, server, base, tmp_path, mode):
     print(
         f"\n{mode}: weight sync {statistics.median(seconds) * 1000:.0f} ms per version (median of {SYNC_VERSIONS}, "
         f"max {max(seconds) * 1000:.0f} ms)"
+    )
+
+
+# 3. Updates during a long tail: most completions short, about one in ten long.
+TAIL_COMPLETIONS = 192
+TAIL_CONCURRENCY = 32
+SHORT_TOKENS, LONG_TOKENS, LONG_EVERY = 16, 320, 10
+PUBLISH_EVERY_S = 1.0
+
+
+def test_tokens_per_s_with_updates_during_a_long_tail_wait_against_interrupt(benchmark, server, base, tmp_path):
+    """Completions of heavy-tailed lengths (`ignore_eos`: SHORT_TOKENS, one in LONG_EVERY
+    LONG_TOKENS) at TAIL_CONCURRENCY while a new version is loaded every PUBLISH_EVERY_S, with
+    update_mode wait (a reload waits for the longest completion running, the engine below
+    capacity meanwhile) and interrupt (a reload aborts and the client continues them), in one
+    run: a warm-up round of each, then ROUNDS rounds, order alternated. ``extra_info``: sampled
+    tokens/s of each (medians), the paired ratio interrupt / wait (target >= 1.2), and the time
+    from a load's start to every server serving the new version (median per mode), in which the
+    engine samples nothing new. Every completion has all its tokens, its versions in order."""
+    dirs = [str(publish_full(tmp_path, v, base)) for v in range(2)]
+    lengths = [LONG_TOKENS if i % LONG_EVERY == LONG_EVERY - 1 else SHORT_TOKENS for i in range(TAIL_COMPLETIONS)]
+    prompt = [259, 84, 82, 68, 81]
+    loads: dict[str, list[float]] = {"wait": [], "interrupt": []}
+    continued = {"wait": 0, "interrupt": 0}
+    version = iter(range(1, 1_000_000))
+
+    def side(mode: str):
+        async def one_round() -> float:
+            async with InferenceClient(server.urls, weight_sync="vllm_reload", update_mode=mode) as client:
+                await client.load(next(version), dirs[0])
+                finished = asyncio.Event()
+
+                async def publisher() -> None:
+                    while not finished.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(finished.wait(), PUBLISH_EVERY_S)
+                        if finished.is_set():
+                            return
+                        v = next(version)
+                        t0 = time.perf_counter()
+                        await client.load(v, dirs[v % 2])
+                        loads[mode].append(time.perf_counter() - t0)
+
+                async def sample(i: int):
+                    return await client.complete(prompt, max_tokens=lengths[i], seed=i, extra={"ignore_eos": True})
+
+                t0 = time.perf_counter()
+                async with asyncio.TaskGroup() as group:
+                    publishing = group.create_task(publisher())
+                    done = await bounded(TAIL_CONCURRENCY, [lambda i=i: sample(i) for i in range(TAIL_COMPLETIONS)])
+                    elapsed = time.perf_counter() - t0
+                    finished.set()
+                await publishing
+            for i, completion in enumerate(done):
+                (choice,) = completion.choices
+                assert len(choice.token_ids) == lengths[i]
+                runs = completion.choice_versions[0] if completion.choice_versions else ()
+                assert [v for v, _ in runs] == sorted(v for v, _ in runs)
+                continued[mode] += bool(runs)
+            return sum(lengths) / elapsed
+
+        return one_round
+
+    async def main() -> dict[str, list[float]]:
+        return await alternated_rounds(ROUNDS, {"wait": side("wait"), "interrupt": side("interrupt")})
+
+    rates = benchmark.pedantic(lambda: asyncio.run(main()), rounds=1, iterations=1)
+    ratio = paired_ratio(rates["interrupt"], rates["wait"])
+    load_s = {mode: round(statistics.median(seconds), 3) for mode, seconds in loads.items() if seconds}
+    benchmark.extra_info.update(
+        completions=TAIL_COMPLETIONS,
+        concurrency=TAIL_CONCURRENCY,
+        lengths=f"{SHORT_TOKENS}, one in {LONG_EVERY} {LONG_TOKENS}",
+        publish_every_s=PUBLISH_EVERY_S,
+        rounds=ROUNDS,
+        tokens_per_s={mode: round(statistics.median(r), 1) for mode, r in rates.items()},
+        ratio=ratio,
+        load_to_serving_s=load_s,
+        loads={mode: len(seconds) for mode, seconds in loads.items()},
+        continued_completions=continued,
+    )
+    print(
+        f"\nlong tail: interrupt {statistics.median(rates['interrupt']):.0f} tokens/s, wait "
+        f"{statistics.median(rates['wait']):.0f} tokens/s (medians): paired ratio {ratio['median']:.3f} (range "
+        f"{ratio['min']:.3f}-{ratio['max']:.3f}; target >= 1.2); load to serving {load_s} s; "
+        f"{continued['interrupt']} completions continued across a reload"
     )
