@@ -64,10 +64,10 @@ class BatchSample(NamedTuple):
     policy_start: int
     lag: int
     temperature: float
+    reward: float | None = None
     # Per token: the version that sampled it, -1 where mask is 0 (`token_versions`); None:
     # policy_start on every sampled token.
     version: Any = None
-    reward: float | None = None
 
 
 def token_versions(mask: Any, runs: Sequence[tuple[int, int]], policy_start: int) -> np.ndarray:
@@ -96,7 +96,7 @@ def sample_of(trace, env: str, advantage: float, lag: int) -> BatchSample:
         trace.policy_start,
         lag,
         trace.temperature,
-        token_versions(trace.mask, trace.token_versions, trace.policy_start),
+        version=token_versions(trace.mask, trace.token_versions, trace.policy_start) if trace.token_versions else None,
     )
 
 

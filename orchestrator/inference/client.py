@@ -28,7 +28,9 @@ endpoint's load is its dialect's, one module each in :mod:`.weight_sync`):
 * ``"vllm_reload"``: vLLM full weights (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait`` ->
   ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}`` ->
   ``POST /reset_prefix_cache`` -> ``POST /resume``. The endpoint's requests in flight end first
-  and none is sent until it resumed, so a completion's version is the one it was sent at.
+  and none is sent until it resumed, so a completion's version is the one it was sent at. With
+  ``update_mode="interrupt"`` completions are streamed, the pause aborts them (``mode=abort``) and
+  each is continued after the reload, its parts' versions in ``Completion.choice_versions``.
 * ``"vllm_lora"``: ``POST /v1/load_lora_adapter {"lora_name": "step_N", "lora_path": dir}``
   (vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name
   ``model="step_N"``, so the version of a completion is exactly the adapter it asked for. Every
@@ -364,8 +366,8 @@ class InferenceClient:
                         chunk = orjson.loads(line[6:])
                     except ValueError:
                         raise Retryable(f"POST {url}: a streamed chunk is not JSON", f"not JSON {path}") from None
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        raise Retryable(f"POST {url}: the stream failed: {chunk['error']}", f"stream error {path}")
+                    if isinstance(chunk, dict) and "error" in chunk:  # what unstreamed is an HTTP error
+                        _raise_for_stream_error(chunk["error"], url, path)
                     try:
                         _add_chunk(choices, chunk)
                     except ProtocolError as exc:
@@ -413,7 +415,7 @@ class InferenceClient:
         ep, (choices, sampled_by, ended_at), attempts = await self.routed(
             self._completion_sender(body, expected, at_version), pin, "completion"
         )
-        if not any(c.finish_reason == "abort" for c in choices):
+        if self.update_mode != "interrupt" or not any(c.finish_reason == "abort" for c in choices):
             return Completion(ep.url, choices, sampled_by, ended_at, attempts)
         # interrupt: a reload aborted some choices; each is continued with the new weights
         async with asyncio.TaskGroup() as group:
@@ -734,6 +736,19 @@ def _raise_for_status(resp: httpx.Response, method: str, url: str, path: str) ->
         raise InferenceRequestError(
             f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
         )
+
+
+def _raise_for_stream_error(error: Any, url: str, path: str) -> None:
+    """An error a stream sent in place of a chunk, as `_raise_for_status` would take the HTTP
+    status it has unstreamed (its ``code``): 5xx (or none) the endpoint's fault, 4xx the request's."""
+    code = error.get("code") if isinstance(error, dict) else None
+    message = str(error.get("message", error) if isinstance(error, dict) else error)[:500]
+    if isinstance(code, int) and 400 <= code < 500:
+        raise InferenceRequestError(f"POST {url}: HTTP {code} (streamed): {message}", code)
+    status = code if isinstance(code, int) else 500
+    raise Retryable(
+        f"POST {url}: the stream failed: {message}", f"stream error {path}", server_error=(status, path, message)
+    )
 
 
 def _add_chunk(choices: dict[int, dict[str, Any]], chunk: dict[str, Any]) -> None:
