@@ -88,6 +88,10 @@ T = TypeVar("T")
 log = logging.getLogger("orch.inference")
 
 
+class UpdateBegan(Exception):
+    """update_mode interrupt: a reload began before a streamed completion's first token was back."""
+
+
 _MAY_PASS = frozenset({404, 408, 409, 429})  # a refused weight load that a later try may get through
 
 
@@ -110,12 +114,14 @@ class Endpoint:
     probe: asyncio.Future | None = field(default=None, repr=False)
     sending: int = 0  # completion calls sent and not answered yet
     idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while sending == 0
-    # interrupt: sampling calls in flight that a pause could not abort and continue: streamed
-    # completions until their first token is back (until then the engine may not hold them yet,
-    # and a pause would keep them for the new weights), any other route's call (its answer would
-    # lose what it sampled) until it returns. An event set while there is none.
+    # interrupt: calls of another route than /v1/completions in flight (their answer would lose
+    # what they sampled if aborted): a reload waits for none to be left. An event set while none is.
     unabortable: int = 0
     abortable: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    # interrupt: streamed completions whose first token is not back yet (the engine may not hold
+    # them yet, and a pause would keep them for the new weights): a reload ends each of them
+    # (its timeout, expired now) and it is sent again once the endpoint resumed.
+    unstarted: dict[int, asyncio.Timeout] = field(default_factory=dict, repr=False)
     reloading: asyncio.Event | None = field(default=None, repr=False)  # vllm_reload: set (and dropped) once done
     adapters: dict[int, int] = field(default_factory=dict)  # vllm_lora: version loaded -> its requests in flight
     adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
@@ -126,24 +132,35 @@ class Endpoint:
         self.abortable.set()
 
     @contextlib.contextmanager
-    def unabortable_call(self) -> Iterator[Callable[[], None]]:
-        """Counts a call in `unabortable` until the callable it gives is called or it ends."""
-        counted = True
-
-        def release() -> None:
-            nonlocal counted
-            if counted:
-                counted = False
-                self.unabortable -= 1
-                if self.unabortable == 0:
-                    self.abortable.set()
-
+    def unabortable_call(self) -> Iterator[None]:
+        """Counts a call in `unabortable` while it runs."""
         self.unabortable += 1
         self.abortable.clear()
         try:
-            yield release
+            yield
         finally:
-            release()
+            self.unabortable -= 1
+            if self.unabortable == 0:
+                self.abortable.set()
+
+    @contextlib.contextmanager
+    def unstarted_stream(self, restart: asyncio.Timeout) -> Iterator[Callable[[], None]]:
+        """Holds a stream's `restart` timeout in `unstarted` until the callable it gives is
+        called (its first token is back) or it ends."""
+        key = id(restart)
+        self.unstarted[key] = restart
+        try:
+            yield lambda: self.unstarted.pop(key, None)
+        finally:
+            self.unstarted.pop(key, None)
+
+    def restart_unstarted(self) -> None:
+        """Ends every stream without a first token: it is sent again after the reload."""
+        now = asyncio.get_running_loop().time()
+        restarts = list(self.unstarted.values())
+        self.unstarted.clear()
+        for restart in restarts:
+            restart.reschedule(now)
 
     def up(self, now: float) -> bool:
         return now >= self.down_until
@@ -346,32 +363,41 @@ class InferenceClient:
     async def _stream(self, ep: Endpoint, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """``POST path`` streamed (update_mode interrupt): the chunks gathered into the answer an
         unstreamed call gives, so that an aborted request comes back with every token it was
-        sent (vLLM's unstreamed answer to an aborted request holds only its last one). Until its
-        first token is back the call is `unabortable`: a reload waits for none to be left, so that
-        the pause aborts every call in flight instead of holding one for the new weights
-        (docs/vllm.md, "Weight updates while requests run")."""
+        sent (vLLM's unstreamed answer to an aborted request holds only its last one). A reload
+        that begins before its first token is back ends it (`UpdateBegan`: whatever it sampled is
+        dropped, and it is sent again after the reload), so that the pause aborts every request
+        it leaves running instead of holding one for the new weights (docs/vllm.md, "Weight
+        updates while requests run")."""
         url = ep.url + path
         choices: dict[int, dict[str, Any]] = {}
         content = orjson.dumps({**body, "stream": True})
-        with ep.unabortable_call() as running, _transport_errors("POST", url, path):
-            async with self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    _raise_for_status(resp, "POST", url, path)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    running()
-                    try:
-                        chunk = orjson.loads(line[6:])
-                    except ValueError:
-                        raise Retryable(f"POST {url}: a streamed chunk is not JSON", f"not JSON {path}") from None
-                    if isinstance(chunk, dict) and "error" in chunk:  # what unstreamed is an HTTP error
-                        _raise_for_stream_error(chunk["error"], url, path)
-                    try:
-                        _add_chunk(choices, chunk)
-                    except ProtocolError as exc:
-                        raise InferenceRequestError(f"{url}: {exc}") from None
+        try:
+            async with asyncio.timeout(None) as restart:
+                with ep.unstarted_stream(restart) as started, _transport_errors("POST", url, path):
+                    async with self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as resp:
+                        if resp.status_code >= 400:
+                            await resp.aread()
+                            _raise_for_status(resp, "POST", url, path)
+                        async for line in resp.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            started()
+                            try:
+                                chunk = orjson.loads(line[6:])
+                            except ValueError:
+                                raise Retryable(
+                                    f"POST {url}: a streamed chunk is not JSON", f"not JSON {path}"
+                                ) from None
+                            if isinstance(chunk, dict) and "error" in chunk:  # what unstreamed is an HTTP error
+                                _raise_for_stream_error(chunk["error"], url, path)
+                            try:
+                                _add_chunk(choices, chunk)
+                            except ProtocolError as exc:
+                                raise InferenceRequestError(f"{url}: {exc}") from None
+        except TimeoutError:
+            if restart.expired():
+                raise UpdateBegan from None
+            raise
         if any(c["finish_reason"] is None for c in choices.values()):
             raise Retryable(f"POST {url}: the stream ended before its choices did", f"stream cut {path}")
         return {"choices": [choices[i] for i in sorted(choices)]}
@@ -578,10 +604,24 @@ class InferenceClient:
             adapter = request["model"] = lora_name(version)
         elif self.model is not None:
             request["model"] = self.model
-        if self.weight_sync == "vllm_reload":
-            # Exact versions: a reload waits for the requests in flight, and none is sent during it.
-            while ep.reloading is not None:
-                await ep.reloading.wait()
+        while True:
+            if self.weight_sync == "vllm_reload" and ep.reloading is not None:
+                # Exact versions: none is sent during a reload, nor after one that failed (the
+                # endpoint's weights are unknown until it loads again).
+                while ep.reloading is not None:
+                    await ep.reloading.wait()
+                if ep.version < 0:
+                    failed = f"{ep.url}: its weight reload failed ({ep.last_error})"
+                    raise Retryable(failed, "weight sync", counted=True)
+            try:
+                return await self._sampling_attempt(ep, path, request, version, adapter)
+            except UpdateBegan:  # interrupt: ended by a reload before its first token
+                continue
+
+    async def _sampling_attempt(
+        self, ep: Endpoint, path: str, request: dict[str, Any], version: int, adapter: str | None
+    ) -> tuple[Any, int, int]:
+        """`_post_sampling`'s call on ``ep``, once the endpoint is not reloading."""
         start_version = self._known_version(ep)
         ep.sending += 1
         ep.idle.clear()

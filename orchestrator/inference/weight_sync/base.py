@@ -17,7 +17,10 @@ class SyncedEndpoint(Protocol):
     url: str
     version: int  # newest weight version it confirmed (-1: unknown)
     idle: asyncio.Event  # set while no sampling call is in flight
-    abortable: asyncio.Event  # interrupt: set while every sampling call in flight can be aborted and continued
+    abortable: asyncio.Event  # interrupt: set while no call of another route than /v1/completions is in flight
+
+    def restart_unstarted(self) -> None: ...  # interrupt: ends the streams without a first token (sent again)
+
     reloading: asyncio.Event | None  # vllm_reload: set (and dropped) once a reload is done
     adapters: dict[int, int]  # vllm_lora: version loaded -> its requests in flight
     adapter_released: asyncio.Event  # vllm_lora: an adapter's count hit 0

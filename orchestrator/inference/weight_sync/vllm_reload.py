@@ -13,20 +13,22 @@ from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient,
 async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
     """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1); none of the endpoint's requests is sent
     until it resumed. update_mode wait: its requests in flight end with the old weights first.
-    interrupt: once every one of them can be aborted and continued (`Endpoint.unabortable_call`),
-    the pause aborts them; each comes back with the tokens it has, all sampled by the old
-    weights, and the client continues it after the reload. Either way each token's version is
-    exact."""
+    interrupt: the streamed completions without a first token yet are ended and sent again
+    after the reload (`Endpoint.restart_unstarted`); once the calls of other routes have ended
+    (`Endpoint.abortable`), the pause aborts the rest: each comes back with the tokens it has,
+    all sampled by the old weights, and the client continues it after the reload. Either way
+    each token's version is exact."""
     check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
     ep.reloading = asyncio.Event()
     interrupt = client.update_mode == "interrupt"
     try:
+        if interrupt:
+            ep.restart_unstarted()
         try:
             await asyncio.wait_for((ep.abortable if interrupt else ep.idle).wait(), client.load_timeout_s)
         except TimeoutError:
-            what = "could not be aborted" if interrupt else "did not end"
             raise Retryable(
-                f"{ep.url}: its requests in flight {what} within {client.load_timeout_s:g}s "
+                f"{ep.url}: its requests in flight did not end within {client.load_timeout_s:g}s "
                 f"of the reload of version {version}",
                 "reload drain",
             ) from None

@@ -1,0 +1,129 @@
+"""A stand-in for a vLLM server's engine as update_mode interrupt drives it: streamed
+completions whose every token names the weight version that sampled it, `/pause?mode=abort`
+(running requests end with finish_reason "abort", new ones are held until `/resume`), reloads
+by `/collective_rpc`. A request spends `admit_s` (its own, from the prompt's first id) between
+arriving and entering the engine, so that a pause can find it not admitted yet, as vLLM's can.
+(The real server: test_vllm_interrupt.py; this one is fast and its timing is the test's.)"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+TOKEN_S = 0.005
+
+
+def token_of(version: int) -> int:
+    """The token a version samples (the engine's only token: a test reads versions off ids)."""
+    return 10 + version
+
+
+def logprob_of(version: int) -> float:
+    return -0.1 * (version + 1)
+
+
+@dataclass(eq=False)
+class _Run:
+    aborted: bool = False
+
+
+@dataclass
+class PausableEngine:
+    version: int = 0
+    paused: bool = False
+    received: int = 0  # completion requests that reached the server
+    admitted_at: list[int] = field(default_factory=list)  # the version each admitted request started under
+    running: list[_Run] = field(default_factory=list)
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/pause", self.pause, methods=["POST"]),
+                Route("/resume", self.resume, methods=["POST"]),
+                Route("/collective_rpc", self.reload, methods=["POST"]),
+                Route("/reset_prefix_cache", self.reset, methods=["POST"]),
+            ]
+        )
+
+    async def completions(self, request: Request) -> StreamingResponse:
+        body = await request.json()
+        assert body.get("stream") is True, body
+        self.received += 1
+        prompt = body["prompt"]
+
+        async def stream():
+            await asyncio.sleep(prompt[0] / 1000)  # admit_s: the prompt's first id, in ms
+            while self.paused:  # held, as vLLM holds what it has not admitted
+                await asyncio.sleep(0.001)
+            run = _Run()
+            self.running.append(run)
+            self.admitted_at.append(self.version)
+            try:
+                for i in range(body["max_tokens"]):
+                    await asyncio.sleep(TOKEN_S)
+                    if run.aborted:
+                        yield _chunk(body["n"], None, "abort", prompt if i == 0 else None)
+                        break
+                    last = "length" if i == body["max_tokens"] - 1 else None
+                    yield _chunk(body["n"], self.version, last, prompt if i == 0 else None)
+                yield b"data: [DONE]\n\n"
+            finally:
+                self.running.remove(run)
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def pause(self, request: Request) -> JSONResponse:
+        assert request.query_params["mode"] == "abort"
+        self.paused = True
+        for run in self.running:
+            run.aborted = True
+        while self.running:  # vLLM's abort returns once the aborted requests are out
+            await asyncio.sleep(0.001)
+        return JSONResponse({})
+
+    async def resume(self, request: Request) -> JSONResponse:
+        self.paused = False
+        return JSONResponse({})
+
+    async def reload(self, request: Request) -> JSONResponse:
+        assert self.paused
+        path = (await request.json())["kwargs"]["weights_path"]
+        self.version = int(Path(path).name.split("_")[1])
+        return JSONResponse({})
+
+    async def reset(self, request: Request) -> JSONResponse:
+        return JSONResponse({"success": True})
+
+
+def _chunk(n: int, version: int | None, finish: str | None, prompt: list[int] | None) -> bytes:
+    choices = []
+    for index in range(n):
+        part: dict = {"index": index, "text": "", "finish_reason": finish}
+        part["logprobs"] = {"token_logprobs": [], "tokens": []}
+        if version is not None:
+            part.update(text="x", token_ids=[token_of(version)])
+            part["logprobs"] = {"token_logprobs": [logprob_of(version)], "tokens": [f"token_id:{token_of(version)}"]}
+        if prompt is not None:
+            part["prompt_token_ids"] = prompt
+        choices.append(part)
+    return b"data: " + orjson.dumps({"choices": choices}) + b"\n\n"
+
+
+def weight_dirs(root: Path, versions: range) -> list[str]:
+    """`step_N` dirs a vllm_reload load accepts (config.json, a .safetensors file)."""
+    dirs = []
+    for v in versions:
+        d = root / f"step_{v}"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(b"")
+        dirs.append(str(d))
+    return dirs

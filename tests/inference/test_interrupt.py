@@ -1,0 +1,74 @@
+"""update_mode interrupt against a stand-in engine (tests/inference/pausable_engine.py) whose
+tokens name the version that sampled them: every token's recorded version is that version,
+none lost or repeated at a seam, and a reload never waits for a request the engine has not
+started (docs/vllm.md, "Weight updates while requests run")."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from orchestrator.envs.server import running_server
+from orchestrator.inference.client import InferenceClient
+from tests.inference.pausable_engine import PausableEngine, logprob_of, token_of, weight_dirs
+from tests.inference.util import run
+
+
+def per_token(completion, choice_index: int) -> list[int]:
+    runs = completion.choice_versions[choice_index] if completion.choice_versions else ()
+    length = len(completion.choices[choice_index].token_ids)
+    return [v for v, n in runs for _ in range(n)] or [completion.policy_start] * length
+
+
+def test_each_token_has_the_version_that_sampled_it_across_reloads(tmp_path):
+    engine, dirs = PausableEngine(), weight_dirs(tmp_path, range(6))
+    rng = random.Random(7)
+    admits = [rng.randrange(0, 60) for _ in range(24)]  # ms before the engine admits each
+
+    async def main(url):
+        async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as client:
+            await client.load(0, dirs[0])
+            flight = [
+                asyncio.ensure_future(client.complete([admit, 1, 2], n=2, max_tokens=40, seed=i))
+                for i, admit in enumerate(admits)
+            ]
+            for v in range(1, 6):
+                await asyncio.sleep(0.04)
+                await client.load(v, dirs[v])
+            return await asyncio.gather(*flight)
+
+    with running_server(engine.app()) as server:
+        done = run(main(server.base_url))
+    seams = 0
+    for admit, completion in zip(admits, done):
+        every = []
+        for i, choice in enumerate(completion.choices):
+            versions = per_token(completion, i)
+            assert choice.prompt_ids == [admit, 1, 2] and choice.finish_reason == "length"
+            assert len(choice.token_ids) == len(choice.logprobs) == 40  # none lost, none twice
+            assert choice.token_ids == [token_of(v) for v in versions]  # the version that sampled it
+            assert choice.logprobs == [logprob_of(v) for v in versions]
+            seams += len(set(versions)) - 1
+            every += versions
+        assert (completion.policy_start, completion.policy_end) == (min(every), max(every))
+    assert seams > 0  # reloads did land inside completions
+    assert engine.received > len(admits)  # continuations, and requests sent again
+
+
+def test_a_reload_does_not_wait_for_a_request_the_engine_has_not_started(tmp_path):
+    engine, dirs = PausableEngine(), weight_dirs(tmp_path, range(2))
+
+    async def main(url):
+        async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as client:
+            await client.load(0, dirs[0])
+            late = asyncio.ensure_future(client.complete([300, 1], max_tokens=5, seed=1))  # admitted after 0.3 s
+            await asyncio.sleep(0.05)
+            await client.load(1, dirs[1])
+            return await late, engine.received
+
+    with running_server(engine.app()) as server:
+        completion, received_after_load = run(main(server.base_url))
+    # ended by the reload before it started, sent again after it: all of it by version 1
+    assert completion.choices[0].token_ids == [token_of(1)] * 5
+    assert (completion.policy_start, completion.policy_end, completion.choice_versions) == (1, 1, ())
+    assert engine.received == 2 and engine.admitted_at[-1] == 1
