@@ -8,7 +8,9 @@ import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
+
+from pydantic import Field
 
 from orchestrator.contracts import BuildContext, InferenceComponent, RolloutEnv, RolloutRequest, sampled_episode
 from orchestrator.core.events import EpisodeCompleted
@@ -21,6 +23,14 @@ class EmbeddedSamplerConfig(InferenceComponent):
 
     follows_weights: ClassVar[bool] = True
     sampler: ClassVar[str] = "the embedded sampler"
+    resumable: ClassVar[frozenset[str]] = frozenset({"update_mode"})
+
+    update_mode: Literal["finish", "interrupt"] = Field(
+        "finish",
+        description="what a new version does to the batch being sampled: it finishes on the version "
+        "it started with, or the new one takes over at its next decode step (recomputing the batch's "
+        "KV cache; every token's version exact)",
+    )
 
     def build(self, ctx: BuildContext, envs: Mapping[str, RolloutEnv]) -> EmbeddedBackend:
         if ctx.model is None:
@@ -34,6 +44,7 @@ class EmbeddedSamplerConfig(InferenceComponent):
             max_new_tokens=ctx.sampling.max_new_tokens,
             seed=ctx.seed,
             load_timeout_s=ctx.publish_timeout_s,
+            interrupt=self.update_mode == "interrupt",
         )
 
 
@@ -45,9 +56,11 @@ class EmbeddedBackend:
     the event loop.
 
     The sampler starts on `weights/step_0` (the model as the trainer loaded it) and reloads
-    whenever a version is published; each episode reports the version it was actually sampled
-    with. Prompts are rendered once (chat template for an env's messages) and sent as token ids;
-    the completion's ids and logprobs are the sampler's own, never re-tokenized.
+    whenever a version is published; each episode reports the versions it was actually sampled
+    with (with `interrupt`, a version published during a batch takes over at its next decode
+    step: the episode's `token_versions`). Prompts are rendered once (chat template for an env's
+    messages) and sent as token ids; the completion's ids and logprobs are the sampler's own,
+    never re-tokenized.
     """
 
     follows_weights: ClassVar[bool] = True
@@ -63,6 +76,7 @@ class EmbeddedBackend:
         max_new_tokens: int,
         seed: int,
         load_timeout_s: float,
+        interrupt: bool = False,
     ):
         import torch
 
@@ -84,7 +98,7 @@ class EmbeddedBackend:
             pad_id=0 if pad_id is None else pad_id,
             device=device,
         )
-        self.sampler = self._new_sampler()
+        self.sampler = self._new_sampler(interrupt=interrupt)
         self._loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._pinned = None  # the Sampler of the version the current eval is pinned to
@@ -152,6 +166,7 @@ class EmbeddedBackend:
             completion_logprobs=completion.logprobs,
             reward=await env.score(task, text),
             policy_start=completion.version,
-            policy_end=completion.version,
+            policy_end=completion.newest_version,
             temperature=temperature,
+            token_versions=completion.token_versions,
         )

@@ -4,7 +4,10 @@
 forward pass per new token for the whole batch, each row drawing from its own seeded generator
 (so a completion does not depend on the batch it was sampled in, up to float rounding) from the
 full temperature-scaled distribution (no top-k/top-p), and reporting the logprob of each drawn
-token under that distribution, exactly what the trainer recomputes.
+token under that distribution, exactly what the trainer recomputes. With `newer` (update_mode
+interrupt) a version published meanwhile takes over between two decode steps: it recomputes
+the batch's KV cache (prompt + the tokens so far) and samples the next token, so every token's
+version is the one whose forward pass sampled it, given every token before it.
 
 :class:`Sampler` holds the current version (an HF dir, or a PEFT adapter over the base model)
 for the rollout worker threads and coalesces their concurrent one-episode requests into one
@@ -15,12 +18,15 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from orchestrator import rundir
+from orchestrator.core.events import version_runs
 from orchestrator.hf.model import load_model
 
 CPU = torch.device("cpu")
@@ -30,7 +36,17 @@ CPU = torch.device("cpu")
 class Completion:
     token_ids: list[int]  # sampled tokens, the eos included when it was drawn
     logprobs: list[float]  # one per sampled token
-    version: int
+    version: int  # of its oldest token
+    # update_mode interrupt: (version, tokens) runs where versions took over while it was sampled
+    # (`orchestrator.core.events.version_runs`); empty where `version` sampled every token
+    token_versions: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def newest_version(self) -> int:
+        return max((v for v, _ in self.token_versions), default=self.version)
+
+
+Newer = Callable[[int], "tuple[Any, int] | None"]  # a version newer than the one given: (model, version)
 
 
 @torch.no_grad()
@@ -43,8 +59,12 @@ def sample(
     max_new_tokens: int,
     eos_id: int,
     pad_id: int,
-) -> list[tuple[list[int], list[float]]]:
-    """(completion ids, their logprobs) per prompt; a row stops at `eos_id` (kept) or the cap."""
+    version: int = 0,
+    newer: Newer | None = None,
+) -> list[tuple[list[int], list[float], list[int]]]:
+    """(completion ids, their logprobs, the version that sampled each) per prompt; a row stops
+    at `eos_id` (kept) or the cap. `model` is `version`; `newer`, asked before every decode step
+    after the first, gives a newer version to take over."""
     device = next(model.parameters()).device
     rows, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
@@ -58,8 +78,9 @@ def sample(
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
     past, logits, next_position = out.past_key_values, out.logits[:, -1], positions[:, -1] + 1
     done = torch.zeros(rows, dtype=torch.bool, device=device)
-    tokens, logprobs = [], []
+    tokens, logprobs, versions = [], [], []
     for _ in range(max_new_tokens):
+        versions.append(version)
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).view(-1, 1).to(device)
         cdf = logp.exp().cumsum(-1)
@@ -70,19 +91,29 @@ def sample(
         if bool(done.all()):
             break
         attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=1)
-        out = model(
-            input_ids=drawn,
-            attention_mask=attention,
-            position_ids=next_position.view(-1, 1),
-            past_key_values=past,
-            use_cache=True,
-        )
+        took_over = newer(version) if newer is not None else None
+        if took_over is None:
+            out = model(
+                input_ids=drawn,
+                attention_mask=attention,
+                position_ids=next_position.view(-1, 1),
+                past_key_values=past,
+                use_cache=True,
+            )
+        else:  # the new version's KV of everything so far: its next token is its own, given all before it
+            model, version = took_over
+            out = model(
+                input_ids=torch.cat([ids, torch.stack(tokens, 1)], dim=1),
+                attention_mask=attention,
+                position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+            )
         past, logits, next_position = out.past_key_values, out.logits[:, -1], next_position + 1
     token_rows, logprob_rows = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
     results = []
     for row, lps in zip(token_rows, logprob_rows):
         length = row.index(eos_id) + 1 if eos_id in row else len(row)
-        results.append((row[:length], lps[:length]))
+        results.append((row[:length], lps[:length], versions[:length]))
     return results
 
 
@@ -101,12 +132,21 @@ def load_version(wdir: Path, base_path: Path, device: torch.device = CPU):
 class Sampler:
     """The current version for rollout worker threads; `sample_coalesced` batches their requests.
 
-    A reload loads the new model outside the lock, then swaps (model, version) under it; a batch
-    takes that pair once, so each completion comes from exactly one version, which it reports.
+    A reload loads the new model outside the lock, then swaps (model, version) under it. A batch
+    takes that pair once and, with `interrupt`, a newer one between two decode steps (`sample`);
+    each completion reports the version of each of its tokens.
     """
 
-    def __init__(self, base_path: str | os.PathLike, eos_id: int, pad_id: int, device: torch.device = CPU):
+    def __init__(
+        self,
+        base_path: str | os.PathLike,
+        eos_id: int,
+        pad_id: int,
+        device: torch.device = CPU,
+        interrupt: bool = False,
+    ):
         self.base_path, self.eos_id, self.pad_id, self.device = Path(base_path), eos_id, pad_id, device
+        self.interrupt = interrupt
         self._lock = threading.Lock()
         self._model, self._version = None, -1
         self._queue_cv = threading.Condition()
@@ -129,6 +169,10 @@ class Sampler:
         with self._lock:
             if version >= self._version:
                 self._model, self._version = model, version
+
+    def _newer(self, version: int) -> tuple[Any, int] | None:
+        with self._lock:
+            return (self._model, self._version) if self._version > version else None
 
     def sample_coalesced(
         self, prompt_ids: list[int], *, temperature: float, max_new_tokens: int, seed: int
@@ -177,13 +221,16 @@ class Sampler:
                     max_new_tokens=max_new_tokens,
                     eos_id=self.eos_id,
                     pad_id=self.pad_id,
+                    version=version,
+                    newer=self._newer if self.interrupt else None,
                 )
             except Exception as exc:  # noqa: BLE001 - each request of the batch gets the error
                 for r in requests:
                     r.result = exc
                 continue
-            for r, (ids, lps) in zip(requests, results):
-                r.result = Completion(ids, lps, version)
+            for r, (ids, lps, versions) in zip(requests, results):
+                runs = version_runs((v, 1) for v in versions)
+                r.result = Completion(ids, lps, versions[0], runs)
 
 
 class _Request:

@@ -71,6 +71,31 @@ def test_short_embedded_run_trains_in_order_and_leaves_no_process(tmp_path):
     assert processes_mentioning(str(run_dir)) == []
 
 
+def test_with_update_mode_interrupt_a_version_takes_over_mid_batch_and_every_token_is_its_versions(tmp_path):
+    """Long answers (40-46 characters) and 64 episodes in flight: the sampler is busy when the
+    trainer publishes, and the new version takes over inside its batches."""
+    from tests.inference.vllm_util import check_completion_versions
+    from tests.support.logs import events
+
+    interrupt = sets(
+        "inference.embedded.update_mode=interrupt",
+        "rollout.max_inflight=64",
+        "env.reverse_text.min_len=40",
+        "env.reverse_text.max_len=46",
+        "rollout.max_new_tokens=64",
+    )
+    result = orch(
+        "run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "6", *SMALL, *interrupt, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "r"
+    assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)
+    seamed = [e for _, e in events(run_dir, "episode_completed") if e.get("token_versions")]
+    assert seamed
+    assert check_completion_versions(run_dir, lora=False) > 0  # each token's logprob is its version's
+    assert processes_mentioning(str(run_dir)) == []
+
+
 def test_trainer_error_stops_the_orchestrator_with_the_trainers_message(tmp_path):
     run_dir = tmp_path / "r"
     proc = spawn_run(tmp_path, "--max-steps", "10")
