@@ -444,8 +444,11 @@ class InferenceClient:
         if self.update_mode != "interrupt" or not any(c.finish_reason == "abort" for c in choices):
             return Completion(ep.url, choices, sampled_by, ended_at, attempts)
         # interrupt: a reload aborted some choices; each is continued with the new weights
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self._continue(c, i, sampled_by, body, pin)) for i, c in enumerate(choices)]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._continue(c, i, sampled_by, body, pin)) for i, c in enumerate(choices)]
+        except ExceptionGroup as failed:  # the request's failure, as an unstreamed one raises it
+            raise failed.exceptions[0] from None
         done = [t.result() for t in tasks]
         # a part aborted before its first token sampled nothing: its version is no token's
         versions = [v for _c, segments, _e, _a in done for v, count in segments if count] or [sampled_by]

@@ -3,7 +3,9 @@ completions whose every token names the weight version that sampled it, `/pause?
 (running requests end with finish_reason "abort", new ones are held until `/resume`), reloads
 by `/collective_rpc`. A request spends `admit_s` (its own, from the prompt's first id) between
 arriving and entering the engine, so that a pause can find it not admitted yet, as vLLM's can.
-(The real server: test_vllm_interrupt.py; this one is fast and its timing is the test's.)"""
+With `fail_after_next_resume` it answers every completion after its next `/resume` with HTTP
+503, as a server that broke between the abort and the continuation. (The real server:
+test_vllm_interrupt.py; this one is fast and its timing is the test's.)"""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ class _Run:
 @dataclass
 class PausableEngine:
     version: int = 0
+    fail_after_next_resume: bool = False
+    failing: bool = False
     paused: bool = False
     received: int = 0  # completion requests that reached the server
     admitted_at: list[int] = field(default_factory=list)  # the version each admitted request started under
@@ -53,10 +57,12 @@ class PausableEngine:
             ]
         )
 
-    async def completions(self, request: Request) -> StreamingResponse:
+    async def completions(self, request: Request) -> StreamingResponse | JSONResponse:
         body = await request.json()
         assert body.get("stream") is True, body
         self.received += 1
+        if self.failing:
+            return JSONResponse({"error": {"message": "engine dead", "code": 503}}, status_code=503)
         prompt = body["prompt"]
 
         async def stream():
@@ -91,6 +97,7 @@ class PausableEngine:
 
     async def resume(self, request: Request) -> JSONResponse:
         self.paused = False
+        self.failing = self.failing or self.fail_after_next_resume
         return JSONResponse({})
 
     async def reload(self, request: Request) -> JSONResponse:

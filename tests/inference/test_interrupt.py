@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from orchestrator.envs.server import running_server
-from orchestrator.inference.client import InferenceClient
+from orchestrator.inference.client import InferenceClient, InferenceUnavailable
 from tests.inference.pausable_engine import PausableEngine, logprob_of, token_of, weight_dirs
 from tests.inference.util import run
 
@@ -72,3 +74,49 @@ def test_a_reload_does_not_wait_for_a_request_the_engine_has_not_started(tmp_pat
     assert completion.choices[0].token_ids == [token_of(1)] * 5
     assert (completion.policy_start, completion.policy_end, completion.choice_versions) == (1, 1, ())
     assert engine.received == 2 and engine.admitted_at[-1] == 1
+
+
+def test_a_server_failing_between_abort_and_continue_leaves_each_continuation_to_another(tmp_path):
+    broken, other = PausableEngine(), PausableEngine()
+    dirs = weight_dirs(tmp_path, range(2))
+
+    async def main(urls):
+        async with InferenceClient(urls, weight_sync="vllm_reload", update_mode="interrupt", backoff_s=0.05) as client:
+            await client.load(0, dirs[0])
+            broken.fail_after_next_resume = True
+            flight = [  # one group, pinned to the first endpoint: the one that breaks
+                asyncio.ensure_future(client.complete([0, 1], max_tokens=60, seed=i, pin="group")) for i in range(4)
+            ]
+            await asyncio.sleep(0.1)
+            await client.load(1, dirs[1])
+            return await asyncio.gather(*flight)
+
+    with running_server(broken.app()) as a, running_server(other.app()) as b:
+        done = run(main([a.base_url, b.base_url]))
+        for completion in done:
+            (choice,) = completion.choices
+            versions = per_token(completion, 0)
+            assert len(choice.token_ids) == 60 and choice.token_ids == [token_of(v) for v in versions]
+            assert versions[0] == 0 and versions[-1] == 1  # begun on the broken one, ended on the other
+            assert completion.endpoint == b.base_url
+    assert broken.admitted_at == [0] * 4 and other.received == 4
+
+
+def test_with_no_other_server_the_continuation_fails_as_the_requests_failure(tmp_path):
+    broken = PausableEngine()
+    dirs = weight_dirs(tmp_path, range(2))
+
+    async def main(url):
+        async with InferenceClient(
+            [url], weight_sync="vllm_reload", update_mode="interrupt", backoff_s=0.05, max_backoff_s=0.1
+        ) as client:
+            await client.load(0, dirs[0])
+            broken.fail_after_next_resume = True
+            flight = asyncio.ensure_future(client.complete([0, 1], max_tokens=60, seed=1))
+            await asyncio.sleep(0.1)
+            await client.load(1, dirs[1])
+            with pytest.raises(InferenceUnavailable, match="continued completion failed after 3 attempt"):
+                await flight
+
+    with running_server(broken.app()) as a:
+        run(main(a.base_url))
