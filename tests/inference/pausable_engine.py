@@ -122,15 +122,3 @@ def _chunk(n: int, version: int | None, finish: str | None, prompt: list[int] | 
             part["prompt_token_ids"] = prompt
         choices.append(part)
     return b"data: " + orjson.dumps({"choices": choices}) + b"\n\n"
-
-
-def weight_dirs(root: Path, versions: range) -> list[str]:
-    """`step_N` dirs a vllm_reload load accepts (config.json, a .safetensors file)."""
-    dirs = []
-    for v in versions:
-        d = root / f"step_{v}"
-        d.mkdir(parents=True)
-        (d / "config.json").write_text("{}")
-        (d / "model.safetensors").write_bytes(b"")
-        dirs.append(str(d))
-    return dirs

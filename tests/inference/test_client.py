@@ -17,7 +17,7 @@ from orchestrator.inference.client import (
     InferenceUnavailable,
 )
 from orchestrator.serve.tokenizer import encode_prompt
-from tests.inference.util import SlowPolicyServer, adapter_dirs, publish, run, serving, vllm_like_app
+from tests.inference.util import SlowPolicyServer, publish, run, serving, vllm_like_app, weight_dirs
 
 PROMPT = encode_prompt("abcd")
 
@@ -279,7 +279,7 @@ def test_vllm_lora_an_endpoint_restarted_unseen_gets_its_adapter_again(tmp_path)
     (A stand-in: restarting a real vLLM server on the same port takes a minute.)"""
     from orchestrator.envs.server import running_server
 
-    (adapter,) = adapter_dirs(tmp_path, [1])
+    (adapter,) = weight_dirs(tmp_path, [1], lora=True)
 
     port, before, after = free_port(), [], []
     loop = asyncio.new_event_loop()  # one client across both server processes

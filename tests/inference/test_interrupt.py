@@ -12,8 +12,8 @@ import pytest
 
 from orchestrator.envs.server import running_server
 from orchestrator.inference.client import InferenceClient, InferenceUnavailable
-from tests.inference.pausable_engine import PausableEngine, logprob_of, token_of, weight_dirs
-from tests.inference.util import run
+from tests.inference.pausable_engine import PausableEngine, logprob_of, token_of
+from tests.inference.util import run, weight_dirs
 
 
 def per_token(completion, choice_index: int) -> list[int]:

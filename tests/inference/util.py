@@ -187,14 +187,16 @@ def vllm_like_app(loaded: list):
     )
 
 
-def adapter_dirs(root, versions) -> list[str]:
-    """Dirs with the files the client checks before it asks for an adapter load."""
+def weight_dirs(root, versions, lora: bool = False) -> list[str]:
+    """`step_N` dirs with the files the client checks before it asks for a load: an HF model
+    dir's (config.json, model.safetensors) or, with `lora`, an adapter's."""
+    prefix = "adapter_" if lora else ""
     dirs = []
     for v in versions:
         wdir = root / f"step_{v}"
         wdir.mkdir(parents=True)
-        (wdir / "adapter_config.json").write_text("{}")
-        (wdir / "adapter_model.safetensors").write_bytes(b"")
+        (wdir / f"{prefix}config.json").write_text("{}")
+        (wdir / f"{prefix}model.safetensors").write_bytes(b"")
         dirs.append(str(wdir))
     return dirs
 

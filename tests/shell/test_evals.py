@@ -447,9 +447,9 @@ def test_embedded_and_endpoint_backends_sample_eval_episodes_at_their_pin_and_te
 def test_a_vllm_lora_endpoint_samples_an_eval_episode_with_the_adapter_of_its_pin(tmp_path):
     from orchestrator.envs.server import running_server
     from orchestrator.inference.client import InferenceClient
-    from tests.inference.util import adapter_dirs, run, vllm_like_app
+    from tests.inference.util import run, vllm_like_app, weight_dirs
 
-    step_3, step_4 = adapter_dirs(tmp_path, (3, 4))
+    step_3, step_4 = weight_dirs(tmp_path, (3, 4), lora=True)
 
     loaded: list[str] = []
     with running_server(vllm_like_app(loaded)) as vllm:
