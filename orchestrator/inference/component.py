@@ -34,6 +34,7 @@ class EndpointsConfig(InferenceComponent, EndpointsSettings):
             "max_backoff_s",
             "pin_groups",
             "max_loras",
+            "update_mode",
         }
     )
 

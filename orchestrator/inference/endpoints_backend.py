@@ -92,7 +92,7 @@ def make_client(section: EndpointsSettings, urls: list[str], load_timeout_s: flo
         max_backoff_s=section.max_backoff_s,
         pin_groups=section.pin_groups,
         max_loras=section.max_loras,
-        update_mode=section.update_mode,  # type: ignore[arg-type]  # "keep" is refused by the section
+        update_mode=section.update_mode_in_use,
     )
 
 

@@ -65,11 +65,12 @@ class EndpointsSettings(Section):
         "(/pause, reload_weights, /reset_prefix_cache, /resume), vLLM LoRA adapters, "
         "SGLang /update_weights_from_disk, or not at all",
     )
-    update_mode: Literal["wait", "interrupt", "keep"] = Field(
-        "wait",
+    update_mode: Literal["wait", "interrupt", "keep"] | None = Field(
+        None,
         description="vllm_reload: what a weight update does to the requests running: wait for them "
         "to end (new ones held), or interrupt them (abort, reload, continue each with its tokens so "
-        "far, every token's version exact); keep is not offered (docs/vllm.md)",
+        "far, every token's version exact); keep is not offered (docs/vllm.md). None: interrupt "
+        "with vllm_reload (it samples more tokens/s through a long tail), wait with the others",
     )
     max_loras: int = Field(
         2,
@@ -119,6 +120,14 @@ class EndpointsSettings(Section):
                     f"(or 'none'), not {self.weight_sync!r}"
                 )
         return self
+
+    @property
+    def update_mode_in_use(self) -> Literal["wait", "interrupt"]:
+        """`update_mode`, or the weight sync's default where it is not set."""
+        if self.update_mode is None:
+            return "interrupt" if self.weight_sync == "vllm_reload" else "wait"
+        assert self.update_mode != "keep"  # refused by the validator
+        return self.update_mode
 
     @property
     def enabled(self) -> bool:

@@ -158,6 +158,16 @@ def test_an_update_mode_the_weight_sync_cannot_do_is_one_line(overrides, message
         load_config(overrides=base + overrides)
 
 
+@pytest.mark.parametrize(
+    ("weight_sync", "in_use"), [("vllm_reload", "interrupt"), ("vllm_lora", "wait"), ("orch", "wait")]
+)
+def test_update_mode_defaults_to_interrupt_where_the_weight_sync_can(weight_sync, in_use):
+    c = load_config(
+        overrides=['inference.openai.endpoints=["http://h:1"]', f"inference.openai.weight_sync={weight_sync}"]
+    )
+    assert c.inference.openai.update_mode is None and c.inference.openai.update_mode_in_use == in_use
+
+
 def test_update_mode_keep_is_refused_saying_why():
     with pytest.raises(ConfigError, match="'keep' is not offered: vLLM 0.32's /v1/completions does not say"):
         load_config(overrides=['inference.openai.endpoints=["http://h:1"]', "inference.openai.update_mode=keep"])

@@ -6,13 +6,15 @@ sampled it (docs/vllm.md, "Weight updates while requests run")."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 
 import pytest
 
 from orchestrator.inference.client import InferenceClient
-from tests.inference.util import REPO
+from tests.inference.util import REPO, processes_mentioning
 from tests.inference.vllm_util import (
+    RUN,
     check_completion_versions,
     k3_kl,
     load_model,
@@ -22,7 +24,8 @@ from tests.inference.vllm_util import (
     recompute_logprobs,
     reverse_text_hf_run,
 )
-from tests.support.logs import assert_log_invariants, events
+from tests.support.cli import orch_argv, wait_until
+from tests.support.logs import assert_log_invariants, count_events, events
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 # Tokens per completion (ignore_eos: min_tokens would do it too, but vLLM 0.32 reports the
@@ -97,22 +100,42 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
     assert max(worst) < 1e-3
 
 
-def test_an_orch_run_with_interrupted_updates_logs_every_token_with_the_version_that_sampled_it(
+def test_an_orch_run_with_interrupted_updates_sigkilled_and_resumed_logs_every_token_with_its_version(
     vllm_reload_server, tmp_path
 ):
-    """`orch run` on the shared server with update_mode interrupt: the run ends, its log holds
-    the usual invariants, and every logged completion's tokens (each segment, for one continued
-    across a reload) have the logprobs of the version the log says sampled them."""
+    """`orch run` on the shared server with update_mode interrupt, SIGKILLed as its third version
+    is published (while that reload's aborted completions are continued, and its unstarted ones
+    sent again, if any were in flight), then resumed to the end: its log holds the usual
+    invariants (nothing half-recorded shipped), and every logged completion's tokens (each
+    segment, for one continued across a reload) have the logprobs of the version the log says
+    sampled them. (The job's answers are 2-7 tokens: most requests a reload finds have no token
+    yet and are sent again whole, so few or none are continued; the client tests continue many.)"""
     (url,) = vllm_reload_server.urls
+    run_dir = tmp_path / "r"
+    argv = reverse_text_hf_run(
+        tmp_path,
+        STEPS,
+        "inference.openai.launch.servers=0",
+        f'inference.openai.endpoints=["{url}"]',
+        "inference.openai.update_mode=interrupt",
+        "trainer.hf.keep_weights=8",
+    )
+    with (tmp_path / "first.err").open("w") as err:
+        first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+    try:
+        wait_until(
+            lambda: count_events(run_dir, "version_published") >= 3 or first.poll() is not None,
+            600,
+            "the run's third version",
+        )
+        assert first.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.kill()
+        first.wait()
+    wait_until(lambda: not processes_mentioning(str(run_dir)), 60, "the killed run's trainer to exit")
     done = subprocess.run(
-        reverse_text_hf_run(
-            tmp_path,
-            STEPS,
-            "inference.openai.launch.servers=0",
-            f'inference.openai.endpoints=["{url}"]',
-            "inference.openai.update_mode=interrupt",
-            "trainer.hf.keep_weights=8",
-        ),
+        orch_argv(*RUN, "--resume", str(run_dir), "--max-steps", str(STEPS)),
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -120,8 +143,8 @@ def test_an_orch_run_with_interrupted_updates_logs_every_token_with_the_version_
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = tmp_path / "r"
+    assert count_events(run_dir, "run_resumed") == 1
     assert_log_invariants(run_dir, STEPS, max_off_policy=2, target_lag=1)
     assert check_completion_versions(run_dir, lora=False) >= 8
     interrupted = sum(1 for _, e in events(run_dir, "episode_completed") if e.get("token_versions"))
-    print(f"interrupt run: {interrupted} completions continued across a reload")
+    print(f"interrupt run, SIGKILLed and resumed: {interrupted} completions continued across a reload")
