@@ -40,6 +40,7 @@ class _Run:
 class PausableEngine:
     version: int = 0
     fail_after_next_resume: bool = False
+    failed_resets: int = 0  # the next resets of the prefix cache that fail (success false)
     failing: bool = False
     paused: bool = False
     received: int = 0  # completion requests that reached the server
@@ -107,6 +108,9 @@ class PausableEngine:
         return JSONResponse({})
 
     async def reset(self, request: Request) -> JSONResponse:
+        if self.failed_resets:
+            self.failed_resets -= 1
+            return JSONResponse({"success": False})
         return JSONResponse({"success": True})
 
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from orchestrator.envs.server import running_server
-from orchestrator.inference.client import InferenceClient, InferenceUnavailable
+from orchestrator.inference.client import InferenceClient, InferenceError, InferenceUnavailable
 from tests.inference.pausable_engine import PausableEngine, logprob_of, token_of
 from tests.inference.util import run, weight_dirs
 
@@ -120,3 +120,26 @@ def test_with_no_other_server_the_continuation_fails_as_the_requests_failure(tmp
 
     with running_server(broken.app()) as a:
         run(main(a.base_url))
+
+
+def test_a_reload_failing_after_its_pause_leaves_no_request_held_nor_a_wrong_version(tmp_path):
+    """The pause went through and the reload failed after it: the endpoint's version is unknown,
+    so its next request reloads it first (that reload's /resume ends the pause), with the version
+    the client still targets (a version refused for good is not the target: the one before)."""
+    engine = PausableEngine()
+    dirs = weight_dirs(tmp_path, range(2))
+
+    async def main(url):
+        async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as client:
+            await client.load(0, dirs[0])
+            engine.failed_resets = 1
+            with pytest.raises(InferenceError, match="reset_prefix_cache failed"):
+                await client.load(1, dirs[1])
+            assert engine.paused and client.endpoints[0].version == -1
+            completion = await client.complete([0, 1], max_tokens=5, seed=1)
+            return completion, engine.paused
+
+    with running_server(engine.app()) as server:
+        completion, paused = run(main(server.base_url))
+    assert not paused and completion.policy_start == completion.policy_end == 0
+    assert completion.choices[0].token_ids == [token_of(0)] * 5 and engine.version == 0

@@ -32,21 +32,30 @@ async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int,
                 f"of the reload of version {version}",
                 "reload drain",
             ) from None
-        mode = "abort" if interrupt else "wait"
-        await client.call(ep, "POST", f"/pause?mode={mode}", timeout=client.load_timeout_s)
-        await client.call(
-            ep,
-            "POST",
-            "/collective_rpc",
-            {"method": "reload_weights", "kwargs": {"weights_path": path}},
-            timeout=client.load_timeout_s,
-        )
-        # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
-        answer = await client.call(ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
-        if not (isinstance(answer, dict) and answer.get("success") is True):
-            raise InferenceRequestError(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
-        await client.call(ep, "POST", "/resume", timeout=client.load_timeout_s)
+        try:
+            await _paused_reload(client, ep, path, "abort" if interrupt else "wait")
+        except BaseException:
+            # Paused (or maybe), its weights either version: unknown until a reload succeeds. The
+            # endpoint's next request reloads it first, and that reload's /resume ends the pause.
+            ep.version = -1
+            raise
         return version
     finally:
         ep.reloading.set()
         ep.reloading = None
+
+
+async def _paused_reload(client: WeightSyncClient[EndpointT], ep: EndpointT, path: str, mode: str) -> None:
+    await client.call(ep, "POST", f"/pause?mode={mode}", timeout=client.load_timeout_s)
+    await client.call(
+        ep,
+        "POST",
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": path}},
+        timeout=client.load_timeout_s,
+    )
+    # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
+    answer = await client.call(ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
+    if not (isinstance(answer, dict) and answer.get("success") is True):
+        raise InferenceRequestError(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
+    await client.call(ep, "POST", "/resume", timeout=client.load_timeout_s)
