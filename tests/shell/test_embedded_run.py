@@ -83,6 +83,7 @@ def test_with_update_mode_interrupt_a_version_takes_over_mid_batch_and_every_tok
         "env.reverse_text.min_len=40",
         "env.reverse_text.max_len=46",
         "rollout.max_new_tokens=64",
+        "trainer.hf.keep_weights=7",  # every version stays on disk: each completion checked against its own
     )
     result = orch(
         "run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "6", *SMALL, *interrupt, timeout=300
