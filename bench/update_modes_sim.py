@@ -13,7 +13,9 @@ the newest version).
 * interrupt: at a publish the running requests are aborted at once, the engine reloads, and each
   is continued: its prompt and tokens so far prefilled again by the new weights (`prefill_tokens_per_s`).
 
-Deterministic: the lengths come from a seeded RNG, time is the model's own.
+Deterministic: the lengths come from a seeded RNG, time is the model's own. Left out, each in
+interrupt's favour: a request's wait for a free slot or for KV-cache room, a new request's
+prefill, restarts of requests not started at a reload, and other routes' calls a reload waits for.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ from orchestrator.rundir import is_stable, weights_dir
 
 
 class EmbeddedSamplerConfig(InferenceComponent):
-    """The run's model (`model`), sampled in this process (settings: `rollout.temperature`,
-    `rollout.max_new_tokens`, `model.chat_template_kwargs`)."""
+    """The run's model (`model`), sampled in this process.
+
+    Its other settings: `rollout.temperature`, `rollout.max_new_tokens`, `model.chat_template_kwargs`."""
 
     follows_weights: ClassVar[bool] = True
     sampler: ClassVar[str] = "the embedded sampler"

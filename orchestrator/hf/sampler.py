@@ -132,9 +132,10 @@ def load_version(wdir: Path, base_path: Path, device: torch.device = CPU):
 class Sampler:
     """The current version for rollout worker threads; `sample_coalesced` batches their requests.
 
-    A reload loads the new model outside the lock, then swaps (model, version) under it. A batch
-    takes that pair once and, with `interrupt`, a newer one between two decode steps (`sample`);
-    each completion reports the version of each of its tokens.
+    A reload loads the new model outside the lock, then swaps (model, version) under it. Each
+    group of a batch (its requests of one temperature and length cap) takes that pair when it
+    starts and, with `interrupt`, a newer one between two decode steps (`sample`); each
+    completion reports the version of each of its tokens.
     """
 
     def __init__(
@@ -202,16 +203,16 @@ class Sampler:
 
     def _serve(self, batch: list[_Request]) -> None:
         self.batches += 1
-        with self._lock:
-            model, version = self._model, self._version
-        if model is None:
-            for r in batch:
-                r.result = RuntimeError("sampler: no version loaded yet")
-            return
         by_params: dict[tuple[float, int], list[_Request]] = {}
         for r in batch:
             by_params.setdefault((r.temperature, r.max_new_tokens), []).append(r)
         for (temperature, max_new_tokens), requests in by_params.items():
+            with self._lock:  # each group starts on the newest version
+                model, version = self._model, self._version
+            if model is None:
+                for r in requests:
+                    r.result = RuntimeError("sampler: no version loaded yet")
+                continue
             try:
                 results = sample(
                     model,

@@ -81,6 +81,10 @@ from orchestrator.urls import endpoint_base_urls
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
 UpdateMode = Literal["wait", "interrupt"]
 MAX_PINS = 65536
+# interrupt: times a reload may end a completion before its first token; a reload then waits for
+# that one's first token (bounded by load_timeout_s), so that a slow-starting request is not
+# restarted at every reload
+MAX_RESTARTS = 2
 JSON_HEADERS = {"content-type": "application/json"}
 KEEPALIVE_S = 2.0
 T = TypeVar("T")
@@ -114,8 +118,9 @@ class Endpoint:
     probe: asyncio.Future | None = field(default=None, repr=False)
     sending: int = 0  # completion calls sent and not answered yet
     idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while sending == 0
-    # interrupt: calls of another route than /v1/completions in flight (their answer would lose
-    # what they sampled if aborted): a reload waits for none to be left. An event set while none is.
+    # interrupt: calls a reload waits for before it pauses: another route's than /v1/completions
+    # (its answer would lose what it sampled if aborted) until it returns, a completion restarted
+    # MAX_RESTARTS times until its first token. An event set while there is none.
     unabortable: int = 0
     abortable: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # interrupt: streamed completions whose first token is not back yet (the engine may not hold
@@ -132,16 +137,24 @@ class Endpoint:
         self.abortable.set()
 
     @contextlib.contextmanager
-    def unabortable_call(self) -> Iterator[None]:
-        """Counts a call in `unabortable` while it runs."""
+    def unabortable_call(self) -> Iterator[Callable[[], None]]:
+        """Counts a call in `unabortable` until the callable it gives is called or it ends."""
+        counted = True
+
+        def release() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.unabortable -= 1
+                if self.unabortable == 0:
+                    self.abortable.set()
+
         self.unabortable += 1
         self.abortable.clear()
         try:
-            yield
+            yield release
         finally:
-            self.unabortable -= 1
-            if self.unabortable == 0:
-                self.abortable.set()
+            release()
 
     @contextlib.contextmanager
     def unstarted_stream(self, restart: asyncio.Timeout) -> Iterator[Callable[[], None]]:
@@ -188,9 +201,15 @@ class Completion:
     policy_start: int  # version the samples came from (exact when the server reports it)
     policy_end: int
     attempts: int
-    # interrupt: each choice's `token_versions` (runs, `orchestrator.core.events.version_runs`):
-    # empty where one version sampled all of it
+    # interrupt, for a completion continued across a reload: each choice's `token_versions`
+    # (runs, `orchestrator.core.events.version_runs`: empty where one version sampled all of
+    # it) and its oldest and newest token's versions (`choice_policy`)
     choice_versions: tuple[tuple[tuple[int, int], ...], ...] = ()
+    choice_policies: tuple[tuple[int, int], ...] = ()
+
+    def choice_policy(self, index: int) -> tuple[int, int]:
+        """The versions of choice `index`'s oldest and newest tokens."""
+        return self.choice_policies[index] if self.choice_policies else (self.policy_start, self.policy_end)
 
 
 @dataclass(frozen=True)
@@ -360,20 +379,22 @@ class InferenceClient:
         except ValueError:
             raise Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 
-    async def _stream(self, ep: Endpoint, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _stream(self, ep: Endpoint, path: str, body: dict[str, Any], restarts: int) -> dict[str, Any]:
         """``POST path`` streamed (update_mode interrupt): the chunks gathered into the answer an
         unstreamed call gives, so that an aborted request comes back with every token it was
         sent (vLLM's unstreamed answer to an aborted request holds only its last one). A reload
         that begins before its first token is back ends it (`UpdateBegan`: whatever it sampled is
         dropped, and it is sent again after the reload), so that the pause aborts every request
-        it leaves running instead of holding one for the new weights (docs/vllm.md, "Weight
-        updates while requests run")."""
+        it leaves running instead of holding one for the new weights; after `restarts` reached
+        MAX_RESTARTS, a reload waits for its first token instead (docs/vllm.md, "Weight updates
+        while requests run")."""
         url = ep.url + path
         choices: dict[int, dict[str, Any]] = {}
         content = orjson.dumps({**body, "stream": True})
+        until_started = ep.unstarted_stream if restarts < MAX_RESTARTS else _waited_for(ep)
         try:
             async with asyncio.timeout(None) as restart:
-                with ep.unstarted_stream(restart) as started, _transport_errors("POST", url, path):
+                with until_started(restart) as started, _transport_errors("POST", url, path):
                     async with self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as resp:
                         if resp.status_code >= 400:
                             await resp.aread()
@@ -444,21 +465,25 @@ class InferenceClient:
         if self.update_mode != "interrupt" or not any(c.finish_reason == "abort" for c in choices):
             return Completion(ep.url, choices, sampled_by, ended_at, attempts)
         # interrupt: a reload aborted some choices; each is continued with the new weights
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._continue(c, i, sampled_by, body, pin)) for i, c in enumerate(choices)]
-        except ExceptionGroup as failed:  # the request's failure, as an unstreamed one raises it
-            raise failed.exceptions[0] from None
-        done = [t.result() for t in tasks]
+        # gathered, not a TaskGroup: a drain's cancel then stays a cancel (Python 3.11's TaskGroup
+        # folds it into a child's error), and a failed part is the request's failure
+        results = await asyncio.gather(
+            *(self._continue(c, i, sampled_by, body, pin) for i, c in enumerate(choices)), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        done = [r for r in results if not isinstance(r, BaseException)]
         # a part aborted before its first token sampled nothing: its version is no token's
-        versions = [v for _c, segments, _e, _a in done for v, count in segments if count] or [sampled_by]
+        policies = [_oldest_and_newest(segments, sampled_by) for _c, segments, _e, _a in done]
         return Completion(
             done[-1][2] or ep.url,
             [c for c, _segments, _e, _a in done],
-            min(versions),
-            max(versions),
+            min(start for start, _ in policies),
+            max(end for _, end in policies),
             attempts + sum(a for _c, _r, _e, a in done),
             tuple(version_runs(segments) for _c, segments, _e, _a in done),
+            tuple(policies),
         )
 
     def _completion_sender(
@@ -607,22 +632,23 @@ class InferenceClient:
             adapter = request["model"] = lora_name(version)
         elif self.model is not None:
             request["model"] = self.model
+        restarts = 0
         while True:
-            if self.weight_sync == "vllm_reload" and ep.reloading is not None:
+            if self.weight_sync == "vllm_reload":
                 # Exact versions: none is sent during a reload, nor after one that failed (the
                 # endpoint's weights are unknown until it loads again).
                 while ep.reloading is not None:
                     await ep.reloading.wait()
-                if ep.version < 0:
+                if ep.version < 0 and self.target is not None:
                     failed = f"{ep.url}: its weight reload failed ({ep.last_error})"
-                    raise Retryable(failed, "weight sync", counted=True)
+                    raise Retryable(failed, "weight sync", counted=ep.failures > 0)
             try:
-                return await self._sampling_attempt(ep, path, request, version, adapter)
+                return await self._sampling_attempt(ep, path, request, version, adapter, restarts)
             except UpdateBegan:  # interrupt: ended by a reload before its first token
-                continue
+                restarts += 1
 
     async def _sampling_attempt(
-        self, ep: Endpoint, path: str, request: dict[str, Any], version: int, adapter: str | None
+        self, ep: Endpoint, path: str, request: dict[str, Any], version: int, adapter: str | None, restarts: int
     ) -> tuple[Any, int, int]:
         """`_post_sampling`'s call on ``ep``, once the endpoint is not reloading."""
         start_version = self._known_version(ep)
@@ -634,7 +660,7 @@ class InferenceClient:
             if self.update_mode != "interrupt":
                 answer = await self.call(ep, "POST", path, request)
             elif path == "/v1/completions":
-                answer = await self._stream(ep, path, request)
+                answer = await self._stream(ep, path, request, restarts)
             else:  # another route's call (verifiers' /inference/v1/generate) is not continued
                 with ep.unabortable_call():
                     answer = await self.call(ep, "POST", path, request)
@@ -817,6 +843,18 @@ def _add_chunk(choices: dict[int, dict[str, Any]], chunk: dict[str, Any]) -> Non
         whole["finish_reason"] = part.get("finish_reason") or whole["finish_reason"]
         if part.get("prompt_token_ids") is not None:
             whole["prompt_token_ids"] = part["prompt_token_ids"]
+
+
+def _oldest_and_newest(segments: list[tuple[int, int]], sent_at: int) -> tuple[int, int]:
+    """The versions of a continued choice's oldest and newest tokens (`sent_at` for one without any)."""
+    versions = [version for version, count in segments if count] or [sent_at]
+    return min(versions), max(versions)
+
+
+def _waited_for(ep: Endpoint) -> Callable[[asyncio.Timeout], contextlib.AbstractContextManager[Callable[[], None]]]:
+    """`Endpoint.unstarted_stream`'s stand-in for a stream restarted MAX_RESTARTS times: a
+    reload waits for its first token (`unabortable`) instead of ending it."""
+    return lambda _restart: ep.unabortable_call()
 
 
 def continuation_seed(seed: int, choice: int, tokens_so_far: int) -> int:

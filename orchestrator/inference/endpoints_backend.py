@@ -261,6 +261,7 @@ class EndpointsBackend:
             at_version=None if req.eval_id is None else req.policy_version,
         )
         (choice,) = done.choices
+        policy_start, policy_end = done.choice_policy(0)
         if choice.prompt_ids is not None and choice.prompt_ids != prompt_ids:
             raise InferenceRequestError(f"{done.endpoint} sampled from prompt {choice.prompt_ids}, not {prompt_ids}")
         return sampled_episode(
@@ -269,8 +270,8 @@ class EndpointsBackend:
             completion_ids=choice.token_ids,
             completion_logprobs=choice.logprobs,
             reward=await env.score(task, choice.text),
-            policy_start=done.policy_start,
-            policy_end=done.policy_end,
+            policy_start=policy_start,
+            policy_end=policy_end,
             token_versions=done.choice_versions[0] if done.choice_versions else (),
             temperature=temperature,
         )

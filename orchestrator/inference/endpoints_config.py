@@ -78,7 +78,12 @@ class EndpointsSettings(Section):
         description="vllm_lora: adapters an endpoint holds at most (--max-loras): the "
         "newest and those requests still use",
     )
-    request_timeout_s: float = Field(120.0, gt=0, description="bound on one completion request")
+    request_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="bound on each wait for a completion request's answer (streamed, in update_mode interrupt: "
+        "for each of its chunks)",
+    )
     preflight_timeout_s: float = Field(
         10.0,
         ge=0,

@@ -41,6 +41,7 @@ class PausableEngine:
     version: int = 0
     fail_after_next_resume: bool = False
     failed_resets: int = 0  # the next resets of the prefix cache that fail (success false)
+    stagger: int = 0  # choice c of a request starts sampling c * stagger steps after choice 0
     failing: bool = False
     paused: bool = False
     received: int = 0  # completion requests that reached the server
@@ -66,6 +67,8 @@ class PausableEngine:
             return JSONResponse({"error": {"message": "engine dead", "code": 503}}, status_code=503)
         prompt = body["prompt"]
 
+        n, length = body["n"], body["max_tokens"]
+
         async def stream():
             await asyncio.sleep(prompt[0] / 1000)  # admit_s: the prompt's first id, in ms
             while self.paused:  # held, as vLLM holds what it has not admitted
@@ -73,14 +76,17 @@ class PausableEngine:
             run = _Run()
             self.running.append(run)
             self.admitted_at.append(self.version)
+            introduced: list[int] = []  # choices whose first part (with the prompt's ids) was sent
             try:
-                for i in range(body["max_tokens"]):
+                for step in range(length + (n - 1) * self.stagger):
                     await asyncio.sleep(TOKEN_S)
                     if run.aborted:
-                        yield _chunk(body["n"], None, "abort", prompt if i == 0 else None)
+                        running = [c for c in range(n) if step - c * self.stagger < length]
+                        yield _chunk([(c, None, "abort") for c in running], prompt, introduced)
                         break
-                    last = "length" if i == body["max_tokens"] - 1 else None
-                    yield _chunk(body["n"], self.version, last, prompt if i == 0 else None)
+                    sampling = [c for c in range(n) if 0 <= step - c * self.stagger < length]
+                    ends = {c: "length" if step - c * self.stagger == length - 1 else None for c in sampling}
+                    yield _chunk([(c, self.version, ends[c]) for c in sampling], prompt, introduced)
                 yield b"data: [DONE]\n\n"
             finally:
                 self.running.remove(run)
@@ -114,15 +120,18 @@ class PausableEngine:
         return JSONResponse({"success": True})
 
 
-def _chunk(n: int, version: int | None, finish: str | None, prompt: list[int] | None) -> bytes:
+def _chunk(parts: list[tuple[int, int | None, str | None]], prompt: list[int], introduced: list[int]) -> bytes:
+    """A streamed chunk: a part (index, version that sampled its token or None, finish reason)
+    per choice; a choice's first part carries the prompt's ids, as vLLM's does."""
     choices = []
-    for index in range(n):
+    for index, version, finish in parts:
         part: dict = {"index": index, "text": "", "finish_reason": finish}
         part["logprobs"] = {"token_logprobs": [], "tokens": []}
         if version is not None:
             part.update(text="x", token_ids=[token_of(version)])
             part["logprobs"] = {"token_logprobs": [logprob_of(version)], "tokens": [f"token_id:{token_of(version)}"]}
-        if prompt is not None:
+        if index not in introduced:
+            introduced.append(index)
             part["prompt_token_ids"] = prompt
         choices.append(part)
     return b"data: " + orjson.dumps({"choices": choices}) + b"\n\n"

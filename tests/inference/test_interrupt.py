@@ -11,7 +11,7 @@ import random
 import pytest
 
 from orchestrator.envs.server import running_server
-from orchestrator.inference.client import InferenceClient, InferenceError, InferenceUnavailable
+from orchestrator.inference.client import MAX_RESTARTS, InferenceClient, InferenceError, InferenceUnavailable
 from tests.inference.pausable_engine import PausableEngine, logprob_of, token_of
 from tests.inference.util import run, weight_dirs
 
@@ -19,7 +19,13 @@ from tests.inference.util import run, weight_dirs
 def per_token(completion, choice_index: int) -> list[int]:
     runs = completion.choice_versions[choice_index] if completion.choice_versions else ()
     length = len(completion.choices[choice_index].token_ids)
-    return [v for v, n in runs for _ in range(n)] or [completion.policy_start] * length
+    return [v for v, n in runs for _ in range(n)] or [completion.choice_policy(choice_index)[0]] * length
+
+
+async def every_stream_started(client: InferenceClient, engine: PausableEngine, requests: int) -> None:
+    """Until the engine runs `requests` requests and the client has the first token of each."""
+    while len(engine.running) < requests or client.endpoints[0].unstarted:
+        await asyncio.sleep(0.005)
 
 
 def test_each_token_has_the_version_that_sampled_it_across_reloads(tmp_path):
@@ -87,7 +93,7 @@ def test_a_server_failing_between_abort_and_continue_leaves_each_continuation_to
             flight = [  # one group, pinned to the first endpoint: the one that breaks
                 asyncio.ensure_future(client.complete([0, 1], max_tokens=60, seed=i, pin="group")) for i in range(4)
             ]
-            await asyncio.sleep(0.1)
+            await every_stream_started(client, broken, 4)
             await client.load(1, dirs[1])
             return await asyncio.gather(*flight)
 
@@ -113,7 +119,7 @@ def test_with_no_other_server_the_continuation_fails_as_the_requests_failure(tmp
             await client.load(0, dirs[0])
             broken.fail_after_next_resume = True
             flight = asyncio.ensure_future(client.complete([0, 1], max_tokens=60, seed=1))
-            await asyncio.sleep(0.1)
+            await every_stream_started(client, broken, 1)
             await client.load(1, dirs[1])
             with pytest.raises(InferenceUnavailable, match="continued completion failed after 3 attempt"):
                 await flight
@@ -130,7 +136,7 @@ def test_a_reload_failing_after_its_pause_leaves_no_request_held_nor_a_wrong_ver
     dirs = weight_dirs(tmp_path, range(2))
 
     async def main(url):
-        async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as client:
+        async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt", backoff_s=0.05) as client:
             await client.load(0, dirs[0])
             engine.failed_resets = 1
             with pytest.raises(InferenceError, match="reset_prefix_cache failed"):
@@ -141,5 +147,56 @@ def test_a_reload_failing_after_its_pause_leaves_no_request_held_nor_a_wrong_ver
 
     with running_server(engine.app()) as server:
         completion, paused = run(main(server.base_url))
-    assert not paused and completion.policy_start == completion.policy_end == 0
-    assert completion.choices[0].token_ids == [token_of(0)] * 5 and engine.version == 0
+    # the server's state failed, not the request: the endpoint was down for a backoff, then
+    # reloaded to the version the client targets
+    assert not paused and completion.policy_start == completion.policy_end == 1
+    assert completion.choices[0].token_ids == [token_of(1)] * 5 and engine.version == 1
+
+
+def test_a_choice_aborted_before_its_first_token_has_the_version_that_sampled_it_whole(tmp_path):
+    """n=2, the second choice starting later (as an engine may schedule a request's choices): a
+    reload after the first choice's first tokens aborts the second with none; each choice's
+    oldest and newest versions are its own, not the completion's."""
+    engine = PausableEngine(stagger=40)
+    dirs = weight_dirs(tmp_path, range(2))
+
+    async def main(url):
+        async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as client:
+            await client.load(0, dirs[0])
+            flight = asyncio.ensure_future(client.complete([0, 1], n=2, max_tokens=20, seed=1))
+            await every_stream_started(client, engine, 1)
+            await client.load(1, dirs[1])
+            return await flight
+
+    with running_server(engine.app()) as server:
+        completion = run(main(server.base_url))
+    first, second = completion.choices
+    assert (completion.policy_start, completion.policy_end) == (0, 1)
+    assert completion.choice_policy(0) == (0, 1) and completion.choice_policy(1) == (1, 1)
+    assert second.token_ids == [token_of(1)] * 20 and per_token(completion, 1) == [1] * 20
+    assert first.token_ids == [token_of(v) for v in per_token(completion, 0)] and len(first.token_ids) == 20
+
+
+def test_a_request_restarted_max_restarts_times_is_waited_for_then_continued(tmp_path):
+    """A request slower to start than the reloads are apart is not restarted at every reload:
+    after MAX_RESTARTS the next reload waits for its first token, then aborts and continues it."""
+    engine = PausableEngine()
+    dirs = weight_dirs(tmp_path, range(MAX_RESTARTS + 2))
+
+    async def main(url):
+        async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as client:
+            await client.load(0, dirs[0])
+            slow = asyncio.ensure_future(
+                client.complete([200, 1], max_tokens=30, seed=1)
+            )  # admitted 0.2 s after each send
+            for v in range(1, MAX_RESTARTS + 2):
+                await asyncio.sleep(0.05)
+                await client.load(v, dirs[v])
+            return await slow
+
+    with running_server(engine.app()) as server:
+        completion = run(main(server.base_url))
+    waited = MAX_RESTARTS  # the version it started with, once no reload ended it any more
+    assert per_token(completion, 0)[0] == waited and per_token(completion, 0)[-1] == waited + 1
+    assert completion.choices[0].token_ids == [token_of(v) for v in per_token(completion, 0)]
+    assert engine.received == MAX_RESTARTS + 2  # sent, restarted MAX_RESTARTS times, continued once

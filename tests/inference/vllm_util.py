@@ -204,8 +204,10 @@ def check_completion_versions(run_dir: Path, lora: bool, per_version: int = 8) -
     """Exact versions (one version, or `token_versions` runs of an interrupted completion), and
     where a version's weights are still on disk (the trainer keeps the newest few), the sampled
     logprobs of its tokens are that version's, not a neighbour's. Up to `per_version`
-    completions of each version are recomputed; returns how many were."""
+    completions of each version are recomputed, those continued across a reload first; returns
+    how many were."""
     episodes = [e for _, e in events(run_dir, "episode_completed") if e["ok"]]
+    episodes.sort(key=lambda e: not e.get("token_versions"))  # stable: the seamed ones first
     assert episodes and all(e["policy_start"] == e["policy_end"] or e.get("token_versions") for e in episodes)
     kept = sorted(int(p.name.split("_")[1]) for p in (run_dir / "weights").glob("step_*") if (p / "STABLE").exists())
     models = {v: load_version(run_dir / "weights" / f"step_{v}", tiny_model(), lora) for v in kept}

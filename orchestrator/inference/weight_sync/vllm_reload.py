@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.inference.errors import InferenceRequestError, Retryable
+from orchestrator.inference.errors import Retryable
 from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, check_weights_dir
 
 
@@ -39,6 +39,7 @@ async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int,
             # endpoint's next request reloads it first, and that reload's /resume ends the pause.
             ep.version = -1
             raise
+        ep.version = max(ep.version, version)  # before `reloading` is dropped: what the waiting requests read
         return version
     finally:
         ep.reloading.set()
@@ -56,6 +57,6 @@ async def _paused_reload(client: WeightSyncClient[EndpointT], ep: EndpointT, pat
     )
     # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
     answer = await client.call(ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
-    if not (isinstance(answer, dict) and answer.get("success") is True):
-        raise InferenceRequestError(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}")
+    if not (isinstance(answer, dict) and answer.get("success") is True):  # the server's state, not the request
+        raise Retryable(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}", "reload")
     await client.call(ep, "POST", "/resume", timeout=client.load_timeout_s)
