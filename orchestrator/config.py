@@ -184,9 +184,27 @@ class RolloutConfig(_Section):
 
 
 class BatchConfig(_Section):
-    size: int = Field(128, ge=1, description="traces per batch")
-    token_size: int | None = Field(None, ge=1, description="if set, batch by tokens instead of traces")
+    size: int = Field(128, ge=1, description="samples per batch")
+    token_size: int | None = Field(None, ge=1, description="if set, batch by tokens instead of samples")
     constant_trainer_batch_size: bool = Field(False, description="prune zero-advantage samples before the cut")
+    cut: Literal["prefix", "groups"] = Field(
+        "prefix",
+        description="prefix: the oldest `size` samples (a group may split at the edge); groups: whole groups "
+        "only, at most `size` samples (docs/rules.md, Samples)",
+    )
+    sample_weight: Literal["episode", "sample"] = Field(
+        "episode",
+        description="loss weight of each sample: episode: 1/N for an episode's N samples; sample: 1 each",
+    )
+
+    @model_validator(mode="after")
+    def _cut_keeps_batches_full(self) -> BatchConfig:
+        if self.constant_trainer_batch_size and self.cut == "groups":
+            raise ValueError(
+                "batch.constant_trainer_batch_size keeps every batch full, which batch.cut='groups' cannot: "
+                "set batch.cut='prefix'"
+            )
+        return self
 
 
 class OffPolicyConfig(_Section):
@@ -486,6 +504,8 @@ class RunConfig(_Section):
             finalize_in_background=self.finalize_in_background(),
             zero_output_batches=self.zero_output_batches,
             capacity=self.rollout.capacity,
+            batch_cut=self.batch.cut,
+            sample_weight=self.batch.sample_weight,
             eval=self.eval.core_params(),
         )
 

@@ -36,6 +36,8 @@ class SimOptions:
     reward_levels: int = 4  # rewards are k / reward_levels, so ties (zero advantages) happen
     eval_weight: float = 1.0  # relative chance an in-flight eval episode completes
     eval_off_version_rate: float = 0.0  # chance an eval sample comes from another version than its pin
+    max_samples: int = 1  # training samples per episode: drawn from 1..max_samples (docs/rules.md, Samples)
+    agent_rewards: bool = False  # several-sample episodes alternate two agents, each scored apart
 
 
 class SimWorld(IgnoringPort):
@@ -104,6 +106,10 @@ class SimWorld(IgnoringPort):
                 policy_end=self.state.version,
                 error="sim: env error",
             )
+        if o.max_samples > 1:
+            count = rng.randint(1, o.max_samples)
+            if count > 1:
+                return self._several_samples(episode_id, group_id, start, count)
         prompt = rng.randint(1, 4)
         sampled = 0 if rng.random() < o.empty_rate else rng.randint(o.min_tokens, o.max_tokens)
         n = prompt + sampled
@@ -117,6 +123,38 @@ class SimWorld(IgnoringPort):
             logprobs=[0.0] * prompt + [-rng.random() for _ in range(sampled)],
             policy_start=start,
             policy_end=self.state.version,
+        )
+
+    def _several_samples(self, episode_id: int, group_id: int, start: int, count: int) -> ev.EpisodeCompleted:
+        """An episode of `count` samples, each sampled by one version between the episode's
+        start and now (later samples by later versions), some possibly without sampled tokens."""
+        o, rng, end = self.options, self.rng, self.state.version
+        token_ids, mask, logprobs, samples, runs = [], [], [], [], []
+        versions = sorted(rng.randint(start, end) for _ in range(count))
+        for version in versions:
+            prompt = rng.randint(1, 4)
+            sampled = 0 if rng.random() < o.empty_rate else rng.randint(o.min_tokens, o.max_tokens)
+            token_ids += [rng.randrange(256) for _ in range(prompt + sampled)]
+            mask += [0] * prompt + [1] * sampled
+            logprobs += [0.0] * prompt + [-rng.random() for _ in range(sampled)]
+            samples.append((prompt + sampled, sampled))
+            runs.append((version, sampled))
+        sampled_versions = [v for v, n in runs if n]
+        agents = tuple("ab"[i % 2] for i in range(count)) if o.agent_rewards else ()
+        return ev.EpisodeCompleted(
+            episode_id=episode_id,
+            group_id=group_id,
+            ok=True,
+            reward=rng.randint(0, o.reward_levels) / o.reward_levels,
+            token_ids=token_ids,
+            mask=mask,
+            logprobs=logprobs,
+            policy_start=min(sampled_versions, default=start),
+            policy_end=max(sampled_versions, default=start),
+            token_versions=ev.version_runs(runs),
+            samples=tuple(samples),
+            agents=agents,
+            agent_rewards=tuple((a, rng.randint(0, o.reward_levels) / o.reward_levels) for a in dict.fromkeys(agents)),
         )
 
     def eval_completion(self, episode_id: int, ok: bool | None = None) -> ev.EvalEpisodeCompleted:

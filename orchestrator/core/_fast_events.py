@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -20,6 +20,7 @@ import orjson
 from pydantic import BaseModel
 
 from orchestrator.core.events import _NESTED_KINDS, EVENT_TYPES, EpisodeCompleted, _Model, episode_from_fields
+from orchestrator.core.samples import SampleHead, sample_heads, sample_of_head, split_episode
 
 if TYPE_CHECKING:
     from orchestrator.core.state import Trace
@@ -136,6 +137,10 @@ class TraceView(msgspec.Struct, gc=False):
     policy_end: int
     temperature: float
     error: str | None
+    token_versions: tuple[tuple[int, int], ...] = ()
+    samples: tuple[tuple[int, int], ...] = ()
+    agents: tuple[str, ...] = ()
+    agent_rewards: tuple[tuple[str, float], ...] = ()
     data: bytes = b""
     seq: int = 0
     payload: bytes | None = None
@@ -157,13 +162,71 @@ class TraceView(msgspec.Struct, gc=False):
     def logprobs(self) -> array:
         return self.model().logprobs
 
+
+class SampleView:
+    """One sample of a several-sample `TraceView` that a fold split when its group settled: its
+    scalars (`samples.SampleHead`), and its arrays from the episode's, read only if it is still
+    held when the fold ends (its payload is the episode's: `seq` and `payload` are the parent's)."""
+
+    __slots__ = ("parent", "head")
+    kind: ClassVar[str] = "episode_completed"
+    ok: ClassVar[bool] = True
+    error: ClassVar[None] = None
+    samples: ClassVar[tuple] = ()
+    agent_rewards: ClassVar[tuple] = ()
+
+    def __init__(self, parent: TraceView, head: SampleHead):
+        self.parent, self.head = parent, head
+
+    episode_id = property(lambda self: self.head.trace_id)
+    group_id = property(lambda self: self.parent.group_id)
+    reward = property(lambda self: self.head.reward)
+    n_tokens = property(lambda self: self.head.n_tokens)
+    sampled_tokens = property(lambda self: self.head.sampled_tokens)
+    policy_start = property(lambda self: self.head.policy_start)
+    policy_end = property(lambda self: self.head.policy_end)
+    temperature = property(lambda self: self.parent.temperature)
+    token_versions = property(lambda self: self.head.token_versions)
+    agents = property(lambda self: (self.head.agent,) if self.head.agent is not None else ())
+    seq = property(lambda self: self.parent.seq)
+
     @property
-    def token_versions(self) -> tuple[tuple[int, int], ...]:
-        return self.model().token_versions
+    def payload(self) -> bytes | None:
+        return self.parent.payload
+
+    @payload.setter
+    def payload(self, payload: bytes | None) -> None:
+        self.parent.payload = payload
+
+    def model(self) -> EpisodeCompleted:
+        return sample_of_head(self.parent.model(), self.head)
+
+    @property
+    def token_ids(self) -> array:
+        return self.model().token_ids
+
+    @property
+    def mask(self) -> bytes:
+        return self.model().mask
+
+    @property
+    def logprobs(self) -> array:
+        return self.model().logprobs
+
+
+def split_trace(trace: Trace) -> Sequence[Trace]:
+    """A trace's samples as traces of their own, in a live run (`samples.split_episode`) or in a
+    fold (`SampleView`s of its view)."""
+    if not trace.samples:
+        return [trace]
+    if isinstance(trace, TraceView):
+        return [SampleView(trace, head) for head in sample_heads(trace)]
+    return split_episode(trace)  # type: ignore[arg-type]  # an EpisodeCompleted
 
 
 if TYPE_CHECKING:
     _A_TRACE_VIEW_IS_A_TRACE: type[Trace] = TraceView
+    _A_SAMPLE_VIEW_IS_A_TRACE: type[Trace] = SampleView
 
 
 _decode_trace_view = msgspec.json.Decoder(TraceView).decode

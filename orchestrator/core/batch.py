@@ -16,8 +16,10 @@ on sampled tokens, `logprobs` the sampler's (0.0 where mask is 0), `version` the
 that sampled each token (-1 where mask is 0; a trace whose backend could tell only the bounds of
 its versions has its oldest, policy_start, on every token: docs/rules.md, "A token's version");
 `lag` the sample's true off-policy distance (step-1) - policy_start, by its oldest token, queue
-time included. `__metadata__` holds `format` ("3"), `step` and `envs` (a JSON list of the
-samples' env names).
+time included. `trace_id` is the sample's id (its episode's id for an episode's only or first
+sample: docs/rules.md, "Samples"); `sample_weight F64 [n]`, each sample's loss weight, is
+there only when a weight is not 1 (a file without it weighs every sample 1). `__metadata__`
+holds `format` ("3"), `step` and `envs` (a JSON list of the samples' env names).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
+
+from orchestrator.core.events import SAMPLE_ID_STRIDE
 
 BATCH_FORMAT = 3  # 3: the per-token `version`
 _DTYPES: dict[str, np.dtype] = {
@@ -68,6 +72,7 @@ class BatchSample(NamedTuple):
     # Per token: the version that sampled it, -1 where mask is 0 (`token_versions`); None:
     # policy_start on every sampled token.
     version: Any = None
+    weight: float = 1.0  # its loss weight (docs/rules.md, "Samples")
 
 
 def token_versions(mask: Any, runs: Sequence[tuple[int, int]], policy_start: int) -> np.ndarray:
@@ -83,7 +88,7 @@ def token_versions(mask: Any, runs: Sequence[tuple[int, int]], policy_start: int
     return versions
 
 
-def sample_of(trace, env: str, advantage: float, lag: int) -> BatchSample:
+def sample_of(trace, env: str, advantage: float, lag: int, weight: float = 1.0) -> BatchSample:
     """The sample a trace (`state.Trace`) makes."""
     return BatchSample(
         trace.episode_id,
@@ -97,6 +102,7 @@ def sample_of(trace, env: str, advantage: float, lag: int) -> BatchSample:
         lag,
         trace.temperature,
         version=token_versions(trace.mask, trace.token_versions, trace.policy_start) if trace.token_versions else None,
+        weight=weight,
     )
 
 
@@ -125,6 +131,8 @@ def encode_batch(step: int, samples: Sequence[BatchSample]) -> bytes:
     rewards = [s.reward for s in samples]
     if samples and all(r is not None for r in rewards):
         tensors["reward"] = ("F64", np.array(rewards, dtype=_DTYPES["F64"]))
+    if any(s.weight != 1.0 for s in samples):  # absent: every sample weighs 1 (a one-sample run's batches)
+        tensors["sample_weight"] = ("F64", np.array([s.weight for s in samples], dtype=_DTYPES["F64"]))
     for name, code in _PER_TOKEN.items():
         tensors[name] = (code, _flat(samples, name, _DTYPES[code]))
     order = sorted(tensors, key=lambda name: (-_DTYPES[tensors[name][0]].itemsize, name))
@@ -164,6 +172,7 @@ class BatchArrays:
     advantage: np.ndarray  # float64 [n]
     temperature: np.ndarray
     reward: np.ndarray | None  # float64 [n], when every sample has one
+    sample_weight: np.ndarray  # float64 [n]: each sample's loss weight (ones where the file has none)
     token_ids: np.ndarray  # int32 [T]
     version: np.ndarray  # int32 [T]: each token's policy version, -1 where mask is 0
     mask: np.ndarray  # uint8 [T]
@@ -171,6 +180,12 @@ class BatchArrays:
 
     def __len__(self) -> int:
         return len(self.trace_id)
+
+    @property
+    def episode_id(self) -> np.ndarray:
+        """Each sample's episode (int64 [n]): a sample id is its episode's id plus its index
+        times `events.SAMPLE_ID_STRIDE`."""
+        return self.trace_id % SAMPLE_ID_STRIDE
 
     def tokens(self, i: int) -> slice:
         """Sample i's tokens in the flat arrays."""
@@ -201,6 +216,12 @@ def decode_batch(payload: bytes | memoryview) -> BatchArrays:
     }
     reward = _tensor(header, "reward", "F64", data) if "reward" in header else None
     n, total = len(arrays["trace_id"]), len(arrays["token_ids"])
+    if "sample_weight" in header:
+        weight = _tensor(header, "sample_weight", "F64", data)
+        if len(weight) != n or not np.all(np.isfinite(weight)) or np.any(weight < 0):
+            raise ValueError("its sample_weight is not one finite weight >= 0 per sample")
+    else:
+        weight = np.ones(n, dtype=_DTYPES["F64"])
     offsets = arrays["offsets"]
     if any(len(arrays[name]) != n for name in _PER_SAMPLE) or (reward is not None and len(reward) != n):
         raise ValueError("its per-sample arrays differ in length")
@@ -208,7 +229,7 @@ def decode_batch(payload: bytes | memoryview) -> BatchArrays:
         raise ValueError("its token arrays, offsets or env names do not match its samples")
     if offsets[0] != 0 or offsets[-1] != total or (n and np.any(np.diff(offsets) < 0)):
         raise ValueError("its offsets do not split its tokens")
-    return BatchArrays(step=step, envs=envs, reward=reward, **arrays)
+    return BatchArrays(step=step, envs=envs, reward=reward, sample_weight=weight, **arrays)
 
 
 def _tensor(header: dict, name: str, code: str, data: memoryview) -> np.ndarray:

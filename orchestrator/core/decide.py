@@ -29,7 +29,8 @@ from orchestrator.core.evals import (
 )
 from orchestrator.core.evolve import evolve
 from orchestrator.core.rng import choose_by_ratio, uniform
-from orchestrator.core.state import Group, QueuedTrace, State, min_fresh_version
+from orchestrator.core.samples import sample_heads, trainable_starts
+from orchestrator.core.state import Group, QueuedTrace, State, Trace, min_fresh_version
 
 
 class _Decisions:
@@ -130,7 +131,7 @@ def capacity_has_room(s: State) -> bool:
     so the steps from `step` to that one (none past max_steps) can take `accepting` batches
     more. Against them count, in batch units (samples, or tokens with `token_batch_size`), the
     queue as it stands and every sample the open and finalizing groups will still bring
-    (`grouped_samples`: in flight, completed, and not yet dispatched), the latter at the units a
+    (`grouped_episodes`: in flight, completed, and not yet dispatched), the latter at the units a
     settled completion turned out to bring the queue so far: queued units over completions
     judged on their content. That
     rate over-provisions for rejected groups, failures and settle-time pruning, and it is a
@@ -156,11 +157,11 @@ def capacity_has_room(s: State) -> bool:
         per_step, pending, queued_units = p.batch_size, len(s.pending), acct.queued
     else:
         per_step, pending, queued_units = p.token_batch_size, s.pending_tokens, acct.queued_tokens
-    if not s.grouped_samples and pending < per_step:
+    if not s.grouped_episodes and pending < per_step:
         return True
     units = queued_units + per_step  # queued units per judged completion is units / judged
     judged = acct.judged + p.batch_size
-    return pending * judged + (s.grouped_samples + 1) * units <= accepting * per_step * judged
+    return pending * judged + (s.grouped_episodes + 1) * units <= accepting * per_step * judged
 
 
 def trainer_keeps_up(s: State) -> bool:
@@ -241,14 +242,22 @@ def on_episode_completed(d: _Decisions, e: ev.EpisodeCompleted) -> None:
 
 
 def survivors_of(s: State, group: Group) -> list[int]:
-    """Ok traces with at least one sampled token that are still fresh enough to train."""
+    """Ok episodes with a sample that has a sampled token and is still fresh enough to train."""
     oldest = min_fresh_version(s.params, s.step)
     survivors = []
     for trace_id in group.members:
         trace = s.traces[trace_id]
-        if trace.ok and trace.sampled_tokens > 0 and trace.policy_start >= oldest:
+        if trace.ok and could_train(trace, oldest):
             survivors.append(trace_id)
     return survivors
+
+
+def could_train(trace: Trace, oldest: int) -> bool:
+    """Rule 5 for an episode: has it a sample with sampled tokens whose oldest token is at least
+    `oldest`? (Each sample is judged by its own oldest token.)"""
+    if not trace.samples:  # one sample: the episode's own fields say it
+        return trace.sampled_tokens > 0 and trace.policy_start >= oldest
+    return any(start >= oldest for start in trainable_starts(trace))
 
 
 def finalize_group(d: _Decisions, group: Group) -> None:
@@ -266,16 +275,40 @@ def finalize_group(d: _Decisions, group: Group) -> None:
     )
     if p.finalize_in_background:
         return  # the shell scores it; the result comes back as a `background_finalized` input
+    scorer = INLINE_SCORERS[p.algorithm]
     rewards = [s.traces[trace_id].reward for trace_id in survivors]
-    advantages = INLINE_SCORERS[p.algorithm](rewards, p.std_normalization)
     d.emit(
         ev.GroupFinalized.unvalidated(
             group_id=group.group_id,
             trace_ids=survivors,
-            advantages=advantages,
+            advantages=scorer(rewards, p.std_normalization),
+            sample_advantages=score_agents_apart(s, survivors, scorer),
         )
     )
     settle_group(d, group)
+
+
+def score_agents_apart(s: State, survivors: list[int], scorer: Callable) -> list[tuple[int, float]]:
+    """Rule 3 for episodes whose env scored each agent (`agent_rewards`): each agent's samples
+    take the advantage of that agent's reward among the same agent's rewards across the group
+    (empty where no episode has agent rewards)."""
+    rewards_by_agent: dict[str, list[tuple[int, float]]] = {}
+    for trace_id in survivors:
+        for agent, reward in s.traces[trace_id].agent_rewards:
+            rewards_by_agent.setdefault(agent, []).append((trace_id, reward))
+    if not rewards_by_agent:
+        return []
+    scored: dict[tuple[int, str], float] = {}
+    for agent, scored_rewards in rewards_by_agent.items():
+        advantages = scorer([reward for _, reward in scored_rewards], s.params.std_normalization)
+        scored.update(((trace_id, agent), a) for (trace_id, _), a in zip(scored_rewards, advantages))
+    return [
+        (head.trace_id, scored[trace_id, head.agent])
+        for trace_id in survivors
+        if s.traces[trace_id].agent_rewards
+        for head in sample_heads(s.traces[trace_id])
+        if head.agent is not None
+    ]
 
 
 def on_background_finalized(d: _Decisions, e: ev.BackgroundFinalized) -> None:
@@ -292,24 +325,40 @@ def _drop_reason(s: State, trace_id: int) -> str:
     return "stale"
 
 
+def sample_parts(trace: Trace) -> list[tuple[int, int, int]]:
+    """(sample id, oldest version, sampled tokens) of each sample of an episode."""
+    if not trace.samples:
+        return [(trace.episode_id, trace.policy_start, trace.sampled_tokens)]
+    return [(head.trace_id, head.policy_start, head.sampled_tokens) for head in sample_heads(trace)]
+
+
+def sample_ids(trace: Trace) -> list[int]:
+    return [trace_id for trace_id, _, _ in sample_parts(trace)]
+
+
 def settle_group(d: _Decisions, group: Group) -> None:
-    """One body for both paths: admission, pruning, insertion stale sweep, queue insert."""
+    """One body for both paths: admission, pruning, insertion stale sweep, queue insert. The
+    group is judged by its episodes; what it queues or drops are their samples, each by its own
+    sampled tokens and oldest version (docs/rules.md, "Samples")."""
     s, p = d.state, d.state.params
     survivors = group.survivors if group.finalizing else []
     scored = dict.fromkeys(survivors)
     dropped: dict[str, list[int]] = {}
     for trace_id in group.members:
         if trace_id not in scored:
-            dropped.setdefault(_drop_reason(s, trace_id), []).append(trace_id)
-    admitted = bool(survivors) and any(group.advantages[t] != 0.0 for t in survivors)
+            dropped.setdefault(_drop_reason(s, trace_id), []).extend(sample_ids(s.traces[trace_id]))
+    parts = [part for trace_id in survivors for part in sample_parts(s.traces[trace_id])]
+    admitted = any(group.advantage_of(trace_id) != 0.0 for trace_id, _, _ in parts)
     inserted: list[int] = []
     if survivors and not admitted:
-        dropped["rejected"] = list(survivors)
+        dropped["rejected"] = [trace_id for trace_id, _, _ in parts]
     oldest = min_fresh_version(p, s.step)
-    for trace_id in survivors if admitted else ():
-        if p.constant_trainer_batch_size and group.advantages[trace_id] == 0.0:
+    for trace_id, policy_start, sampled_tokens in parts if admitted else ():
+        if not sampled_tokens:
+            dropped.setdefault("no_output", []).append(trace_id)
+        elif p.constant_trainer_batch_size and group.advantage_of(trace_id) == 0.0:
             dropped.setdefault("zero_advantage", []).append(trace_id)
-        elif s.traces[trace_id].policy_start < oldest:
+        elif policy_start < oldest:
             dropped.setdefault("stale", []).append(trace_id)
         else:
             inserted.append(trace_id)
@@ -347,7 +396,7 @@ def cancel_stale_finalizing(d: _Decisions) -> None:
     s = d.state
     oldest = min_fresh_version(s.params, s.step)
     for group in [g for g in s.groups.values() if g.background]:
-        if all(s.traces[t].policy_start < oldest for t in group.survivors):
+        if not any(could_train(s.traces[t], oldest) for t in group.survivors):
             d.emit(
                 ev.GroupCancelled.unvalidated(
                     group_id=group.group_id,
@@ -376,10 +425,17 @@ def ship_hold_released(s: State) -> bool:
 
 
 def cut_batch(s: State) -> tuple[list[QueuedTrace], list[QueuedTrace]]:
-    """Oldest-first (stable, so groups stay together) prefix of the queue: (shipped, pruned)."""
+    """Rule 6: the oldest samples of the queue (a stable sort, so a group's samples stay next
+    to each other): (shipped, pruned). `batch_cut` says where the batch ends: at `batch_size`
+    samples, or with the last whole group that fits (`groups`: a group's samples never split
+    across batches; a group larger than a batch ships alone). With `token_batch_size`, the
+    same in tokens."""
     p = s.params
     ordered = sorted(s.pending.values(), key=lambda q: q.dispatch_version)
-    if p.token_batch_size is None:
+    if p.batch_cut == "groups":
+        in_tokens = p.token_batch_size is not None
+        taken = whole_groups_that_fit(ordered, p.token_batch_size or p.batch_size, in_tokens)
+    elif p.token_batch_size is None:
         taken = ordered[: p.batch_size]
     else:
         taken, tokens = [], 0
@@ -391,6 +447,25 @@ def cut_batch(s: State) -> tuple[list[QueuedTrace], list[QueuedTrace]]:
     if p.constant_trainer_batch_size:
         return taken, []
     return [q for q in taken if q.advantage != 0.0], [q for q in taken if q.advantage == 0.0]
+
+
+def whole_groups_that_fit(ordered: list[QueuedTrace], limit: int, in_tokens: bool) -> list[QueuedTrace]:
+    """The oldest whole groups of `ordered` (each group's samples next to each other) that
+    together hold at most `limit` samples (`in_tokens`: tokens); at least the first group."""
+    taken: list[QueuedTrace] = []
+    size = start = 0
+    while start < len(ordered):
+        end = start + 1
+        while end < len(ordered) and ordered[end].group_id == ordered[start].group_id:
+            end += 1
+        group = ordered[start:end]
+        group_size = sum(q.n_tokens for q in group) if in_tokens else len(group)
+        if taken and size + group_size > limit:
+            break
+        taken.extend(group)
+        size += group_size
+        start = end
+    return taken
 
 
 def ship_ready_batches(d: _Decisions) -> None:
@@ -410,7 +485,7 @@ def ship_batch(d: _Decisions) -> None:
     for queued in shipped:
         trace = s.traces[queued.trace_id]
         lag = (step - 1) - trace.policy_start
-        records.append(sample_of(trace, queued.env, queued.advantage, lag))
+        records.append(sample_of(trace, queued.env, queued.advantage, lag, queued.weight))
         lags.append(lag)
         rewards.append(trace.reward)
         n_tokens += queued.n_tokens
@@ -510,7 +585,7 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
         for group in s.groups.values()
         if not group.finalizing
         for trace_id in group.members
-        if s.traces[trace_id].policy_start < oldest
+        if max(trainable_starts(s.traces[trace_id]), default=s.traces[trace_id].policy_start) < oldest
     ]
     if stale_members:
         d.emit(ev.TracesDropped.unvalidated(trace_ids=stale_members, reason="stale"))

@@ -31,7 +31,11 @@ from orchestrator.core.advantages import BACKGROUND_ONLY, KNOWN_ALGORITHMS
 # refused (docs/log-format.md).
 # 4: a trace's `token_versions`: the policy version of each sampled token, run-length, where its
 # tokens came from more than one version (a weight update while it was sampled).
-EVENT_SCHEMA_VERSION = 4
+# 5: an episode of several training samples (`EpisodeCompleted.samples`, `agents`,
+# `agent_rewards`), a group's per-agent advantages (`GroupFinalized.sample_advantages`), and the
+# params `batch_cut` and `sample_weight`; each left out while unused, so a one-sample run logs
+# the rows version 4 did, its `schema_version` aside.
+EVENT_SCHEMA_VERSION = 5
 
 
 def check_schema_version(version: int | str) -> None:
@@ -120,6 +124,20 @@ class CoreParams(_Model):
         description="staleness: start a group only while the work dispatched and not yet shipped "
         "or dropped can still train in the steps that would accept it; off: max_inflight alone",
     )
+    # Rule 6 and the batch file (docs/rules.md, "Samples"). Left out of the JSON at the value a
+    # log written before them means (the cut by prefix; one-sample episodes, each weighing 1).
+    batch_cut: Literal["prefix", "groups"] = Field(
+        "prefix",
+        exclude_if=lambda value: value == "prefix",
+        description="groups: a batch takes whole groups (a group's samples never split across batches); "
+        "prefix: the oldest batch_size samples, a group split at the edge",
+    )
+    sample_weight: Literal["episode", "sample"] = Field(
+        "episode",
+        exclude_if=lambda value: value == "episode",
+        description="each sample's loss weight: episode: 1/N for the N samples of an episode, so an episode "
+        "weighs the same however many samples it has; sample: 1 each",
+    )
     # Left out of the JSON while None: a run without evals logs the `run_started` it always did.
     eval: EvalParams | None = Field(
         None, exclude_if=lambda value: value is None, description="evaluations on a schedule (None: none)"
@@ -204,6 +222,15 @@ class EpisodeCompleted(_Model):
     # policy_end equals it, else from versions between the two that the backend could not tell
     # apart (docs/rules.md, "A token's version").
     token_versions: tuple[tuple[int, int], ...] = ()
+    # Several training samples (docs/rules.md, "Samples"): the arrays are the samples' arrays one
+    # after the other, each given as [tokens, sampled tokens], in order; `token_versions` runs
+    # over all their sampled tokens. Empty: the arrays are the episode's one sample.
+    samples: tuple[tuple[int, int], ...] = ()
+    # The agent of each sample (an episode of several trainable agents), and the reward of each
+    # agent where the env scores them apart, as [agent, reward] pairs (empty: every sample takes
+    # `reward`).
+    agents: tuple[str, ...] = ()
+    agent_rewards: tuple[tuple[str, float], ...] = ()
 
     @model_validator(mode="after")
     def _aligned(self) -> EpisodeCompleted:
@@ -211,6 +238,8 @@ class EpisodeCompleted(_Model):
             raise ValueError("token_ids, mask and logprobs must have the same length")
         if self.token_versions:
             check_version_runs(self.token_versions, self.mask.count(1), self.policy_start, self.policy_end)
+        if self.samples or self.agents or self.agent_rewards:
+            check_samples(self)
         return self
 
     @property
@@ -220,6 +249,44 @@ class EpisodeCompleted(_Model):
     @property
     def sampled_tokens(self) -> int:
         return self.mask.count(1)
+
+
+# Sample k of episode e is named `e + k * SAMPLE_ID_STRIDE`: sample 0 is the episode's own id, so
+# a one-sample episode's sample is named as its episode always was (docs/log-format.md, "Samples").
+SAMPLE_ID_STRIDE = 10**12
+
+
+def sample_id(episode_id: int, index: int) -> int:
+    """The id of sample `index` of episode `episode_id` (its trace id in the queue and batches)."""
+    return episode_id + index * SAMPLE_ID_STRIDE
+
+
+def episode_of(trace_id: int) -> int:
+    """The episode a sample id names."""
+    return trace_id % SAMPLE_ID_STRIDE
+
+
+def check_samples(e: EpisodeCompleted) -> None:
+    """ValueError (one line) unless `samples`, `agents` and `agent_rewards` describe `e`'s arrays."""
+    if e.samples:
+        if len(e.samples) < 2:
+            raise ValueError("samples lists two or more samples (one sample: leave it empty)")
+        if any(n <= 0 or not 0 <= k <= n for n, k in e.samples):
+            raise ValueError(f"samples {list(e.samples)}: each is [tokens > 0, sampled tokens <= tokens]")
+        if sum(n for n, _ in e.samples) != len(e.token_ids):
+            raise ValueError(
+                f"samples count {sum(n for n, _ in e.samples)} tokens where the episode has {len(e.token_ids)}"
+            )
+        start = 0
+        for n, k in e.samples:
+            if e.mask[start : start + n].count(1) != k:
+                raise ValueError(f"samples {list(e.samples)} do not match the mask's sampled tokens")
+            start += n
+    if e.agents and len(e.agents) != max(1, len(e.samples)):
+        raise ValueError(f"agents names {len(e.agents)} samples where the episode has {max(1, len(e.samples))}")
+    scored = [name for name, _ in e.agent_rewards]
+    if e.agent_rewards and (len(set(scored)) != len(scored) or set(scored) != set(e.agents)):
+        raise ValueError(f"agent_rewards scores {scored}, the samples' agents are {sorted(set(e.agents))}")
 
 
 def version_runs(versions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -272,6 +339,10 @@ class GroupFinalized(_Model):
     group_id: int
     trace_ids: list[int]
     advantages: list[float]
+    # [sample id, advantage] of the samples of agents the env scored apart (`agent_rewards`):
+    # each agent scored against the same agent's rewards across the group. The other samples
+    # take their episode's advantage. Left out while empty.
+    sample_advantages: list[tuple[int, float]] = Field([], exclude_if=lambda value: not value)
 
 
 class BackgroundFinalized(_Model):
@@ -522,6 +593,9 @@ _NESTED_KINDS = frozenset({"run_started", "run_resumed"})
 # serializer writes (a property test checks it), at a fraction of the cost. What orjson refuses
 # goes through pydantic, which encodes big ints and names an unset field.
 _KIND_HEAD_LENGTH = {kind: len(orjson.dumps({"kind": kind})) for kind in EVENT_TYPES}
+# Fields of flat kinds left out of the JSON while empty (`exclude_if`): the fast path leaves them
+# out itself.
+_OMITTED_WHILE_EMPTY = {"group_finalized": "sample_advantages"}
 _FIELDS_JSON: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 
 
@@ -541,6 +615,9 @@ def episode_fields(e: EpisodeCompleted) -> dict[str, Any]:
         "temperature": e.temperature,
         "error": e.error,
         **({"token_versions": e.token_versions} if e.token_versions else {}),
+        **({"samples": e.samples} if e.samples else {}),
+        **({"agents": e.agents} if e.agents else {}),
+        **({"agent_rewards": e.agent_rewards} if e.agent_rewards else {}),
     }
 
 
@@ -553,8 +630,11 @@ def episode_from_fields(fields: dict[str, Any], payload: bytes | None, validate:
     if mask.count(1) != sampled:
         raise arrays.PayloadError(f"a payload with {mask.count(1)} sampled tokens where its event says {sampled}")
     fields.update(token_ids=token_ids, mask=mask, logprobs=logprobs)
-    if "token_versions" in fields:  # JSON lists: the runs are tuples
-        fields["token_versions"] = tuple(tuple(run) for run in fields["token_versions"])
+    for name in ("token_versions", "samples", "agent_rewards"):  # JSON lists: the pairs are tuples
+        if name in fields:
+            fields[name] = tuple(tuple(pair) for pair in fields[name])
+    if "agents" in fields:
+        fields["agents"] = tuple(fields["agents"])
     if validate:
         return EpisodeCompleted.model_validate(fields)
     return EpisodeCompleted.unvalidated(**fields)
@@ -573,8 +653,12 @@ def encode_event(event: _Model) -> tuple[str, bytes, bytes | None]:
             data = _FIELDS_JSON.dump_json(fields)
         return kind, data, arrays.pack(e.token_ids, e.mask, e.logprobs) or None
     if kind not in _NESTED_KINDS:
+        fields = event.__dict__
+        omitted = _OMITTED_WHILE_EMPTY.get(kind)
+        if omitted is not None and not fields[omitted]:
+            fields = {name: value for name, value in fields.items() if name != omitted}
         try:
-            return kind, b"{" + orjson.dumps(event.__dict__)[_KIND_HEAD_LENGTH[kind] :], None
+            return kind, b"{" + orjson.dumps(fields)[_KIND_HEAD_LENGTH[kind] :], None
         except orjson.JSONEncodeError:  # an int beyond 64 bits, or a field left unset
             pass
     return kind, event.__pydantic_serializer__.to_json(event), None

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from orchestrator.core import events as ev
-from orchestrator.core._fast_events import FOLD_VIEWS, TraceView
+from orchestrator.core._fast_events import FOLD_VIEWS, SampleView, TraceView, split_trace
+from orchestrator.core.samples import sample_count
 from orchestrator.core.state import Eval, EvalResult, Group, QueuedTrace, ShippedSample, State, Trace, initial_state
 
 _ZERO_OUTPUT_CANCEL_REASONS = ("stale", "overload")
@@ -35,7 +36,7 @@ def _group_dispatched(s: State, e: ev.GroupDispatched) -> None:
     s.next_group_id = e.group_id + 1
     s.rng_counter += 1
     s.cursors[e.env] = e.task_id + 1
-    s.grouped_samples += e.group_size
+    s.grouped_episodes += e.group_size
     s.acct.groups_dispatched += 1
 
 
@@ -62,6 +63,7 @@ def _episode_completed(s: State, e: Trace) -> None:
     s.traces[episode_id] = e
     acct = s.acct
     acct.completed += 1
+    acct.completed_samples += len(e.samples) or 1
     acct.completed_tokens += e.n_tokens
     if not e.ok:
         acct.failures += 1
@@ -75,7 +77,7 @@ def _episode_cancelled(s: State, e: ev.EpisodeCancelled) -> None:
         s.unfilled[group.group_id] = None
     else:
         group.cancelled += 1
-        s.grouped_samples -= 1
+        s.grouped_episodes -= 1
         s.acct.cancelled_attempts += 1
 
 
@@ -94,6 +96,7 @@ def _group_finalized(s: State, e: ev.GroupFinalized | ev.BackgroundFinalized) ->
         s.acct.late += 1
         return
     group.advantages = dict(zip(e.trace_ids, e.advantages))
+    group.sample_advantages = dict(getattr(e, "sample_advantages", ()))  # inline results only
 
 
 def _finalize_failed(s: State, e: ev.FinalizeFailed) -> None:
@@ -105,22 +108,38 @@ def _forget_group(s: State, group_id: int) -> Group:
     """Remove a settled or cancelled group, giving back its background-finalizing slot."""
     group = s.groups.pop(group_id)
     s.unfilled.pop(group_id, None)
-    s.grouped_samples -= group.size - group.cancelled
+    s.grouped_episodes -= group.size - group.cancelled
     if group.background:
         s.finalizing[group.env] -= 1
     return group
 
 
 def _drop_traces(s: State, reason: str, trace_ids: Iterable[int]) -> None:
+    """Forget held traces, counting their samples dropped for `reason`."""
     count = 0
     for trace_id in trace_ids:
-        del s.traces[trace_id]
-        count += 1
+        count += sample_count(s.traces.pop(trace_id))
     s.acct.drop(reason, count)
+
+
+def _split_members(s: State, group: Group) -> dict[int, int]:
+    """A settling group's several-sample episodes are held as their samples from now on;
+    returns how many samples each of them has."""
+    counts = {}
+    for episode_id in group.members:
+        trace = s.traces[episode_id]
+        if trace.samples:
+            del s.traces[episode_id]
+            for sample in split_trace(trace):
+                s.traces[sample.episode_id] = sample
+            counts[episode_id] = len(trace.samples)
+    return counts
 
 
 def _group_settled(s: State, e: ev.GroupSettled) -> None:
     group = _forget_group(s, e.group_id)
+    sample_counts = _split_members(s, group)
+    per_episode = s.params.sample_weight == "episode"
     queued_tokens = 0
     for trace_id in e.trace_ids:
         trace = s.traces[trace_id]
@@ -132,18 +151,20 @@ def _group_settled(s: State, e: ev.GroupSettled) -> None:
             group.policy_version,
             trace.policy_start,
             n_tokens,
-            group.advantages[trace_id],
+            group.advantage_of(trace_id),
+            1.0 / sample_counts.get(ev.episode_of(trace_id), 1) if per_episode else 1.0,
         )
         queued_tokens += n_tokens
     s.pending_tokens += queued_tokens
     acct = s.acct
     acct.queued += len(e.trace_ids)
     acct.queued_tokens += queued_tokens
-    acct.judged += len(e.trace_ids)
+    judged = dict.fromkeys(map(ev.episode_of, e.trace_ids))  # episodes, each once
     for reason, trace_ids in e.dropped.items():
         if reason != "stale":
-            acct.judged += len(trace_ids)
+            judged.update(dict.fromkeys(map(ev.episode_of, trace_ids)))
         _drop_traces(s, reason, trace_ids)
+    acct.judged += len(judged)
     if e.admitted:
         s.acct.groups_admitted += 1
         s.acct.zero_output_run = 0
@@ -191,7 +212,8 @@ def _batch_shipped(s: State, e: ev.BatchShipped) -> None:
         queued = s.pending.pop(trace_id)
         s.pending_tokens -= queued.n_tokens
         trace = s.traces.pop(trace_id)
-        samples.append(ShippedSample(trace, queued.env, queued.advantage, (e.step - 1) - trace.policy_start))
+        lag = (e.step - 1) - trace.policy_start
+        samples.append(ShippedSample(trace, queued.env, queued.advantage, lag, queued.weight))
     for trace_id in e.pruned_ids:
         s.pending_tokens -= s.pending.pop(trace_id).n_tokens
     _drop_traces(s, "zero_advantage", e.pruned_ids)
@@ -404,10 +426,11 @@ def evolve_from(state: State | None, event: ev.Event) -> State:
 def _decode_held_traces(
     state: State, payloads: PayloadReader | None, damaged: dict[int, tuple[int, str]] | None
 ) -> None:
-    shipped = [(x, x.trace) for xs in state.shipped_batches.values() for x in xs if isinstance(x.trace, TraceView)]
-    held = [(trace_id, t) for trace_id, t in state.traces.items() if isinstance(t, TraceView)]
+    view_types = (TraceView, SampleView)
+    shipped = [(x, x.trace) for xs in state.shipped_batches.values() for x in xs if isinstance(x.trace, view_types)]
+    held = [(trace_id, t) for trace_id, t in state.traces.items() if isinstance(t, view_types)]
     views = [view for _, view in held] + [view for _, view in shipped]
-    wanted = [view.seq for view in views if view.n_tokens]
+    wanted = list(dict.fromkeys(view.seq for view in views if view.n_tokens))  # an episode's samples share a seq
     read = payloads(wanted) if wanted and payloads is not None else {}
     for view in views:
         view.payload = read.get(view.seq)
@@ -422,7 +445,7 @@ def _decode_held_traces(
         sample.trace = _model_of(view)
 
 
-def _model_of(view: TraceView) -> ev.EpisodeCompleted:
+def _model_of(view: TraceView | SampleView) -> ev.EpisodeCompleted:
     """The full event of a held trace; FoldError naming its seq if its payload is missing or
     does not hold its arrays."""
     try:

@@ -18,13 +18,22 @@ from typing import Any, Protocol
 import orjson
 
 from orchestrator.core import arrays
-from orchestrator.core.events import CoreParams, EpisodeCompleted, FinalizeStarted, episode_fields, episode_from_fields
+from orchestrator.core.events import (
+    CoreParams,
+    EpisodeCompleted,
+    FinalizeStarted,
+    episode_fields,
+    episode_from_fields,
+    episode_of,
+)
 
 # 2: `params` is stored as its own JSON, so env_ratios keeps its order through a snapshot.
 # 3: the evals' state (`State.evals`).
-# 4: the dispatch capacity's counters (`grouped_samples`, the admission and token tallies).
+# 4: the dispatch capacity's counters (`grouped_episodes`, the admission and token tallies).
 # 5: a held trace is its log fields and its packed arrays (base64), not JSON lists.
-REDUCER_VERSION = "orch-core-5"
+# 6: several samples per episode: settled episodes are held as their samples; `grouped_episodes`
+# (was `grouped_episodes`); `completed_samples`.
+REDUCER_VERSION = "orch-core-6"
 
 
 class Trace(Protocol):
@@ -55,6 +64,12 @@ class Trace(Protocol):
     def n_tokens(self) -> int: ...
     @property
     def sampled_tokens(self) -> int: ...
+    @property
+    def samples(self) -> tuple[tuple[int, int], ...]: ...  # EpisodeCompleted.samples
+    @property
+    def agents(self) -> tuple[str, ...]: ...
+    @property
+    def agent_rewards(self) -> tuple[tuple[str, float], ...]: ...
 
 
 @dataclass(slots=True)
@@ -71,7 +86,12 @@ class Group:
     finalizing: bool = False
     background: bool = False  # finalizing as a background task (counts towards the cap)
     survivors: list[int] = field(default_factory=list)  # traces being scored
-    advantages: dict[int, float] = field(default_factory=dict)
+    advantages: dict[int, float] = field(default_factory=dict)  # survivor episode id -> advantage
+    sample_advantages: dict[int, float] = field(default_factory=dict)  # sample id -> its agent's advantage
+
+    def advantage_of(self, trace_id: int) -> float:
+        """A scored sample's advantage: its agent's, or its episode's."""
+        return self.sample_advantages.get(trace_id, self.advantages[episode_of(trace_id)])
 
     @property
     def needed(self) -> int:
@@ -85,6 +105,8 @@ class Group:
 
 @dataclass(slots=True)
 class QueuedTrace:
+    """A sample in the batch queue (a one-sample episode's sample has the episode's id)."""
+
     trace_id: int
     group_id: int
     env: str
@@ -92,6 +114,7 @@ class QueuedTrace:
     policy_start: int
     n_tokens: int
     advantage: float
+    weight: float  # its loss weight (CoreParams.sample_weight)
 
 
 @dataclass(slots=True)
@@ -102,12 +125,14 @@ class ShippedSample:
     env: str
     advantage: float
     lag: int
+    weight: float
 
 
 @dataclass(slots=True)
 class Accounting:
     dispatched: int = 0  # episode attempts started
     completed: int = 0  # episode completions accepted (ok or failed)
+    completed_samples: int = 0  # their samples (a failed or one-sample episode counts one)
     failures: int = 0  # accepted completions with ok=False
     late: int = 0  # results for episodes or groups no longer waited for (ignored)
     cancelled_attempts: int = 0  # in-flight attempts cancelled (drain, stop, group cancel)
@@ -118,7 +143,7 @@ class Accounting:
     groups_without_output: int = 0  # no survivors to score
     groups_cancelled: dict[str, int] = field(default_factory=dict)  # reason -> groups
     shipped: int = 0  # samples shipped to the trainer
-    dropped: dict[str, int] = field(default_factory=dict)  # reason -> completed episodes never shipped
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> completed samples never shipped
     zero_output_run: int = 0  # episodes in a row whose groups gave nothing to train on (no survivors,
     # all-zero advantages, or cancelled stale), reset by an admitted group
     completed_tokens: int = 0  # tokens (prompt and completion) of the accepted completions
@@ -126,9 +151,9 @@ class Accounting:
     # The admission rate the dispatch capacity estimates (rule 1 (d)): completions of settled
     # groups judged on their content (queued, or dropped as failed, without output, rejected or
     # zero-advantage; not the stale ones, whose age says nothing of the next group's content),
-    # and those of them queued, with their tokens.
-    judged: int = 0
-    queued: int = 0
+    # and the samples they queued, with their tokens.
+    judged: int = 0  # episodes
+    queued: int = 0  # samples
     queued_tokens: int = 0
 
     def drop(self, reason: str, count: int) -> None:
@@ -227,9 +252,9 @@ class State:
     stop_reason: str | None = None
     finalize_errors: dict[int, str] = field(default_factory=dict)  # group id -> error
     last_reward_mean: float | None = None
-    # Samples the open and finalizing groups will still bring (each group's size less its attempts
+    # Episodes the open and finalizing groups will still bring (each group's size less its attempts
     # cancelled for good): the dispatch capacity counts them before they are even dispatched.
-    grouped_samples: int = 0
+    grouped_episodes: int = 0
     acct: Accounting = field(default_factory=Accounting)
     evals: EvalState = field(default_factory=EvalState)
 
@@ -270,6 +295,7 @@ def _group_to_dict(g: Group) -> dict[str, Any]:
         "background": g.background,
         "survivors": g.survivors,
         "advantages": [[k, v] for k, v in g.advantages.items()],
+        "sample_advantages": [[k, v] for k, v in g.sample_advantages.items()],
     }
 
 
@@ -288,6 +314,7 @@ def _group_from_dict(d: dict[str, Any]) -> Group:
         background=d["background"],
         survivors=d["survivors"],
         advantages={k: v for k, v in d["advantages"]},
+        sample_advantages={k: v for k, v in d["sample_advantages"]},
     )
 
 
@@ -389,13 +416,13 @@ def state_to_dict(s: State) -> dict[str, Any]:
         "inflight": [[e, g] for e, g in s.inflight.items()],
         "traces": [_trace_dict(t) for t in s.traces.values()],
         "pending": [
-            [q.trace_id, q.group_id, q.env, q.dispatch_version, q.policy_start, q.n_tokens, q.advantage]
+            [q.trace_id, q.group_id, q.env, q.dispatch_version, q.policy_start, q.n_tokens, q.advantage, q.weight]
             for q in s.pending.values()
         ],
         "pending_tokens": s.pending_tokens,
         "finalizing": s.finalizing,
         "shipped_batches": [
-            [step, [[_trace_dict(x.trace), x.env, x.advantage, x.lag] for x in samples]]
+            [step, [[_trace_dict(x.trace), x.env, x.advantage, x.lag, x.weight] for x in samples]]
             for step, samples in s.shipped_batches.items()
         ],
         "gate_open": s.gate_open,
@@ -405,7 +432,7 @@ def state_to_dict(s: State) -> dict[str, Any]:
         "stop_reason": s.stop_reason,
         "finalize_errors": [[g, e] for g, e in s.finalize_errors.items()],
         "last_reward_mean": s.last_reward_mean,
-        "grouped_samples": s.grouped_samples,
+        "grouped_episodes": s.grouped_episodes,
         "acct": {name: getattr(acct, name) for name in Accounting.__slots__},
         "evals": _evals_to_dict(s.evals),
     }
@@ -430,7 +457,7 @@ def state_from_dict(d: dict[str, Any]) -> State:
         pending_tokens=d["pending_tokens"],
         finalizing=d["finalizing"],
         shipped_batches={
-            step: [ShippedSample(_trace_from_dict(t), env, adv, lag) for t, env, adv, lag in samples]
+            step: [ShippedSample(_trace_from_dict(t), env, adv, lag, weight) for t, env, adv, lag, weight in samples]
             for step, samples in d["shipped_batches"]
         },
         gate_open=d["gate_open"],
@@ -440,7 +467,7 @@ def state_from_dict(d: dict[str, Any]) -> State:
         stop_reason=d["stop_reason"],
         finalize_errors={g: e for g, e in d["finalize_errors"]},
         last_reward_mean=d["last_reward_mean"],
-        grouped_samples=d["grouped_samples"],
+        grouped_episodes=d["grouped_episodes"],
         acct=Accounting(**d["acct"]),
         evals=_evals_from_dict(d["evals"]),
     )
@@ -460,18 +487,20 @@ def state_hash(s: State) -> str:
 
 
 def conservation(s: State) -> tuple[bool, dict[str, int]]:
-    """The conservation law: every accepted completion is shipped, pending, held by an open or
-    finalizing group, or accounted as dropped. Returns (holds, the terms)."""
+    """The conservation law, in samples: every sample of an accepted completion is shipped,
+    pending, held by an open or finalizing group, or accounted as dropped, once. Returns (holds,
+    the terms)."""
+    members = [s.traces[t] for g in s.groups.values() for t in g.members]
     terms = {
-        "completed": s.acct.completed,
+        "completed": s.acct.completed_samples,
         "shipped": s.acct.shipped,
         "pending": len(s.pending),
-        "in_groups": sum(len(g.members) for g in s.groups.values()),
+        "in_groups": sum(len(t.samples) or 1 for t in members),
         "dropped": sum(s.acct.dropped.values()),
     }
     accounted = terms["shipped"] + terms["pending"] + terms["in_groups"] + terms["dropped"]
     # Every held trace must still be in `traces` (pending, grouped) or in a shipped batch.
-    holds = accounted == terms["completed"] and len(s.traces) == terms["pending"] + terms["in_groups"]
+    holds = accounted == terms["completed"] and len(s.traces) == len(s.pending) + len(members)
     if s.params.eval is not None:
         eval_holds, eval_terms = eval_conservation(s.evals)
         holds = holds and eval_holds

@@ -31,6 +31,12 @@ class FakeEnvConfig(EnvComponent):
     prompt_tokens: int = Field(8, ge=0, description="prompt length of every fake episode, in tokens")
     min_tokens: int = Field(4, ge=1, description="shortest completion, in sampled tokens")
     max_tokens: int = Field(16, ge=1, description="longest completion, in sampled tokens")
+    samples_per_episode: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="training samples per episode, each with its own seeded arrays (docs/rules.md, Samples)",
+    )
     vocab_size: int = Field(
         151_936,
         ge=1,
@@ -115,6 +121,11 @@ class FakeEpisodes:
             raise FakeEpisodeError(f"fake env: episode {req.episode_id} failed (error_rate={cfg.error_rate})")
         spread = cfg.max_tokens - cfg.min_tokens + 1
         n_sampled = 0 if empty / _U32 < cfg.empty_rate else cfg.min_tokens + int(length / _U32 * spread)
+        # The task sets a difficulty shared by the group, so groups have reward spread.
+        score = min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25))
+        policy_end = policy_start if pinned else self.version_now()
+        if cfg.samples_per_episode > 1 and n_sampled:
+            return self._several_samples(req, key, n_sampled, score, policy_start, policy_end)
         n_total = cfg.prompt_tokens + n_sampled
         offset = logprob_offset % 256
         # Valid by construction (aligned int32 / 0-1 / finite float32 arrays), so not validated
@@ -123,13 +134,40 @@ class FakeEpisodes:
             episode_id=req.episode_id,
             group_id=req.group_id,
             ok=True,
-            # The task sets a difficulty shared by the group, so groups have reward spread.
-            reward=min(1.0, max(0.0, (req.task_id % 7) / 7 + reward / _U32 * 0.5 - 0.25)),
+            reward=score,
             token_ids=self._token_ids(key, n_total),
             mask=self._masks[n_sampled],
             logprobs=self._prompt_logprobs + self._logprob_pool[offset : offset + n_sampled],
             policy_start=policy_start,
-            policy_end=policy_start if pinned else self.version_now(),
+            policy_end=policy_end,
+        )
+
+    def _several_samples(
+        self, req: RolloutRequest, key: bytes, n_sampled: int, reward: float, policy_start: int, policy_end: int
+    ) -> EpisodeCompleted:
+        """`samples_per_episode` samples, each its prompt and its own seeded completion (a length
+        and logprob offset drawn from its own key), one after the other."""
+        cfg = self.config
+        token_ids, mask, logprobs, samples = array(TOKEN_ID_CODE), bytearray(), array(LOGPROB_CODE), []
+        for index in range(cfg.samples_per_episode):
+            sample_key = key + b"/%d" % index
+            length, offset = _TWO.unpack_from(hashlib.blake2b(sample_key, digest_size=8).digest())
+            sampled = n_sampled if index == 0 else cfg.min_tokens + length % (cfg.max_tokens - cfg.min_tokens + 1)
+            token_ids.extend(self._token_ids(sample_key, cfg.prompt_tokens + sampled))
+            mask += self._masks[sampled]
+            logprobs.extend(self._prompt_logprobs + self._logprob_pool[offset % 256 : offset % 256 + sampled])
+            samples.append((cfg.prompt_tokens + sampled, sampled))
+        return EpisodeCompleted(
+            episode_id=req.episode_id,
+            group_id=req.group_id,
+            ok=True,
+            reward=reward,
+            token_ids=token_ids,
+            mask=bytes(mask),
+            logprobs=logprobs,
+            policy_start=policy_start,
+            policy_end=policy_end,
+            samples=tuple(samples),
         )
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
@@ -142,5 +180,6 @@ class FakeEpisodes:
         """It holds nothing."""
 
 
+_TWO = struct.Struct("<2I")  # a sample's length and logprob offset
 _UNIFORMS = struct.Struct("<6I")  # latency, error, empty, length, reward, logprob offset: over 2**32
 _U32 = 4294967296.0

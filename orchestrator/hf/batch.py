@@ -31,6 +31,10 @@ class Batch:
     advantages: torch.Tensor  # [B] float
     temperature: torch.Tensor  # [B] float
     rewards: list[float] | None  # optional field "reward" of every sample, for the step line only
+    # Each sample's loss weight (docs/rules.md, "Samples": 1/N for an episode's N samples, or 1),
+    # and the episodes the batch's samples come from.
+    sample_weights: torch.Tensor | None = None  # [B] float; None: 1 each
+    episodes: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -52,6 +56,7 @@ class Batch:
             self.advantages[index],
             self.temperature[index],
             None,
+            None if self.sample_weights is None else self.sample_weights[index],
         )
 
 
@@ -122,4 +127,6 @@ def tensorize(batch: BatchArrays) -> Batch:
         advantages=torch.tensor(batch.advantage.tolist(), dtype=torch.float32),
         temperature=torch.tensor(batch.temperature.tolist(), dtype=torch.float32),
         rewards=batch.reward.tolist() if batch.reward is not None else None,
+        sample_weights=torch.tensor(batch.sample_weight.tolist(), dtype=torch.float32),
+        episodes=len(np.unique(batch.episode_id)),
     )

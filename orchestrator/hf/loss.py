@@ -133,6 +133,7 @@ def policy_loss(
     counts: Counts,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    sample_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This micro-batch's share of the (mini-)batch loss, and its statistics' sums (shares of
     token counts for the fractions; `MAX_STATS` are maxima).
@@ -144,7 +145,8 @@ def policy_loss(
     the aggregated KL estimate is added. Statistics: ``clipped`` (tokens whose r is outside the
     clip range), ``mismatch_k3`` (k3 of KL(mu || pi_theta) on this pass), ``weight`` /
     ``weight_max`` (the importance weight), ``truncated``, ``masked``, ``kept`` (tokens with a
-    weight > 0), ``kl_ref``, ``ratio_max``.
+    weight > 0), ``kl_ref``, ``ratio_max``. `sample_weights` ([B], the batch file's
+    `sample_weight`) multiplies each row's token losses and KL terms before the aggregation.
     """
     mask_f = mask.to(new_logprobs.dtype)
     zeros = torch.zeros_like(new_logprobs)
@@ -181,6 +183,9 @@ def policy_loss(
             weight = behaviour.clamp(max=config.truncate_at)
             truncated = (behaviour > config.truncate_at) & mask
             token_loss = token_loss * weight
+    row_weight = None if sample_weights is None else sample_weights.to(token_loss.dtype).view(-1, 1)
+    if row_weight is not None:
+        token_loss = token_loss * row_weight
     if config.aggregation == "token-mean":  # as the loss always had it: one division
         n = torch.tensor(float(counts.tokens)).clamp(min=1.0)
         loss = (token_loss * mask_f).sum() / n
@@ -190,7 +195,8 @@ def policy_loss(
     if ref_logprobs is not None:
         kl = reference_kl(new_logprobs, ref_logprobs, config.kl_estimator)
         if config.kl_coef > 0:
-            loss = loss + config.kl_coef * (kl * aggregation_weights(mask, config, counts, kl.dtype)).sum()
+            weighted_kl = kl if row_weight is None else kl * row_weight
+            loss = loss + config.kl_coef * (weighted_kl * aggregation_weights(mask, config, counts, kl.dtype)).sum()
     with torch.no_grad():
         # the anchor is the sampler's unless decoupled: then the ratio already is pi_theta / mu
         sampler_log_ratio = masked_log_ratio(new_logprobs, sampler_logprobs, mask) if decoupled else r_log
@@ -266,6 +272,7 @@ def batch_metrics(
         "optimizer_steps": len(taken),
         "skipped_steps": len(steps) - len(taken),
         "samples": int(batch.ids.shape[0]),
+        "samples_per_episode": int(batch.ids.shape[0]) / batch.episodes if batch.episodes else 0.0,
         "tokens": total_tokens,
         "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
         **rewards,  # absent, not null, for a batch without rewards (e.g. an empty one)

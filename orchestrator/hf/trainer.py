@@ -281,6 +281,7 @@ class Trainer:
             counts,
             old_logprobs=old_logprobs,
             ref_logprobs=ref,
+            sample_weights=None if chunk.sample_weights is None else chunk.sample_weights.to(dev),
         )
         (loss * world).backward()  # the ranks' gradients are averaged: see .distributed
         return stats | {"loss": float(loss.detach()), "entropy": float((entropy.detach() * mask).sum())}

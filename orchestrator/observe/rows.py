@@ -91,7 +91,7 @@ class StepRows:
             (e.step, "queue/finalizing", sum(s.finalizing.values())),
             (e.step, "version", s.version),
             (e.step, "waste/dropped", dropped),
-            (e.step, "waste/pct", 100.0 * dropped / s.acct.completed if s.acct.completed else 0.0),
+            (e.step, "waste/pct", 100.0 * dropped / s.acct.completed_samples if s.acct.completed_samples else 0.0),
         ]
         if self._marks and ts > self._marks[0][0]:
             since, episodes, tokens = self._marks[0]

@@ -98,7 +98,8 @@ class Progress:
             f"| lag max {event.off_policy_max} mean {event.off_policy_mean:.2f} "
             f"| buffered {buffered_episodes(state)} | finalizing {finalizing} "
             f"| in-flight {len(state.inflight)} | v{state.version} "
-            f"| waste {waste_share(sum(acct.dropped.values()), acct.completed):.1%} | {step_time:.2f}s{latest_eval}"
+            f"| waste {waste_share(sum(acct.dropped.values()), acct.completed_samples):.1%} "
+            f"| {step_time:.2f}s{latest_eval}"
         )
 
     def on_eval(self, event) -> None:
@@ -149,12 +150,13 @@ class Progress:
             "conservation": holds,
             **terms,
             "generated_episodes": acct.completed,
+            "generated_samples": acct.completed_samples,
             "generated_tokens": acct.completed_tokens,
             "trained_episodes": acct.shipped,
             "trained_tokens": acct.shipped_tokens,
             "dropped_by_reason": dict(sorted(acct.dropped.items())),
             "cancelled_in_flight": acct.cancelled_attempts,
-            "waste_pct": round(100 * waste_share(terms["dropped"], acct.completed), 2),
+            "waste_pct": round(100 * waste_share(terms["dropped"], acct.completed_samples), 2),
             "state_hash": state_hash(state),
         }
         if state.params is not None and state.params.eval is not None:

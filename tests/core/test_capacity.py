@@ -66,7 +66,7 @@ def test_rejected_groups_make_it_over_provision(driver):
     # Admission so far (prior: one batch fully admitted): 8 queued per 12 judged. The 3 open
     # groups' 12 samples are expected to bring 8; there is room until 24 are expected to bring 16.
     assert len(d.of(out, "group_dispatched")) == 3
-    assert d.state.grouped_samples == 24 and d.state.gate_reason == "capacity"
+    assert d.state.grouped_episodes == 24 and d.state.gate_reason == "capacity"
 
 
 def test_a_started_group_is_dispatched_in_full_while_the_capacity_holds_new_ones_back(driver):
@@ -90,15 +90,15 @@ def test_tokens_per_sample_set_the_capacity_with_token_batching(driver):
         capacity="staleness",
     )
     d.start()
-    assert d.state.grouped_samples == 8, "8 samples expected to bring 30 tokens"
+    assert d.state.grouped_episodes == 8, "8 samples expected to bring 30 tokens"
     # Samples of 3 tokens. Once one group settled, a sample is expected to bring (30 + 6) /
     # (8 + 2) = 3.6 tokens: the 6 queued and 6 grouped samples (27.6) leave no room for one more.
     out = d.complete_group(1, [0.0, 1.0], sampled=2)
-    assert not d.of(out, "group_dispatched") and d.state.grouped_samples == 6
+    assert not d.of(out, "group_dispatched") and d.state.grouped_episodes == 6
     # Once two settled, (30 + 12) / (8 + 4) = 3.5 tokens: 12 queued and 4 grouped (26) do.
     out = d.complete_group(2, [0.0, 1.0], sampled=2)
     assert d.state.pending_tokens == 12 and not d.of(out, "batch_shipped")
-    assert len(d.of(out, "group_dispatched")) == 1 and d.state.grouped_samples == 6
+    assert len(d.of(out, "group_dispatched")) == 1 and d.state.grouped_episodes == 6
     assert d.state.gate_reason == "capacity"
 
 

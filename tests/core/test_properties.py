@@ -153,9 +153,9 @@ class CoreMachine(RuleBasedStateMachine):
                 assert e.off_policy_max <= self.params.max_off_policy_steps, "lag bound"
 
     @invariant()
-    def grouped_samples_are_what_the_groups_will_bring(self):
+    def grouped_episodes_are_what_the_groups_will_bring(self):
         s = self.world.state
-        assert s.grouped_samples == sum(g.size - g.cancelled for g in s.groups.values())
+        assert s.grouped_episodes == sum(g.size - g.cancelled for g in s.groups.values())
 
     @invariant()
     def evals_stay_apart_from_training(self):
@@ -331,6 +331,8 @@ def _values_of(annotation):
         return st.none() | _FINITE
     if annotation == list[float]:
         return st.lists(_FINITE, max_size=4)
+    if annotation == list[tuple[int, float]]:  # group_finalized's sample advantages
+        return st.lists(st.tuples(st.integers(), _FINITE), max_size=3)
     if annotation == dict[str, int | float] | None:  # version_published's trainer metrics
         return st.none() | st.dictionaries(st.text(max_size=8), st.integers() | _FINITE, max_size=3)
     return st.from_type(annotation)
@@ -349,6 +351,9 @@ def test_encoding_is_byte_for_byte_pydantics_for_any_field_values(data, cls):
             mask=st.lists(st.integers(0, 1), min_size=n, max_size=n),
             logprobs=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=n, max_size=n),
             token_versions=st.just(()),  # runs must fit the mask: test_core_token_versions.py
+            samples=st.just(()),  # samples must fit the arrays: tests/core/test_samples.py
+            agents=st.just(()),
+            agent_rewards=st.just(()),
         )
     event = data.draw(st.builds(cls, **fields))
     kind, encoded, payload = ev.encode_event(event)

@@ -178,3 +178,28 @@ def test_each_trainer_leaves_weights_alone_on_a_batch_without_sampled_tokens(tra
     metrics = trainer.train_step(1)
     assert metrics["tokens"] == 0
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_each_samples_loss_weight_scales_its_rows_share():
+    """An episode's two samples at weight 1/2 each weigh what its one sample at 1 would."""
+    new = torch.full((2, 3), -1.0, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([2.0, -1.0])
+    weights = torch.tensor([0.5, 1.0])
+    loss, _ = policy_loss(
+        new, new.detach().clone(), adv, mask, 0.2, LossConfig(), Counts.of(mask), sample_weights=weights
+    )
+    assert float(loss.detach()) == pytest.approx(-(1 + 1 - 1) / 3)
+    loss.backward()
+    assert torch.allclose(new.grad, -torch.tensor([[0.0, 1.0, 1.0], [0.0, -1.0, 0.0]]) / 3)
+
+
+def test_a_batch_carries_its_samples_weights_and_counts_its_episodes():
+    second = 7 + 10**12  # sample 1 of episode 7
+    raw = _raw(
+        [GOOD | {"trace_id": 7, "weight": 0.5}, GOOD | {"trace_id": second, "weight": 0.5}, GOOD | {"trace_id": 8}]
+    )
+    batch = parse_batch(raw, 1, VOCAB)
+    assert batch.sample_weights.tolist() == [0.5, 0.5, 1.0] and batch.episodes == 2
+    one = parse_batch(_raw([GOOD, GOOD | {"trace_id": 1}]), 1, VOCAB)
+    assert one.sample_weights.tolist() == [1.0, 1.0] and b"sample_weight" not in _raw([GOOD])

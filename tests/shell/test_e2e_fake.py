@@ -42,6 +42,28 @@ def test_fake_run_keeps_every_invariant(tmp_path, extra):
     assert_log_invariants(tmp_path / "r", steps, max_off_policy=1, target_lag=1)
 
 
+def test_a_run_of_several_samples_per_episode_ships_whole_groups_weighed_per_episode(tmp_path):
+    """docs/rules.md, "Samples": 3 samples an episode, cut by whole groups, each weighing 1/3."""
+    from orchestrator.core.batch import decode_batch
+    from orchestrator.rundir import batch_path
+
+    steps = 30
+    result = orch(
+        *fake_run_args(tmp_path, "r", steps=steps),
+        *sets("batch.size=32", "batch.cut=groups", "env.fake.samples_per_episode=3", "zero_output_batches=100000"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert_log_invariants(tmp_path / "r", steps, max_off_policy=2, target_lag=1)
+    groups_seen: dict[int, int] = {}
+    for step in range(1, steps + 1):
+        batch = decode_batch(batch_path(tmp_path / "r", step).read_bytes())
+        assert 0 < len(batch) <= 32 and set(batch.sample_weight.tolist()) == {1 / 3}
+        assert len(set(batch.trace_id.tolist())) == len(batch)
+        assert all(len(batch.episode_id[batch.episode_id == e]) == 3 for e in set(batch.episode_id.tolist()))
+        for group in set(batch.group_id.tolist()):
+            assert groups_seen.setdefault(group, step) == step, f"group {group} split across batches"
+
+
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
     result = orch(*fake_run_args(tmp_path), *sets("batch.size=0"))
     assert result.returncode == 2

@@ -48,7 +48,7 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
         state = fold_log(log, use_snapshots=False).state
     holds, terms = conservation(state)
     assert holds, terms
-    assert state.acct.completed == terms["shipped"] + terms["dropped"]  # nothing left behind
+    assert state.acct.completed_samples == terms["shipped"] + terms["dropped"]  # nothing left behind
 
 
 def count_events(run_dir: Path, kind: str, **fields: object) -> int:
