@@ -58,7 +58,10 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
             ]
             for v in (1, 2):  # published while they run: each load aborts them, they go on
                 await asyncio.sleep(0.4)
-                while c.endpoints[0].unstarted:  # all running (on a loaded machine a reload would restart some)
+                # every request sent and streaming (on a loaded machine a reload would restart the
+                # ones not started yet, or land before any was sent, and one version sample all)
+                ep = c.endpoints[0]
+                while ep.unstarted or ep.sending < sum(not f.done() for f in flight):
                     await asyncio.sleep(0.01)
                 await c.load(v, str(versions[v]))
             return await asyncio.gather(*flight)
