@@ -201,17 +201,8 @@ class SampleView:
     def model(self) -> EpisodeCompleted:
         return sample_of_head(self.parent.model(), self.head)
 
-    @property
-    def token_ids(self) -> array:
-        return self.model().token_ids
-
-    @property
-    def mask(self) -> bytes:
-        return self.model().mask
-
-    @property
-    def logprobs(self) -> array:
-        return self.model().logprobs
+    # The arrays from its model, as a trace view's.
+    token_ids, mask, logprobs = TraceView.token_ids, TraceView.mask, TraceView.logprobs
 
 
 def split_trace(trace: Trace) -> Sequence[Trace]:
