@@ -88,7 +88,7 @@ def token_versions(mask: Any, runs: Sequence[tuple[int, int]], policy_start: int
     return versions
 
 
-def sample_of(trace, env: str, advantage: float, lag: int, weight: float = 1.0) -> BatchSample:
+def sample_of(trace, env: str, advantage: float, lag: int, weight: float) -> BatchSample:
     """The sample a trace (`state.Trace`) makes."""
     return BatchSample(
         trace.episode_id,

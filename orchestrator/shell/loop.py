@@ -381,7 +381,7 @@ class Orchestrator:
 
     @staticmethod
     def batch_payload(step: int, samples: list[ShippedSample]) -> bytes:
-        return encode_batch(step, [sample_of(s.trace, s.env, s.advantage, s.lag) for s in samples])
+        return encode_batch(step, [sample_of(s.trace, s.env, s.advantage, s.lag, s.weight) for s in samples])
 
     def _write_batches(self, batches: list[tuple[int, bytes]]) -> None:
         """Write shipped batch files (atomic). Runs in a worker thread while the loop awaits it.

@@ -24,7 +24,7 @@ def _shipped_samples():
 
 def test_a_batch_file_holds_its_samples_and_any_safetensors_reader_opens_it():
     shipped = _shipped_samples()
-    payload = encode_batch(7, [sample_of(s.trace, s.env, s.advantage, s.lag) for s in shipped])
+    payload = encode_batch(7, [sample_of(s.trace, s.env, s.advantage, s.lag, s.weight) for s in shipped])
     batch = decode_batch(payload)
     assert batch.step == 7 and len(batch) == len(shipped) and batch.envs == [s.env for s in shipped]
     for i, s in enumerate(shipped):
@@ -38,7 +38,7 @@ def test_a_batch_file_holds_its_samples_and_any_safetensors_reader_opens_it():
     tensors = load(payload)
     assert np.array_equal(tensors["token_ids"], batch.token_ids) and np.array_equal(tensors["offsets"], batch.offsets)
     # Canonical: the same samples give the same bytes (the log's sha256 of a re-written file matches).
-    assert encode_batch(7, [sample_of(s.trace, s.env, s.advantage, s.lag) for s in shipped]) == payload
+    assert encode_batch(7, [sample_of(s.trace, s.env, s.advantage, s.lag, s.weight) for s in shipped]) == payload
 
 
 def test_an_empty_batch_and_rewards_round_trip():

@@ -120,6 +120,24 @@ def test_the_batch_file_weighs_each_sample(weight):
     assert weights[1] and sum(n for k, n in weights.items() if k > 1)
 
 
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_a_resume_rebuilds_the_batch_files_it_shipped_weights_included(weight):
+    """What a resume rewrites from the state (`Orchestrator.batch_payload`) is byte for byte the
+    batch file `decide` hashed: the sample weights come back with their samples."""
+    from orchestrator.core.batch import batch_sha256
+    from orchestrator.shell.loop import Orchestrator
+
+    world, _ = simulate(1, "groups", weight, False, None)
+    state, payloads, rebuilt = initial_state(world.params), {}, 0
+    for event in (e for e in world.log if e.kind in ev.INPUT_KINDS):
+        for decision in decide(state, event, payloads):
+            if decision.kind == "batch_shipped":
+                payload = Orchestrator.batch_payload(decision.step, state.shipped_batches[decision.step])
+                assert payload == payloads[decision.step] and batch_sha256(payload) == decision.sha256
+                rebuilt += 1
+    assert rebuilt == 12
+
+
 def test_a_fold_of_the_rows_is_the_live_state_at_every_point():
     world, _ = simulate(3, "groups", "episode", True, None, agents=True)
     log = world.log

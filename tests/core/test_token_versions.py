@@ -58,6 +58,6 @@ def test_runs_travel_through_the_log_and_into_the_batch_file_token_by_token(segm
     assert (b"token_versions" in data) == bool(runs)  # a trace of one version logs what it always did
     assert ev.decode_event(kind, data, payload) == event
     assert ev.episode_from_fields(ev.pydantic_core.from_json(data), payload, validate=False) == event
-    batch = decode_batch(encode_batch(1, [sample_of(event, "e", 0.0, 0)]))
+    batch = decode_batch(encode_batch(1, [sample_of(event, "e", 0.0, 0, 1.0)]))
     assert batch.version.tolist() == [-1] * prompt + (versions if len(set(versions)) > 1 else [start] * len(versions))
     assert np.all((batch.version >= 0) == (batch.mask == 1))
