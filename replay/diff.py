@@ -214,9 +214,9 @@ def _compare_rows(
             continue
         for x, y in zip_longest(ca, cb):
             if x is not None and y is not None:
-                if x[2] == y[2] and x[3] == y[3]:
+                if x[2:] == y[2:]:
                     index += 1
-                    continue  # same kind, same bytes: equal
+                    continue  # same kind, same bytes (data and token payload): equal
                 a, b = _side(x, a_log.path), _side(y, b_log.path)
                 if key is not None:
                     if key(a) == key(b):

@@ -2,19 +2,26 @@
 
 The log keeps a trace's token ids, mask and logprobs packed in its row's payload
 (docs/log-format.md); this reads the rows of that episode (their JSON first, then only their
-payloads) and writes them back as lists.
+payloads) and writes them back as lists. An episode of several training samples also lists them
+(`training_samples`: each one's id, agent, reward, versions and its slice of the arrays), and ID
+may name one of its samples (the id a batch file's `trace_id` gives).
 """
 
 from __future__ import annotations
 
 from eventlog import EventLog
-from orchestrator.core.events import decode_event
+from orchestrator.core.events import EpisodeCompleted, decode_event, episode_of
+from orchestrator.core.samples import split_episode
 from replay.source import ReplayInputError, guarded, one_line, row_data
+
+SAMPLE_FIELDS = {"agents", "reward", "policy_start", "policy_end", "token_versions", "token_ids", "mask", "logprobs"}
 
 
 def episode_completions(log: EventLog, episode_id: int) -> list[dict]:
-    """Every `episode_completed` of `episode_id` in log order, each its fields (arrays as lists)
-    and its `seq`; ReplayInputError (one line) for a row whose payload does not decode."""
+    """Every `episode_completed` of `episode_id` (or of the episode a sample id names) in log
+    order, each its fields (arrays as lists), its `seq` and, with several samples, its
+    `training_samples`; ReplayInputError (one line) for a row whose payload does not decode."""
+    episode_id = episode_of(episode_id)
     rows = []
     for seq, _ts, _kind, data in guarded(log.read_raw(kinds=("episode_completed",)), log.path):
         if row_data(seq, data, log.path).get("episode_id") == episode_id:
@@ -28,5 +35,12 @@ def episode_completions(log: EventLog, episode_id: int) -> list[dict]:
             raise ReplayInputError(
                 one_line(f"{log.path}: seq {seq}: cannot decode episode {episode_id}: {err}")
             ) from None
-        out.append({"seq": seq, **event.model_dump(mode="json", exclude={"kind"})})
+        assert isinstance(event, EpisodeCompleted)  # the kind it was decoded as
+        fields = {"seq": seq, **event.model_dump(mode="json", exclude={"kind"})}
+        if event.samples:
+            fields["training_samples"] = [
+                {"sample_id": sample.episode_id, **sample.model_dump(mode="json", include=SAMPLE_FIELDS)}
+                for sample in split_episode(event)
+            ]
+        out.append(fields)
     return out
