@@ -325,15 +325,17 @@ def _drop_reason(s: State, trace_id: int) -> str:
     return "stale"
 
 
-def sample_parts(trace: Trace) -> list[tuple[int, int, int]]:
-    """(sample id, oldest version, sampled tokens) of each sample of an episode."""
-    if not trace.samples:
-        return [(trace.episode_id, trace.policy_start, trace.sampled_tokens)]
+def survivor_samples(trace: Trace) -> list[tuple[int, int, int]]:
+    """(sample id, oldest version, sampled tokens) of each sample of a survivor."""
+    if not trace.samples:  # its one sample has sampled tokens, or it would not have survived
+        return [(trace.episode_id, trace.policy_start, 1)]
     return [(head.trace_id, head.policy_start, head.sampled_tokens) for head in sample_heads(trace)]
 
 
 def sample_ids(trace: Trace) -> list[int]:
-    return [trace_id for trace_id, _, _ in sample_parts(trace)]
+    if not trace.samples:
+        return [trace.episode_id]
+    return [head.trace_id for head in sample_heads(trace)]
 
 
 def settle_group(d: _Decisions, group: Group) -> None:
@@ -347,7 +349,7 @@ def settle_group(d: _Decisions, group: Group) -> None:
     for trace_id in group.members:
         if trace_id not in scored:
             dropped.setdefault(_drop_reason(s, trace_id), []).extend(sample_ids(s.traces[trace_id]))
-    parts = [part for trace_id in survivors for part in sample_parts(s.traces[trace_id])]
+    parts = [part for trace_id in survivors for part in survivor_samples(s.traces[trace_id])]
     admitted = any(group.advantage_of(trace_id) != 0.0 for trace_id, _, _ in parts)
     inserted: list[int] = []
     if survivors and not admitted:

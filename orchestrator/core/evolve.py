@@ -136,10 +136,19 @@ def _split_members(s: State, group: Group) -> dict[int, int]:
     return counts
 
 
+def _judged_episodes(e: ev.GroupSettled, several_samples: bool) -> int:
+    """The settled episodes judged on their content (the dispatch capacity's rate): queued, or
+    dropped for any reason but staleness; each once, however many of its samples are listed."""
+    judged = [e.trace_ids] + [trace_ids for reason, trace_ids in e.dropped.items() if reason != "stale"]
+    if not several_samples:  # every id is its own episode's
+        return sum(map(len, judged))
+    return len({ev.episode_of(trace_id): None for trace_ids in judged for trace_id in trace_ids})
+
+
 def _group_settled(s: State, e: ev.GroupSettled) -> None:
     group = _forget_group(s, e.group_id)
     sample_counts = _split_members(s, group)
-    per_episode = s.params.sample_weight == "episode"
+    per_episode = s.params.sample_weight == "episode" and bool(sample_counts)
     queued_tokens = 0
     for trace_id in e.trace_ids:
         trace = s.traces[trace_id]
@@ -159,12 +168,9 @@ def _group_settled(s: State, e: ev.GroupSettled) -> None:
     acct = s.acct
     acct.queued += len(e.trace_ids)
     acct.queued_tokens += queued_tokens
-    judged = dict.fromkeys(map(ev.episode_of, e.trace_ids))  # episodes, each once
+    acct.judged += _judged_episodes(e, several_samples=bool(sample_counts))
     for reason, trace_ids in e.dropped.items():
-        if reason != "stale":
-            judged.update(dict.fromkeys(map(ev.episode_of, trace_ids)))
         _drop_traces(s, reason, trace_ids)
-    acct.judged += len(judged)
     if e.admitted:
         s.acct.groups_admitted += 1
         s.acct.zero_output_run = 0

@@ -19,6 +19,7 @@ import orjson
 
 from orchestrator.core import arrays
 from orchestrator.core.events import (
+    SAMPLE_ID_STRIDE,
     CoreParams,
     EpisodeCompleted,
     FinalizeStarted,
@@ -91,7 +92,9 @@ class Group:
 
     def advantage_of(self, trace_id: int) -> float:
         """A scored sample's advantage: its agent's, or its episode's."""
-        return self.sample_advantages.get(trace_id, self.advantages[episode_of(trace_id)])
+        if trace_id in self.sample_advantages:
+            return self.sample_advantages[trace_id]
+        return self.advantages[trace_id if trace_id < SAMPLE_ID_STRIDE else episode_of(trace_id)]
 
     @property
     def needed(self) -> int:
