@@ -188,14 +188,23 @@ class BatchConfig(_Section):
     token_size: int | None = Field(None, ge=1, description="if set, batch by tokens instead of samples")
     constant_trainer_batch_size: bool = Field(False, description="prune zero-advantage samples before the cut")
     cut: Literal["prefix", "groups"] = Field(
-        "prefix",
-        description="prefix: the oldest `size` samples (a group may split at the edge); groups: whole groups "
-        "only, at most `size` samples (docs/rules.md, Samples)",
+        "groups",
+        description="groups: whole groups only, at most `size` samples (docs/rules.md, Samples); prefix: the "
+        "oldest `size` samples (a group may split at the edge; the default with constant_trainer_batch_size)",
     )
     sample_weight: Literal["episode", "sample"] = Field(
         "episode",
         description="loss weight of each sample: episode: 1/N for an episode's N samples; sample: 1 each",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _full_batches_cut_by_prefix(cls, data: Any) -> Any:
+        """constant_trainer_batch_size keeps every batch full, which only the prefix cut can: it
+        is that setting's default cut."""
+        if isinstance(data, dict) and data.get("constant_trainer_batch_size") and "cut" not in data:
+            return {**data, "cut": "prefix"}
+        return data
 
     @model_validator(mode="after")
     def _cut_keeps_batches_full(self) -> BatchConfig:
@@ -551,7 +560,7 @@ def resumable(key: str) -> bool:
 
 # Fields added after runs were first written, with the value a stored config that lacks one
 # means: the behaviour its run was recorded with (its log says the same).
-ADDED_FIELDS = {("rollout", "capacity"): "off"}
+ADDED_FIELDS = {("rollout", "capacity"): "off", ("batch", "cut"): "prefix"}
 # Fields that moved (old path -> new path): a stored config's value moves with them.
 MOVED_FIELDS = {("rollout", "env_server"): ("env", "reverse_text", "server")}
 
