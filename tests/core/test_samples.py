@@ -233,3 +233,19 @@ def test_an_episode_splits_into_its_samples_with_their_own_versions():
     assert (first.policy_start, first.policy_end, first.token_versions) == (3, 4, ((3, 1), (4, 1)))
     assert (second.policy_start, second.policy_end, second.token_versions) == (4, 4, ())
     assert np.allclose(list(second.logprobs), [0, -3.0])
+
+
+def test_new_runs_cut_by_groups_and_a_stored_config_from_before_the_cut_means_prefix():
+    import orjson
+
+    from orchestrator.config import load_config, meaning_changes, upgraded_stored_config
+
+    config = load_config(None, [])
+    assert config.batch.cut == "groups" and config.core_params().batch_cut == "groups"
+    assert load_config(None, ["batch.constant_trainer_batch_size=true"]).batch.cut == "prefix"
+    stored = orjson.loads(config.to_json())
+    del stored["batch"]["cut"]  # what a run created before batch.cut stored
+    old = load_config(base=upgraded_stored_config(stored))
+    assert old.batch.cut == "prefix" and old.core_params().batch_cut == "prefix"
+    resumed = load_config(None, ["batch.cut=groups"], base=old.model_dump(mode="json"))
+    assert meaning_changes(old, resumed) == ["batch.cut"]
