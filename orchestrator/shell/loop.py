@@ -241,8 +241,13 @@ class Orchestrator:
         if req.eval_id is not None:
             return eval_result(outcome, self._solved[req.env])
         if outcome.exception is None:
-            return outcome.result
-        self.last_episode_error = episode_error(outcome.exception)
+            done = outcome.result
+            if not done.ok or done.n_tokens:
+                return done
+            # An env's mistake, not the run's: the episode fails with the reason (docs/rules.md, "Samples").
+            self.last_episode_error = "env: the episode yielded no sample (an ok episode without token ids)"
+        else:
+            self.last_episode_error = episode_error(outcome.exception)
         return ev.EpisodeCompleted(
             episode_id=req.episode_id,
             group_id=req.group_id,

@@ -64,12 +64,38 @@ def test_a_run_of_several_samples_per_episode_ships_whole_groups_weighed_per_epi
             assert groups_seen.setdefault(group, step) == step, f"group {group} split across batches"
 
 
-def test_bad_config_is_one_line_and_exit_2(tmp_path):
-    result = orch(*fake_run_args(tmp_path), *sets("batch.size=0"))
+def test_an_ok_episode_without_token_ids_is_a_failed_episode_with_the_reason(tmp_path):
+    """An env that yields no sample for an ok episode (here the fake env, with no prompt and some
+    empty completions): the episode fails with the reason, the run goes on."""
+    result = orch(
+        *fake_run_args(tmp_path, "r", steps=3),
+        *sets("batch.size=16", "env.fake.prompt_tokens=0", "env.fake.empty_rate=0.3", "zero_output_batches=100000"),
+    )
+    assert result.returncode == 0, result.stderr
+    db = sqlite3.connect(tmp_path / "r" / "events.db")
+    failed = db.execute(
+        "SELECT json_extract(data, '$.error') FROM events WHERE kind = 'episode_completed' "
+        "AND NOT json_extract(data, '$.ok')"
+    ).fetchall()
+    assert failed and {error for (error,) in failed} == {
+        "env: the episode yielded no sample (an ok episode without token ids)"
+    }
+    empty_ok = "SELECT count(*) FROM events WHERE kind = 'episode_completed' AND json_extract(data, '$.ok') "
+    assert db.execute(empty_ok + "AND json_extract(data, '$.n_tokens') = 0").fetchone() == (0,)
+    assert_log_invariants(tmp_path / "r", 3, max_off_policy=2, target_lag=1)
+
+
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("batch.size=0", "batch.size: Input should be greater than or equal to 1"),
+        ("batch.sample_weight=token", "batch.sample_weight: Input should be 'episode' or 'sample'"),
+    ],
+)
+def test_bad_config_is_one_line_and_exit_2(tmp_path, assignment, message):
+    result = orch(*fake_run_args(tmp_path), *sets(assignment))
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "orch: error: invalid config: batch.size: Input should be greater than or equal to 1"
-    ]
+    assert result.stderr.strip().splitlines() == [f"orch: error: invalid config: {message}"]
 
 
 @pytest.mark.parametrize(

@@ -38,18 +38,22 @@ def segment_started(proc, run_dir: Path, kind: str, before: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("background", [False, True])
-def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, background):
+@pytest.mark.parametrize("variant, kills", [("inline", 25), ("background", 25), ("samples", 10)])
+def test_sigkill_at_random_moments_then_resume_loses_nothing(tmp_path, variant, kills):
+    """`samples`: 3 samples an episode (docs/rules.md, "Samples"), weighed 1/3, cut by whole
+    groups: the batch files a resume rewrites must be the ones the log hashed."""
+    background = variant == "background"
     rng = random.Random(7 + background)
     # Every fifth kill lands in start-up (before the log is opened or the resume is committed); the
     # others at a random moment after the segment's start or resume is in the log, so a slow
     # machine's start-up cannot turn them all into start-up kills.
-    kills = 25
     # Stale drops are frequent under load with these settings (in both variants: a CI run saw the
     # inline one stop on it); the zero-output guard (tested in the core) must not end this run.
     extra = ["--set", "zero_output_batches=100000"]
     if background:
         extra += ["--set", "algorithm.finalize_in_background=true", "--set", "off_policy.max_off_policy_steps=1"]
+    if variant == "samples":
+        extra += sets("env.fake.samples_per_episode=3", "batch.cut=groups")
     run_dir = tmp_path / "r"
     db = run_dir / "events.db"
     first = fake_run_args(tmp_path, "r", *FAKE, *extra, steps=100000)
