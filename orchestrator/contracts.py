@@ -68,7 +68,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE
-from orchestrator.core.events import EpisodeCompleted
+from orchestrator.core.events import EpisodeCompleted, version_runs
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -140,6 +140,63 @@ def sampled_episode(
         policy_end=policy_end,
         temperature=temperature,
         token_versions=token_versions,
+    )
+
+
+class TrainingSample(NamedTuple):
+    """One training sample of an episode as an env made it (docs/rules.md, "Samples"): its token
+    ids, sampled-token mask (0/1) and logprobs (0.0 off the sampled tokens), and the agent whose
+    sample it is (None: the episode's only agent)."""
+
+    token_ids: Sequence[int]
+    mask: Sequence[int]
+    logprobs: Sequence[float]
+    agent: str | None = None
+
+
+def episode_of_samples(
+    req: RolloutRequest,
+    samples: Sequence[TrainingSample],
+    *,
+    reward: float,
+    policy_start: int,
+    policy_end: int,
+    temperature: float,
+    version_segments: Sequence[tuple[int, int]] = (),
+    agent_rewards: Mapping[str, float] | None = None,
+) -> EpisodeCompleted:
+    """An ok episode of one or more samples, as the log holds it: their arrays one after the
+    other, `samples` giving each one's [tokens, sampled tokens] when there are several, `agents`
+    each one's agent and `agent_rewards` the reward of each (when the samples name agents).
+    `version_segments` are (version, sampled tokens) over all the samples' sampled tokens in
+    order, where the env knows them (empty: bounds only). ValueError (one line) for samples
+    that do not make an episode (none at all, misaligned arrays, an agent without a reward)."""
+    if not samples:
+        raise ValueError("the episode yielded no sample")
+    token_ids, mask, logprobs = array(TOKEN_ID_CODE), bytearray(), array(LOGPROB_CODE)
+    for sample in samples:
+        token_ids.extend(sample.token_ids)
+        mask.extend(map(int, sample.mask))
+        logprobs.extend(sample.logprobs)
+    named = [sample.agent for sample in samples if sample.agent is not None]
+    if named and len(named) != len(samples):
+        raise ValueError("either every sample of an episode names its agent or none does")
+    agents = tuple(named)
+    return EpisodeCompleted(
+        episode_id=req.episode_id,
+        group_id=req.group_id,
+        ok=True,
+        reward=reward,
+        token_ids=token_ids,
+        mask=bytes(mask),
+        logprobs=logprobs,
+        policy_start=policy_start,
+        policy_end=policy_end,
+        temperature=temperature,
+        token_versions=version_runs(version_segments),
+        samples=tuple((len(s.token_ids), sum(map(int, s.mask))) for s in samples) if len(samples) > 1 else (),
+        agents=agents,
+        agent_rewards=tuple(sorted((agent_rewards or {}).items())) if agents else (),
     )
 
 

