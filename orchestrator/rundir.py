@@ -14,8 +14,9 @@ Layout of a run directory (``RUN_DIR``)::
         LoRA:                    a PEFT adapter dir: adapter_config.json, adapter_model.safetensors
                                  (every version is one; step_0's B matrices are zero)
         metrics.json             (N >= 1) the trainer's figures of step N (TRAINER_METRICS; the hf trainer
-                                 adds "step", "clipfrac", "ratio_max", "samples", "adv_abs_mean",
-                                 "reward_mean" (when every sample has a reward), "wait_s", "ranks"),
+                                 adds "step", "clipfrac", "ratio_max", "samples", "samples_per_episode",
+                                 "adv_abs_mean", "reward_mean" (when every sample has a reward), "wait_s",
+                                 "ranks"),
                                  written before STABLE
         STABLE                   marker, written (tmp + fsync + rename) only after the files above
     weights/.versions.lock       flock'd: shared while a server loads a version, exclusive while the

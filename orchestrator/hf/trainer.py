@@ -357,10 +357,12 @@ def full_value(norm: torch.Tensor) -> float:
 
 def step_line(m: dict) -> str:
     reward = f" reward={m['reward_mean']:.3f}" if "reward_mean" in m else ""
+    per_episode = m.get("samples_per_episode", 1.0)
+    samples = f"{m['samples']}" if per_episode == 1.0 else f"{m['samples']} ({per_episode:.2f} per episode)"
     return (
         f"trainer step={m['step']} loss={m['loss']:+.4f} grad_norm={m['grad_norm']:.3f} "
         f"entropy={m['entropy']:.3f} mismatch_kl={m['mismatch_kl']:.2e} clipfrac={m['clipfrac']:.3f} "
-        f"samples={m['samples']} tokens={m['tokens']}{reward} lr={m['lr']:.2e} wait={m['wait_s']:.2f}s "
+        f"samples={samples} tokens={m['tokens']}{reward} lr={m['lr']:.2e} wait={m['wait_s']:.2f}s "
         f"train={m['step_time_s']:.3f}s ranks={m['ranks']}"
     )
 
