@@ -4,7 +4,8 @@ traces against a raw write + fsync of the same bytes, and the cold fold of such 
     .venv/bin/python -m pytest bench/test_longctx_bench.py -o addopts= --benchmark-only -s
 
 One measurement runs in a fresh subprocess (its RSS is the figure): the fake env makes
-`ORCH_LONGCTX_TRACES` episodes (default 1,024) of a 1,024-token prompt and a 16k-token completion,
+`ORCH_LONGCTX_TRACES` traces (default 1,024) of a 1,024-token prompt and a 16k-token completion,
+as that many one-sample episodes, then as a quarter as many episodes of 4 samples each,
 token ids from a 151,936-token vocabulary, and the core holds them all (a batch larger than the
 run, so nothing ships): RAM per held token = RSS growth / tokens held. Every event is appended to a
 log with durability=full, committed whenever ~64 MB of trace bytes are buffered; each commit is
@@ -36,8 +37,9 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens: int) -> dict:
-    """Run in a fresh interpreter: see the module doc."""
+def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens: int, samples: int = 1) -> dict:
+    """Run in a fresh interpreter: see the module doc. `samples` per episode: `n_traces` samples
+    in all, each its own prompt and completion (docs/rules.md, "Samples")."""
     import asyncio
     import gc
     import statistics
@@ -52,16 +54,22 @@ def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens:
     from orchestrator.envs.fake import FakeEnvConfig, FakeEpisodes
     from orchestrator.fold import fold_log
 
+    n_episodes = n_traces // samples
     params = ev.CoreParams(
         env_ratios={"fake": 1.0},
         group_size=8,
         batch_size=2 * n_traces,  # nothing ships: every trace stays held
-        max_inflight=n_traces,
+        max_inflight=n_episodes,
         max_steps=1,
         zero_output_batches=10**6,
     )
     env = FakeEpisodes(
-        FakeEnvConfig(prompt_tokens=prompt_tokens, min_tokens=completion_tokens, max_tokens=completion_tokens),
+        FakeEnvConfig(
+            prompt_tokens=prompt_tokens,
+            min_tokens=completion_tokens,
+            max_tokens=completion_tokens,
+            samples_per_episode=samples,
+        ),
         seed=0,
         version_now=lambda: 0,
     )
@@ -93,7 +101,7 @@ def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens:
         log.append_json(*row)
         buffered.extend(part for part in row[1:] if part)
 
-    # The first n_traces episodes complete (the ones dispatched after them stay in flight).
+    # The first n_episodes episodes complete (the ones dispatched after them stay in flight).
     tasks: dict[int, tuple[str, int]] = {}  # group id -> (env, task id)
     inputs, completions = [ev.RunStarted(params=params)], 0
     while inputs:
@@ -103,7 +111,7 @@ def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens:
             append(decision)
             if decision.kind == "group_dispatched":
                 tasks[decision.group_id] = (decision.env, decision.task_id)
-            elif decision.kind == "episode_dispatched" and completions < n_traces:
+            elif decision.kind == "episode_dispatched" and completions < n_episodes:
                 completions += 1
                 env_name, task_id = tasks[decision.group_id]
                 req = RolloutRequest(decision.episode_id, decision.group_id, env_name, task_id, decision.attempt, 0)
@@ -142,13 +150,16 @@ def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens:
 
 
 @pytest.mark.benchmark(group="longctx")
-def test_long_context_traces(benchmark, tmp_path):
+@pytest.mark.parametrize("samples", [1, 4])
+def test_long_context_traces(benchmark, tmp_path, samples):
+    """`samples` 4: the same traces as samples of a quarter as many episodes (the log's bytes per
+    token should not change with how the tokens are grouped)."""
     script = (
         "import json, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
         "from bench.test_longctx_bench import measure;"
         "print(json.dumps(measure(Path(sys.argv[2]), *map(int, sys.argv[3:]))))"
     )
-    args = [str(ROOT), str(tmp_path), str(TRACES), str(PROMPT_TOKENS), str(COMPLETION_TOKENS)]
+    args = [str(ROOT), str(tmp_path), str(TRACES), str(PROMPT_TOKENS), str(COMPLETION_TOKENS), str(samples)]
 
     def run() -> dict:
         shutil.rmtree(tmp_path)
@@ -159,6 +170,7 @@ def test_long_context_traces(benchmark, tmp_path):
 
     figures = benchmark.pedantic(run, rounds=1, iterations=1)
     benchmark.extra_info.update(figures)
-    print(f"\nlong contexts ({TRACES} traces of {PROMPT_TOKENS} + {COMPLETION_TOKENS} tokens): {figures}")
+    shape = f"{TRACES} traces of {PROMPT_TOKENS} + {COMPLETION_TOKENS} tokens, {samples} per episode"
+    print(f"\nlong contexts ({shape}): {figures}")
     assert figures["traces_held"] == TRACES
     assert figures["fold_equals_live"], "the cold fold of the log does not rebuild the live state"
