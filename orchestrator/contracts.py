@@ -176,7 +176,7 @@ def episode_of_samples(
     token_ids, mask, logprobs = array(TOKEN_ID_CODE), bytearray(), array(LOGPROB_CODE)
     for sample in samples:
         token_ids.extend(sample.token_ids)
-        mask.extend(map(int, sample.mask))
+        mask.extend(sample.mask)  # bytes, or bools (ints)
         logprobs.extend(sample.logprobs)
     named = [sample.agent for sample in samples if sample.agent is not None]
     if named and len(named) != len(samples):
@@ -194,7 +194,7 @@ def episode_of_samples(
         policy_end=policy_end,
         temperature=temperature,
         token_versions=version_runs(version_segments),
-        samples=tuple((len(s.token_ids), sum(map(int, s.mask))) for s in samples) if len(samples) > 1 else (),
+        samples=tuple((len(s.token_ids), sum(s.mask)) for s in samples) if len(samples) > 1 else (),
         agents=agents,
         agent_rewards=tuple(sorted((agent_rewards or {}).items())) if agents else (),
     )

@@ -14,7 +14,16 @@ from typing import ClassVar
 import numpy as np
 from pydantic import Field, model_validator
 
-from orchestrator.contracts import BuildContext, EnvComponent, InferenceComponent, RolloutEnv, RolloutRequest, RunPlan
+from orchestrator.contracts import (
+    BuildContext,
+    EnvComponent,
+    InferenceComponent,
+    RolloutEnv,
+    RolloutRequest,
+    RunPlan,
+    TrainingSample,
+    episode_of_samples,
+)
 from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE
 from orchestrator.core.events import EpisodeCompleted
 
@@ -148,26 +157,16 @@ class FakeEpisodes:
         """`samples_per_episode` samples, each its prompt and its own seeded completion (a length
         and logprob offset drawn from its own key), one after the other."""
         cfg = self.config
-        token_ids, mask, logprobs, samples = array(TOKEN_ID_CODE), bytearray(), array(LOGPROB_CODE), []
+        samples = []
         for index in range(cfg.samples_per_episode):
             sample_key = key + b"/%d" % index
             length, offset = _TWO.unpack_from(hashlib.blake2b(sample_key, digest_size=8).digest())
             sampled = n_sampled if index == 0 else cfg.min_tokens + length % (cfg.max_tokens - cfg.min_tokens + 1)
-            token_ids.extend(self._token_ids(sample_key, cfg.prompt_tokens + sampled))
-            mask += self._masks[sampled]
-            logprobs.extend(self._prompt_logprobs + self._logprob_pool[offset % 256 : offset % 256 + sampled])
-            samples.append((cfg.prompt_tokens + sampled, sampled))
-        return EpisodeCompleted(
-            episode_id=req.episode_id,
-            group_id=req.group_id,
-            ok=True,
-            reward=reward,
-            token_ids=token_ids,
-            mask=bytes(mask),
-            logprobs=logprobs,
-            policy_start=policy_start,
-            policy_end=policy_end,
-            samples=tuple(samples),
+            token_ids = self._token_ids(sample_key, cfg.prompt_tokens + sampled)
+            logprobs = self._prompt_logprobs + self._logprob_pool[offset % 256 : offset % 256 + sampled]
+            samples.append(TrainingSample(token_ids, self._masks[sampled], logprobs))
+        return episode_of_samples(
+            req, samples, reward=reward, policy_start=policy_start, policy_end=policy_end, temperature=1.0
         )
 
     async def load(self, version: int, health_check: Callable[[], None] | None = None) -> None:
