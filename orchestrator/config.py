@@ -23,7 +23,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from orchestrator.contracts import (
     AlgorithmComponent,
@@ -202,8 +211,13 @@ class BatchConfig(_Section):
     def _full_batches_cut_by_prefix(cls, data: Any) -> Any:
         """constant_trainer_batch_size keeps every batch full, which only the prefix cut can: it
         is that setting's default cut."""
-        if isinstance(data, dict) and data.get("constant_trainer_batch_size") and "cut" not in data:
-            return {**data, "cut": "prefix"}
+        if isinstance(data, dict) and "cut" not in data:
+            try:  # as the field reads it ("false" is False); a value it refuses, it reports
+                full = TypeAdapter(bool).validate_python(data.get("constant_trainer_batch_size", False))
+            except ValidationError:
+                full = False
+            if full:
+                return {**data, "cut": "prefix"}
         return data
 
     @model_validator(mode="after")

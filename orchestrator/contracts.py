@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE
 from orchestrator.core.events import EpisodeCompleted, version_runs
@@ -182,22 +182,25 @@ def episode_of_samples(
     if named and len(named) != len(samples):
         raise ValueError("either every sample of an episode names its agent or none does")
     agents = tuple(named)
-    return EpisodeCompleted(
-        episode_id=req.episode_id,
-        group_id=req.group_id,
-        ok=True,
-        reward=reward,
-        token_ids=token_ids,
-        mask=bytes(mask),
-        logprobs=logprobs,
-        policy_start=policy_start,
-        policy_end=policy_end,
-        temperature=temperature,
-        token_versions=version_runs(version_segments),
-        samples=tuple((len(s.token_ids), sum(s.mask)) for s in samples) if len(samples) > 1 else (),
-        agents=agents,
-        agent_rewards=tuple(sorted((agent_rewards or {}).items())) if agents else (),
-    )
+    try:
+        return EpisodeCompleted(
+            episode_id=req.episode_id,
+            group_id=req.group_id,
+            ok=True,
+            reward=reward,
+            token_ids=token_ids,
+            mask=bytes(mask),
+            logprobs=logprobs,
+            policy_start=policy_start,
+            policy_end=policy_end,
+            temperature=temperature,
+            token_versions=version_runs(version_segments),
+            samples=tuple((len(s.token_ids), sum(s.mask)) for s in samples) if len(samples) > 1 else (),
+            agents=agents,
+            agent_rewards=tuple(sorted((agent_rewards or {}).items())) if agents else (),
+        )
+    except ValidationError as err:  # one line: what is wrong, not pydantic's report
+        raise ValueError("; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())) from None
 
 
 class PreparedModel(NamedTuple):
@@ -326,7 +329,8 @@ class ModelCalls(Protocol):
 class AgentEnv(Protocol):
     """An env that plays each episode itself (an agent run: several model calls, multi-turn), its
     model calls through the sampler's `ModelCalls` (the `openai` backend hands its client over);
-    it returns the episode's one sample (raising: a failed episode)."""
+    it returns the episode with its samples (`episode_of_samples`: one, or several where the
+    context was rewritten or several agents trained), raising for a failed episode."""
 
     async def episode(self, request: RolloutRequest, model: ModelCalls, /) -> EpisodeCompleted: ...
 

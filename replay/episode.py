@@ -14,7 +14,7 @@ from orchestrator.core.events import EpisodeCompleted, decode_event, episode_of
 from orchestrator.core.samples import split_episode
 from replay.source import ReplayInputError, guarded, one_line, row_data
 
-SAMPLE_FIELDS = {"agents", "reward", "policy_start", "policy_end", "token_versions", "token_ids", "mask", "logprobs"}
+SAMPLE_FIELDS = {"reward", "policy_start", "policy_end", "token_versions", "token_ids", "mask", "logprobs"}
 
 
 def episode_completions(log: EventLog, episode_id: int) -> list[dict]:
@@ -39,7 +39,11 @@ def episode_completions(log: EventLog, episode_id: int) -> list[dict]:
         fields = {"seq": seq, **event.model_dump(mode="json", exclude={"kind"})}
         if event.samples:
             fields["training_samples"] = [
-                {"sample_id": sample.episode_id, **sample.model_dump(mode="json", include=SAMPLE_FIELDS)}
+                {
+                    "sample_id": sample.episode_id,
+                    "agent": sample.agents[0] if sample.agents else None,
+                    **sample.model_dump(mode="json", include=SAMPLE_FIELDS),
+                }
                 for sample in split_episode(event)
             ]
         out.append(fields)

@@ -29,7 +29,7 @@ from orchestrator.core.evals import (
 )
 from orchestrator.core.evolve import evolve
 from orchestrator.core.rng import choose_by_ratio, uniform
-from orchestrator.core.samples import sample_heads, trainable_starts
+from orchestrator.core.samples import sample_heads, seat_of, trainable_starts
 from orchestrator.core.state import Group, QueuedTrace, State, Trace, min_fresh_version
 
 
@@ -290,18 +290,19 @@ def finalize_group(d: _Decisions, group: Group) -> None:
 
 def score_agents_apart(s: State, survivors: list[int], scorer: Callable) -> list[tuple[int, float]]:
     """Rule 3 for episodes whose env scored each agent (`agent_rewards`): each agent's samples
-    take the advantage of that agent's reward among the same agent's rewards across the group
-    (empty where no episode has agent rewards)."""
-    rewards_by_agent: dict[str, list[tuple[int, float]]] = {}
+    take the advantage of that agent's reward among the rewards of the same seat across the group
+    (`seat_of`: the traces one seat played in an episode, `seat#k`, share its pool); empty where
+    no episode has agent rewards."""
+    pools: dict[str, list[tuple[tuple[int, str], float]]] = {}
     for trace_id in survivors:
         for agent, reward in s.traces[trace_id].agent_rewards:
-            rewards_by_agent.setdefault(agent, []).append((trace_id, reward))
-    if not rewards_by_agent:
+            pools.setdefault(seat_of(agent), []).append(((trace_id, agent), reward))
+    if not pools:
         return []
     scored: dict[tuple[int, str], float] = {}
-    for agent, scored_rewards in rewards_by_agent.items():
-        advantages = scorer([reward for _, reward in scored_rewards], s.params.std_normalization)
-        scored.update(((trace_id, agent), a) for (trace_id, _), a in zip(scored_rewards, advantages))
+    for pool in pools.values():
+        advantages = scorer([reward for _, reward in pool], s.params.std_normalization)
+        scored.update((key, advantage) for (key, _), advantage in zip(pool, advantages))
     return [
         (head.trace_id, scored[trace_id, head.agent])
         for trace_id in survivors

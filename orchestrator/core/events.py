@@ -33,8 +33,8 @@ from orchestrator.core.advantages import BACKGROUND_ONLY, KNOWN_ALGORITHMS
 # tokens came from more than one version (a weight update while it was sampled).
 # 5: an episode of several training samples (`EpisodeCompleted.samples`, `agents`,
 # `agent_rewards`), a group's per-agent advantages (`GroupFinalized.sample_advantages`), and the
-# params `batch_cut` and `sample_weight`; each left out while unused, so a one-sample run logs
-# the rows version 4 did, its `schema_version` aside.
+# params `batch_cut` and `sample_weight`; each left out while unused, so a one-sample run cut by
+# prefix logs the rows version 4 did, its `schema_version` aside.
 EVENT_SCHEMA_VERSION = 5
 
 

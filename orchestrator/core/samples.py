@@ -30,6 +30,13 @@ class SampleHead(NamedTuple):
     agent: str | None
 
 
+def seat_of(agent: str) -> str:
+    """The seat an agent plays: `name` for `name#k` (the k-th trace of a seat that played several
+    in one episode, e.g. best-of-n's attempts), else the agent itself. The agents of one seat are
+    scored in one pool (docs/rules.md, "Samples")."""
+    return agent.partition("#")[0]
+
+
 def sample_count(trace) -> int:
     """How many samples a trace holds: a failed or one-sample episode counts one."""
     return len(trace.samples) or 1

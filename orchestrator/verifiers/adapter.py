@@ -23,8 +23,10 @@ its calls saw (:class:`CallRecord`: the endpoint, the versions, vLLM's answer) a
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -53,12 +55,19 @@ def renderers_logprobs(answer: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def prompt_key(token_ids: list[int]) -> tuple[int, bytes]:
+    """What tells one prompt from another: its length and a digest of its int32 token ids."""
+    return len(token_ids), hashlib.blake2b(array("i", token_ids).tobytes(), digest_size=16).digest()
+
+
 @dataclass
 class CallRecord:
     """One model call of a rollout, as the endpoint saw and answered it."""
 
     endpoint: str
-    prompt_ids: list[int]  # the token ids it was sent (the generate body's `token_ids`)
+    # The token ids it was sent (the generate body's `token_ids`), kept as their length and digest
+    # (`prompt_key`): an agent's long context is held once, in verifiers' trace, not per call.
+    prompt: tuple[int, bytes]
     answer: dict[str, Any]
     policy_start: int
     policy_end: int
@@ -114,7 +123,7 @@ class GenerateRoute:
             return _json(503, {"error": {"message": str(err)}})
         record = CallRecord(
             done.endpoint,
-            body.get("token_ids") or [],
+            prompt_key(body.get("token_ids") or []),
             done.answer,
             done.policy_start,
             done.policy_end,

@@ -58,11 +58,11 @@ class Tally:
     calls: int = 0
     route_s: float = 0.0  # orch's routing of the model calls, beyond their HTTP exchange (inside harness_s)
 
-    def count(self, samples: list[TrainingSample], traces: list, records: list[adapter.CallRecord]) -> None:
+    def count(self, samples: int, split: int, several_agents: bool, records: list[adapter.CallRecord]) -> None:
         self.episodes += 1
-        self.samples += len(samples)
-        self.split += len(samples) > sum(1 for t in traces if any(b.trainable for b in t.branches))
-        self.multi_agent += len(traces) > 1
+        self.samples += samples
+        self.split += split > 0
+        self.multi_agent += several_agents
         self.calls += len(records)
         self.route_s += sum(c.route_s - c.http_s for c in records)
 
@@ -185,27 +185,28 @@ def completion(req: RolloutRequest, episode, calls: dict, temperature: float, ta
     if not episode.ok:
         raise VerifiersEpisodeError(_first_error(episode))
     traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
+    labels = agent_labels(traces)
+    several_agents = len(traces) > 1
     samples: list[TrainingSample] = []
     segments: list[tuple[int, int] | None] = []  # each sampled span's (version, tokens); None: unknown
-    rewards: dict[str, float] = {}
     records: list[adapter.CallRecord] = []
-    for trace, agent in zip(traces, agent_labels(traces)):
+    split = 0
+    for trace, agent in zip(traces, labels):
         made = calls.get(trace.id)
         own = made.calls if made is not None else []
         records += own
         branches = [b for b in trace.branches if b.trainable]
-        for branch in branches:
-            sample = TrainingSample(branch.token_ids, branch.sampled_mask, branch.logprobs, agent)
+        made_samples = [TrainingSample(b.token_ids, b.sampled_mask, b.logprobs, agent) for b in branches]
+        made_samples = [sample for sample in made_samples if sample.token_ids]
+        split += len(made_samples) > 1
+        for sample in made_samples:
             samples.append(sample)
             segments += span_versions(sample, own)
-        if branches:
-            rewards[agent] = trace.reward
     if not samples:
         raise VerifiersEpisodeError(
             f"the episode yielded no sample: its {len(traces)} trainable traces have no trainable branch"
         )
-    tally.count(samples, traces, records)
-    several_agents = len(rewards) > 1
+    rewards = {agent: trace.reward for trace, agent in zip(traces, labels)}
     versions = [(c.policy_start, c.policy_end) for c in records] or [(req.policy_version,) * 2]
     exact = [segment for segment in segments if segment is not None]
     if exact and len(exact) == len(segments):  # every span's version known: the log says each token's
@@ -213,22 +214,29 @@ def completion(req: RolloutRequest, episode, calls: dict, temperature: float, ta
     else:  # bounds: the oldest and newest version any call was sampled with
         exact = []
         policy_start, policy_end = min(v[0] for v in versions), max(v[1] for v in versions)
-    return episode_of_samples(
-        req,
-        samples if several_agents else [s._replace(agent=None) for s in samples],
-        reward=sum(rewards.values()) / len(rewards),
-        policy_start=policy_start,
-        policy_end=policy_end,
-        temperature=temperature,
-        version_segments=exact,
-        agent_rewards=rewards if several_agents else None,
-    )
+    trained = {sample.agent for sample in samples}
+    try:
+        done = episode_of_samples(
+            req,
+            samples if several_agents else [sample._replace(agent=None) for sample in samples],
+            reward=sum(rewards.values()) / len(rewards),  # every trainable agent's, trained or not
+            policy_start=policy_start,
+            policy_end=policy_end,
+            temperature=temperature,
+            version_segments=exact,
+            agent_rewards={a: r for a, r in rewards.items() if a in trained} if several_agents else None,
+        )
+    except ValueError as err:
+        raise VerifiersEpisodeError(f"its samples do not make an episode: {err}") from None
+    tally.count(len(samples), split, several_agents, records)
+    return done
 
 
 def agent_labels(traces) -> list[str]:
     """Each trainable trace's agent, as its samples name it: the agent's seat name, or where
     one seat played several traces of the episode (best-of-n), `name#k` for its k-th trace in
-    the episode's order (docs/verifiers.md, "Several agents")."""
+    the episode's order; the core scores a seat's traces in one pool (`core.samples.seat_of`;
+    docs/verifiers.md, "Several agents")."""
     names = [trace.agent.name if trace.agent is not None else "agent" for trace in traces]
     seen: dict[str, int] = {}
     labels = []
@@ -244,9 +252,8 @@ def span_versions(sample: TrainingSample, records: list[adapter.CallRecord]) -> 
     did, or where the call's version is only bounded: the backend could not tell it exactly)."""
     tokens, found = list(sample.token_ids), []
     for start, end in sampled_spans(sample.mask):
-        call = next(
-            (c for c in records if c.prompt_ids == tokens[:start] and answer_ids(c.answer) == tokens[start:end]), None
-        )
+        prompt, answer = adapter.prompt_key(tokens[:start]), tokens[start:end]
+        call = next((c for c in records if c.prompt == prompt and answer_ids(c.answer) == answer), None)
         exact = call is not None and call.policy_start == call.policy_end
         found.append((call.policy_start, end - start) if exact else None)
     return found

@@ -168,6 +168,42 @@ def test_agents_scored_apart_take_their_agents_advantage():
                     assert advantage == pytest.approx(rewards[episode.episode_id] - mean)
 
 
+def test_the_traces_one_seat_played_in_an_episode_are_scored_in_one_pool():
+    """best-of-n: `x#1` and `x#2` are seat `x`'s attempts; each takes its reward minus the mean of
+    every attempt of the seat across the group, whatever order named them."""
+    from tests.support.params import Driver
+
+    driver = Driver(group_size=2, batch_size=64, max_inflight=2)
+    driver.start()
+    rewards = {0: {"x#1": 1.0, "x#2": 0.0, "y": 0.5}, 1: {"x#1": 0.0, "x#2": 0.0, "y": 1.0}}
+    out = []
+    for index, episode_id in enumerate(sorted(driver.state.inflight)):
+        agents = rewards[index]
+        out += driver.feed(
+            ev.EpisodeCompleted(
+                episode_id=episode_id,
+                group_id=driver.state.inflight[episode_id],
+                ok=True,
+                reward=sum(agents.values()) / 3,
+                token_ids=[7, 7] * 3,
+                mask=[0, 1] * 3,
+                logprobs=[0.0, -1.0] * 3,
+                policy_start=0,
+                policy_end=0,
+                samples=((2, 1),) * 3,
+                agents=tuple(agents),
+                agent_rewards=tuple(agents.items()),
+            )
+        )
+    (finalized,) = [e for e in out if e.kind == "group_finalized"]
+    expected = {}
+    for episode_id, agents in zip(finalized.trace_ids, rewards.values()):  # in the order they completed
+        for k, (agent, reward) in enumerate(agents.items()):
+            mean = 0.25 if agent.startswith("x") else 0.75  # x: (1 + 0 + 0 + 0) / 4; y: (0.5 + 1) / 2
+            expected[ev.sample_id(episode_id, k)] = reward - mean
+    assert dict(finalized.sample_advantages) == pytest.approx(expected)
+
+
 def test_one_sample_episodes_log_what_they_always_did():
     one = ev.EpisodeCompleted(
         episode_id=3,

@@ -88,6 +88,6 @@ def test_episode_lists_its_samples_and_a_sample_id_finds_its_episode(tmp_path, c
         assert [s["sample_id"] for s in listed] == [ev.sample_id(episode["episode_id"], k) for k in range(len(listed))]
         assert [len(s["token_ids"]) for s in listed] == [n for n, _ in line["samples"]]
         assert sum((s["token_ids"] for s in listed), []) == line["token_ids"]
-        assert [s["agents"] for s in listed] == [[agent] for agent in line["agents"]]
+        assert [s["agent"] for s in listed] == line["agents"]
         rewards = dict(line["agent_rewards"])
         assert [s["reward"] for s in listed] == [rewards[agent] for agent in line["agents"]]

@@ -18,7 +18,7 @@ from verifiers.v1.types import AssistantMessage, UserMessage  # noqa: E402
 from orchestrator.contracts import RolloutRequest  # noqa: E402
 from orchestrator.core import events as ev  # noqa: E402
 from orchestrator.core.samples import split_episode  # noqa: E402
-from orchestrator.verifiers.adapter import CallRecord, Rollout  # noqa: E402
+from orchestrator.verifiers.adapter import CallRecord, Rollout, prompt_key  # noqa: E402
 from orchestrator.verifiers.env import Tally, VerifiersEpisodeError, completion  # noqa: E402
 
 REQ = RolloutRequest(episode_id=5, group_id=2, env="verifiers", task_id=0, attempt=0, policy_version=3)
@@ -52,7 +52,7 @@ def trace(name: str, nodes, reward: float, trainable: bool = True) -> Trace:
 
 def call(prompt_ids, answer_ids, version, end=None) -> CallRecord:
     body = {"choices": [{"token_ids": answer_ids}]}
-    return CallRecord("http://e", prompt_ids, body, version, version if end is None else end, 1, 0.0)
+    return CallRecord("http://e", prompt_key(prompt_ids), body, version, version if end is None else end, 1, 0.0)
 
 
 def calls_of(*pairs) -> dict:
@@ -141,3 +141,28 @@ def test_an_ok_episode_without_a_trainable_branch_is_a_failed_episode_with_the_r
     judge = trace("judge", [prompt(None, [1]), answer(0, [4], [5], [-1.0])], 1.0, trainable=False)
     with pytest.raises(VerifiersEpisodeError, match="the episode yielded no sample"):
         convert([judge], calls_of((judge, [])))
+
+
+def test_a_trainable_agent_without_a_branch_still_counts_in_the_episodes_reward():
+    """Whether an episode is several agents' is the env's trainable traces, not which yielded
+    samples: so every episode of a group is scored alike."""
+    solver = trace("solver", [prompt(None, [1]), answer(0, [4], [5], [-1.0])], 1.0)
+    silent = trace("checker", [], 0.0)  # no message: no branch
+    done, tally = convert([solver, silent], calls_of((solver, [call([1, 4], [5], 3)])))
+    assert done.agents == ("solver",) and done.agent_rewards == (("solver", 1.0),)
+    assert done.reward == 0.5 and (tally.samples, tally.multi_agent) == (1, 1)
+
+
+def test_samples_that_make_no_episode_fail_it_in_one_line():
+    from orchestrator.contracts import TrainingSample, episode_of_samples
+
+    with pytest.raises(ValueError) as err:
+        episode_of_samples(
+            REQ,
+            [TrainingSample([1, 2], [0, 1], [0.0, -1.0]), TrainingSample([], [], [])],
+            reward=0.0,
+            policy_start=0,
+            policy_end=0,
+            temperature=1.0,
+        )
+    assert "each is [tokens > 0" in str(err.value) and "\n" not in str(err.value)

@@ -24,8 +24,7 @@ import pytest
 pytest.importorskip("verifiers.v1")
 
 from orchestrator.core.batch import decode_batch  # noqa: E402
-from orchestrator.core.events import episode_of  # noqa: E402
-from orchestrator.verifiers.env import sampled_spans  # noqa: E402
+from orchestrator.core.events import SAMPLE_ID_STRIDE, episode_of  # noqa: E402
 from tests.inference.vllm_util import needs_vllm, tiny_model  # noqa: E402
 from tests.support.cli import orch_argv  # noqa: E402
 from tests.support.logs import assert_log_invariants  # noqa: E402
@@ -56,6 +55,18 @@ def run_orch(runs_dir, served, example: str, name: str, *extra: str):
     model, proxy = served
     cmd = orch_run_cmd(EXAMPLES / example, runs_dir, name, proxy.url, model, *extra)
     return subprocess.run(cmd, env=orch_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of mask 1 (the test's own: it checks the code's)."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
 
 
 def assert_exactly_what_vllm_returned(sample: dict, exchanges: list[tuple[dict, dict]]) -> int:
@@ -216,7 +227,7 @@ def test_each_agent_is_scored_against_the_same_agent_across_its_group(resumed):
     for group in finalized:
         for sample_id, advantage in group["sample_advantages"]:
             episode = completed[episode_of(sample_id)]
-            agent = episode["agents"][sample_id // 10**12]
+            agent = episode["agents"][sample_id // SAMPLE_ID_STRIDE]
             rewards = [dict(completed[t]["agent_rewards"])[agent] for t in group["trace_ids"]]
             own = dict(episode["agent_rewards"])[agent]
             assert advantage == pytest.approx(own - sum(rewards) / len(rewards))

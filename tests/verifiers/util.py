@@ -13,6 +13,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from orchestrator.core.events import SAMPLE_ID_STRIDE
 from tests.support import logs, runs
 from tests.support.cli import orch_argv
 
@@ -94,7 +95,7 @@ def samples_of(episode: dict) -> list[dict]:
         end = start + n
         out.append(
             {
-                "episode_id": episode["episode_id"] + index * 10**12,
+                "episode_id": episode["episode_id"] + index * SAMPLE_ID_STRIDE,
                 **{key: episode[key][start:end] for key in ("token_ids", "mask", "logprobs")},
             }
         )
