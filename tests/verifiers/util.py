@@ -24,16 +24,22 @@ TASKSETS = Path(__file__).parent / "tasksets"
 
 class RecordingProxy:
     """An HTTP proxy to `upstream` that keeps every /inference/v1/generate exchange as the engine
-    saw and answered it: (request JSON, response JSON)."""
+    saw and answered it: (request JSON, response JSON), and in `versions` the weight version the
+    server held when the request came: that of the last `reload_weights` of a `weights/step_N`
+    dir answered before it (orch sends no sampling request while a reload runs)."""
 
     def __init__(self, upstream: str):
         host, port = upstream.removeprefix("http://").split(":")
         self.exchanges: list[tuple[dict, dict]] = []
+        self.versions: list[int | None] = []
+        self.loaded: int | None = None
+        lock = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                served = proxy.loaded
                 conn = http.client.HTTPConnection(host, int(port), timeout=300)
                 conn.request(
                     self.command,
@@ -44,7 +50,12 @@ class RecordingProxy:
                 resp = conn.getresponse()
                 answer = resp.read()
                 if self.path.startswith("/inference/v1/generate") and resp.status == 200:
-                    proxy.exchanges.append((json.loads(body), json.loads(answer)))
+                    with lock:
+                        proxy.exchanges.append((json.loads(body), json.loads(answer)))
+                        proxy.versions.append(served)
+                elif self.path.startswith("/collective_rpc") and resp.status == 200:
+                    path = json.loads(body).get("kwargs", {}).get("weights_path", "")
+                    proxy.loaded = int(path.rsplit("step_", 1)[1]) if "step_" in path else None
                 self.send_response(resp.status)
                 self.send_header("content-type", resp.getheader("content-type", "application/json"))
                 self.send_header("content-length", str(len(answer)))
