@@ -128,18 +128,15 @@ def sampled_episode(
     token_ids.extend(completion_ids)
     logprobs = array(LOGPROB_CODE, bytes(4 * len(prompt_ids)))  # float32 zeros
     logprobs.extend(completion_logprobs)
-    return EpisodeCompleted(
-        episode_id=req.episode_id,
-        group_id=req.group_id,
-        ok=True,
+    mask = bytes(len(prompt_ids)) + b"\x01" * len(completion_ids)
+    return episode_of_samples(
+        req,
+        [TrainingSample(token_ids, mask, logprobs)],
         reward=reward,
-        token_ids=token_ids,
-        mask=bytes(len(prompt_ids)) + b"\x01" * len(completion_ids),
-        logprobs=logprobs,
         policy_start=policy_start,
         policy_end=policy_end,
         temperature=temperature,
-        token_versions=token_versions,
+        version_segments=token_versions,
     )
 
 
@@ -173,11 +170,15 @@ def episode_of_samples(
     that do not make an episode (none at all, misaligned arrays, an agent without a reward)."""
     if not samples:
         raise ValueError("the episode yielded no sample")
-    token_ids, mask, logprobs = array(TOKEN_ID_CODE), bytearray(), array(LOGPROB_CODE)
-    for sample in samples:
-        token_ids.extend(sample.token_ids)
-        mask.extend(sample.mask)  # bytes, or bools (ints)
-        logprobs.extend(sample.logprobs)
+    if len(samples) == 1:  # as it is: the event packs what is not packed yet
+        token_ids, mask, logprobs = samples[0].token_ids, samples[0].mask, samples[0].logprobs
+    else:
+        token_ids, mask, logprobs = array(TOKEN_ID_CODE), bytearray(), array(LOGPROB_CODE)
+        for sample in samples:
+            token_ids.extend(sample.token_ids)
+            mask.extend(sample.mask)  # bytes, or bools (ints)
+            logprobs.extend(sample.logprobs)
+        mask = bytes(mask)
     named = [sample.agent for sample in samples if sample.agent is not None]
     if named and len(named) != len(samples):
         raise ValueError("either every sample of an episode names its agent or none does")
@@ -189,7 +190,7 @@ def episode_of_samples(
             ok=True,
             reward=reward,
             token_ids=token_ids,
-            mask=bytes(mask),
+            mask=mask,
             logprobs=logprobs,
             policy_start=policy_start,
             policy_end=policy_end,
