@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,9 +197,10 @@ def completion(req: RolloutRequest, episode, calls: dict, temperature: float, ta
         made = calls.get(trace.id)
         own = made.calls if made is not None else []
         records += own
-        branches = [b for b in trace.branches if b.trainable]
-        made_samples = [TrainingSample(b.token_ids, b.sampled_mask, b.logprobs, agent) for b in branches]
-        made_samples = [sample for sample in made_samples if sample.token_ids]
+        trainable = (
+            TrainingSample(b.token_ids, b.sampled_mask, b.logprobs, agent) for b in trace.branches if b.trainable
+        )
+        made_samples = [sample for sample in trainable if sample.token_ids]  # a branch without a token is none
         split += len(made_samples) > 1
         for sample in made_samples:
             samples.append(sample)
@@ -207,13 +210,7 @@ def completion(req: RolloutRequest, episode, calls: dict, temperature: float, ta
             f"the episode yielded no sample: its {len(traces)} trainable traces have no trainable branch"
         )
     rewards = {agent: trace.reward for trace, agent in zip(traces, labels)}
-    versions = [(c.policy_start, c.policy_end) for c in records] or [(req.policy_version,) * 2]
-    exact = [segment for segment in segments if segment is not None]
-    if exact and len(exact) == len(segments):  # every span's version known: the log says each token's
-        policy_start, policy_end = min(v for v, _ in exact), max(v for v, _ in exact)
-    else:  # bounds: the oldest and newest version any call was sampled with
-        exact = []
-        policy_start, policy_end = min(v[0] for v in versions), max(v[1] for v in versions)
+    policy_start, policy_end, exact = episode_versions(req, segments, records)
     trained = {sample.agent for sample in samples}
     try:
         done = episode_of_samples(
@@ -232,17 +229,30 @@ def completion(req: RolloutRequest, episode, calls: dict, temperature: float, ta
     return done
 
 
+def episode_versions(
+    req: RolloutRequest, segments: list[tuple[int, int] | None], records: list[adapter.CallRecord]
+) -> tuple[int, int, list[tuple[int, int]]]:
+    """(policy_start, policy_end, version segments) of an episode: where every sampled span's
+    version is known, the oldest and newest of them and the segments (the log then says each
+    token's); else the bounds of every call's versions and no segments."""
+    if segments and None not in segments:
+        known = [segment for segment in segments if segment is not None]
+        return min(v for v, _ in known), max(v for v, _ in known), known
+    versions = [(c.policy_start, c.policy_end) for c in records] or [(req.policy_version,) * 2]
+    return min(v[0] for v in versions), max(v[1] for v in versions), []
+
+
 def agent_labels(traces) -> list[str]:
     """Each trainable trace's agent, as its samples name it: the agent's seat name, or where
     one seat played several traces of the episode (best-of-n), `name#k` for its k-th trace in
     the episode's order; the core scores a seat's traces in one pool (`core.samples.seat_of`;
     docs/verifiers.md, "Several agents")."""
     names = [trace.agent.name if trace.agent is not None else "agent" for trace in traces]
-    seen: dict[str, int] = {}
+    played, seen = Counter(names), Counter[str]()
     labels = []
     for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        labels.append(name if names.count(name) == 1 else f"{name}#{seen[name]}")
+        seen[name] += 1
+        labels.append(name if played[name] == 1 else f"{name}#{seen[name]}")
     return labels
 
 
@@ -261,13 +271,12 @@ def span_versions(sample: TrainingSample, records: list[adapter.CallRecord]) -> 
 
 def sampled_spans(mask) -> list[tuple[int, int]]:
     """[start, end) of each run of sampled tokens."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
+    spans, start = [], 0
+    for sampled, run in itertools.groupby(mask, key=bool):
+        end = start + sum(1 for _ in run)
+        if sampled:
+            spans.append((start, end))
+        start = end
     return spans
 
 
