@@ -48,12 +48,15 @@ def test_ctrl_c_ends_the_command_and_the_busy_processes(tmp_path):
     try:
         line = wrapper.stderr.readline()  # written once the busy processes run
         busy = [int(pid) for pid in line.split("(pids ")[1].split(")")[0].split()]
-        assert all("getppid" in cmdline(pid) for pid in busy), line
-        # the command started (the wrapper's third child) before the ^C
-        deadline = time.monotonic() + 30
         children = Path(f"/proc/{wrapper.pid}/task/{wrapper.pid}/children")
-        while len(children.read_text().split()) < 3:
-            assert time.monotonic() < deadline, "busy.py started no command within 30s"
+        # the busy processes and the command running (exec'd: a child forked and not yet exec'd
+        # would not act on the ^C) before the ^C
+        deadline = time.monotonic() + 30
+        running = sorted(["sleep", sys.executable, sys.executable])
+        while sorted(cmdline(int(pid)).split(" ")[0] for pid in children.read_text().split()) != running or not all(
+            "getppid" in cmdline(pid) for pid in busy
+        ):
+            assert time.monotonic() < deadline, f"busy.py's children not all running within 30s: {children.read_text()}"
             time.sleep(0.05)
         os.killpg(wrapper.pid, signal.SIGINT)  # what ^C sends to the foreground job
         assert wrapper.wait(timeout=30) == 128 + signal.SIGINT

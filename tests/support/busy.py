@@ -8,6 +8,7 @@ for), and each ends by itself if this process dies without its cleanup (SIGKILL)
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -20,19 +21,17 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: busy.py COMMAND [ARG...]", file=sys.stderr)
         return 2
+    # ^C reaches the command too: this process waits for its cleanup, not interrupted (a handler,
+    # not SIG_IGN, which the command would inherit)
+    signal.signal(signal.SIGINT, lambda _signum, _frame: None)
     busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], start_new_session=True) for _ in range(BUSY_PROCESSES)]
     try:
         pids = " ".join(str(process.pid) for process in busy)
         print(
             f"busy.py: {len(busy)} busy processes (pids {pids}) beside: {' '.join(argv)}", file=sys.stderr, flush=True
         )
-        command = subprocess.Popen(argv)
-        while True:
-            try:
-                status = command.wait()
-                return 128 - status if status < 0 else status  # killed by signal N: 128 + N, as a shell says
-            except KeyboardInterrupt:  # the command got the same ^C: its own cleanup is waited for
-                continue
+        status = subprocess.call(argv)
+        return 128 - status if status < 0 else status  # killed by signal N: 128 + N, as a shell says
     finally:
         for process in busy:
             process.kill()
