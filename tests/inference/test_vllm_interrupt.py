@@ -30,7 +30,8 @@ from tests.support.logs import assert_log_invariants, count_events, events
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 # Tokens per completion (ignore_eos: min_tokens would do it too, but vLLM 0.32 reports the
-# logprobs of the distribution it masks EOS out of): long enough to span the reloads.
+# logprobs of the distribution it masks EOS out of): long enough that none ends between its first
+# token coming back and the hold (hold_streaming) that keeps it open for the reload.
 LENGTH = 240
 STEPS = 8  # the orch run's
 HOLD_BOUND_S = 120  # the most a hold waits for its completions to stream
