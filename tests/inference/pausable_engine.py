@@ -43,6 +43,9 @@ class PausableEngine:
     failed_resets: int = 0  # the next resets of the prefix cache that fail (success false)
     stagger: int = 0  # choice c of a request starts sampling c * stagger steps after choice 0
     failing: bool = False
+    # requests are admitted only once the engine holds this version: a test keeps a request
+    # unadmitted until the reload it wants to find it so
+    admit_from_version: int = 0
     paused: bool = False
     received: int = 0  # completion requests that reached the server
     admitted_at: list[int] = field(default_factory=list)  # the version each admitted request started under
@@ -71,7 +74,7 @@ class PausableEngine:
 
         async def stream():
             await asyncio.sleep(prompt[0] / 1000)  # admit_s: the prompt's first id, in ms
-            while self.paused:  # held, as vLLM holds what it has not admitted
+            while self.paused or self.version < self.admit_from_version:  # held, as vLLM holds what it has not admitted
                 await asyncio.sleep(0.001)
             run = _Run()
             self.running.append(run)

@@ -51,16 +51,18 @@ def ask(client, pin=None, **kw):
 
 
 def test_least_loaded_routing_by_inflight_count(wdirs):
-    with serving(SlowPolicyServer(1.5)) as slow, serving() as fast:
+    with serving(SlowPolicyServer(0.0)) as slow, serving() as fast:
 
         async def main():
             async with InferenceClient([slow.base_url, fast.base_url]) as client:
                 await client.load(0, wdirs[0])
-                busy = asyncio.ensure_future(ask(client))  # tie -> the first endpoint, busy for 1.5 s
-                await asyncio.sleep(0.2)
-                assert client.endpoints[0].inflight == 1
+                slow.policy.held.set()
+                busy = asyncio.ensure_future(ask(client))  # tie -> the first endpoint, busy until released
+                while client.endpoints[0].inflight < 1:
+                    await asyncio.sleep(0.01)
                 quick = [await ask(client, seed=s) for s in range(5)]  # each sees 1 vs 0 in flight
                 assert {c.endpoint for c in quick} == {fast.base_url}
+                slow.policy.held.clear()
                 assert (await busy).endpoint == slow.base_url
                 # idle again: equal load -> alternate by requests assigned so far
                 spread = await asyncio.gather(*(ask(client, seed=s) for s in range(6)))

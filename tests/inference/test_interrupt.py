@@ -22,6 +22,12 @@ def per_token(completion, choice_index: int) -> list[int]:
     return [v for v, n in runs for _ in range(n)] or [completion.choice_policy(choice_index)[0]] * length
 
 
+async def received(engine: PausableEngine, requests: int) -> None:
+    """Until the engine has received `requests` completion requests."""
+    while engine.received < requests:
+        await asyncio.sleep(0.005)
+
+
 async def every_stream_started(client: InferenceClient, engine: PausableEngine, requests: int) -> None:
     """Until the engine runs `requests` requests and the client has the first token of each."""
     while len(engine.running) < requests or client.endpoints[0].unstarted:
@@ -40,8 +46,13 @@ def test_each_token_has_the_version_that_sampled_it_across_reloads(tmp_path):
                 asyncio.ensure_future(client.complete([admit, 1, 2], n=2, max_tokens=40, seed=i))
                 for i, admit in enumerate(admits)
             ]
+            ep = client.endpoints[0]
             for v in range(1, 6):
-                await asyncio.sleep(0.04)
+                if v == 1:  # one stream with its first token at least: the first reload interrupts it
+                    while ep.sending - len(ep.unstarted) < 1:
+                        await asyncio.sleep(0.005)
+                else:
+                    await asyncio.sleep(0.04)
                 await client.load(v, dirs[v])
             return await asyncio.gather(*flight)
 
@@ -64,13 +75,13 @@ def test_each_token_has_the_version_that_sampled_it_across_reloads(tmp_path):
 
 
 def test_a_reload_does_not_wait_for_a_request_the_engine_has_not_started(tmp_path):
-    engine, dirs = PausableEngine(), weight_dirs(tmp_path, range(2))
+    engine, dirs = PausableEngine(admit_from_version=1), weight_dirs(tmp_path, range(2))
 
     async def main(url):
         async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as client:
             await client.load(0, dirs[0])
-            late = asyncio.ensure_future(client.complete([300, 1], max_tokens=5, seed=1))  # admitted after 0.3 s
-            await asyncio.sleep(0.05)
+            late = asyncio.ensure_future(client.complete([0, 1], max_tokens=5, seed=1))  # not admitted before v1
+            await received(engine, 1)
             await client.load(1, dirs[1])
             return await late, engine.received
 
@@ -178,19 +189,17 @@ def test_a_choice_aborted_before_its_first_token_has_the_version_that_sampled_it
 
 
 def test_a_request_restarted_max_restarts_times_is_waited_for_then_continued(tmp_path):
-    """A request slower to start than the reloads are apart is not restarted at every reload:
-    after MAX_RESTARTS the next reload waits for its first token, then aborts and continues it."""
-    engine = PausableEngine()
+    """A request that does not start before a reload is not restarted at every reload: after
+    MAX_RESTARTS the next reload waits for its first token, then aborts and continues it."""
+    engine = PausableEngine(admit_from_version=MAX_RESTARTS)  # not admitted before the MAX_RESTARTS-th reload
     dirs = weight_dirs(tmp_path, range(MAX_RESTARTS + 2))
 
     async def main(url):
         async with InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as client:
             await client.load(0, dirs[0])
-            slow = asyncio.ensure_future(
-                client.complete([200, 1], max_tokens=30, seed=1)
-            )  # admitted 0.2 s after each send
+            slow = asyncio.ensure_future(client.complete([0, 1], max_tokens=100, seed=1))
             for v in range(1, MAX_RESTARTS + 2):
-                await asyncio.sleep(0.05)
+                await received(engine, v)  # sent for the v-th time: not admitted before v == MAX_RESTARTS
                 await client.load(v, dirs[v])
             return await slow
 

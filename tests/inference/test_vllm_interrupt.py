@@ -9,6 +9,7 @@ import asyncio
 import signal
 import subprocess
 
+import httpx
 import pytest
 
 from orchestrator.inference.client import InferenceClient
@@ -29,9 +30,11 @@ from tests.support.logs import assert_log_invariants, count_events, events
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 # Tokens per completion (ignore_eos: min_tokens would do it too, but vLLM 0.32 reports the
-# logprobs of the distribution it masks EOS out of): long enough to span the reloads.
+# logprobs of the distribution it masks EOS out of): long enough that none ends between its first
+# token coming back and the hold (hold_streaming) that keeps it open for the reload.
 LENGTH = 240
 STEPS = 8  # the orch run's
+HOLD_BOUND_S = 120  # the most a hold waits for its completions to stream
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +43,36 @@ def versions(base, tmp_path_factory):
     return [publish_full(run_dir, v, base, noise=0.05) for v in range(3)]
 
 
+async def hold_streaming(client: InferenceClient, http: httpx.AsyncClient, streams: int) -> None:
+    """Once `streams` streamed completions are sent and the client has the first token of each,
+    the engine is paused with mode=keep: they stay unfinished, on any machine, until the client's
+    reload (its pause, mode=abort, ends them with the tokens they have; its /resume ends the pause)."""
+    ep = client.endpoints[0]
+    try:
+        async with asyncio.timeout(HOLD_BOUND_S):
+            while ep.sending < streams or ep.unstarted:
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(
+            f"{streams} completions streaming, each with its first token, not within {HOLD_BOUND_S}s: "
+            f"{ep.sending} sent, {len(ep.unstarted)} without a first token"
+        ) from None
+    (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
+
+
 def test_interrupted_completions_are_continued_and_every_token_has_the_version_that_sampled_it(
     vllm_reload_server, versions, base, record_property
 ):
     from transformers import AutoTokenizer
 
     batch = prompts(AutoTokenizer.from_pretrained(base), 6, seed=3)
+    (url,) = vllm_reload_server.urls
 
     async def main():
-        async with InferenceClient(vllm_reload_server.urls, weight_sync="vllm_reload", update_mode="interrupt") as c:
+        async with (
+            InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as c,
+            httpx.AsyncClient(base_url=c.endpoints[0].url, timeout=60, trust_env=False) as http,
+        ):
             await c.load(0, str(versions[0]))
             flight = [
                 asyncio.ensure_future(
@@ -56,15 +80,20 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
                 )
                 for i, p in enumerate(batch)
             ]
-            for v in (1, 2):  # published while they run: each load aborts them, they go on
-                await asyncio.sleep(0.4)
-                # every request sent and streaming (on a loaded machine a reload would restart the
-                # ones not started yet, or land before any was sent, and one version sample all)
-                ep = c.endpoints[0]
-                while ep.unstarted or ep.sending < sum(not f.done() for f in flight):
-                    await asyncio.sleep(0.01)
-                await c.load(v, str(versions[v]))
-            return await asyncio.gather(*flight)
+            try:
+                # each reload lands inside the generations: the first once every request streams,
+                # the second once every choice's continuation (a request of its own) streams (12
+                # in flight then: no request is left whose choices are not all continued)
+                for v, streams in ((1, len(batch)), (2, 2 * len(batch))):
+                    await hold_streaming(c, http, streams)
+                    await c.load(v, str(versions[v]))
+                return await asyncio.gather(*flight)
+            except BaseException:
+                for f in flight:
+                    f.cancel()
+                await asyncio.gather(*flight, return_exceptions=True)
+                await http.post("/resume")  # a hold's pause is not left to the module's next test
+                raise
 
     done = asyncio.run(asyncio.wait_for(main(), 300))
     models = [load_model(w) for w in versions]
@@ -96,7 +125,9 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
                 for other in set(range(3)) - {version} if len(at) >= 4 else ():
                     theirs = recompute_logprobs(models[other], prompt, choice.token_ids)
                     assert max(abs(theirs[i] - choice.logprobs[i]) for i in at) > 1e-3, (version, other, runs)
-    assert seams >= 2, "no reload landed inside a generation: the test did not interrupt anything"
+    # the second reload ends each choice's continuation, the first at least one choice of each
+    # request (the one whose first token came back; the other may have had none yet)
+    assert seams >= 3 * len(batch), seams
     record_property("seams", seams)
     record_property("max_abs_logprob_diff", max(worst))
     record_property("max_k3", max(k3s))

@@ -6,8 +6,10 @@
 2. `--resume`; SIGKILL of one server at a random step (orch restarts it, brings it to the newest
    version and puts it back in rotation), then of the trainer once the server is back (restarted
    from its checkpoint), then of orch again;
-3. `--resume` to the end, `FINAL_STEPS` steps later (a resume may lower max_steps to no less than
-   what has shipped: the run's length follows how long the server took to come back).
+3. `--resume` to the end: `LEARNING_STEPS` steps in all, or `FINAL_STEPS` more than have shipped
+   if the run is past that already (a resume may lower max_steps to no less than what has
+   shipped; how far the run got before depends on how long the server took to come back, so the
+   learning check gets at least its steps on any machine).
 
 The moments are drawn from a seed printed with the result (`ORCH_CHAOS_SEED` replays one).
 Checked on the run: each step shipped once and the log's invariants, no process left after any
@@ -32,8 +34,9 @@ from tests.support.cli import orch_argv, wait_until
 from tests.support.logs import assert_log_invariants, count_events, events, shipped_batches
 
 pytestmark = [pytest.mark.slow, needs_vllm]
-MAX_STEPS = 100  # never reached before the last segment sets the end
+MAX_STEPS = 1000  # the end until the last segment sets it: far past what the segments before reach
 FINAL_STEPS = 6
+LEARNING_STEPS = 40  # the run's length at least, as `make run-vllm`'s
 SERVERS = 2
 TRAINER = b"orchestrator.cli trainer"
 LEARNING_WINDOW = 5  # batches averaged at the start and at the end
@@ -135,7 +138,7 @@ def run(tmp_path_factory):
             if second.proc.poll() is None:
                 second.kill()
 
-        steps = shipped_batches(run_dir) + FINAL_STEPS
+        steps = max(shipped_batches(run_dir) + FINAL_STEPS, LEARNING_STEPS)
         third = Segment(out, "third", "--resume", str(run_dir), "--max-steps", str(steps))
         try:
             third.wait_for(run_dir, "run_resumed", 2)
@@ -208,6 +211,7 @@ def test_each_resumed_segment_serves_the_resumed_version(run):
 
 def test_reward_rises_from_the_warm_start(run):
     rewards = [e["reward_mean"] for _, e in events(run["dir"], "batch_shipped")]
+    assert len(rewards) >= LEARNING_STEPS, len(rewards)
     start = sum(rewards[:LEARNING_WINDOW]) / LEARNING_WINDOW
     end = sum(rewards[-LEARNING_WINDOW:]) / LEARNING_WINDOW
     print(

@@ -9,6 +9,7 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,14 +42,18 @@ def publish(run_dir: Path, version: int, seed: int | None = None) -> Path:
 
 
 class SlowPolicyServer(PolicyServer):
-    """A real `orch serve` whose every completion first waits `delay_s` (slow endpoints)."""
+    """A real `orch serve` whose every completion first waits `delay_s` (slow endpoints), and
+    while `held` is set, until the test clears it."""
 
     def __init__(self, delay_s: float, **kw):
         super().__init__(**kw)
         self.delay_s = delay_s
+        self.held = threading.Event()  # set and cleared by the test's thread, read by the server's
 
     async def sample(self, params, texts):
         await asyncio.sleep(self.delay_s)
+        while self.held.is_set():
+            await asyncio.sleep(0.01)
         return await super().sample(params, texts)
 
 
