@@ -471,6 +471,7 @@ class RunConfig(_Section):
             envs=tuple(self.envs),
             eval_envs=tuple(self.eval.envs),
             inference=self.inference_kind(),
+            requests_in_flight=self.rollout.max_inflight + (self.eval.max_inflight if self.eval.envs else 0),
         )
 
     def model_request(self) -> ModelRequest:

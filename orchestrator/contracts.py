@@ -230,6 +230,7 @@ class RunPlan:
     envs: tuple[str, ...]  # the train envs
     eval_envs: tuple[str, ...]  # the envs evaluated on a schedule (docs/evals.md)
     inference: str  # the inference backend's name
+    requests_in_flight: int = 0  # episodes in flight at most: rollout.max_inflight + eval.max_inflight
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ import orjson
 
 from orchestrator import rundir
 from orchestrator.core.events import version_runs
+from orchestrator.inference.endpoints_config import STREAM_INTERVAL
 from orchestrator.inference.errors import (
     InferenceError,
     InferenceRequestError,
@@ -73,7 +74,10 @@ from orchestrator.inference.errors import (
     ServerError,
     same_server_error_again,
 )
+from orchestrator.inference.loop_lag import LoopLag
+from orchestrator.inference.pool import ShardedTransport
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
+from orchestrator.inference.sse import EventStreamDecoder
 from orchestrator.inference.weight_sync import DIALECTS
 from orchestrator.inference.weight_sync.vllm_lora import lora_name
 from orchestrator.urls import endpoint_base_urls
@@ -131,6 +135,7 @@ class Endpoint:
     adapters: dict[int, int] = field(default_factory=dict)  # vllm_lora: version loaded -> its requests in flight
     adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
     last_load_error: ServerError | None = None  # its last load's 5xx, if that load failed on one
+    connections: asyncio.Semaphore | None = field(default=None, repr=False)  # its origin's cap (None: none)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -238,9 +243,11 @@ class InferenceClient:
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         pin_groups: bool = True,
-        max_connections: int = 256,
+        max_connections: int | None = None,
+        max_connections_per_endpoint: int | None = None,
         max_loras: int = 2,
         update_mode: UpdateMode = "wait",
+        stream_interval: int = STREAM_INTERVAL,
     ):
         if not urls:
             raise ValueError("InferenceClient needs at least one endpoint URL")
@@ -251,6 +258,9 @@ class InferenceClient:
         if update_mode == "interrupt" and weight_sync != "vllm_reload":
             raise ValueError(f"update_mode 'interrupt' needs weight_sync 'vllm_reload', not {weight_sync!r}")
         self.update_mode = update_mode
+        if stream_interval < 1:
+            raise ValueError("stream_interval >= 1 (tokens per streamed chunk)")
+        self.stream_interval = stream_interval
         self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
         self.max_attempts, self.backoff_s, self.max_backoff_s = max_attempts, backoff_s, max_backoff_s
         self.pin_groups = pin_groups
@@ -260,21 +270,39 @@ class InferenceClient:
         self.target: tuple[int, str] | None = None  # (version, weights dir) every endpoint should hold
         self._pins: OrderedDict[Any, Endpoint] = OrderedDict()
         self._ids = itertools.count()
-        # Idle connections are dropped well before the servers' keep-alive timeout (vLLM's and
-        # uvicorn's: 5 s, httpx's default expiry too), so none is reused as the server closes it
-        # (a ReadError, a retry, and the endpoint marked down for a backoff).
-        limits = httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
-        )
+        for name, cap in (
+            ("max_connections", max_connections),
+            ("max_connections_per_endpoint", max_connections_per_endpoint),
+        ):
+            if cap is not None and cap < 1:
+                raise ValueError(f"{name} >= 1 (or None: no cap)")
+        # Each endpoint's (origin's) connections in pools of their own, sharded (.pool: the
+        # pool's per-request cost grows with its connections). Idle connections are dropped well
+        # before the servers' keep-alive timeout (vLLM's and uvicorn's: 5 s, httpx's default
+        # expiry too), so none is reused as the server closes it (a ReadError, a retry, and the
+        # endpoint marked down for a backoff).
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=limits,
             trust_env=False,
-            transport=httpx.AsyncHTTPTransport(retries=0, limits=limits),
+            mounts={
+                origin: ShardedTransport(_transport) for origin in dict.fromkeys(_origin(e.url) for e in self.endpoints)
+            },
+            transport=_transport(None),
         )
+        # The caps, as slots a connection is taken with: per endpoint (origin) and in all.
+        per_endpoint = {
+            origin: asyncio.Semaphore(max_connections_per_endpoint) if max_connections_per_endpoint else None
+            for origin in dict.fromkeys(_origin(e.url) for e in self.endpoints)
+        }
+        for ep in self.endpoints:
+            ep.connections = per_endpoint[_origin(ep.url)]
+        self._all_connections = asyncio.Semaphore(max_connections) if max_connections is not None else None
+        self.lag = LoopLag()
         self.retries = 0  # requests re-sent after a failure (all endpoints together)
+        self.lag_retries = 0  # requests sent again after a failure on orch's side (Retryable.orch_side)
 
     async def aclose(self) -> None:
+        self.lag.stop()
         await self._http.aclose()
 
     async def __aenter__(self) -> InferenceClient:
@@ -365,8 +393,9 @@ class InferenceClient:
             kwargs.update(content=orjson.dumps(body), headers=JSON_HEADERS)
         if timeout is not None:
             kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
-        with _transport_errors(method, url, path):
-            resp = await self._http.request(method, url, **kwargs)
+        async with self._connection_slot(ep, method, url, path):
+            with self._transport_errors(method, url, path, timeout):
+                resp = await self._http.request(method, url, **kwargs)
         _raise_for_status(resp, method, url, path)
         if text:
             return resp.text
@@ -389,39 +418,100 @@ class InferenceClient:
         MAX_RESTARTS, a reload waits for its first token instead (docs/vllm.md, "Weight updates
         while requests run")."""
         url = ep.url + path
-        choices: dict[int, dict[str, Any]] = {}
-        content = orjson.dumps({**body, "stream": True})
+        choices: dict[int, _StreamedChoice] = {}
+        request = {**body, "stream": True}
+        if self.stream_interval > 1:
+            request["stream_interval"] = self.stream_interval
+        content = orjson.dumps(request)
+        events = EventStreamDecoder()
         until_started = ep.unstarted_stream if restarts < MAX_RESTARTS else _waited_for(ep)
         try:
             async with asyncio.timeout(None) as restart:
-                with until_started(restart) as started, _transport_errors("POST", url, path):
-                    async with self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as resp:
+                with until_started(restart) as started, self._transport_errors("POST", url, path):
+                    async with (
+                        self._connection_slot(ep, "POST", url, path),
+                        self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as resp,
+                    ):
                         if resp.status_code >= 400:
                             await resp.aread()
                             _raise_for_status(resp, "POST", url, path)
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            started()
-                            try:
-                                chunk = orjson.loads(line[6:])
-                            except ValueError:
-                                raise Retryable(
-                                    f"POST {url}: a streamed chunk is not JSON", f"not JSON {path}"
-                                ) from None
-                            if isinstance(chunk, dict) and "error" in chunk:  # what unstreamed is an HTTP error
-                                _raise_for_stream_error(chunk["error"], url, path)
-                            try:
-                                _add_chunk(choices, chunk)
-                            except ProtocolError as exc:
-                                raise InferenceRequestError(f"{url}: {exc}") from None
+                        async for read in resp.aiter_bytes():
+                            for data in events.feed(read):
+                                if data == b"[DONE]":
+                                    continue
+                                started()
+                                try:
+                                    chunk = orjson.loads(data)
+                                except ValueError:
+                                    raise Retryable(
+                                        f"POST {url}: a streamed chunk is not JSON", f"not JSON {path}"
+                                    ) from None
+                                if isinstance(chunk, dict) and "error" in chunk:  # unstreamed: an HTTP error
+                                    _raise_for_stream_error(chunk["error"], url, path)
+                                try:
+                                    _add_chunk(choices, chunk)
+                                except ProtocolError as exc:
+                                    raise InferenceRequestError(f"{url}: {exc}") from None
         except TimeoutError:
             if restart.expired():
                 raise UpdateBegan from None
             raise
-        if any(c["finish_reason"] is None for c in choices.values()):
+        if any(c.finish_reason is None for c in choices.values()):
             raise Retryable(f"POST {url}: the stream ended before its choices did", f"stream cut {path}")
-        return {"choices": [choices[i] for i in sorted(choices)]}
+        return {"choices": [choices[i].answer() for i in sorted(choices)]}
+
+    @contextlib.asynccontextmanager
+    async def _connection_slot(self, ep: Endpoint, method: str, url: str, path: str) -> AsyncIterator[None]:
+        """A slot of each connection cap (`max_connections_per_endpoint`, `max_connections`)
+        held for one HTTP exchange; waited for at most the request timeout. A wait that runs
+        out is orch's own limit, not the endpoint's failure (`Retryable.orch_side`)."""
+        caps = [cap for cap in (ep.connections, self._all_connections) if cap is not None]
+        if not caps:
+            yield
+            return
+        taken: list[asyncio.Semaphore] = []
+        try:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    for cap in caps:
+                        await cap.acquire()
+                        taken.append(cap)
+            except TimeoutError:
+                raise Retryable(
+                    f"{method} {url}: no connection free within {self.timeout_s:g}s "
+                    "(inference.openai.max_connections or max_connections_per_endpoint reached)",
+                    f"connection cap {path}",
+                    orch_side=True,
+                ) from None
+            yield
+        finally:
+            for cap in taken:
+                cap.release()
+
+    @contextlib.contextmanager
+    def _transport_errors(self, method: str, url: str, path: str, timeout: float | None = None) -> Iterator[None]:
+        """A transport failure or a timeout of an HTTP exchange, as the Retryable it is. A
+        timeout whose window orch's own loop was stalled through (`LoopLag.caused`), or a wait
+        for a connection of the endpoint's own cap (httpx's pool timeout), is orch's side."""
+        self.lag.watch()
+        try:
+            yield
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.ConnectTimeout):
+                window = self._http.timeout.connect or self.timeout_s
+            else:
+                window = timeout or self.timeout_s
+            own_lag = self.lag.caused(window)
+            cause = " while orch's event loop stalled" if own_lag else ""
+            raise Retryable(
+                f"{method} {url}: timed out ({type(exc).__name__}){cause}",
+                f"{type(exc).__name__} {path}",
+                orch_side=own_lag or isinstance(exc, httpx.PoolTimeout),
+            ) from None
+        except httpx.TransportError as exc:
+            raise Retryable(
+                f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
+            ) from None
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(
@@ -564,12 +654,16 @@ class InferenceClient:
         """``send(endpoint)`` with the client's routing and retries: (the endpoint that answered,
         what ``send`` returned, attempts). ``send`` raises ``Retryable`` on a transport or server
         failure (the endpoint is marked down, the next attempt goes to another) and
-        InferenceRequestError on a request the endpoint refused (raised at once)."""
+        InferenceRequestError on a request the endpoint refused (raised at once). A failure on
+        orch's side (``Retryable.orch_side``: its stalled loop, its connection cap) is no attempt
+        and marks nothing down: the request is sent again, for at most ``timeout_s`` after the
+        first such failure."""
         errors: list[str] = []
         tried: set[Endpoint] = set()
         server_errors: dict[Endpoint, ServerError | None] = {}  # this request's last failure of each
         attempt = 0
         waiting_since: float | None = None
+        orch_side_since: float | None = None
         while True:
             ep = self.pick(pin, frozenset(tried))
             if ep is None:  # all down: wait (cancellable) for the first backoff to expire, or a probe
@@ -594,6 +688,16 @@ class InferenceClient:
             try:
                 result = await send(ep)
             except Retryable as exc:
+                if exc.orch_side:
+                    now = time.monotonic()
+                    orch_side_since = now if orch_side_since is None else orch_side_since
+                    if now - orch_side_since >= self.timeout_s:
+                        raise InferenceUnavailable(
+                            f"{what}: orch's own side failed it for {now - orch_side_since:.0f}s: {exc.message}"
+                        ) from None
+                    attempt -= 1
+                    self.lag_retries += 1
+                    continue
                 if same_server_error_again(server_errors.get(ep), exc.server_error):
                     raise exc.permanent() from None
                 server_errors[ep] = exc.server_error
@@ -783,19 +887,6 @@ class InferenceClient:
             raise
 
 
-@contextlib.contextmanager
-def _transport_errors(method: str, url: str, path: str) -> Iterator[None]:
-    """A transport failure or a timeout of an HTTP exchange, as the Retryable it is."""
-    try:
-        yield
-    except httpx.TimeoutException as exc:
-        raise Retryable(f"{method} {url}: timed out ({type(exc).__name__})", f"{type(exc).__name__} {path}") from None
-    except httpx.TransportError as exc:
-        raise Retryable(
-            f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
-        ) from None
-
-
 def _raise_for_status(resp: httpx.Response, method: str, url: str, path: str) -> None:
     """5xx -> Retryable (the endpoint's fault), 4xx -> InferenceRequestError (the request's)."""
     if resp.status_code >= 500:
@@ -820,29 +911,54 @@ def _raise_for_stream_error(error: Any, url: str, path: str) -> None:
     )
 
 
-def _add_chunk(choices: dict[int, dict[str, Any]], chunk: dict[str, Any]) -> None:
+class _StreamedChoice:
+    """A streamed choice's chunks gathered (text as its parts, joined once at the end: no copy
+    of the text so far per chunk)."""
+
+    __slots__ = ("index", "text", "token_ids", "token_logprobs", "tokens", "finish_reason", "prompt_token_ids")
+
+    def __init__(self, index: Any) -> None:
+        self.index = index
+        self.text: list[str] = []
+        self.token_ids: list[Any] = []
+        self.token_logprobs: list[Any] = []
+        self.tokens: list[Any] = []
+        self.finish_reason: Any = None
+        self.prompt_token_ids: Any = None
+
+    def answer(self) -> dict[str, Any]:
+        """The choice as an unstreamed answer holds it."""
+        choice = {
+            "index": self.index,
+            "text": "".join(self.text),
+            "token_ids": self.token_ids,
+            "logprobs": {"token_logprobs": self.token_logprobs, "tokens": self.tokens},
+            "finish_reason": self.finish_reason,
+        }
+        if self.prompt_token_ids is not None:
+            choice["prompt_token_ids"] = self.prompt_token_ids
+        return choice
+
+
+def _add_chunk(choices: dict[int, _StreamedChoice], chunk: dict[str, Any]) -> None:
     """A streamed completion chunk added to the choices gathered so far (each as an unstreamed
     answer's choice: text, token ids and logprobs concatenated, the last finish_reason)."""
     for part in chunk.get("choices") or ():
         if not isinstance(part, dict):
             raise ProtocolError("a streamed chunk's choice is not an object")
-        whole = choices.get(part.get("index", 0))
+        index = part.get("index", 0)
+        whole = choices.get(index)
         if whole is None:
-            whole = choices[part.get("index", 0)] = {
-                "index": part.get("index", 0),
-                "text": "",
-                "token_ids": [],
-                "logprobs": {"token_logprobs": [], "tokens": []},
-                "finish_reason": None,
-            }
-        whole["text"] += part.get("text") or ""
-        whole["token_ids"].extend(part.get("token_ids") or ())
-        block = part.get("logprobs") or {}
-        whole["logprobs"]["token_logprobs"].extend(block.get("token_logprobs") or ())
-        whole["logprobs"]["tokens"].extend(block.get("tokens") or ())
-        whole["finish_reason"] = part.get("finish_reason") or whole["finish_reason"]
+            whole = choices[index] = _StreamedChoice(index)
+        if text := part.get("text"):
+            whole.text.append(text)
+        whole.token_ids.extend(part.get("token_ids") or ())
+        if block := part.get("logprobs"):
+            whole.token_logprobs.extend(block.get("token_logprobs") or ())
+            whole.tokens.extend(block.get("tokens") or ())
+        whole.finish_reason = part.get("finish_reason") or whole.finish_reason
         if part.get("prompt_token_ids") is not None:
-            whole["prompt_token_ids"] = part["prompt_token_ids"]
+            whole.prompt_token_ids = part["prompt_token_ids"]
 
 
 def _oldest_and_newest(segments: list[tuple[int, int]], sent_at: int) -> tuple[int, int]:
@@ -862,6 +978,20 @@ def continuation_seed(seed: int, choice: int, tokens_so_far: int) -> int:
     choice and where it resumes, so a re-run continues the same way (docs/vllm.md)."""
     digest = hashlib.blake2b(b"%d/%d/%d" % (seed, choice, tokens_so_far), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def _transport(max_connections: int | None) -> httpx.AsyncHTTPTransport:
+    """An httpcore pool of at most `max_connections` (None: no cap), idle ones expired at KEEPALIVE_S."""
+    limits = httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
+    )
+    return httpx.AsyncHTTPTransport(retries=0, limits=limits)
+
+
+def _origin(url: str) -> str:
+    """The scheme, host and port of an endpoint's URL: its connection pool's key."""
+    parsed = httpx.URL(url)
+    return f"{parsed.scheme}://{parsed.netloc.decode('ascii')}"
 
 
 def _is_batch(prompt: Any) -> bool:

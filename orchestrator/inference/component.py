@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from orchestrator.contracts import AgentEnv, BuildContext, InferenceComponent, RolloutEnv, RunPlan
 from orchestrator.inference.endpoints_config import EndpointsSettings
+from orchestrator.notices import warn
 
 if TYPE_CHECKING:
     from orchestrator.inference.endpoints_backend import EndpointsBackend
@@ -35,6 +36,9 @@ class EndpointsConfig(InferenceComponent, EndpointsSettings):
             "pin_groups",
             "max_loras",
             "update_mode",
+            "max_connections",
+            "max_connections_per_endpoint",
+            "stream_interval",
         }
     )
 
@@ -43,6 +47,18 @@ class EndpointsConfig(InferenceComponent, EndpointsSettings):
             raise ValueError(
                 "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers"
             )
+        servers = len(self.endpoints) or self.launch.servers
+        caps = [("max_connections", self.max_connections, plan.requests_in_flight)]
+        if self.max_connections_per_endpoint is not None:
+            cap_of_all = self.max_connections_per_endpoint * servers
+            caps.append(("max_connections_per_endpoint", cap_of_all, plan.requests_in_flight))
+        for name, cap, needed in caps:
+            if cap is not None and cap < needed:
+                warn(
+                    f"inference.openai.{name} allows {cap} connection(s) in all, fewer than the "
+                    f"{needed} requests the run keeps in flight (rollout.max_inflight and eval.max_inflight): "
+                    "the others wait for a free one"
+                )
 
     def served_model(self) -> str | None:
         return self.model

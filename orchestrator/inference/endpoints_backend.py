@@ -93,6 +93,9 @@ def make_client(section: EndpointsSettings, urls: list[str], load_timeout_s: flo
         pin_groups=section.pin_groups,
         max_loras=section.max_loras,
         update_mode=section.update_mode_in_use,
+        max_connections=section.max_connections,
+        max_connections_per_endpoint=section.max_connections_per_endpoint,
+        stream_interval=section.stream_interval,
     )
 
 

@@ -11,6 +11,7 @@ from orchestrator.contracts import Section
 from orchestrator.urls import endpoint_base_urls
 
 VLLM_MODES = ("vllm_reload", "vllm_lora")  # weight syncs of a vLLM server, which serves an HF model dir
+STREAM_INTERVAL = 8  # tokens per streamed chunk asked of vLLM (docs/vllm.md, "Streamed chunks")
 
 
 class LaunchSection(Section):
@@ -94,6 +95,25 @@ class EndpointsSettings(Section):
     backoff_s: float = Field(1.0, gt=0, description="a failed endpoint rests this long (doubling per failure)")
     max_backoff_s: float = Field(30.0, gt=0, description="cap on that rest")
     pin_groups: bool = Field(True, description="send a group's episodes to one endpoint (prefix-cache reuse)")
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="HTTP connections to all endpoints together, at most (None: no cap, as many as requests "
+        "in flight); a request beyond it waits for a free one",
+    )
+    max_connections_per_endpoint: int | None = Field(
+        None,
+        ge=1,
+        description="HTTP connections to one endpoint (host and port), at most (None: no cap); each is one "
+        "request in flight there",
+    )
+    stream_interval: int = Field(
+        STREAM_INTERVAL,
+        ge=1,
+        description="update_mode interrupt: tokens per streamed chunk that vLLM sends (its request field "
+        "stream_interval: the first and last tokens, and every token on an abort, come at once; "
+        "the versions stay exact); 1: one chunk per token",
+    )
     launch: LaunchSection = Field(
         default_factory=LaunchSection,
         description="the vLLM servers the run starts itself, and stops at its end (docs/vllm.md)",

@@ -37,13 +37,23 @@ def same_server_error_again(previous: ServerError | None, error: ServerError | N
 
 
 class Retryable(Exception):
-    """A transport or server failure of one endpoint: the client marks it down and tries another."""
+    """A transport or server failure of one endpoint: the client marks it down and tries another.
+    ``orch_side``: a timeout that orch's own stalled loop or connection cap caused, which says
+    nothing of the endpoint: it is not marked down and the request is sent again."""
 
-    def __init__(self, message: str, kind: str, counted: bool = False, server_error: ServerError | None = None):
+    def __init__(
+        self,
+        message: str,
+        kind: str,
+        counted: bool = False,
+        server_error: ServerError | None = None,
+        orch_side: bool = False,
+    ):
         super().__init__(message)
         self.message, self.kind = message, kind
         self.counted = counted  # the endpoint was already marked down for this failure
         self.server_error = server_error  # a 5xx answer's, for `same_server_error_again`
+        self.orch_side = orch_side
 
     def permanent(self) -> InferenceRequestError:
         """This server error as the refusal it is when it came twice in a row."""
