@@ -192,52 +192,6 @@ def test_existing_run_needs_resume_and_missing_resume_is_an_error(tmp_path):
     assert missing.returncode == 2 and "no such run directory" in missing.stderr
 
 
-def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_path):
-    result = orch(
-        "run",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--max-steps",
-        "1",
-        "--set",
-        "env.reverse_text.server=http://127.0.0.1:9",
-    )
-    assert result.returncode == 1
-    assert (
-        result.stderr.strip()
-        .splitlines()[-1]
-        .startswith("orch: error: GET http://127.0.0.1:9/health: env server unreachable")
-    ), result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "r" / "trainer.log").exists()
-
-
-def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
-    """Tasks are a function of (seed, index) and the prompt lengths: the server must serve this run's."""
-    from orchestrator.config import served_env
-    from orchestrator.envs.server import create_app, running_server
-
-    with running_server(create_app(served_env("reverse_text", seed=1, max_len=9))) as server:
-        result = orch(
-            "run",
-            "--runs-dir",
-            str(tmp_path),
-            "--name",
-            "r",
-            "--max-steps",
-            "1",
-            "--set",
-            f"env.reverse_text.server={server.base_url}",
-        )
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"orch: error: {server.base_url} serves reverse_text tasks of {{'seed': 1, 'min_len': 3, 'max_len': 9}}, "
-        "this run's are {'seed': 0, 'min_len': 3, 'max_len': 6}: start it with --seed 0 --min-len 3 --max-len 6 "
-        f"(continue it with `orch run --resume {tmp_path / 'r'}` once fixed)"
-    )
-
-
 def _fake_run(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
     return orch(*fake_run_args(tmp_path, name, *sets("batch.size=16"), *args))
 
