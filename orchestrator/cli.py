@@ -185,6 +185,9 @@ def run_command(
     if state.stop_reason == "interrupted":
         click.echo(f"orch: stopped on interrupt; resume with `orch run --resume {run.run_dir}`", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    if state.stop_reason == "zero_output":
+        params = state.params
+        fail(f"run stopped: zero_output: {orch.zero_output.cause(params.group_size, params.zero_output_batches)}")
     if state.stop_reason != "completed":
         cause = f" (the last failed episode: {orch.last_episode_error})" if orch.last_episode_error else ""
         fail(f"run stopped: {state.stop_reason}{cause}")

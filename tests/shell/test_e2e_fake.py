@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import subprocess
 
@@ -296,12 +297,45 @@ def test_a_plain_resume_keeps_the_max_steps_an_earlier_resume_raised(tmp_path):
     assert_log_invariants(tmp_path / "_r", 4, 2, 1)
 
 
+def _stop_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 1, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("orch: error: ")]
+    return line
+
+
 def test_a_run_whose_env_always_fails_stops_in_one_line_blaming_the_env(tmp_path):
     result = orch(*fake_run_args(tmp_path, "r", steps=5), *sets("env.fake.error_rate=1", "zero_output_batches=1"))
-    assert result.returncode != 0
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("orch: error: ")]
-    assert line.startswith("orch: error: run stopped: zero_output (the last failed episode: env: FakeEpisodeError: ")
+    line = _stop_line(result)
+    assert re.match(
+        r"orch: error: run stopped: zero_output: every one of the last \d+ episodes failed; "
+        r"the last: env: FakeEpisodeError: ",
+        line,
+    ), line
     failed = sqlite3.connect(tmp_path / "r" / "events.db").execute(
         "SELECT json_extract(data, '$.error') FROM events WHERE kind = 'episode_completed' LIMIT 1"
     )
     assert failed.fetchone()[0].startswith("env: FakeEpisodeError: fake env: episode ")
+
+
+def test_a_run_that_samples_no_token_says_so_when_it_stops_for_zero_output(tmp_path):
+    result = orch(*fake_run_args(tmp_path, "r", steps=5), *sets("env.fake.empty_rate=1", "zero_output_batches=1"))
+    line = _stop_line(result)
+    assert re.fullmatch(
+        r"orch: error: run stopped: zero_output: no tokens sampled: (\d+) of the last \1 episodes came back "
+        r"without a sampled token \(docs/rules.md, Samples\)",
+        line,
+    ), line
+
+
+def test_a_run_whose_groups_all_tie_names_the_rewards_and_the_settings(tmp_path):
+    """Groups of one episode: every advantage is zero, every group is rejected (the fake env's
+    rewards differ between tasks, never within a group of one)."""
+    result = orch(*fake_run_args(tmp_path, "r", steps=5), *sets("rollout.group_size=1", "zero_output_batches=1"))
+    line = _stop_line(result)
+    assert re.fullmatch(
+        r"orch: error: run stopped: zero_output: every group's rewards were equal, so every advantage was zero "
+        r"and no group was admitted for training \(rewards \d\.\d{3}\.\.\d\.\d{3}, equal within each group, of "
+        r"the last \d+ scored episodes\): groups of one episode have none to differ from: raise rollout.group_size; "
+        r"zero_output_batches \(1\) is how long a run waits for one",
+        line,
+    ), line
