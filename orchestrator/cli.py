@@ -164,6 +164,7 @@ def run_command(
     except KeyboardInterrupt:  # e.g. while a resume folds a long log: nothing was logged yet
         fail("interrupted before the run started; nothing was logged", EXIT_INTERRUPTED)
     progress = Progress(every=progress_every)
+    progress.resumed_at(run.state)
     resume_hint = f"continue it with `orch run --resume {run.run_dir}` once fixed"
     try:
         with run.log, progress.live(run.config.max_steps, run.state.step - 1):

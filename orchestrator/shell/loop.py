@@ -311,6 +311,8 @@ class Orchestrator:
         # and nothing else touches the log until this returns.
         await asyncio.to_thread(log.commit)
         perform(state, logged, self)
+        if self.progress is not None:
+            self.progress.on_commit(state)
         if self._drain_due:
             self._drain_due = False
             await self._drain_rollouts()
