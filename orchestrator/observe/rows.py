@@ -30,7 +30,7 @@ from orchestrator.core import decode_unvalidated
 from orchestrator.core import events as ev
 from orchestrator.core._fast_events import trace_view
 from orchestrator.core.evolve import FoldError, evolve_from
-from orchestrator.core.state import State
+from orchestrator.core.state import State, wasted_samples
 
 Row = tuple[int, str, float]
 TRAINER_PREFIX = "trainer/"
@@ -80,7 +80,7 @@ class StepRows:
     def _ship_rows(self, ts: float, e: ev.BatchShipped) -> list[Row]:
         s = self.state
         assert s is not None  # a batch ships only after run_started built the state
-        dropped = sum(s.acct.dropped.values())
+        dropped = wasted_samples(s.acct)
         rows = [
             (e.step, "reward/mean", e.reward_mean),
             (e.step, "lag/max", e.off_policy_max),

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, Tim
 from rich.progress import Progress as Bar
 from rich.table import Table
 
-from orchestrator.core.state import Accounting, State, conservation, state_hash
+from orchestrator.core.state import Accounting, State, conservation, state_hash, wasted_samples
 from orchestrator.figures import eval_figures_line, eval_result_dict
 from orchestrator.notices import warn
 from orchestrator.observe.rows import buffered_episodes
@@ -46,7 +46,7 @@ def step_parts(event, state: State, step_time: float) -> list[str]:
         f"reward {event.reward_mean:.3f}",
         f"lag {event.off_policy_mean:.2f} max {event.off_policy_max}",
         f"v{state.version}",
-        f"waste {waste_share(sum(acct.dropped.values()), acct.completed_samples):.1%}",
+        f"waste {waste_share(wasted_samples(acct), acct.completed_samples):.1%}",
         f"{step_time:.2f}s" if step_time < 10 else f"{step_time:.1f}s",
         f"buffered {buffered_episodes(state)} in-flight {len(state.inflight)}",
     ]
@@ -83,10 +83,12 @@ class Progress:
         self._stepped = False  # a step shipped in this segment
         self._told_first = False  # the first completions told (in a pipe)
         self._completed_before = 0  # completions before this segment (a resume's)
+        self._shipped_before = 0  # steps before this segment (a resume's)
 
     def resumed_at(self, state: State) -> None:
         """The state a resume starts from: this segment's figures count from it."""
         self._completed_before = state.acct.completed
+        self._shipped_before = state.step - 1
 
     @contextmanager
     def live(self, total_steps: int, done_steps: int) -> Iterator[None]:
@@ -214,13 +216,31 @@ class Progress:
             "trained_tokens": acct.shipped_tokens,
             "dropped_by_reason": dict(sorted(acct.dropped.items())),
             "cancelled_in_flight": acct.cancelled_attempts,
-            "waste_pct": round(100 * waste_share(terms["dropped"], acct.completed_samples), 2),
+            "waste_pct": round(100 * waste_share(wasted_samples(acct), acct.completed_samples), 2),
             "state_hash": state_hash(state),
+            "segment_first_step": self._shipped_before + 1,
+            "run_steps": state.step - 1,
         }
         if state.params is not None and state.params.eval is not None:
             out["evals"] = [eval_result_dict(r) for r in state.evals.results]
-        table = Table(title="orch run summary", show_header=False)
-        for key, value in out.items():
+        self.console.print(self._summary_table(out))
+        return out
+
+    def _summary_table(self, out: dict[str, Any]) -> Table:
+        """The summary as a table. A resumed run's separates this segment's figures (its steps,
+        their rewards, its wall time) from the run's totals over every segment."""
+        resumed = self._shipped_before > 0
+        title = "orch run summary"
+        if resumed:
+            title += f": this segment (steps {out['segment_first_step']}..{out['run_steps']}), then the whole run"
+        table = Table(title=title, show_header=False)
+        rows = {key: value for key, value in out.items() if key not in ("segment_first_step", "run_steps")}
+        if resumed:
+            segment = {f"{key} (this segment)": rows.pop(key) for key in SEGMENT_FIGURES}
+            rows = {**segment, "run_dir": rows.pop("run_dir"), "steps (the run)": out["run_steps"], **rows}
+        for key, value in rows.items():
+            if key == "run_dir" and resumed:
+                table.add_section()
             if key == "evals":
                 for r in value:
                     table.add_row(f"eval {r['env']} v{r['version']}", eval_figures_line(r))
@@ -230,11 +250,12 @@ class Progress:
             elif value is None and key.startswith("reward_"):
                 value = "n/a"
             table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
-        self.console.print(table)
-        return out
+        return table
 
 
 REWARD_WINDOW_STEPS = 5
+# The summary's figures of this segment alone (a resumed run's steps since the resume).
+SEGMENT_FIGURES = ("steps", "reward_first5", "reward_last5", "reward_gain", "wall_s")
 
 
 def reward_windows(rewards: list[float]) -> tuple[list[float], list[float]]:

@@ -229,3 +229,41 @@ def test_a_three_step_runs_summary_shows_a_real_gain_and_a_one_step_run_n_a(tmp_
             assert summary["reward_gain"] == summary["reward_last5"] - summary["reward_first5"]
         else:
             assert summary["reward_gain"] is None and gain in row
+
+
+def test_a_resumed_runs_summary_separates_this_segment_from_the_runs_totals(tmp_path):
+    fake = ("--env", "fake", "--trainer", "fake")
+    first = orch("run", *fake, "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "3")
+    assert first.returncode == 0, first.stderr
+    out = tmp_path / "s.json"
+    resumed = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "5", "--json-summary", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    summary = orjson.loads(out.read_bytes())
+    assert (summary["steps"], summary["segment_first_step"], summary["run_steps"]) == (2, 4, 5)
+    text = resumed.stdout
+    assert "orch run summary: this segment (steps 4..5), then the whole run" in text
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 3
+    }
+    assert rows["steps (this segment)"] == "2" and rows["steps (the run)"] == "5"
+    assert "reward_gain (this segment)" in rows and "steps" not in rows
+    assert int(rows["trained_episodes"]) == summary["trained_episodes"] > 0  # the run's totals, every segment
+
+
+def test_the_drops_of_a_drain_or_a_stop_are_not_waste():
+    """A Ctrl-C drains the run: what it cancels is the run's end, not its settings' waste."""
+    from orchestrator.core.state import wasted_samples
+
+    state = initial_state(CoreParams(max_steps=4))
+    state.acct.completed_samples = 200
+    state.acct.dropped = {"stale": 10, "drain": 127, "stop": 3}
+    assert wasted_samples(state.acct) == 10
+    out = io.StringIO()
+    progress = Progress(Console(file=out, width=200, highlight=False, soft_wrap=True))
+    summary = progress.summary(state, "r")
+    assert summary["waste_pct"] == 5.0 and summary["dropped_by_reason"]["drain"] == 127
+    event = BatchShipped(
+        step=1, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=0, off_policy_mean=0.0, reward_mean=0.5
+    )
+    progress.on_batch(event, state, None)
+    assert "| waste 5.0% |" in out.getvalue()
