@@ -339,3 +339,16 @@ def test_a_run_whose_groups_all_tie_names_the_rewards_and_the_settings(tmp_path)
         r"zero_output_batches \(1\) is how long a run waits for one",
         line,
     ), line
+
+
+def test_a_pipe_hears_of_the_first_episodes_before_the_first_step(tmp_path):
+    """A first batch can take a while: the episodes done so far are said before it ships."""
+    result = orch(*fake_run_args(tmp_path, "r", steps=1), *sets("env.fake.latency_s=0.05"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    sampling = next(i for i, line in enumerate(lines) if line.startswith("sampling: "))
+    assert re.fullmatch(
+        r"sampling: \d+ episodes done after \d+\.\ds, \d+ in flight; a step ships a batch of \d+ samples",
+        lines[sampling],
+    )
+    assert sampling < next(i for i, line in enumerate(lines) if line.startswith("step "))
