@@ -1,5 +1,6 @@
-"""The progress line (one per shipped batch), the waste warning, and the final summary. On a
-terminal, a live bar with the steps done and an ETA stays below the lines; in a pipe or CI, the
+"""The progress line (one per shipped batch, folded on a narrow terminal), what sampling did
+before the first one, the waste warning, and the final summary. On a terminal, a live bar with
+the steps done, the newest reward and lag, and an ETA stays below the lines; in a pipe or CI, the
 plain lines only."""
 
 from __future__ import annotations
