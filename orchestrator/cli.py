@@ -111,7 +111,7 @@ def run_command(
 ) -> None:
     """Run (or --resume) an RL job; the default is the embedded reverse-text job."""
     from orchestrator.fold import FoldError
-    from orchestrator.observe.sinks import SinkUnavailable, check_installed
+    from orchestrator.observe.sinks import SinkUnavailable
     from orchestrator.shell.compose import run_job
     from orchestrator.shell.loop import FinalizeError
     from orchestrator.shell.progress import Progress
@@ -143,11 +143,6 @@ def run_command(
             if name is not None or runs_dir is not None:
                 fail("--resume takes the run directory; do not combine it with --name/--runs-dir", EXIT_USAGE)
             run = resume_run(resume_dir, sets, config_file, drop_damaged)
-            try:
-                check_installed(run.config.metrics)
-            except SinkUnavailable:
-                run.log.close()
-                raise
             if run.resumed_from is None:
                 click.echo(f"orch: starting {run.run_dir} (it stopped before its first event was committed)")
             else:
@@ -159,7 +154,6 @@ def run_command(
             if drop_damaged:
                 fail("--drop-damaged is for --resume RUN: a new run has nothing to drop", EXIT_USAGE)
             config = load_config(config_file, sets)
-            check_installed(config.metrics)
             run = create_run(config)
             click.echo(
                 f"orch: run {run.run_dir} (env {', '.join(run.config.envs)}, trainer {run.config.trainer.kind}, "
@@ -170,6 +164,7 @@ def run_command(
     except KeyboardInterrupt:  # e.g. while a resume folds a long log: nothing was logged yet
         fail("interrupted before the run started; nothing was logged", EXIT_INTERRUPTED)
     progress = Progress(every=progress_every)
+    progress.resumed_at(run.state)
     resume_hint = f"continue it with `orch run --resume {run.run_dir}` once fixed"
     try:
         with run.log, progress.live(run.config.max_steps, run.state.step - 1):
@@ -191,6 +186,9 @@ def run_command(
     if state.stop_reason == "interrupted":
         click.echo(f"orch: stopped on interrupt; resume with `orch run --resume {run.run_dir}`", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    if state.stop_reason == "zero_output":
+        params = state.params
+        fail(f"run stopped: zero_output: {orch.zero_output.cause(params.group_size, params.zero_output_batches)}")
     if state.stop_reason != "completed":
         cause = f" (the last failed episode: {orch.last_episode_error})" if orch.last_episode_error else ""
         fail(f"run stopped: {state.stop_reason}{cause}")

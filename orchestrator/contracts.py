@@ -415,6 +415,9 @@ class Component(Section):
 
 class TrainerComponent(Component):
     writes_weights: ClassVar[bool] = True  # publishes weights/step_N (+ STABLE) that samplers load
+    # The format of those weights ("hf": an HF model dir or PEFT adapter), which a given server's
+    # pre-flight check matches against what it loads; None: none, or not known.
+    weight_format: ClassVar[str | None] = None
     # It learns the model's own tokens: a synthetic env's episodes are refused (the message).
     refuses_synthetic: ClassVar[str | None] = None
 
@@ -442,6 +445,11 @@ class InferenceComponent(Component):
         """The name its servers serve the model under (None: they serve it as its dir)."""
         return None
 
+    def preflight_servers(self, weight_format: str | None) -> None:
+        """The first pre-run step, before the model is built (which can be slow): ConfigError (one
+        line) if a server given to this backend cannot serve the run (unreachable, failing, or
+        unable to load `weight_format`, what the trainer publishes)."""
+
     def preflight(self, model_dir: Path) -> None:
         """The pre-run step, before the run dir exists: ConfigError (one line) if this backend
         cannot sample `model_dir` (e.g. its servers cannot be launched, or a given endpoint
@@ -463,9 +471,10 @@ class EnvComponent(Component):
         reward; None: it has none (its evals report no pass@k)."""
         return None
 
-    def preflight(self) -> None:
+    def preflight(self, seed: int) -> None:
         """The pre-run step, before the run dir exists: ConfigError (one line) if what it needs
-        (a package, a module, its files) cannot work here. (Its settings alone: `check`.)"""
+        (a package, a module, its files, its server serving the run's `seed`) cannot work here.
+        (Its settings alone: `check`.)"""
 
     def text_env(self, seed: int) -> TextEnv | None:
         """Its tasks as a `TextEnv` an `orch env-server` can host (None: it cannot be served)."""

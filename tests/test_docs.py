@@ -56,4 +56,4 @@ def test_make_verifiers_says_that_pips_torchaudio_error_is_expected():
     recipe = dry.stdout
     note = recipe.index("requires torchaudio")
     assert "expected, those were removed on purpose" in recipe
-    assert note < recipe.index("pip install --quiet -e '.[verifiers]'")
+    assert note < recipe.index("pip install --progress-bar on -e '.[verifiers]'")

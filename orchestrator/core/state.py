@@ -131,6 +131,16 @@ class ShippedSample:
     weight: float
 
 
+# Drops of the run's own end (a drain, a stop) are not waste: the run's settings did not cause
+# them, and a resume re-runs the work (docs/observe.md, "Progress").
+RUN_END_DROPS = frozenset({"drain", "stop"})
+
+
+def wasted_samples(acct: Accounting) -> int:
+    """Completed samples that will never train, for any reason but the run's end (`RUN_END_DROPS`)."""
+    return sum(n for reason, n in acct.dropped.items() if reason not in RUN_END_DROPS)
+
+
 @dataclass(slots=True)
 class Accounting:
     dispatched: int = 0  # episode attempts started

@@ -8,6 +8,7 @@ Success notion (pass@k): a reward of 1.0, the exact reversal inside the tags.
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import random
 import re
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field, field_validator
 
-from orchestrator.contracts import BuildContext, EnvComponent, InProcessEnv, RolloutEnv, RunPlan, Task
+from orchestrator.contracts import BuildContext, ConfigError, EnvComponent, InProcessEnv, RolloutEnv, RunPlan, Task
 from orchestrator.urls import check_http_url
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ ALPHABET = "abcdefgh"
 _ANSWER = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
 HELD_OUT_EVERY = 8  # one prompt in this many (by content) is held out for evals
 MAX_DRAWS = 1000  # draws per task before the lengths are judged to leave one side of the split empty
+PREFLIGHT_TIMEOUT_S = 10.0  # the bound on the env server's check before the run
 
 
 def is_held_out(prompt: str) -> bool:
@@ -127,6 +129,21 @@ class ReverseTextConfig(EnvComponent):
 
     def text_env(self, seed: int) -> ReverseTextEnv:
         return ReverseTextEnv(seed=seed, min_len=self.min_len, max_len=self.max_len)
+
+    def preflight(self, seed: int) -> None:
+        """Its server (if given) reachable and serving this run's tasks, before the run dir exists."""
+        if self.server is None:
+            return
+        from orchestrator.envs.client import EnvServerError, HttpEnvClient  # httpx: only now
+
+        async def check() -> None:
+            async with HttpEnvClient(self.server, timeout=PREFLIGHT_TIMEOUT_S) as client:
+                await self._check_server(client, seed)
+
+        try:
+            asyncio.run(check())
+        except EnvServerError as err:
+            raise ConfigError(f"env.reverse_text.server: {err}") from None
 
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:

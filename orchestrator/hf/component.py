@@ -19,6 +19,7 @@ class HFTrainerConfig(TrainerComponent, HFTrainerSettings):
     resumable: ClassVar[frozenset[str]] = frozenset(
         {"nproc", "distributed", "backend", "nnodes", "node_rank", "rdzv_endpoint", "min_step_time_s"}
     )
+    weight_format: ClassVar[str | None] = "hf"
     refuses_synthetic: ClassVar[str | None] = (
         "the hf trainer learns the model's own tokens, not the {envs} env's; use trainer.kind='fake' for it"
     )

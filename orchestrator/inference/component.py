@@ -63,6 +63,11 @@ class EndpointsConfig(InferenceComponent, EndpointsSettings):
     def served_model(self) -> str | None:
         return self.model
 
+    def preflight_servers(self, weight_format: str | None) -> None:
+        from orchestrator.inference.endpoints_backend import check_given_endpoints  # httpx: only now
+
+        check_given_endpoints(self, weight_format)
+
     def preflight(self, model_dir: Path) -> None:
         from orchestrator.inference.endpoints_backend import check_inference  # httpx: only now
 

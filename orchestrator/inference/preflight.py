@@ -1,10 +1,11 @@
 """The pre-flight check of given inference endpoints: before the run dir exists, each endpoint is
 probed (`/health`, `/v1/models`, and its routes), all at once, for at most
-``inference.openai.preflight_timeout_s``. An endpoint that does not answer in that bound, answers
-with an error that will not pass (a 4xx other than 408/429, or the same HTTP 500 twice), or is an
-engine whose weights the chosen ``weight_sync`` cannot load is one line naming it and the
-`weight_sync` to use (docs/vllm.md "Before the run"), rather than a run dir that fails minutes
-later and cannot be resumed with another weight sync.
+``inference.openai.preflight_timeout_s``, before the model is built. An endpoint that refuses the
+connection (at once: nothing listens there), does not answer in that bound, answers with an error
+that will not pass (a 4xx other than 408/429, or the same HTTP 500 twice), is an engine whose
+weights the chosen ``weight_sync`` cannot load, or cannot load the weights the trainer publishes
+is one line naming it and what to use (docs/vllm.md "Before the run"), rather than a run dir that
+fails minutes later and cannot be resumed with another weight sync.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ SGLANG_ROUTES = frozenset({"/update_weights_from_disk", "/get_model_info", "/flu
 # The weight syncs that load an engine's weights, and how a message names it.
 WEIGHT_SYNCS = {"vllm": ("vllm_reload", "vllm_lora"), "sglang": ("sglang",), "orch": ("orch",)}
 ENGINE_NAMES = {"vllm": "a vLLM server", "sglang": "an SGLang server", "orch": "an `orch serve` server"}
+# The weight format each engine loads (a trainer's `weight_format`), and how a message names it.
+ENGINE_LOADS = {"vllm": "hf", "sglang": "hf", "orch": "orch"}
+FORMAT_NAMES = {"hf": "HF model dirs", "orch": "`orch serve`'s own policy files"}
 # Refusals a retry may get past (request timeout, rate limit).
 TRANSIENT_4XX = frozenset({408, 429})
 _POLL_S = 0.25
@@ -37,17 +41,24 @@ class _Answer:
     status: int | None  # None: no HTTP answer (connection refused, timed out)
     body: str
     json: object = None
+    refused: bool = False  # the connection was refused: nothing listens there
 
 
-async def check_endpoints(urls: list[str], weight_sync: str, timeout_s: float) -> dict[str, str | None]:
+async def check_endpoints(
+    urls: list[str], weight_sync: str, timeout_s: float, weight_format: str | None = None
+) -> dict[str, str | None]:
     """Probe every endpoint (base URLs) at once, each for at most `timeout_s`; the engine each one
-    is ("vllm", "sglang", "orch", None: not recognised). PreflightError (one line) otherwise."""
+    is ("vllm", "sglang", "orch", None: not recognised). `weight_format`: what the trainer
+    publishes (a `TrainerComponent.weight_format`; None: no weights). PreflightError (one line)
+    otherwise."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(max(timeout_s, 0.1)), trust_env=False) as http:
-        engines = await asyncio.gather(*(_check_one(http, url, weight_sync, timeout_s) for url in urls))
+        engines = await asyncio.gather(*(_check_one(http, url, weight_sync, timeout_s, weight_format) for url in urls))
     return dict(zip(urls, engines, strict=True))
 
 
-async def _check_one(http: httpx.AsyncClient, url: str, weight_sync: str, timeout_s: float) -> str | None:
+async def _check_one(
+    http: httpx.AsyncClient, url: str, weight_sync: str, timeout_s: float, weight_format: str | None
+) -> str | None:
     deadline = time.monotonic() + timeout_s
     models = await _until_answered(http, url, "/v1/models", deadline, timeout_s)
     if models.status != 200 or not isinstance(models.json, dict):
@@ -57,6 +68,12 @@ async def _check_one(http: httpx.AsyncClient, url: str, weight_sync: str, timeou
     if health.status is not None and health.status >= 500:  # 404: a server without the route
         raise PreflightError(f"inference endpoint {url} is not healthy: GET /health answered HTTP {health.status}")
     engine = await _engine(http, url, deadline)
+    if engine is not None and weight_sync != "none" and weight_format not in (None, ENGINE_LOADS[engine]):
+        raise PreflightError(
+            f"inference endpoint {url} is {ENGINE_NAMES[engine]} (from its routes), which loads "
+            f"{FORMAT_NAMES[ENGINE_LOADS[engine]]}, not the {FORMAT_NAMES[weight_format]} the trainer publishes: "
+            "sample with vLLM or SGLang endpoints, or let the run launch vLLM (docs/vllm.md)"
+        )
     if engine is not None and weight_sync != "none" and weight_sync not in WEIGHT_SYNCS[engine]:
         fits = " or ".join(f"inference.openai.weight_sync={ws}" for ws in WEIGHT_SYNCS[engine])
         raise PreflightError(
@@ -68,13 +85,14 @@ async def _check_one(http: httpx.AsyncClient, url: str, weight_sync: str, timeou
 
 async def _until_answered(http: httpx.AsyncClient, url: str, path: str, deadline: float, timeout_s: float) -> _Answer:
     """GET `path` until an answer that will not change: a 2xx, a 4xx other than 408/429, or the
-    same HTTP 500 twice in a row (`same_server_error_again`); no answer (refused, timed out) or a
-    transient one is asked again until `deadline`."""
+    same HTTP 500 twice in a row (`same_server_error_again`), or a refused connection (nothing
+    listens there: waiting would not change it); no answer (timed out) or a transient one is asked
+    again until `deadline`."""
     last: _Answer | None = None
     while True:
         answer = await _get(http, url, path, deadline)
         status = answer.status
-        if status is not None and status < 500 and status not in TRANSIENT_4XX:
+        if answer.refused or (status is not None and status < 500 and status not in TRANSIENT_4XX):
             return answer
         if status is not None and last is not None and last.status is not None:
             if same_server_error_again((last.status, path, last.body), (status, path, answer.body)):
@@ -93,6 +111,10 @@ async def _get(http: httpx.AsyncClient, url: str, path: str, deadline: float) ->
         return _Answer(None, "out of time")
     try:
         resp = await http.get(url + path, timeout=left)
+    except httpx.ConnectError as exc:
+        if _refused(exc):
+            return _Answer(None, "connection refused: nothing listens there", refused=True)
+        return _Answer(None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     except httpx.HTTPError as exc:
         return _Answer(None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     body = " ".join(resp.text.split())[:200]
@@ -101,6 +123,16 @@ async def _get(http: httpx.AsyncClient, url: str, path: str, deadline: float) ->
     except ValueError:
         parsed = None
     return _Answer(resp.status_code, body, parsed)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Was the connection refused? httpx wraps the OS error a few levels down."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 async def _engine(http: httpx.AsyncClient, url: str, deadline: float) -> str | None:

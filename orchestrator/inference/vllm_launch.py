@@ -29,6 +29,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -322,7 +323,11 @@ class VllmLauncher:
     @staticmethod
     def _exit_of(server: Server) -> str | None:
         code = server.proc.poll() if server.proc is not None else None
-        return None if code is None else f"exited ({exit_cause(code)}): {last_line(server.log_path)}"
+        if code is None:
+            return None
+        line = last_error_line(server.log_path)
+        said = f"its last error line: {line}" if line else "it logged no error"
+        return f"exited ({exit_cause(code)}), {said} (log: {server.log_path})"
 
     async def _restarted(self, server: Server, ep, client: InferenceClient, http: httpx.AsyncClient) -> str | None:
         """Wait (at most `ready_timeout_s`) for the restarted server's /health, then load the
@@ -417,6 +422,28 @@ def group_alive(pgid: int) -> bool:
 def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
+
+
+# An access-log line ("POST /v1/completions HTTP/1.1" 200 OK): what a server served, never why it
+# died, even when it names an error status.
+_ACCESS_LINE = re.compile(r'"[A-Z]+ \S+ HTTP/[0-9.]+" \d{3}')
+_ERROR_WORDS = ("error", "exception", "traceback", "fatal", "killed")
+
+
+def last_error_line(path: Path, limit: int = 300) -> str | None:
+    """The last line of a server's log that names an error (not an access-log line); None: it
+    logged none (a server killed by a signal writes nothing), or there is no log."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        line = line.strip()
+        if line and not _ACCESS_LINE.search(line) and any(word in line.lower() for word in _ERROR_WORDS):
+            return line[:limit]
+    return None
 
 
 def last_line(path: Path, limit: int = 300) -> str:

@@ -9,7 +9,8 @@ finalizing mean what they mean in the run) and returns the rows it completes, ea
   `batch/tokens`), the queue right after it (`queue/buffered`: completed episodes waiting to
   train, queued or held by finalizing groups; `queue/finalizing`: groups finalizing in the
   background; `version`), the waste so far (`waste/dropped`: completed episodes that will never
-  train, every reason; `waste/pct`: that share of the completions), and the throughput over the
+  train, for any reason but the run's end, `core.state.wasted_samples`; `waste/pct`: that share
+  of the completions), and the throughput over the
   last THROUGHPUT_WINDOW ships (`throughput/episodes_per_s`, `throughput/tokens_per_s`:
   completions logged and their sampled tokens since the ship that many steps back, or since the
   run (re)started, over the `ts` gap; over one ship it would read zero whenever two batches ship
@@ -30,7 +31,7 @@ from orchestrator.core import decode_unvalidated
 from orchestrator.core import events as ev
 from orchestrator.core._fast_events import trace_view
 from orchestrator.core.evolve import FoldError, evolve_from
-from orchestrator.core.state import State
+from orchestrator.core.state import State, wasted_samples
 
 Row = tuple[int, str, float]
 TRAINER_PREFIX = "trainer/"
@@ -80,7 +81,7 @@ class StepRows:
     def _ship_rows(self, ts: float, e: ev.BatchShipped) -> list[Row]:
         s = self.state
         assert s is not None  # a batch ships only after run_started built the state
-        dropped = sum(s.acct.dropped.values())
+        dropped = wasted_samples(s.acct)
         rows = [
             (e.step, "reward/mean", e.reward_mean),
             (e.step, "lag/max", e.off_policy_max),

@@ -32,7 +32,8 @@ CLOSE_TIMEOUT_S = 30.0  # the longest the end of a run waits for the sinks to fi
 
 
 class SinkUnavailable(ValueError):
-    """A sink the config asks for whose package is not installed; the message says how to get it."""
+    """A sink the config asks for that cannot start here (its package is not installed, W&B online
+    without credentials), found before the run dir exists; the message says what to do."""
 
 
 class SinkFailed(RuntimeError):
@@ -55,6 +56,10 @@ class TensorBoardSink:
     stamped with the log's time of the event that completed them."""
 
     package, extra = "tensorboard", "tensorboard"
+
+    @staticmethod
+    def check(section) -> None:
+        """Nothing it needs is known before it starts (its log dir is made then)."""
 
     def __init__(self, section, run_dir: Path, identity: dict[str, str]):
         from tensorboard.summary import Writer
@@ -81,6 +86,32 @@ class WandbSink:
     arrive after batch N+1 may have shipped."""
 
     package, extra = "wandb", "wandb"
+
+    @staticmethod
+    def check(section) -> None:
+        """Online (the mode set, else WANDB_MODE, else online) needs credentials, looked up the
+        way wandb.init looks them up (WANDB_API_KEY, .netrc, its settings): without them wandb.init
+        would fail once the run dir exists (or prompt), so SinkUnavailable now."""
+        mode = section.mode or os.environ.get("WANDB_MODE") or "online"
+        if mode in ("offline", "dryrun", "disabled"):
+            return
+        try:  # wandb's own lookup; it has no public API that finds credentials without a prompt
+            from wandb.errors import AuthenticationError
+            from wandb.sdk import wandb_setup
+            from wandb.sdk.lib.wbauth.authenticate import _use_system_auth
+            from wandb.sdk.lib.wbauth.host_url import HostUrl
+        except ImportError:  # another wandb's layout: wandb.init says what is missing, as before
+            return
+        try:
+            host = HostUrl(wandb_setup.singleton().settings.base_url)
+            found = _use_system_auth(host=host, source="orch", update_session=False)
+        except AuthenticationError as err:
+            raise SinkUnavailable(f"metrics.wandb: its credentials are invalid: {_one_line(err)}") from None
+        if found is None:
+            raise SinkUnavailable(
+                f"metrics.wandb logs online to {host} but finds no W&B API key: set WANDB_API_KEY or run "
+                "`wandb login`, or log offline with --set metrics.wandb.mode=offline (`wandb sync` uploads it later)"
+            )
 
     def __init__(self, section, run_dir: Path, identity: dict[str, str]):
         import wandb
@@ -123,12 +154,14 @@ def configured_sinks(metrics) -> list[tuple[str, object]]:
     return [(name, getattr(metrics, name)) for name in SINKS if getattr(metrics, name) is not None]
 
 
-def check_installed(metrics) -> None:
-    """SinkUnavailable (one line: how to install it) for a configured sink whose package is missing."""
-    for name, _ in configured_sinks(metrics):
+def check_sinks(metrics) -> None:
+    """SinkUnavailable (one line: what to do) for a configured sink whose package is missing, or
+    that cannot start here (W&B online without credentials)."""
+    for name, section in configured_sinks(metrics):
         cls = SINKS[name]
         if importlib.util.find_spec(cls.package) is None:
             raise SinkUnavailable(f"metrics.{name} needs the {cls.package} package: pip install 'orch[{cls.extra}]'")
+        cls.check(section)
 
 
 class SinkFeeder:

@@ -27,6 +27,7 @@ from orchestrator.effects import perform
 from orchestrator.notices import warn
 from orchestrator.rundir import atomic_write_bytes, batch_path
 from orchestrator.shell.evals import eval_request, eval_result
+from orchestrator.shell.zero_output import NO_SAMPLE_ERROR, ZeroOutputWitness
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
 MAX_INPUTS_PER_ITERATION = 256  # bounds the synchronous decide work between two awaits
@@ -121,6 +122,7 @@ class Orchestrator:
         self._running: set[asyncio.Task] = set()  # its tasks not done yet, cancelled at shutdown
         self._task_error: Exception | None = None  # the first failure of one of them
         self.last_episode_error: str | None = None  # what a run stopped for zero output last failed on
+        self.zero_output = ZeroOutputWitness()  # why a run stopped for zero output, if it does
         self.events_logged = 0
         # What the effect interpreter asked for in this step that waits until its pass is over.
         self._batch_payloads: dict[int, bytes] = {}
@@ -243,12 +245,13 @@ class Orchestrator:
         if outcome.exception is None:
             done = outcome.result
             if not done.ok or done.n_tokens:
+                self.zero_output.saw(done, self.state.acct.groups_admitted)
                 return done
             # An env's mistake, not the run's: the episode fails with the reason (docs/rules.md, "Samples").
-            self.last_episode_error = "env: the episode yielded no sample (an ok episode without token ids)"
+            self.last_episode_error = NO_SAMPLE_ERROR
         else:
             self.last_episode_error = episode_error(outcome.exception)
-        return ev.EpisodeCompleted(
+        failed = ev.EpisodeCompleted(
             episode_id=req.episode_id,
             group_id=req.group_id,
             ok=False,
@@ -256,6 +259,8 @@ class Orchestrator:
             policy_end=self.state.version,
             error=self.last_episode_error,
         )
+        self.zero_output.saw(failed, self.state.acct.groups_admitted)
+        return failed
 
     async def _wait_for_inputs(self) -> None:
         try:
@@ -306,6 +311,8 @@ class Orchestrator:
         # and nothing else touches the log until this returns.
         await asyncio.to_thread(log.commit)
         perform(state, logged, self)
+        if self.progress is not None:
+            self.progress.on_commit(state)
         if self._drain_due:
             self._drain_due = False
             await self._drain_rollouts()

@@ -1,5 +1,6 @@
-"""The progress line (one per shipped batch), the waste warning, and the final summary. On a
-terminal, a live bar with the steps done and an ETA stays below the lines; in a pipe or CI, the
+"""The progress line (one per shipped batch, folded on a narrow terminal), what sampling did
+before the first one, the waste warning, and the final summary. On a terminal, a live bar with
+the steps done, the newest reward and lag, and an ETA stays below the lines; in a pipe or CI, the
 plain lines only."""
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as Bar
 from rich.table import Table
 
-from orchestrator.core.state import Accounting, State, conservation, state_hash
+from orchestrator.core.state import Accounting, State, conservation, state_hash, wasted_samples
 from orchestrator.figures import eval_figures_line, eval_result_dict
 from orchestrator.notices import warn
 from orchestrator.observe.rows import buffered_episodes
@@ -31,6 +32,32 @@ DROP_CAUSES = {
     "failed": "episodes that failed (each episode_completed's error starts with what failed: inference or env)",
     "no_output": "episodes that sampled no token",
 }
+
+
+FOLD_INDENT = "    "  # a folded step line's continuation
+
+
+def step_parts(event, state: State, step_time: float) -> list[str]:
+    """The step line's parts, the essentials first (a narrow terminal folds the rest below): the
+    step, its mean reward, its lag, the version, the waste so far, the step's time, then the run's
+    queue (buffered, in flight, finalizing where any) and the newest eval."""
+    acct = state.acct
+    parts = [
+        f"step {event.step:>4}/{state.params.max_steps}",
+        f"reward {event.reward_mean:.3f}",
+        f"lag {event.off_policy_mean:.2f} max {event.off_policy_max}",
+        f"v{state.version}",
+        f"waste {waste_share(wasted_samples(acct), acct.completed_samples):.1%}",
+        f"{step_time:.2f}s" if step_time < 10 else f"{step_time:.1f}s",
+        f"buffered {buffered_episodes(state)} in-flight {len(state.inflight)}",
+    ]
+    finalizing = sum(state.finalizing.values())
+    if finalizing:
+        parts.append(f"finalizing {finalizing}")
+    if state.evals.results:  # the newest eval's mean reward, and the version it evaluated
+        r = state.evals.results[-1]
+        parts.append(f"eval v{r.version} {'-' if r.reward_mean is None else f'{r.reward_mean:.3f}'}")
+    return parts
 
 
 def waste_share(dropped: int, completed: int) -> float:
@@ -54,53 +81,87 @@ class Progress:
         self._warned_at: int | None = None  # step of the last waste warning
         self._bar: Bar | None = None
         self._bar_task: TaskID | None = None
+        self._stepped = False  # a step shipped in this segment
+        self._told_first = False  # the first completions told (in a pipe)
+        self._completed_before = 0  # completions before this segment (a resume's)
+        self._shipped_before = 0  # steps before this segment (a resume's)
+
+    def resumed_at(self, state: State) -> None:
+        """The state a resume starts from: this segment's figures count from it."""
+        self._completed_before = state.acct.completed
+        self._shipped_before = state.step - 1
 
     @contextmanager
     def live(self, total_steps: int, done_steps: int) -> Iterator[None]:
-        """Show the live bar while the block runs, if the console is a terminal."""
+        """Show the live bar while the block runs, if the console is a terminal: the steps, the
+        newest step's reward and lag (before the first: the episodes done), the ETA; under 80
+        columns."""
         if not self.console.is_terminal:
             yield
             return
         self._bar = Bar(
             TextColumn("steps"),
-            BarColumn(),
+            BarColumn(bar_width=16),
             MofNCompleteColumn(),
-            TextColumn("elapsed"),
-            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
             TextColumn("ETA"),
             TimeRemainingColumn(),
             console=self.console,
         )
-        self._bar_task = self._bar.add_task("steps", total=total_steps, completed=done_steps)
+        self._bar_task = self._bar.add_task("steps", total=total_steps, completed=done_steps, status="starting")
         try:
             with self._bar:
                 yield
         finally:
             self._bar = None
 
+    def on_commit(self, state: State) -> None:
+        """Before this segment's first step: what sampling has done so far (a run's first batch can
+        take a while), on the live bar, and in a pipe once, with the first completions."""
+        if self._stepped:
+            return
+        done, inflight = state.acct.completed - self._completed_before, len(state.inflight)
+        if self._bar is not None and self._bar_task is not None:
+            self._bar.update(self._bar_task, status=f"sampling: {done} episodes done, {inflight} in flight")
+        elif done and not self._told_first:
+            self._told_first = True
+            p = state.params
+            batch = f"{p.token_batch_size} tokens" if p.token_batch_size is not None else f"{p.batch_size} samples"
+            self.console.print(
+                f"sampling: {done} episodes done after {time.monotonic() - self.started:.1f}s, {inflight} in flight; "
+                f"a step ships a batch of {batch}"
+            )
+
     def on_batch(self, event, state: State, loop) -> None:
         now = time.monotonic()
         step_time, self._last = now - self._last, now
+        self._stepped = True
         self.rewards[event.step] = event.reward_mean
         self._check_waste(event.step, state.acct)
         if self._bar is not None and self._bar_task is not None:
-            self._bar.update(self._bar_task, completed=event.step, total=state.params.max_steps, refresh=True)
+            status = f"reward {event.reward_mean:.3f} lag {event.off_policy_mean:.2f}"
+            self._bar.update(
+                self._bar_task, completed=event.step, total=state.params.max_steps, status=status, refresh=True
+            )
         if event.step % self.every and event.step != state.params.max_steps:
             return
-        finalizing = sum(state.finalizing.values())
-        acct = state.acct
-        latest_eval = ""
-        if state.evals.results:  # the newest eval's mean reward, and the version it evaluated
-            r = state.evals.results[-1]
-            latest_eval = f" | eval v{r.version} {'-' if r.reward_mean is None else f'{r.reward_mean:.3f}'}"
-        self.console.print(
-            f"step {event.step:>4}/{state.params.max_steps} | reward {event.reward_mean:.3f} "
-            f"| lag max {event.off_policy_max} mean {event.off_policy_mean:.2f} "
-            f"| buffered {buffered_episodes(state)} | finalizing {finalizing} "
-            f"| in-flight {len(state.inflight)} | v{state.version} "
-            f"| waste {waste_share(sum(acct.dropped.values()), acct.completed_samples):.1%} "
-            f"| {step_time:.2f}s{latest_eval}"
-        )
+        self._print_folded(step_parts(event, state, step_time))
+
+    def _print_folded(self, parts: list[str]) -> None:
+        """The parts joined by " | " on one line; on a terminal narrower than that, folded at the
+        separators into lines that fit, the continuations indented (in a pipe: one line a step)."""
+        line = " | ".join(parts)
+        width = self.console.width
+        if not self.console.is_terminal or len(line) <= width:
+            self.console.print(line)
+            return
+        lines = [parts[0]]
+        for part in parts[1:]:
+            if len(lines[-1]) + 3 + len(part) <= width:
+                lines[-1] += " | " + part
+            else:
+                lines.append(FOLD_INDENT + part)
+        self.console.print("\n".join(lines))
 
     def on_eval(self, event) -> None:
         """One line per eval result (`eval_completed`)."""
@@ -156,13 +217,31 @@ class Progress:
             "trained_tokens": acct.shipped_tokens,
             "dropped_by_reason": dict(sorted(acct.dropped.items())),
             "cancelled_in_flight": acct.cancelled_attempts,
-            "waste_pct": round(100 * waste_share(terms["dropped"], acct.completed_samples), 2),
+            "waste_pct": round(100 * waste_share(wasted_samples(acct), acct.completed_samples), 2),
             "state_hash": state_hash(state),
+            "segment_first_step": self._shipped_before + 1,
+            "run_steps": state.step - 1,
         }
         if state.params is not None and state.params.eval is not None:
             out["evals"] = [eval_result_dict(r) for r in state.evals.results]
-        table = Table(title="orch run summary", show_header=False)
-        for key, value in out.items():
+        self.console.print(self._summary_table(out))
+        return out
+
+    def _summary_table(self, out: dict[str, Any]) -> Table:
+        """The summary as a table. A resumed run's separates this segment's figures (its steps,
+        their rewards, its wall time) from the run's totals over every segment."""
+        resumed = self._shipped_before > 0
+        title = "orch run summary"
+        if resumed:
+            title += f": this segment (steps {out['segment_first_step']}..{out['run_steps']}), then the whole run"
+        table = Table(title=title, show_header=False)
+        rows = {key: value for key, value in out.items() if key not in ("segment_first_step", "run_steps")}
+        if resumed:
+            segment = {f"{key} (this segment)": rows.pop(key) for key in SEGMENT_FIGURES}
+            rows = {**segment, "run_dir": rows.pop("run_dir"), "steps (the run)": out["run_steps"], **rows}
+        for key, value in rows.items():
+            if key == "run_dir" and resumed:
+                table.add_section()
             if key == "evals":
                 for r in value:
                     table.add_row(f"eval {r['env']} v{r['version']}", eval_figures_line(r))
@@ -172,11 +251,12 @@ class Progress:
             elif value is None and key.startswith("reward_"):
                 value = "n/a"
             table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
-        self.console.print(table)
-        return out
+        return table
 
 
 REWARD_WINDOW_STEPS = 5
+# The summary's figures of this segment alone (a resumed run's steps since the resume).
+SEGMENT_FIGURES = ("steps", "reward_first5", "reward_last5", "reward_gain", "wall_s")
 
 
 def reward_windows(rewards: list[float]) -> tuple[list[float], list[float]]:

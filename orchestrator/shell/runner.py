@@ -26,6 +26,7 @@ from orchestrator.core.state import State, initial_state
 from orchestrator.fold import Folded, fold_log
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
+from orchestrator.observe.sinks import check_sinks
 from orchestrator.orch_log import LOG_MAGIC_META, OrchLogError, open_orch_log
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 
@@ -51,12 +52,22 @@ class OpenedRun:
 MODEL_HASH_META = "model_sha256"
 
 
-def preflight(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
-    """The pre-run steps, before anything runs (ConfigError: one line): each env's, then the
-    trainer's model dir (if it trains one), checked by the trainer and by the inference backend
-    that samples it."""
+def check_outside(config: RunConfig) -> None:
+    """The quick pre-run steps, before the run dir (and the runs dir) exist and before the model is
+    built, so that a mistake is told in seconds (ConfigError, SinkUnavailable: one line): the
+    metric sinks' packages and credentials, each env's (its server and seed), the inference
+    backend's given servers (reachable, and able to load what the trainer publishes)."""
+    check_sinks(config.metrics)
     for env in config.env_components().values():
-        env.preflight()
+        env.preflight(config.seed)
+    trainer = config.trainer.chosen()
+    config.inference_backend().preflight_servers(trainer.weight_format if trainer.writes_weights else None)
+
+
+def preflight(config: RunConfig, stored_hash: str | None = None) -> PreparedModel | None:
+    """The pre-run steps that need the model, before the run dir exists (ConfigError: one line):
+    the trainer's model dir (if it trains one: building the default model is slow), checked by
+    the trainer and by the inference backend that samples it."""
     model = config.trainer.chosen().prepare_model(config.model_request(), stored_hash)
     if model is not None:
         config.inference_backend().preflight(model.path.resolve())
@@ -78,6 +89,7 @@ def create_run(config: RunConfig) -> OpenedRun:
         raise RunDirError(
             f"{run_dir} already holds a run; continue it with `orch run --resume {run_dir}` or pick another --name"
         )
+    check_outside(config)
     _check_runs_dir(config.runs_dir)
     model = preflight(config)  # before the run dir exists: a bad model leaves nothing behind
     try:
@@ -124,6 +136,7 @@ def resume_run(
         raise RunDirError(f"cannot resume {run_dir}: it holds no {EVENTS_DB}")
     stored, stored_model_hash = _stored_config(db)
     requested = _requested_config(stored, run_dir, overrides, config_file)
+    check_outside(requested)
     model = preflight(requested, stored_model_hash)
     try:  # with the durability asked for now (an operational field a resume may change)
         log = EventLog.open(db, durability=requested.log.durability)

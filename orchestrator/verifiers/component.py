@@ -41,7 +41,7 @@ class VerifiersConfig(EnvComponent, VerifiersSettings):
         if importlib.util.find_spec("verifiers") is None:
             raise ValueError("env 'verifiers' needs the verifiers package: pip install 'orch[verifiers]'")
 
-    def preflight(self) -> None:
+    def preflight(self, seed: int) -> None:
         """The taskset module found, and its env with a trainable agent (what orch trains on):
         verifiers loads it and runs its setup, so not while the config is validated."""
         try:

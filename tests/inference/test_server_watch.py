@@ -62,7 +62,9 @@ def test_a_dead_or_frozen_server_is_restarted_brought_to_the_newest_version_then
             await _until(changes, 2)
             noticed_dead = time.monotonic() - t0
             assert [c[:3] for c in changes] == [(a.url, False, 0), (a.url, True, 1)]
-            assert "killed by SIGKILL" in changes[0][3] and changes[1][3] == "restarted, at version 1"
+            # The exit and the log file, not the log's last line (an access line of the load it served).
+            assert changes[0][3] == f"exited (killed by SIGKILL), it logged no error (log: {a.log_path})"
+            assert changes[1][3] == "restarted, at version 1"
             assert client.endpoints[0].version == 1 and client.endpoints[0].failures == 0
             frozen = _server_pid(b)
             os.kill(frozen, signal.SIGSTOP)  # hangs
@@ -106,3 +108,19 @@ def test_the_launcher_binds_cpu_servers_apart_only_when_there_are_several(tmp_pa
     assert binding(LaunchSection(servers=1)) == [os.environ.get("VLLM_CPU_OMP_THREADS_BIND")]
     assert all(binding(LaunchSection(servers=2)))
     assert binding(LaunchSection(servers=2, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})) == ["nobind", "nobind"]
+
+
+def test_a_dead_servers_last_error_line_is_never_an_access_log_line(tmp_path):
+    from orchestrator.inference.vllm_launch import last_error_line
+
+    log = tmp_path / "vllm-0.log"
+    log.write_text(
+        "INFO 12-03 10:00:00 [api_server.py:1] Started server process\n"
+        "ERROR 12-03 10:00:05 [core.py:2] EngineCore failed: RuntimeError: out of memory\n"
+        'INFO:     127.0.0.1:5555 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error\n'
+        'INFO:     127.0.0.1:5556 - "POST /v1/completions HTTP/1.1" 200 OK\n'
+    )
+    assert last_error_line(log) == "ERROR 12-03 10:00:05 [core.py:2] EngineCore failed: RuntimeError: out of memory"
+    log.write_text('INFO:     127.0.0.1:5556 - "POST /v1/completions HTTP/1.1" 200 OK\n')
+    assert last_error_line(log) is None
+    assert last_error_line(tmp_path / "missing.log") is None

@@ -178,3 +178,11 @@ def test_replay_shows_the_trainer_metrics(runs):
     assert shown == logged and len(shown) == STEPS
     table = orch("replay", str(runs["a"]))
     assert "trainer metrics" in table.stdout and "step_time_s" in table.stdout
+
+
+def test_the_docs_count_the_panels_orch_plot_draws():
+    from pathlib import Path
+
+    words = {9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "observe.md").read_text(encoding="utf-8")
+    assert f"{words[len(PANELS)]} panels per step" in doc

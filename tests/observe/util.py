@@ -44,8 +44,9 @@ DROPPED_SQL = """SELECT
   (SELECT coalesce(sum(json_array_length(d.value)), 0) FROM events, json_each(json_extract(data, '$.dropped')) d
     WHERE kind = 'group_settled' AND seq <= :seq)
   + (SELECT coalesce(sum(json_array_length(json_extract(data, '$.trace_ids'))), 0) FROM events
-    WHERE kind = 'traces_dropped' AND seq <= :seq)
-  + (SELECT coalesce(sum(json_extract(data, '$.count')), 0) FROM events WHERE kind = 'group_cancelled' AND seq <= :seq)
+    WHERE kind = 'traces_dropped' AND seq <= :seq AND json_extract(data, '$.reason') NOT IN ('drain', 'stop'))
+  + (SELECT coalesce(sum(json_extract(data, '$.count')), 0) FROM events WHERE kind = 'group_cancelled' AND seq <= :seq
+    AND json_extract(data, '$.reason') NOT IN ('drain', 'stop'))
   + (SELECT coalesce(sum(json_array_length(json_extract(data, '$.pruned_ids'))), 0) FROM events
     WHERE kind = 'batch_shipped' AND seq <= :seq)"""
 # Completions the run accepted: not those of an episode cancelled before it finished (late).

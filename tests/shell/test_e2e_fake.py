@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import subprocess
 
@@ -192,52 +193,6 @@ def test_existing_run_needs_resume_and_missing_resume_is_an_error(tmp_path):
     assert missing.returncode == 2 and "no such run directory" in missing.stderr
 
 
-def test_an_unreachable_env_server_is_one_line_before_the_trainer_starts(tmp_path):
-    result = orch(
-        "run",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--max-steps",
-        "1",
-        "--set",
-        "env.reverse_text.server=http://127.0.0.1:9",
-    )
-    assert result.returncode == 1
-    assert (
-        result.stderr.strip()
-        .splitlines()[-1]
-        .startswith("orch: error: GET http://127.0.0.1:9/health: env server unreachable")
-    ), result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "r" / "trainer.log").exists()
-
-
-def test_an_env_server_with_other_tasks_than_the_runs_is_one_line(tmp_path):
-    """Tasks are a function of (seed, index) and the prompt lengths: the server must serve this run's."""
-    from orchestrator.config import served_env
-    from orchestrator.envs.server import create_app, running_server
-
-    with running_server(create_app(served_env("reverse_text", seed=1, max_len=9))) as server:
-        result = orch(
-            "run",
-            "--runs-dir",
-            str(tmp_path),
-            "--name",
-            "r",
-            "--max-steps",
-            "1",
-            "--set",
-            f"env.reverse_text.server={server.base_url}",
-        )
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"orch: error: {server.base_url} serves reverse_text tasks of {{'seed': 1, 'min_len': 3, 'max_len': 9}}, "
-        "this run's are {'seed': 0, 'min_len': 3, 'max_len': 6}: start it with --seed 0 --min-len 3 --max-len 6 "
-        f"(continue it with `orch run --resume {tmp_path / 'r'}` once fixed)"
-    )
-
-
 def _fake_run(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
     return orch(*fake_run_args(tmp_path, name, *sets("batch.size=16"), *args))
 
@@ -342,12 +297,58 @@ def test_a_plain_resume_keeps_the_max_steps_an_earlier_resume_raised(tmp_path):
     assert_log_invariants(tmp_path / "_r", 4, 2, 1)
 
 
+def _stop_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 1, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("orch: error: ")]
+    return line
+
+
 def test_a_run_whose_env_always_fails_stops_in_one_line_blaming_the_env(tmp_path):
     result = orch(*fake_run_args(tmp_path, "r", steps=5), *sets("env.fake.error_rate=1", "zero_output_batches=1"))
-    assert result.returncode != 0
-    (line,) = [line for line in result.stderr.splitlines() if line.startswith("orch: error: ")]
-    assert line.startswith("orch: error: run stopped: zero_output (the last failed episode: env: FakeEpisodeError: ")
+    line = _stop_line(result)
+    assert re.match(
+        r"orch: error: run stopped: zero_output: every one of the last \d+ episodes failed; "
+        r"the last: env: FakeEpisodeError: ",
+        line,
+    ), line
     failed = sqlite3.connect(tmp_path / "r" / "events.db").execute(
         "SELECT json_extract(data, '$.error') FROM events WHERE kind = 'episode_completed' LIMIT 1"
     )
     assert failed.fetchone()[0].startswith("env: FakeEpisodeError: fake env: episode ")
+
+
+def test_a_run_that_samples_no_token_says_so_when_it_stops_for_zero_output(tmp_path):
+    result = orch(*fake_run_args(tmp_path, "r", steps=5), *sets("env.fake.empty_rate=1", "zero_output_batches=1"))
+    line = _stop_line(result)
+    assert re.fullmatch(
+        r"orch: error: run stopped: zero_output: no tokens sampled: (\d+) of the last \1 episodes came back "
+        r"without a sampled token \(docs/rules.md, Samples\)",
+        line,
+    ), line
+
+
+def test_a_run_whose_groups_all_tie_names_the_rewards_and_the_settings(tmp_path):
+    """Groups of one episode: every advantage is zero, every group is rejected (the fake env's
+    rewards differ between tasks, never within a group of one)."""
+    result = orch(*fake_run_args(tmp_path, "r", steps=5), *sets("rollout.group_size=1", "zero_output_batches=1"))
+    line = _stop_line(result)
+    assert re.fullmatch(
+        r"orch: error: run stopped: zero_output: every group's rewards were equal, so every advantage was zero "
+        r"and no group was admitted for training \(rewards \d\.\d{3}\.\.\d\.\d{3}, equal within each group, of "
+        r"the last \d+ scored episodes\): groups of one episode have none to differ from: raise rollout.group_size; "
+        r"zero_output_batches \(1\) is how long a run waits for one",
+        line,
+    ), line
+
+
+def test_a_pipe_hears_of_the_first_episodes_before_the_first_step(tmp_path):
+    """A first batch can take a while: the episodes done so far are said before it ships."""
+    result = orch(*fake_run_args(tmp_path, "r", steps=1), *sets("env.fake.latency_s=0.05"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    sampling = next(i for i, line in enumerate(lines) if line.startswith("sampling: "))
+    assert re.fullmatch(
+        r"sampling: \d+ episodes done after \d+\.\ds, \d+ in flight; a step ships a batch of \d+ samples",
+        lines[sampling],
+    )
+    assert sampling < next(i for i, line in enumerate(lines) if line.startswith("step "))

@@ -230,3 +230,24 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_the_run_completes
     assert [(f["kind"], f["attempt"]) for f in orjson.loads(shown.stdout)["faults"]] == [("trainer_restarted", 1)]
     table = orch("replay", str(run_dir), env={**os.environ, "COLUMNS": "200"})
     assert "faults" in table.stdout and "trainer restarted (1)" in table.stdout
+
+
+def test_an_untrained_model_stops_for_zero_output_naming_the_equal_rewards(tmp_path):
+    """A fresh (not warm-started) model never writes the answer's tags: reward 0 for every
+    episode, so every group ties and is rejected; the stop line says so and what changes it."""
+    from orchestrator.hf.tiny_model import build_untrained
+
+    model, tokenizer = build_untrained()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    result = orch(
+        "run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "3",
+        "--set", f"model.path={tmp_path / 'model'}", "--set", "zero_output_batches=1",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("orch: error: ")]
+    assert line.startswith(
+        "orch: error: run stopped: zero_output: every group's rewards were equal, so every advantage was zero "
+        "and no group was admitted for training (reward 0.000 in every one of the last "
+    ), line
+    assert "a warm-started model.path), a larger rollout.group_size or a higher rollout.temperature" in line

@@ -173,7 +173,7 @@ def verifiers_config(**section) -> list[str]:
 def test_config_refuses_a_missing_taskset_in_one_line():
     config = load_config(overrides=verifiers_config(taskset="orch_no_such_taskset", path=[str(TASKSETS)]))
     with pytest.raises(ConfigError) as err:  # before the run, not while the config is validated
-        config.env.verifiers.preflight()
+        config.env.verifiers.preflight(config.seed)
     message = str(err.value)
     assert "no module 'orch_no_such_taskset'" in message and str(TASKSETS) in message
     assert "\n" not in message
@@ -182,7 +182,7 @@ def test_config_refuses_a_missing_taskset_in_one_line():
 def test_config_refuses_a_taskset_without_a_trainable_agent():
     config = load_config(overrides=verifiers_config(taskset="orch_test_untrainable", path=[str(TASKSETS)]))
     with pytest.raises(ConfigError, match="JudgeOnlyEnv has no trainable agent") as err:
-        config.env.verifiers.preflight()
+        config.env.verifiers.preflight(config.seed)
     assert "\n" not in str(err.value)
 
 
@@ -197,7 +197,7 @@ def test_config_needs_the_openai_backend_and_accepts_the_examples_tasksets():
         )
     for taskset in ("orch_reverse_text", "orch_reverse_text_two_turn"):
         config = load_config(overrides=verifiers_config(taskset=taskset, path=[str(EXAMPLES)]))
-        config.env.verifiers.preflight()
+        config.env.verifiers.preflight(config.seed)
         assert config.env.verifiers.taskset == taskset
 
 
