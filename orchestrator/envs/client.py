@@ -19,6 +19,11 @@ from orchestrator.contracts import ComponentFailed, Task
 
 __all__ = ["EnvServerError", "EnvServerTimeout", "HttpEnvClient"]
 
+# Idle connections are dropped well before the server's keep-alive timeout (uvicorn's, the
+# `orch env-server`'s: 5 s, httpx's default expiry too), so none is reused as the server closes
+# it: that call would fail (nothing is retried) though the server is up.
+KEEPALIVE_S = 2.0
+
 
 class EnvServerError(ComponentFailed):
     """An env server call failed (unreachable, HTTP error status, malformed answer)."""
@@ -36,7 +41,9 @@ class HttpEnvClient:
     """``task(index)`` / ``score(task, completion)`` against an env server at ``base_url``.
 
     ``timeout`` bounds each call (connect, write, read and pool wait each; connect has its own
-    ``connect_timeout``). One client multiplexes up to ``max_connections`` concurrent requests.
+    ``connect_timeout``). One client multiplexes up to ``max_connections`` concurrent requests
+    (None: no cap, a connection per request in flight); a request beyond it waits for a free
+    connection, within its ``timeout``.
     Close it with :meth:`aclose` (or ``async with``). ``trust_env=False`` by default: proxies from
     the environment are ignored (env servers are normally reached directly).
     """
@@ -47,14 +54,18 @@ class HttpEnvClient:
         *,
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
-        max_connections: int = 256,
+        max_connections: int | None = None,
         trust_env: bool = False,
     ) -> None:
         if timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeouts must be positive (calls are always bounded)")
+        if max_connections is not None and max_connections < 1:
+            raise ValueError("max_connections >= 1 (or None: no cap)")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
+        )
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=connect_timeout),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import Field, field_validator
 
 from orchestrator.contracts import BuildContext, ConfigError, EnvComponent, InProcessEnv, RolloutEnv, RunPlan, Task
+from orchestrator.notices import warn
 from orchestrator.urls import check_http_url
 
 if TYPE_CHECKING:
@@ -102,12 +103,18 @@ class ReverseTextConfig(EnvComponent):
     """reverse_text tasks: in this process, or behind the `orch env-server` at `env.reverse_text.server`."""
 
     gives_messages: ClassVar[bool] = True
-    resumable: ClassVar[frozenset[str]] = frozenset({"server"})
+    resumable: ClassVar[frozenset[str]] = frozenset({"server", "max_connections"})
 
     min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
     max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
     server: str | None = Field(
         None, description="URL of an `orch env-server` serving these tasks (else the env runs in-process)"
+    )
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="HTTP connections to the env server, at most (None: no cap, one per episode in flight); "
+        "a call beyond it waits for a free one",
     )
 
     @field_validator("server")
@@ -122,6 +129,13 @@ class ReverseTextConfig(EnvComponent):
             raise ValueError(
                 "evals need held-out tasks (negative indices), which env.reverse_text.server does not serve; "
                 "run the env in-process for evals"
+            )
+        cap = self.max_connections if self.server is not None else None  # in-process: no connection
+        if cap is not None and cap < plan.requests_in_flight:
+            warn(
+                f"env.reverse_text.max_connections allows {cap} connection(s) to the env server, "
+                f"fewer than the {plan.requests_in_flight} episodes the run keeps in flight (rollout.max_inflight): "
+                "the others wait for a free one"
             )
 
     def solved(self, reward: float) -> bool:
@@ -152,7 +166,7 @@ class ReverseTextConfig(EnvComponent):
             return
         from orchestrator.envs.client import HttpEnvClient  # httpx: only now
 
-        async with HttpEnvClient(self.server) as client:
+        async with HttpEnvClient(self.server, max_connections=self.max_connections) as client:
             await self._check_server(client, ctx.seed)
             yield client
 

@@ -270,7 +270,10 @@ class VllmLauncher:
         group killed and started again, at most `max_restarts` times, then brought to the newest
         version and put back in rotation (`on_change` again). Past its restarts it is left down
         while another server is up; with none up, LaunchError (one line)."""
-        async with httpx.AsyncClient(timeout=self.launch.health_timeout_s, trust_env=False) as http:
+        # Each probe on a connection of its own: a kept-alive one can be closed by the server's
+        # keep-alive timeout just as a probe is sent on it, which would read as a server down.
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=self.launch.health_timeout_s, trust_env=False, limits=fresh) as http:
             try:
                 async with asyncio.TaskGroup() as watching:
                     for server, ep in zip(self.servers, client.endpoints, strict=True):

@@ -233,3 +233,90 @@ def test_a_port_in_use_is_one_line_and_exit_1(command):
         f"orch: error: {'serve' if 'serve' in command else 'env-server'}: cannot listen on 127.0.0.1:{port}: "
         "Address already in use"
     ], done.stderr
+
+
+# -- connections -------------------------------------------------------------------------------------
+class _HoldingServer:
+    """An HTTP/1.1 server on 127.0.0.1 that answers `{}` to every request once `release_at`
+    requests have come (each held until then), counting the connections open at once."""
+
+    def __init__(self, release_at: int) -> None:
+        self.release_at, self.arrived, self.open, self.most_open = release_at, 0, 0, 0
+        self.released = asyncio.Event()
+
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                self.arrived += 1
+                if self.arrived >= self.release_at:
+                    self.released.set()
+                await asyncio.wait_for(self.released.wait(), 60)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.open -= 1
+            writer.close()
+
+
+async def _serving(handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def test_no_hidden_cap_on_calls_in_flight_and_a_set_one_holds(arun):
+    """By default every call in flight has its own connection (300 answered only once all 300
+    are at the server at once); `max_connections` caps them, the others waiting their turn."""
+
+    async def main():
+        at_once = _HoldingServer(release_at=300)
+        server, url = await _serving(at_once.connection)
+        async with server, HttpEnvClient(url, timeout=60) as client:
+            answers = await asyncio.gather(*(client.health() for _ in range(300)))
+        assert answers == [{}] * 300 and at_once.most_open == 300
+        one_at_a_time = _HoldingServer(release_at=1)
+        server, url = await _serving(one_at_a_time.connection)
+        async with server, HttpEnvClient(url, max_connections=2) as client:
+            assert await asyncio.gather(*(client.health() for _ in range(12))) == [{}] * 12
+        assert one_at_a_time.arrived == 12 and one_at_a_time.most_open == 2
+        with pytest.raises(ValueError, match="max_connections >= 1"):
+            HttpEnvClient(url, max_connections=0)
+
+    arun(main, timeout=120)
+
+
+def test_an_idle_connection_is_not_reused_as_the_server_closes_it(arun):
+    """A server whose keep-alive timer (1 s here, uvicorn's 5 s) fires as the next call comes on
+    an idle connection: that call went unanswered (an EnvServerError, the server up); the client
+    drops idle connections after KEEPALIVE_S and calls on a fresh one."""
+    from orchestrator.envs.client import KEEPALIVE_S
+    from tests.inference.keepalive_race_server import handler
+
+    async def main():
+        server, url = await _serving(handler(keep_alive_s=1.0))
+        async with server, HttpEnvClient(url) as client:
+            assert await client.health() == {}
+            await asyncio.sleep(max(KEEPALIVE_S, 1.0) + 0.5)  # idle past both
+            assert await client.health() == {}
+
+    arun(main, timeout=60)
+
+
+def test_a_connection_cap_below_the_episodes_in_flight_is_warned_in_one_line(capsys):
+    from orchestrator.contracts import RunPlan
+    from orchestrator.envs.reverse_text import ReverseTextConfig
+
+    def check(section: ReverseTextConfig, in_flight: int) -> list[str]:
+        section.check(RunPlan(envs=("reverse_text",), eval_envs=(), inference="embedded", requests_in_flight=in_flight))
+        return capsys.readouterr().err.splitlines()
+
+    served = "http://127.0.0.1:9"
+    assert check(ReverseTextConfig(server=served), 1000) == []
+    assert check(ReverseTextConfig(server=served, max_connections=64), 64) == []
+    (line,) = check(ReverseTextConfig(server=served, max_connections=64), 65)
+    assert "env.reverse_text.max_connections allows 64" in line and "the 65 episodes" in line
+    assert check(ReverseTextConfig(max_connections=64), 65) == []  # in-process: no connection

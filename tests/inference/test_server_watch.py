@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,48 @@ async def _until(changes: list, count: int, timeout_s: float = 60.0) -> None:
     while len(changes) < count:
         assert time.monotonic() < deadline, f"waited {timeout_s:g}s for {count} changes: {changes}"
         await asyncio.sleep(0.1)
+
+
+class KeepAliveRaceLauncher(VllmLauncher):
+    """The launcher, starting a server that closes every kept-alive connection as its next
+    request arrives (tests/inference/keepalive_race_server.py) instead of vLLM."""
+
+    def command(self, server: Server) -> list[str]:
+        race = [sys.executable, "-m", "tests.inference.keepalive_race_server"]
+        return [*race, "--host", server.host, "--port", str(server.port)]
+
+
+def test_a_connection_the_server_closed_as_a_probe_was_sent_is_not_a_server_down(tmp_path):
+    """A server's keep-alive timeout that lapses as a probe is sent on the kept-alive connection
+    (a transport error, the server healthy) marks nothing down: each probe has a fresh one."""
+    launch = LaunchSection(servers=1, max_restarts=0, health_timeout_s=5.0, ready_timeout_s=60.0, stop_timeout_s=5.0)
+    launcher = KeepAliveRaceLauncher(launch, tmp_path, tmp_path, "orch", 2)
+    changes: list[tuple[str, bool, int, str]] = []
+    (server,) = launcher.servers
+
+    def probes_answered() -> int:
+        return server.log_path.read_text().count("answered /health")
+
+    async def go():
+        launcher.start()
+        await launcher.wait_ready()
+        async with InferenceClient(launcher.urls, weight_sync="orch") as client:
+            async with asyncio.TaskGroup() as tasks:
+                watch = tasks.create_task(launcher.watch(client, lambda *change: changes.append(change)))
+                seen = probes_answered()
+                deadline = time.monotonic() + 60
+                # three of the watch's probes, each of which would have gone on a kept-alive one
+                while probes_answered() < seen + 3 and not watch.done():
+                    assert time.monotonic() < deadline, f"the watch's probes: {probes_answered() - seen} in 60s"
+                    await asyncio.sleep(0.1)
+                assert not watch.done() and changes == []
+                watch.cancel()
+
+    try:
+        run(go(), timeout=120)
+    finally:
+        launcher.stop()
+    assert changes == [] and not group_alive(server.proc.pid)
 
 
 def test_a_dead_or_frozen_server_is_restarted_brought_to_the_newest_version_then_given_up(tmp_path, capfd):
