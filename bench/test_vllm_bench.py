@@ -30,7 +30,8 @@ import pytest
 from bench.paired import alternated_rounds, paired_ratio
 from orchestrator.contracts import InProcessEnv, RolloutRequest
 from orchestrator.envs.reverse_text import ReverseTextEnv
-from orchestrator.inference.client import KEEPALIVE_S, InferenceClient
+from orchestrator.http_limits import pool_limits
+from orchestrator.inference.client import InferenceClient
 from orchestrator.inference.endpoints_backend import EndpointsBackend, episode_seed
 from tests.inference.vllm_util import launched, needs_vllm, publish_full, publish_lora, tiny_model
 
@@ -97,11 +98,9 @@ def test_orch_completions_per_s_against_a_plain_client(benchmark, server, base, 
     async def main() -> dict[str, list[float]]:
         rollouts = await loaded_backend(server, base, tmp_path, env)
         bodies = [plain_body(rollouts.encode_prompt(await env.task(r.task_id)), r) for r in requests]
-        # The idle expiry orch's client uses: httpx's default equals vLLM's keep-alive timeout, and
-        # a connection reused as the server closes it fails the plain client's request (ReadError).
-        limits = httpx.Limits(
-            max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY, keepalive_expiry=KEEPALIVE_S
-        )
+        # The idle expiry orch's clients use: with httpx's default, equal to vLLM's keep-alive
+        # timeout, a connection reused as the server closes it fails a plain request (ReadError).
+        limits = pool_limits(CONCURRENCY)
         async with httpx.AsyncClient(base_url=server.urls[0], limits=limits, timeout=120, trust_env=False) as plain:
 
             async def plain_one(body):

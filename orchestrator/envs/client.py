@@ -16,13 +16,9 @@ from typing import Any
 import httpx
 
 from orchestrator.contracts import ComponentFailed, Task
+from orchestrator.http_limits import pool_limits
 
 __all__ = ["EnvServerError", "EnvServerTimeout", "HttpEnvClient"]
-
-# Idle connections are dropped well before the server's keep-alive timeout (uvicorn's, the
-# `orch env-server`'s: 5 s, httpx's default expiry too), so none is reused as the server closes
-# it: that call would fail (nothing is retried) though the server is up.
-KEEPALIVE_S = 2.0
 
 
 class EnvServerError(ComponentFailed):
@@ -63,9 +59,7 @@ class HttpEnvClient:
             raise ValueError("max_connections >= 1 (or None: no cap)")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        limits = httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
-        )
+        limits = pool_limits(max_connections)  # nothing is retried: no call may meet a closing connection
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=connect_timeout),

@@ -65,6 +65,7 @@ import orjson
 
 from orchestrator import rundir
 from orchestrator.core.events import version_runs
+from orchestrator.http_limits import pool_limits
 from orchestrator.inference.endpoints_config import STREAM_INTERVAL
 from orchestrator.inference.errors import (
     InferenceError,
@@ -90,7 +91,6 @@ MAX_PINS = 65536
 # restarted at every reload
 MAX_RESTARTS = 2
 JSON_HEADERS = {"content-type": "application/json"}
-KEEPALIVE_S = 2.0
 T = TypeVar("T")
 
 log = logging.getLogger("orch.inference")
@@ -982,10 +982,7 @@ def continuation_seed(seed: int, choice: int, tokens_so_far: int) -> int:
 
 def _transport(max_connections: int | None) -> httpx.AsyncHTTPTransport:
     """An httpcore pool of at most `max_connections` (None: no cap), idle ones expired at KEEPALIVE_S."""
-    limits = httpx.Limits(
-        max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
-    )
-    return httpx.AsyncHTTPTransport(retries=0, limits=limits)
+    return httpx.AsyncHTTPTransport(retries=0, limits=pool_limits(max_connections))
 
 
 def _origin(url: str) -> str:

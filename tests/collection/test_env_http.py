@@ -293,7 +293,7 @@ def test_an_idle_connection_is_not_reused_as_the_server_closes_it(arun):
     """A server whose keep-alive timer (1 s here, uvicorn's 5 s) fires as the next call comes on
     an idle connection: that call went unanswered (an EnvServerError, the server up); the client
     drops idle connections after KEEPALIVE_S and calls on a fresh one."""
-    from orchestrator.envs.client import KEEPALIVE_S
+    from orchestrator.http_limits import KEEPALIVE_S
     from tests.inference.keepalive_race_server import handler
 
     async def main():
