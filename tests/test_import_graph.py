@@ -30,6 +30,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # leaf utilities, and the tools that read or write runs without choosing a component
     "utilities": (
         "orchestrator.urls",
+        "orchestrator.plugins",
         "orchestrator.orch_log",
         "orchestrator.figures",
         "orchestrator.rundir",
