@@ -118,6 +118,7 @@ ENVS = Registry(
         "reverse_text": "orchestrator.envs.reverse_text:ReverseTextConfig",
         "fake": "orchestrator.envs.fake:FakeEnvConfig",
         "verifiers": "orchestrator.verifiers.component:VerifiersConfig",
+        "dataset": "orchestrator.envs.dataset:DatasetConfig",
     },
     EnvComponent,
 )
