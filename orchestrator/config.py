@@ -323,11 +323,12 @@ class _AlgorithmChoice(_Components):
 
 
 class ModelSection(_Section):
-    """The model a run trains and samples: a local Hugging Face model dir."""
+    """The model a run trains and samples: a local Hugging Face model dir or a Hub id."""
 
     path: Path | None = Field(
         None,
-        description="a local Hugging Face model dir (config.json, weights, tokenizer); "
+        description="a local Hugging Face model dir (config.json, weights, tokenizer), or a Hub id "
+        "(owner/name) found in the Hugging Face cache, offline first (docs/hf.md); "
         "None: the tiny reverse_text model, built locally once and cached under "
         "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)",
     )
