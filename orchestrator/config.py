@@ -74,9 +74,6 @@ class Registry:
         self.known(name)
         return self._table[name].partition(":")[0]
 
-    def builtin(self, name: str) -> bool:
-        return name in self._table
-
     def known(self, name: str) -> str:
         """`name`, if it resolves to a component of this kind (else a one-line PluginError, a
         ValueError, saying what was asked and what was found)."""
