@@ -63,8 +63,16 @@ def main() -> None:
 )
 @click.option("--name", help="run name (default: run-YYYYmmdd-HHMMSS)")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), help="where runs live (default: runs)")
-@click.option("--env", "env_name", type=click.Choice(ENVS.names()), help="shorthand for envs={ENV: 1}")
-@click.option("--trainer", "trainer_kind", type=click.Choice(TRAINERS.names()), help="shorthand for trainer.kind")
+@click.option(
+    "--env",
+    "env_name",
+    help=f"shorthand for envs={{ENV: 1}}: {', '.join(ENVS.names())}, an installed plugin's name or a module:Attribute",
+)
+@click.option(
+    "--trainer",
+    "trainer_kind",
+    help=f"shorthand for trainer.kind: {', '.join(TRAINERS.names())}, an installed plugin's name or a module:Attribute",
+)
 @click.option("--max-steps", type=int, help="shorthand for max_steps")
 @click.option(
     "--inference",

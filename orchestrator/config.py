@@ -15,22 +15,23 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
-import importlib
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
 from pydantic import (
     AfterValidator,
     BaseModel,
     Field,
+    PrivateAttr,
     TypeAdapter,
     ValidationError,
     create_model,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -49,41 +50,45 @@ from orchestrator.contracts import (
     TrainerComponent,
 )
 from orchestrator.contracts import Section as _Section
-from orchestrator.core.advantages import BACKGROUND_ONLY
+from orchestrator.core.advantages import INLINE_SCORERS
 from orchestrator.core.events import CoreParams, EvalParams
+from orchestrator.plugins import installed_names, resolve, resolve_sink
 
 
 # -------------------------------------------------------------------------------------- registries
 class Registry:
-    """`name -> "module:Config"` for one kind; a config module is imported when first asked for."""
+    """The components of one kind: a built-in table `name -> "module:Config"`, plus what
+    `orchestrator.plugins.resolve` finds for any other name (an installed package's entry point,
+    a `module:Attribute`); a config model is imported when first asked for."""
 
-    def __init__(self, kind: str, table: Mapping[str, str]):
-        self.kind, self._table = kind, dict(table)
+    def __init__(self, kind: str, table: Mapping[str, str], base: type[Component] = Component):
+        self.kind, self.base, self._table = kind, base, dict(table)
         self._loaded: dict[str, type[Component]] = {}
 
     def names(self) -> list[str]:
+        """The built-in names (a plugin is not listed: it is found when asked for)."""
         return sorted(self._table)
 
     def module(self, name: str) -> str:
-        """The module that holds `name`'s config model."""
+        """The module that holds built-in `name`'s config model."""
         self.known(name)
         return self._table[name].partition(":")[0]
 
     def known(self, name: str) -> str:
-        """`name`, if it is one of this registry's (else ValueError listing the known ones)."""
-        if name not in self._table:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+        """`name`, if it resolves to a component of this kind (else a one-line PluginError, a
+        ValueError, saying what was asked and what was found)."""
+        self.config(name)
         return name
 
     def config(self, name: str) -> type[Component]:
-        """The config model of `name` (ValueError listing the known names if there is none)."""
-        self.known(name)
+        """The config model of `name` (PluginError, one line, if there is none or it is no
+        component of this kind)."""
         if name not in self._loaded:
-            module, _, attr = self._table[name].partition(":")
-            self._loaded[name] = getattr(importlib.import_module(module), attr)
+            self._loaded[name] = resolve(self.kind, name, self._table, self.base)
         return self._loaded[name]
 
     def configs(self) -> dict[str, type[Component]]:
+        """The built-in components' config models."""
         return {name: self.config(name) for name in self.names()}
 
 
@@ -93,6 +98,7 @@ TRAINERS = Registry(
         "fake": "orchestrator.trainers.fake:FakeTrainerConfig",
         "hf": "orchestrator.hf.component:HFTrainerConfig",
     },
+    TrainerComponent,
 )
 INFERENCE = Registry(
     "inference backend",
@@ -101,6 +107,7 @@ INFERENCE = Registry(
         "openai": "orchestrator.inference.component:EndpointsConfig",
         "fake": "orchestrator.envs.fake:FakeEpisodesConfig",
     },
+    InferenceComponent,
 )
 ENVS = Registry(
     "env",
@@ -108,7 +115,9 @@ ENVS = Registry(
         "reverse_text": "orchestrator.envs.reverse_text:ReverseTextConfig",
         "fake": "orchestrator.envs.fake:FakeEnvConfig",
         "verifiers": "orchestrator.verifiers.component:VerifiersConfig",
+        "dataset": "orchestrator.envs.dataset:DatasetConfig",
     },
+    EnvComponent,
 )
 ALGORITHMS = Registry(
     "algorithm",
@@ -116,6 +125,7 @@ ALGORITHMS = Registry(
         "grpo": "orchestrator.finalizers:GRPOConfig",
         "gar": "orchestrator.finalizers:GARConfig",
     },
+    AlgorithmComponent,
 )
 
 
@@ -235,13 +245,61 @@ class OffPolicyConfig(_Section):
     max_off_policy_steps: int = Field(2, ge=0, description="oldest usable policy: (step-1) - this")
 
 
-def _with_components(name: str, base: type[_Section], registry: Registry) -> type[_Section]:
-    """`base` with one field per registered component of `registry`: its config section."""
+class _Components(_Section):
+    """The sections of one kind's components: a built-in one's as a field; a plugin's (a name an
+    installed package's entry point registers, or a `module:Attribute`) validated by its own
+    config model, held beside the fields and written with them (so a run's stored config has it)."""
+
+    _registry: ClassVar[Registry]
+    _plugins: dict[str, Component] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def _is_plugin(cls, name: str) -> bool:
+        return name not in cls.model_fields and (":" in name or name in installed_names(cls._registry.kind))
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _plugin_sections(cls, data: Any, handler: Any) -> Any:
+        plugins: dict[str, Component] = {}
+        if isinstance(data, dict):
+            data = dict(data)
+            for name in [key for key in data if cls._is_plugin(key)]:
+                settings = data.pop(name)
+                model = cls._registry.config(name)
+                try:
+                    plugins[name] = settings if isinstance(settings, model) else model.model_validate(settings or {})
+                except ValidationError as err:
+                    raise ValueError(_format_validation_error(err, name).removeprefix("invalid config: ")) from None
+        sections = handler(data)
+        sections._plugins.update(plugins)
+        return sections
+
+    @model_serializer(mode="wrap")
+    def _dump_plugin_sections(self, handler: Any, info: Any) -> Any:
+        data = handler(self)
+        for name, section in self._plugins.items():
+            data[name] = section.model_dump(mode=info.mode)
+        return data
+
+    def section(self, name: str) -> Component:
+        """Component `name`'s section: its field, or a plugin's (its defaults if none was given,
+        kept from now on, so the stored config names them)."""
+        if name in type(self).model_fields:
+            return getattr(self, name)
+        if name not in self._plugins:
+            self._plugins[name] = self._registry.config(name)()
+        return self._plugins[name]
+
+
+def _with_components(name: str, base: type[_Components], registry: Registry) -> type[_Components]:
+    """`base` with one field per built-in component of `registry`: its config section."""
     fields: dict[str, Any] = {
         component: (model, Field(default_factory=model, description=(model.__doc__ or "").strip().splitlines()[0]))
         for component, model in registry.configs().items()
     }
-    return create_model(name, __base__=base, **fields)
+    sections = create_model(name, __base__=base, **fields)
+    sections._registry = registry
+    return sections
 
 
 def _name_in(registry: Registry, *, optional: bool = False) -> Any:
@@ -252,21 +310,22 @@ def _name_in(registry: Registry, *, optional: bool = False) -> Any:
     return Annotated[str, AfterValidator(registry.known)]
 
 
-class _AlgorithmChoice(_Section):
+class _AlgorithmChoice(_Components):
     name: _name_in(ALGORITHMS) = Field("grpo", description="the algorithm: " + ", ".join(ALGORITHMS.names()))
     finalize_in_background: bool | None = Field(None, description="override the algorithm's class flag")
     max_finalizing_groups: int = Field(64, ge=1, description="finalizing groups per env that close the gate")
 
     def chosen(self) -> AlgorithmComponent:
-        return getattr(self, self.name)
+        return self.section(self.name)
 
 
 class ModelSection(_Section):
-    """The model a run trains and samples: a local Hugging Face model dir."""
+    """The model a run trains and samples: a local Hugging Face model dir or a Hub id."""
 
     path: Path | None = Field(
         None,
-        description="a local Hugging Face model dir (config.json, weights, tokenizer); "
+        description="a local Hugging Face model dir (config.json, weights, tokenizer), or a Hub id "
+        "(owner/name) found in the Hugging Face cache, offline first (docs/hf.md); "
         "None: the tiny reverse_text model, built locally once and cached under "
         "runs_dir/.cache (`orch tiny-model DIR` builds it anywhere)",
     )
@@ -276,7 +335,7 @@ class ModelSection(_Section):
     )
 
 
-class _TrainerChoice(_Section):
+class _TrainerChoice(_Components):
     kind: _name_in(TRAINERS) = Field("hf", description="the trainer: " + ", ".join(TRAINERS.names()))
     publish_timeout_s: float = Field(300.0, gt=0, description="max wait for the trainer's next version")
     exit_timeout_s: float = Field(30.0, gt=0, description="max wait for the trainer to exit at the end")
@@ -288,10 +347,10 @@ class _TrainerChoice(_Section):
     )
 
     def chosen(self) -> TrainerComponent:
-        return getattr(self, self.kind)
+        return self.section(self.kind)
 
 
-class _InferenceChoice(_Section):
+class _InferenceChoice(_Components):
     kind: _name_in(INFERENCE, optional=True) = Field(
         None,
         description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for the fake env, openai "
@@ -302,7 +361,7 @@ class _InferenceChoice(_Section):
 AlgorithmConfig = _with_components("AlgorithmConfig", _AlgorithmChoice, ALGORITHMS)
 TrainerSection = _with_components("TrainerSection", _TrainerChoice, TRAINERS)
 InferenceSection = _with_components("InferenceSection", _InferenceChoice, INFERENCE)
-EnvSection = _with_components("EnvSection", _Section, ENVS)
+EnvSection = _with_components("EnvSection", _Components, ENVS)
 
 
 class EvalConfig(_Section):
@@ -365,6 +424,18 @@ class MetricsConfig(_Section):
 
     wandb: WandbSection | None = Field(None, description="W&B sink (off when absent)")
     tensorboard: TensorBoardSection | None = Field(None, description="TensorBoard sink (off when absent)")
+    plugins: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="sinks of your own package: name (an entry point of orch.metric_sinks) or "
+        "module:Attribute -> its settings (docs/plugins.md)",
+    )
+
+    @field_validator("plugins")
+    @classmethod
+    def _sinks_load(cls, plugins: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name in plugins:
+            resolve_sink(name)
+        return plugins
 
     @model_validator(mode="before")
     @classmethod
@@ -460,10 +531,10 @@ class RunConfig(_Section):
         return "fake" if set(self.envs) == {"fake"} else "embedded"
 
     def inference_backend(self) -> InferenceComponent:
-        return getattr(self.inference, self.inference_kind())
+        return self.inference.section(self.inference_kind())
 
     def env_components(self) -> dict[str, EnvComponent]:
-        return {name: getattr(self.env, name) for name in self.envs}
+        return {name: self.env.section(name) for name in self.envs}
 
     def plan(self) -> RunPlan:
         """What the run is made of, as a component's `check` sees it."""
@@ -508,7 +579,7 @@ class RunConfig(_Section):
 
     def finalize_in_background(self) -> bool:
         flag = self.algorithm.finalize_in_background
-        return self.algorithm.name in BACKGROUND_ONLY if flag is None else flag
+        return self.algorithm.name not in INLINE_SCORERS if flag is None else flag
 
     def core_params(self) -> CoreParams:
         return CoreParams(
@@ -604,11 +675,12 @@ def config_hash(config_json: bytes) -> str:
     return hashlib.sha256(config_json).hexdigest()
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, within: str | None = None) -> str:
+    """One line; `within`: the section the error's locations are in (a plugin's, `name.field`)."""
     parts = []
     for item in err.errors():
         message = item["msg"].removeprefix("Value error, ")  # a validator's own message
-        where = ".".join(str(x) for x in item["loc"])
+        where = ".".join(str(x) for x in ((within,) if within else ()) + tuple(item["loc"]))
         if item["type"] == "extra_forbidden":
             nearest = nearest_key(where)
             message = f"no such key{f' (did you mean {nearest}?)' if nearest else ''}"
@@ -652,7 +724,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:
         value = raw
-    return key.strip().split("."), value
+    return config_path(key.strip()), value
+
+
+def config_path(key: str) -> list[str]:
+    """A dotted key's parts; a `module:Attribute` component name (`env.my_pkg.tasks:Env.size`) is
+    one part, from after the section that holds it up to its colon's part."""
+    parts = key.split(".")
+    named = next((i for i, part in enumerate(parts) if ":" in part), None)
+    if named is None or named == 0:
+        return parts
+    sections = set(config_keys())
+    start = max(j for j in range(1, named + 1) if j == 1 or ".".join(parts[:j]) in sections)
+    return [*parts[:start], ".".join(parts[start : named + 1]), *parts[named + 1 :]]
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -679,8 +763,8 @@ def load_config(path: Path | None = None, overrides: list[str] = (), base: dict 
     values laid over it, then the `--set` overrides."""
     data: dict = copy.deepcopy(base or {})
     if path is not None:
-        for name, value in _flatten(_read_toml(path)).items():
-            _set_path(data, name.split("."), value, f"config file {path}")
+        for name, value in _flatten_paths(_read_toml(path)).items():
+            _set_path(data, list(name), value, f"config file {path}")
     apply_overrides(data, list(overrides))
     try:
         return RunConfig.model_validate(data)
@@ -701,15 +785,19 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+def _flatten_paths(data: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
     flat = {}
     for key, value in data.items():
-        name = f"{prefix}{key}"
+        path = (*prefix, key)
         if isinstance(value, dict) and key != "envs":
-            flat.update(_flatten(value, name + "."))
+            flat.update(_flatten_paths(value, path))
         else:
-            flat[name] = value
+            flat[path] = value
     return flat
+
+
+def _flatten(data: dict) -> dict[str, Any]:
+    return {".".join(path): value for path, value in _flatten_paths(data).items()}
 
 
 def meaning_changes(stored: RunConfig, requested: RunConfig) -> list[str]:

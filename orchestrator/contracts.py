@@ -13,8 +13,9 @@ algorithm) is a config section, a subclass of its kind's base below, and a facto
   directory, seed, sampling settings, prepared model), and imports the heavy parts (torch,
   httpx) only then. A section module stays light: pydantic and the stdlib.
 
-Adding a component is adding a module and one line of its kind's table in `orchestrator.config`.
-E.g. a trainer (the real `hf` one is orchestrator/hf/component.py):
+A component of orch is a module and one line of its kind's table in `orchestrator.config`; a
+component of your own package needs neither (docs/plugins.md: an entry point, or a
+`module:Attribute` as its name). E.g. a built-in trainer (the real `hf` one is orchestrator/hf/component.py):
 
     # orchestrator/probe/component.py
     class ProbeTrainerConfig(TrainerComponent):
@@ -59,8 +60,8 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from array import array
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
@@ -484,6 +485,37 @@ class EnvComponent(Component):
     def open(self, ctx: BuildContext) -> AbstractAsyncContextManager[RolloutEnv | AgentEnv | None]:
         """The env as rollout workers call it, for the run's duration (checked before the run;
         closed at its end). None: it has no task source (its episodes come whole from a backend)."""
+
+
+class TextEnvComponent(EnvComponent):
+    """An env whose tasks and scorer are a `TextEnv` in this process (docs/plugins.md): a
+    subclass defines `text_env(seed)`; task `index >= 0` is a train task, `index < 0` a held-out
+    one (docs/evals.md), and `solved` its success notion, if it has one."""
+
+    @abstractmethod
+    def text_env(self, seed: int) -> TextEnv: ...
+
+    def preflight(self) -> None:
+        """Its first train task, built before the run dir exists: a `Task` with a text prompt, or
+        a ConfigError naming what it gave."""
+        name = type(self).__qualname__
+        try:
+            env = self.text_env(0)
+        except Exception as err:  # noqa: BLE001 - any error of the env's code is reported alike
+            raise ConfigError(f"{name}: text_env(0) raised {type(err).__name__}: {err}") from None
+        try:
+            task = env.task(0)
+        except Exception as err:  # noqa: BLE001
+            raise ConfigError(f"{name}: text_env(0).task(0) raised {type(err).__name__}: {err}") from None
+        if not isinstance(task, Task) or not isinstance(task.prompt, str):
+            raise ConfigError(
+                f"{name}: text_env(0).task(0) gave {type(task).__name__}, not an "
+                "orchestrator.contracts.Task with a text prompt"
+            )
+
+    @asynccontextmanager
+    async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:
+        yield InProcessEnv(self.text_env(ctx.seed))
 
 
 class AlgorithmComponent(Component):

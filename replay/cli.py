@@ -68,8 +68,14 @@ def _emit_json(obj) -> None:
 @click.option("--seed", type=int, default=None, help="--settle-order shuffled: RNG seed  [default: 0]")
 @click.option("--out", type=click.Path(path_type=Path), metavar="NEW", help="--reexecute: new run dir (or .db path)")
 @click.option("--episode", type=int, metavar="ID", help="the episode's completion, token arrays included, as JSON")
+@click.option("--text", is_flag=True, help="--episode: its prompt and completion decoded with the run's tokenizer")
+@click.option(
+    "--tokenizer",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="--text: decode with this tokenizer dir  [default: the run's own]",
+)
 def replay_command(
-    run, at, as_json, diff_paths, level, check, reexecute, finalize, settle_order, seed, out, episode
+    run, at, as_json, diff_paths, level, check, reexecute, finalize, settle_order, seed, out, episode, text, tokenizer
 ) -> None:
     """Replay a run's log (RUN: a run directory or its events.db).
 
@@ -83,6 +89,7 @@ def replay_command(
       orch replay RUN --check                   re-derive every decision with the current code
       orch replay RUN --episode ID              the episode's completion (token ids, mask,
                                                 logprobs included): one JSON line per completion
+                  [--text [--tokenizer DIR]]    with its prompt_text and completion_text
 
     Exit status: 0 equivalent / deterministic; 1 divergent (for the state summary: the
     conservation check fails); 2 bad input (one line on stderr), a damaged log included: --check
@@ -107,6 +114,10 @@ def replay_command(
             raise ReplayInputError("--at applies to the state summary only")
         if level is not None and mode not in ("--diff", "--reexecute"):
             raise ReplayInputError("--level applies to --diff and --reexecute")
+        if mode != "--episode" and (text or tokenizer):
+            raise ReplayInputError("--text/--tokenizer apply to --episode only")
+        if tokenizer is not None and not text:
+            raise ReplayInputError("--tokenizer applies to --text only")
         if mode != "--reexecute" and (finalize or settle_order or seed is not None or out):
             raise ReplayInputError("--finalize/--settle-order/--seed/--out apply to --reexecute only")
         if mode == "--reexecute":
@@ -125,7 +136,7 @@ def replay_command(
         elif mode == "--check":
             code = _check(run, as_json)
         elif mode == "--episode":
-            code = _episode(run, episode)
+            code = _episode(run, episode, text, tokenizer)
         else:
             code = _reexecute(run, out, finalize, settle_order or "recorded", seed or 0, level, as_json)
     except ReplayInputError as err:
@@ -148,14 +159,17 @@ def _summary(run: Path, at: int | None, as_json: bool) -> int:
     return EXIT_OK if summary["conservation"]["holds"] else EXIT_DIVERGENT
 
 
-def _episode(run: Path, episode_id: int) -> int:
-    from replay.episode import episode_completions
+def _episode(run: Path, episode_id: int, text: bool, tokenizer: Path | None) -> int:
+    from replay.episode import episode_completions, with_text
     from replay.source import open_run
 
     with open_run(run) as log:
         completions = episode_completions(log, episode_id)
+        stored_config = log.meta.get("config")
     if not completions:
         raise ReplayInputError(f"{run}: episode {episode_id} has no episode_completed event")
+    if text:
+        completions = with_text(completions, run, stored_config, tokenizer)
     for completion in completions:
         click.echo(orjson.dumps(completion).decode())
     return EXIT_OK

@@ -9,6 +9,8 @@ may name one of its samples (the id a batch file's `trace_id` gives).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eventlog import EventLog
 from orchestrator.core.events import EpisodeCompleted, decode_event, episode_of
 from orchestrator.core.samples import split_episode
@@ -45,6 +47,29 @@ def episode_completions(log: EventLog, episode_id: int) -> list[dict]:
                     **sample.model_dump(mode="json", include=SAMPLE_FIELDS),
                 }
                 for sample in split_episode(event)
+            ]
+        out.append(fields)
+    return out
+
+
+def with_text(completions: list[dict], run: Path, stored_config: str | None, tokenizer: Path | None) -> list[dict]:
+    """`completions` (as `episode_completions` gives them), each with its `prompt_text` and
+    `completion_text` (and each training sample's) decoded with the run's tokenizer, or
+    `tokenizer`; ReplayInputError (one line) if there is none."""
+    from orchestrator.observe.text import Decoder, NoTokenizer, tokenizer_dir
+
+    run_dir = run if run.is_dir() else run.parent
+    try:
+        decoder = Decoder(tokenizer if tokenizer is not None else tokenizer_dir(run_dir, stored_config))
+    except NoTokenizer as err:
+        raise ReplayInputError(str(err)) from None
+    out = []
+    for completion in completions:
+        fields = {**completion, **decoder.texts(completion["token_ids"], completion["mask"])}
+        if "training_samples" in fields:
+            fields["training_samples"] = [
+                {**sample, **decoder.texts(sample["token_ids"], sample["mask"])}
+                for sample in fields["training_samples"]
             ]
         out.append(fields)
     return out

@@ -44,7 +44,6 @@ def gar_advantages(rewards: Sequence[float], ranks: Sequence[int], rank_weight: 
 
 # Algorithms whose scoring the core can run inline, by name: (rewards, std_normalization) ->
 # advantages. An algorithm missing here needs the shell (an external grader) and must finalize in
-# the background.
+# the background (as must every algorithm of a plugin).
 INLINE_SCORERS = {"grpo": grpo_advantages}
 BACKGROUND_ONLY = frozenset({"gar"})
-KNOWN_ALGORITHMS = frozenset(INLINE_SCORERS) | BACKGROUND_ONLY

@@ -22,7 +22,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, model_validator
 
 from orchestrator.core import arrays
-from orchestrator.core.advantages import BACKGROUND_ONLY, KNOWN_ALGORITHMS
+from orchestrator.core.advantages import BACKGROUND_ONLY, INLINE_SCORERS
 
 # 2: a background finalize's result is its own input kind, `background_finalized` (it was a
 # `group_finalized` row, told from the inline decision by the row before it).
@@ -147,10 +147,14 @@ class CoreParams(_Model):
     def _check(self) -> CoreParams:
         if not self.env_ratios or any(r <= 0 for r in self.env_ratios.values()):
             raise ValueError("env_ratios must name at least one env, each with a ratio > 0")
-        if self.algorithm not in KNOWN_ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; known: {sorted(KNOWN_ALGORITHMS)}")
         if self.algorithm in BACKGROUND_ONLY and not self.finalize_in_background:
             raise ValueError(f"algorithm {self.algorithm!r} calls a grader and must finalize in the background")
+        if self.algorithm not in INLINE_SCORERS and not self.finalize_in_background:
+            # A plugin's algorithm (docs/plugins.md): the core folds the advantages it returns.
+            raise ValueError(
+                f"algorithm {self.algorithm!r} is not one the core scores inline "
+                f"({', '.join(sorted(INLINE_SCORERS))}): it must finalize in the background"
+            )
         if self.eval is not None and not set(self.eval.envs) <= set(self.env_ratios):
             raise ValueError(
                 f"eval envs {self.eval.envs} must be train envs ({list(self.env_ratios)}): "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from orchestrator.contracts import PreparedModel
@@ -143,14 +144,57 @@ def ensure_tiny_model(cache_root: str | os.PathLike, seed: int = 0, target_rewar
     return dest
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hugging Face Hub spells a repo
+
+
+def hub_cache() -> Path:
+    """The Hugging Face cache the hub reads (HF_HUB_CACHE, else HF_HOME/hub, else its default)."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path(constants.HF_HUB_CACHE)
+
+
+def resolve_model_path(path: Path) -> Path:
+    """`path` itself if it exists or is no Hub id; a Hub id (`Qwen/Qwen3-0.6B`) as its snapshot
+    dir in the Hugging Face cache, offline first: downloaded only if it is not there and
+    HF_HUB_OFFLINE is not set (ModelError, one line naming the cache, otherwise)."""
+    if path.exists() or not HUB_ID.fullmatch(str(path)):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id, cache = str(path), hub_cache()
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            raise ModelError(
+                f"model.path {repo_id!r} is neither a local dir nor in the Hugging Face cache {cache} "
+                f"(HF_HUB_OFFLINE is set: fetch it where there is a network, `hf download {repo_id}`)"
+            ) from None
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache))
+    except Exception as err:  # noqa: BLE001 - the hub's errors (network, auth, no such repo) have no one base
+        message = " ".join(str(err).split())[:200]
+        raise ModelError(
+            f"model.path {repo_id!r} is neither a local dir nor in the Hugging Face cache {cache}, and its "
+            f"download failed: {type(err).__name__}: {message}"
+        ) from None
+
+
 def prepare_model(
     path: Path | None, cache_root: Path, *, env_gives_messages: bool, lora_targets: list[str] | None, log=print
 ) -> PreparedModel:
-    """The run's model dir, checked before anything runs: `path`, or the tiny model (built and
+    """The run's model dir, checked before anything runs: `path` (a Hub id: from the Hugging Face
+    cache, `resolve_model_path`), or the tiny model (built and
     cached under `cache_root` on first use); an HF model dir whose tokenizer loads (with a chat
     template if the env gives messages) and whose modules include the LoRA targets. Hashed, so
     a resume can tell whether it changed."""
-    path = check_model_dir(path if path is not None else ensure_tiny_model(cache_root, log=log))
+    path = check_model_dir(resolve_model_path(path) if path is not None else ensure_tiny_model(cache_root, log=log))
     tokenizer = load_tokenizer(path)
     if env_gives_messages:
         check_chat_template(tokenizer, path)

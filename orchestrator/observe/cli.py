@@ -61,18 +61,32 @@ def plot_command(runs: tuple[Path, ...], out: Path | None) -> None:
 @click.argument("run", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path), metavar="OUT.db")
 @click.option("--replace", is_flag=True, help="overwrite OUT.db if it exists")
-def export_command(run: Path, out: Path, replace: bool) -> None:
+@click.option("--no-text", is_flag=True, help="leave the episodes' text column NULL (a smaller file, no tokenizer)")
+@click.option(
+    "--tokenizer",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="decode the text column with this tokenizer dir  [default: the run's own]",
+)
+def export_command(run: Path, out: Path, replace: bool, no_text: bool, tokenizer: Path | None) -> None:
     """RUN's log as flat analysis tables in a new SQLite file OUT.db (episodes, groups, batches,
-    versions; typed, indexed, full-text search on error messages): open it with Datasette or any
-    SQLite tool. RUN: a run directory or its events.db."""
+    versions; typed, indexed, full-text search on error messages; each episode's completion as
+    text): open it with Datasette or any SQLite tool. RUN: a run directory or its events.db."""
     from orchestrator.observe.export import export_run
+    from orchestrator.observe.text import Decoder, NoTokenizer, tokenizer_dir
 
     try:
         _check_output(out, "OUT.db")
         if out.exists() and not replace:
             raise ReplayInputError(f"{out} exists; pass --replace to overwrite it")
         with open_run(run) as log:
-            counts = export_run(log, out)
+            decoder = None
+            if not no_text:
+                try:
+                    run_dir = run if run.is_dir() else run.parent
+                    decoder = Decoder(tokenizer or tokenizer_dir(run_dir, log.meta.get("config")))
+                except NoTokenizer as err:
+                    click.echo(f"orch: note: the episodes' text column is left NULL: {err}", err=True)
+            counts = export_run(log, out, decoder)
     except (ReplayInputError, FoldError) as err:
         _fail(str(err))
     except OSError as err:

@@ -5,7 +5,8 @@ file as is in Datasette or any SQLite tool; example queries in docs/observe.md):
 
 * `episodes`: every dispatched episode attempt: its group, env and task, attempt, dispatch
   version, and once completed its reward, ok/error, prompt and completion tokens, policy
-  start/end, advantage; its `fate` at the end of the log and the `reason`:
+  start/end, advantage, `text` (the completion decoded with the run's tokenizer; NULL with
+  `--no-text`); its `fate` at the end of the log and the `reason`:
   shipped (with `step` and `lag`, its off-policy lag in that batch), dropped (reason: stale,
   failed, no_output, rejected, zero_advantage, drain, stop, overload), cancelled (reason: drain,
   stop, resume, group_cancelled; a completion that came after it is counted in `late`), or still
@@ -23,11 +24,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eventlog import EventLog
+from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve_from
 from orchestrator.core.state import State
 from orchestrator.observe.rows import fold_events
+
+if TYPE_CHECKING:
+    from orchestrator.observe.text import Decoder
 
 EPISODE_COLUMNS = {
     "id": int,
@@ -49,6 +55,7 @@ EPISODE_COLUMNS = {
     "step": int,
     "lag": int,
     "late": int,
+    "text": str,
     "completed_seq": int,
     "completed_ts": float,
 }
@@ -222,14 +229,33 @@ def metric_types(versions) -> dict[str, type]:
     return types
 
 
-def export_run(log: EventLog, out: Path) -> dict[str, int]:
+TEXT_CHUNK = 512  # episodes whose token arrays are read at once
+
+
+def add_texts(log: EventLog, episodes: dict[int, dict], decoder: Decoder) -> None:
+    """Each completed episode's `text`: the tokens it sampled, decoded (its token arrays are read
+    only now: the fold reads the traces' scalars alone)."""
+    by_seq = {e["completed_seq"]: e for e in episodes.values() if e.get("completion_tokens") and "completed_seq" in e}
+    rows = [(seq, data) for seq, _ts, _kind, data in log.read_raw(kinds=("episode_completed",)) if seq in by_seq]
+    for start in range(0, len(rows), TEXT_CHUNK):
+        chunk = rows[start : start + TEXT_CHUNK]
+        payloads = log.read_payloads([seq for seq, _data in chunk])
+        for seq, data in chunk:
+            event = decode_event("episode_completed", data, payloads.get(seq))
+            by_seq[seq]["text"] = decoder.texts(event.token_ids, event.mask)["completion_text"]
+
+
+def export_run(log: EventLog, out: Path, decoder: Decoder | None = None) -> dict[str, int]:
     """Write `log`'s tables into a new SQLite file `out` (built aside, then renamed into place, so a
-    failed export leaves nothing); return the row count of each table."""
+    failed export leaves nothing), each completed episode's completion decoded into `text` with
+    `decoder` (None: NULL); return the row count of each table."""
     import sqlite_utils
 
     export = Export()
     for _ in fold_events(log, export.take):
         pass
+    if decoder is not None:
+        add_texts(log, export.episodes, decoder)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     try:

@@ -1,7 +1,8 @@
 """Metric sinks (W&B, TensorBoard), fed from the run's committed log.
 
-A sink is chosen by name (`SINKS`, the `metrics` config section of that name) and receives the
-rows of `observe.rows.StepRows`, so what it shows is what the log holds. The run feeds the sinks
+A sink is chosen by name (`SINKS`, the `metrics` config section of that name; a plugin's in
+`metrics.plugins`, docs/plugins.md) and receives the rows of `observe.rows.StepRows`, so what it
+shows is what the log holds. The run feeds the sinks
 after each commit that completes rows (`SinkFeeder.feed`, on the effects side): the feeder reads
 the newly committed events back from the log, folds them, and hands each sink the rows it has
 not had yet. Which rows a sink has had is the seq of the last event whose rows it received, kept
@@ -25,6 +26,7 @@ import orjson
 
 from eventlog import EventLog
 from orchestrator.observe.rows import Row, StepRows, log_rows
+from orchestrator.plugins import resolve_sink
 from orchestrator.rundir import atomic_write_bytes
 
 CURSORS_FILE = "sinks.json"
@@ -150,14 +152,22 @@ SINKS: dict[str, type] = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
 
 
 def configured_sinks(metrics) -> list[tuple[str, object]]:
-    """(name, config section) of every sink the `metrics` config section turns on, in SINKS order."""
-    return [(name, getattr(metrics, name)) for name in SINKS if getattr(metrics, name) is not None]
+    """(name, config section) of every sink the `metrics` config section turns on, in SINKS order,
+    then the plugins' (name, settings) in their order (docs/plugins.md)."""
+    builtin = [(name, getattr(metrics, name)) for name in SINKS if getattr(metrics, name) is not None]
+    return builtin + list(metrics.plugins.items())
+
+
+def sink_class(name: str) -> type:
+    return SINKS[name] if name in SINKS else resolve_sink(name)
 
 
 def check_sinks(metrics) -> None:
     """SinkUnavailable (one line: what to do) for a configured sink whose package is missing, or
     that cannot start here (W&B online without credentials)."""
     for name, section in configured_sinks(metrics):
+        if name not in SINKS:
+            continue  # a plugin: its module imported when the config was read
         cls = SINKS[name]
         if importlib.util.find_spec(cls.package) is None:
             raise SinkUnavailable(f"metrics.{name} needs the {cls.package} package: pip install 'orch[{cls.extra}]'")
@@ -264,9 +274,10 @@ def build_feeder(metrics, run_dir: Path, log: EventLog) -> SinkFeeder | None:
     try:
         for name, section in configured:
             try:
-                sinks.append(SINKS[name](section, run_dir, identity))
+                sinks.append(sink_class(name)(section, run_dir, identity))
             except Exception as err:  # noqa: BLE001 - a third-party sink's errors have no common base
-                raise SinkFailed(f"metrics.{name}: cannot start: {type(err).__name__}: {_one_line(err)}") from err
+                where = f"metrics.{name}" if name in SINKS else f"metric sink {name!r}"
+                raise SinkFailed(f"{where}: cannot start: {type(err).__name__}: {_one_line(err)}") from err
         return SinkFeeder(Path(log.path), run_dir, sinks)
     except BaseException:
         for sink in sinks:

@@ -30,15 +30,19 @@ from orchestrator.trainers.fake import FakeTrainer
 from tests.support.parts import parts_of
 
 FAKE = ['envs={"fake": 1}', "trainer.kind=fake"]
+OWN = " (or a 'module:Attribute' of your own)"
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trainer.kind=nope", "trainer.kind: unknown trainer 'nope'; known: fake, hf"),
-        ("inference.kind=nope", "inference.kind: unknown inference backend 'nope'; known: embedded, fake, openai"),
-        ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo"),
-        ('envs={"nope": 1}', "envs: unknown env 'nope'; known: fake, reverse_text, verifiers"),
+        ("trainer.kind=nope", "trainer.kind: unknown trainer 'nope'; known: fake, hf" + OWN),
+        (
+            "inference.kind=nope",
+            "inference.kind: unknown inference backend 'nope'; known: embedded, fake, openai" + OWN,
+        ),
+        ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo" + OWN),
+        ('envs={"nope": 1}', "envs: unknown env 'nope'; known: dataset, fake, reverse_text, verifiers" + OWN),
         ("trainer.fake.nope=1", "trainer.fake.nope: no such key"),
         ("trainer.lora.rank=16", "trainer.lora: no such key (did you mean trainer.hf.lora?)"),
         ("trainer.lr=0.1", "trainer.lr: no such key (did you mean trainer.hf.lr?)"),

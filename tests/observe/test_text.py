@@ -1,0 +1,79 @@
+"""Readable completions: `orch replay RUN --episode ID --text` and the `text` column of `orch
+export`'s episodes, decoded with the run's tokenizer (a fake run whose token ids lie in the tiny
+model's byte vocabulary, the tokenizer where an hf trainer publishes it)."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+
+import orjson
+import pytest
+
+from orchestrator.hf.tiny_model import build_tokenizer
+from tests.support.cli import orch
+from tests.support.logs import events
+from tests.support.runs import fake_run_args, sets
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+    """A fake run of ids < 256 (the tiny tokenizer's bytes), its tokenizer in weights/step_0."""
+    runs = tmp_path_factory.mktemp("runs")
+    result = orch(*fake_run_args(runs, "r", *sets("env.fake.vocab_size=256", "batch.size=16"), steps=2))
+    assert result.returncode == 0, result.stderr
+    build_tokenizer().save_pretrained(runs / "r" / "weights" / "step_0")
+    return runs / "r"
+
+
+def sampled_and_prompt(episode: dict) -> tuple[list[int], list[int]]:
+    first = episode["mask"].index(1)
+    return [t for t, m in zip(episode["token_ids"], episode["mask"]) if m], episode["token_ids"][:first]
+
+
+def test_replay_episode_text_is_the_run_tokenizers_decoding(fake_run):
+    tokenizer = build_tokenizer()
+    episode = next(e for _, e in events(fake_run, "episode_completed") if e["ok"])
+    result = orch("replay", str(fake_run), "--episode", str(episode["episode_id"]), "--text")
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.splitlines()
+    shown = orjson.loads(line)
+    sampled, prompt = sampled_and_prompt(episode)
+    assert shown["completion_text"] == tokenizer.decode(sampled, skip_special_tokens=True) != ""
+    assert shown["prompt_text"] == tokenizer.decode(prompt, skip_special_tokens=True)
+    assert shown["token_ids"] == episode["token_ids"]  # the arrays stay
+
+
+def test_export_has_each_completions_text_unless_opted_out(fake_run, tmp_path):
+    tokenizer = build_tokenizer()
+    result = orch("export", str(fake_run), str(tmp_path / "a.db"))
+    assert result.returncode == 0, result.stderr
+    texts = dict(sqlite3.connect(tmp_path / "a.db").execute("SELECT id, text FROM episodes WHERE ok = 1"))
+    completed = [e for _, e in events(fake_run, "episode_completed") if e["ok"]]
+    assert texts and len(texts) == len({e["episode_id"] for e in completed})
+    for episode in completed:
+        if episode["episode_id"] in texts:
+            expected = tokenizer.decode(sampled_and_prompt(episode)[0], skip_special_tokens=True)
+            assert texts[episode["episode_id"]] == expected
+    result = orch("export", str(fake_run), str(tmp_path / "b.db"), "--no-text")
+    assert result.returncode == 0 and result.stderr == ""
+    assert sqlite3.connect(tmp_path / "b.db").execute("SELECT count(text) FROM episodes").fetchone() == (0,)
+
+
+def test_without_a_tokenizer_replay_refuses_and_export_says_so(fake_run, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(fake_run, bare, ignore=shutil.ignore_patterns("weights"))
+    episode_id = str(next(e for _, e in events(fake_run, "episode_completed") if e["ok"])["episode_id"])
+    result = orch("replay", str(bare), "--episode", episode_id, "--text")
+    assert result.returncode == 2
+    looked = f"looked in {bare / 'weights'}/step_N"
+    assert result.stderr.strip().splitlines() == [
+        f"orch: error: no tokenizer of {bare} found ({looked}); give one with --tokenizer DIR"
+    ]
+    tokenizer = str(fake_run / "weights" / "step_0")
+    given = orch("replay", str(bare), "--episode", episode_id, "--text", "--tokenizer", tokenizer)
+    assert given.returncode == 0 and "completion_text" in given.stdout
+    exported = orch("export", str(bare), str(tmp_path / "c.db"))
+    assert exported.returncode == 0
+    assert "the episodes' text column is left NULL: no tokenizer of" in exported.stderr
+    assert orch("replay", str(bare), "--text").returncode == 2
