@@ -495,21 +495,21 @@ class TextEnvComponent(EnvComponent):
     @abstractmethod
     def text_env(self, seed: int) -> TextEnv: ...
 
-    def preflight(self) -> None:
-        """Its first train task, built before the run dir exists: a `Task` with a text prompt, or
-        a ConfigError naming what it gave."""
+    def preflight(self, seed: int) -> None:
+        """Its first train task under the run's `seed`, built before the run dir exists: a `Task`
+        with a text prompt, or a ConfigError naming what it gave."""
         name = type(self).__qualname__
         try:
-            env = self.text_env(0)
+            env = self.text_env(seed)
         except Exception as err:  # noqa: BLE001 - any error of the env's code is reported alike
-            raise ConfigError(f"{name}: text_env(0) raised {type(err).__name__}: {err}") from None
+            raise ConfigError(f"{name}: text_env({seed}) raised {type(err).__name__}: {err}") from None
         try:
             task = env.task(0)
         except Exception as err:  # noqa: BLE001
-            raise ConfigError(f"{name}: text_env(0).task(0) raised {type(err).__name__}: {err}") from None
+            raise ConfigError(f"{name}: text_env({seed}).task(0) raised {type(err).__name__}: {err}") from None
         if not isinstance(task, Task) or not isinstance(task.prompt, str):
             raise ConfigError(
-                f"{name}: text_env(0).task(0) gave {type(task).__name__}, not an "
+                f"{name}: text_env({seed}).task(0) gave {type(task).__name__}, not an "
                 "orchestrator.contracts.Task with a text prompt"
             )
 

@@ -292,7 +292,7 @@ class DatasetConfig(EnvComponent):
         columns = frozenset(key for row in train for key in columns_of(row))
         return [(load_reward_function(r.function, columns), r.weight, r.function) for r in self.rewards]
 
-    def preflight(self) -> None:
+    def preflight(self, seed: int) -> None:
         """The rows read and the reward functions imported and checked, before the run dir exists."""
         self._reward_functions(self._rows()[0])
 
