@@ -49,6 +49,7 @@ from .errors import (
     LogNotFoundError,
     NotWriterError,
     ReadOnlyLocationError,
+    StorageError,
 )
 from .lock import WriterLock
 from .repair import rebuild_without_snapshots
@@ -159,7 +160,15 @@ class EventLog:
 
     # ------------------------------------------------------------ construction
 
-    def __init__(self, path: str, conn: sqlite3.Connection, *, lock: WriterLock | None, durability: str | None):
+    def __init__(
+        self,
+        path: str,
+        conn: sqlite3.Connection,
+        *,
+        lock: WriterLock | None,
+        durability: str | None,
+        format_version: int = fileformat.FORMAT_VERSION,
+    ):
         """Private: use create(), open() or open_reader()."""
         self.path = path
         self.durability = durability
@@ -176,6 +185,10 @@ class EventLog:
         self._pinned_end: int | None = None  # open_reader(pinned=True)
         # The writer's open rebuilt the file without its damaged snapshots: where the damaged one is.
         self.damaged_copy: str | None = None
+        # A log of format 2 has no payload checksums: its payloads are read and written unchecked.
+        self.format_version = format_version
+        self.payload_hashes = format_version >= 3
+        self._payload_expr = "payload, payload_ref" + (", payload_hash" if self.payload_hashes else ", NULL")
         if self._writer:
             self._last = self._committed_bounds(conn)
             self._next = self._last + 1
@@ -196,6 +209,16 @@ class EventLog:
         try:
             cls._check_creatable(path)  # again, now that no other creator can race us
             cls._build_and_link(path, meta)
+        except LogExistsError:
+            lock.release()
+            raise
+        except BaseException:
+            if os.path.lexists(path):  # made whole (its directory's fsync failed): a log to resume
+                lock.release()
+            else:
+                lock.release_and_remove()  # nothing was made: nothing is left
+            raise
+        try:
             return cls._open_writer(path, sync, durability, lock)
         except BaseException:
             lock.release()
@@ -237,12 +260,12 @@ class EventLog:
         conn = cls._connect_reader(path)
         try:
             try:
-                fileformat.validate(conn, path)
+                meta = fileformat.validate(conn, path)
             except ReadOnlyLocationError:
                 conn.close()
                 conn = cls._connect_immutable(path)
-                fileformat.validate(conn, path)
-            return cls(path, conn, lock=None, durability=None)
+                meta = fileformat.validate(conn, path)
+            return cls(path, conn, lock=None, durability=None, format_version=int(meta["format_version"]))
         except BaseException:
             conn.close()
             raise
@@ -298,10 +321,11 @@ class EventLog:
         except OSError as e:
             if e.errno == errno.EROFS:
                 raise ReadOnlyLocationError(f"cannot create {path}: {e.strerror}") from None
-            raise
+            raise StorageError(f"cannot create {path}: {e.strerror or e}") from None
         finally:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
+            for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
+                if os.path.lexists(leftover):
+                    os.unlink(leftover)
 
     @classmethod
     def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> EventLog:
@@ -310,19 +334,19 @@ class EventLog:
         conn = _connect_writer(path)
         repaired = None
         try:
-            fileformat.validate(conn, path)
+            meta = fileformat.validate(conn, path)
             try:  # before anything is written (orphans removed, WAL mode set)
                 fileformat.check_damage(conn, path)
             except DamagedSnapshotsError:
                 conn.close()
                 repaired = rebuild_without_snapshots(path)
                 conn = _connect_writer(path)
-                fileformat.validate(conn, path)
+                meta = fileformat.validate(conn, path)
                 fileformat.check_damage(conn, path)
             _configure_writer(conn, sync, path)
             if os.path.isdir(side_dir(path)):
                 remove_orphans(path, _referenced_side_files(conn))
-            log = cls(path, conn, lock=lock, durability=durability)
+            log = cls(path, conn, lock=lock, durability=durability, format_version=int(meta["format_version"]))
         except BaseException:
             conn.close()
             raise
@@ -452,7 +476,8 @@ class EventLog:
                 refs = write_side_file(self.path, [buf[i][4] for i in large])
                 for i, ref in zip(large, refs, strict=True):
                     buf[i] = (*buf[i][:4], None, ref)
-            self._transact(lambda conn: _insert_rows(conn, buf))
+            rows = _with_payload_hashes(buf) if self.payload_hashes else buf
+            self._transact(lambda conn: _insert_rows(conn, rows))
         except BaseException:
             self._rederive_seq()
             raise
@@ -504,9 +529,9 @@ class EventLog:
     ) -> Iterator[tuple[int, float, str, bytes, bytes | None]]:
         """Like :meth:`read_raw`, each row with its payload: ``(seq, ts, kind, data_bytes,
         payload or None)``. Payloads can be large: the chunks are small."""
-        for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB), payload, payload_ref"):
-            for seq, ts, kind, data, payload, ref in rows:
-                yield seq, ts, kind, data, payload if ref is None else read_side_payload(self.path, seq, ref)
+        for rows in self._chunks(start, stop, kinds, chunk_size, f"CAST(data AS BLOB), {self._payload_expr}"):
+            for seq, ts, kind, data, payload, ref, check in rows:
+                yield seq, ts, kind, data, self._checked_payload(seq, payload, ref, check)
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
         """The payloads of the committed events ``seqs`` (those that have one), by seq."""
@@ -517,16 +542,43 @@ class EventLog:
         for first in range(0, len(wanted), _MAX_ROWS_PER_INSERT):
             chunk = [seq for seq in wanted[first : first + _MAX_ROWS_PER_INSERT] if seq <= end]
             sql = (
-                "SELECT seq, payload, payload_ref FROM events"
+                f"SELECT seq, {self._payload_expr} FROM events"
                 f" WHERE (payload IS NOT NULL OR payload_ref IS NOT NULL) AND seq IN ({','.join('?' * len(chunk))})"
             )
             try:
                 rows = conn.execute(sql, chunk).fetchall() if chunk else []
             except sqlite3.DatabaseError as e:
                 raise self._error(e) from None
-            for seq, payload, ref in rows:
-                out[seq] = payload if ref is None else read_side_payload(self.path, seq, ref)
+            for seq, payload, ref, check in rows:
+                out[seq] = self._checked_payload(seq, payload, ref, check)
         return out
+
+    def _checked_payload(self, seq: int, payload: bytes | None, ref: str | None, check: str | None) -> bytes | None:
+        """A row's payload, checked: a side file's against the sha256 its reference holds, one in
+        the row against its `payload_hash` (a log of format 2 has none: read unchecked)."""
+        if ref is not None:
+            return read_side_payload(self.path, seq, ref)
+        if payload is not None and self.payload_hashes and check != fileformat.payload_hash(payload):
+            raise CorruptLogError(payload_damage(self.path, seq, check))
+        return payload
+
+    def damaged_payloads(self, stop: int | None = None) -> dict[int, str]:
+        """Every payload stored in its row (seqs up to ``stop``) that fails its checksum, by seq,
+        with the one line that names it; empty for a log of format 2 (no checksums). Reads every
+        such payload: a resume runs it before appending, as it runs SQLite's quick_check."""
+        if not self.payload_hashes:
+            return {}
+        conn = self._read_conn()
+        end = self._end(conn) if stop is None else min(stop, self._end(conn))
+        sql = "SELECT seq, payload, payload_hash FROM events WHERE payload IS NOT NULL AND seq <= ? ORDER BY seq"
+        damaged: dict[int, str] = {}
+        try:
+            for seq, payload, check in conn.execute(sql, (end,)):
+                if check != fileformat.payload_hash(payload):
+                    damaged[seq] = payload_damage(self.path, seq, check)
+        except sqlite3.DatabaseError as e:
+            raise self._error(e) from None
+        return damaged
 
     def read_raw(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
@@ -660,6 +712,7 @@ class EventLog:
                 _check_format(conn, report)
                 _check_contiguity(conn, report, self._pinned_end)
                 _check_side_files(conn, report, self._pinned_end)
+                _check_payload_hashes(self, report)
             finally:
                 conn.execute("COMMIT")
         except sqlite3.DatabaseError as e:
@@ -800,6 +853,21 @@ class EventLog:
 # ---------------------------------------------------------------- module helpers
 
 
+def payload_damage(path: str, seq: int, check: str | None) -> str:
+    """The one line naming a payload in its row that fails its checksum."""
+    if check is None:
+        return f"{path} is damaged: seq {seq}: its payload has no checksum (payload_hash is NULL)"
+    return f"{path} is damaged: seq {seq}: its payload fails its checksum (payload_hash {check})"
+
+
+def _with_payload_hashes(rows: list[tuple]) -> list[tuple]:
+    """Rows with a payload get its checksum as a seventh column (NULL for one in a side file,
+    whose reference holds its sha256)."""
+    return [
+        row if len(row) == 4 else (*row, None if row[4] is None else fileformat.payload_hash(row[4])) for row in rows
+    ]
+
+
 def payload_bytes(payload: Any) -> bytes | None:
     """A payload as stored: bytes (a bytes-like object is copied into bytes), or None."""
     if payload is None or type(payload) is bytes:
@@ -810,7 +878,11 @@ def payload_bytes(payload: Any) -> bytes | None:
         raise InvalidEventError(f"an event payload must be bytes, not {type(payload).__name__}") from None
 
 
-_COLUMNS = {4: "seq, ts, kind, data", 6: "seq, ts, kind, data, payload, payload_ref"}
+_COLUMNS = {
+    4: "seq, ts, kind, data",
+    6: "seq, ts, kind, data, payload, payload_ref",
+    7: "seq, ts, kind, data, payload, payload_ref, payload_hash",
+}
 
 
 @functools.cache
@@ -820,13 +892,14 @@ def _insert_sql(n_rows: int, n_columns: int = 6) -> str:
 
 
 def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
-    """Insert (seq, ts, kind, data) rows and (seq, ts, kind, data, payload, payload_ref) rows,
+    """Insert (seq, ts, kind, data) rows and (seq, ts, kind, data, payload, payload_ref[, payload_hash]) rows,
     each shape in as few multi-row statements as power-of-two sizes allow. Rows without a payload
     leave its columns out (NULL by default): binding two NULLs per row made a commit of small
     events markedly slower than a raw executemany of four columns."""
     plain = [row for row in rows if len(row) == 4]
-    with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) == 6]
-    for shape, n_columns in ((plain, 4), (with_payload, 6)):
+    with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) != 4]
+    n_payload_columns = len(with_payload[0]) if with_payload else 6
+    for shape, n_columns in ((plain, 4), (with_payload, n_payload_columns)):
         start, left = 0, len(shape)
         while left:
             size = min(_MAX_ROWS_PER_INSERT, 1 << (left.bit_length() - 1))
@@ -920,6 +993,12 @@ def _check_side_files(conn: sqlite3.Connection, report: VerifyReport, up_to: int
             read_side_payload(report.path, seq, ref)
         except CorruptLogError as err:
             report.problems.append(str(err).removeprefix(f"{report.path}: "))
+
+
+def _check_payload_hashes(log: EventLog, report: VerifyReport) -> None:
+    report.problems.extend(
+        why.removeprefix(f"{report.path} is damaged: ") for why in log.damaged_payloads(log._pinned_end).values()
+    )
 
 
 def _check_contiguity(conn: sqlite3.Connection, report: VerifyReport, up_to: int | None) -> None:
