@@ -104,7 +104,8 @@ def _check_size(path: str, header: bytes, size: int) -> None:
     (n_pages,) = struct.unpack(">I", header[28:32])
     valid = n_pages and header[24:28] == header[92:96]
     wal_pages, wal_size = wal_frame_pages(path, page_size)
-    needed = wal_size or (n_pages if valid else whole + (1 if size % page_size else 0))
+    # Without a commit in the WAL, a partial last page is the log's own: it must be whole.
+    needed = wal_size or max(n_pages if valid else 0, whole + (1 if size % page_size else 0))
     missing = next((page for page in range(whole + 1, needed + 1) if page not in wal_pages), None)
     if missing is None:
         return

@@ -46,8 +46,13 @@ class WriterLock:
 
     def acquire(self) -> WriterLock:
         """Take the lock now or raise WriterLockedError naming the holder's pid."""
+        created = False
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                created = True
+            except FileExistsError:
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
             if e.errno in _READ_ONLY_ERRNOS:
                 raise ReadOnlyLocationError(f"cannot write lock file {self.path}: {e.strerror}") from None
@@ -70,7 +75,10 @@ class WriterLock:
         try:
             self._write_owner(fd)
         except OSError as e:  # a full disk or quota: the lock is not kept, and says why in one line
-            self.release()
+            if created:
+                self.release_and_remove()
+            else:
+                self.release()
             raise StorageError(f"cannot write lock file {self.path}: {e.strerror or e}") from None
         return self
 
@@ -82,10 +90,10 @@ class WriterLock:
         os.ftruncate(fd, len(owner))
 
     def release_and_remove(self) -> None:
-        """Remove the lock file, then release the lock: for a creator whose log was never made,
-        so that it leaves nothing behind. Safe although the file is otherwise kept: a writer
-        needs the log, which does not exist, and two creators racing on two inodes are kept
-        apart by the log's own creation (a hard link that only one of them can make)."""
+        """Remove the lock file, then release the lock: for a creator whose log was never made
+        (or whose lock file could not be written), so that it leaves nothing behind. Safe although
+        the file is otherwise kept: two creators racing on two inodes are kept apart by the log's
+        own creation (a hard link that only one of them can make)."""
         if self._fd is not None:
             try:
                 os.unlink(self.path)
