@@ -10,7 +10,7 @@ import os
 import sqlite3
 import struct
 
-from xxhash import xxh3_64_hexdigest as _xxh3_hexdigest
+from xxhash import xxh3_64_intdigest as _xxh3
 
 from .errors import (
     CorruptLogError,
@@ -28,7 +28,7 @@ from .errors import (
 MAGIC = "orch-eventlog"
 # 2: each event has a binary `payload` beside its JSON `data` (NULL for most events): in its
 # `payload` column, or over SIDE_FILE_BYTES in a side file that its `payload_ref` names.
-# 3: a payload in its column has its checksum beside it, in `payload_hash` (payload_hash below).
+# 3: each row has its checksum, `row_hash`, over its data and its payload (or payload reference).
 FORMAT_VERSION = 3
 # The oldest format this code reads: a version 2 log is read and resumed as it was written, its
 # payloads unchecked (docs/log-format.md).
@@ -37,7 +37,7 @@ RESERVED_META_KEYS = frozenset({"magic", "format_version"})
 
 SCHEMA = (
     "CREATE TABLE events(seq INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL,"
-    " payload BLOB, payload_ref TEXT, payload_hash TEXT)",
+    " payload BLOB, payload_ref TEXT, row_hash INTEGER)",
     "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)",
     "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT, state_hash TEXT, state BLOB)",
 )
@@ -47,10 +47,23 @@ SCHEMA = (
 PAGE_SIZE = 16384
 
 
-def payload_hash(payload: bytes) -> str:
-    """The checksum of a payload stored in its row: XXH3-64 as 16 hex digits. Not cryptographic:
-    it catches bytes changed by a bad disk or a torn copy, at a cost far below a write's."""
-    return _xxh3_hexdigest(payload)
+def row_hash(data: bytes, payload: bytes | None) -> int:
+    """A row's checksum (its `row_hash`): XXH3-64 of its data, the seed of XXH3-64 of its payload
+    as stored (the bytes in its row, or its side-file reference, whose sha256 checks the file),
+    shifted into SQLite's signed 64-bit integers. Not cryptographic: it catches bytes changed by a
+    bad disk, a torn copy or a hand edit, at a cost far below a write's."""
+    return finish_row_hash(data_seed(data), payload)
+
+
+def data_seed(data: bytes) -> int:
+    """The first half of `row_hash`, taken where the data is encoded (the append)."""
+    return _xxh3(data)
+
+
+def finish_row_hash(seed: int, payload: bytes | None) -> int:
+    """The second half of `row_hash`, taken once the payload's place is known (the commit)."""
+    return (seed if payload is None else _xxh3(payload, seed)) >> 1
+
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
 _HEADER_LEN = 100

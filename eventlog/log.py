@@ -37,6 +37,9 @@ import orjson
 
 from . import fileformat
 from .codec import NONFINITE, NOT_JSON, has_nonfinite
+from .fileformat import data_seed as _data_seed
+from .fileformat import finish_row_hash as _finish_row_hash
+from .fileformat import row_hash as _row_hash
 from .codec import OPTS as _OPTS
 from .errors import (
     CorruptLogError,
@@ -185,10 +188,10 @@ class EventLog:
         self._pinned_end: int | None = None  # open_reader(pinned=True)
         # The writer's open rebuilt the file without its damaged snapshots: where the damaged one is.
         self.damaged_copy: str | None = None
-        # A log of format 2 has no payload checksums: its payloads are read and written unchecked.
+        # A log of format 2 has no row checksums: its rows are read and written unchecked.
         self.format_version = format_version
-        self.payload_hashes = format_version >= 3
-        self._payload_expr = "payload, payload_ref" + (", payload_hash" if self.payload_hashes else ", NULL")
+        self.row_hashes = format_version >= 3
+        self._payload_expr = "payload, payload_ref" + (", row_hash" if self.row_hashes else ", NULL")
         if self._writer:
             self._last = self._committed_bounds(conn)
             self._next = self._last + 1
@@ -429,11 +432,22 @@ class EventLog:
             raise InvalidEventError(f"{NOT_JSON}: {e}") from None
         if b"null" in doc and has_nonfinite(data):
             raise InvalidEventError(NONFINITE)
+        return self._buffer(buf, kind, doc, payload)
+
+    def _buffer(self, buf: list[tuple], kind: str, doc: bytes, payload: Any) -> int:
+        """Buffer one row; rows without a payload are buffered without its columns (see
+        _insert_rows). A row's checksum is begun here, from its data's bytes: a row without a
+        payload gets it whole; one with a payload gets its seed, finished at the commit."""
         seq = self._next
-        if payload is None:  # rows without a payload are buffered without its columns (see _insert_rows)
-            buf.append((seq, _time(), kind, doc.decode()))
+        if payload is None:
+            row: tuple = (seq, _time(), kind, doc.decode())
+            if self.row_hashes:
+                row = (*row, _finish_row_hash(_data_seed(doc), None))
         else:
-            buf.append((seq, _time(), kind, doc.decode(), payload_bytes(payload), None))
+            row = (seq, _time(), kind, doc.decode(), payload_bytes(payload), None)
+            if self.row_hashes:
+                row = (*row, _data_seed(doc))
+        buf.append(row)
         self._next = seq + 1
         return seq
 
@@ -445,18 +459,12 @@ class EventLog:
             raise self._not_writable()
         if type(kind) is not str or not kind:
             raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
-        if not isinstance(data_json, str):
-            try:
-                data_json = data_json.decode()
-            except (AttributeError, UnicodeDecodeError) as e:
-                raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
-        seq = self._next
-        if payload is None:
-            buf.append((seq, _time(), kind, data_json))
-        else:
-            buf.append((seq, _time(), kind, data_json, payload_bytes(payload), None))
-        self._next = seq + 1
-        return seq
+        try:
+            doc = data_json.encode() if isinstance(data_json, str) else bytes(data_json)
+            doc.decode()
+        except (TypeError, UnicodeError) as e:
+            raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
+        return self._buffer(buf, kind, doc, payload)
 
     def commit(self) -> int:
         """Durably write every buffered event in one transaction; return the last seq.
@@ -471,12 +479,12 @@ class EventLog:
             return self._last
         self._buf = []
         try:
-            large = [i for i, row in enumerate(buf) if len(row) > 4 and len(row[4]) > self.side_file_bytes]
+            large = [i for i, row in enumerate(buf) if len(row) > 5 and len(row[4]) > self.side_file_bytes]
             if large:  # durable in their side file before the transaction that references them
                 refs = write_side_file(self.path, [buf[i][4] for i in large])
                 for i, ref in zip(large, refs, strict=True):
-                    buf[i] = (*buf[i][:4], None, ref)
-            rows = _with_payload_hashes(buf) if self.payload_hashes else buf
+                    buf[i] = (*buf[i][:4], None, ref, *buf[i][6:])
+            rows = _finish_row_hashes(buf) if self.row_hashes else buf
             self._transact(lambda conn: _insert_rows(conn, rows))
         except BaseException:
             self._rederive_seq()
@@ -531,7 +539,7 @@ class EventLog:
         payload or None)``. Payloads can be large: the chunks are small."""
         for rows in self._chunks(start, stop, kinds, chunk_size, f"CAST(data AS BLOB), {self._payload_expr}"):
             for seq, ts, kind, data, payload, ref, check in rows:
-                yield seq, ts, kind, data, self._checked_payload(seq, payload, ref, check)
+                yield seq, ts, kind, data, self._checked_payload(seq, data, payload, ref, check)
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
         """The payloads of the committed events ``seqs`` (those that have one), by seq."""
@@ -542,40 +550,41 @@ class EventLog:
         for first in range(0, len(wanted), _MAX_ROWS_PER_INSERT):
             chunk = [seq for seq in wanted[first : first + _MAX_ROWS_PER_INSERT] if seq <= end]
             sql = (
-                f"SELECT seq, {self._payload_expr} FROM events"
+                f"SELECT seq, CAST(data AS BLOB), {self._payload_expr} FROM events"
                 f" WHERE (payload IS NOT NULL OR payload_ref IS NOT NULL) AND seq IN ({','.join('?' * len(chunk))})"
             )
             try:
                 rows = conn.execute(sql, chunk).fetchall() if chunk else []
             except sqlite3.DatabaseError as e:
                 raise self._error(e) from None
-            for seq, payload, ref, check in rows:
-                out[seq] = self._checked_payload(seq, payload, ref, check)
+            for seq, data, payload, ref, check in rows:
+                out[seq] = self._checked_payload(seq, data, payload, ref, check)
         return out
 
-    def _checked_payload(self, seq: int, payload: bytes | None, ref: str | None, check: str | None) -> bytes | None:
-        """A row's payload, checked: a side file's against the sha256 its reference holds, one in
-        the row against its `payload_hash` (a log of format 2 has none: read unchecked)."""
-        if ref is not None:
-            return read_side_payload(self.path, seq, ref)
-        if payload is not None and self.payload_hashes and check != fileformat.payload_hash(payload):
-            raise CorruptLogError(payload_damage(self.path, seq, check))
-        return payload
+    def _checked_payload(
+        self, seq: int, data: bytes, payload: bytes | None, ref: str | None, check: int | None
+    ) -> bytes | None:
+        """A row's payload, the row checked against its `row_hash` (a log of format 2 has none:
+        read unchecked), a side file's piece against the sha256 its reference holds."""
+        if self.row_hashes and check != _row_hash(data, payload if ref is None else ref.encode()):
+            raise CorruptLogError(row_damage(self.path, seq, check))
+        return payload if ref is None else read_side_payload(self.path, seq, ref)
 
-    def damaged_payloads(self, stop: int | None = None) -> dict[int, str]:
-        """Every payload stored in its row (seqs up to ``stop``) that fails its checksum, by seq,
-        with the one line that names it; empty for a log of format 2 (no checksums). Reads every
-        such payload: a resume runs it before appending, as it runs SQLite's quick_check."""
-        if not self.payload_hashes:
+    def damaged_rows(self, stop: int | None = None) -> dict[int, str]:
+        """Every row (seqs up to ``stop``) whose data or payload fails its checksum, by seq, with
+        the one line that names it; empty for a log of format 2 (no checksums). Reads every row
+        (a side file's reference, not the file): a resume runs it before appending, as it runs
+        SQLite's quick_check."""
+        if not self.row_hashes:
             return {}
         conn = self._read_conn()
         end = self._end(conn) if stop is None else min(stop, self._end(conn))
-        sql = "SELECT seq, payload, payload_hash FROM events WHERE payload IS NOT NULL AND seq <= ? ORDER BY seq"
+        sql = "SELECT seq, CAST(data AS BLOB), payload, payload_ref, row_hash FROM events WHERE seq <= ? ORDER BY seq"
         damaged: dict[int, str] = {}
         try:
-            for seq, payload, check in conn.execute(sql, (end,)):
-                if check != fileformat.payload_hash(payload):
-                    damaged[seq] = payload_damage(self.path, seq, check)
+            for seq, data, payload, ref, check in conn.execute(sql, (end,)):
+                if check != _row_hash(data, payload if ref is None else ref.encode()):
+                    damaged[seq] = row_damage(self.path, seq, check)
         except sqlite3.DatabaseError as e:
             raise self._error(e) from None
         return damaged
@@ -712,7 +721,7 @@ class EventLog:
                 _check_format(conn, report)
                 _check_contiguity(conn, report, self._pinned_end)
                 _check_side_files(conn, report, self._pinned_end)
-                _check_payload_hashes(self, report)
+                _check_row_hashes(self, report)
             finally:
                 conn.execute("COMMIT")
         except sqlite3.DatabaseError as e:
@@ -853,18 +862,19 @@ class EventLog:
 # ---------------------------------------------------------------- module helpers
 
 
-def payload_damage(path: str, seq: int, check: str | None) -> str:
-    """The one line naming a payload in its row that fails its checksum."""
+def row_damage(path: str, seq: int, check: int | None) -> str:
+    """The one line naming a row whose data or payload fails its checksum."""
     if check is None:
-        return f"{path} is damaged: seq {seq}: its payload has no checksum (payload_hash is NULL)"
-    return f"{path} is damaged: seq {seq}: its payload fails its checksum (payload_hash {check})"
+        return f"{path} is damaged: seq {seq}: its row has no checksum (row_hash is NULL)"
+    return f"{path} is damaged: seq {seq}: its data or payload fails its checksum (row_hash {check})"
 
 
-def _with_payload_hashes(rows: list[tuple]) -> list[tuple]:
-    """Rows with a payload get its checksum as a seventh column (NULL for one in a side file,
-    whose reference holds its sha256)."""
+def _finish_row_hashes(rows: list[tuple]) -> list[tuple]:
+    """Rows with a payload get their checksum finished, over the payload as stored (the bytes,
+    or the side-file reference); the others have theirs whole already."""
     return [
-        row if len(row) == 4 else (*row, None if row[4] is None else fileformat.payload_hash(row[4])) for row in rows
+        row if len(row) == 5 else (*row[:6], _finish_row_hash(row[6], row[4] if row[5] is None else row[5].encode()))
+        for row in rows
     ]
 
 
@@ -880,8 +890,9 @@ def payload_bytes(payload: Any) -> bytes | None:
 
 _COLUMNS = {
     4: "seq, ts, kind, data",
+    5: "seq, ts, kind, data, row_hash",
     6: "seq, ts, kind, data, payload, payload_ref",
-    7: "seq, ts, kind, data, payload, payload_ref, payload_hash",
+    7: "seq, ts, kind, data, payload, payload_ref, row_hash",
 }
 
 
@@ -892,14 +903,14 @@ def _insert_sql(n_rows: int, n_columns: int = 6) -> str:
 
 
 def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
-    """Insert (seq, ts, kind, data) rows and (seq, ts, kind, data, payload, payload_ref[, payload_hash]) rows,
+    """Insert (seq, ts, kind, data[, row_hash]) rows and (seq, ts, kind, data, payload, payload_ref[, row_hash]) rows,
     each shape in as few multi-row statements as power-of-two sizes allow. Rows without a payload
     leave its columns out (NULL by default): binding two NULLs per row made a commit of small
     events markedly slower than a raw executemany of four columns."""
-    plain = [row for row in rows if len(row) == 4]
-    with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) != 4]
-    n_payload_columns = len(with_payload[0]) if with_payload else 6
-    for shape, n_columns in ((plain, 4), (with_payload, n_payload_columns)):
+    plain = [row for row in rows if len(row) < 6]
+    with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) >= 6]
+    for shape in (plain, with_payload):
+        n_columns = len(shape[0]) if shape else 0
         start, left = 0, len(shape)
         while left:
             size = min(_MAX_ROWS_PER_INSERT, 1 << (left.bit_length() - 1))
@@ -995,9 +1006,9 @@ def _check_side_files(conn: sqlite3.Connection, report: VerifyReport, up_to: int
             report.problems.append(str(err).removeprefix(f"{report.path}: "))
 
 
-def _check_payload_hashes(log: EventLog, report: VerifyReport) -> None:
+def _check_row_hashes(log: EventLog, report: VerifyReport) -> None:
     report.problems.extend(
-        why.removeprefix(f"{report.path} is damaged: ") for why in log.damaged_payloads(log._pinned_end).values()
+        why.removeprefix(f"{report.path} is damaged: ") for why in log.damaged_rows(log._pinned_end).values()
     )
 
 

@@ -15,7 +15,7 @@ import orjson
 
 from eventlog import EventLog, LogError
 from orchestrator.notices import warn
-from orchestrator.orch_log import UNCHECKED_PAYLOADS, OrchLogError, open_orch_log
+from orchestrator.orch_log import UNCHECKED_ROWS, OrchLogError, open_orch_log
 from orchestrator.rundir import EVENTS_DB
 
 REEXECUTED_META = "reexecuted"  # meta key marking a log written by `orch replay --reexecute`
@@ -61,8 +61,8 @@ def open_run(path: str | os.PathLike) -> EventLog:
         log = open_orch_log(db, pinned=True)
     except (LogError, OrchLogError) as err:
         raise ReplayInputError(one_line(str(err))) from None
-    if not log.payload_hashes:
-        warn(UNCHECKED_PAYLOADS.format(db=db))
+    if not log.row_hashes:
+        warn(UNCHECKED_ROWS.format(db=db))
     return log
 
 

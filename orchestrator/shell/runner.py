@@ -26,7 +26,7 @@ from orchestrator.core.state import State, initial_state
 from orchestrator.fold import Folded, fold_log
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
-from orchestrator.orch_log import LOG_MAGIC_META, UNCHECKED_PAYLOADS, OrchLogError, open_orch_log
+from orchestrator.orch_log import LOG_MAGIC_META, UNCHECKED_ROWS, OrchLogError, open_orch_log
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 
 if TYPE_CHECKING:
@@ -134,13 +134,13 @@ def resume_run(
             f"{db}'s snapshots were damaged (its events are intact): rebuilt without them; "
             f"the damaged file is {log.damaged_copy}"
         )
-    if not log.payload_hashes:
-        warn(UNCHECKED_PAYLOADS.format(db=db))
+    if not log.row_hashes:
+        warn(UNCHECKED_ROWS.format(db=db))
     try:
         with tuned_gc():
             folded = fold_log(log, keep_damaged=True)
         damaged, dropping = _damaged_traces(run_dir, folded, drop_damaged)
-        _check_other_payloads(log, folded)
+        _check_other_rows(log, folded)
         if folded.state is None:  # it stopped before its first event was committed
             params = requested.core_params()
             return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None, model)
@@ -184,18 +184,19 @@ def _damaged_traces(run_dir: Path, folded: Folded, drop_damaged: bool) -> tuple[
     return sorted(trace_id for trace_id, _where in lost), dropping
 
 
-def _check_other_payloads(log: EventLog, folded: Folded) -> None:
-    """Refuse a log with a damaged payload the fold did not read (a trace shipped, trained or
-    dropped: history), before anything is appended: a writer does not append onto damage, as it
-    does not onto a file that fails SQLite's quick_check. The held traces' are `_damaged_traces`'."""
+def _check_other_rows(log: EventLog, folded: Folded) -> None:
+    """Refuse a log with a damaged row that is not a held trace's (an input or decision folded, a
+    trace shipped or dropped: history), before anything is appended: a writer does not append onto
+    damage, as it does not onto a file that fails SQLite's quick_check. A held trace's damaged row
+    is `_damaged_traces`' (--drop-damaged drops it)."""
     held = {seq for seq, _why in folded.damaged.values()}
-    other = {seq: why for seq, why in log.damaged_payloads(folded.seq).items() if seq not in held}
+    other = {seq: why for seq, why in log.damaged_rows(folded.seq).items() if seq not in held}
     if other:
         first = min(other)
-        more = f" (and {len(other) - 1} more damaged payloads)" if len(other) > 1 else ""
+        more = f" (and {len(other) - 1} more damaged rows)" if len(other) > 1 else ""
         raise RunDirError(
-            f"{other[first]}{more}: the payload of a trace no longer held (shipped or dropped), which "
-            "--drop-damaged does not drop; restore the run directory from a copy"
+            f"{other[first]}{more}: a row of the run's history, not a held trace's, which --drop-damaged "
+            "does not drop; restore the run directory from a copy"
         )
 
 

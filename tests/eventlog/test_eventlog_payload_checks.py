@@ -43,16 +43,16 @@ def test_a_changed_payload_byte_is_named_on_every_read(path):
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"  # SQLite does not see it
     conn.close()
-    line = rf"events\.db is damaged: seq {seq}: its payload fails its checksum"
+    line = rf"events\.db is damaged: seq {seq}: its data or payload fails its checksum"
     with EventLog.open_reader(path) as log:
         with pytest.raises(CorruptLogError, match=line):
             log.read_payloads([seq])
         with pytest.raises(CorruptLogError, match=line):
             list(log.read_rows())
-        assert list(log.damaged_payloads()) == [seq]
+        assert list(log.damaged_rows()) == [seq]
         assert log.read_payloads([seq + 2]) == {seq + 2: payloads[seq + 2]}  # the others read
         report = log.verify()
-        assert not report.ok and f"seq {seq}: its payload fails its checksum" in report.problems[0]
+        assert not report.ok and f"seq {seq}: its data or payload fails its checksum" in report.problems[0]
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -73,7 +73,7 @@ def test_4_kib_at_a_random_offset_of_a_log_of_long_payloads_never_passes_unseen(
     except CorruptLogError:
         return  # refused before anything was written
     with log:
-        damaged = log.damaged_payloads()
+        damaged = log.damaged_rows()
         if damaged:
             return
         rows = list(log.read_rows())
@@ -85,7 +85,7 @@ def test_4_kib_at_a_random_offset_of_a_log_of_long_payloads_never_passes_unseen(
 def _as_format_2(path: str) -> None:
     """A log as the format 2 code wrote it: no payload_hash column."""
     conn = sqlite3.connect(path)
-    conn.execute("ALTER TABLE events DROP COLUMN payload_hash")
+    conn.execute("ALTER TABLE events DROP COLUMN row_hash")
     conn.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
     conn.commit()
     conn.close()
@@ -95,8 +95,8 @@ def test_a_format_2_log_is_read_and_appended_to_unchecked(path):
     payloads = _log_of_long_payloads(path, traces=3)
     _as_format_2(path)
     with EventLog.open_reader(path) as log:
-        assert log.format_version == 2 and not log.payload_hashes
-        assert log.read_payloads(payloads) == payloads and log.damaged_payloads() == {}
+        assert log.format_version == 2 and not log.row_hashes
+        assert log.read_payloads(payloads) == payloads and log.damaged_rows() == {}
     with EventLog.open(path) as log:
         seq = log.append("trace", {}, payload=b"\x01\x02")
         log.commit()
@@ -116,7 +116,7 @@ def test_a_rebuilt_log_keeps_its_format_and_checksums(path):
         f.write(b"\xa5" * 64)
     with EventLog.open(path) as log:
         assert log.damaged_copy is not None and log.format_version == 3
-        assert log.read_payloads(payloads) == payloads and log.damaged_payloads() == {}
+        assert log.read_payloads(payloads) == payloads and log.damaged_rows() == {}
 
 
 # ---------------------------------------------------------------- a full disk

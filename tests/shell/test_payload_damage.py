@@ -94,12 +94,12 @@ def test_payload_bytes_changed_in_held_traces_are_refused_never_shipped_and_name
 
     refused = orch("run", "--resume", str(copy), "--max-steps", "4")
     line = _one_error_line(refused.stderr)
-    assert refused.returncode == 2 and f"seq {min(held)}: its payload fails its checksum" in line, line
+    assert refused.returncode == 2 and f"seq {min(held)}: its data or payload fails its checksum" in line, line
     assert "--drop-damaged" in line and f"{len(held)} traces never shipped" in line
     assert _rows(db) == before and batch_steps_on_disk(copy) == batches, "nothing appended, nothing shipped"
 
     check = orch("replay", str(copy), "--check")
-    assert check.returncode == 2 and f"seq {min(held)}: its payload fails its checksum" in check.stderr
+    assert check.returncode == 2 and f"seq {min(held)}: its data or payload fails its checksum" in check.stderr
     assert "deterministic" not in check.stdout + check.stderr
 
     dropped = orch("run", "--resume", str(copy), "--max-steps", "4", "--drop-damaged")
