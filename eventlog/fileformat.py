@@ -6,6 +6,7 @@ schema stays plain and the identifying marks live in the ``meta`` table.
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import struct
@@ -47,17 +48,23 @@ SCHEMA = (
 PAGE_SIZE = 16384
 
 
-def row_hash(data: bytes, payload: bytes | None) -> int:
-    """A row's checksum (its `row_hash`): XXH3-64 of its data, the seed of XXH3-64 of its payload
-    as stored (the bytes in its row, or its side-file reference, whose sha256 checks the file),
-    shifted into SQLite's signed 64-bit integers. Not cryptographic: it catches bytes changed by a
-    bad disk, a torn copy or a hand edit, at a cost far below a write's."""
-    return finish_row_hash(data_seed(data), payload)
+def row_hash(kind: str, data: bytes, payload: bytes | None) -> int:
+    """A row's checksum (its `row_hash`): XXH3-64 of its data seeded with XXH3-64 of its kind, the
+    seed of XXH3-64 of its payload as stored (the bytes in its row, or its side-file reference,
+    whose sha256 checks the file), shifted into SQLite's signed 64-bit integers. Not
+    cryptographic: it catches bytes changed by a bad disk, a torn copy or a hand edit, at a cost
+    far below a write's."""
+    return finish_row_hash(data_seed(kind, data), payload)
 
 
-def data_seed(data: bytes) -> int:
+def data_seed(kind: str, data: bytes) -> int:
     """The first half of `row_hash`, taken where the data is encoded (the append)."""
-    return _xxh3(data)
+    return _xxh3(data, _kind_seed(kind))
+
+
+@functools.cache
+def _kind_seed(kind: str) -> int:
+    return _xxh3(kind.encode())
 
 
 def finish_row_hash(seed: int, payload: bytes | None) -> int:

@@ -442,11 +442,11 @@ class EventLog:
         if payload is None:
             row: tuple = (seq, _time(), kind, doc.decode())
             if self.row_hashes:
-                row = (*row, _finish_row_hash(_data_seed(doc), None))
+                row = (*row, _finish_row_hash(_data_seed(kind, doc), None))
         else:
             row = (seq, _time(), kind, doc.decode(), payload_bytes(payload), None)
             if self.row_hashes:
-                row = (*row, _data_seed(doc))
+                row = (*row, _data_seed(kind, doc))
         buf.append(row)
         self._next = seq + 1
         return seq
@@ -539,7 +539,7 @@ class EventLog:
         payload or None)``. Payloads can be large: the chunks are small."""
         for rows in self._chunks(start, stop, kinds, chunk_size, f"CAST(data AS BLOB), {self._payload_expr}"):
             for seq, ts, kind, data, payload, ref, check in rows:
-                yield seq, ts, kind, data, self._checked_payload(seq, data, payload, ref, check)
+                yield seq, ts, kind, data, self._checked_payload(seq, kind, data, payload, ref, check)
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
         """The payloads of the committed events ``seqs`` (those that have one), by seq."""
@@ -550,28 +550,28 @@ class EventLog:
         for first in range(0, len(wanted), _MAX_ROWS_PER_INSERT):
             chunk = [seq for seq in wanted[first : first + _MAX_ROWS_PER_INSERT] if seq <= end]
             sql = (
-                f"SELECT seq, CAST(data AS BLOB), {self._payload_expr} FROM events"
+                f"SELECT seq, kind, CAST(data AS BLOB), {self._payload_expr} FROM events"
                 f" WHERE (payload IS NOT NULL OR payload_ref IS NOT NULL) AND seq IN ({','.join('?' * len(chunk))})"
             )
             try:
                 rows = conn.execute(sql, chunk).fetchall() if chunk else []
             except sqlite3.DatabaseError as e:
                 raise self._error(e) from None
-            for seq, data, payload, ref, check in rows:
-                out[seq] = self._checked_payload(seq, data, payload, ref, check)
+            for seq, kind, data, payload, ref, check in rows:
+                out[seq] = self._checked_payload(seq, kind, data, payload, ref, check)
         return out
 
     def _checked_payload(
-        self, seq: int, data: bytes, payload: bytes | None, ref: str | None, check: int | None
+        self, seq: int, kind: str, data: bytes, payload: bytes | None, ref: str | None, check: int | None
     ) -> bytes | None:
         """A row's payload, the row checked against its `row_hash` (a log of format 2 has none:
         read unchecked), a side file's piece against the sha256 its reference holds."""
-        if self.row_hashes and check != _row_hash(data, payload if ref is None else ref.encode()):
+        if self.row_hashes and check != _row_hash(kind, data, payload if ref is None else ref.encode()):
             raise CorruptLogError(row_damage(self.path, seq, check))
         return payload if ref is None else read_side_payload(self.path, seq, ref)
 
     def damaged_rows(self, stop: int | None = None) -> dict[int, str]:
-        """Every row (seqs up to ``stop``) whose data or payload fails its checksum, by seq, with
+        """Every row (seqs up to ``stop``) whose kind, data or payload fails its checksum, by seq, with
         the one line that names it; empty for a log of format 2 (no checksums). Reads every row
         (a side file's reference, not the file): a resume runs it before appending, as it runs
         SQLite's quick_check."""
@@ -579,11 +579,11 @@ class EventLog:
             return {}
         conn = self._read_conn()
         end = self._end(conn) if stop is None else min(stop, self._end(conn))
-        sql = "SELECT seq, CAST(data AS BLOB), payload, payload_ref, row_hash FROM events WHERE seq <= ? ORDER BY seq"
+        sql = "SELECT seq, kind, CAST(data AS BLOB), payload, payload_ref, row_hash FROM events WHERE seq <= ? ORDER BY seq"
         damaged: dict[int, str] = {}
         try:
-            for seq, data, payload, ref, check in conn.execute(sql, (end,)):
-                if check != _row_hash(data, payload if ref is None else ref.encode()):
+            for seq, kind, data, payload, ref, check in conn.execute(sql, (end,)):
+                if check != _row_hash(kind, data, payload if ref is None else ref.encode()):
                     damaged[seq] = row_damage(self.path, seq, check)
         except sqlite3.DatabaseError as e:
             raise self._error(e) from None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from eventlog import EventLog, LogExistsError, LogNotFoundError
+from eventlog import EventLog, LogError, LogExistsError, LogNotFoundError
 from orchestrator.config import (
     ConfigError,
     RunConfig,
@@ -191,6 +191,8 @@ def _check_other_rows(log: EventLog, folded: Folded) -> None:
     is `_damaged_traces`' (--drop-damaged drops it)."""
     held = {seq for seq, _why in folded.damaged.values()}
     other = {seq: why for seq, why in log.damaged_rows(folded.seq).items() if seq not in held}
+    for seq in _dropped_as_damaged(log, other) if other else ():
+        del other[seq]
     if other:
         first = min(other)
         more = f" (and {len(other) - 1} more damaged rows)" if len(other) > 1 else ""
@@ -198,6 +200,23 @@ def _check_other_rows(log: EventLog, folded: Folded) -> None:
             f"{other[first]}{more}: a row of the run's history, not a held trace's, which --drop-damaged "
             "does not drop; restore the run directory from a copy"
         )
+
+
+def _dropped_as_damaged(log: EventLog, seqs: dict[int, str]) -> set[int]:
+    """Which rows of `seqs` are the episode_completed of a trace that an earlier `--drop-damaged`
+    resume dropped (its `run_resumed.damaged_traces`): damage known and logged, which later
+    resumes fold around."""
+    runs = log.read(kinds=("run_resumed",))
+    dropped = {ev.episode_of(trace_id) for rec in runs for trace_id in rec.data.get("damaged_traces", ())}
+    known = set()
+    for seq in seqs if dropped else ():
+        try:
+            [row] = log.read(start=seq, stop=seq)
+        except LogError:  # its data does not even decode
+            continue
+        if row.kind == "episode_completed" and isinstance(row.data, dict) and row.data.get("episode_id") in dropped:
+            known.add(seq)
+    return known
 
 
 def _check_not_complete(run_dir: Path, state: State, max_steps: int) -> None:
