@@ -37,9 +37,6 @@ import orjson
 
 from . import fileformat
 from .codec import NONFINITE, NOT_JSON, has_nonfinite
-from .fileformat import data_seed as _data_seed
-from .fileformat import finish_row_hash as _finish_row_hash
-from .fileformat import row_hash as _row_hash
 from .codec import OPTS as _OPTS
 from .errors import (
     CorruptLogError,
@@ -54,6 +51,9 @@ from .errors import (
     ReadOnlyLocationError,
     StorageError,
 )
+from .fileformat import data_seed as _data_seed
+from .fileformat import finish_row_hash as _finish_row_hash
+from .fileformat import row_hash as _row_hash
 from .lock import WriterLock
 from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
@@ -558,7 +558,9 @@ class EventLog:
             except sqlite3.DatabaseError as e:
                 raise self._error(e) from None
             for seq, kind, data, payload, ref, check in rows:
-                out[seq] = self._checked_payload(seq, kind, data, payload, ref, check)
+                checked = self._checked_payload(seq, kind, data, payload, ref, check)
+                if checked is not None:  # always, by the query: a row with a payload or its reference
+                    out[seq] = checked
         return out
 
     def _checked_payload(
@@ -579,7 +581,10 @@ class EventLog:
             return {}
         conn = self._read_conn()
         end = self._end(conn) if stop is None else min(stop, self._end(conn))
-        sql = "SELECT seq, kind, CAST(data AS BLOB), payload, payload_ref, row_hash FROM events WHERE seq <= ? ORDER BY seq"
+        sql = (
+            "SELECT seq, kind, CAST(data AS BLOB), payload, payload_ref, row_hash FROM events"
+            " WHERE seq <= ? ORDER BY seq"
+        )
         damaged: dict[int, str] = {}
         try:
             for seq, kind, data, payload, ref, check in conn.execute(sql, (end,)):

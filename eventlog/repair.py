@@ -34,9 +34,7 @@ def rebuild_without_snapshots(path: str) -> str:
         try:
             conn.execute("ATTACH DATABASE ? AS damaged", (f"{Path(path).absolute().as_uri()}?mode=ro",))
             conn.execute("BEGIN IMMEDIATE")
-            conn.execute(
-                f"INSERT INTO main.events({columns}) SELECT {columns} FROM damaged.events ORDER BY seq"
-            )
+            conn.execute(f"INSERT INTO main.events({columns}) SELECT {columns} FROM damaged.events ORDER BY seq")
             copied, expected = (
                 conn.execute(f"SELECT count(*) FROM {db}.events").fetchone()[0] for db in ("main", "damaged")
             )

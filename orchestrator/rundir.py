@@ -45,9 +45,9 @@ import fcntl
 import json
 import math
 import os
-import zipfile
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 

@@ -156,13 +156,17 @@ def test_check_names_a_damaged_payload_rather_than_blame_the_code(tmp_path, log_
     assert checked.returncode == 2
     if log_format == 3:
         line = _one_error_line(checked.stderr)
-        assert line == f"orch: error: {db} is damaged: seq {seq}: its data or payload fails its checksum " + (
-            line.split("checksum ", 1)[1]
+        assert (
+            line
+            == f"orch: error: {db} is damaged: seq {seq}: its data or payload fails its checksum "
+            + (line.split("checksum ", 1)[1])
         )
         assert "(row_hash " in line
         return
     warning, line = checked.stderr.strip().splitlines()
-    assert warning == f"orch: warning: {db} was written before row checksums (log format 2): its rows are read unchecked"
+    assert (
+        warning == f"orch: warning: {db} was written before row checksums (log format 2): its rows are read unchecked"
+    )
     assert line.startswith(f"orch: error: {db} is damaged: seq {seq} (the episode_completed of trace {trace_id}): ")
     assert "its token payload differs from what" in line and "not the code non-deterministic" in line
     (run / "batches" / "step_1.safetensors").unlink()  # nothing left to compare with: a divergence, as before

@@ -68,7 +68,8 @@ def _crashed_where_most_are_held(run: Path, copy: Path) -> set[int]:
         held = {
             seq
             for seq, episode in conn.execute(
-                "select seq, data ->> '$.episode_id' from events where kind = 'episode_completed' and payload is not null"
+                "select seq, data ->> '$.episode_id' from events"
+                " where kind = 'episode_completed' and payload is not null"
             )
             if episode in state.traces
         }

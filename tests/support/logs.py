@@ -109,7 +109,9 @@ def rewrite_row(db: Path | str, seq: int, data: bytes | str) -> None:
     written it (a recorded decision the current code makes differently), not damage."""
     data = data.encode() if isinstance(data, str) else data
     with sqlite3.connect(db) as conn:
-        kind, payload, ref = conn.execute("SELECT kind, payload, payload_ref FROM events WHERE seq = ?", (seq,)).fetchone()
+        kind, payload, ref = conn.execute(
+            "SELECT kind, payload, payload_ref FROM events WHERE seq = ?", (seq,)
+        ).fetchone()
         check = row_hash(kind, data, payload if ref is None else ref.encode())
         conn.execute("UPDATE events SET data = ?, row_hash = ? WHERE seq = ?", (data.decode(), check, seq))
     conn.close()
