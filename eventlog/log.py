@@ -733,6 +733,12 @@ class EventLog:
             report.problems.append(f"unreadable: {e}")
         return report
 
+    def check_damage(self) -> None:
+        """SQLite's ``PRAGMA quick_check`` of the file, as every writer's open runs it:
+        CorruptLogError (DamagedSnapshotsError when only the snapshots are damaged) naming the
+        first problem. A damaged b-tree can hide rows from a read without an error."""
+        fileformat.check_damage(self._read_conn(), self.path)
+
     def checkpoint(self, mode: str = "TRUNCATE") -> tuple[int, int, int]:
         """Run a WAL checkpoint; return SQLite's (busy, wal_frames, checkpointed_frames).
 
