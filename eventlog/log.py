@@ -572,18 +572,20 @@ class EventLog:
             raise CorruptLogError(row_damage(self.path, seq, check))
         return payload if ref is None else read_side_payload(self.path, seq, ref)
 
-    def damaged_rows(self, stop: int | None = None) -> dict[int, str]:
-        """Every row (seqs up to ``stop``) whose kind, data or payload fails its checksum, by seq, with
-        the one line that names it; empty for a log of format 2 (no checksums). Reads every row
-        (a side file's reference, not the file): a resume runs it before appending, as it runs
-        SQLite's quick_check."""
+    def damaged_rows(self, stop: int | None = None, payloads_only: bool = False) -> dict[int, str]:
+        """Every row (seqs up to ``stop``; ``payloads_only``: of the rows with a payload) whose
+        kind, data or payload fails its checksum, by seq, with the one line that names it; empty
+        for a log of format 2 (no checksums). Reads every such row (a side file's reference, not
+        the file): a resume runs it over the payloads before appending, as it runs SQLite's
+        quick_check."""
         if not self.row_hashes:
             return {}
         conn = self._read_conn()
         end = self._end(conn) if stop is None else min(stop, self._end(conn))
         sql = (
-            "SELECT seq, kind, CAST(data AS BLOB), payload, payload_ref, row_hash FROM events"
-            " WHERE seq <= ? ORDER BY seq"
+            "SELECT seq, kind, CAST(data AS BLOB), payload, payload_ref, row_hash FROM events WHERE seq <= ?"
+            + (" AND (payload IS NOT NULL OR payload_ref IS NOT NULL)" if payloads_only else "")
+            + " ORDER BY seq"
         )
         damaged: dict[int, str] = {}
         try:

@@ -185,12 +185,15 @@ def _damaged_traces(run_dir: Path, folded: Folded, drop_damaged: bool) -> tuple[
 
 
 def _check_other_rows(log: EventLog, folded: Folded) -> None:
-    """Refuse a log with a damaged row that is not a held trace's (an input or decision folded, a
-    trace shipped or dropped: history), before anything is appended: a writer does not append onto
-    damage, as it does not onto a file that fails SQLite's quick_check. A held trace's damaged row
-    is `_damaged_traces`' (--drop-damaged drops it)."""
+    """Refuse a log with a damaged payload row that is not a held trace's (a trace shipped or
+    dropped: history), before anything is appended: a writer does not append onto damage, as it
+    does not onto a file that fails SQLite's quick_check. Every row with a payload is checked (the
+    rows without one are checked as `orch replay` reads them: a resume time that grew with every
+    event logged would be too dear). A held trace's damaged row is `_damaged_traces`' (the fold
+    reads it; --drop-damaged drops it)."""
     held = {seq for seq, _why in folded.damaged.values()}
-    other = {seq: why for seq, why in log.damaged_rows(folded.seq).items() if seq not in held}
+    damaged = log.damaged_rows(folded.seq, payloads_only=True)
+    other = {seq: why for seq, why in damaged.items() if seq not in held}
     for seq in _dropped_as_damaged(log, other) if other else ():
         del other[seq]
     if other:
