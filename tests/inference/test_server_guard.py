@@ -97,13 +97,22 @@ def test_a_server_that_exits_by_itself_gives_its_code_and_leaves_nothing():
 def test_stop_does_not_wait_out_its_timeout_on_a_stopped_guard():
     """A guard stopped (SIGSTOP) while its server runs: `VllmLauncher.stop` continues it, so the
     shutdown takes as long as the server's own exit, not the whole stop timeout."""
+    # A server that exits on SIGTERM (as a ready vLLM does), with its guard's 1 s SIGKILL fallback.
+    obeying = "import signal, sys, time; print('ready', flush=True); time.sleep(120)"
+    proc = subprocess.Popen(guarded([sys.executable, "-c", obeying], 1.0), start_new_session=True)
+    try:
+        _stop_a_stopped_guard(proc)
+    finally:  # whatever failed, no stopped guard is left behind
+        if group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _stop_a_stopped_guard(proc: subprocess.Popen) -> None:
     from types import SimpleNamespace
 
     from orchestrator.inference.vllm_launch import VllmLauncher
 
-    # A server that exits on SIGTERM (as a ready vLLM does), with its guard's 1 s SIGKILL fallback.
-    obeying = "import signal, sys, time; print('ready', flush=True); time.sleep(120)"
-    proc = subprocess.Popen(guarded([sys.executable, "-c", obeying], 1.0), start_new_session=True)
     deadline = time.monotonic() + 30
     while _group_size(proc.pid) < 2:
         assert time.monotonic() < deadline, "the stand-in server did not start"
