@@ -6,9 +6,12 @@ schema stays plain and the identifying marks live in the ``meta`` table.
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import struct
+
+from xxhash import xxh3_64_intdigest as _xxh3
 
 from .errors import (
     CorruptLogError,
@@ -26,12 +29,16 @@ from .errors import (
 MAGIC = "orch-eventlog"
 # 2: each event has a binary `payload` beside its JSON `data` (NULL for most events): in its
 # `payload` column, or over SIDE_FILE_BYTES in a side file that its `payload_ref` names.
-FORMAT_VERSION = 2
+# 3: each row has its checksum, `row_hash`, over its data and its payload (or payload reference).
+FORMAT_VERSION = 3
+# The oldest format this code reads: a version 2 log is read and resumed as it was written, its
+# payloads unchecked (docs/log-format.md).
+OLDEST_READ_VERSION = 2
 RESERVED_META_KEYS = frozenset({"magic", "format_version"})
 
 SCHEMA = (
     "CREATE TABLE events(seq INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL,"
-    " payload BLOB, payload_ref TEXT)",
+    " payload BLOB, payload_ref TEXT, row_hash INTEGER)",
     "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)",
     "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT, state_hash TEXT, state BLOB)",
 )
@@ -39,6 +46,31 @@ SCHEMA = (
 # New logs use 16 KiB pages: a sequential read of the log (a fold) walks a quarter as many
 # pages as with SQLite's 4 KiB default (bench/test_replay_bench.py measures the fold).
 PAGE_SIZE = 16384
+
+
+def row_hash(kind: str, data: bytes, payload: bytes | None) -> int:
+    """A row's checksum (its `row_hash`): XXH3-64 of its data seeded with XXH3-64 of its kind, the
+    seed of XXH3-64 of its payload as stored (the bytes in its row, or its side-file reference,
+    whose sha256 checks the file), shifted into SQLite's signed 64-bit integers. Not
+    cryptographic: it catches bytes changed by a bad disk, a torn copy or a hand edit, at a cost
+    far below a write's."""
+    return finish_row_hash(data_seed(kind, data), payload)
+
+
+def data_seed(kind: str, data: bytes) -> int:
+    """The first half of `row_hash`, taken where the data is encoded (the append)."""
+    return _xxh3(data, _kind_seed(kind))
+
+
+@functools.cache
+def _kind_seed(kind: str) -> int:
+    return _xxh3(kind.encode())
+
+
+def finish_row_hash(seed: int, payload: bytes | None) -> int:
+    """The second half of `row_hash`, taken once the payload's place is known (the commit)."""
+    return (seed if payload is None else _xxh3(payload, seed)) >> 1
+
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
 _HEADER_LEN = 100
@@ -76,21 +108,35 @@ def check_header(path: str) -> None:
 
 
 def _check_size(path: str, header: bytes, size: int) -> None:
-    """Detect a file cut short: partial page, or fewer pages than the header records.
+    """Detect a file cut short: a partial last page, or fewer pages than the log holds.
 
-    The header's page count is trusted only when SQLite marks it valid and no
-    WAL holds frames that could legitimately supply the missing pages.
+    A page missing from the main file is not damage while the WAL holds it: a checkpoint that a
+    full disk interrupted leaves the main file short (even by part of a page) and the WAL whole,
+    and SQLite reads such a log whole. So the pages the log holds (the last commit in the WAL,
+    else the header's count when SQLite marks it valid) must each be whole in the main file or
+    in a WAL frame.
     """
     page_size = struct.unpack(">H", header[16:18])[0]
     page_size = 65536 if page_size == 1 else page_size
     if page_size < 512 or page_size & (page_size - 1):
         raise CorruptLogError(f"{path} has a corrupted header (page size {page_size})")
-    if size % page_size:
-        raise CorruptLogError(f"{path} is truncated ({size} bytes is not a whole number of pages)")
+    whole = size // page_size
     (n_pages,) = struct.unpack(">I", header[28:32])
     valid = n_pages and header[24:28] == header[92:96]
-    if valid and size < n_pages * page_size and not wal_has_frames(path):
-        raise CorruptLogError(f"{path} is truncated ({size // page_size} of {n_pages} pages present)")
+    wal_pages, wal_size = wal_frame_pages(path, page_size)
+    # Without a commit in the WAL, a partial last page is the log's own: it must be whole.
+    needed = wal_size or max(n_pages if valid else 0, whole + (1 if size % page_size else 0))
+    missing = next((page for page in range(whole + 1, needed + 1) if page not in wal_pages), None)
+    if missing is None:
+        return
+    if size % page_size:
+        raise CorruptLogError(f"{path} is truncated ({size} bytes is not a whole number of pages)")
+    raise CorruptLogError(f"{path} is truncated ({whole} of {needed} pages present)")
+
+
+_WAL_HEADER = struct.Struct(">IIIIII")  # magic, version, page size, checkpoint seq, salt-1, salt-2
+_WAL_FRAME_HEADER = struct.Struct(">IIII")  # page number, db size after commit (0: none), salts
+_WAL_MAGICS = (0x377F0682, 0x377F0683)
 
 
 def wal_has_frames(path: str) -> bool:
@@ -99,6 +145,35 @@ def wal_has_frames(path: str) -> bool:
         return os.path.getsize(path + "-wal") > 32  # 32-byte WAL header, then frames
     except OSError:
         return False
+
+
+def wal_frame_pages(path: str, page_size: int) -> tuple[set[int], int]:
+    """The pages that ``<path>-wal``'s current frames hold, and the log's size in pages after the
+    last commit among them (0 if none): frames of the WAL's current generation only (their salts
+    match its header), as SQLite reads it."""
+    try:
+        with open(path + "-wal", "rb") as f:
+            header = f.read(32)
+            if len(header) < 32:
+                return set(), 0
+            magic, _version, wal_page_size, _ckpt, salt1, salt2 = _WAL_HEADER.unpack(header[:24])
+            if magic not in _WAL_MAGICS or wal_page_size != page_size:
+                return set(), 0
+            pages: set[int] = set()
+            committed: set[int] = set()
+            size = 0
+            wal_bytes = os.fstat(f.fileno()).st_size
+            for offset in range(32, wal_bytes - 24 - page_size + 1, 24 + page_size):  # whole frames
+                f.seek(offset)
+                page, db_size, frame_salt1, frame_salt2 = _WAL_FRAME_HEADER.unpack(f.read(_WAL_FRAME_HEADER.size))
+                if (frame_salt1, frame_salt2) != (salt1, salt2):
+                    break
+                pages.add(page)
+                if db_size:  # a commit: the frames up to here are the log
+                    committed, size = set(pages), db_size
+    except OSError:
+        return set(), 0
+    return committed, size
 
 
 def translate(exc: sqlite3.Error, path: str) -> LogError:
@@ -192,10 +267,10 @@ def check_version(raw: str | None, path: str) -> int:
         )
     if version < 1:
         raise CorruptLogError(f"{path} has an invalid format_version {raw!r}")
-    if version < FORMAT_VERSION:
+    if version < OLDEST_READ_VERSION:
         raise OlderFormatError(
-            f"{path} uses log format version {version} (no payload column); this orch reads version "
-            f"{FORMAT_VERSION} only: read it with the orch that wrote it (docs/log-format.md)"
+            f"{path} uses log format version {version} (no payload column); this orch reads versions "
+            f"{OLDEST_READ_VERSION}-{FORMAT_VERSION} only: read it with the orch that wrote it (docs/log-format.md)"
         )
     return version
 
@@ -206,15 +281,16 @@ def _as_log_error(exc: sqlite3.DatabaseError, path: str) -> LogError:
     return err if type(err) is not LogError else CorruptLogError(f"{path}: {exc}")
 
 
-def write_new_database(tmp: str, meta: dict[str, str]) -> None:
-    """Create schema + meta in ``tmp`` in one transaction, then switch it to WAL."""
+def write_new_database(tmp: str, meta: dict[str, str], format_version: int = FORMAT_VERSION) -> None:
+    """Create schema + meta in ``tmp`` in one transaction, then switch it to WAL. An older
+    ``format_version`` (a rebuilt log keeps its own) marks columns it lacks as unused."""
     conn = sqlite3.connect(tmp, isolation_level=None)
     try:
         conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # only before the first table
         conn.execute("BEGIN IMMEDIATE")
         for ddl in SCHEMA:
             conn.execute(ddl)
-        rows = [("magic", MAGIC), ("format_version", str(FORMAT_VERSION))]
+        rows = [("magic", MAGIC), ("format_version", str(format_version))]
         conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", rows + list(meta.items()))
         conn.execute("COMMIT")
         # WAL mode is persistent (recorded in the file header): set it once here.

@@ -13,7 +13,7 @@ import fcntl
 import os
 import socket
 
-from .errors import ReadOnlyLocationError, WriterLockedError
+from .errors import ReadOnlyLocationError, StorageError, WriterLockedError
 
 __all__ = ["WriterLock", "lock_path_for"]
 
@@ -46,12 +46,17 @@ class WriterLock:
 
     def acquire(self) -> WriterLock:
         """Take the lock now or raise WriterLockedError naming the holder's pid."""
+        created = False
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                created = True
+            except FileExistsError:
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
             if e.errno in _READ_ONLY_ERRNOS:
                 raise ReadOnlyLocationError(f"cannot write lock file {self.path}: {e.strerror}") from None
-            raise
+            raise StorageError(f"cannot create lock file {self.path}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -67,7 +72,14 @@ class WriterLock:
             os.close(fd)
             raise
         self._fd = fd
-        self._write_owner(fd)
+        try:
+            self._write_owner(fd)
+        except OSError as e:  # a full disk or quota: the lock is not kept, and says why in one line
+            if created:
+                self.release_and_remove()
+            else:
+                self.release()
+            raise StorageError(f"cannot write lock file {self.path}: {e.strerror or e}") from None
         return self
 
     @staticmethod
@@ -76,6 +88,18 @@ class WriterLock:
         owner = f"{os.getpid()} {socket.gethostname()}\n".encode()
         os.pwrite(fd, owner, 0)
         os.ftruncate(fd, len(owner))
+
+    def release_and_remove(self) -> None:
+        """Remove the lock file, then release the lock: for a creator whose log was never made
+        (or whose lock file could not be written), so that it leaves nothing behind. Safe although
+        the file is otherwise kept: two creators racing on two inodes are kept apart by the log's
+        own creation (a hard link that only one of them can make)."""
+        if self._fd is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass  # a file left is harmless: the next acquire takes it as it is
+        self.release()
 
     @property
     def held(self) -> bool:

@@ -49,7 +49,11 @@ from .errors import (
     LogNotFoundError,
     NotWriterError,
     ReadOnlyLocationError,
+    StorageError,
 )
+from .fileformat import data_seed as _data_seed
+from .fileformat import finish_row_hash as _finish_row_hash
+from .fileformat import row_hash as _row_hash
 from .lock import WriterLock
 from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
@@ -159,7 +163,15 @@ class EventLog:
 
     # ------------------------------------------------------------ construction
 
-    def __init__(self, path: str, conn: sqlite3.Connection, *, lock: WriterLock | None, durability: str | None):
+    def __init__(
+        self,
+        path: str,
+        conn: sqlite3.Connection,
+        *,
+        lock: WriterLock | None,
+        durability: str | None,
+        format_version: int = fileformat.FORMAT_VERSION,
+    ):
         """Private: use create(), open() or open_reader()."""
         self.path = path
         self.durability = durability
@@ -176,6 +188,10 @@ class EventLog:
         self._pinned_end: int | None = None  # open_reader(pinned=True)
         # The writer's open rebuilt the file without its damaged snapshots: where the damaged one is.
         self.damaged_copy: str | None = None
+        # A log of format 2 has no row checksums: its rows are read and written unchecked.
+        self.format_version = format_version
+        self.row_hashes = format_version >= 3
+        self._payload_expr = "payload, payload_ref" + (", row_hash" if self.row_hashes else ", NULL")
         if self._writer:
             self._last = self._committed_bounds(conn)
             self._next = self._last + 1
@@ -196,6 +212,16 @@ class EventLog:
         try:
             cls._check_creatable(path)  # again, now that no other creator can race us
             cls._build_and_link(path, meta)
+        except LogExistsError:
+            lock.release()
+            raise
+        except BaseException:
+            if os.path.lexists(path):  # made whole (its directory's fsync failed): a log to resume
+                lock.release()
+            else:
+                lock.release_and_remove()  # nothing was made: nothing is left
+            raise
+        try:
             return cls._open_writer(path, sync, durability, lock)
         except BaseException:
             lock.release()
@@ -237,12 +263,12 @@ class EventLog:
         conn = cls._connect_reader(path)
         try:
             try:
-                fileformat.validate(conn, path)
+                meta = fileformat.validate(conn, path)
             except ReadOnlyLocationError:
                 conn.close()
                 conn = cls._connect_immutable(path)
-                fileformat.validate(conn, path)
-            return cls(path, conn, lock=None, durability=None)
+                meta = fileformat.validate(conn, path)
+            return cls(path, conn, lock=None, durability=None, format_version=int(meta["format_version"]))
         except BaseException:
             conn.close()
             raise
@@ -298,10 +324,11 @@ class EventLog:
         except OSError as e:
             if e.errno == errno.EROFS:
                 raise ReadOnlyLocationError(f"cannot create {path}: {e.strerror}") from None
-            raise
+            raise StorageError(f"cannot create {path}: {e.strerror or e}") from None
         finally:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
+            for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
+                if os.path.lexists(leftover):
+                    os.unlink(leftover)
 
     @classmethod
     def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> EventLog:
@@ -310,19 +337,19 @@ class EventLog:
         conn = _connect_writer(path)
         repaired = None
         try:
-            fileformat.validate(conn, path)
+            meta = fileformat.validate(conn, path)
             try:  # before anything is written (orphans removed, WAL mode set)
                 fileformat.check_damage(conn, path)
             except DamagedSnapshotsError:
                 conn.close()
                 repaired = rebuild_without_snapshots(path)
                 conn = _connect_writer(path)
-                fileformat.validate(conn, path)
+                meta = fileformat.validate(conn, path)
                 fileformat.check_damage(conn, path)
             _configure_writer(conn, sync, path)
             if os.path.isdir(side_dir(path)):
                 remove_orphans(path, _referenced_side_files(conn))
-            log = cls(path, conn, lock=lock, durability=durability)
+            log = cls(path, conn, lock=lock, durability=durability, format_version=int(meta["format_version"]))
         except BaseException:
             conn.close()
             raise
@@ -405,11 +432,22 @@ class EventLog:
             raise InvalidEventError(f"{NOT_JSON}: {e}") from None
         if b"null" in doc and has_nonfinite(data):
             raise InvalidEventError(NONFINITE)
+        return self._buffer(buf, kind, doc, payload)
+
+    def _buffer(self, buf: list[tuple], kind: str, doc: bytes, payload: Any) -> int:
+        """Buffer one row; rows without a payload are buffered without its columns (see
+        _insert_rows). A row's checksum is begun here, from its data's bytes: a row without a
+        payload gets it whole; one with a payload gets its seed, finished at the commit."""
         seq = self._next
-        if payload is None:  # rows without a payload are buffered without its columns (see _insert_rows)
-            buf.append((seq, _time(), kind, doc.decode()))
+        if payload is None:
+            row: tuple = (seq, _time(), kind, doc.decode())
+            if self.row_hashes:
+                row = (*row, _finish_row_hash(_data_seed(kind, doc), None))
         else:
-            buf.append((seq, _time(), kind, doc.decode(), payload_bytes(payload), None))
+            row = (seq, _time(), kind, doc.decode(), payload_bytes(payload), None)
+            if self.row_hashes:
+                row = (*row, _data_seed(kind, doc))
+        buf.append(row)
         self._next = seq + 1
         return seq
 
@@ -421,18 +459,12 @@ class EventLog:
             raise self._not_writable()
         if type(kind) is not str or not kind:
             raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
-        if not isinstance(data_json, str):
-            try:
-                data_json = data_json.decode()
-            except (AttributeError, UnicodeDecodeError) as e:
-                raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
-        seq = self._next
-        if payload is None:
-            buf.append((seq, _time(), kind, data_json))
-        else:
-            buf.append((seq, _time(), kind, data_json, payload_bytes(payload), None))
-        self._next = seq + 1
-        return seq
+        try:
+            doc = data_json.encode() if isinstance(data_json, str) else bytes(data_json)
+            doc.decode()
+        except (TypeError, UnicodeError) as e:
+            raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
+        return self._buffer(buf, kind, doc, payload)
 
     def commit(self) -> int:
         """Durably write every buffered event in one transaction; return the last seq.
@@ -447,12 +479,13 @@ class EventLog:
             return self._last
         self._buf = []
         try:
-            large = [i for i, row in enumerate(buf) if len(row) > 4 and len(row[4]) > self.side_file_bytes]
+            large = [i for i, row in enumerate(buf) if len(row) > 5 and len(row[4]) > self.side_file_bytes]
             if large:  # durable in their side file before the transaction that references them
                 refs = write_side_file(self.path, [buf[i][4] for i in large])
                 for i, ref in zip(large, refs, strict=True):
-                    buf[i] = (*buf[i][:4], None, ref)
-            self._transact(lambda conn: _insert_rows(conn, buf))
+                    buf[i] = (*buf[i][:4], None, ref, *buf[i][6:])
+            rows = _finish_row_hashes(buf) if self.row_hashes else buf
+            self._transact(lambda conn: _insert_rows(conn, rows))
         except BaseException:
             self._rederive_seq()
             raise
@@ -504,9 +537,9 @@ class EventLog:
     ) -> Iterator[tuple[int, float, str, bytes, bytes | None]]:
         """Like :meth:`read_raw`, each row with its payload: ``(seq, ts, kind, data_bytes,
         payload or None)``. Payloads can be large: the chunks are small."""
-        for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB), payload, payload_ref"):
-            for seq, ts, kind, data, payload, ref in rows:
-                yield seq, ts, kind, data, payload if ref is None else read_side_payload(self.path, seq, ref)
+        for rows in self._chunks(start, stop, kinds, chunk_size, f"CAST(data AS BLOB), {self._payload_expr}"):
+            for seq, ts, kind, data, payload, ref, check in rows:
+                yield seq, ts, kind, data, self._checked_payload(seq, kind, data, payload, ref, check)
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
         """The payloads of the committed events ``seqs`` (those that have one), by seq."""
@@ -517,16 +550,51 @@ class EventLog:
         for first in range(0, len(wanted), _MAX_ROWS_PER_INSERT):
             chunk = [seq for seq in wanted[first : first + _MAX_ROWS_PER_INSERT] if seq <= end]
             sql = (
-                "SELECT seq, payload, payload_ref FROM events"
+                f"SELECT seq, kind, CAST(data AS BLOB), {self._payload_expr} FROM events"
                 f" WHERE (payload IS NOT NULL OR payload_ref IS NOT NULL) AND seq IN ({','.join('?' * len(chunk))})"
             )
             try:
                 rows = conn.execute(sql, chunk).fetchall() if chunk else []
             except sqlite3.DatabaseError as e:
                 raise self._error(e) from None
-            for seq, payload, ref in rows:
-                out[seq] = payload if ref is None else read_side_payload(self.path, seq, ref)
+            for seq, kind, data, payload, ref, check in rows:
+                checked = self._checked_payload(seq, kind, data, payload, ref, check)
+                if checked is not None:  # always, by the query: a row with a payload or its reference
+                    out[seq] = checked
         return out
+
+    def _checked_payload(
+        self, seq: int, kind: str, data: bytes, payload: bytes | None, ref: str | None, check: int | None
+    ) -> bytes | None:
+        """A row's payload, the row checked against its `row_hash` (a log of format 2 has none:
+        read unchecked), a side file's piece against the sha256 its reference holds."""
+        if self.row_hashes and check != _row_hash(kind, data, payload if ref is None else ref.encode()):
+            raise CorruptLogError(row_damage(self.path, seq, check))
+        return payload if ref is None else read_side_payload(self.path, seq, ref)
+
+    def damaged_rows(self, stop: int | None = None, payloads_only: bool = False) -> dict[int, str]:
+        """Every row (seqs up to ``stop``; ``payloads_only``: of the rows with a payload) whose
+        kind, data or payload fails its checksum, by seq, with the one line that names it; empty
+        for a log of format 2 (no checksums). Reads every such row (a side file's reference, not
+        the file): a resume runs it over the payloads before appending, as it runs SQLite's
+        quick_check."""
+        if not self.row_hashes:
+            return {}
+        conn = self._read_conn()
+        end = self._end(conn) if stop is None else min(stop, self._end(conn))
+        sql = (
+            "SELECT seq, kind, CAST(data AS BLOB), payload, payload_ref, row_hash FROM events WHERE seq <= ?"
+            + (" AND (payload IS NOT NULL OR payload_ref IS NOT NULL)" if payloads_only else "")
+            + " ORDER BY seq"
+        )
+        damaged: dict[int, str] = {}
+        try:
+            for seq, kind, data, payload, ref, check in conn.execute(sql, (end,)):
+                if check != _row_hash(kind, data, payload if ref is None else ref.encode()):
+                    damaged[seq] = row_damage(self.path, seq, check)
+        except sqlite3.DatabaseError as e:
+            raise self._error(e) from None
+        return damaged
 
     def read_raw(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
@@ -660,11 +728,18 @@ class EventLog:
                 _check_format(conn, report)
                 _check_contiguity(conn, report, self._pinned_end)
                 _check_side_files(conn, report, self._pinned_end)
+                _check_row_hashes(self, report)
             finally:
                 conn.execute("COMMIT")
         except sqlite3.DatabaseError as e:
             report.problems.append(f"unreadable: {e}")
         return report
+
+    def check_damage(self) -> None:
+        """SQLite's ``PRAGMA quick_check`` of the file, as every writer's open runs it:
+        CorruptLogError (DamagedSnapshotsError when only the snapshots are damaged) naming the
+        first problem. A damaged b-tree can hide rows from a read without an error."""
+        fileformat.check_damage(self._read_conn(), self.path)
 
     def checkpoint(self, mode: str = "TRUNCATE") -> tuple[int, int, int]:
         """Run a WAL checkpoint; return SQLite's (busy, wal_frames, checkpointed_frames).
@@ -800,6 +875,22 @@ class EventLog:
 # ---------------------------------------------------------------- module helpers
 
 
+def row_damage(path: str, seq: int, check: int | None) -> str:
+    """The one line naming a row whose data or payload fails its checksum."""
+    if check is None:
+        return f"{path} is damaged: seq {seq}: its row has no checksum (row_hash is NULL)"
+    return f"{path} is damaged: seq {seq}: its data or payload fails its checksum (row_hash {check})"
+
+
+def _finish_row_hashes(rows: list[tuple]) -> list[tuple]:
+    """Rows with a payload get their checksum finished, over the payload as stored (the bytes,
+    or the side-file reference); the others have theirs whole already."""
+    return [
+        row if len(row) == 5 else (*row[:6], _finish_row_hash(row[6], row[4] if row[5] is None else row[5].encode()))
+        for row in rows
+    ]
+
+
 def payload_bytes(payload: Any) -> bytes | None:
     """A payload as stored: bytes (a bytes-like object is copied into bytes), or None."""
     if payload is None or type(payload) is bytes:
@@ -810,7 +901,12 @@ def payload_bytes(payload: Any) -> bytes | None:
         raise InvalidEventError(f"an event payload must be bytes, not {type(payload).__name__}") from None
 
 
-_COLUMNS = {4: "seq, ts, kind, data", 6: "seq, ts, kind, data, payload, payload_ref"}
+_COLUMNS = {
+    4: "seq, ts, kind, data",
+    5: "seq, ts, kind, data, row_hash",
+    6: "seq, ts, kind, data, payload, payload_ref",
+    7: "seq, ts, kind, data, payload, payload_ref, row_hash",
+}
 
 
 @functools.cache
@@ -820,13 +916,14 @@ def _insert_sql(n_rows: int, n_columns: int = 6) -> str:
 
 
 def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
-    """Insert (seq, ts, kind, data) rows and (seq, ts, kind, data, payload, payload_ref) rows,
+    """Insert (seq, ts, kind, data[, row_hash]) rows and (seq, ts, kind, data, payload, payload_ref[, row_hash]) rows,
     each shape in as few multi-row statements as power-of-two sizes allow. Rows without a payload
     leave its columns out (NULL by default): binding two NULLs per row made a commit of small
     events markedly slower than a raw executemany of four columns."""
-    plain = [row for row in rows if len(row) == 4]
-    with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) == 6]
-    for shape, n_columns in ((plain, 4), (with_payload, 6)):
+    plain = [row for row in rows if len(row) < 6]
+    with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) >= 6]
+    for shape in (plain, with_payload):
+        n_columns = len(shape[0]) if shape else 0
         start, left = 0, len(shape)
         while left:
             size = min(_MAX_ROWS_PER_INSERT, 1 << (left.bit_length() - 1))
@@ -920,6 +1017,12 @@ def _check_side_files(conn: sqlite3.Connection, report: VerifyReport, up_to: int
             read_side_payload(report.path, seq, ref)
         except CorruptLogError as err:
             report.problems.append(str(err).removeprefix(f"{report.path}: "))
+
+
+def _check_row_hashes(log: EventLog, report: VerifyReport) -> None:
+    report.problems.extend(
+        why.removeprefix(f"{report.path} is damaged: ") for why in log.damaged_rows(log._pinned_end).values()
+    )
 
 
 def _check_contiguity(conn: sqlite3.Connection, report: VerifyReport, up_to: int | None) -> None:

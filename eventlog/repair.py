@@ -3,7 +3,7 @@ are caches; a fold goes around a missing one).
 
 A writer must not append onto a damaged file, and a damaged b-tree cannot be dropped in place
 (SQLite walks it to free its pages). So the events and meta are copied, row for row (each event's
-seq, ts, kind, data, payload and payload reference as they are), into a new file built like a new
+seq, ts, kind, data, payload, payload reference and checksum as they are), into a new file built like a new
 log, which then replaces the damaged one; the damaged file is kept beside it, renamed, with its
 -wal and -shm. Side files are the same files afterwards (their directory is named after the log's
 path). Called by the writer's open, under the writer lock.
@@ -23,18 +23,18 @@ from .errors import CorruptLogError
 def rebuild_without_snapshots(path: str) -> str:
     """Replace the log at `path` with a copy of its events and meta and no snapshot; return
     where the damaged file was moved. CorruptLogError if the copy is not whole."""
-    meta = {k: v for k, v in _meta(path).items() if k not in fileformat.RESERVED_META_KEYS}
+    stored = _meta(path)
+    meta = {k: v for k, v in stored.items() if k not in fileformat.RESERVED_META_KEYS}
+    version = fileformat.check_version(stored.get("format_version"), path)
     tmp = f"{path}.creating-{os.getpid()}"  # a leftover is removed by the next writer's open
-    fileformat.write_new_database(tmp, meta)  # the one way a log file is built
+    fileformat.write_new_database(tmp, meta, version)  # the one way a log file is built
+    columns = "seq, ts, kind, data, payload, payload_ref" + (", row_hash" if version >= 3 else "")
     try:
         conn = sqlite3.connect(tmp, isolation_level=None)
         try:
             conn.execute("ATTACH DATABASE ? AS damaged", (f"{Path(path).absolute().as_uri()}?mode=ro",))
             conn.execute("BEGIN IMMEDIATE")
-            conn.execute(
-                "INSERT INTO main.events(seq, ts, kind, data, payload, payload_ref)"
-                " SELECT seq, ts, kind, data, payload, payload_ref FROM damaged.events ORDER BY seq"
-            )
+            conn.execute(f"INSERT INTO main.events({columns}) SELECT {columns} FROM damaged.events ORDER BY seq")
             copied, expected = (
                 conn.execute(f"SELECT count(*) FROM {db}.events").fetchone()[0] for db in ("main", "damaged")
             )

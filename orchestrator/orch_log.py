@@ -12,6 +12,9 @@ from orchestrator.core.events import EVENT_SCHEMA_VERSION, check_schema_version
 
 APP = "orch"
 LOG_MAGIC_META = {"app": APP, "schema_version": str(EVENT_SCHEMA_VERSION)}  # what `orch run` writes
+# Said once by a resume or a replay command of a log written before row checksums (format 2),
+# which it reads as that orch did (docs/log-format.md).
+UNCHECKED_ROWS = "{db} was written before row checksums (log format 2): its rows are read unchecked"
 
 
 class OrchLogError(ValueError):

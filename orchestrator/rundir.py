@@ -47,6 +47,7 @@ import math
 import os
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -307,3 +308,17 @@ def write_batch_file(run_dir: str | os.PathLike, step: int, samples: list[dict[s
     path = batch_path(run_dir, step)
     atomic_write_bytes(path, encode_batch(step, [BatchSample(**{**defaults, **sample}) for sample in samples]))
     return path
+
+
+def checkpoint_damage(file: Path) -> str | None:
+    """What is wrong with the checkpoint file, or None if it is whole. `torch.save` writes a zip
+    archive whose every record carries its CRC-32, written with it: each is read and checked
+    (a truncation loses the archive's directory, at its end, first), without torch."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        return f"damaged or truncated ({err})"
+    except Exception as err:  # noqa: BLE001 - zipfile raises what a damaged record makes of it
+        return f"damaged ({type(err).__name__}: {err})"
+    return None if bad is None else f"damaged (its record {bad} fails its CRC-32)"

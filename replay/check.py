@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from eventlog import EventLog
+from eventlog import DamagedSnapshotsError, EventLog, LogError
 from orchestrator.core import events as ev
 from orchestrator.core.decide import decide
 from orchestrator.core.events import EVENT_TYPES, INPUT_KINDS, encode_event
@@ -22,7 +22,7 @@ from orchestrator.core.state import State, initial_state
 from replay.damage import payload_damage
 from replay.diff import Divergence, Side, divergence_of
 from replay.inputs import decode
-from replay.source import guarded, row_data
+from replay.source import ReplayInputError, guarded, one_line, row_data
 
 # A rule that a run's parameters switch on is checked as the run had it: a log written before
 # the rule has no such parameter, folds with the rule off, and the check says so.
@@ -79,6 +79,14 @@ def _state_for(first: ev.Event) -> State:
 
 
 def check_log(log: EventLog) -> CheckResult:
+    """The check of `log`; ReplayInputError if the file is damaged (a damaged b-tree can hide the
+    rows after it from a read: what is left would check as deterministic)."""
+    try:
+        log.check_damage()
+    except DamagedSnapshotsError:
+        pass  # snapshots are caches: the check folds from the first event
+    except LogError as err:
+        raise ReplayInputError(one_line(str(err))) from None
     result = _check(log)
     recorded = result.divergence.a if result.divergence is not None else None
     if recorded is not None and recorded.kind == "batch_shipped" and isinstance(recorded.data, dict):

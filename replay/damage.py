@@ -1,11 +1,12 @@
-"""Telling a damaged log from non-deterministic code, for `orch replay RUN --check`.
+"""Telling a damaged log from non-deterministic code, for `orch replay RUN --check`, in a log
+written before row checksums (format 2; a later log's rows carry a checksum that every read checks).
 
-A payload stored in the log's own `payload` column has no checksum (a side file's has, and a read
-refuses it): bytes changed inside one decode as other token values, and the batch the check
-re-derives from them hashes differently from the `batch_shipped` recorded. That divergence is the
-log's damage, not the code's, when the batch file the run wrote is still on disk with the recorded
-sha256: each shipped trace's payload is then compared with what that file holds of it, and the first
-that differs names the damaged row.
+Such a log's payloads have no checksum (a side file's has, and a read refuses it): bytes changed
+inside one decode as other token values, and the batch the check re-derives from them hashes
+differently from the `batch_shipped` recorded. That divergence is the log's damage, not the code's,
+when the batch file the run wrote is still on disk with the recorded sha256: each shipped trace's
+payload is then compared with what that file holds of it, and the first that differs names the
+damaged row.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from pathlib import Path
 import orjson
 
 from eventlog import EventLog, LogError
-from orchestrator.orch_log import OrchLogError, open_orch_log
+from orchestrator.notices import warn
+from orchestrator.orch_log import UNCHECKED_ROWS, OrchLogError, open_orch_log
 from orchestrator.rundir import EVENTS_DB
 
 REEXECUTED_META = "reexecuted"  # meta key marking a log written by `orch replay --reexecute`
@@ -55,10 +56,14 @@ def open_run(path: str | os.PathLike) -> EventLog:
     """A read-only handle on RUN's log, checked to be an orch log of this format
     (`orchestrator.orch_log`), pinned at the last event committed now: a run still writing it
     cannot make one command's reads disagree."""
+    db = resolve_db(path)
     try:
-        return open_orch_log(resolve_db(path), pinned=True)
+        log = open_orch_log(db, pinned=True)
     except (LogError, OrchLogError) as err:
         raise ReplayInputError(one_line(str(err))) from None
+    if not log.row_hashes:
+        warn(UNCHECKED_ROWS.format(db=db))
+    return log
 
 
 def guarded(rows: Iterator, path: str) -> Iterator:

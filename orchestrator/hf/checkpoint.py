@@ -65,8 +65,24 @@ def path(run_dir: str | os.PathLike) -> Path:
 
 
 def read(run_dir: str | os.PathLike) -> dict | None:
+    """The checkpoint, checked (`rundir.checkpoint_damage`) before it is loaded; None if there is none. ValueError
+    (one line naming the file) if it is damaged."""
     file = path(run_dir)
-    return torch.load(file, map_location="cpu", weights_only=True) if file.is_file() else None
+    if not file.is_file():
+        return None
+    why = rundir.checkpoint_damage(file)
+    if why is not None:
+        raise ValueError(f"the trainer's checkpoint {file} is {why}; restore it from a backup, or start a new run")
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def nonfinite_count(tensors) -> int:
+    """How many values of `tensors` are NaN or infinite (a shard's, under FSDP: its local part)."""
+    count = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        count += int(local.numel() - torch.isfinite(local.detach()).sum())
+    return count
 
 
 def load_weights(model: torch.nn.Module, ckpt: dict) -> None:

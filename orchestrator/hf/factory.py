@@ -10,7 +10,6 @@ batch_written, check, stop).
 from __future__ import annotations
 
 import os
-import zipfile
 from pathlib import Path
 
 from orchestrator.contracts import BuildContext, ModelRequest, PreparedModel
@@ -41,9 +40,10 @@ def prepare_model(request: ModelRequest, lora: LoraSection, stored_hash: str | N
 
 def check_checkpoint(run_dir: Path, trained_steps: int) -> None:
     """The trainer's checkpoint, before a resume runs anything: without it the trainer would start
-    again from the model and retrain every batch still on disk, silently. Read as the zip archive
-    `torch.save` writes (its directory, at the end, is the first thing a truncation loses), without
+    again from the model and retrain every batch still on disk, silently. Every record of the zip
+    archive `torch.save` writes is checked against its CRC-32 (`rundir.checkpoint_damage`), without
     torch. ModelError: one line naming the file and the way forward (docs/resume.md)."""
+    from orchestrator import rundir
     from orchestrator.hf.checkpoint import path as ckpt_path
 
     if trained_steps <= 0:
@@ -55,14 +55,12 @@ def check_checkpoint(run_dir: Path, trained_steps: int) -> None:
             f"the trainer's checkpoint {file} is missing, but the log says the trainer trained up to "
             f"step {trained_steps}; {way_forward}"
         )
-    try:
-        with zipfile.ZipFile(file) as archive:
-            archive.infolist()
-    except (zipfile.BadZipFile, OSError) as err:
+    why = rundir.checkpoint_damage(file)
+    if why is not None:
         raise ModelError(
-            f"the trainer's checkpoint {file} is damaged or truncated ({err}); the log says the trainer "
+            f"the trainer's checkpoint {file} is {why}; the log says the trainer "
             f"trained up to step {trained_steps}; {way_forward}"
-        ) from None
+        )
 
 
 def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: PreparedModel) -> None:

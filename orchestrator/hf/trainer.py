@@ -126,7 +126,10 @@ class Trainer:
             self.model = build_model(config)
         except ModelError as err:
             raise TrainerSetupError(str(err)) from None
-        ckpt = checkpoint.read(self.run_dir)
+        try:
+            ckpt = checkpoint.read(self.run_dir)
+        except ValueError as err:
+            raise TrainerSetupError(str(err)) from None
         if ckpt is not None:
             if config.model_hash and ckpt.get("model_hash") != config.model_hash:
                 raise TrainerSetupError(
@@ -300,6 +303,7 @@ class Trainer:
             raise TrainerError(str(err)) from None
         metrics = self.train_on_batch(batch)
         metrics["wait_s"] = wait_s
+        self.refuse_nonfinite(step)  # before the checkpoint: the last one stays the last good step
         self.step = step
         self.save_checkpoint()
         self.publish(step, metrics)
@@ -330,10 +334,30 @@ class Trainer:
             self.run_dir, self.module, self.optimizer, self.step, self.config.model_hash, write=self.ranks.is_main
         )
 
+    def refuse_nonfinite(self, step: int) -> None:
+        """TrainerError (one line; the run stops, resumable from the last checkpoint) if training
+        on batch `step` left a trained parameter NaN or infinite: such weights are never
+        checkpointed or published. Every rank counts its part (its shard, under FSDP) and all
+        decide on the largest count, together."""
+        trained = [p for p in self.module.parameters() if p.requires_grad]
+        [bad] = self.ranks.max([float(checkpoint.nonfinite_count(trained))])
+        if bad:
+            raise TrainerError(
+                f"training on batch {step} left {int(bad)} non-finite values in the trained weights: not "
+                f"checkpointed or published (the checkpoint stays at step {self.step}); see the step's "
+                "loss, lower trainer.hf.lr or check the batch, then resume"
+            )
+
     def publish(self, version: int, metrics: dict | None) -> None:
         if rundir.is_stable(rundir.weights_dir(self.run_dir, version)):
             return  # every rank sees it (shared run dir): none gathers
         state = checkpoint.trained_state_dict(self.module)  # collective under FSDP
+        [bad] = self.ranks.max([float(checkpoint.nonfinite_count(state.values())) if self.ranks.is_main else 0.0])
+        if bad:  # a checkpoint written before its weights were checked: never published
+            raise TrainerError(
+                f"the weights of version {version} hold {int(bad)} non-finite values: not published; "
+                f"restore {checkpoint.path(self.run_dir)} from a backup, or start a new run"
+            )
         if self.ranks.is_main:
             publish(self.run_dir, version, self.model, self.tokenizer, state, metrics)
             prune(self.run_dir, version, self.config.keep_weights)

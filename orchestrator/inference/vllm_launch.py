@@ -359,6 +359,9 @@ class VllmLauncher:
         running = [s for s in self.servers if s.proc is not None]
         for server in running:
             _signal_group(server.proc, signal.SIGTERM)
+            # A stopped guard (SIGSTOP, a debugger) would take the SIGTERM only once continued:
+            # the wait below would last the whole stop timeout.
+            _signal_group(server.proc, signal.SIGCONT)
         deadline = time.monotonic() + self.launch.stop_timeout_s
         for server in running:
             try:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from eventlog import EventLog, LogExistsError, LogNotFoundError
+from eventlog import EventLog, LogError, LogExistsError, LogNotFoundError
 from orchestrator.config import (
     ConfigError,
     RunConfig,
@@ -27,7 +27,7 @@ from orchestrator.fold import Folded, fold_log
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
 from orchestrator.observe.sinks import check_sinks
-from orchestrator.orch_log import LOG_MAGIC_META, OrchLogError, open_orch_log
+from orchestrator.orch_log import LOG_MAGIC_META, UNCHECKED_ROWS, OrchLogError, open_orch_log
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 
 if TYPE_CHECKING:
@@ -147,10 +147,13 @@ def resume_run(
             f"{db}'s snapshots were damaged (its events are intact): rebuilt without them; "
             f"the damaged file is {log.damaged_copy}"
         )
+    if not log.row_hashes:
+        warn(UNCHECKED_ROWS.format(db=db))
     try:
         with tuned_gc():
             folded = fold_log(log, keep_damaged=True)
         damaged, dropping = _damaged_traces(run_dir, folded, drop_damaged)
+        _check_other_rows(log, folded)
         if folded.state is None:  # it stopped before its first event was committed
             params = requested.core_params()
             return OpenedRun(requested, run_dir, log, initial_state(params), ev.RunStarted(params=params), None, model)
@@ -192,6 +195,44 @@ def _damaged_traces(run_dir: Path, folded: Folded, drop_damaged: bool) -> tuple[
         )
     dropping = f"dropping {what} whose payloads are lost (--drop-damaged); first: {why}"
     return sorted(trace_id for trace_id, _where in lost), dropping
+
+
+def _check_other_rows(log: EventLog, folded: Folded) -> None:
+    """Refuse a log with a damaged payload row that is not a held trace's (a trace shipped or
+    dropped: history), before anything is appended: a writer does not append onto damage, as it
+    does not onto a file that fails SQLite's quick_check. Every row with a payload is checked (the
+    rows without one are checked as `orch replay` reads them: a resume time that grew with every
+    event logged would be too dear). A held trace's damaged row is `_damaged_traces`' (the fold
+    reads it; --drop-damaged drops it)."""
+    held = {seq for seq, _why in folded.damaged.values()}
+    damaged = log.damaged_rows(folded.seq, payloads_only=True)
+    other = {seq: why for seq, why in damaged.items() if seq not in held}
+    for seq in _dropped_as_damaged(log, other) if other else ():
+        del other[seq]
+    if other:
+        first = min(other)
+        more = f" (and {len(other) - 1} more damaged rows)" if len(other) > 1 else ""
+        raise RunDirError(
+            f"{other[first]}{more}: a row of the run's history, not a held trace's, which --drop-damaged "
+            "does not drop; restore the run directory from a copy"
+        )
+
+
+def _dropped_as_damaged(log: EventLog, seqs: dict[int, str]) -> set[int]:
+    """Which rows of `seqs` are the episode_completed of a trace that an earlier `--drop-damaged`
+    resume dropped (its `run_resumed.damaged_traces`): damage known and logged, which later
+    resumes fold around."""
+    runs = log.read(kinds=("run_resumed",))
+    dropped = {ev.episode_of(trace_id) for rec in runs for trace_id in rec.data.get("damaged_traces", ())}
+    known = set()
+    for seq in seqs if dropped else ():
+        try:
+            [row] = log.read(start=seq, stop=seq)
+        except LogError:  # its data does not even decode
+            continue
+        if row.kind == "episode_completed" and isinstance(row.data, dict) and row.data.get("episode_id") in dropped:
+            known.add(seq)
+    return known
 
 
 def _check_not_complete(run_dir: Path, state: State, max_steps: int) -> None:

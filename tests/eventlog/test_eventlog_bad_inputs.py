@@ -108,8 +108,8 @@ def test_foreign_sqlite(path, opener):
 @pytest.mark.parametrize(
     "version, error, fragment",
     [
-        ("3", NewerFormatError, "version 3"),
-        ("1", OlderFormatError, "format version 1 (no payload column); this orch reads version 2 only"),
+        ("4", NewerFormatError, "version 4"),
+        ("1", OlderFormatError, "format version 1 (no payload column); this orch reads versions 2-3 only"),
     ],
 )
 def test_another_format_is_refused_naming_it(path, opener, version, error, fragment):

@@ -58,7 +58,7 @@ def recorder(request, path):
 
 def test_create_writes_schema_and_meta(log, path):
     assert log.meta["magic"] == "orch-eventlog"
-    assert log.meta["format_version"] == "2"
+    assert log.meta["format_version"] == "3"
     assert log.meta["seed"] == "1"
     assert (log.last_seq, log.next_seq) == (0, 1)
     with sqlite3.connect(path) as db:
@@ -401,7 +401,7 @@ def test_reader_never_blocks_on_an_open_write_transaction(filled_log, path):
     waited for the lock would never get it while the transaction stays open, and would fail."""
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
-    other.execute("INSERT INTO events VALUES (101, 0, 'uncommitted', '{}', NULL, NULL)")
+    other.execute("INSERT INTO events VALUES (101, 0, 'uncommitted', '{}', NULL, NULL, NULL)")
     try:
         reader = EventLog.open_reader(path)
         assert reader.last_seq == 100
@@ -494,7 +494,7 @@ def test_snapshot_must_be_at_a_committed_seq(filled):
 
 def test_verify_ok_and_reports_a_gap(filled_log, path):
     report = filled_log.verify()
-    assert report.ok and report.events == 100 and report.last_seq == 100 and report.format_version == 2
+    assert report.ok and report.events == 100 and report.last_seq == 100 and report.format_version == 3
     with sqlite3.connect(path) as db:
         db.execute("DELETE FROM events WHERE seq IN (40, 41)")
     db.close()

@@ -50,6 +50,11 @@ def _group_size(pgid: int) -> int:
     return sum(1 for e in os.listdir("/proc") if e.isdigit() and _pgid(int(e)) == pgid)
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(") ", 1)[1][0]
+
+
 def _pgid(pid: int) -> int | None:
     try:
         return os.getpgid(pid)
@@ -87,3 +92,41 @@ def test_a_server_that_exits_by_itself_gives_its_code_and_leaves_nothing():
     proc = subprocess.Popen(guarded([sys.executable, "-c", SERVER, "1"], 1.0), start_new_session=True)
     assert proc.wait(30) == 3
     _wait_gone(proc.pid, within_s=5)
+
+
+def test_stop_does_not_wait_out_its_timeout_on_a_stopped_guard():
+    """A guard stopped (SIGSTOP) while its server runs: `VllmLauncher.stop` continues it, so the
+    shutdown takes as long as the server's own exit, not the whole stop timeout."""
+    # A server that exits on SIGTERM (as a ready vLLM does), with its guard's 1 s SIGKILL fallback.
+    obeying = "import signal, sys, time; print('ready', flush=True); time.sleep(120)"
+    proc = subprocess.Popen(guarded([sys.executable, "-c", obeying], 1.0), start_new_session=True)
+    try:
+        _stop_a_stopped_guard(proc)
+    finally:  # whatever failed, no stopped guard is left behind
+        if group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _stop_a_stopped_guard(proc: subprocess.Popen) -> None:
+    from types import SimpleNamespace
+
+    from orchestrator.inference.vllm_launch import VllmLauncher
+
+    deadline = time.monotonic() + 30
+    while _group_size(proc.pid) < 2:
+        assert time.monotonic() < deadline, "the stand-in server did not start"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGSTOP)
+    while _state(proc.pid) != "T":  # stopped once the kernel has delivered the signal
+        assert time.monotonic() < deadline, "the guard did not stop"
+        time.sleep(0.01)
+    launcher = SimpleNamespace(
+        servers=[SimpleNamespace(proc=proc, index=0, url="http://127.0.0.1:1")],
+        launch=SimpleNamespace(stop_timeout_s=60.0),
+    )
+    start = time.monotonic()
+    VllmLauncher.stop(launcher)  # type: ignore[arg-type]
+    took = time.monotonic() - start
+    assert proc.returncode is not None and not group_alive(proc.pid)
+    assert took < 30, f"stop waited {took:.1f}s on a stopped guard (its stop timeout: 60 s)"

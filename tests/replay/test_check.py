@@ -15,7 +15,7 @@ from orchestrator.core.rng import choose_by_ratio
 from orchestrator.sim import SimOptions
 from replay.check import CAPACITY_OFF_NOTE, check_log
 from replay.source import open_run
-from tests.support.logs import rows, sim_log
+from tests.support.logs import rewrite_row, rows, sim_log
 from tests.support.params import sim_params
 
 
@@ -102,15 +102,28 @@ def test_a_tampered_decision_is_reported_at_its_seq(tmp_path):
     path = sim_log(tmp_path / "a.db", sim_params(4), 4)
     ships = [(seq, data) for seq, kind, data in rows(path) if kind == "batch_shipped"]
     seq, data = ships[3]
-    with sqlite3.connect(path) as db:
-        db.execute(
-            "UPDATE events SET data = ? WHERE seq = ?", (orjson.dumps({**data, "sha256": "0" * 64}).decode(), seq)
-        )
+    rewrite_row(path, seq, orjson.dumps({**data, "sha256": "0" * 64}))  # as other code would record it
     with open_run(path) as log:
         result = check_log(log)
     assert not result.deterministic
     assert result.divergence.a.seq == seq
     assert [(f.path, f.a, f.b) for f in result.divergence.fields] == [("sha256", "0" * 64, data["sha256"])]
+
+
+@pytest.mark.parametrize("kind, field", [("episode_completed", "reward"), ("batch_shipped", "reward_mean")])
+def test_a_recorded_row_edited_is_named_as_damage_of_that_row_not_non_determinism(tmp_path, cli, kind, field):
+    """An input's reward (or a decision's figure) changed in the data column: `--check` names the
+    row as damage, exit 2, and never calls the code non-deterministic."""
+    path = sim_log(tmp_path / "a.db", sim_params(4), 4)
+    seq, data = next((seq, data) for seq, k, data in rows(path) if k == kind and data.get(field) is not None)
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE events SET data = ? WHERE seq = ?", (orjson.dumps({**data, field: 0.123}).decode(), seq))
+    db.close()
+    result = cli(path, "--check")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("orch: error:") and result.stderr.count("\n") == 1
+    assert f"is damaged: seq {seq}: its data or payload fails its checksum" in result.stderr
+    assert "deterministic" not in result.output
 
 
 def test_a_decision_the_code_no_longer_makes_is_reported(tmp_path, monkeypatch):

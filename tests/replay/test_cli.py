@@ -139,8 +139,8 @@ def test_an_event_whose_data_is_not_json_exits_2_in_every_mode_that_reads_it(tmp
         modes.append([bad, "--reexecute", "--finalize", "inline", "--out", tmp_path / "new"])
     for args in modes:
         assert_bad_input(cli(*args), f"seq {seq}")
-    for pair in ([bad, good], [good, bad]):  # a diff names the log that holds the row
-        assert_bad_input(cli("--diff", *pair, "--level", "events"), f"{bad}: seq {seq}")
+    for pair in ([bad, good], [good, bad]):  # a diff names the log that holds the row, damaged
+        assert_bad_input(cli("--diff", *pair, "--level", "events"), f"{bad} is damaged: seq {seq}")
     assert not (tmp_path / "new" / "events.db").exists()  # a failed re-execution leaves no log
 
 

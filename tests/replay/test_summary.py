@@ -8,7 +8,7 @@ import pytest
 from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.state import conservation, initial_state, state_hash
 from orchestrator.sim import SimOptions
-from tests.support.logs import decoded, rows, sim_log
+from tests.support.logs import decoded, rewrite_row, rows, sim_log
 from tests.support.params import sim_params
 
 
@@ -82,13 +82,10 @@ def test_summary_at_one_and_out_of_range(bg_log, cli):
 
 
 def test_a_violated_conservation_exits_1(tmp_path, cli):
-    import sqlite3
-
     path = sim_log(tmp_path / "a.db", sim_params(1), 1)
     seq, data = next((seq, data) for seq, kind, data in rows(path) if kind == "group_settled" and data["trace_ids"])
     data["trace_ids"].pop()  # a queued trace vanishes from the record, accounted nowhere
-    with sqlite3.connect(path) as db:
-        db.execute("UPDATE events SET data = ? WHERE seq = ?", (orjson.dumps(data).decode(), seq))
+    rewrite_row(path, seq, orjson.dumps(data))
     code, out = cli.json(path, "--at", seq)
     assert code == 1 and out["conservation"]["holds"] is False
     assert cli.json(path, "--at", seq - 1) == (0, cli.json(path, "--at", seq - 1)[1])

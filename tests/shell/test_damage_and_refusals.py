@@ -138,16 +138,35 @@ def _shipped_trace_row(db: Path) -> tuple[int, int]:
     raise AssertionError("no shipped trace with an inline payload")
 
 
-def test_check_names_a_damaged_payload_rather_than_blame_the_code(tmp_path):
+@pytest.mark.parametrize("log_format", [3, 2])
+def test_check_names_a_damaged_payload_rather_than_blame_the_code(tmp_path, log_format):
+    """By its row's checksum; in a log written before row checksums, by the batch file the run
+    wrote (when it is there with the sha256 its batch_shipped recorded)."""
     run = _fake_run(tmp_path, steps=3)
     db = run / "events.db"
     seq, trace_id = _shipped_trace_row(db)
     with sqlite3.connect(db) as conn:  # 16 bytes of its token ids zeroed, as a bad disk would
         (payload,) = conn.execute("SELECT payload FROM events WHERE seq = ?", (seq,)).fetchone()
         conn.execute("UPDATE events SET payload = ? WHERE seq = ?", (bytes(16) + payload[16:], seq))
+        if log_format == 2:
+            conn.execute("ALTER TABLE events DROP COLUMN row_hash")
+            conn.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
+    conn.close()
     checked = orch("replay", str(run), "--check")
     assert checked.returncode == 2
-    line = _one_error_line(checked.stderr)
+    if log_format == 3:
+        line = _one_error_line(checked.stderr)
+        assert (
+            line
+            == f"orch: error: {db} is damaged: seq {seq}: its data or payload fails its checksum "
+            + (line.split("checksum ", 1)[1])
+        )
+        assert "(row_hash " in line
+        return
+    warning, line = checked.stderr.strip().splitlines()
+    assert (
+        warning == f"orch: warning: {db} was written before row checksums (log format 2): its rows are read unchecked"
+    )
     assert line.startswith(f"orch: error: {db} is damaged: seq {seq} (the episode_completed of trace {trace_id}): ")
     assert "its token payload differs from what" in line and "not the code non-deterministic" in line
     (run / "batches" / "step_1.safetensors").unlink()  # nothing left to compare with: a divergence, as before

@@ -181,7 +181,7 @@ def test_a_long_context_run_resumes_and_replays_and_names_a_damaged_payload(tmp_
         f.write(b"\xff\xfe")
     os.unlink(f"{copies['deleted_file']}/events.db.payloads/{name}")
     expected = {
-        "cut_row": (inline_seq, "payload of"),
+        "cut_row": (inline_seq, "fails its checksum"),
         "damaged_file": (side_seq, "damaged"),
         "deleted_file": (side_seq, "missing"),
     }
