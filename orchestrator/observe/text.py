@@ -57,7 +57,9 @@ class Decoder:
         self.directory = directory
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
     def texts(self, token_ids: Sequence[int], mask: Sequence[int] | bytes) -> dict[str, str]:
         """`prompt_text`: the tokens before the first sampled one; `completion_text`: the sampled
