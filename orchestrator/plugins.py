@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sysconfig
 import traceback
 from collections.abc import Mapping
 from importlib.metadata import entry_points
@@ -84,11 +85,22 @@ def _describe(obj: object) -> str:
 
 def _cause(err: BaseException) -> str:
     """The error and where in the user's code it was raised, on one line."""
-    frames = traceback.extract_tb(err.__traceback__)
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if _is_users(frame.filename)]
     located = frames and not isinstance(err, ImportError | SyntaxError)  # those name their own place
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" if located else ""
     message = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__}: {message}{where}" if message else f"{type(err).__name__}{where}"
+
+
+# Where installed libraries and the standard library live: a frame there is not the user's line
+# (a pydantic class error is raised inside pydantic, caused by the user's class).
+_LIBRARY_DIRS = tuple(
+    {path for key in ("stdlib", "platstdlib", "purelib", "platlib") if (path := sysconfig.get_path(key))}
+)
+
+
+def _is_users(filename: str) -> bool:
+    return not filename.startswith("<") and not filename.startswith(_LIBRARY_DIRS)
 
 
 SINK_METHODS = ("write", "flush", "close")

@@ -235,6 +235,19 @@ def test_a_module_that_raises_on_import_is_named_with_where(plugin_path):
     )
 
 
+def test_an_error_a_library_raises_for_the_users_class_names_the_users_line(plugin_path):
+    """pydantic refuses a field without annotation inside pydantic: the line named is the class's."""
+    (plugin_path / "unannotated.py").write_text(
+        "from orchestrator.contracts import TextEnvComponent\n\n\n"
+        "class Env(TextEnvComponent):\n"
+        "    name = 'unannotated'\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=['envs={"unannotated:Env": 1}'])
+    assert "PydanticUserError: A non-annotated attribute was detected" in str(err.value)
+    assert str(err.value).endswith(f" at {plugin_path / 'unannotated.py'}:4)")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
