@@ -37,6 +37,22 @@ def _describe_holder(fd: int) -> tuple[int | None, str | None]:
     return pid, host
 
 
+def _open_lock_file(path: str) -> tuple[int, bool]:
+    """The lock file's descriptor, and whether this call created it. Another creator's release can
+    unlink the file between a failed O_EXCL open and the reopen: the O_EXCL open is tried once more
+    then (a second loss of that race is an error, as any other)."""
+    for last_try in (False, True):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), True
+        except FileExistsError:
+            try:
+                return os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+            except FileNotFoundError:
+                if last_try:
+                    raise
+    raise AssertionError("unreachable")
+
+
 class WriterLock:
     """Holds the writer lock of one log until :meth:`release`."""
 
@@ -46,13 +62,8 @@ class WriterLock:
 
     def acquire(self) -> WriterLock:
         """Take the lock now or raise WriterLockedError naming the holder's pid."""
-        created = False
         try:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                created = True
-            except FileExistsError:
-                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            fd, created = _open_lock_file(self.path)
         except OSError as e:
             if e.errno in _READ_ONLY_ERRNOS:
                 raise ReadOnlyLocationError(f"cannot write lock file {self.path}: {e.strerror}") from None

@@ -1020,9 +1020,13 @@ def _check_side_files(conn: sqlite3.Connection, report: VerifyReport, up_to: int
 
 
 def _check_row_hashes(log: EventLog, report: VerifyReport) -> None:
-    report.problems.extend(
-        why.removeprefix(f"{report.path} is damaged: ") for why in log.damaged_rows(log._pinned_end).values()
-    )
+    """Every row's checksum; rows too damaged to read are a problem reported, not raised."""
+    try:
+        damaged = log.damaged_rows(log._pinned_end)
+    except LogError as e:
+        report.problems.append(f"row checksums unreadable: {str(e).removeprefix(f'{report.path} is corrupted: ')}")
+        return
+    report.problems.extend(why.removeprefix(f"{report.path} is damaged: ") for why in damaged.values())
 
 
 def _check_contiguity(conn: sqlite3.Connection, report: VerifyReport, up_to: int | None) -> None:

@@ -1,5 +1,6 @@
 """Telling a damaged log from non-deterministic code, for `orch replay RUN --check`, in a log
-written before row checksums (format 2; a later log's rows carry a checksum that every read checks).
+written before row checksums (format 2; a later log's rows carry a checksum that each row
+`orch replay --check`, `--diff` and `--reexecute` re-read is checked against).
 
 Such a log's payloads have no checksum (a side file's has, and a read refuses it): bytes changed
 inside one decode as other token values, and the batch the check re-derives from them hashes

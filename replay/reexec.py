@@ -111,13 +111,14 @@ class _Entry:
 
 
 class RecordedResults:
-    """RUN's finalize results by group (one pre-pass over those kinds only)."""
+    """RUN's finalize results by group (one pre-pass over those kinds only, each row checked
+    against its checksum as `--reexecute`'s other reads are)."""
 
     def __init__(self, log: EventLog):
         self.by_group: dict[int, list[_Entry]] = {}
         kinds = ("group_finalized", "background_finalized", "finalize_failed")
-        for row in guarded(log.read_raw(kinds=kinds), log.path):
-            seq, _ts, kind, _data = row
+        for row in guarded(log.read_rows(kinds=kinds), log.path):
+            seq, _ts, kind, _data, _payload = row
             event = decode(row, log.path)
             if isinstance(event, ev.GroupFinalized):  # decided inline: the new run receives it as an input
                 event = ev.BackgroundFinalized(

@@ -367,13 +367,20 @@ class FinalizeFailed(_Model):
     error: str
 
 
+# Why completed samples never train: a settled group's drops, a group_cancelled's or a
+# traces_dropped's reason (`core.state.DROP_REASONS` says which are waste).
+DropReason = Literal[
+    "stale", "rejected", "zero_advantage", "failed", "no_output", "overload", "damaged", "drain", "stop"
+]
+
+
 class GroupSettled(_Model):
     role = "decision"
     kind: Literal["group_settled"] = Field("group_settled", exclude=True)
     group_id: int
     admitted: bool
     trace_ids: list[int]  # the traces inserted into the pending queue, in order
-    dropped: dict[str, list[int]] = Field(default_factory=dict)  # reason -> completed episodes not queued
+    dropped: dict[DropReason, list[int]] = Field(default_factory=dict)  # reason -> completed episodes not queued
 
 
 class GroupCancelled(_Model):

@@ -131,14 +131,29 @@ class ShippedSample:
     weight: float
 
 
-# Drops of the run's own end (a drain, a stop) are not waste: the run's settings did not cause
-# them, and a resume re-runs the work (docs/observe.md, "Progress").
-RUN_END_DROPS = frozenset({"drain", "stop"})
+# Every drop reason (`events.DropReason`, `Accounting.dropped`'s keys) with what drives it; None:
+# the run's own end (a drain, a stop), which is not waste: the run's settings did not cause it, and
+# a resume re-runs the work (docs/observe.md, "Progress").
+DROP_REASONS: dict[str, str | None] = {
+    "stale": "rollout.max_inflight, rollout.capacity, off_policy.max_off_policy_steps, off_policy.target_lag",
+    "rejected": "groups whose rewards all tie (rollout.group_size, the tasks' difficulty)",
+    "zero_advantage": "samples with a zero advantage pruned before the cut (batch.constant_trainer_batch_size)",
+    "failed": "episodes that failed (each episode_completed's error starts with what failed: inference or env)",
+    "no_output": "episodes that sampled no token",
+    "overload": "groups cancelled for overload (rollout.max_inflight, rollout.capacity)",
+    "damaged": "traces whose token payloads the log lost (a resume with --drop-damaged)",
+    "drain": None,
+    "stop": None,
+}
+
+
+def wasted_by_reason(acct: Accounting) -> dict[str, int]:
+    """Completed samples that will never train, by reason, for any reason but the run's end."""
+    return {reason: n for reason, n in acct.dropped.items() if DROP_REASONS[reason] is not None}
 
 
 def wasted_samples(acct: Accounting) -> int:
-    """Completed samples that will never train, for any reason but the run's end (`RUN_END_DROPS`)."""
-    return sum(n for reason, n in acct.dropped.items() if reason not in RUN_END_DROPS)
+    return sum(wasted_by_reason(acct).values())
 
 
 @dataclass(slots=True)

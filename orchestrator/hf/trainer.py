@@ -306,7 +306,7 @@ class Trainer:
         self.refuse_nonfinite(step)  # before the checkpoint: the last one stays the last good step
         self.step = step
         self.save_checkpoint()
-        self.publish(step, metrics)
+        self.publish(step, metrics, checked=True)
         return metrics
 
     def wait_for(self, path: Path) -> None:
@@ -348,11 +348,17 @@ class Trainer:
                 "loss, lower trainer.hf.lr or check the batch, then resume"
             )
 
-    def publish(self, version: int, metrics: dict | None) -> None:
+    def publish(self, version: int, metrics: dict | None, checked: bool = False) -> None:
+        """Publish the weights as `version` unless they are already; `checked`: the step that made
+        them has just refused non-finite ones (`refuse_nonfinite`), so they are not scanned again.
+        A republish (at start) scans them: its checkpoint may predate that check."""
         if rundir.is_stable(rundir.weights_dir(self.run_dir, version)):
             return  # every rank sees it (shared run dir): none gathers
         state = checkpoint.trained_state_dict(self.module)  # collective under FSDP
-        [bad] = self.ranks.max([float(checkpoint.nonfinite_count(state.values())) if self.ranks.is_main else 0.0])
+        if checked:
+            bad = 0.0
+        else:
+            [bad] = self.ranks.max([float(checkpoint.nonfinite_count(state.values())) if self.ranks.is_main else 0.0])
         if bad:  # a checkpoint written before its weights were checked: never published
             raise TrainerError(
                 f"the weights of version {version} hold {int(bad)} non-finite values: not published; "

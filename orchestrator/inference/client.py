@@ -297,7 +297,7 @@ class InferenceClient:
         for ep in self.endpoints:
             ep.connections = per_endpoint[_origin(ep.url)]
         self._all_connections = asyncio.Semaphore(max_connections) if max_connections is not None else None
-        self.lag = LoopLag()
+        self.lag = LoopLag(keep_s=max(timeout_s, connect_timeout_s))  # the windows `_transport_errors` asks about
         self.retries = 0  # requests re-sent after a failure (all endpoints together)
         self.lag_retries = 0  # requests sent again after a failure on orch's side (Retryable.orch_side)
 
@@ -507,6 +507,7 @@ class InferenceClient:
                 f"{method} {url}: timed out ({type(exc).__name__}){cause}",
                 f"{type(exc).__name__} {path}",
                 orch_side=own_lag or isinstance(exc, httpx.PoolTimeout),
+                stalled=own_lag,
             ) from None
         except httpx.TransportError as exc:
             raise Retryable(
@@ -657,13 +658,16 @@ class InferenceClient:
         InferenceRequestError on a request the endpoint refused (raised at once). A failure on
         orch's side (``Retryable.orch_side``: its stalled loop, its connection cap) is no attempt
         and marks nothing down: the request is sent again, for at most ``timeout_s`` after the
-        first such failure."""
+        first such failure. A stalled loop is given that once per endpoint: the next failure
+        there counts as the endpoint's (a dead endpoint on a loaded machine would otherwise hold
+        a pinned request until the bound, and fail it, instead of trying another)."""
         errors: list[str] = []
         tried: set[Endpoint] = set()
         server_errors: dict[Endpoint, ServerError | None] = {}  # this request's last failure of each
         attempt = 0
         waiting_since: float | None = None
         orch_side_since: float | None = None
+        stalled_on: set[Endpoint] = set()  # endpoints a failure of this request was put down to a stall on
         while True:
             ep = self.pick(pin, frozenset(tried))
             if ep is None:  # all down: wait (cancellable) for the first backoff to expire, or a probe
@@ -688,7 +692,9 @@ class InferenceClient:
             try:
                 result = await send(ep)
             except Retryable as exc:
-                if exc.orch_side:
+                if exc.orch_side and not (exc.stalled and ep in stalled_on):
+                    if exc.stalled:
+                        stalled_on.add(ep)
                     now = time.monotonic()
                     orch_side_since = now if orch_side_since is None else orch_side_since
                     if now - orch_side_since >= self.timeout_s:

@@ -110,9 +110,10 @@ class EndpointsSettings(Section):
     stream_interval: int = Field(
         STREAM_INTERVAL,
         ge=1,
-        description="update_mode interrupt: tokens per streamed chunk that vLLM sends (its request field "
-        "stream_interval: the first and last tokens, and every token on an abort, come at once; "
-        "the versions stay exact); 1: one chunk per token",
+        description="tokens per streamed chunk that vLLM sends, asked as the request field stream_interval "
+        "in every streamed request (update_mode interrupt streams its /v1/completions calls; nothing else "
+        "is streamed): the first and last tokens, and every token on an abort, come at once; the versions "
+        "stay exact; 1: no field sent, one chunk per token",
     )
     launch: LaunchSection = Field(
         default_factory=LaunchSection,

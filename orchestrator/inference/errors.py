@@ -48,12 +48,14 @@ class Retryable(Exception):
         counted: bool = False,
         server_error: ServerError | None = None,
         orch_side: bool = False,
+        stalled: bool = False,
     ):
         super().__init__(message)
         self.message, self.kind = message, kind
         self.counted = counted  # the endpoint was already marked down for this failure
         self.server_error = server_error  # a 5xx answer's, for `same_server_error_again`
         self.orch_side = orch_side
+        self.stalled = stalled  # orch's side for its stalled loop (`LoopLag.caused`)
 
     def permanent(self) -> InferenceRequestError:
         """This server error as the refusal it is when it came twice in a row."""

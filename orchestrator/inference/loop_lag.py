@@ -16,14 +16,15 @@ from collections import deque
 
 TICK_S = 0.05
 NOTED_S = 0.1  # a tick later than this is a stall worth noting
-KEEP_S = 600.0  # stalls are kept this long: the longest timeout window asked about
 ORCH_SHARE = 0.1  # a timeout whose window was stalled for this share of it is orch's
 
 
 class LoopLag:
     """The stalls of the running loop (started by `watch`, ended by `stop`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_s: float) -> None:
+        """`keep_s`: the longest timeout window its owner asks about; stalls are kept that long."""
+        self.keep_s = keep_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
@@ -51,7 +52,7 @@ class LoopLag:
         late = now - self._due
         if late > NOTED_S:
             self._stalls.append((now, late))
-            while self._stalls and self._stalls[0][0] < now - KEEP_S:
+            while self._stalls and self._stalls[0][0] < now - self.keep_s:
                 self._stalls.popleft()
         self._due = now + TICK_S
         self._handle = self._loop.call_at(self._due, self._tick)

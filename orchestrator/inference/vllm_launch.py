@@ -436,28 +436,29 @@ _ACCESS_LINE = re.compile(r'"[A-Z]+ \S+ HTTP/[0-9.]+" \d{3}')
 _ERROR_WORDS = ("error", "exception", "traceback", "fatal", "killed")
 
 
-def last_error_line(path: Path, limit: int = 300) -> str | None:
-    """The last line of a server's log that names an error (not an access-log line); None: it
-    logged none (a server killed by a signal writes nothing), or there is no log."""
+def _tail_lines(path: Path) -> list[str] | None:
+    """The stripped, non-empty lines of a log's last 64 KiB; None: there is no log to read."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
-            lines = f.read().decode("utf-8", "replace").splitlines()
+            text = f.read().decode("utf-8", "replace")
     except OSError:
         return None
-    for line in reversed(lines):
-        line = line.strip()
-        if line and not _ACCESS_LINE.search(line) and any(word in line.lower() for word in _ERROR_WORDS):
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def last_error_line(path: Path, limit: int = 300) -> str | None:
+    """The last line of a server's log that names an error (not an access-log line); None: it
+    logged none (a server killed by a signal writes nothing), or there is no log."""
+    for line in reversed(_tail_lines(path) or ()):
+        if not _ACCESS_LINE.search(line) and any(word in line.lower() for word in _ERROR_WORDS):
             return line[:limit]
     return None
 
 
 def last_line(path: Path, limit: int = 300) -> str:
     """The last non-empty line of a log (what a crashed server said last)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
-            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
-    except OSError:
+    lines = _tail_lines(path)
+    if lines is None:
         return "(no log)"
     return lines[-1][:limit] if lines else "(empty log)"

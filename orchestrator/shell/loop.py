@@ -245,7 +245,7 @@ class Orchestrator:
         if outcome.exception is None:
             done = outcome.result
             if not done.ok or done.n_tokens:
-                self.zero_output.saw(done, self.state.acct.groups_admitted)
+                self.zero_output.saw(done)
                 return done
             # An env's mistake, not the run's: the episode fails with the reason (docs/rules.md, "Samples").
             self.last_episode_error = NO_SAMPLE_ERROR
@@ -259,7 +259,7 @@ class Orchestrator:
             policy_end=self.state.version,
             error=self.last_episode_error,
         )
-        self.zero_output.saw(failed, self.state.acct.groups_admitted)
+        self.zero_output.saw(failed)
         return failed
 
     async def _wait_for_inputs(self) -> None:
@@ -306,6 +306,7 @@ class Orchestrator:
             for decision in decide(state, event, batch_payloads):
                 log.append_json(*ev.encode_event(decision))
                 logged.append(decision)
+                self.zero_output.decided(decision)
         self.events_logged += len(logged)
         # Durable before any effect (write-ahead). In a thread: rollouts keep running meanwhile,
         # and nothing else touches the log until this returns.

@@ -16,24 +16,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, Tim
 from rich.progress import Progress as Bar
 from rich.table import Table
 
-from orchestrator.core.state import Accounting, State, conservation, state_hash, wasted_samples
+from orchestrator.core.state import (
+    DROP_REASONS,
+    Accounting,
+    State,
+    conservation,
+    state_hash,
+    wasted_by_reason,
+    wasted_samples,
+)
 from orchestrator.figures import eval_figures_line, eval_result_dict
 from orchestrator.notices import warn
 from orchestrator.observe.rows import buffered_episodes
 
 WASTE_WINDOW_STEPS = 5  # the warning looks at the completions of this many steps
 WASTE_WARNING_SHARE = 0.2  # ... and warns when more than this share of them was dropped
-# Drop reasons of the run's end (drain, stop) say nothing about its settings; the others name
-# what drives them.
-DROP_CAUSES = {
-    "stale": "rollout.max_inflight, rollout.capacity, off_policy.max_off_policy_steps, off_policy.target_lag",
-    "rejected": "groups whose rewards all tie (rollout.group_size, the tasks' difficulty)",
-    "zero_advantage": "samples with a zero advantage pruned before the cut (batch.constant_trainer_batch_size)",
-    "failed": "episodes that failed (each episode_completed's error starts with what failed: inference or env)",
-    "no_output": "episodes that sampled no token",
-}
-
-
 FOLD_INDENT = "    "  # a folded step line's continuation
 
 
@@ -62,11 +59,6 @@ def step_parts(event, state: State, step_time: float) -> list[str]:
 
 def waste_share(dropped: int, completed: int) -> float:
     return dropped / completed if completed else 0.0
-
-
-def dropped_for_settings(acct: Accounting) -> dict[str, int]:
-    """Completions dropped for a reason the run's settings drive (not its drain or stop)."""
-    return {reason: n for reason, n in acct.dropped.items() if reason in DROP_CAUSES}
 
 
 class Progress:
@@ -172,7 +164,7 @@ class Progress:
         decided (shipped or dropped) were dropped, naming what drives each of the main reasons;
         at most once per window. (Against the completions of the window alone, drops of earlier
         completions could make the share exceed one.)"""
-        dropped = dropped_for_settings(acct)
+        dropped = wasted_by_reason(acct)
         self._recent.append((acct.shipped + sum(acct.dropped.values()), dropped))
         if len(self._recent) <= WASTE_WINDOW_STEPS:
             return
@@ -188,7 +180,7 @@ class Progress:
             return
         self._warned_at = step
         causes = "; ".join(
-            f"{reason} {n}: {DROP_CAUSES[reason]}" for reason, n in recent.items() if 10 * n >= total
+            f"{reason} {n}: {DROP_REASONS[reason]}" for reason, n in recent.items() if 10 * n >= total
         )  # the reasons that matter, not every stray drop
         self.warn(
             f"{share:.0%} of the {decided} completions shipped or dropped in the last {WASTE_WINDOW_STEPS} "

@@ -26,6 +26,7 @@ from eventlog import (
     StorageError,
     WriterLockedError,
 )
+from eventlog.lock import WriterLock
 
 OPENERS = {"open": EventLog.open, "open_reader": EventLog.open_reader}
 
@@ -172,6 +173,16 @@ def test_first_seq_not_one(path):
     raises_one_line(CorruptLogError, report.raise_for_problems)
 
 
+def test_a_row_too_damaged_to_read_is_a_problem_verify_reports(path):
+    make_log(path, 3)
+    with sqlite3.connect(path) as db:  # not UTF-8: the driver cannot read the row's kind
+        db.execute("UPDATE events SET kind = CAST(x'ff' AS TEXT) WHERE seq = 2")
+    db.close()
+    report = EventLog.open_reader(path).verify()
+    assert not report.ok and "row checksums unreadable" in report.problems[-1], report.problems
+    assert "decode to UTF-8" in report.problems[-1] and "\n" not in report.problems[-1]
+
+
 # ---------------------------------------------------------------- writer lock
 
 
@@ -190,6 +201,28 @@ def test_a_symlink_to_the_log_takes_the_same_writer_lock(log, path, tmp_path):
     raises_one_line(WriterLockedError, EventLog.open, str(alias))
     log.close()
     EventLog.open(str(alias)).close()
+
+
+def test_a_lock_file_removed_between_the_creators_opens_is_created_again(path, monkeypatch):
+    """Another creator's release (`release_and_remove`) unlinks the lock file after this one's
+    O_EXCL open found it and before its reopen: the O_EXCL open is tried again, and succeeds."""
+    lock = WriterLock(path)
+    open(lock.path, "w").close()
+    real_open = os.open
+
+    def open_after_a_release(file, flags, *args):
+        if file == lock.path and not flags & os.O_EXCL and os.path.exists(lock.path):
+            os.unlink(lock.path)  # the other creator's release_and_remove, just now
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_after_a_release)
+    lock.acquire()
+    monkeypatch.undo()
+    try:
+        assert os.path.exists(lock.path)
+        raises_one_line(WriterLockedError, WriterLock(path).acquire)
+    finally:
+        lock.release()
 
 
 def test_writer_in_another_process_then_sigkill_releases(path):

@@ -9,13 +9,13 @@ import os
 import random
 import shutil
 import sqlite3
-import subprocess
 
 import pytest
 
 from eventlog import CorruptLogError, EventLog, StorageError
 from eventlog.fileformat import PAGE_SIZE
 from eventlog.lock import lock_path_for
+from tests.support.disk import fill, tmpfs
 
 PAYLOAD_BYTES = 36 * 1024  # a 4,000-token trace: in its row, not in a side file
 
@@ -177,35 +177,15 @@ def test_a_log_really_cut_short_is_still_refused(tmp_path, cut):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 1 MiB tmpfs (root only, else skipped), unmounted afterwards."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path, "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
-
-
-def _fill(directory, leave: int) -> str:
-    """Fill the file system of `directory` until `leave` bytes are free; return the filler's path."""
-    filler = os.path.join(directory, "filler")
-    with open(filler, "wb") as f:
-        free = shutil.disk_usage(directory).free
-        try:
-            f.write(bytes(max(free - leave, 0)))
-        except OSError as err:
-            assert err.errno == errno.ENOSPC
-    return filler
 
 
 @pytest.mark.parametrize("leave", [0, 2048, 4096, 8192, 16384, 32768, 65536])
 def test_a_full_disk_at_creation_is_one_line_and_leaves_nothing_behind(small_tmpfs, leave):
     path = str(small_tmpfs / "events.db")
     meta = {"config": "c" * 30000}  # a config bigger than a page
-    filler = _fill(small_tmpfs, leave)
+    filler = fill(small_tmpfs, leave)
     try:
         EventLog.create(path, meta=meta).close()
     except StorageError as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -69,3 +70,26 @@ def test_nonfinite_weights_are_never_checkpointed_or_published(tmp_path, model_d
     assert resumed.step == 1
     _train(resumed, range(2, 3))
     assert rundir.is_stable(rundir.weights_dir(tmp_path, 2))
+
+
+def test_a_step_scans_its_weights_for_non_finite_values_once_a_republish_scans_them_too(
+    tmp_path, model_dir, monkeypatch
+):
+    """A step checks its weights once (before its checkpoint), not again as it publishes them; a
+    republish at start, whose checkpoint may predate that check, scans them."""
+    config = trainer_config(model_dir)
+    scans = []
+    real = checkpoint.nonfinite_count
+
+    def counted(tensors):
+        scans.append(1)
+        return real(tensors)
+
+    monkeypatch.setattr(checkpoint, "nonfinite_count", counted)
+    trainer = started_trainer(tmp_path, config)
+    assert len(scans) == 1  # version 0, published at start
+    _train(trainer, range(1, 3))
+    assert len(scans) == 3 and rundir.is_stable(rundir.weights_dir(tmp_path, 2))
+    shutil.rmtree(rundir.weights_dir(tmp_path, 2))  # as if the publish of step 2 never finished
+    started_trainer(tmp_path, config)
+    assert len(scans) == 4 and rundir.is_stable(rundir.weights_dir(tmp_path, 2))

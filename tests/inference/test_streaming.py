@@ -5,6 +5,7 @@ own rules, the connection caps, and a stalled event loop that marks no endpoint 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
@@ -230,9 +231,49 @@ def test_a_loop_stalled_through_a_connect_marks_no_endpoint_down(standin, monkey
     assert [c.choices[0].token_ids for c in got] == [expected_choice(i, 0, 50)[0] for i in range(16)]
 
 
+def test_a_dead_endpoint_on_a_starved_loop_is_left_for_a_healthy_one(standin):
+    """A pinned request's endpoint accepts connections and never answers (a listening socket no
+    one accepts on: the kernel completes the handshake); the loop is starved all along (0.2 s of
+    CPU-bound work every 0.3 s), so each of its 1 s timeouts held a stall and reads as orch's. The
+    first is retried there, as orch's; the second counts as the endpoint's: marked down, the
+    request goes to the healthy endpoint and completes, instead of failing after the bound."""
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead.listen(64)
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        starving = True
+
+        def starve():
+            if starving:
+                hog(0.2)
+                loop.call_later(0.1, starve)
+
+        client = InferenceClient(
+            [dead_url, standin], weight_sync="vllm_reload", update_mode="interrupt", timeout_s=1.0, max_attempts=2
+        )
+        async with client:
+            loop.call_soon(starve)
+            try:
+                got = await client.complete(PROMPT, max_tokens=20, seed=3, pin="group")
+            finally:
+                starving = False
+            return got, client.status()[0], client.lag_retries
+
+    try:
+        got, status, lag_retries = run(go(), timeout=60)
+    finally:
+        dead.close()
+    assert lag_retries == 1  # the precondition: the dead endpoint's first timeout was put down to the stall
+    assert got.endpoint == standin and got.choices[0].token_ids == expected_choice(3, 0, 20)[0]
+    assert status["failures"] == 1
+
+
 def test_a_timeout_is_orchs_when_the_loop_stalled_through_its_window():
     async def go():
-        lag = LoopLag()
+        lag = LoopLag(keep_s=10.0)
         lag.watch()
         await asyncio.sleep(0.2)
         calm = lag.caused(1.0)

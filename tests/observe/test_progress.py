@@ -267,3 +267,40 @@ def test_the_drops_of_a_drain_or_a_stop_are_not_waste():
     )
     progress.on_batch(event, state, None)
     assert "| waste 5.0% |" in out.getvalue()
+
+
+def test_every_drop_reason_is_listed_once_with_whether_it_is_waste():
+    """One list of drop reasons (`DROP_REASONS`) is what an event may carry and what the step
+    line's waste and the waste warning count: a reason added to the events but not the list
+    fails here."""
+    from typing import get_args
+
+    from orchestrator.core import events as ev
+    from orchestrator.core.state import DROP_REASONS
+
+    reasons = set(get_args(ev.DropReason))
+    assert reasons == set(DROP_REASONS)
+    for model in (ev.GroupCancelled, ev.TracesDropped):
+        assert set(get_args(model.model_fields["reason"].annotation)) <= reasons, model
+    assert get_args(ev.GroupSettled.model_fields["dropped"].annotation)[0] == ev.DropReason
+    with pytest.raises(ValueError):
+        ev.GroupSettled(group_id=1, admitted=False, trace_ids=[], dropped={"unlisted": [1]})
+
+
+def test_overload_and_damaged_drops_are_waste_on_the_step_line_and_in_the_warning():
+    """The step line's waste and the waste warning count the same drops."""
+    state = initial_state(CoreParams(max_steps=20))
+    warnings: list[str] = []
+    out = io.StringIO()
+    progress = Progress(Console(file=out, width=300, highlight=False, soft_wrap=True), warn=warnings.append)
+    for step in range(1, 8):
+        state.acct.shipped += 10
+        state.acct.completed_samples += 30
+        state.acct.dropped = {"overload": 10 * step, "damaged": 10 * step, "drain": 5 * step}
+        event = BatchShipped(
+            step=step, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=0, off_policy_mean=0.0, reward_mean=0.5
+        )
+        progress.on_batch(event, state, None)
+    assert f"| waste {140 / 210:.1%} |" in out.getvalue()
+    assert len(warnings) == 1 and "overload 50:" in warnings[0] and "damaged 50: traces whose" in warnings[0]
+    assert "drain" not in warnings[0]

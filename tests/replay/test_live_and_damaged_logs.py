@@ -14,8 +14,8 @@ from orchestrator.fold import fold_log
 from orchestrator.orch_log import APP
 from replay.diff import diff_logs
 from replay.logs import write_events
-from replay.reexec import ReexecOptions, reexecute
-from replay.source import open_run
+from replay.reexec import RecordedResults, ReexecOptions, reexecute
+from replay.source import ReplayInputError, open_run
 from tests.support.logs import sim_log, sim_run
 from tests.support.params import sim_params
 
@@ -140,3 +140,13 @@ def test_a_snapshot_whose_state_does_not_load_is_ignored(tmp_path, cli, state):
         folded = fold_log(log)
     assert folded.from_snapshot is None and state_hash(folded.state) == expected
     assert cli(src).exit_code == 0
+
+
+def test_reexecute_checks_the_recorded_finalize_results_against_their_checksums(tmp_path):
+    """`--reexecute`'s pre-pass over the recorded results reads each row checked, as its other reads."""
+    src = sim_log(tmp_path / "bad.db", sim_params(1), 1)
+    with sqlite3.connect(src) as db:
+        (seq,) = db.execute("SELECT min(seq) FROM events WHERE kind = 'group_finalized'").fetchone()
+    _damage(src, "UPDATE events SET data = replace(data, '\"group_id\":', '\"group_id\": ') WHERE seq = ?", seq)
+    with EventLog.open_reader(src) as log, pytest.raises(ReplayInputError, match=f"seq {seq}: its data or payload"):
+        RecordedResults(log)

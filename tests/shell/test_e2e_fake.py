@@ -341,6 +341,39 @@ def test_a_run_whose_groups_all_tie_names_the_rewards_and_the_settings(tmp_path)
     ), line
 
 
+def test_a_run_whose_groups_go_stale_names_the_stale_cancellations_not_equal_rewards(tmp_path):
+    """A slow background grader (gar) and no off-policy slack: the first batch ships while the
+    other groups are still being scored, and their work, a version old, can no longer train
+    (cancelled as stale); the stop line says so, not that the rewards were equal."""
+    result = orch(
+        *fake_run_args(tmp_path, "r", steps=20),
+        *sets(
+            "algorithm.name=gar",
+            "algorithm.gar.delay_s=0.3",
+            "algorithm.gar.jitter_s=0",
+            "off_policy.max_off_policy_steps=0",
+            "off_policy.target_lag=0",
+            "rollout.capacity=off",
+            "rollout.group_size=4",
+            "batch.size=8",
+            "zero_output_batches=1",
+        ),
+    )
+    line = _stop_line(result)
+    stale = sqlite3.connect(tmp_path / "r" / "events.db").execute(
+        "SELECT count(*) FROM events WHERE kind = 'group_cancelled' AND json_extract(data, '$.reason') = 'stale'"
+    )
+    assert stale.fetchone()[0] >= 1  # the precondition: groups were cancelled as stale
+    assert re.fullmatch(
+        r"orch: error: run stopped: zero_output: no group was admitted for training since the last one: "
+        r"(\d+) groups cancelled as stale, \d+ completed samples dropped as stale.*: the work was too old to train "
+        r"once scored: rollout.max_inflight, rollout.capacity, off_policy.max_off_policy_steps, "
+        r"off_policy.target_lag; zero_output_batches \(1\) is how long a run waits for one",
+        line,
+    ), line
+    assert "equal" not in line
+
+
 def test_a_pipe_hears_of_the_first_episodes_before_the_first_step(tmp_path):
     """A first batch can take a while: the episodes done so far are said before it ships."""
     result = orch(*fake_run_args(tmp_path, "r", steps=1), *sets("env.fake.latency_s=0.05"))

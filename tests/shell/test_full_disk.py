@@ -4,14 +4,12 @@ that the full disk cut short included (docs/resume.md)."""
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
-import subprocess
 
 import pytest
 
 from tests.support.cli import orch
+from tests.support.disk import fill, tmpfs
 from tests.support.runs import FAKE, sets
 
 pytestmark = pytest.mark.slow
@@ -21,27 +19,9 @@ MIB = 1 << 20
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
-    """A 20 MiB tmpfs (root only, else skipped), unmounted afterwards."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+def small_fs(tmp_path):
+    with tmpfs(tmp_path, "20m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
-
-
-def _fill(directory, leave: int):
-    filler = directory / "filler"
-    with open(filler, "wb") as f:
-        try:
-            f.write(bytes(max(shutil.disk_usage(directory).free - leave, 0)))
-        except OSError as err:
-            assert err.errno == errno.ENOSPC
-    return filler
 
 
 def _errors(stderr: str) -> list[str]:
@@ -49,10 +29,10 @@ def _errors(stderr: str) -> list[str]:
 
 
 @pytest.mark.parametrize("free_kib", [0, 64, 256, 1229, 1434, 1638, 1843, 2048, 2458, 3072])
-def test_a_run_a_full_disk_stopped_resumes_once_space_is_free_and_checks(tmpfs, free_kib):
-    runs = tmpfs / "runs"
+def test_a_run_a_full_disk_stopped_resumes_once_space_is_free_and_checks(small_fs, free_kib):
+    runs = small_fs / "runs"
     runs.mkdir()
-    filler = _fill(tmpfs, free_kib * 1024)
+    filler = fill(small_fs, free_kib * 1024)
     first = orch("run", *RUN, "--runs-dir", str(runs), "--name", "r")
     run = runs / "r"
     if first.returncode != 0:

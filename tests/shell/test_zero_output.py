@@ -1,0 +1,56 @@
+"""The zero-output stop line says the rewards were equal only where every group's were."""
+
+from __future__ import annotations
+
+from array import array
+
+from orchestrator.core import events as ev
+from orchestrator.shell.zero_output import ZeroOutputWitness
+
+
+def _episode(episode_id: int, group_id: int, reward: float) -> ev.EpisodeCompleted:
+    return ev.EpisodeCompleted(
+        episode_id=episode_id,
+        group_id=group_id,
+        ok=True,
+        policy_start=0,
+        policy_end=0,
+        reward=reward,
+        token_ids=array("i", [5, 6, 7, 8]),
+        mask=bytes([0, 1, 1, 1]),
+        logprobs=array("f", [0.0, -0.5, -0.5, -0.5]),
+    )
+
+
+def _witness(rewards_by_group: dict[int, list[float]]) -> ZeroOutputWitness:
+    witness = ZeroOutputWitness()
+    episode_id = 0
+    for group_id, rewards in rewards_by_group.items():
+        for reward in rewards:
+            witness.saw(_episode(episode_id, group_id, reward))
+            episode_id += 1
+        witness.decided(ev.GroupSettled(group_id=group_id, admitted=False, trace_ids=[], dropped={"rejected": []}))
+    return witness
+
+
+def test_groups_whose_rewards_all_tie_are_said_to_be_equal():
+    line = _witness({1: [0.5, 0.5], 2: [1.0, 1.0]}).cause(group_size=2, zero_output_batches=1)
+    assert line.startswith("every group's rewards were equal") and "rewards 0.500..1.000" in line, line
+    assert "of the last 4 scored episodes" in line
+
+
+def test_a_group_whose_rewards_differed_is_not_said_to_be_equal():
+    line = _witness({1: [0.5, 0.5], 2: [0.0, 1.0]}).cause(group_size=2, zero_output_batches=1)
+    assert "equal, so every advantage" not in line, line
+    assert "1 groups whose rewards were equal, 1 groups whose rewards differed" in line, line
+
+
+def test_an_admitted_group_starts_the_tally_anew():
+    witness = _witness({1: [0.0, 1.0]})
+    witness.saw(_episode(10, 5, 1.0))
+    witness.decided(ev.GroupSettled(group_id=5, admitted=True, trace_ids=[10]))
+    witness.saw(_episode(11, 6, 0.25))
+    witness.saw(_episode(12, 6, 0.25))
+    witness.decided(ev.GroupSettled(group_id=6, admitted=False, trace_ids=[], dropped={"rejected": [11, 12]}))
+    line = witness.cause(group_size=2, zero_output_batches=1)
+    assert line.startswith("every group's rewards were equal") and "reward 0.250 in every one" in line, line
