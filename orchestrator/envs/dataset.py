@@ -167,6 +167,13 @@ def load_reward_function(spec: str, columns: frozenset[str]) -> Callable[..., An
             f"{what} takes {', '.join(unknown)}, which the data set has no column of "
             f"(it has: {', '.join(sorted(columns))})"
         )
+    # Every column is passed, as TRL passes them: a function without **kwargs must name them all.
+    refused = sorted(columns - named)
+    if refused and not takes_any:
+        raise PluginError(
+            f"{what} does not take the column(s) {', '.join(refused)}, which every call passes "
+            f"(as TRL does): add **kwargs to {function.__name__}'s parameters"
+        )
     return function
 
 
@@ -288,19 +295,22 @@ class DatasetConfig(EnvComponent):
             raise ConfigError(f"env.dataset.held_out_fraction={self.held_out_fraction} leaves no {side} row")
         return train, [row for row, out in zip(rows, held) if out]
 
-    def _reward_functions(self, train: list[Row]) -> list[tuple[Callable[..., Any], float, str]]:
-        columns = frozenset(key for row in train for key in columns_of(row))
+    def _reward_functions(self, rows: list[Row]) -> list[tuple[Callable[..., Any], float, str]]:
+        """The reward functions, checked against the columns of `rows` (train and held-out: evals
+        score held-out rows with the same functions)."""
+        columns = frozenset(key for row in rows for key in columns_of(row))
         return [(load_reward_function(r.function, columns), r.weight, r.function) for r in self.rewards]
 
     def preflight(self, seed: int) -> None:
         """The rows read and the reward functions imported and checked, before the run dir exists."""
-        self._reward_functions(self._rows()[0])
+        train, held_out = self._rows()
+        self._reward_functions(train + held_out)
 
     def text_env(self, seed: int) -> DatasetEnv | None:
         if self.train is None:
             return None  # nothing to serve
         train, held_out = self._rows()
-        return DatasetEnv(seed, train, held_out, self._reward_functions(train), self.shuffle)
+        return DatasetEnv(seed, train, held_out, self._reward_functions(train + held_out), self.shuffle)
 
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:

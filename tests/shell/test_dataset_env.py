@@ -57,6 +57,14 @@ def wrong(completion, prompt):
 
 def two_values(prompts, completions, completion_ids, **columns):
     return [1.0, 2.0]
+
+
+def exact_no_kwargs(prompts, completions, completion_ids, answer):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def no_columns(prompts, completions, completion_ids):
+    return [0.0 for _ in prompts]
 """
 
 
@@ -177,12 +185,32 @@ def test_a_reward_function_of_another_signature_is_one_line(rewards_module):
     )
 
 
+def test_a_reward_function_without_kwargs_must_name_every_column(rewards_module, tmp_path):
+    """Every column is passed: a function without **kwargs that misses one is refused before the
+    run (it would fail every episode with an unexpected keyword argument)."""
+    assert load_reward_function("rev_rewards:exact_no_kwargs", frozenset({"answer"}))
+    with pytest.raises(PluginError) as err:
+        load_reward_function("rev_rewards:exact_no_kwargs", frozenset({"answer", "id", "level"}))
+    assert str(err.value) == (
+        "reward function 'rev_rewards:exact_no_kwargs' does not take the column(s) id, level, which every call "
+        "passes (as TRL does): add **kwargs to exact_no_kwargs's parameters"
+    )
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "2+2=", "answer": "4"}] * 4)
+    held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": "3+3=", "answer": "6", "id": 7}])
+    section = DatasetConfig(train=train, rewards=[{"function": "rev_rewards:exact_no_kwargs"}])
+    env = section.text_env(0)
+    assert env.score(env.task(0), "4") == 1.0
+    with pytest.raises(PluginError, match=r"does not take the column\(s\) id,"):  # a held-out row's column
+        section.model_copy(update={"held_out": held}).preflight(0)
+
+
 @pytest.mark.parametrize(
     "make, sets_, message",
     [
         (None, [], "env.dataset.train: no such file or directory: "),
         ("no_prompt", [], "env.dataset.train: row 1 of "),
         ("ok", ['rewards=[{"function": "rev_rewards:wrong"}]'], "has the signature wrong(completion, prompt)"),
+        ("ok", ['rewards=[{"function": "rev_rewards:no_columns"}]'], "does not take the column(s) length,"),
         ("ok", ['rewards=[{"function": "no_module:f"}]'], "module 'no_module' does not import"),
         ("ok", ["rewards=[]"], "env.dataset.rewards is empty"),
     ],
