@@ -107,7 +107,7 @@ def _read(path: Path) -> list[Row]:
 
 
 def _check_prompt(row: Row, where: str) -> None:
-    prompt = row.get("prompt", row.get("messages"))
+    prompt = prompt_of(row)
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and all(
@@ -127,9 +127,15 @@ def columns_of(row: Row) -> Row:
     return {key: value for key, value in row.items() if key not in PROMPT_COLUMNS}
 
 
-def row_hash(row: Row) -> float:
-    """A stable number in [0, 1) of a row's content (its prompt and columns)."""
-    digest = hashlib.sha256(orjson.dumps(row, option=orjson.OPT_SORT_KEYS)).digest()
+def held_out_draw(row: Row, where: str) -> float:
+    """A stable number in [0, 1) of a row's content (its prompt and columns): the row is held out
+    if it falls under held_out_fraction. Values JSON lacks (bytes, Decimal) count by their repr;
+    a row JSON cannot hold even so is ConfigError (one line, starting with `where`)."""
+    try:
+        content = orjson.dumps(row, default=repr, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError as err:
+        raise ConfigError(f"{where}: cannot hash the row for held_out_fraction: {_one_line(err)}") from None
+    digest = hashlib.sha256(content).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
@@ -199,7 +205,10 @@ class DatasetEnv:
             order = list(range(len(self.train)))
             if self.shuffle:
                 random.Random(f"dataset/{self.seed}/{pass_number}").shuffle(order)
-            self._orders = {pass_number: order}  # passes are visited in order: the last one is kept
+            # Passes are visited in order, but episodes in flight straddle a pass boundary: the
+            # last two are kept, so alternating between them does not reshuffle each time.
+            self._orders = {p: o for p, o in self._orders.items() if p == pass_number - 1}
+            self._orders[pass_number] = order
         return self._orders[pass_number]
 
     def row(self, index: int) -> Row:
@@ -288,7 +297,10 @@ class DatasetConfig(EnvComponent):
             return rows, read_rows(self.held_out, "env.dataset.held_out")
         if not self.held_out_fraction:
             return rows, []
-        held = [row_hash(row) < self.held_out_fraction for row in rows]
+        held = [
+            held_out_draw(row, f"env.dataset.train: row {number} of {self.train}") < self.held_out_fraction
+            for number, row in enumerate(rows, 1)
+        ]
         train = [row for row, out in zip(rows, held) if not out]
         if not train or all(not out for out in held):
             side = "train" if not train else "held-out"

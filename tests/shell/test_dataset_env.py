@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.contracts import ConfigError, RunPlan
-from orchestrator.envs.dataset import DatasetConfig, load_reward_function, read_rows
+from orchestrator.envs.dataset import DatasetConfig, held_out_draw, load_reward_function, read_rows
 from orchestrator.envs.reverse_text import ReverseTextEnv, reversal_reward
 from orchestrator.plugins import PluginError
 from tests.support.cli import orch
@@ -163,6 +163,40 @@ def test_a_held_out_fraction_is_disjoint_stable_and_its_file_alternative(rewards
     held_file = write_jsonl(tmp_path / "held.jsonl", reverse_text_rows(range(-1, -9, -1)))
     env = DatasetConfig(train=train, held_out=held_file, rewards=[{"function": "rev_rewards:reversal"}]).text_env(0)
     assert [env.task(-i).prompt for i in range(1, 9)] == [ReverseTextEnv(0).task(-i).prompt for i in range(1, 9)]
+
+
+def test_a_pass_boundary_keeps_both_passes_orders(rewards_module, tmp_path):
+    """Episodes in flight straddle a pass boundary: alternating between two passes reuses their
+    orders rather than reshuffling at each switch."""
+    train = write_jsonl(tmp_path / "train.jsonl", reverse_text_rows(range(10)))
+    env = DatasetConfig(train=train, rewards=[{"function": "rev_rewards:reversal"}]).text_env(3)
+    first, second = env._order(0), env._order(1)
+    assert env._order(0) is first and env._order(1) is second
+    env._order(2)
+    assert env._order(1) is second and env._order(0) is not first and env._order(0) == first
+
+
+def test_a_null_prompt_beside_messages_is_the_messages(rewards_module, tmp_path):
+    messages = [{"role": "user", "content": "abc"}]
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": None, "messages": messages, "length": 3}])
+    env = DatasetConfig(train=train, rewards=[{"function": "rev_rewards:reversal"}]).text_env(0)
+    assert (env.task(0).prompt, env.task(0).messages) == ("abc", messages)
+
+
+def test_a_held_out_fraction_hashes_rows_json_lacks():
+    """Parquet or `datasets` columns of bytes and decimals (neither installed here) draw by their
+    repr, stably; a row JSON cannot hold even so is one line."""
+    import decimal
+
+    rows = [{"prompt": f"{n}+{n}=", "blob": bytes([n]), "price": decimal.Decimal(n) / 4} for n in range(100)]
+    draws = [held_out_draw(row, "here") for row in rows]
+    assert draws == [held_out_draw(dict(row), "here") for row in rows] and len(set(draws)) == 100
+    assert all(0 <= draw < 1 for draw in draws)
+    with pytest.raises(ConfigError) as err:
+        held_out_draw({"prompt": "a", "count": 2**70}, "env.dataset.train: row 2 of t.parquet")
+    assert str(err.value) == (
+        "env.dataset.train: row 2 of t.parquet: cannot hash the row for held_out_fraction: Integer exceeds 64-bit range"
+    )
 
 
 def test_evals_of_a_data_set_without_held_out_rows_are_refused():
