@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from orchestrator.hf.tiny_model import build_tokenizer
+from orchestrator.observe.text import Decoder, NoTokenizer, tokenizer_dir
 from tests.support.cli import orch
 from tests.support.logs import events
 from tests.support.runs import fake_run_args, sets
@@ -77,3 +78,32 @@ def test_without_a_tokenizer_replay_refuses_and_export_says_so(fake_run, tmp_pat
     assert exported.returncode == 0
     assert "the episodes' text column is left NULL: no tokenizer of" in exported.stderr
     assert orch("replay", str(bare), "--text").returncode == 2
+
+
+def test_a_tokenizer_that_raises_anything_is_one_line(tmp_path):
+    """Damaged tokenizer files raise what transformers raises (a KeyError here): NoTokenizer."""
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (damaged / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
+    with pytest.raises(NoTokenizer) as err:
+        Decoder(damaged)
+    assert str(err.value) == f"the tokenizer in {damaged} does not load (KeyError: 'added_tokens')"
+
+
+def test_a_stored_hub_id_is_its_snapshot_in_the_cache_never_downloaded(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = orjson.dumps({"model": {"path": "orch-test/tiny"}})
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # local files only all the same
+    with pytest.raises(NoTokenizer, match="model.path orch-test/tiny"):
+        tokenizer_dir(run_dir, config)
+    repo = tmp_path / "hub" / "models--orch-test--tiny"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    build_tokenizer().save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    assert tokenizer_dir(run_dir, config) == snapshot
+    with pytest.raises(NoTokenizer, match="model.path org/model--v1"):  # no id the Hub takes
+        tokenizer_dir(run_dir, orjson.dumps({"model": {"path": "org/model--v1"}}))
