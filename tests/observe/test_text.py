@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+from contextlib import closing
+from pathlib import Path
 
 import orjson
 import pytest
 
+from eventlog.fileformat import PAGE_SIZE
 from orchestrator.hf.tiny_model import build_tokenizer
 from orchestrator.observe.text import Decoder, NoTokenizer, tokenizer_dir
 from tests.support.cli import orch
@@ -107,3 +110,39 @@ def test_a_stored_hub_id_is_its_snapshot_in_the_cache_never_downloaded(tmp_path,
     assert tokenizer_dir(run_dir, config) == snapshot
     with pytest.raises(NoTokenizer, match="model.path org/model--v1"):  # no id the Hub takes
         tokenizer_dir(run_dir, orjson.dumps({"model": {"path": "org/model--v1"}}))
+
+
+def test_export_of_a_damaged_payload_leaves_its_text_null_and_says_so(fake_run, tmp_path):
+    seq, episode = next((seq, e) for seq, e in events(fake_run, "episode_completed") if e["ok"])
+    with closing(sqlite3.connect(fake_run / "events.db")) as conn:
+        (payload,) = conn.execute("SELECT payload FROM events WHERE seq = ?", (seq,)).fetchone()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(fake_run, damaged)
+    with closing(sqlite3.connect(damaged / "events.db")) as conn:
+        conn.execute("UPDATE events SET payload = ? WHERE seq = ?", (bytes(len(payload)), seq))
+        conn.commit()
+    result = orch("export", str(damaged), str(tmp_path / "d.db"))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"orch: note: 1 episodes' text is left NULL: their payloads are damaged (the first: "
+        f"{damaged / 'events.db'} is damaged: seq {seq}: its data or payload fails its checksum (row_hash "
+        + result.stderr.split("(row_hash ", 1)[1].strip()
+    ]
+    texts = dict(sqlite3.connect(tmp_path / "d.db").execute("SELECT id, text FROM episodes WHERE ok = 1"))
+    assert texts[episode["episode_id"]] is None
+    assert sum(text is not None for text in texts.values()) == len(texts) - 1
+
+
+def test_export_of_a_damaged_table_is_one_line(fake_run, tmp_path):
+    """A page of the events table SQLite itself finds malformed, met mid-read."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(fake_run, damaged)
+    db = damaged / "events.db"
+    data = db.read_bytes()
+    page = data.index(b'"episode_id"') // PAGE_SIZE * PAGE_SIZE
+    db.write_bytes(data[:page] + b"\xff" * PAGE_SIZE + data[page + PAGE_SIZE :])
+    result = orch("export", str(damaged), str(tmp_path / "d.db"))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("orch: error: ") and str(damaged / "events.db") in line, result.stderr
+    assert not (tmp_path / "d.db").exists()
