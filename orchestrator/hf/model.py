@@ -186,9 +186,7 @@ def resolve_model_path(path: Path, log=print, *, local_only: bool = False) -> Pa
                 f"model.path {repo_id!r} is neither a local dir nor in the Hugging Face cache {cache} "
                 f"({why}fetch it where there is a network, `hf download {repo_id}`)"
             ) from None
-    log(
-        f"orch: downloading {repo_id} from the Hugging Face Hub into {cache}; set HF_HUB_OFFLINE=1 to refuse instead"
-    )
+    log(f"orch: downloading {repo_id} from the Hugging Face Hub into {cache}; set HF_HUB_OFFLINE=1 to refuse instead")
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache))
     except Exception as err:  # noqa: BLE001 - the hub's errors (network, auth, no such repo) have no one base

@@ -61,9 +61,7 @@ class Decoder:
             self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
         except Exception as err:  # noqa: BLE001 - damaged tokenizer files raise anything (KeyError, the Rust's own)
             reason = (str(err).splitlines() or [""])[0]
-            raise NoTokenizer(
-                f"the tokenizer in {directory} does not load ({type(err).__name__}: {reason})"
-            ) from None
+            raise NoTokenizer(f"the tokenizer in {directory} does not load ({type(err).__name__}: {reason})") from None
         self.directory = directory
 
     def decode(self, token_ids: Sequence[int]) -> str:

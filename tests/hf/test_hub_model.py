@@ -52,9 +52,7 @@ def test_a_missing_id_offline_is_one_line_naming_the_cache_before_the_run_dir(tm
     cache = tmp_path / "hub"
     cache.mkdir()
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    result = orch(
-        "run", "--runs-dir", str(tmp_path / "runs"), "--name", "r", "--set", "model.path=orch-test/missing", env=env
-    )
+    result = orch(*run_args(tmp_path / "runs", "--set", "model.path=orch-test/missing"), env=env)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"orch: error: model.path 'orch-test/missing' is neither a local dir nor in the Hugging Face cache {cache} "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import sqlite3
 from contextlib import closing
-from pathlib import Path
 
 import orjson
 import pytest

@@ -20,7 +20,7 @@ from orchestrator.envs.reverse_text import ReverseTextEnv, reversal_reward
 from orchestrator.plugins import PluginError
 from tests.support.cli import orch
 from tests.support.logs import events
-from tests.support.runs import sets
+from tests.support.runs import run_args, sets
 
 # reverse_text's reversal_reward, written again as a TRL user writes a reward function.
 REWARDS = """
@@ -259,7 +259,7 @@ def test_orch_run_refuses_bad_data_or_rewards_with_exit_2_before_the_run_dir(
         write_jsonl(data, [{"question": "abc", "answer": "cba"}])
     settings = [f"env.dataset.train={data}", 'env.dataset.rewards=[{"function": "rev_rewards:reversal"}]']
     settings += [f"env.dataset.{s}" for s in sets_]
-    result = orch("run", "--runs-dir", str(tmp_path / "runs"), "--name", "r", "--env", "dataset", *sets(*settings))
+    result = orch(*run_args(tmp_path / "runs", "--env", "dataset", *sets(*settings)))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("orch: error: ") and message in lines[0], result.stderr
@@ -289,15 +289,7 @@ def test_reverse_text_as_a_data_set_learns_and_every_reward_is_the_functions(rew
     model = ensure_tiny_model(tmp_path / "cache", log=lambda s: None)
     summary = tmp_path / "summary.json"
     result = orch(
-        "run",
-        "--runs-dir",
-        str(tmp_path / "runs"),
-        "--name",
-        "r",
-        "--env",
-        "dataset",
-        "--json-summary",
-        str(summary),
+        *run_args(tmp_path / "runs", "--env", "dataset", "--json-summary", str(summary)),
         *sets(
             f"env.dataset.train={train}",
             'env.dataset.rewards=[{"function": "rev_rewards:reversal"}]',
