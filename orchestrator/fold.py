@@ -43,7 +43,7 @@ def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True, k
     start = snapshot.seq + 1 if snapshot else 1
     unreadable: dict[int, str] = {}
     damaged: dict[int, tuple[int, str]] | None = {} if keep_damaged else None
-    reader = _reader_keeping(log, unreadable) if keep_damaged else log.read_payloads
+    reader = payload_reader_around_damage(log, unreadable) if keep_damaged else log.read_payloads
     try:
         with paused_gc():
             state, count = fold_rows(state, log.read_bodies(start=start, stop=at), start, reader, damaged)
@@ -59,7 +59,7 @@ def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True, k
     return Folded(state, start + count - 1, snapshot.seq if snapshot else None, count, lost)
 
 
-def _reader_keeping(log: EventLog, unreadable: dict[int, str]):
+def payload_reader_around_damage(log: EventLog, unreadable: dict[int, str]):
     """`log.read_payloads` that leaves out, rather than raises on, a payload whose side file is
     missing or damaged, recording why in `unreadable` (seq -> the read's one line)."""
 

@@ -107,7 +107,7 @@ def _read(path: Path) -> list[Row]:
 
 
 def _check_prompt(row: Row, where: str) -> None:
-    prompt = row.get("prompt", row.get("messages"))
+    prompt = prompt_of(row)
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and all(
@@ -127,9 +127,15 @@ def columns_of(row: Row) -> Row:
     return {key: value for key, value in row.items() if key not in PROMPT_COLUMNS}
 
 
-def row_hash(row: Row) -> float:
-    """A stable number in [0, 1) of a row's content (its prompt and columns)."""
-    digest = hashlib.sha256(orjson.dumps(row, option=orjson.OPT_SORT_KEYS)).digest()
+def held_out_draw(row: Row, where: str) -> float:
+    """A stable number in [0, 1) of a row's content (its prompt and columns): the row is held out
+    if it falls under held_out_fraction. Values JSON lacks (bytes, Decimal) count by their repr;
+    a row JSON cannot hold even so is ConfigError (one line, starting with `where`)."""
+    try:
+        content = orjson.dumps(row, default=repr, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError as err:
+        raise ConfigError(f"{where}: cannot hash the row for held_out_fraction: {_one_line(err)}") from None
+    digest = hashlib.sha256(content).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
@@ -167,6 +173,13 @@ def load_reward_function(spec: str, columns: frozenset[str]) -> Callable[..., An
             f"{what} takes {', '.join(unknown)}, which the data set has no column of "
             f"(it has: {', '.join(sorted(columns))})"
         )
+    # Every column is passed, as TRL passes them: a function without **kwargs must name them all.
+    refused = sorted(columns - named)
+    if refused and not takes_any:
+        raise PluginError(
+            f"{what} does not take the column(s) {', '.join(refused)}, which every call passes "
+            f"(as TRL does): add **kwargs to {function.__name__}'s parameters"
+        )
     return function
 
 
@@ -192,7 +205,10 @@ class DatasetEnv:
             order = list(range(len(self.train)))
             if self.shuffle:
                 random.Random(f"dataset/{self.seed}/{pass_number}").shuffle(order)
-            self._orders = {pass_number: order}  # passes are visited in order: the last one is kept
+            # Passes are visited in order, but episodes in flight straddle a pass boundary: the
+            # last two are kept, so alternating between them does not reshuffle each time.
+            self._orders = {p: o for p, o in self._orders.items() if p == pass_number - 1}
+            self._orders[pass_number] = order
         return self._orders[pass_number]
 
     def row(self, index: int) -> Row:
@@ -281,26 +297,32 @@ class DatasetConfig(EnvComponent):
             return rows, read_rows(self.held_out, "env.dataset.held_out")
         if not self.held_out_fraction:
             return rows, []
-        held = [row_hash(row) < self.held_out_fraction for row in rows]
+        held = [
+            held_out_draw(row, f"env.dataset.train: row {number} of {self.train}") < self.held_out_fraction
+            for number, row in enumerate(rows, 1)
+        ]
         train = [row for row, out in zip(rows, held) if not out]
         if not train or all(not out for out in held):
             side = "train" if not train else "held-out"
             raise ConfigError(f"env.dataset.held_out_fraction={self.held_out_fraction} leaves no {side} row")
         return train, [row for row, out in zip(rows, held) if out]
 
-    def _reward_functions(self, train: list[Row]) -> list[tuple[Callable[..., Any], float, str]]:
-        columns = frozenset(key for row in train for key in columns_of(row))
+    def _reward_functions(self, rows: list[Row]) -> list[tuple[Callable[..., Any], float, str]]:
+        """The reward functions, checked against the columns of `rows` (train and held-out: evals
+        score held-out rows with the same functions)."""
+        columns = frozenset(key for row in rows for key in columns_of(row))
         return [(load_reward_function(r.function, columns), r.weight, r.function) for r in self.rewards]
 
     def preflight(self, seed: int) -> None:
         """The rows read and the reward functions imported and checked, before the run dir exists."""
-        self._reward_functions(self._rows()[0])
+        train, held_out = self._rows()
+        self._reward_functions(train + held_out)
 
     def text_env(self, seed: int) -> DatasetEnv | None:
         if self.train is None:
             return None  # nothing to serve
         train, held_out = self._rows()
-        return DatasetEnv(seed, train, held_out, self._reward_functions(train), self.shuffle)
+        return DatasetEnv(seed, train, held_out, self._reward_functions(train + held_out), self.shuffle)
 
     @asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:

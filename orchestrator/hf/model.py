@@ -158,24 +158,35 @@ def hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def resolve_model_path(path: Path) -> Path:
+def resolve_model_path(path: Path, log=print, *, local_only: bool = False) -> Path:
     """`path` itself if it exists or is no Hub id; a Hub id (`Qwen/Qwen3-0.6B`) as its snapshot
-    dir in the Hugging Face cache, offline first: downloaded only if it is not there and
-    HF_HUB_OFFLINE is not set (ModelError, one line naming the cache, otherwise)."""
+    dir in the Hugging Face cache, offline first: downloaded (saying so first, through `log`) only
+    if it is not there, HF_HUB_OFFLINE is not set and not `local_only` (ModelError, one line naming
+    the cache, otherwise). An id the Hub would refuse (`org/model--v1`) is ModelError too."""
     if path.exists() or not HUB_ID.fullmatch(str(path)):
         return path
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
     repo_id, cache = str(path), hub_cache()
     try:
+        validate_repo_id(repo_id)
+    except ValueError as err:  # HFValidationError
+        raise ModelError(
+            f"model.path {repo_id!r} is neither a local dir nor a Hugging Face Hub id ({' '.join(str(err).split())})"
+        ) from None
+    try:
         return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
     except LocalEntryNotFoundError:
-        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        if offline or local_only:
+            why = "HF_HUB_OFFLINE is set: " if offline else ""
             raise ModelError(
                 f"model.path {repo_id!r} is neither a local dir nor in the Hugging Face cache {cache} "
-                f"(HF_HUB_OFFLINE is set: fetch it where there is a network, `hf download {repo_id}`)"
+                f"({why}fetch it where there is a network, `hf download {repo_id}`)"
             ) from None
+    log(f"orch: downloading {repo_id} from the Hugging Face Hub into {cache}; set HF_HUB_OFFLINE=1 to refuse instead")
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache))
     except Exception as err:  # noqa: BLE001 - the hub's errors (network, auth, no such repo) have no one base
@@ -194,7 +205,9 @@ def prepare_model(
     cached under `cache_root` on first use); an HF model dir whose tokenizer loads (with a chat
     template if the env gives messages) and whose modules include the LoRA targets. Hashed, so
     a resume can tell whether it changed."""
-    path = check_model_dir(resolve_model_path(path) if path is not None else ensure_tiny_model(cache_root, log=log))
+    path = check_model_dir(
+        resolve_model_path(path, log) if path is not None else ensure_tiny_model(cache_root, log=log)
+    )
     tokenizer = load_tokenizer(path)
     if env_gives_messages:
         check_chat_template(tokenizer, path)

@@ -69,9 +69,10 @@ async def _check_one(
         raise PreflightError(f"inference endpoint {url} is not healthy: GET /health answered HTTP {health.status}")
     engine = await _engine(http, url, deadline)
     if engine is not None and weight_sync != "none" and weight_format not in (None, ENGINE_LOADS[engine]):
+        published = FORMAT_NAMES.get(weight_format, repr(weight_format))  # a plugin trainer's own: as named
         raise PreflightError(
             f"inference endpoint {url} is {ENGINE_NAMES[engine]} (from its routes), which loads "
-            f"{FORMAT_NAMES[ENGINE_LOADS[engine]]}, not the {FORMAT_NAMES[weight_format]} the trainer publishes: "
+            f"{FORMAT_NAMES[ENGINE_LOADS[engine]]}, not the {published} the trainer publishes: "
             "sample with vLLM or SGLang endpoints, or let the run launch vLLM (docs/vllm.md)"
         )
     if engine is not None and weight_sync != "none" and weight_sync not in WEIGHT_SYNCS[engine]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from eventlog import LogError
 from orchestrator.core.evolve import FoldError
 from replay.source import ReplayInputError, one_line, open_run
 
@@ -86,8 +87,8 @@ def export_command(run: Path, out: Path, replace: bool, no_text: bool, tokenizer
                     decoder = Decoder(tokenizer or tokenizer_dir(run_dir, log.meta.get("config")))
                 except NoTokenizer as err:
                     click.echo(f"orch: note: the episodes' text column is left NULL: {err}", err=True)
-            counts = export_run(log, out, decoder)
-    except (ReplayInputError, FoldError) as err:
+            counts = export_run(log, out, decoder, note=lambda line: click.echo(f"orch: note: {line}", err=True))
+    except (ReplayInputError, FoldError, LogError) as err:  # LogError: damage met mid-read
         _fail(str(err))
     except OSError as err:
         _fail(f"cannot write {out}: {err.strerror or err}")

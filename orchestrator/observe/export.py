@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eventlog import EventLog
+from orchestrator.core.arrays import PayloadError
 from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve_from
 from orchestrator.core.state import State
+from orchestrator.fold import payload_reader_around_damage
 from orchestrator.observe.rows import fold_events
 
 if TYPE_CHECKING:
@@ -232,30 +234,43 @@ def metric_types(versions) -> dict[str, type]:
 TEXT_CHUNK = 512  # episodes whose token arrays are read at once
 
 
-def add_texts(log: EventLog, episodes: dict[int, dict], decoder: Decoder) -> None:
+def add_texts(log: EventLog, episodes: dict[int, dict], decoder: Decoder) -> dict[int, str]:
     """Each completed episode's `text`: the tokens it sampled, decoded (its token arrays are read
-    only now: the fold reads the traces' scalars alone)."""
+    only now: the fold reads the traces' scalars alone). A payload that is damaged (fails its
+    checksum, its side file missing) or does not decode leaves its text NULL: returned, seq ->
+    the one line that says why."""
     by_seq = {e["completed_seq"]: e for e in episodes.values() if e.get("completion_tokens") and "completed_seq" in e}
     rows = [(seq, data) for seq, _ts, _kind, data in log.read_raw(kinds=("episode_completed",)) if seq in by_seq]
+    unreadable: dict[int, str] = {}
+    read_payloads = payload_reader_around_damage(log, unreadable)
     for start in range(0, len(rows), TEXT_CHUNK):
         chunk = rows[start : start + TEXT_CHUNK]
-        payloads = log.read_payloads([seq for seq, _data in chunk])
+        payloads = read_payloads([seq for seq, _data in chunk])
         for seq, data in chunk:
-            event = decode_event("episode_completed", data, payloads.get(seq))
+            if seq in unreadable:
+                continue
+            try:
+                event = decode_event("episode_completed", data, payloads.get(seq))
+            except PayloadError as err:  # a log without checksums: damage shows only here
+                unreadable[seq] = f"seq {seq}: {err}"
+                continue
             by_seq[seq]["text"] = decoder.texts(event.token_ids, event.mask)["completion_text"]
+    return unreadable
 
 
-def export_run(log: EventLog, out: Path, decoder: Decoder | None = None) -> dict[str, int]:
+def export_run(log: EventLog, out: Path, decoder: Decoder | None = None, note=lambda line: None) -> dict[str, int]:
     """Write `log`'s tables into a new SQLite file `out` (built aside, then renamed into place, so a
     failed export leaves nothing), each completed episode's completion decoded into `text` with
-    `decoder` (None: NULL); return the row count of each table."""
+    `decoder` (None: NULL; a damaged payload's: NULL, said through `note`); return the row count
+    of each table."""
     import sqlite_utils
 
     export = Export()
     for _ in fold_events(log, export.take):
         pass
-    if decoder is not None:
-        add_texts(log, export.episodes, decoder)
+    if decoder is not None and (unreadable := add_texts(log, export.episodes, decoder)):
+        first = unreadable[min(unreadable)]
+        note(f"{len(unreadable)} episodes' text is left NULL: their payloads are damaged (the first: {first})")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     try:

@@ -3,7 +3,8 @@
 
 The run's tokenizer is the one its trainer published with its weights (the newest
 `weights/step_N/` holding tokenizer files: every full fine-tuning run writes step_0), else its
-stored `model.path`'s; a `--tokenizer DIR` given by hand comes first. Text is decoded as the
+stored `model.path`'s (a Hub id: its snapshot in the Hugging Face cache, never downloaded); a
+`--tokenizer DIR` given by hand comes first. Text is decoded as the
 samplers decode a completion for the env's score (special tokens skipped).
 """
 
@@ -36,8 +37,14 @@ def tokenizer_dir(run_dir: Path, stored_config: bytes | str | None) -> Path:
     looked.append(f"{weights}/step_N")
     model_path = (orjson.loads(stored_config).get("model") or {}).get("path") if stored_config else None
     if model_path:
-        if any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
-            return Path(model_path)
+        from orchestrator.hf.model import ModelError, resolve_model_path
+
+        try:  # a Hub id: its snapshot in the Hugging Face cache, never downloaded here
+            directory = resolve_model_path(Path(model_path), local_only=True)
+        except ModelError:
+            directory = Path(model_path)
+        if any((directory / name).is_file() for name in TOKENIZER_FILES):
+            return directory
         looked.append(f"model.path {model_path}")
     raise NoTokenizer(f"no tokenizer of {run_dir} found (looked in {', '.join(looked)}); give one with --tokenizer DIR")
 
@@ -52,8 +59,9 @@ class Decoder:
         logging.set_verbosity_error()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        except (OSError, ValueError) as err:
-            raise NoTokenizer(f"the tokenizer in {directory} does not load ({str(err).splitlines()[0]})") from None
+        except Exception as err:  # noqa: BLE001 - damaged tokenizer files raise anything (KeyError, the Rust's own)
+            reason = (str(err).splitlines() or [""])[0]
+            raise NoTokenizer(f"the tokenizer in {directory} does not load ({type(err).__name__}: {reason})") from None
         self.directory = directory
 
     def decode(self, token_ids: Sequence[int]) -> str:

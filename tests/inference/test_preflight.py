@@ -95,6 +95,16 @@ def test_a_vllm_server_with_the_default_weight_sync_names_the_ones_to_use():
         assert _check([server.base_url], weight_sync="vllm_lora") == {server.base_url: "vllm"}
 
 
+def test_a_plugin_trainers_own_weight_format_is_named_as_it_is():
+    with serving() as server:
+        with pytest.raises(PreflightError) as refused:
+            asyncio.run(check_endpoints([server.base_url], "orch", 2.0, weight_format="my_format"))
+    assert str(refused.value).startswith(
+        f"inference endpoint {server.base_url} is an `orch serve` server (from its routes), which loads "
+        "`orch serve`'s own policy files, not the 'my_format' the trainer publishes: "
+    )
+
+
 def test_a_permanent_error_is_not_retried_until_the_bound():
     for status, body in ((500, "engine is dead"), (404, "no such route"), (401, "bad key")):
         with running_server(_app({"/v1/models": (status, body)})) as server:

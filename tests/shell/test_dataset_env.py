@@ -15,12 +15,12 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.contracts import ConfigError, RunPlan
-from orchestrator.envs.dataset import DatasetConfig, load_reward_function, read_rows
+from orchestrator.envs.dataset import DatasetConfig, held_out_draw, load_reward_function, read_rows
 from orchestrator.envs.reverse_text import ReverseTextEnv, reversal_reward
 from orchestrator.plugins import PluginError
 from tests.support.cli import orch
 from tests.support.logs import events
-from tests.support.runs import sets
+from tests.support.runs import run_args, sets
 
 # reverse_text's reversal_reward, written again as a TRL user writes a reward function.
 REWARDS = """
@@ -57,6 +57,14 @@ def wrong(completion, prompt):
 
 def two_values(prompts, completions, completion_ids, **columns):
     return [1.0, 2.0]
+
+
+def exact_no_kwargs(prompts, completions, completion_ids, answer):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def no_columns(prompts, completions, completion_ids):
+    return [0.0 for _ in prompts]
 """
 
 
@@ -157,6 +165,40 @@ def test_a_held_out_fraction_is_disjoint_stable_and_its_file_alternative(rewards
     assert [env.task(-i).prompt for i in range(1, 9)] == [ReverseTextEnv(0).task(-i).prompt for i in range(1, 9)]
 
 
+def test_a_pass_boundary_keeps_both_passes_orders(rewards_module, tmp_path):
+    """Episodes in flight straddle a pass boundary: alternating between two passes reuses their
+    orders rather than reshuffling at each switch."""
+    train = write_jsonl(tmp_path / "train.jsonl", reverse_text_rows(range(10)))
+    env = DatasetConfig(train=train, rewards=[{"function": "rev_rewards:reversal"}]).text_env(3)
+    first, second = env._order(0), env._order(1)
+    assert env._order(0) is first and env._order(1) is second
+    env._order(2)
+    assert env._order(1) is second and env._order(0) is not first and env._order(0) == first
+
+
+def test_a_null_prompt_beside_messages_is_the_messages(rewards_module, tmp_path):
+    messages = [{"role": "user", "content": "abc"}]
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": None, "messages": messages, "length": 3}])
+    env = DatasetConfig(train=train, rewards=[{"function": "rev_rewards:reversal"}]).text_env(0)
+    assert (env.task(0).prompt, env.task(0).messages) == ("abc", messages)
+
+
+def test_a_held_out_fraction_hashes_rows_json_lacks():
+    """Parquet or `datasets` columns of bytes and decimals (neither installed here) draw by their
+    repr, stably; a row JSON cannot hold even so is one line."""
+    import decimal
+
+    rows = [{"prompt": f"{n}+{n}=", "blob": bytes([n]), "price": decimal.Decimal(n) / 4} for n in range(100)]
+    draws = [held_out_draw(row, "here") for row in rows]
+    assert draws == [held_out_draw(dict(row), "here") for row in rows] and len(set(draws)) == 100
+    assert all(0 <= draw < 1 for draw in draws)
+    with pytest.raises(ConfigError) as err:
+        held_out_draw({"prompt": "a", "count": 2**70}, "env.dataset.train: row 2 of t.parquet")
+    assert str(err.value) == (
+        "env.dataset.train: row 2 of t.parquet: cannot hash the row for held_out_fraction: Integer exceeds 64-bit range"
+    )
+
+
 def test_evals_of_a_data_set_without_held_out_rows_are_refused():
     section = DatasetConfig(train=Path("t.jsonl"), rewards=[{"function": "m:f"}])
     with pytest.raises(ValueError, match="evals of env 'dataset' need held-out rows"):
@@ -177,12 +219,32 @@ def test_a_reward_function_of_another_signature_is_one_line(rewards_module):
     )
 
 
+def test_a_reward_function_without_kwargs_must_name_every_column(rewards_module, tmp_path):
+    """Every column is passed: a function without **kwargs that misses one is refused before the
+    run (it would fail every episode with an unexpected keyword argument)."""
+    assert load_reward_function("rev_rewards:exact_no_kwargs", frozenset({"answer"}))
+    with pytest.raises(PluginError) as err:
+        load_reward_function("rev_rewards:exact_no_kwargs", frozenset({"answer", "id", "level"}))
+    assert str(err.value) == (
+        "reward function 'rev_rewards:exact_no_kwargs' does not take the column(s) id, level, which every call "
+        "passes (as TRL does): add **kwargs to exact_no_kwargs's parameters"
+    )
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "2+2=", "answer": "4"}] * 4)
+    held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": "3+3=", "answer": "6", "id": 7}])
+    section = DatasetConfig(train=train, rewards=[{"function": "rev_rewards:exact_no_kwargs"}])
+    env = section.text_env(0)
+    assert env.score(env.task(0), "4") == 1.0
+    with pytest.raises(PluginError, match=r"does not take the column\(s\) id,"):  # a held-out row's column
+        section.model_copy(update={"held_out": held}).preflight(0)
+
+
 @pytest.mark.parametrize(
     "make, sets_, message",
     [
         (None, [], "env.dataset.train: no such file or directory: "),
         ("no_prompt", [], "env.dataset.train: row 1 of "),
         ("ok", ['rewards=[{"function": "rev_rewards:wrong"}]'], "has the signature wrong(completion, prompt)"),
+        ("ok", ['rewards=[{"function": "rev_rewards:no_columns"}]'], "does not take the column(s) length,"),
         ("ok", ['rewards=[{"function": "no_module:f"}]'], "module 'no_module' does not import"),
         ("ok", ["rewards=[]"], "env.dataset.rewards is empty"),
     ],
@@ -197,7 +259,7 @@ def test_orch_run_refuses_bad_data_or_rewards_with_exit_2_before_the_run_dir(
         write_jsonl(data, [{"question": "abc", "answer": "cba"}])
     settings = [f"env.dataset.train={data}", 'env.dataset.rewards=[{"function": "rev_rewards:reversal"}]']
     settings += [f"env.dataset.{s}" for s in sets_]
-    result = orch("run", "--runs-dir", str(tmp_path / "runs"), "--name", "r", "--env", "dataset", *sets(*settings))
+    result = orch(*run_args(tmp_path / "runs", "--env", "dataset", *sets(*settings)))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("orch: error: ") and message in lines[0], result.stderr
@@ -227,15 +289,7 @@ def test_reverse_text_as_a_data_set_learns_and_every_reward_is_the_functions(rew
     model = ensure_tiny_model(tmp_path / "cache", log=lambda s: None)
     summary = tmp_path / "summary.json"
     result = orch(
-        "run",
-        "--runs-dir",
-        str(tmp_path / "runs"),
-        "--name",
-        "r",
-        "--env",
-        "dataset",
-        "--json-summary",
-        str(summary),
+        *run_args(tmp_path / "runs", "--env", "dataset", "--json-summary", str(summary)),
         *sets(
             f"env.dataset.train={train}",
             'env.dataset.rewards=[{"function": "rev_rewards:reversal"}]',

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.cli import orch, spawn_orch, wait_until
 from tests.support.logs import assert_log_invariants, shipped_batches
-from tests.support.runs import sets
+from tests.support.runs import run_args, sets
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +46,11 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 def spawn_run(tmp_path: Path, *extra: str, **popen) -> subprocess.Popen:
-    return spawn_orch("run", "--runs-dir", str(tmp_path), "--name", "r", *SMALL, *extra, **popen)
+    return spawn_orch(*run_args(tmp_path, *SMALL, *extra), **popen)
 
 
 def test_short_embedded_run_trains_in_order_and_leaves_no_process(tmp_path):
-    result = orch("run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "4", *SMALL, timeout=300)
+    result = orch(*run_args(tmp_path, *SMALL, steps=4), timeout=300)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "r"
     assert_log_invariants(run_dir, 4, max_off_policy=2, target_lag=1)
@@ -85,9 +85,7 @@ def test_with_update_mode_interrupt_a_version_takes_over_mid_batch_and_every_tok
         "rollout.max_new_tokens=64",
         "trainer.hf.keep_weights=7",  # every version stays on disk: each completion checked against its own
     )
-    result = orch(
-        "run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "6", *SMALL, *interrupt, timeout=300
-    )
+    result = orch(*run_args(tmp_path, *SMALL, *interrupt, steps=6), timeout=300)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "r"
     assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)
@@ -180,17 +178,7 @@ def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
     app = create_app(served_env("reverse_text", seed=0))
     with running_server(app) as server:
         result = orch(
-            "run",
-            "--runs-dir",
-            str(tmp_path),
-            "--name",
-            "r",
-            "--max-steps",
-            "2",
-            *SMALL,
-            "--set",
-            f"env.reverse_text.server={server.base_url}",
-            timeout=300,
+            *run_args(tmp_path, *SMALL, "--set", f"env.reverse_text.server={server.base_url}", steps=2), timeout=300
         )
     assert result.returncode == 0, result.stderr
     assert_log_invariants(tmp_path / "r", 2, max_off_policy=2, target_lag=1)
@@ -240,10 +228,7 @@ def test_an_untrained_model_stops_for_zero_output_naming_the_equal_rewards(tmp_p
     model, tokenizer = build_untrained()
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    result = orch(
-        "run", "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "3",
-        "--set", f"model.path={tmp_path / 'model'}", "--set", "zero_output_batches=1",
-    )  # fmt: skip
+    result = orch(*run_args(tmp_path, *sets(f"model.path={tmp_path / 'model'}", "zero_output_batches=1"), steps=3))
     assert result.returncode == 1, result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("orch: error: ")]
     assert line.startswith(

@@ -26,7 +26,7 @@ from orchestrator.fold import fold_log
 from orchestrator.shell.evals import eval_result
 from tests.support.cli import orch, spawn_orch, wait_until
 from tests.support.logs import assert_log_invariants
-from tests.support.runs import fake_run_args, sets
+from tests.support.runs import fake_run_args, run_args, sets
 
 FAKE_EVALS = [
     *fake_run_args(),
@@ -473,16 +473,7 @@ def test_the_embedded_default_run_shows_the_learned_gain_on_held_out_tasks(tmp_p
     beats the start's on held-out tasks. The figures are printed for the report."""
     summary_path = tmp_path / "summary.json"
     result = orch(
-        "run",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--set",
-        'eval.envs=["reverse_text"]',
-        "--json-summary",
-        str(summary_path),
-        timeout=900,
+        *run_args(tmp_path, "--set", 'eval.envs=["reverse_text"]', "--json-summary", str(summary_path)), timeout=900
     )
     assert result.returncode == 0, result.stderr
     results = eval_results(tmp_path / "r")

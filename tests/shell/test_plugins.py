@@ -20,7 +20,7 @@ from orchestrator.config import ConfigError, load_config
 from orchestrator.core.advantages import grpo_advantages
 from tests.support.cli import orch
 from tests.support.logs import events
-from tests.support.runs import sets
+from tests.support.runs import run_args, sets
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 UPPERCASE = "my_task:UppercaseConfig"
@@ -257,7 +257,7 @@ def test_an_error_a_library_raises_for_the_users_class_names_the_users_line(plug
     ],
 )
 def test_orch_run_refuses_a_bad_plugin_with_exit_2_before_the_run_dir(plugin_path, tmp_path, args, message):
-    result = orch("run", "--runs-dir", str(tmp_path / "runs"), "--name", "r", *args, timeout=120)
+    result = orch(*run_args(tmp_path / "runs", *args), timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("orch: error: ") and message in lines[0], result.stderr
@@ -266,15 +266,7 @@ def test_orch_run_refuses_a_bad_plugin_with_exit_2_before_the_run_dir(plugin_pat
 
 def test_own_trainer_sampler_and_algorithm_run_a_fake_job(plugin_path, tmp_path):
     result = orch(
-        "run",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--env",
-        "own:OwnFakeEnvConfig",
-        "--max-steps",
-        "3",
+        *run_args(tmp_path, "--env", "own:OwnFakeEnvConfig", steps=3),
         *sets(
             "trainer.kind=own:NotedTrainerConfig",
             "inference.kind=own:OwnEpisodesConfig",
@@ -332,15 +324,7 @@ def test_the_example_env_runs_as_an_installed_plugin_and_its_rewards_are_its_sco
     model = ensure_tiny_model(tmp_path / "cache", log=lambda s: None)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     result = orch(
-        "run",
-        "--runs-dir",
-        str(tmp_path / "runs"),
-        "--name",
-        "r",
-        "--env",
-        "uppercase",
-        "--max-steps",
-        "2",
+        *run_args(tmp_path / "runs", "--env", "uppercase", steps=2),
         *sets("batch.size=16", "rollout.group_size=4", "rollout.max_inflight=16", f"model.path={model}"),
         env=env,
         timeout=300,

@@ -144,3 +144,27 @@ def test_wandb_credentials_are_found_where_wandb_finds_them(tmp_path, monkeypatc
     netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
     netrc.chmod(0o600)
     WandbSink.check(WandbSection(project="x"))
+
+
+def test_a_wandb_whose_credential_lookup_breaks_skips_the_check(tmp_path, monkeypatch):
+    """The lookup uses wandb's private APIs: one that raises (another wandb's layout) skips the
+    check, as wandb.init will say what is missing; a key really missing is still refused."""
+    from wandb.sdk.lib.wbauth import authenticate
+
+    from orchestrator.config import WandbSection
+    from orchestrator.observe.sinks import SinkUnavailable, WandbSink
+
+    home = tmp_path / "home"
+    home.mkdir()
+    for name, value in _without_wandb_credentials(home).items():
+        monkeypatch.setenv(name, value)
+    for name in [k for k in os.environ if k.startswith("WANDB_") and k not in WANDB_SETTINGS]:
+        monkeypatch.delenv(name)
+    with pytest.raises(SinkUnavailable, match="finds no W&B API key"):
+        WandbSink.check(WandbSection(project="x"))
+
+    def changed(*args, **kwargs):
+        raise TypeError("_use_system_auth() got an unexpected keyword argument 'update_session'")
+
+    monkeypatch.setattr(authenticate, "_use_system_auth", changed)
+    WandbSink.check(WandbSection(project="x"))

@@ -24,3 +24,12 @@ def fake_run_args(
     if name is not None:
         args += ["--name", name]
     return [*args, *extra]
+
+
+def run_args(runs_dir: Path | str, *extra: str, name: str = "r", steps: int | None = None) -> list[str]:
+    """`run --runs-dir DIR --name NAME [--max-steps STEPS] EXTRA...` (the default env and trainer
+    unless EXTRA names others)."""
+    args = ["run", "--runs-dir", str(runs_dir), "--name", name]
+    if steps is not None:
+        args += ["--max-steps", str(steps)]
+    return [*args, *extra]
