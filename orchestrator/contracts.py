@@ -127,7 +127,7 @@ def sampled_episode(
     built as per-token lists and packed again by the event."""
     token_ids = array(TOKEN_ID_CODE, prompt_ids)
     token_ids.extend(completion_ids)
-    logprobs = array(LOGPROB_CODE, bytes(4 * len(prompt_ids)))  # float32 zeros
+    logprobs: array[float] = array(LOGPROB_CODE, bytes(4 * len(prompt_ids)))  # float32 zeros
     logprobs.extend(completion_logprobs)
     mask = bytes(len(prompt_ids)) + b"\x01" * len(completion_ids)
     return episode_of_samples(

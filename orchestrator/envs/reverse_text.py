@@ -146,12 +146,13 @@ class ReverseTextConfig(EnvComponent):
 
     def preflight(self, seed: int) -> None:
         """Its server (if given) reachable and serving this run's tasks, before the run dir exists."""
-        if self.server is None:
+        server = self.server
+        if server is None:
             return
         from orchestrator.envs.client import EnvServerError, HttpEnvClient  # httpx: only now
 
         async def check() -> None:
-            async with HttpEnvClient(self.server, timeout=PREFLIGHT_TIMEOUT_S) as client:
+            async with HttpEnvClient(server, timeout=PREFLIGHT_TIMEOUT_S) as client:
                 await self._check_server(client, seed)
 
         try:

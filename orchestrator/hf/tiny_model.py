@@ -78,13 +78,13 @@ def build_untrained(seed: int = 0, spec: TinyModelSpec = TinyModelSpec()):
         intermediate_size=spec.intermediate_size,
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        torch_dtype="float32",  # type: ignore[call-arg]  # taken by the base config at run time; the typed signature omits it
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
