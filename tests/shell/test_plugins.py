@@ -240,7 +240,7 @@ def test_a_module_that_raises_on_import_is_named_with_where(plugin_path):
     [
         (["--env", "no_such_module:Env"], "module 'no_such_module' does not import"),
         (["--env", "own:RaisingTaskConfig"], "text_env"),
-        (["--env", "nope"], "unknown env 'nope'; known: dataset, fake, reverse_text, verifiers"),
+        (["--env", "nope"], "unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, verifiers"),
     ],
 )
 def test_orch_run_refuses_a_bad_plugin_with_exit_2_before_the_run_dir(plugin_path, tmp_path, args, message):
@@ -300,7 +300,7 @@ def test_an_installed_package_registers_an_env_by_entry_point(tmp_path, monkeypa
         assert type(config.env_components()["uppercase"]).__name__ == "UppercaseConfig"
         assert config.env_components()["uppercase"].length == 5
         with pytest.raises(
-            ConfigError, match=r"unknown env 'nope'; known: dataset, fake, reverse_text, uppercase, verifiers"
+            ConfigError, match=r"unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, uppercase, verifiers"
         ):
             load_config(overrides=['envs={"nope": 1}'])
     finally:
