@@ -5,8 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 VERIFIERS_STAMP := $(VENV)/.installed-verifiers
+REASONING_GYM_STAMP := $(VENV)/.installed-reasoning-gym
 
-.PHONY: run run-vllm vllm verifiers lint test test-busy bench clean
+.PHONY: run run-vllm vllm verifiers reasoning-gym lint test test-busy bench clean
 
 # Each install stage says what it does in one line, then pip shows what it collects and downloads
 # (not --quiet: a first set-up takes minutes, and silence looks like a hang).
@@ -55,6 +56,16 @@ $(VERIFIERS_STAMP): $(VLLM_STAMP)
 
 verifiers: $(VERIFIERS_STAMP)
 
+# reasoning-gym (the `reasoning_gym` env and its tests): pure Python, it leaves torch, vLLM and
+# transformers as they are.
+$(REASONING_GYM_STAMP): $(STAMP)
+	$(call say,reasoning-gym (pip install -e '.[reasoning-gym]'))
+	$(PIP) -e '.[reasoning-gym]'
+	$(BIN)/python -c "import reasoning_gym"
+	touch $(REASONING_GYM_STAMP)
+
+reasoning-gym: $(REASONING_GYM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/orch run
 
@@ -71,7 +82,7 @@ lint: $(STAMP)
 # and subprocesses, so two overlap on 2 cores. A module's tests stay on one worker (module-scoped
 # fixtures, a run or a server, are built once); more workers would start more vLLM servers at once.
 TEST_WORKERS ?= 2
-test: $(VERIFIERS_STAMP) lint
+test: $(VERIFIERS_STAMP) $(REASONING_GYM_STAMP) lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile --durations=15
 

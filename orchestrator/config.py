@@ -116,6 +116,7 @@ ENVS = Registry(
         "fake": "orchestrator.envs.fake:FakeEnvConfig",
         "verifiers": "orchestrator.verifiers.component:VerifiersConfig",
         "dataset": "orchestrator.envs.dataset:DatasetConfig",
+        "reasoning_gym": "orchestrator.envs.reasoning_gym:ReasoningGymConfig",
     },
     EnvComponent,
 )
