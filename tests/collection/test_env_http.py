@@ -170,9 +170,13 @@ def test_rollout_stream_close_and_drain_over_http(arun, server):
 
 def test_an_env_server_serves_the_envs_of_the_run_configs_registry():
     assert served_env("reverse_text", 3, max_len=9).params == {"seed": 3, "min_len": 3, "max_len": 9}
-    with pytest.raises(ValueError, match="unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, verifiers"):
+    with pytest.raises(
+        ValueError, match="unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, verifiers"
+    ):
         served_env("nope")
-    with pytest.raises(ValueError, match="^env 'fake' cannot be served by an env server; these can: reasoning_gym, reverse_text$"):
+    with pytest.raises(
+        ValueError, match="^env 'fake' cannot be served by an env server; these can: reasoning_gym, reverse_text$"
+    ):
         served_env("fake")
     with pytest.raises(ValueError, match="^max_len: Input should be greater than or equal to 1$"):
         served_env("reverse_text", max_len=0)

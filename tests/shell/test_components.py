@@ -42,7 +42,10 @@ OWN = " (or a 'module:Attribute' of your own)"
             "inference.kind: unknown inference backend 'nope'; known: embedded, fake, openai" + OWN,
         ),
         ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo" + OWN),
-        ('envs={"nope": 1}', "envs: unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, verifiers" + OWN),
+        (
+            'envs={"nope": 1}',
+            "envs: unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, verifiers" + OWN,
+        ),
         ("trainer.fake.nope=1", "trainer.fake.nope: no such key"),
         ("trainer.lora.rank=16", "trainer.lora: no such key (did you mean trainer.hf.lora?)"),
         ("trainer.lr=0.1", "trainer.lr: no such key (did you mean trainer.hf.lr?)"),

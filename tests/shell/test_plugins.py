@@ -305,7 +305,8 @@ def test_an_installed_package_registers_an_env_by_entry_point(tmp_path, monkeypa
         assert type(config.env_components()["uppercase"]).__name__ == "UppercaseConfig"
         assert config.env_components()["uppercase"].length == 5
         with pytest.raises(
-            ConfigError, match=r"unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, uppercase, verifiers"
+            ConfigError,
+            match=r"unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, uppercase, verifiers",
         ):
             load_config(overrides=['envs={"nope": 1}'])
     finally:
