@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from orchestrator.contracts import (
     BuildContext,
@@ -251,7 +251,9 @@ class DatasetEnv:
 class DatasetConfig(EnvComponent):
     """dataset: tasks from a data file, rewards from functions of TRL's signature (docs/dataset.md)."""
 
-    train: Path | None = Field(None, description=f"the train rows: {FORMATS}")
+    train: Path | None = Field(
+        None, description=f"the train rows: {FORMATS} (a relative path is from where orch starts, stored absolute)"
+    )
     held_out: Path | None = Field(None, description="held-out rows for evals (a file like train's)")
     held_out_fraction: float = Field(
         0.0,
@@ -260,7 +262,9 @@ class DatasetConfig(EnvComponent):
         description="else: this fraction of train's rows, by a stable hash of each row, held out (never trained on)",
     )
     rewards: list[RewardFunction] = Field(
-        default_factory=list, description='reward functions, e.g. [{function = "my_rewards:exact", weight = 1.0}]'
+        default_factory=list,
+        description='reward functions: in TOML [{function = "my_rewards:exact", weight = 1.0}], '
+        """with --set as JSON '[{"function": "my_rewards:exact"}]'""",
     )
     shuffle: bool = Field(
         True, description="each pass over the train rows in an order of its own (a function of the seed)"
@@ -268,6 +272,13 @@ class DatasetConfig(EnvComponent):
     success_threshold: float | None = Field(
         None, description="a reward at or above it solves the task (the pass of pass@k); None: no success notion"
     )
+
+    @field_validator("train", "held_out")
+    @classmethod
+    def _absolute(cls, path: Path | None) -> Path | None:
+        """A relative path is taken from where orch starts and stored absolute, so that a resume
+        started elsewhere reads the same file."""
+        return None if path is None else path.expanduser().absolute()
 
     @property
     def gives_messages(self) -> bool:  # type: ignore[override]

@@ -276,6 +276,16 @@ def test_the_section_is_one_of_the_config(tmp_path):
         load_config(overrides=['envs={"dataset": 1}'])
 
 
+def test_a_relative_data_path_is_stored_absolute_so_a_resume_elsewhere_reads_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    overrides = ['envs={"dataset": 1}', "env.dataset.train=data/t.jsonl", 'env.dataset.rewards=[{"function": "m:f"}]']
+    config = load_config(overrides=overrides)
+    stored = config.model_dump(mode="json")["env"]["dataset"]["train"]
+    assert stored == str(tmp_path / "data" / "t.jsonl")
+    monkeypatch.chdir("/")
+    assert DatasetConfig.model_validate({"train": stored}).train == tmp_path / "data" / "t.jsonl"
+
+
 @pytest.mark.slow
 def test_reverse_text_as_a_data_set_learns_and_every_reward_is_the_functions(rewards_module, tmp_path):
     """The embedded default run (as `make run`), its tasks reverse_text's as JSONL and its reward
