@@ -112,6 +112,17 @@ def _without_wandb_credentials(home: Path) -> dict:
     return {**env, "HOME": str(home), **wandb}
 
 
+def _no_wandb_credentials_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This process's environment as `_without_wandb_credentials`'s; the home it points to."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for name, value in _without_wandb_credentials(home).items():
+        monkeypatch.setenv(name, value)
+    for name in [k for k in os.environ if k.startswith("WANDB_") and k not in WANDB_SETTINGS]:
+        monkeypatch.delenv(name)
+    return home
+
+
 def test_wandb_online_without_a_key_is_refused_before_the_run_dir(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
@@ -128,12 +139,7 @@ def test_wandb_credentials_are_found_where_wandb_finds_them(tmp_path, monkeypatc
     from orchestrator.config import WandbSection
     from orchestrator.observe.sinks import SinkUnavailable, WandbSink
 
-    home = tmp_path / "home"
-    home.mkdir()
-    for name, value in _without_wandb_credentials(home).items():
-        monkeypatch.setenv(name, value)
-    for name in [k for k in os.environ if k.startswith("WANDB_") and k not in WANDB_SETTINGS]:
-        monkeypatch.delenv(name)
+    home = _no_wandb_credentials_here(tmp_path, monkeypatch)
     WandbSink.check(WandbSection(project="x", mode="offline"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     WandbSink.check(WandbSection(project="x"))
@@ -154,12 +160,7 @@ def test_a_wandb_whose_credential_lookup_breaks_skips_the_check(tmp_path, monkey
     from orchestrator.config import WandbSection
     from orchestrator.observe.sinks import SinkUnavailable, WandbSink
 
-    home = tmp_path / "home"
-    home.mkdir()
-    for name, value in _without_wandb_credentials(home).items():
-        monkeypatch.setenv(name, value)
-    for name in [k for k in os.environ if k.startswith("WANDB_") and k not in WANDB_SETTINGS]:
-        monkeypatch.delenv(name)
+    _no_wandb_credentials_here(tmp_path, monkeypatch)
     with pytest.raises(SinkUnavailable, match="finds no W&B API key"):
         WandbSink.check(WandbSection(project="x"))
 
