@@ -31,6 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "utilities": (
         "orchestrator.urls",
         "orchestrator.http_limits",
+        "orchestrator.model_path",
         "orchestrator.plugins",
         "orchestrator.orch_log",
         "orchestrator.figures",

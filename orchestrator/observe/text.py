@@ -37,7 +37,7 @@ def tokenizer_dir(run_dir: Path, stored_config: bytes | str | None) -> Path:
     looked.append(f"{weights}/step_N")
     model_path = (orjson.loads(stored_config).get("model") or {}).get("path") if stored_config else None
     if model_path:
-        from orchestrator.hf.model import ModelError, resolve_model_path
+        from orchestrator.model_path import ModelError, resolve_model_path
 
         try:  # a Hub id: its snapshot in the Hugging Face cache, never downloaded here
             directory = resolve_model_path(Path(model_path), local_only=True)

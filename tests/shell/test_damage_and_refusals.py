@@ -91,7 +91,6 @@ def test_an_unwritable_runs_dir_is_one_line(tmp_path):
     ("args", "says"),
     [
         (("replay", "RUN", "--episode", "abc"), "Invalid value for '--episode': 'abc' is not a valid integer"),
-        (("run", "--env", "nosuch"), "Invalid value for '--env': 'nosuch' is not one of"),
         (("run", "--progress-every", "0"), "Invalid value for '--progress-every': 0 is not in the range x>=1"),
         (("run", "--no-such-option"), "No such option '--no-such-option'"),
     ],
