@@ -18,7 +18,7 @@ from orchestrator.core.state import state_hash
 from orchestrator.fold import fold_log
 from orchestrator.shell.runner import create_run, resume_run
 from tests.support.cli import orch, spawn_orch, wait_until
-from tests.support.logs import assert_log_invariants, count_events, shipped_batches
+from tests.support.logs import assert_log_invariants, count_events
 from tests.support.runs import fake_run_args, sets
 
 FAKE = sets(
@@ -164,7 +164,13 @@ def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_id
         *sets("off_policy.max_off_policy_steps=4"),
     )
     try:
-        wait_until(lambda: proc.poll() is not None or shipped_batches(run_dir) >= 2, 60, "two batches shipped")
+        # a batch file is written after its batch_shipped event commits: wait for the files
+        files = run_dir / "batches"
+        wait_until(
+            lambda: proc.poll() is not None or len(list(files.glob("step_*.safetensors"))) >= 2,
+            60,
+            "two batch files written",
+        )
         assert proc.poll() is None, proc.stderr.read()
     finally:
         os.kill(proc.pid, signal.SIGKILL)
