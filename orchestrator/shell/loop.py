@@ -245,13 +245,12 @@ class Orchestrator:
         if outcome.exception is None:
             done = outcome.result
             if not done.ok or done.n_tokens:
-                self.zero_output.saw(done)
                 return done
             # An env's mistake, not the run's: the episode fails with the reason (docs/rules.md, "Samples").
             self.last_episode_error = NO_SAMPLE_ERROR
         else:
             self.last_episode_error = episode_error(outcome.exception)
-        failed = ev.EpisodeCompleted(
+        return ev.EpisodeCompleted(
             episode_id=req.episode_id,
             group_id=req.group_id,
             ok=False,
@@ -259,8 +258,6 @@ class Orchestrator:
             policy_end=self.state.version,
             error=self.last_episode_error,
         )
-        self.zero_output.saw(failed)
-        return failed
 
     async def _wait_for_inputs(self) -> None:
         try:
@@ -303,6 +300,8 @@ class Orchestrator:
         for event in inputs:
             log.append_json(*ev.encode_event(event))
             logged.append(event)
+            if event.kind == "episode_completed" and event.episode_id in state.inflight:
+                self.zero_output.saw(event)  # in log order, and not a late one the core refuses
             for decision in decide(state, event, batch_payloads):
                 log.append_json(*ev.encode_event(decision))
                 logged.append(decision)
