@@ -78,11 +78,12 @@ def read(run_dir: str | os.PathLike) -> dict | None:
 
 def nonfinite_count(tensors) -> int:
     """How many values of `tensors` are NaN or infinite (a shard's, under FSDP: its local part)."""
-    count = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        count += int(local.numel() - torch.isfinite(local.detach()).sum())
-    return count
+    # summed where the tensors are, read back once: one device sync a scan, not one a tensor
+    counts = [
+        local.numel() - torch.isfinite(local.detach()).sum()
+        for local in (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    ]
+    return int(sum(counts)) if counts else 0
 
 
 def load_weights(model: torch.nn.Module, ckpt: dict) -> None:
