@@ -281,21 +281,21 @@ class InferenceClient:
         # before the servers' keep-alive timeout (vLLM's and uvicorn's: 5 s, httpx's default
         # expiry too), so none is reused as the server closes it (a ReadError, a retry, and the
         # endpoint marked down for a backoff).
+        origins = {ep: _origin(ep.url) for ep in self.endpoints}
+        distinct = list(dict.fromkeys(origins.values()))
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             trust_env=False,
-            mounts={
-                origin: ShardedTransport(_transport) for origin in dict.fromkeys(_origin(e.url) for e in self.endpoints)
-            },
+            mounts={origin: ShardedTransport(_transport) for origin in distinct},
             transport=_transport(None),
         )
         # The caps, as slots a connection is taken with: per endpoint (origin) and in all.
         per_endpoint = {
             origin: asyncio.Semaphore(max_connections_per_endpoint) if max_connections_per_endpoint else None
-            for origin in dict.fromkeys(_origin(e.url) for e in self.endpoints)
+            for origin in distinct
         }
-        for ep in self.endpoints:
-            ep.connections = per_endpoint[_origin(ep.url)]
+        for ep, origin in origins.items():
+            ep.connections = per_endpoint[origin]
         self._all_connections = asyncio.Semaphore(max_connections) if max_connections is not None else None
         self.lag = LoopLag(keep_s=max(timeout_s, connect_timeout_s))  # the windows `_transport_errors` asks about
         self.retries = 0  # requests re-sent after a failure (all endpoints together)
@@ -492,7 +492,7 @@ class InferenceClient:
     def _transport_errors(self, method: str, url: str, path: str, timeout: float | None = None) -> Iterator[None]:
         """A transport failure or a timeout of an HTTP exchange, as the Retryable it is. A
         timeout whose window orch's own loop was stalled through (`LoopLag.caused`), or a wait
-        for a connection of the endpoint's own cap (httpx's pool timeout), is orch's side."""
+        for a free pooled connection (httpx's pool timeout), is orch's side."""
         self.lag.watch()
         try:
             yield
