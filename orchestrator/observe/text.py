@@ -69,9 +69,12 @@ class Decoder:
         assert isinstance(text, str)  # one sequence of ids decodes to one string
         return text
 
+    def completion_text(self, token_ids: Sequence[int], mask: Sequence[int] | bytes) -> str:
+        """The sampled tokens alone (what the model said, the env's turns between left out)."""
+        return self.decode([token for token, flag in zip(token_ids, mask) if flag])
+
     def texts(self, token_ids: Sequence[int], mask: Sequence[int] | bytes) -> dict[str, str]:
-        """`prompt_text`: the tokens before the first sampled one; `completion_text`: the sampled
-        tokens alone (what the model said, the env's turns between left out)."""
+        """`prompt_text`: the tokens before the first sampled one; `completion_text`: as
+        `completion_text()`."""
         first = next((i for i, sampled in enumerate(mask) if sampled), len(token_ids))
-        sampled = [token for token, flag in zip(token_ids, mask) if flag]
-        return {"prompt_text": self.decode(token_ids[:first]), "completion_text": self.decode(sampled)}
+        return {"prompt_text": self.decode(token_ids[:first]), "completion_text": self.completion_text(token_ids, mask)}
