@@ -47,6 +47,7 @@ from orchestrator.plugins import PluginError, import_attribute
 NAME = "dataset"
 PROMPT_COLUMNS = ("prompt", "messages")
 ANSWER_COLUMNS = ("answer", "solution")  # a column that fills Task.answer, if present (else "")
+TRAIN = "env.dataset.train"  # how errors name the train rows
 FORMATS = ".jsonl, .csv, .parquet or a `datasets` save_to_disk directory"
 
 Row = dict[str, Any]
@@ -56,11 +57,17 @@ Row = dict[str, Any]
 def read_rows(path: Path, what: str) -> list[Row]:
     """Every row of the data file or directory at `path` (ConfigError, one line, starting with
     `what`, if it is missing, unreadable, of no known format, empty or without a prompt column)."""
+    return _read_rows_cached(*_file_key(path, what), what)
+
+
+def _file_key(path: Path, what: str) -> tuple[Path, int, int]:
+    """The data at `path` as the caches know it: resolved, its mtime and size (ConfigError, one
+    line, starting with `what`, if it is missing)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{what}: no such file or directory: {path}")
     stat = path.stat()
-    return _read_rows_cached(path.resolve(), stat.st_mtime_ns, stat.st_size, what)
+    return path.resolve(), stat.st_mtime_ns, stat.st_size
 
 
 @functools.lru_cache(maxsize=8)
@@ -137,6 +144,20 @@ def held_out_draw(row: Row, where: str) -> float:
         raise ConfigError(f"{where}: cannot hash the row for held_out_fraction: {_one_line(err)}") from None
     digest = hashlib.sha256(content).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+@functools.lru_cache(maxsize=8)
+def _split_cached(train: Path, key: tuple[Path, int, int], fraction: float) -> tuple[list[Row], list[Row]]:
+    """The train file's rows (`key`, of `train` as given) split by `held_out_fraction`: each run
+    start asks for it several times, and hashing every row is not free. The lists are shared, never
+    mutated."""
+    rows = _read_rows_cached(*key, TRAIN)
+    held = [held_out_draw(row, f"{TRAIN}: row {number} of {train}") < fraction for number, row in enumerate(rows, 1)]
+    kept = [row for row, out in zip(rows, held) if not out]
+    if not kept or all(not out for out in held):
+        side = "train" if not kept else "held-out"
+        raise ConfigError(f"env.dataset.held_out_fraction={fraction} leaves no {side} row")
+    return kept, [row for row, out in zip(rows, held) if out]
 
 
 # -------------------------------------------------------------------------------------- rewards
@@ -303,20 +324,13 @@ class DatasetConfig(EnvComponent):
 
     def _rows(self) -> tuple[list[Row], list[Row]]:
         assert self.train is not None  # check() refused a run without it
-        rows = read_rows(self.train, "env.dataset.train")
+        key = _file_key(self.train, TRAIN)
+        rows = _read_rows_cached(*key, TRAIN)
         if self.held_out is not None:
             return rows, read_rows(self.held_out, "env.dataset.held_out")
         if not self.held_out_fraction:
             return rows, []
-        held = [
-            held_out_draw(row, f"env.dataset.train: row {number} of {self.train}") < self.held_out_fraction
-            for number, row in enumerate(rows, 1)
-        ]
-        train = [row for row, out in zip(rows, held) if not out]
-        if not train or all(not out for out in held):
-            side = "train" if not train else "held-out"
-            raise ConfigError(f"env.dataset.held_out_fraction={self.held_out_fraction} leaves no {side} row")
-        return train, [row for row, out in zip(rows, held) if out]
+        return _split_cached(self.train, key, self.held_out_fraction)
 
     def _reward_functions(self, rows: list[Row]) -> list[tuple[Callable[..., Any], float, str]]:
         """The reward functions, checked against the columns of `rows` (train and held-out: evals
