@@ -24,24 +24,14 @@ import hashlib
 import inspect
 import math
 import random
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 from pydantic import Field, field_validator
 
-from orchestrator.contracts import (
-    BuildContext,
-    ConfigError,
-    EnvComponent,
-    InProcessEnv,
-    RolloutEnv,
-    RunPlan,
-    Section,
-    Task,
-)
+from orchestrator.contracts import ConfigError, RunPlan, Section, Task, TextEnvComponent
 from orchestrator.plugins import PluginError, import_attribute
 
 NAME = "dataset"
@@ -269,7 +259,7 @@ class DatasetEnv:
         return total if counted else 0.0
 
 
-class DatasetConfig(EnvComponent):
+class DatasetConfig(TextEnvComponent):
     """dataset: tasks from a data file, rewards from functions of TRL's signature (docs/dataset.md)."""
 
     train: Path | None = Field(
@@ -343,15 +333,11 @@ class DatasetConfig(EnvComponent):
         train, held_out = self._rows()
         self._reward_functions(train + held_out)
 
-    def text_env(self, seed: int) -> DatasetEnv | None:
+    def text_env(self, seed: int) -> DatasetEnv | None:  # type: ignore[override]  # served_env handles None
         if self.train is None:
             return None  # nothing to serve
         train, held_out = self._rows()
         return DatasetEnv(seed, train, held_out, self._reward_functions(train + held_out), self.shuffle)
-
-    @asynccontextmanager
-    async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:
-        yield InProcessEnv(self.text_env(ctx.seed))
 
 
 def _one_line(err: BaseException) -> str:
