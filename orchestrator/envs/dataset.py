@@ -32,6 +32,7 @@ import orjson
 from pydantic import Field, field_validator
 
 from orchestrator.contracts import ConfigError, RunPlan, Section, Task, TextEnvComponent
+from orchestrator.notices import one_line
 from orchestrator.plugins import PluginError, import_attribute
 
 NAME = "dataset"
@@ -67,7 +68,7 @@ def _read_rows_cached(path: Path, _mtime_ns: int, _size: int, what: str) -> list
     except ConfigError:
         raise
     except (OSError, ValueError, UnicodeDecodeError, csv.Error) as err:
-        raise ConfigError(f"{what}: cannot read {path}: {type(err).__name__}: {_one_line(err)}") from None
+        raise ConfigError(f"{what}: cannot read {path}: {type(err).__name__}: {one_line(err)}") from None
     if not rows:
         raise ConfigError(f"{what}: {path} holds no row")
     for number, row in enumerate(rows, 1):
@@ -131,7 +132,7 @@ def held_out_draw(row: Row, where: str) -> float:
     try:
         content = orjson.dumps(row, default=repr, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
     except orjson.JSONEncodeError as err:
-        raise ConfigError(f"{where}: cannot hash the row for held_out_fraction: {_one_line(err)}") from None
+        raise ConfigError(f"{where}: cannot hash the row for held_out_fraction: {one_line(err)}") from None
     digest = hashlib.sha256(content).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
@@ -338,7 +339,3 @@ class DatasetConfig(TextEnvComponent):
             return None  # nothing to serve
         train, held_out = self._rows()
         return DatasetEnv(seed, train, held_out, self._reward_functions(train + held_out), self.shuffle)
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from orchestrator.contracts import ConfigError, RunPlan, Task, TextEnvComponent
+from orchestrator.notices import one_line
 
 NAME = "reasoning_gym"
 EXTRA = "pip install 'orch[reasoning-gym]'"
@@ -72,7 +73,7 @@ class ReasoningGymEnv:
                     name, seed=self.seed, size=size, **self.section.config.get(name, {})
                 )
             except Exception as err:  # noqa: BLE001 - reasoning-gym's refusal of a name or a config, alike
-                message = " ".join(str(err).split()) or type(err).__name__
+                message = one_line(err) or type(err).__name__
                 raise ConfigError(f"env.reasoning_gym: data set {name!r} does not build: {message}") from None
         return built
 
