@@ -49,6 +49,13 @@ def tokenizer_dir(run_dir: Path, stored_config: bytes | str | None) -> Path:
     raise NoTokenizer(f"no tokenizer of {run_dir} found (looked in {', '.join(looked)}); give one with --tokenizer DIR")
 
 
+def run_decoder(run: Path, stored_config: bytes | str | None, tokenizer: Path | None = None) -> Decoder:
+    """The `Decoder` of run `run` (its directory or its events.db): `tokenizer` if given, else the
+    run's own (NoTokenizer, one line, if there is none or it does not load)."""
+    run_dir = run if run.is_dir() else run.parent
+    return Decoder(tokenizer if tokenizer is not None else tokenizer_dir(run_dir, stored_config))
+
+
 class Decoder:
     """Token ids to text with one tokenizer."""
 
