@@ -9,6 +9,8 @@ import os
 import re
 from pathlib import Path
 
+from orchestrator.notices import one_line
+
 
 class ModelError(ValueError):
     """A model dir, model id, tokenizer or LoRA setting that cannot work; one-line message."""
@@ -44,7 +46,7 @@ def resolve_model_path(path: Path, log=print, *, local_only: bool = False) -> Pa
         validate_repo_id(repo_id)
     except ValueError as err:  # HFValidationError
         raise ModelError(
-            f"model.path {repo_id!r} is neither a local dir nor a Hugging Face Hub id ({' '.join(str(err).split())})"
+            f"model.path {repo_id!r} is neither a local dir nor a Hugging Face Hub id ({one_line(err)})"
         ) from None
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
@@ -60,7 +62,7 @@ def resolve_model_path(path: Path, log=print, *, local_only: bool = False) -> Pa
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache))
     except Exception as err:  # noqa: BLE001 - the hub's errors (network, auth, no such repo) have no one base
-        message = " ".join(str(err).split())[:200]
+        message = one_line(err)[:200]
         raise ModelError(
             f"model.path {repo_id!r} is neither a local dir nor in the Hugging Face cache {cache}, and its "
             f"download failed: {type(err).__name__}: {message}"

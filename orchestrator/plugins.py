@@ -59,9 +59,9 @@ def resolve(kind: str, name: str, builtins: Mapping[str, str], base: type) -> ty
     """The config model of component `name` of `kind`, a concrete subclass of `base`."""
     spec, what = builtins.get(name), f"{kind} {name!r}"
     if spec is None:
-        points = [p for p in entry_points(group=ENTRY_POINT_GROUPS[kind]) if p.name == name]
-        if points:
-            spec, what = points[0].value, f"{kind} {name!r} (entry point {points[0].value!r} of {points[0].group})"
+        point = next(iter(entry_points(group=ENTRY_POINT_GROUPS[kind], name=name)), None)
+        if point is not None:
+            spec, what = point.value, f"{kind} {name!r} (entry point {point.value!r} of {point.group})"
         elif ":" in name:
             spec = name
         else:

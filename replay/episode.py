@@ -56,11 +56,10 @@ def with_text(completions: list[dict], run: Path, stored_config: str | None, tok
     """`completions` (as `episode_completions` gives them), each with its `prompt_text` and
     `completion_text` (and each training sample's) decoded with the run's tokenizer, or
     `tokenizer`; ReplayInputError (one line) if there is none."""
-    from orchestrator.observe.text import Decoder, NoTokenizer, tokenizer_dir
+    from orchestrator.observe.text import NoTokenizer, run_decoder
 
-    run_dir = run if run.is_dir() else run.parent
     try:
-        decoder = Decoder(tokenizer if tokenizer is not None else tokenizer_dir(run_dir, stored_config))
+        decoder = run_decoder(run, stored_config, tokenizer)
     except NoTokenizer as err:
         raise ReplayInputError(str(err)) from None
     out = []

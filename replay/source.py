@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 
 from eventlog import EventLog, LogError
-from orchestrator.notices import warn
+from orchestrator.notices import one_line, warn
 from orchestrator.orch_log import UNCHECKED_ROWS, OrchLogError, open_orch_log
 from orchestrator.rundir import EVENTS_DB
 
@@ -23,10 +23,6 @@ REEXECUTED_META = "reexecuted"  # meta key marking a log written by `orch replay
 
 class ReplayInputError(ValueError):
     """Bad input for a replay command (missing, foreign or corrupted log, bad option); one line."""
-
-
-def one_line(message: str) -> str:
-    return " ".join(str(message).split())
 
 
 def row_data(seq: int, data: bytes | str, source: str | None = None):

@@ -147,9 +147,9 @@ class CoreParams(_Model):
     def _check(self) -> CoreParams:
         if not self.env_ratios or any(r <= 0 for r in self.env_ratios.values()):
             raise ValueError("env_ratios must name at least one env, each with a ratio > 0")
-        if self.algorithm in BACKGROUND_ONLY and not self.finalize_in_background:
-            raise ValueError(f"algorithm {self.algorithm!r} calls a grader and must finalize in the background")
         if self.algorithm not in INLINE_SCORERS and not self.finalize_in_background:
+            if self.algorithm in BACKGROUND_ONLY:  # a built-in one, outside INLINE_SCORERS too
+                raise ValueError(f"algorithm {self.algorithm!r} calls a grader and must finalize in the background")
             # A plugin's algorithm (docs/plugins.md): the core folds the advantages it returns.
             raise ValueError(
                 f"algorithm {self.algorithm!r} is not one the core scores inline "

@@ -24,29 +24,21 @@ import hashlib
 import inspect
 import math
 import random
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 from pydantic import Field, field_validator
 
-from orchestrator.contracts import (
-    BuildContext,
-    ConfigError,
-    EnvComponent,
-    InProcessEnv,
-    RolloutEnv,
-    RunPlan,
-    Section,
-    Task,
-)
+from orchestrator.contracts import ConfigError, RunPlan, Section, Task, TextEnvComponent
+from orchestrator.notices import one_line
 from orchestrator.plugins import PluginError, import_attribute
 
 NAME = "dataset"
 PROMPT_COLUMNS = ("prompt", "messages")
 ANSWER_COLUMNS = ("answer", "solution")  # a column that fills Task.answer, if present (else "")
+TRAIN = "env.dataset.train"  # how errors name the train rows
 FORMATS = ".jsonl, .csv, .parquet or a `datasets` save_to_disk directory"
 
 Row = dict[str, Any]
@@ -56,11 +48,17 @@ Row = dict[str, Any]
 def read_rows(path: Path, what: str) -> list[Row]:
     """Every row of the data file or directory at `path` (ConfigError, one line, starting with
     `what`, if it is missing, unreadable, of no known format, empty or without a prompt column)."""
+    return _read_rows_cached(*_file_key(path, what), what)
+
+
+def _file_key(path: Path, what: str) -> tuple[Path, int, int]:
+    """The data at `path` as the caches know it: resolved, its mtime and size (ConfigError, one
+    line, starting with `what`, if it is missing)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{what}: no such file or directory: {path}")
     stat = path.stat()
-    return _read_rows_cached(path.resolve(), stat.st_mtime_ns, stat.st_size, what)
+    return path.resolve(), stat.st_mtime_ns, stat.st_size
 
 
 @functools.lru_cache(maxsize=8)
@@ -70,7 +68,7 @@ def _read_rows_cached(path: Path, _mtime_ns: int, _size: int, what: str) -> list
     except ConfigError:
         raise
     except (OSError, ValueError, UnicodeDecodeError, csv.Error) as err:
-        raise ConfigError(f"{what}: cannot read {path}: {type(err).__name__}: {_one_line(err)}") from None
+        raise ConfigError(f"{what}: cannot read {path}: {type(err).__name__}: {one_line(err)}") from None
     if not rows:
         raise ConfigError(f"{what}: {path} holds no row")
     for number, row in enumerate(rows, 1):
@@ -134,9 +132,23 @@ def held_out_draw(row: Row, where: str) -> float:
     try:
         content = orjson.dumps(row, default=repr, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
     except orjson.JSONEncodeError as err:
-        raise ConfigError(f"{where}: cannot hash the row for held_out_fraction: {_one_line(err)}") from None
+        raise ConfigError(f"{where}: cannot hash the row for held_out_fraction: {one_line(err)}") from None
     digest = hashlib.sha256(content).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+@functools.lru_cache(maxsize=8)
+def _split_cached(train: Path, key: tuple[Path, int, int], fraction: float) -> tuple[list[Row], list[Row]]:
+    """The train file's rows (`key`, of `train` as given) split by `held_out_fraction`: each run
+    start asks for it several times, and hashing every row is not free. The lists are shared, never
+    mutated."""
+    rows = _read_rows_cached(*key, TRAIN)
+    held = [held_out_draw(row, f"{TRAIN}: row {number} of {train}") < fraction for number, row in enumerate(rows, 1)]
+    kept = [row for row, out in zip(rows, held) if not out]
+    if not kept or all(not out for out in held):
+        side = "train" if not kept else "held-out"
+        raise ConfigError(f"env.dataset.held_out_fraction={fraction} leaves no {side} row")
+    return kept, [row for row, out in zip(rows, held) if out]
 
 
 # -------------------------------------------------------------------------------------- rewards
@@ -248,7 +260,7 @@ class DatasetEnv:
         return total if counted else 0.0
 
 
-class DatasetConfig(EnvComponent):
+class DatasetConfig(TextEnvComponent):
     """dataset: tasks from a data file, rewards from functions of TRL's signature (docs/dataset.md)."""
 
     train: Path | None = Field(
@@ -303,20 +315,13 @@ class DatasetConfig(EnvComponent):
 
     def _rows(self) -> tuple[list[Row], list[Row]]:
         assert self.train is not None  # check() refused a run without it
-        rows = read_rows(self.train, "env.dataset.train")
+        key = _file_key(self.train, TRAIN)
+        rows = _read_rows_cached(*key, TRAIN)
         if self.held_out is not None:
             return rows, read_rows(self.held_out, "env.dataset.held_out")
         if not self.held_out_fraction:
             return rows, []
-        held = [
-            held_out_draw(row, f"env.dataset.train: row {number} of {self.train}") < self.held_out_fraction
-            for number, row in enumerate(rows, 1)
-        ]
-        train = [row for row, out in zip(rows, held) if not out]
-        if not train or all(not out for out in held):
-            side = "train" if not train else "held-out"
-            raise ConfigError(f"env.dataset.held_out_fraction={self.held_out_fraction} leaves no {side} row")
-        return train, [row for row, out in zip(rows, held) if out]
+        return _split_cached(self.train, key, self.held_out_fraction)
 
     def _reward_functions(self, rows: list[Row]) -> list[tuple[Callable[..., Any], float, str]]:
         """The reward functions, checked against the columns of `rows` (train and held-out: evals
@@ -329,16 +334,8 @@ class DatasetConfig(EnvComponent):
         train, held_out = self._rows()
         self._reward_functions(train + held_out)
 
-    def text_env(self, seed: int) -> DatasetEnv | None:
+    def text_env(self, seed: int) -> DatasetEnv | None:  # type: ignore[override]  # served_env handles None
         if self.train is None:
             return None  # nothing to serve
         train, held_out = self._rows()
         return DatasetEnv(seed, train, held_out, self._reward_functions(train + held_out), self.shuffle)
-
-    @asynccontextmanager
-    async def open(self, ctx: BuildContext) -> AsyncIterator[RolloutEnv]:
-        yield InProcessEnv(self.text_env(ctx.seed))
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())

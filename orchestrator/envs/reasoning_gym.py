@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from orchestrator.contracts import ConfigError, RunPlan, Task, TextEnvComponent
+from orchestrator.notices import one_line
 
 NAME = "reasoning_gym"
 EXTRA = "pip install 'orch[reasoning-gym]'"
@@ -72,7 +73,7 @@ class ReasoningGymEnv:
                     name, seed=self.seed, size=size, **self.section.config.get(name, {})
                 )
             except Exception as err:  # noqa: BLE001 - reasoning-gym's refusal of a name or a config, alike
-                message = " ".join(str(err).split()) or type(err).__name__
+                message = one_line(err) or type(err).__name__
                 raise ConfigError(f"env.reasoning_gym: data set {name!r} does not build: {message}") from None
         return built
 
@@ -94,24 +95,28 @@ class ReasoningGymEnv:
 
     def source(self, index: int) -> tuple[str, int]:
         """The data set and item index of task `index` (a pure function of seed and index)."""
+        return self._entry(index)[:2]
+
+    def _entry(self, index: int) -> tuple[str, int, dict[str, Any]]:
+        """The data set, item index and item of task `index`: reasoning-gym generates an item anew on
+        each lookup, so the train item compared with the held-out questions is the one returned."""
         rng = random.Random(f"{NAME}/{self.seed}/{index}")
         name = rng.choices(self.names, weights=self.weights)[0] if len(self.names) > 1 else self.names[0]
         train_size, held_out_size = self.section.train_size, self.section.held_out_size
+        dataset = self.datasets[name]
         if index < 0:
-            return name, train_size + (-index - 1) % held_out_size
-        dataset, held = self.datasets[name], self.held_out_questions[name]
+            item_index = train_size + (-index - 1) % held_out_size
+            return name, item_index, dataset[item_index]
+        held = self.held_out_questions[name]
         for step in range(train_size):
-            item = (index + step) % train_size
-            if dataset[item]["question"] not in held:
-                return name, item
+            item_index = (index + step) % train_size
+            item = dataset[item_index]
+            if item["question"] not in held:
+                return name, item_index, item
         raise ValueError(f"reasoning_gym: every train item of {name!r} is a held-out question; raise train_size")
 
-    def item(self, index: int) -> dict[str, Any]:
-        name, item = self.source(index)
-        return dict(self.datasets[name][item])
-
     def task(self, index: int) -> Task:
-        item = self.item(index)
+        item = self._entry(index)[2]
         question = str(item["question"])
         messages = [{"role": "user", "content": question}]
         if self.system_prompt:
@@ -119,10 +124,10 @@ class ReasoningGymEnv:
         return Task(env=self.name, index=index, prompt=question, answer=str(item["answer"]), messages=messages)
 
     def score(self, task: Task, completion: str) -> float:
-        name, item = self.source(task.index)
+        name, _, item = self._entry(task.index)
         section = self.section
         answer = extract_answer(completion, section.extract, section.tag, section.regex)
-        return float(self.datasets[name].score_answer(answer, self.datasets[name][item]))
+        return float(self.datasets[name].score_answer(answer, item))
 
 
 class ReasoningGymConfig(TextEnvComponent):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import Field, field_validator
 
 from orchestrator.contracts import BuildContext, ConfigError, EnvComponent, InProcessEnv, RolloutEnv, RunPlan, Task
-from orchestrator.notices import warn
+from orchestrator.notices import warn_connection_cap
 from orchestrator.urls import check_http_url
 
 if TYPE_CHECKING:
@@ -130,13 +130,13 @@ class ReverseTextConfig(EnvComponent):
                 "evals need held-out tasks (negative indices), which env.reverse_text.server does not serve; "
                 "run the env in-process for evals"
             )
-        cap = self.max_connections if self.server is not None else None  # in-process: no connection
-        if cap is not None and cap < plan.requests_in_flight:
-            warn(
-                f"env.reverse_text.max_connections allows {cap} connection(s) to the env server, "
-                f"fewer than the {plan.requests_in_flight} episodes the run keeps in flight (rollout.max_inflight): "
-                "the others wait for a free one"
-            )
+        warn_connection_cap(
+            self.max_connections if self.server is not None else None,  # in-process: no connection
+            plan.requests_in_flight,
+            "env.reverse_text.max_connections allows {cap} connection(s) to the env server, "
+            "fewer than the {needed} episodes the run keeps in flight (rollout.max_inflight): "
+            "the others wait for a free one",
+        )
 
     def solved(self, reward: float) -> bool:
         return solved(reward)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from orchestrator.contracts import AgentEnv, BuildContext, InferenceComponent, RolloutEnv, RunPlan
 from orchestrator.inference.endpoints_config import EndpointsSettings
-from orchestrator.notices import warn
+from orchestrator.notices import warn_connection_cap
 
 if TYPE_CHECKING:
     from orchestrator.inference.endpoints_backend import EndpointsBackend
@@ -53,12 +53,13 @@ class EndpointsConfig(InferenceComponent, EndpointsSettings):
             cap_of_all = self.max_connections_per_endpoint * servers
             caps.append(("max_connections_per_endpoint", cap_of_all, plan.requests_in_flight))
         for name, cap, needed in caps:
-            if cap is not None and cap < needed:
-                warn(
-                    f"inference.openai.{name} allows {cap} connection(s) in all, fewer than the "
-                    f"{needed} requests the run keeps in flight (rollout.max_inflight and eval.max_inflight): "
-                    "the others wait for a free one"
-                )
+            warn_connection_cap(
+                cap,
+                needed,
+                f"inference.openai.{name} allows {{cap}} connection(s) in all, fewer than the "
+                "{needed} requests the run keeps in flight (rollout.max_inflight and eval.max_inflight): "
+                "the others wait for a free one",
+            )
 
     def served_model(self) -> str | None:
         return self.model

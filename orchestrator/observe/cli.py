@@ -73,7 +73,7 @@ def export_command(run: Path, out: Path, replace: bool, no_text: bool, tokenizer
     versions; typed, indexed, full-text search on error messages; each episode's completion as
     text): open it with Datasette or any SQLite tool. RUN: a run directory or its events.db."""
     from orchestrator.observe.export import export_run
-    from orchestrator.observe.text import Decoder, NoTokenizer, tokenizer_dir
+    from orchestrator.observe.text import NoTokenizer, run_decoder
 
     try:
         _check_output(out, "OUT.db")
@@ -83,8 +83,7 @@ def export_command(run: Path, out: Path, replace: bool, no_text: bool, tokenizer
             decoder = None
             if not no_text:
                 try:
-                    run_dir = run if run.is_dir() else run.parent
-                    decoder = Decoder(tokenizer or tokenizer_dir(run_dir, log.meta.get("config")))
+                    decoder = run_decoder(run, log.meta.get("config"), tokenizer)
                 except NoTokenizer as err:
                     click.echo(f"orch: note: the episodes' text column is left NULL: {err}", err=True)
             counts = export_run(log, out, decoder, note=lambda line: click.echo(f"orch: note: {line}", err=True))

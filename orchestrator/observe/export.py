@@ -254,7 +254,7 @@ def add_texts(log: EventLog, episodes: dict[int, dict], decoder: Decoder) -> dic
             except PayloadError as err:  # a log without checksums: damage shows only here
                 unreadable[seq] = f"seq {seq}: {err}"
                 continue
-            by_seq[seq]["text"] = decoder.texts(event.token_ids, event.mask)["completion_text"]
+            by_seq[seq]["text"] = decoder.completion_text(event.token_ids, event.mask)
     return unreadable
 
 

@@ -25,6 +25,7 @@ from typing import Protocol
 import orjson
 
 from eventlog import EventLog
+from orchestrator.notices import one_line
 from orchestrator.observe.rows import Row, StepRows, log_rows
 from orchestrator.plugins import resolve_sink
 from orchestrator.rundir import atomic_write_bytes
@@ -108,7 +109,7 @@ class WandbSink:
             host = HostUrl(wandb_setup.singleton().settings.base_url)
             found = _use_system_auth(host=host, source="orch", update_session=False)
         except AuthenticationError as err:
-            raise SinkUnavailable(f"metrics.wandb: its credentials are invalid: {_one_line(err)}") from None
+            raise SinkUnavailable(f"metrics.wandb: its credentials are invalid: {one_line(err)}") from None
         except Exception:  # noqa: BLE001 - private APIs of a wandb layout we cannot read: the check is skipped
             return
         if found is None:
@@ -241,11 +242,7 @@ def _guarded(sink, call, *args) -> None:
     try:
         call(*args)
     except Exception as err:  # noqa: BLE001 - any error of a third-party sink, reported in one line
-        raise SinkFailed(f"metric sink {sink.target} failed: {type(err).__name__}: {_one_line(err)}") from err
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())
+        raise SinkFailed(f"metric sink {sink.target} failed: {type(err).__name__}: {one_line(err)}") from err
 
 
 def _grouped(rows) -> list[tuple[int, float, list[Row]]]:
@@ -279,7 +276,7 @@ def build_feeder(metrics, run_dir: Path, log: EventLog) -> SinkFeeder | None:
                 sinks.append(sink_class(name)(section, run_dir, identity))
             except Exception as err:  # noqa: BLE001 - a third-party sink's errors have no common base
                 where = f"metrics.{name}" if name in SINKS else f"metric sink {name!r}"
-                raise SinkFailed(f"{where}: cannot start: {type(err).__name__}: {_one_line(err)}") from err
+                raise SinkFailed(f"{where}: cannot start: {type(err).__name__}: {one_line(err)}") from err
         return SinkFeeder(Path(log.path), run_dir, sinks)
     except BaseException:
         for sink in sinks:

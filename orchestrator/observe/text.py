@@ -49,6 +49,13 @@ def tokenizer_dir(run_dir: Path, stored_config: bytes | str | None) -> Path:
     raise NoTokenizer(f"no tokenizer of {run_dir} found (looked in {', '.join(looked)}); give one with --tokenizer DIR")
 
 
+def run_decoder(run: Path, stored_config: bytes | str | None, tokenizer: Path | None = None) -> Decoder:
+    """The `Decoder` of run `run` (its directory or its events.db): `tokenizer` if given, else the
+    run's own (NoTokenizer, one line, if there is none or it does not load)."""
+    run_dir = run if run.is_dir() else run.parent
+    return Decoder(tokenizer if tokenizer is not None else tokenizer_dir(run_dir, stored_config))
+
+
 class Decoder:
     """Token ids to text with one tokenizer."""
 
@@ -69,9 +76,12 @@ class Decoder:
         assert isinstance(text, str)  # one sequence of ids decodes to one string
         return text
 
+    def completion_text(self, token_ids: Sequence[int], mask: Sequence[int] | bytes) -> str:
+        """The sampled tokens alone (what the model said, the env's turns between left out)."""
+        return self.decode([token for token, flag in zip(token_ids, mask) if flag])
+
     def texts(self, token_ids: Sequence[int], mask: Sequence[int] | bytes) -> dict[str, str]:
-        """`prompt_text`: the tokens before the first sampled one; `completion_text`: the sampled
-        tokens alone (what the model said, the env's turns between left out)."""
+        """`prompt_text`: the tokens before the first sampled one; `completion_text`: as
+        `completion_text()`."""
         first = next((i for i, sampled in enumerate(mask) if sampled), len(token_ids))
-        sampled = [token for token, flag in zip(token_ids, mask) if flag]
-        return {"prompt_text": self.decode(token_ids[:first]), "completion_text": self.decode(sampled)}
+        return {"prompt_text": self.decode(token_ids[:first]), "completion_text": self.completion_text(token_ids, mask)}

@@ -66,14 +66,13 @@ class Progress:
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.every = every
         self.warn = warn
-        self.rewards: dict[int, float] = {}
+        self.rewards: dict[int, float] = {}  # by step, of the steps shipped in this segment
         self.started = self._last = time.monotonic()
         # (shipped + dropped, dropped for the settings' reasons) after each of the last steps
         self._recent: deque[tuple[int, dict[str, int]]] = deque(maxlen=WASTE_WINDOW_STEPS + 1)
         self._warned_at: int | None = None  # step of the last waste warning
         self._bar: Bar | None = None
         self._bar_task: TaskID | None = None
-        self._stepped = False  # a step shipped in this segment
         self._told_first = False  # the first completions told (in a pipe)
         self._completed_before = 0  # completions before this segment (a resume's)
         self._shipped_before = 0  # steps before this segment (a resume's)
@@ -110,7 +109,7 @@ class Progress:
     def on_commit(self, state: State) -> None:
         """Before this segment's first step: what sampling has done so far (a run's first batch can
         take a while), on the live bar, and in a pipe once, with the first completions."""
-        if self._stepped:
+        if self.rewards:  # a step shipped in this segment
             return
         done, inflight = state.acct.completed - self._completed_before, len(state.inflight)
         if self._bar is not None and self._bar_task is not None:
@@ -127,7 +126,6 @@ class Progress:
     def on_batch(self, event, state: State, loop) -> None:
         now = time.monotonic()
         step_time, self._last = now - self._last, now
-        self._stepped = True
         self.rewards[event.step] = event.reward_mean
         self._check_waste(event.step, state.acct)
         if self._bar is not None and self._bar_task is not None:
