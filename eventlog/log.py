@@ -51,6 +51,7 @@ from .errors import (
     ReadOnlyLocationError,
     StorageError,
 )
+from .fileformat import data_hash as _data_hash
 from .fileformat import data_seed as _data_seed
 from .fileformat import finish_row_hash as _finish_row_hash
 from .fileformat import row_hash as _row_hash
@@ -439,14 +440,16 @@ class EventLog:
         _insert_rows). A row's checksum is begun here, from its data's bytes: a row without a
         payload gets it whole; one with a payload gets its seed, finished at the commit."""
         seq = self._next
+        text = doc.decode()
         if payload is None:
-            row: tuple = (seq, _time(), kind, doc.decode())
             if self.row_hashes:
-                row = (*row, _finish_row_hash(_data_seed(kind, doc), None))
+                row: tuple = (seq, _time(), kind, text, _data_hash(kind, doc))
+            else:
+                row = (seq, _time(), kind, text)
+        elif self.row_hashes:
+            row = (seq, _time(), kind, text, payload_bytes(payload), None, _data_seed(kind, doc))
         else:
-            row = (seq, _time(), kind, doc.decode(), payload_bytes(payload), None)
-            if self.row_hashes:
-                row = (*row, _data_seed(kind, doc))
+            row = (seq, _time(), kind, text, payload_bytes(payload), None)
         buf.append(row)
         self._next = seq + 1
         return seq
