@@ -433,14 +433,14 @@ class EventLog:
             raise InvalidEventError(f"{NOT_JSON}: {e}") from None
         if b"null" in doc and has_nonfinite(data):
             raise InvalidEventError(NONFINITE)
-        return self._buffer(buf, kind, doc, payload)
+        return self._buffer(buf, kind, doc, doc.decode(), payload)
 
-    def _buffer(self, buf: list[tuple], kind: str, doc: bytes, payload: Any) -> int:
-        """Buffer one row; rows without a payload are buffered without its columns (see
-        _insert_rows). A row's checksum is begun here, from its data's bytes: a row without a
-        payload gets it whole; one with a payload gets its seed, finished at the commit."""
+    def _buffer(self, buf: list[tuple], kind: str, doc: bytes, text: str, payload: Any) -> int:
+        """Buffer one row (`doc` its data's bytes, `text` the same as str); rows without a payload
+        are buffered without its columns (see _insert_rows). A row's checksum is begun here, from
+        its data's bytes: a row without a payload gets it whole; one with a payload gets its seed,
+        finished at the commit."""
         seq = self._next
-        text = doc.decode()
         if payload is None:
             if self.row_hashes:
                 row: tuple = (seq, _time(), kind, text, _data_hash(kind, doc))
@@ -463,11 +463,14 @@ class EventLog:
         if type(kind) is not str or not kind:
             raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
         try:
-            doc = data_json.encode() if isinstance(data_json, str) else bytes(data_json)
-            doc.decode()
+            if isinstance(data_json, str):
+                text, doc = data_json, data_json.encode()
+            else:
+                doc = bytes(data_json)
+                text = doc.decode()
         except (TypeError, UnicodeError) as e:
             raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
-        return self._buffer(buf, kind, doc, payload)
+        return self._buffer(buf, kind, doc, text, payload)
 
     def commit(self) -> int:
         """Durably write every buffered event in one transaction; return the last seq.
