@@ -54,7 +54,12 @@ def row_hash(kind: str, data: bytes, payload: bytes | None) -> int:
     whose sha256 checks the file), shifted into SQLite's signed 64-bit integers. Not
     cryptographic: it catches bytes changed by a bad disk, a torn copy or a hand edit, at a cost
     far below a write's."""
-    return finish_row_hash(data_seed(kind, data), payload)
+    return finish_row_hash(data_seed(kind, data), payload, None)
+
+
+def stored_row_hash(kind: str, data: bytes, payload: bytes | None, ref: str | None) -> int:
+    """`row_hash` of a row as its columns hold it: over its `payload_ref` when it has one."""
+    return finish_row_hash(data_seed(kind, data), payload, ref)
 
 
 def data_hash(kind: str, data: bytes) -> int:
@@ -72,9 +77,11 @@ def _kind_seed(kind: str) -> int:
     return _xxh3(kind.encode())
 
 
-def finish_row_hash(seed: int, payload: bytes | None) -> int:
-    """The second half of `row_hash`, taken once the payload's place is known (the commit)."""
-    return (seed if payload is None else _xxh3(payload, seed)) >> 1
+def finish_row_hash(seed: int, payload: bytes | None, ref: str | None) -> int:
+    """The second half of `row_hash`, taken once the payload's place is known (the commit): over
+    the payload as stored, its bytes or, for a side file, its reference."""
+    stored = payload if ref is None else ref.encode()
+    return (seed if stored is None else _xxh3(stored, seed)) >> 1
 
 
 _SQLITE_HEADER = b"SQLite format 3\x00"

@@ -54,7 +54,7 @@ from .errors import (
 from .fileformat import data_hash as _data_hash
 from .fileformat import data_seed as _data_seed
 from .fileformat import finish_row_hash as _finish_row_hash
-from .fileformat import row_hash as _row_hash
+from .fileformat import stored_row_hash as _stored_row_hash
 from .lock import WriterLock
 from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
@@ -574,7 +574,7 @@ class EventLog:
     ) -> bytes | None:
         """A row's payload, the row checked against its `row_hash` (a log of format 2 has none:
         read unchecked), a side file's piece against the sha256 its reference holds."""
-        if self.row_hashes and check != _row_hash(kind, data, payload if ref is None else ref.encode()):
+        if self.row_hashes and check != _stored_row_hash(kind, data, payload, ref):
             raise CorruptLogError(row_damage(self.path, seq, check))
         return payload if ref is None else read_side_payload(self.path, seq, ref)
 
@@ -596,7 +596,7 @@ class EventLog:
         damaged: dict[int, str] = {}
         try:
             for seq, kind, data, payload, ref, check in conn.execute(sql, (end,)):
-                if check != _row_hash(kind, data, payload if ref is None else ref.encode()):
+                if check != _stored_row_hash(kind, data, payload, ref):
                     damaged[seq] = row_damage(self.path, seq, check)
         except sqlite3.DatabaseError as e:
             raise self._error(e) from None
@@ -892,7 +892,7 @@ def _finish_row_hashes(rows: list[tuple]) -> list[tuple]:
     """Rows with a payload get their checksum finished, over the payload as stored (the bytes,
     or the side-file reference); the others have theirs whole already."""
     return [
-        row if len(row) == 5 else (*row[:6], _finish_row_hash(row[6], row[4] if row[5] is None else row[5].encode()))
+        row if len(row) == 5 else (*row[:6], _finish_row_hash(row[6], row[4], row[5]))
         for row in rows
     ]
 
