@@ -485,13 +485,17 @@ class EventLog:
             return self._last
         self._buf = []
         try:
-            large = [i for i, row in enumerate(buf) if len(row) > 5 and len(row[4]) > self.side_file_bytes]
+            with_payload = [i for i, row in enumerate(buf) if len(row) > 5]
+            large = [i for i in with_payload if len(buf[i][4]) > self.side_file_bytes]
             if large:  # durable in their side file before the transaction that references them
                 refs = write_side_file(self.path, [buf[i][4] for i in large])
                 for i, ref in zip(large, refs, strict=True):
                     buf[i] = (*buf[i][:4], None, ref, *buf[i][6:])
-            rows = _finish_row_hashes(buf) if self.row_hashes else buf
-            self._transact(lambda conn: _insert_rows(conn, rows))
+            if self.row_hashes:  # a row with a payload has its checksum's seed: finished here
+                for i in with_payload:
+                    seq, ts, kind, text, payload, ref, seed = buf[i]
+                    buf[i] = (seq, ts, kind, text, payload, ref, _finish_row_hash(seed, payload, ref))
+            self._transact(lambda conn: _insert_rows(conn, buf))
         except BaseException:
             self._rederive_seq()
             raise
@@ -886,15 +890,6 @@ def row_damage(path: str, seq: int, check: int | None) -> str:
     if check is None:
         return f"{path} is damaged: seq {seq}: its row has no checksum (row_hash is NULL)"
     return f"{path} is damaged: seq {seq}: its data or payload fails its checksum (row_hash {check})"
-
-
-def _finish_row_hashes(rows: list[tuple]) -> list[tuple]:
-    """Rows with a payload get their checksum finished, over the payload as stored (the bytes,
-    or the side-file reference); the others have theirs whole already."""
-    return [
-        row if len(row) == 5 else (*row[:6], _finish_row_hash(row[6], row[4], row[5]))
-        for row in rows
-    ]
 
 
 def payload_bytes(payload: Any) -> bytes | None:
