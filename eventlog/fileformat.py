@@ -171,21 +171,20 @@ def wal_frame_pages(path: str, page_size: int) -> tuple[set[int], int]:
             magic, _version, wal_page_size, _ckpt, salt1, salt2 = _WAL_HEADER.unpack(header[:24])
             if magic not in _WAL_MAGICS or wal_page_size != page_size:
                 return set(), 0
-            pages: set[int] = set()
-            committed: set[int] = set()
-            size = 0
+            frames: list[int] = []  # each frame's page
+            committed = size = 0  # the frames up to the last commit, and the log's size after it
             wal_bytes = os.fstat(f.fileno()).st_size
             for offset in range(32, wal_bytes - 24 - page_size + 1, 24 + page_size):  # whole frames
                 f.seek(offset)
                 page, db_size, frame_salt1, frame_salt2 = _WAL_FRAME_HEADER.unpack(f.read(_WAL_FRAME_HEADER.size))
                 if (frame_salt1, frame_salt2) != (salt1, salt2):
                     break
-                pages.add(page)
+                frames.append(page)
                 if db_size:  # a commit: the frames up to here are the log
-                    committed, size = set(pages), db_size
+                    committed, size = len(frames), db_size
     except OSError:
         return set(), 0
-    return committed, size
+    return set(frames[:committed]), size
 
 
 def translate(exc: sqlite3.Error, path: str) -> LogError:
