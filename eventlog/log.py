@@ -305,9 +305,7 @@ class EventLog:
     def _build_and_link(path: str, meta: dict[str, str]) -> None:
         """Write schema + meta into ``<path>.creating-<pid>``, fsync, link to ``path``."""
         tmp = f"{path}.creating-{os.getpid()}"
-        for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
-            if os.path.lexists(leftover):
-                os.unlink(leftover)
+        _remove_build_files(tmp)
         try:
             fileformat.write_new_database(tmp, meta)
             fileformat.fsync_path(tmp)
@@ -327,9 +325,7 @@ class EventLog:
                 raise ReadOnlyLocationError(f"cannot create {path}: {e.strerror}") from None
             raise StorageError(f"cannot create {path}: {e.strerror or e}") from None
         finally:
-            for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
-                if os.path.lexists(leftover):
-                    os.unlink(leftover)
+            _remove_build_files(tmp)
 
     @classmethod
     def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> EventLog:
@@ -931,6 +927,13 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
             params = tuple(itertools.chain.from_iterable(shape[start : start + size]))
             conn.execute(_insert_sql(size, n_columns), params)
             start, left = start + size, left - size
+
+
+def _remove_build_files(tmp: str) -> None:
+    """Delete the file a log is built in, ``tmp``, and SQLite's files beside it, where present."""
+    for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
+        if os.path.lexists(leftover):
+            os.unlink(leftover)
 
 
 def _remove_stale_creation_files(path: str) -> None:
