@@ -31,6 +31,8 @@ MAGIC = "orch-eventlog"
 # `payload` column, or over SIDE_FILE_BYTES in a side file that its `payload_ref` names.
 # 3: each row has its checksum, `row_hash`, over its data and its payload (or payload reference).
 FORMAT_VERSION = 3
+# The first format whose rows carry their checksum.
+ROW_HASH_VERSION = 3
 # The oldest format this code reads: a version 2 log is read and resumed as it was written, its
 # payloads unchecked (docs/log-format.md).
 OLDEST_READ_VERSION = 2
@@ -208,8 +210,8 @@ def translate(exc: sqlite3.Error, path: str) -> LogError:
     return LogError(f"{path}: {msg}")
 
 
-def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
-    """Check that an open database is an orch log of a supported version; return its meta.
+def validate(conn: sqlite3.Connection, path: str) -> int:
+    """Check that an open database is an orch log of a supported version; return that version.
 
     Raises ForeignDatabaseError, NewerFormatError or CorruptLogError.
     """
@@ -225,11 +227,11 @@ def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
         raise _as_log_error(e, path) from None
     if meta.get("magic") != MAGIC:
         raise ForeignDatabaseError(f"{path} is an SQLite database but not an orch event log (no orch magic)")
-    check_version(meta.get("format_version"), path)
+    version = check_version(meta.get("format_version"), path)
     missing = {"events", "snapshots"} - tables
     if missing:
         raise CorruptLogError(f"{path} lacks table(s) {', '.join(sorted(missing))}")
-    return meta
+    return version
 
 
 # At most this many of quick_check's problems are read: the first names the damage.

@@ -191,7 +191,7 @@ class EventLog:
         self.damaged_copy: str | None = None
         # A log of format 2 has no row checksums: its rows are read and written unchecked.
         self.format_version = format_version
-        self.row_hashes = format_version >= 3
+        self.row_hashes = format_version >= fileformat.ROW_HASH_VERSION
         self._payload_expr = "payload, payload_ref" + (", row_hash" if self.row_hashes else ", NULL")
         if self._writer:
             self._last = self._committed_bounds(conn)
@@ -264,12 +264,12 @@ class EventLog:
         conn = cls._connect_reader(path)
         try:
             try:
-                meta = fileformat.validate(conn, path)
+                version = fileformat.validate(conn, path)
             except ReadOnlyLocationError:
                 conn.close()
                 conn = cls._connect_immutable(path)
-                meta = fileformat.validate(conn, path)
-            return cls(path, conn, lock=None, durability=None, format_version=int(meta["format_version"]))
+                version = fileformat.validate(conn, path)
+            return cls(path, conn, lock=None, durability=None, format_version=version)
         except BaseException:
             conn.close()
             raise
@@ -334,19 +334,19 @@ class EventLog:
         conn = _connect_writer(path)
         repaired = None
         try:
-            meta = fileformat.validate(conn, path)
+            version = fileformat.validate(conn, path)
             try:  # before anything is written (orphans removed, WAL mode set)
                 fileformat.check_damage(conn, path)
             except DamagedSnapshotsError:
                 conn.close()
                 repaired = rebuild_without_snapshots(path)
                 conn = _connect_writer(path)
-                meta = fileformat.validate(conn, path)
+                version = fileformat.validate(conn, path)
                 fileformat.check_damage(conn, path)
             _configure_writer(conn, sync, path)
             if os.path.isdir(side_dir(path)):
                 remove_orphans(path, _referenced_side_files(conn))
-            log = cls(path, conn, lock=lock, durability=durability, format_version=int(meta["format_version"]))
+            log = cls(path, conn, lock=lock, durability=durability, format_version=version)
         except BaseException:
             conn.close()
             raise
