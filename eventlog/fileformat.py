@@ -31,6 +31,8 @@ MAGIC = "orch-eventlog"
 # `payload` column, or over SIDE_FILE_BYTES in a side file that its `payload_ref` names.
 # 3: each row has its checksum, `row_hash`, over its data and its payload (or payload reference).
 FORMAT_VERSION = 3
+# The first format whose rows carry their checksum.
+ROW_HASH_VERSION = 3
 # The oldest format this code reads: a version 2 log is read and resumed as it was written, its
 # payloads unchecked (docs/log-format.md).
 OLDEST_READ_VERSION = 2
@@ -54,7 +56,17 @@ def row_hash(kind: str, data: bytes, payload: bytes | None) -> int:
     whose sha256 checks the file), shifted into SQLite's signed 64-bit integers. Not
     cryptographic: it catches bytes changed by a bad disk, a torn copy or a hand edit, at a cost
     far below a write's."""
-    return finish_row_hash(data_seed(kind, data), payload)
+    return finish_row_hash(data_seed(kind, data), payload, None)
+
+
+def stored_row_hash(kind: str, data: bytes, payload: bytes | None, ref: str | None) -> int:
+    """`row_hash` of a row as its columns hold it: over its `payload_ref` when it has one."""
+    return finish_row_hash(data_seed(kind, data), payload, ref)
+
+
+def data_hash(kind: str, data: bytes) -> int:
+    """`row_hash` of a row without a payload, in one step (the append's hot path)."""
+    return _xxh3(data, _kind_seed(kind)) >> 1
 
 
 def data_seed(kind: str, data: bytes) -> int:
@@ -67,9 +79,11 @@ def _kind_seed(kind: str) -> int:
     return _xxh3(kind.encode())
 
 
-def finish_row_hash(seed: int, payload: bytes | None) -> int:
-    """The second half of `row_hash`, taken once the payload's place is known (the commit)."""
-    return (seed if payload is None else _xxh3(payload, seed)) >> 1
+def finish_row_hash(seed: int, payload: bytes | None, ref: str | None) -> int:
+    """The second half of `row_hash`, taken once the payload's place is known (the commit): over
+    the payload as stored, its bytes or, for a side file, its reference."""
+    stored = payload if ref is None else ref.encode()
+    return (seed if stored is None else _xxh3(stored, seed)) >> 1
 
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
@@ -159,21 +173,20 @@ def wal_frame_pages(path: str, page_size: int) -> tuple[set[int], int]:
             magic, _version, wal_page_size, _ckpt, salt1, salt2 = _WAL_HEADER.unpack(header[:24])
             if magic not in _WAL_MAGICS or wal_page_size != page_size:
                 return set(), 0
-            pages: set[int] = set()
-            committed: set[int] = set()
-            size = 0
+            frames: list[int] = []  # each frame's page
+            committed = size = 0  # the frames up to the last commit, and the log's size after it
             wal_bytes = os.fstat(f.fileno()).st_size
             for offset in range(32, wal_bytes - 24 - page_size + 1, 24 + page_size):  # whole frames
                 f.seek(offset)
                 page, db_size, frame_salt1, frame_salt2 = _WAL_FRAME_HEADER.unpack(f.read(_WAL_FRAME_HEADER.size))
                 if (frame_salt1, frame_salt2) != (salt1, salt2):
                     break
-                pages.add(page)
+                frames.append(page)
                 if db_size:  # a commit: the frames up to here are the log
-                    committed, size = set(pages), db_size
+                    committed, size = len(frames), db_size
     except OSError:
         return set(), 0
-    return committed, size
+    return set(frames[:committed]), size
 
 
 def translate(exc: sqlite3.Error, path: str) -> LogError:
@@ -197,8 +210,8 @@ def translate(exc: sqlite3.Error, path: str) -> LogError:
     return LogError(f"{path}: {msg}")
 
 
-def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
-    """Check that an open database is an orch log of a supported version; return its meta.
+def validate(conn: sqlite3.Connection, path: str) -> int:
+    """Check that an open database is an orch log of a supported version; return that version.
 
     Raises ForeignDatabaseError, NewerFormatError or CorruptLogError.
     """
@@ -214,11 +227,11 @@ def validate(conn: sqlite3.Connection, path: str) -> dict[str, str]:
         raise _as_log_error(e, path) from None
     if meta.get("magic") != MAGIC:
         raise ForeignDatabaseError(f"{path} is an SQLite database but not an orch event log (no orch magic)")
-    check_version(meta.get("format_version"), path)
+    version = check_version(meta.get("format_version"), path)
     missing = {"events", "snapshots"} - tables
     if missing:
         raise CorruptLogError(f"{path} lacks table(s) {', '.join(sorted(missing))}")
-    return meta
+    return version
 
 
 # At most this many of quick_check's problems are read: the first names the damage.

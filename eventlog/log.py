@@ -51,9 +51,10 @@ from .errors import (
     ReadOnlyLocationError,
     StorageError,
 )
+from .fileformat import data_hash as _data_hash
 from .fileformat import data_seed as _data_seed
 from .fileformat import finish_row_hash as _finish_row_hash
-from .fileformat import row_hash as _row_hash
+from .fileformat import stored_row_hash as _stored_row_hash
 from .lock import WriterLock
 from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
@@ -190,7 +191,7 @@ class EventLog:
         self.damaged_copy: str | None = None
         # A log of format 2 has no row checksums: its rows are read and written unchecked.
         self.format_version = format_version
-        self.row_hashes = format_version >= 3
+        self.row_hashes = format_version >= fileformat.ROW_HASH_VERSION
         self._payload_expr = "payload, payload_ref" + (", row_hash" if self.row_hashes else ", NULL")
         if self._writer:
             self._last = self._committed_bounds(conn)
@@ -263,12 +264,12 @@ class EventLog:
         conn = cls._connect_reader(path)
         try:
             try:
-                meta = fileformat.validate(conn, path)
+                version = fileformat.validate(conn, path)
             except ReadOnlyLocationError:
                 conn.close()
                 conn = cls._connect_immutable(path)
-                meta = fileformat.validate(conn, path)
-            return cls(path, conn, lock=None, durability=None, format_version=int(meta["format_version"]))
+                version = fileformat.validate(conn, path)
+            return cls(path, conn, lock=None, durability=None, format_version=version)
         except BaseException:
             conn.close()
             raise
@@ -304,9 +305,7 @@ class EventLog:
     def _build_and_link(path: str, meta: dict[str, str]) -> None:
         """Write schema + meta into ``<path>.creating-<pid>``, fsync, link to ``path``."""
         tmp = f"{path}.creating-{os.getpid()}"
-        for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
-            if os.path.lexists(leftover):
-                os.unlink(leftover)
+        _remove_build_files(tmp)
         try:
             fileformat.write_new_database(tmp, meta)
             fileformat.fsync_path(tmp)
@@ -326,9 +325,7 @@ class EventLog:
                 raise ReadOnlyLocationError(f"cannot create {path}: {e.strerror}") from None
             raise StorageError(f"cannot create {path}: {e.strerror or e}") from None
         finally:
-            for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
-                if os.path.lexists(leftover):
-                    os.unlink(leftover)
+            _remove_build_files(tmp)
 
     @classmethod
     def _open_writer(cls, path: str, sync: str, durability: str, lock: WriterLock) -> EventLog:
@@ -337,19 +334,19 @@ class EventLog:
         conn = _connect_writer(path)
         repaired = None
         try:
-            meta = fileformat.validate(conn, path)
+            version = fileformat.validate(conn, path)
             try:  # before anything is written (orphans removed, WAL mode set)
                 fileformat.check_damage(conn, path)
             except DamagedSnapshotsError:
                 conn.close()
                 repaired = rebuild_without_snapshots(path)
                 conn = _connect_writer(path)
-                meta = fileformat.validate(conn, path)
+                version = fileformat.validate(conn, path)
                 fileformat.check_damage(conn, path)
             _configure_writer(conn, sync, path)
             if os.path.isdir(side_dir(path)):
                 remove_orphans(path, _referenced_side_files(conn))
-            log = cls(path, conn, lock=lock, durability=durability, format_version=int(meta["format_version"]))
+            log = cls(path, conn, lock=lock, durability=durability, format_version=version)
         except BaseException:
             conn.close()
             raise
@@ -432,21 +429,23 @@ class EventLog:
             raise InvalidEventError(f"{NOT_JSON}: {e}") from None
         if b"null" in doc and has_nonfinite(data):
             raise InvalidEventError(NONFINITE)
-        return self._buffer(buf, kind, doc, payload)
+        return self._buffer(buf, kind, doc, doc.decode(), payload)
 
-    def _buffer(self, buf: list[tuple], kind: str, doc: bytes, payload: Any) -> int:
-        """Buffer one row; rows without a payload are buffered without its columns (see
-        _insert_rows). A row's checksum is begun here, from its data's bytes: a row without a
-        payload gets it whole; one with a payload gets its seed, finished at the commit."""
+    def _buffer(self, buf: list[tuple], kind: str, doc: bytes, text: str, payload: Any) -> int:
+        """Buffer one row (`doc` its data's bytes, `text` the same as str); rows without a payload
+        are buffered without its columns (see _insert_rows). A row's checksum is begun here, from
+        its data's bytes: a row without a payload gets it whole; one with a payload gets its seed,
+        finished at the commit."""
         seq = self._next
         if payload is None:
-            row: tuple = (seq, _time(), kind, doc.decode())
             if self.row_hashes:
-                row = (*row, _finish_row_hash(_data_seed(kind, doc), None))
+                row: tuple = (seq, _time(), kind, text, _data_hash(kind, doc))
+            else:
+                row = (seq, _time(), kind, text)
+        elif self.row_hashes:
+            row = (seq, _time(), kind, text, payload_bytes(payload), None, _data_seed(kind, doc))
         else:
-            row = (seq, _time(), kind, doc.decode(), payload_bytes(payload), None)
-            if self.row_hashes:
-                row = (*row, _data_seed(kind, doc))
+            row = (seq, _time(), kind, text, payload_bytes(payload), None)
         buf.append(row)
         self._next = seq + 1
         return seq
@@ -460,11 +459,14 @@ class EventLog:
         if type(kind) is not str or not kind:
             raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
         try:
-            doc = data_json.encode() if isinstance(data_json, str) else bytes(data_json)
-            doc.decode()
+            if isinstance(data_json, str):
+                text, doc = data_json, data_json.encode()
+            else:
+                doc = bytes(data_json)
+                text = doc.decode()
         except (TypeError, UnicodeError) as e:
             raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
-        return self._buffer(buf, kind, doc, payload)
+        return self._buffer(buf, kind, doc, text, payload)
 
     def commit(self) -> int:
         """Durably write every buffered event in one transaction; return the last seq.
@@ -479,13 +481,17 @@ class EventLog:
             return self._last
         self._buf = []
         try:
-            large = [i for i, row in enumerate(buf) if len(row) > 5 and len(row[4]) > self.side_file_bytes]
+            with_payload = [i for i, row in enumerate(buf) if len(row) > 5]
+            large = [i for i in with_payload if len(buf[i][4]) > self.side_file_bytes]
             if large:  # durable in their side file before the transaction that references them
                 refs = write_side_file(self.path, [buf[i][4] for i in large])
                 for i, ref in zip(large, refs, strict=True):
                     buf[i] = (*buf[i][:4], None, ref, *buf[i][6:])
-            rows = _finish_row_hashes(buf) if self.row_hashes else buf
-            self._transact(lambda conn: _insert_rows(conn, rows))
+            if self.row_hashes:  # a row with a payload has its checksum's seed: finished here
+                for i in with_payload:
+                    seq, ts, kind, text, payload, ref, seed = buf[i]
+                    buf[i] = (seq, ts, kind, text, payload, ref, _finish_row_hash(seed, payload, ref))
+            self._transact(lambda conn: _insert_rows(conn, buf))
         except BaseException:
             self._rederive_seq()
             raise
@@ -568,7 +574,7 @@ class EventLog:
     ) -> bytes | None:
         """A row's payload, the row checked against its `row_hash` (a log of format 2 has none:
         read unchecked), a side file's piece against the sha256 its reference holds."""
-        if self.row_hashes and check != _row_hash(kind, data, payload if ref is None else ref.encode()):
+        if self.row_hashes and check != _stored_row_hash(kind, data, payload, ref):
             raise CorruptLogError(row_damage(self.path, seq, check))
         return payload if ref is None else read_side_payload(self.path, seq, ref)
 
@@ -590,7 +596,7 @@ class EventLog:
         damaged: dict[int, str] = {}
         try:
             for seq, kind, data, payload, ref, check in conn.execute(sql, (end,)):
-                if check != _row_hash(kind, data, payload if ref is None else ref.encode()):
+                if check != _stored_row_hash(kind, data, payload, ref):
                     damaged[seq] = row_damage(self.path, seq, check)
         except sqlite3.DatabaseError as e:
             raise self._error(e) from None
@@ -882,15 +888,6 @@ def row_damage(path: str, seq: int, check: int | None) -> str:
     return f"{path} is damaged: seq {seq}: its data or payload fails its checksum (row_hash {check})"
 
 
-def _finish_row_hashes(rows: list[tuple]) -> list[tuple]:
-    """Rows with a payload get their checksum finished, over the payload as stored (the bytes,
-    or the side-file reference); the others have theirs whole already."""
-    return [
-        row if len(row) == 5 else (*row[:6], _finish_row_hash(row[6], row[4] if row[5] is None else row[5].encode()))
-        for row in rows
-    ]
-
-
 def payload_bytes(payload: Any) -> bytes | None:
     """A payload as stored: bytes (a bytes-like object is copied into bytes), or None."""
     if payload is None or type(payload) is bytes:
@@ -930,6 +927,13 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
             params = tuple(itertools.chain.from_iterable(shape[start : start + size]))
             conn.execute(_insert_sql(size, n_columns), params)
             start, left = start + size, left - size
+
+
+def _remove_build_files(tmp: str) -> None:
+    """Delete the file a log is built in, ``tmp``, and SQLite's files beside it, where present."""
+    for leftover in (tmp, tmp + "-journal", tmp + "-wal", tmp + "-shm"):
+        if os.path.lexists(leftover):
+            os.unlink(leftover)
 
 
 def _remove_stale_creation_files(path: str) -> None:

@@ -28,7 +28,9 @@ def rebuild_without_snapshots(path: str) -> str:
     version = fileformat.check_version(stored.get("format_version"), path)
     tmp = f"{path}.creating-{os.getpid()}"  # a leftover is removed by the next writer's open
     fileformat.write_new_database(tmp, meta, version)  # the one way a log file is built
-    columns = "seq, ts, kind, data, payload, payload_ref" + (", row_hash" if version >= 3 else "")
+    columns = "seq, ts, kind, data, payload, payload_ref" + (
+        ", row_hash" if version >= fileformat.ROW_HASH_VERSION else ""
+    )
     try:
         conn = sqlite3.connect(tmp, isolation_level=None)
         try:

@@ -9,12 +9,19 @@ import os
 
 from eventlog import EventLog, LogError
 from orchestrator.core.events import EVENT_SCHEMA_VERSION, check_schema_version
+from orchestrator.notices import warn
 
 APP = "orch"
 LOG_MAGIC_META = {"app": APP, "schema_version": str(EVENT_SCHEMA_VERSION)}  # what `orch run` writes
 # Said once by a resume or a replay command of a log written before row checksums (format 2),
 # which it reads as that orch did (docs/log-format.md).
 UNCHECKED_ROWS = "{db} was written before row checksums (log format 2): its rows are read unchecked"
+
+
+def warn_if_unchecked(log: EventLog, db: str | os.PathLike) -> None:
+    """Say once that `log` (at `db`) has no row checksums, if so."""
+    if not log.row_hashes:
+        warn(UNCHECKED_ROWS.format(db=db))
 
 
 class OrchLogError(ValueError):

@@ -14,8 +14,8 @@ from pathlib import Path
 import orjson
 
 from eventlog import EventLog, LogError
-from orchestrator.notices import one_line, warn
-from orchestrator.orch_log import UNCHECKED_ROWS, OrchLogError, open_orch_log
+from orchestrator.notices import one_line
+from orchestrator.orch_log import OrchLogError, open_orch_log, warn_if_unchecked
 from orchestrator.rundir import EVENTS_DB
 
 REEXECUTED_META = "reexecuted"  # meta key marking a log written by `orch replay --reexecute`
@@ -57,8 +57,7 @@ def open_run(path: str | os.PathLike) -> EventLog:
         log = open_orch_log(db, pinned=True)
     except (LogError, OrchLogError) as err:
         raise ReplayInputError(one_line(str(err))) from None
-    if not log.row_hashes:
-        warn(UNCHECKED_ROWS.format(db=db))
+    warn_if_unchecked(log, db)
     return log
 
 

@@ -43,9 +43,9 @@ class EventStreamDecoder:
             self._started = True
             if chunk.startswith(BOM):
                 chunk = chunk[len(BOM) :]
-        # bytes.splitlines breaks at CR, LF and CRLF only (unlike str.splitlines)
-        lines = chunk.splitlines(keepends=True)
-        if lines and lines[-1][-1:] not in (b"\n", b"\r"):
+        # bytes.splitlines breaks at CR, LF and CRLF only (unlike str.splitlines), dropping them
+        lines = chunk.splitlines()
+        if lines and chunk[-1:] not in (b"\n", b"\r"):  # its last line is not ended yet
             self._partial = lines.pop()
         else:
             self._partial = b""
@@ -53,7 +53,6 @@ class EventStreamDecoder:
         events: list[bytes] = []
         data = self._data
         for line in lines:
-            line = line.rstrip(b"\r\n")  # its one line end (a line holds no other CR nor LF)
             if not line:
                 if data:
                     events.append(b"\n".join(data))

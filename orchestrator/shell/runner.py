@@ -27,7 +27,7 @@ from orchestrator.fold import Folded, fold_log
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.notices import warn
 from orchestrator.observe.sinks import check_sinks
-from orchestrator.orch_log import LOG_MAGIC_META, UNCHECKED_ROWS, OrchLogError, open_orch_log
+from orchestrator.orch_log import LOG_MAGIC_META, OrchLogError, open_orch_log, warn_if_unchecked
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 
 if TYPE_CHECKING:
@@ -147,8 +147,7 @@ def resume_run(
             f"{db}'s snapshots were damaged (its events are intact): rebuilt without them; "
             f"the damaged file is {log.damaged_copy}"
         )
-    if not log.row_hashes:
-        warn(UNCHECKED_ROWS.format(db=db))
+    warn_if_unchecked(log, db)
     try:
         with tuned_gc():
             folded = fold_log(log, keep_damaged=True)

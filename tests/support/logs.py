@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 
 from eventlog import EventLog
-from eventlog.fileformat import row_hash
+from eventlog.fileformat import stored_row_hash
 from orchestrator.core import events as ev
 from orchestrator.core.state import conservation
 from orchestrator.fold import fold_log
@@ -112,6 +112,6 @@ def rewrite_row(db: Path | str, seq: int, data: bytes | str) -> None:
         kind, payload, ref = conn.execute(
             "SELECT kind, payload, payload_ref FROM events WHERE seq = ?", (seq,)
         ).fetchone()
-        check = row_hash(kind, data, payload if ref is None else ref.encode())
+        check = stored_row_hash(kind, data, payload, ref)
         conn.execute("UPDATE events SET data = ?, row_hash = ? WHERE seq = ?", (data.decode(), check, seq))
     conn.close()
