@@ -89,14 +89,7 @@ def check_log(log: EventLog) -> CheckResult:
         raise ReplayInputError(one_line(str(err))) from None
     result = _check(log)
     recorded = result.divergence.a if result.divergence is not None else None
-    # A log with row checksums had each row the check read checked (read_rows): only one without
-    # them can hide a damaged payload behind a divergence.
-    if (
-        not log.row_hashes
-        and recorded is not None
-        and recorded.kind == "batch_shipped"
-        and isinstance(recorded.data, dict)
-    ):
+    if recorded is not None and recorded.kind == "batch_shipped" and isinstance(recorded.data, dict):
         result.damage = payload_damage(log, recorded.seq, recorded.data)
     if _capacity_off(log):
         result.notes.append(CAPACITY_OFF_NOTE)
