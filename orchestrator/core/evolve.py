@@ -17,11 +17,27 @@ from orchestrator.core.state import Eval, EvalResult, Group, QueuedTrace, Shippe
 _ZERO_OUTPUT_CANCEL_REASONS = ("stale", "overload")
 
 
+class InconsistentEvent(ValueError):
+    """An event that contradicts the state it is folded into: it names a group, episode, trace or
+    eval that the state does not hold where the event needs it, or it starts another run. Only a
+    damaged log gives one (what this code logs, it logged because the state allowed it); every id
+    an event names is checked where a reducer looks it up. A failed lookup of the state's own
+    links (an in-flight episode's group, a group's members) is a broken invariant: a bug, raised
+    as itself."""
+
+
+def _missing(what: str, key: object) -> InconsistentEvent:
+    return InconsistentEvent(f"{what} {key} is not in the state")
+
+
 def _run_started(s: State, e: ev.RunStarted) -> None:
     """The state was made for this run by `initial_state(e.params)`: nothing changes."""
-    ev.check_schema_version(e.schema_version)
+    try:
+        ev.check_schema_version(e.schema_version)
+    except ValueError as err:
+        raise InconsistentEvent(str(err)) from None
     if e.params != s.params:
-        raise ValueError("run_started with other params than the state was made for")
+        raise InconsistentEvent("run_started with other params than the state was made for")
 
 
 def _run_resumed(s: State, e: ev.RunResumed) -> None:
@@ -42,7 +58,10 @@ def _group_dispatched(s: State, e: ev.GroupDispatched) -> None:
 
 def _episode_dispatched(s: State, e: ev.EpisodeDispatched) -> None:
     episode_id, group_id = e.episode_id, e.group_id
-    group = s.groups[group_id]
+    try:
+        group = s.groups[group_id]
+    except KeyError:
+        raise _missing("group", group_id) from None
     s.inflight[episode_id] = group_id
     group.inflight[episode_id] = None
     group.attempts += 1
@@ -70,7 +89,11 @@ def _episode_completed(s: State, e: Trace) -> None:
 
 
 def _episode_cancelled(s: State, e: ev.EpisodeCancelled) -> None:
-    group = s.groups[s.inflight.pop(e.episode_id)]
+    try:
+        group_id = s.inflight.pop(e.episode_id)
+    except KeyError:
+        raise _missing("in-flight episode", e.episode_id) from None
+    group = s.groups[group_id]
     del group.inflight[e.episode_id]
     if e.reason == "resume":  # lost in a crash: the slot reopens and the episode is re-run
         s.acct.rerun_attempts += 1
@@ -82,7 +105,10 @@ def _episode_cancelled(s: State, e: ev.EpisodeCancelled) -> None:
 
 
 def _finalize_started(s: State, e: ev.FinalizeStarted) -> None:
-    group = s.groups[e.group_id]
+    try:
+        group = s.groups[e.group_id]
+    except KeyError:
+        raise _missing("group", e.group_id) from None
     if e.background and not group.background:
         s.finalizing[group.env] = s.finalizing.get(group.env, 0) + 1
         group.background = True
@@ -106,7 +132,10 @@ def _finalize_failed(s: State, e: ev.FinalizeFailed) -> None:
 
 def _forget_group(s: State, group_id: int) -> Group:
     """Remove a settled or cancelled group, giving back its background-finalizing slot."""
-    group = s.groups.pop(group_id)
+    try:
+        group = s.groups.pop(group_id)
+    except KeyError:
+        raise _missing("group", group_id) from None
     s.unfilled.pop(group_id, None)
     s.grouped_episodes -= group.size - group.cancelled
     if group.background:
@@ -118,7 +147,11 @@ def _drop_traces(s: State, reason: str, trace_ids: Iterable[int]) -> None:
     """Forget held traces, counting their samples dropped for `reason`."""
     count = 0
     for trace_id in trace_ids:
-        count += sample_count(s.traces.pop(trace_id))
+        try:
+            trace = s.traces.pop(trace_id)
+        except KeyError:
+            raise _missing("held trace", trace_id) from None
+        count += sample_count(trace)
     s.acct.drop(reason, count)
 
 
@@ -151,7 +184,10 @@ def _group_settled(s: State, e: ev.GroupSettled) -> None:
     per_episode = s.params.sample_weight == "episode" and bool(sample_counts)
     queued_tokens = 0
     for trace_id in e.trace_ids:
-        trace = s.traces[trace_id]
+        try:
+            trace = s.traces[trace_id]
+        except KeyError:
+            raise _missing("held trace", trace_id) from None
         n_tokens = trace.n_tokens
         s.pending[trace_id] = QueuedTrace(
             trace_id,
@@ -196,7 +232,11 @@ def _traces_dropped(s: State, e: ev.TracesDropped) -> None:
         if queued is not None:
             s.pending_tokens -= queued.n_tokens
         else:  # a finished member of an open group (resume): its slot reopens
-            group = s.groups[s.traces[trace_id].group_id]
+            try:
+                trace = s.traces[trace_id]
+            except KeyError:
+                raise _missing("held trace", trace_id) from None
+            group = s.groups[trace.group_id]
             del group.members[trace_id]
             s.unfilled[group.group_id] = None
     _drop_traces(s, e.reason, e.trace_ids)
@@ -215,13 +255,19 @@ def _version_published(s: State, e: ev.VersionPublished) -> None:
 def _batch_shipped(s: State, e: ev.BatchShipped) -> None:
     samples = []
     for trace_id in e.trace_ids:
-        queued = s.pending.pop(trace_id)
+        try:
+            queued = s.pending.pop(trace_id)
+        except KeyError:
+            raise _missing("queued trace", trace_id) from None
         s.pending_tokens -= queued.n_tokens
         trace = s.traces.pop(trace_id)
         lag = (e.step - 1) - trace.policy_start
         samples.append(ShippedSample(trace, queued.env, queued.advantage, lag, queued.weight))
     for trace_id in e.pruned_ids:
-        s.pending_tokens -= s.pending.pop(trace_id).n_tokens
+        try:
+            s.pending_tokens -= s.pending.pop(trace_id).n_tokens
+        except KeyError:
+            raise _missing("queued trace", trace_id) from None
     _drop_traces(s, "zero_advantage", e.pruned_ids)
     s.shipped_batches[e.step] = samples
     s.acct.shipped += len(samples)
@@ -267,8 +313,14 @@ def _eval_started(s: State, e: ev.EvalStarted) -> None:
 
 def _eval_episode_dispatched(s: State, e: ev.EvalEpisodeDispatched) -> None:
     evals = s.evals
-    x = evals.open[e.eval_id]
-    del x.to_dispatch[e.sample]
+    try:
+        x = evals.open[e.eval_id]
+    except KeyError:
+        raise _missing("open eval", e.eval_id) from None
+    try:
+        del x.to_dispatch[e.sample]
+    except KeyError:
+        raise _missing(f"eval {e.eval_id}'s undispatched sample", e.sample) from None
     x.inflight[e.episode_id] = e.sample
     x.attempts += 1
     evals.inflight[e.episode_id] = e.eval_id
@@ -297,7 +349,11 @@ def _eval_episode_completed(s: State, e: ev.EvalEpisodeCompleted) -> None:
 
 def _eval_episode_cancelled(s: State, e: ev.EvalEpisodeCancelled) -> None:
     evals = s.evals
-    x = evals.open[evals.inflight.pop(e.episode_id)]
+    try:
+        eval_id = evals.inflight.pop(e.episode_id)
+    except KeyError:
+        raise _missing("in-flight eval episode", e.episode_id) from None
+    x = evals.open[eval_id]
     x.to_dispatch[x.inflight.pop(e.episode_id)] = None  # the sample is taken again if the run goes on
     if e.reason == "resume":
         evals.acct.rerun_attempts += 1
@@ -307,7 +363,10 @@ def _eval_episode_cancelled(s: State, e: ev.EvalEpisodeCancelled) -> None:
 
 def _eval_completed(s: State, e: ev.EvalCompleted) -> None:
     evals = s.evals
-    x = evals.open.pop(e.eval_id)
+    try:
+        x = evals.open.pop(e.eval_id)
+    except KeyError:
+        raise _missing("open eval", e.eval_id) from None
     evals.results.append(
         EvalResult(e.eval_id, e.env, e.version, e.reward_mean, e.pass_at_1, e.pass_at_k, e.k, e.scored, e.tokens)
     )
@@ -353,15 +412,21 @@ def evolve(state: State, event: ev.Event) -> State:
 
 
 class FoldError(ValueError):
-    """An event the reducer cannot take (undecodable, or inconsistent with the state)."""
+    """A logged event the reducer cannot take: one that does not decode (`DECODE_ERRORS`), or
+    one that contradicts the state (`InconsistentEvent`, said in the reducer's own words)."""
 
     def __init__(self, seq: int, kind: str, cause: Exception):
         detail = " ".join(str(cause).split())[:300] or type(cause).__name__
-        super().__init__(f"seq {seq}: cannot fold the {kind!r} event: {type(cause).__name__}: {detail}")
+        why = detail if isinstance(cause, InconsistentEvent) else f"{type(cause).__name__}: {detail}"
+        super().__init__(f"seq {seq}: cannot fold the {kind!r} event: {why}")
         self.seq, self.kind, self.cause = seq, kind, cause
 
 
-_FOLD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, AssertionError)
+# What a row of damaged bytes raises as it is decoded: ValueError from msgspec, orjson and pydantic
+# (a DecodeError or ValidationError), a payload that does not hold its arrays (PayloadError), an
+# unknown kind; TypeError from fields that are not the keyword arguments of their event
+# (`unvalidated`, or a JSON value that is not an object). Anything else is a bug, raised as itself.
+DECODE_ERRORS = (ValueError, TypeError)
 
 
 # seqs -> the payloads of those events (the log's `read_payloads`): how a fold reads the token
@@ -396,20 +461,27 @@ def fold_rows(
             return None, 0
         kind, data = first
         try:
-            state = _state_made_by(views[kind](data) if kind in views else None, kind)
-        except _FOLD_ERRORS as err:
+            first_event = views[kind](data) if kind in views else None
+        except ValueError as err:
+            raise FoldError(first_seq, kind, err) from err
+        try:
+            state = _state_made_by(first_event, kind)
+        except InconsistentEvent as err:
             raise FoldError(first_seq, kind, err) from err
         count = 1
     for kind, data in rows:
+        view = views.get(kind)
         try:
-            view = views.get(kind)
             if view is None:
                 raise ValueError(f"unknown event kind {kind!r}")
             row = view(data)
-            if kind == "episode_completed":
-                row.seq = first_seq + count  # type: ignore[attr-defined]
+        except ValueError as err:  # what a fold view raises for any bytes (msgspec's errors)
+            raise FoldError(first_seq + count, kind, err) from err
+        if kind == "episode_completed":
+            row.seq = first_seq + count  # type: ignore[attr-defined]
+        try:
             reducers[kind](state, row)
-        except _FOLD_ERRORS as err:
+        except InconsistentEvent as err:
             raise FoldError(first_seq + count, kind, err) from err
         count += 1
     _decode_held_traces(state, payloads, damaged)
@@ -419,7 +491,7 @@ def fold_rows(
 def _state_made_by(first: object, kind: str) -> State:
     """The state of a run whose first event is `first`: it must be its `run_started`."""
     if not isinstance(first, ev.RunStarted):
-        raise ValueError(f"a run's first event is run_started, not {kind!r}")
+        raise InconsistentEvent(f"a run's first event is run_started, not {kind!r}")
     return evolve(initial_state(first.params), first)
 
 
@@ -456,7 +528,7 @@ def _model_of(view: TraceView | SampleView) -> ev.EpisodeCompleted:
     does not hold its arrays."""
     try:
         return view.model()
-    except _FOLD_ERRORS as err:
+    except DECODE_ERRORS as err:
         raise FoldError(view.seq, "episode_completed", err) from err
 
 

@@ -105,7 +105,14 @@ class Export:
 
     def take(self, ts: float, e) -> None:
         self.seq += 1
-        getattr(self, "_" + e.kind, _ignore)(ts, e)
+        try:
+            getattr(self, "_" + e.kind, _ignore)(ts, e)  # reads the state before `e`
+        except KeyError:
+            # An id the tables lack, in an event that the reducer refuses too (InconsistentEvent:
+            # damage); the tables take every event the reducer takes, so if it takes this one,
+            # the tables have a bug.
+            evolve_from(self.state, e)
+            raise
         self.state = evolve_from(self.state, e)
 
     def _group_dispatched(self, ts: float, e) -> None:
@@ -137,10 +144,11 @@ class Export:
         }
 
     def _episode_completed(self, ts: float, e) -> None:
-        episode = self.episodes[e.episode_id]
         if e.episode_id not in self.state.inflight:  # cancelled before it finished: the reducer ignores it
-            episode["late"] = 1
+            if (episode := self.episodes.get(e.episode_id)) is not None:
+                episode["late"] = 1
             return
+        episode = self.episodes[e.episode_id]
         episode.update(
             ok=int(e.ok),
             reward=e.reward,
@@ -162,12 +170,14 @@ class Export:
 
     def _group_finalized(self, ts: float, e) -> None:
         for trace_id, advantage in zip(e.trace_ids, e.advantages):
-            self.episodes[trace_id]["advantage"] = advantage
+            if (episode := self.episodes.get(trace_id)) is not None:  # the reducer ignores an unknown group's
+                episode["advantage"] = advantage
 
     _background_finalized = _group_finalized  # the same scores, sent by a background finalize
 
     def _finalize_failed(self, ts: float, e) -> None:
-        self.groups[e.group_id]["finalize_error"] = e.error
+        if (group := self.groups.get(e.group_id)) is not None:  # the reducer ignores an unknown group's
+            group["finalize_error"] = e.error
 
     def _group_settled(self, ts: float, e) -> None:
         group = self.groups[e.group_id]

@@ -30,7 +30,7 @@ from eventlog import EventLog
 from orchestrator.core import decode_unvalidated
 from orchestrator.core import events as ev
 from orchestrator.core._fast_events import trace_view
-from orchestrator.core.evolve import FoldError, evolve_from
+from orchestrator.core.evolve import DECODE_ERRORS, FoldError, InconsistentEvent, evolve_from
 from orchestrator.core.state import State, wasted_samples
 
 Row = tuple[int, str, float]
@@ -108,13 +108,17 @@ def fold_events(
     log: EventLog, consume: Callable[[float, object], Iterable[T] | None], start: int = 1, stop: int | None = None
 ) -> Iterator[tuple[int, float, T]]:
     """Hand each of the log's events `start..stop` to `consume(ts, event)`, in log order, and yield
-    (seq, ts, item) for what it returns. FoldError names the seq of an event this code cannot read
-    or fold."""
+    (seq, ts, item) for what it returns. FoldError names the seq of an event this code cannot read,
+    or that contradicts the state (`consume` folds it with `evolve`: `InconsistentEvent`)."""
     for seq, ts, kind, data in log.read_raw(start, stop):
         try:
             # A trace as its fold view: its scalars, without reading its token arrays.
-            out = consume(ts, trace_view(data) if kind == "episode_completed" else decode_unvalidated(kind, data))
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            event = trace_view(data) if kind == "episode_completed" else decode_unvalidated(kind, data)
+        except DECODE_ERRORS as err:
+            raise FoldError(seq, kind, err) from None
+        try:
+            out = consume(ts, event)
+        except InconsistentEvent as err:
             raise FoldError(seq, kind, err) from None
         for item in out or ():
             yield seq, ts, item

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.core import events as ev
+from orchestrator.core import evolve as evolve_module
 from orchestrator.core.evolve import FoldError, fold, fold_rows
 from orchestrator.core.state import initial_state, state_hash
 from orchestrator.sim import SimOptions, SimWorld
@@ -51,7 +52,7 @@ def test_fold_rows_continues_a_state_from_any_point(sim_log):
 def test_a_fold_from_nothing_starts_with_run_started(sim_log):
     assert fold_rows(None, []) == (None, 0)
     with pytest.raises(
-        FoldError, match="seq 1: cannot fold the 'gate_changed' event: ValueError: a run's first event is run_started"
+        FoldError, match="seq 1: cannot fold the 'gate_changed' event: a run's first event is run_started"
     ):
         fold_encoded(None, sim_log[1:])
     assert fold(sim_log[:1]).params == sim_log[0].params
@@ -81,7 +82,15 @@ def test_a_fold_from_nothing_starts_with_run_started(sim_log):
         ),
         (
             ("episode_dispatched", b'{"episode_id":1,"group_id":999,"attempt":0,"policy_version":0}'),
-            "seq 12: cannot fold the 'episode_dispatched' event: KeyError: 999",
+            "seq 12: cannot fold the 'episode_dispatched' event: group 999 is not in the state",
+        ),
+        (
+            ("episode_cancelled", b'{"episode_id":999,"reason":"stop"}'),
+            "seq 12: cannot fold the 'episode_cancelled' event: in-flight episode 999 is not in the state",
+        ),
+        (
+            ("traces_dropped", b'{"trace_ids":[999],"reason":"stale"}'),
+            "seq 12: cannot fold the 'traces_dropped' event: held trace 999 is not in the state",
         ),
     ],
 )
@@ -97,10 +106,26 @@ def test_a_log_of_another_format_version_is_refused_naming_it(sim_log):
     rows, _ = encoded_rows([sim_log[0].model_copy(update={"schema_version": 3})])
     with pytest.raises(
         FoldError,
-        match=r"seq 1: cannot fold the 'run_started' event: ValueError: an orch log of "
+        match=r"seq 1: cannot fold the 'run_started' event: an orch log of "
         r"format version 3; this orch reads version 5 only",
     ):
         fold_rows(None, rows)
+
+
+@pytest.mark.parametrize("bug", [KeyError(7), AttributeError("'Group' object has no attribute 'x'"), AssertionError()])
+def test_a_reducer_bug_is_raised_as_itself_not_as_log_damage(sim_log, monkeypatch, bug):
+    """Only what damage causes reads as "cannot fold": a reducer that fails on a sound log raises
+    its own exception, with the reducer in its traceback."""
+
+    def broken_reducer(state, event):
+        raise bug
+
+    monkeypatch.setitem(evolve_module._REDUCERS, "gate_changed", broken_reducer)
+    rows, payloads = encoded_rows(sim_log)
+    with pytest.raises(type(bug)) as info:
+        fold_rows(None, rows, 1, payloads)
+    assert not isinstance(info.value, FoldError)
+    assert info.traceback[-1].name == "broken_reducer"
 
 
 def test_decide_hands_out_the_batch_file_its_sha256_covers(sim_log):

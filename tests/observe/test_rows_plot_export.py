@@ -9,9 +9,16 @@ import pytest
 from matplotlib.lines import Line2D
 
 from eventlog import EventLog
+from orchestrator.core import evolve as evolve_module
+from orchestrator.core.evolve import FoldError
+from orchestrator.observe.export import export_run
 from orchestrator.observe.plot import PANELS, plot_runs, series
+from orchestrator.observe.rows import log_rows
 from tests.observe.util import STEPS, connect, sql_series
 from tests.support.cli import orch
+from tests.support.logs import rewrite_row, sim_log
+from tests.support.logs import rows as log_rows_of
+from tests.support.params import sim_params
 
 
 def _close(a, b):
@@ -186,3 +193,33 @@ def test_the_docs_count_the_panels_orch_plot_draws():
     words = {9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "observe.md").read_text(encoding="utf-8")
     assert f"{words[len(PANELS)]} panels per step" in doc
+
+
+@pytest.fixture
+def small_log(tmp_path):
+    return sim_log(tmp_path / "run.db", sim_params(0), 0)
+
+
+def test_an_event_that_contradicts_the_run_is_named_by_the_rows_and_the_export(small_log, tmp_path):
+    seq, data = next((seq, data) for seq, kind, data in log_rows_of(small_log) if kind == "episode_dispatched")
+    rewrite_row(small_log, seq, orjson.dumps({**data, "group_id": 999}))
+    with EventLog.open_reader(small_log) as log:
+        with pytest.raises(FoldError, match=f"seq {seq}: cannot fold the 'episode_dispatched' event: group 999 is not"):
+            list(log_rows(log))
+        with pytest.raises(FoldError, match=f"seq {seq}: .* group 999 is not in the state"):
+            export_run(log, tmp_path / "out.db")
+
+
+@pytest.mark.parametrize("bug", [KeyError(7), AttributeError("no attribute 'x'"), TypeError("bad operand")])
+def test_a_reducer_bug_reads_as_itself_in_the_rows_and_the_export(small_log, tmp_path, monkeypatch, bug):
+    def broken_reducer(state, event):
+        raise bug
+
+    monkeypatch.setitem(evolve_module._REDUCERS, "batch_shipped", broken_reducer)
+    with EventLog.open_reader(small_log) as log:
+        with pytest.raises(type(bug)) as info:
+            list(log_rows(log))
+        assert not isinstance(info.value, FoldError) and info.traceback[-1].name == "broken_reducer"
+        with pytest.raises(type(bug)) as info:
+            export_run(log, tmp_path / "out.db")
+        assert not isinstance(info.value, FoldError) and info.traceback[-1].name == "broken_reducer"
