@@ -27,7 +27,7 @@ from orchestrator.gc_tuning import tuned_gc
 from orchestrator.shell.compose import run_async, run_job
 from orchestrator.shell.eventloop import run_on_new_loop
 from orchestrator.shell.runner import OpenedRun
-from orchestrator.sim import SimOptions, SimWorld
+from tests.support.sim import SimOptions, SimWorld
 
 
 def recorded_inputs(max_steps: int = 200):

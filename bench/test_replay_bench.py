@@ -32,9 +32,9 @@ from eventlog import FORMAT_VERSION, EventLog
 from eventlog.fileformat import row_hash
 from orchestrator.core import events as ev
 from orchestrator.orch_log import LOG_MAGIC_META
-from orchestrator.sim import SimOptions, SimWorld
 from replay.diff import diff_logs
 from replay.source import open_run
+from tests.support.sim import SimOptions, SimWorld
 
 N = int(os.environ.get("ORCH_REPLAY_BENCH_EVENTS", 1_000_000))
 SMALL = max(N // 10, 1000)

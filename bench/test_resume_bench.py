@@ -20,7 +20,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.state import REDUCER_VERSION, state_bytes, state_hash
 from orchestrator.fold import fold_log
 from orchestrator.gc_tuning import tuned_gc
-from orchestrator.sim import SimOptions, SimWorld
+from tests.support.sim import SimOptions, SimWorld
 
 CACHE = Path(__file__).parent / "results" / ".cache"
 SIZES = {"10k": 10_000, "100k": 100_000, "1M": 1_000_000}

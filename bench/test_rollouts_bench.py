@@ -20,7 +20,7 @@ from collections import deque
 import pytest
 
 from orchestrator.collection.collect import ExampleFeed, run_examples
-from orchestrator.collection.testing import arrival_workload
+from tests.support.wakeups import arrival_workload
 
 N_ARRIVALS = 1024
 N_EXAMPLES = 20_000

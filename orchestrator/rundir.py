@@ -49,11 +49,8 @@ import shutil
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Any
 
-import orjson
-
-from orchestrator.core.batch import BatchArrays, BatchSample, decode_batch, encode_batch
+from orchestrator.core.batch import BatchArrays, decode_batch
 
 EVENTS_DB = "events.db"
 BATCH_SUFFIX = ".safetensors"
@@ -192,12 +189,6 @@ def atomic_write_dir(dest: str | os.PathLike, write_files) -> Path:
     return dest
 
 
-def write_metrics(wdir: str | os.PathLike, metrics: dict[str, float]) -> None:
-    """Write ``wdir/metrics.json`` (atomic). Call before :func:`mark_stable`: the orchestrator reads
-    it when it sees the marker."""
-    atomic_write_bytes(Path(wdir) / METRICS_FILE, orjson.dumps(metrics))
-
-
 def read_metrics(wdir: str | os.PathLike) -> tuple[dict[str, int | float] | None, list[str]]:
     """The figures in ``wdir/metrics.json`` (None without one) and the names of the entries left
     out because they are not finite numbers (or the file is not a JSON object: ``["*"]``)."""
@@ -297,17 +288,6 @@ def read_batch_file(raw: bytes | memoryview, expected_step: int, where: str = "b
 def sample_tag(where: str, batch: BatchArrays, index: int) -> str:
     """How an error names a sample of a batch file."""
     return f"{where}: sample {index} (trace_id {int(batch.trace_id[index])})"
-
-
-def write_batch_file(run_dir: str | os.PathLike, step: int, samples: list[dict[str, Any]]) -> Path:
-    """Write ``batches/step_{step}.safetensors`` atomically, in its canonical bytes, from samples
-    given as dicts of `BatchSample`'s fields (`trace_id`, `group_id`, `env`, `policy_start` and
-    `lag` default to 0 or "", `reward` to none). Used by tests and tools; the orchestrator writes
-    the bytes its log hashed (`orchestrator.shell.loop`)."""
-    defaults = {"trace_id": 0, "group_id": 0, "env": "", "policy_start": 0, "lag": 0}
-    path = batch_path(run_dir, step)
-    atomic_write_bytes(path, encode_batch(step, [BatchSample(**{**defaults, **sample}) for sample in samples]))
-    return path
 
 
 def checkpoint_damage(file: Path) -> str | None:

@@ -348,9 +348,6 @@ class InferenceClient:
                 self._pins.popitem(last=False)
         return best
 
-    def unpin(self, pin: Any) -> None:
-        self._pins.pop(pin, None)
-
     def mark_down(self, ep: Endpoint, error: str, kind: str = "error") -> None:
         if ep.failures == 0:  # said once per outage, not at every failed probe
             log.warning("orch: inference endpoint %s marked down (%s); requests go to the others", ep.url, error)

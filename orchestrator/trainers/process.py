@@ -137,9 +137,6 @@ class ProcessTrainer:
         after = f", after {self.restarts} restart(s)" if self.restarts else ""
         raise TrainerFailed(f"{cause} (see {self.log_path}{after})")
 
-    def exited_ok(self) -> bool:
-        return self.proc is not None and self.proc.poll() == 0
-
     async def stop(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for a clean exit, then SIGTERM, then SIGKILL: never orphaned.
         A trainer stopped (or dead) mid-write, e.g. on a full disk, leaves a temp sibling of its

@@ -11,7 +11,7 @@ from collections import deque
 import pytest
 
 from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
-from orchestrator.collection.testing import arrival_workload, settle
+from tests.support.wakeups import arrival_workload, settle
 
 
 async def _gated(n: int):

@@ -8,7 +8,7 @@ from safetensors.numpy import load
 
 from orchestrator.core import events as ev
 from orchestrator.core.batch import BatchSample, decode_batch, encode_batch, sample_of
-from orchestrator.sim import SimWorld
+from tests.support.sim import SimWorld
 
 
 def _shipped_samples():

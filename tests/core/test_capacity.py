@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from orchestrator.config import load_config, meaning_changes, upgraded_stored_config
 from orchestrator.core import events as ev
 from orchestrator.core.decide import capacity_has_room, dispatch_gate, trainer_keeps_up
-from orchestrator.sim import SimOptions, TimedSimWorld
 from tests.core.encoded import fold_encoded
 from tests.support.params import trainer_bound_params
+from tests.support.sim import SimOptions, TimedSimWorld
 
 VARIED = [0.0, 0.25, 0.5, 1.0]  # rewards with spread: admitted, no zero advantage
 

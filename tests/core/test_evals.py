@@ -16,9 +16,9 @@ from orchestrator.core.state import (
     state_from_bytes,
     state_hash,
 )
-from orchestrator.sim import SimOptions, SimWorld
 from tests.core.encoded import fold_encoded
 from tests.support.params import Driver, eval_params, eval_sim_params
+from tests.support.sim import SimOptions, SimWorld
 
 
 def of(log, kind: str) -> list:

@@ -8,8 +8,8 @@ from orchestrator.core import events as ev
 from orchestrator.core import evolve as evolve_module
 from orchestrator.core.evolve import FoldError, fold, fold_rows
 from orchestrator.core.state import initial_state, state_hash
-from orchestrator.sim import SimOptions, SimWorld
 from tests.core.encoded import encoded_rows, fold_encoded
+from tests.support.sim import SimOptions, SimWorld
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from orchestrator.core._fast_events import decode_unvalidated
 from orchestrator.core.decide import decide, dispatch_gate
 from orchestrator.core.evolve import fold
 from orchestrator.core.state import State, conservation, state_bytes, state_from_bytes, state_hash
-from orchestrator.sim import SimOptions, SimWorld
 from tests.core.encoded import fold_encoded
 from tests.support.params import sim_params
+from tests.support.sim import SimOptions, SimWorld
 
 
 def fold_rows_of(log) -> State:

@@ -21,7 +21,7 @@ import pytest
 
 from orchestrator.core import events as ev
 from orchestrator.core.arrays import unpack
-from orchestrator.sim import SimOptions, SimWorld
+from tests.support.sim import SimOptions, SimWorld
 
 DIGESTS = Path(__file__).with_name("same_events_digests.json")
 

@@ -14,8 +14,8 @@ from orchestrator.core.batch import decode_batch
 from orchestrator.core.decide import decide
 from orchestrator.core.evolve import evolve_from, fold
 from orchestrator.core.state import conservation, initial_state, min_fresh_version, state_hash
-from orchestrator.sim import SimOptions, SimWorld
 from tests.core.encoded import fold_encoded
+from tests.support.sim import SimOptions, SimWorld
 
 CUTS = ("prefix", "groups")
 WEIGHTS = ("episode", "sample")

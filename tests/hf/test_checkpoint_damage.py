@@ -16,7 +16,7 @@ from orchestrator import rundir
 from orchestrator.config import ConfigError, load_config
 from orchestrator.hf import checkpoint
 from orchestrator.hf.process import TrainerError, TrainerSetupError
-from orchestrator.rundir import write_batch_file
+from tests.support.batches import write_batch_file
 
 
 def _train(trainer, steps: range) -> None:

@@ -16,7 +16,7 @@ from orchestrator import rundir
 from orchestrator.hf.distributed import torchrun_command
 from orchestrator.hf.loss_config import LossConfig
 from orchestrator.hf.trainer import run_trainer, write_trainer_config
-from orchestrator.rundir import write_batch_file
+from tests.support.batches import write_batch_file
 
 REPO = Path(__file__).resolve().parents[2]
 

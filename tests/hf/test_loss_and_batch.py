@@ -15,7 +15,7 @@ from orchestrator.hf.batch import BatchError, parse_batch
 from orchestrator.hf.loss import Counts, policy_loss, token_logprobs
 from orchestrator.hf.loss_config import LossConfig
 from orchestrator.hf.process import TrainerError
-from orchestrator.rundir import write_batch_file
+from tests.support.batches import write_batch_file
 
 VOCAB = 300
 

@@ -10,7 +10,7 @@ from hf_helpers import samples, started_trainer, trainer_config
 from transformers import AutoModelForCausalLM
 
 from orchestrator import rundir
-from orchestrator.rundir import write_batch_file
+from tests.support.batches import write_batch_file
 
 
 def _train(trainer, steps: range, advantages=(1.0, -1.0, 0.5, -0.5)) -> None:

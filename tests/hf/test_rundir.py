@@ -9,6 +9,7 @@ from orchestrator.core.batch import BatchSample, encode_batch
 from orchestrator.hf.publish import prune, publish
 from orchestrator.hf.sampler import load_version
 from orchestrator.hf.tiny_model import build_untrained
+from tests.support.batches import write_batch_file
 
 MODEL, TOKENIZER = build_untrained(seed=0)
 
@@ -38,7 +39,7 @@ def test_atomic_write_bytes_is_complete_and_fsynced_before_it_becomes_visible(tm
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    files.write_batch_file(tmp_path, 1, [sample])
+    write_batch_file(tmp_path, 1, [sample])
     assert seen == {"target_existed": False, "tmp_complete": True, "tmp_fsynced": True}
     assert str(target.parent) in fsynced  # the directory entry is durable too
     assert target.read_bytes() == payload
@@ -67,7 +68,7 @@ def test_failed_write_leaves_nothing_visible(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError, match="disk full"):
-        files.write_batch_file(tmp_path, 1, [])
+        write_batch_file(tmp_path, 1, [])
     assert os.listdir(tmp_path / "batches") == []
 
 

@@ -14,6 +14,7 @@ from orchestrator.core._fast_events import FOLD_VIEWS, decode_unvalidated
 from orchestrator.core.batch import batch_sha256
 from orchestrator.trainers.fake import FakeTrainer
 from orchestrator.trainers.process import ProcessTrainer
+from tests.support.batches import write_batch_file
 
 
 def _batch(run_dir, step, masks):
@@ -22,7 +23,7 @@ def _batch(run_dir, step, masks):
         | {"advantage": 1.0, "temperature": 1.0}
         for i, mask in enumerate(masks)
     ]
-    return batch_sha256(files.write_batch_file(run_dir, step, samples).read_bytes())
+    return batch_sha256(write_batch_file(run_dir, step, samples).read_bytes())
 
 
 def test_fake_trainer_reports_the_batch_it_read_and_its_step_time(tmp_path):

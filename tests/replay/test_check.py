@@ -12,11 +12,11 @@ import pytest
 from orchestrator.core import decide as decide_mod
 from orchestrator.core import events as ev
 from orchestrator.core.rng import choose_by_ratio
-from orchestrator.sim import SimOptions
 from replay.check import CAPACITY_OFF_NOTE, check_log
 from replay.source import open_run
 from tests.support.logs import rewrite_row, rows, sim_log
 from tests.support.params import sim_params
+from tests.support.sim import SimOptions
 
 
 @pytest.mark.parametrize("background,settle", [(False, "immediate"), (True, "immediate"), (True, "random")])

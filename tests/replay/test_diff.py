@@ -10,13 +10,13 @@ import pytest
 from eventlog import EventLog
 from orchestrator.core import events as ev
 from orchestrator.orch_log import LOG_MAGIC_META
-from orchestrator.sim import SimOptions
 from replay.diff import MAX_FIELD_DIFFS, diff_logs, normalize, structural_diff
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import open_run
 from tests.support.logs import rows, sim_log, sim_run
 from tests.support.params import sim_params
+from tests.support.sim import SimOptions
 
 
 def reference_first(a_rows, b_rows, kinds=None, key=lambda d: d):

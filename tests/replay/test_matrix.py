@@ -15,12 +15,12 @@ import itertools
 
 import pytest
 
-from orchestrator.sim import SimOptions
 from replay.diff import diff_logs
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import open_run
 from tests.support.logs import rows, sim_log
 from tests.support.params import sim_params
+from tests.support.sim import SimOptions
 
 SEEDS = range(12)
 BATCHING = {"trace": {}, "token": {"token_batch_size": 120}}

@@ -6,13 +6,13 @@ import orjson
 import pytest
 
 from orchestrator.core.advantages import gar_advantages
-from orchestrator.sim import SimOptions, SimWorld
 from replay.diff import diff_logs
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute
 from replay.source import REEXECUTED_META, open_run
 from tests.support.logs import rows, sim_log
 from tests.support.params import sim_params
+from tests.support.sim import SimOptions, SimWorld
 
 
 def _reexec(path, out, *args):

@@ -7,7 +7,6 @@ import orjson
 import pytest
 
 from orchestrator.core import events as ev
-from orchestrator.sim import SimOptions, SimWorld
 from replay.check import check_log
 from replay.diff import diff_logs
 from replay.logs import write_events
@@ -15,6 +14,7 @@ from replay.reexec import ReexecOptions, reexecute
 from replay.source import open_run
 from tests.support.logs import rows, sim_log
 from tests.support.params import sim_params
+from tests.support.sim import SimOptions, SimWorld
 
 SAMPLES = SimOptions(max_samples=4, agent_rewards=True)
 

@@ -7,9 +7,9 @@ import pytest
 
 from orchestrator.core.evolve import evolve, fold
 from orchestrator.core.state import conservation, initial_state, state_hash
-from orchestrator.sim import SimOptions
 from tests.support.logs import decoded, rewrite_row, rows, sim_log
 from tests.support.params import sim_params
+from tests.support.sim import SimOptions
 
 
 @pytest.fixture

@@ -260,8 +260,8 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
     from rich.console import Console
 
     from orchestrator.shell.progress import Progress
-    from orchestrator.sim import SimWorld
     from tests.support.params import eval_sim_params
+    from tests.support.sim import SimWorld
 
     world = SimWorld(eval_sim_params(1), seed=1)
     world.run()

@@ -7,8 +7,8 @@ import io
 from rich.console import Console
 
 from orchestrator.shell.progress import Progress
-from orchestrator.sim import SimOptions, TimedSimWorld
 from tests.support.params import trainer_bound_params
+from tests.support.sim import SimOptions, TimedSimWorld
 
 
 def _trainer_bound_run(tmp_path, capacity: str) -> tuple[Progress, list[str], str, dict]:

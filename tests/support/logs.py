@@ -13,8 +13,8 @@ from eventlog.fileformat import stored_row_hash
 from orchestrator.core import events as ev
 from orchestrator.core.state import conservation
 from orchestrator.fold import fold_log
-from orchestrator.sim import SimOptions, SimWorld
 from replay.logs import write_events
+from tests.support.sim import SimOptions, SimWorld
 
 
 def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, target_lag: int) -> None:

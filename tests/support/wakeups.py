@@ -1,7 +1,7 @@
 """Measurement helpers for tests and benchmarks of consumer wake-ups.
 
-:func:`counted` wraps a consumer coroutine so that every time the event loop resumes it (each
-``send``/``throw`` after the first start) is counted. The consumer itself uses only the public
+:class:`ResumptionCounter` wraps a consumer coroutine so that every time the event loop resumes
+it (each ``send``/``throw`` after the first start) is counted. The consumer itself uses only the public
 stream API; a stream that wakes consumers spuriously (e.g. a shared event) shows up as extra
 resumptions even though every ``__anext__`` eventually returns a single outcome.
 """
@@ -55,11 +55,6 @@ class _CountingCoroutine(collections.abc.Coroutine):
 
     def __await__(self) -> Any:
         return self._coro.__await__()
-
-
-def counted(counter: ResumptionCounter, coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
-    """``asyncio.create_task(counted(counter, consumer()))`` counts the consumer's resumptions."""
-    return counter.wrap(coro)
 
 
 async def settle(rounds: int = 6) -> None:
