@@ -1,4 +1,4 @@
-"""The dispatch capacity (issue 22): the same run with `rollout.capacity` staleness and off.
+"""The dispatch capacity: the same run with `rollout.capacity` staleness and off.
 
     .venv/bin/python -m pytest bench/test_capacity_bench.py -o addopts= --benchmark-only -s
 

@@ -1,4 +1,4 @@
-"""Core and pipeline benchmarks (issue 3).
+"""Core and pipeline benchmarks.
 
     .venv/bin/python -m pytest bench/test_core_bench.py -o addopts= --benchmark-only -s
 

@@ -1,4 +1,4 @@
-"""Long contexts (issue 23): bytes per token held in memory and in the log, the commit of large
+"""Long contexts: bytes per token held in memory and in the log, the commit of large
 traces against a raw write + fsync of the same bytes, and the cold fold of such a log.
 
     .venv/bin/python -m pytest bench/test_longctx_bench.py -o addopts= --benchmark-only -s

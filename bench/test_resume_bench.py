@@ -1,4 +1,4 @@
-"""Resume (fold) time against log length, without and with a snapshot (issue 6).
+"""Resume (fold) time against log length, without and with a snapshot.
 
     .venv/bin/python -m pytest bench/test_resume_bench.py -o addopts= --benchmark-only -s
 

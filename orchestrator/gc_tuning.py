@@ -1,10 +1,10 @@
 """Garbage-collector settings for processes that hold a large, long-lived, acyclic heap.
 
 A run keeps many long-lived objects (events, traces, tasks) and creates no garbage cycles worth
-chasing; with Python's default thresholds the collector rescans that heap about once a second,
-an 80-130 ms pause of the event loop with 4,096 episodes in flight. Fewer young collections and a
-frozen start-up heap keep the loop's p99 lag near 30 ms and speed up folds (measured in
-bench/test_core_bench.py and bench/test_resume_bench.py).
+chasing, yet with Python's default thresholds the collector keeps rescanning that heap, a pause of
+the event loop that grows with the episodes in flight, and a cost in every fold. Fewer young
+collections and a frozen start-up heap leave the heap alone (bench/test_core_bench.py and
+bench/test_resume_bench.py measure both).
 """
 
 from __future__ import annotations

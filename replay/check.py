@@ -27,7 +27,7 @@ from replay.source import ReplayInputError, guarded, one_line, row_data
 # A rule that a run's parameters switch on is checked as the run had it: a log written before
 # the rule has no such parameter, folds with the rule off, and the check says so.
 CAPACITY_OFF_NOTE = (
-    "rule 1 (d), the dispatch capacity, is off in this log (its run_started sets no capacity: "
+    "rule 1's dispatch capacity is off in this log (its run_started sets no capacity: "
     "written before the rule, or with rollout.capacity=off); its decisions were re-derived with "
     "the rule off, as they were made"
 )

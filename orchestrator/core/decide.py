@@ -571,7 +571,7 @@ def on_stop_requested(d: _Decisions, e: ev.StopRequested) -> None:
     stop_run(d, e.reason)
 
 
-# --- rule 11: resume -----------------------------------------------------------------------------
+# --- rule 10: resume -----------------------------------------------------------------------------
 
 
 def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:

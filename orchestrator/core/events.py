@@ -24,17 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 from orchestrator.core import arrays
 from orchestrator.core.advantages import BACKGROUND_ONLY, INLINE_SCORERS
 
-# 2: a background finalize's result is its own input kind, `background_finalized` (it was a
-# `group_finalized` row, told from the inline decision by the row before it).
-# 3: a trace's token ids, mask and logprobs are one packed payload beside its JSON, which has
-# `n_tokens` and `sampled_tokens` instead (logprobs are float32). A log of another version is
-# refused (docs/log-format.md).
-# 4: a trace's `token_versions`: the policy version of each sampled token, run-length, where its
-# tokens came from more than one version (a weight update while it was sampled).
-# 5: an episode of several training samples (`EpisodeCompleted.samples`, `agents`,
-# `agent_rewards`), a group's per-agent advantages (`GroupFinalized.sample_advantages`), and the
-# params `batch_cut` and `sample_weight`; each left out while unused, so a one-sample run cut by
-# prefix logs the rows version 4 did, its `schema_version` aside.
+# The event format's version: raised with every change to what an event's row holds, so that a log
+# is read only by the code that knows its format; what each version changed is in
+# docs/log-format.md, "Version history", and a log of another version is refused.
 EVENT_SCHEMA_VERSION = 5
 
 

@@ -176,7 +176,7 @@ class Accounting:
     # all-zero advantages, or cancelled stale), reset by an admitted group
     completed_tokens: int = 0  # tokens (prompt and completion) of the accepted completions
     shipped_tokens: int = 0  # tokens of the samples shipped
-    # The admission rate the dispatch capacity estimates (rule 1 (d)): completions of settled
+    # The admission rate the dispatch capacity estimates (rule 1): completions of settled
     # groups judged on their content (queued, or dropped as failed, without output, rejected or
     # zero-advantage; not the stale ones, whose age says nothing of the next group's content),
     # and the samples they queued, with their tokens.

@@ -207,7 +207,7 @@ class Orchestrator:
         task.add_done_callback(lambda _: work.close())
 
     async def _keeping_failure(self, work: Awaitable[None]) -> None:
-        """A failure is kept for the loop to raise between two iterations (rule 10), never in the
+        """A failure is kept for the loop to raise between two iterations (rule 3), never in the
         middle of one (a commit in progress, its effects not yet performed)."""
         try:
             await work

@@ -1,4 +1,4 @@
-"""Why a run stopped for zero output (rule 3's guard, docs/rules.md): what the episodes and groups
+"""Why a run stopped for zero output (rule 5's guard, docs/rules.md): what the episodes and groups
 since the last group admitted for training were doing, told in the stop line with what would
 change it."""
 

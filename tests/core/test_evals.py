@@ -70,8 +70,8 @@ def test_a_version_jump_starts_one_eval_at_the_version_reached():
     assert len(of(d.log, "eval_started")) == 2  # nothing new is due at the same version
 
 
-def test_seed_000_the_finalizing_cap_closes_the_train_gate_while_evals_keep_flowing():
-    """Seed 000: when the finalizing cap closes the train dispatch gate, train scheduling stops
+def test_the_finalizing_cap_closes_the_train_gate_while_evals_keep_flowing():
+    """When the finalizing cap closes the train dispatch gate, train scheduling stops
     while evals and in-flight episodes keep flowing."""
     d = Driver(
         group_size=2,

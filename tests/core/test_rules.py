@@ -259,7 +259,7 @@ def test_stop_request_cancels_everything_and_stops(driver):
     assert d.feed(ev.StopRequested(reason="again")) == []
 
 
-# --- rule 10: errors ------------------------------------------------------------------------------
+# --- errors: a finalize failure (rule 3), a late or misdirected completion (rule 2) ---------------
 
 
 def test_finalize_failure_is_recorded_and_nothing_is_decided(driver):

@@ -1,4 +1,4 @@
-"""Behaviour stays the same (issue 18): a fixed matrix of simulated runs logs the same events, in the
+"""Behaviour stays the same: a fixed matrix of simulated runs logs the same events, in the
 same order, with the same fields, as the code did when the digests below were computed.
 
 Each run's digest is the sha256 over its events, each as `kind`, a NUL, its data as canonical JSON

@@ -217,8 +217,6 @@ def test_the_reward_gain_of_a_short_run_compares_halves_and_one_step_is_n_a():
 
 
 def test_a_three_step_runs_summary_shows_a_real_gain_and_a_one_step_run_n_a(tmp_path):
-    from tests.shell.test_e2e_fake import orch
-
     for steps, gain in ((3, None), (1, "n/a")):
         fake = ("--env", "fake", "--trainer", "fake", "--runs-dir", str(tmp_path), "--name", f"r{steps}")
         result = orch("run", *fake, "--max-steps", str(steps), "--json-summary", str(tmp_path / f"s{steps}.json"))

@@ -176,7 +176,7 @@ def test_the_current_code_raising_on_a_recorded_input_is_a_divergence(tmp_path, 
 
 
 def test_a_log_without_the_capacity_parameter_checks_with_the_rule_off_and_says_so(tmp_path, cli):
-    """A log written before rule 1 (d) has no `capacity` in its run_started: it is re-derived
+    """A log written before rule 1's dispatch capacity has no `capacity` in its run_started: it is re-derived
     with the rule off, as it was made, and the check says so (a log with the rule on does not)."""
     old = sim_log(tmp_path / "old.db", sim_params(2, max_off_policy_steps=1), 2)
     assert all("capacity" not in data["params"] for _, kind, data in rows(old) if kind == "run_started")

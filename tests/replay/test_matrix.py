@@ -1,4 +1,4 @@
-"""Seed 000's equivalence matrix, through real logs and `orch replay --diff`.
+"""The equivalence matrix of the finalize paths, through real logs and `orch replay --diff`.
 
 12 seeds x {trace, token batching} x {constant_trainer_batch_size on/off} x
 max_off_policy_steps in {1, 2, 8}, with the dispatch capacity on: GRPO inline and GRPO opted into

@@ -1,4 +1,4 @@
-"""Background finalization in the real shell (issue 5): errors, cap, drain, gauges."""
+"""Background finalization in the real shell: errors, cap, drain, gauges."""
 
 from __future__ import annotations
 

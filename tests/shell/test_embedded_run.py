@@ -1,5 +1,5 @@
-"""The embedded reverse-text job end to end (issue 4): trainer process supervision both ways,
-Ctrl-C, and a kill/resume (issue 6). Slow: each run loads torch and transformers twice (the
+"""The embedded reverse-text job end to end: trainer process supervision both ways,
+Ctrl-C, and a kill/resume. Slow: each run loads torch and transformers twice (the
 orchestrator's sampler, the trainer); the tiny model is built once for the module."""
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def eval_results(run_dir: Path) -> list[dict]:
     ]
 
 
-def test_seed_000_the_finalizing_cap_stops_train_dispatch_while_evals_keep_flowing(tmp_path):
-    """Seed 000 end to end: a slow grader and a cap of one finalizing group close the train gate
+def test_the_finalizing_cap_stops_train_dispatch_while_evals_keep_flowing(tmp_path):
+    """End to end: a slow grader and a cap of one finalizing group close the train gate
     (reason finalizing_cap); while it is closed, no train episode is dispatched, eval episodes are."""
     result = orch(
         *FAKE_EVALS,

@@ -1,4 +1,4 @@
-"""Long contexts (issue 23): a trace's packed arrays round-trip through its event, the log and a
+"""Long contexts: a trace's packed arrays round-trip through its event, the log and a
 snapshot; a non-finite logprob is refused where a trace comes in; a long-context run resumes and
 replays; a damaged payload is one line naming it."""
 

@@ -1,4 +1,4 @@
-"""Resume by replay (issue 6): SIGKILL at random moments, resume, and nothing is lost."""
+"""Resume by replay: SIGKILL at random moments, resume, and nothing is lost."""
 
 from __future__ import annotations
 
