@@ -242,9 +242,9 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     stop; its message says what it waited for)."""
     from orchestrator.contracts import ComponentFailed
     from orchestrator.observe.sinks import SinkFailed
-    from orchestrator.shell.loop import BatchFileError, StalledError
+    from orchestrator.shell.loop import BatchWriteError, StalledError
 
-    return (ComponentFailed, StalledError, BatchFileError, LogError, TimeoutError, SinkFailed)
+    return (ComponentFailed, StalledError, BatchWriteError, LogError, TimeoutError, SinkFailed)
 
 
 @main.command("trainer")

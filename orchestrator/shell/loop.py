@@ -42,9 +42,10 @@ class FinalizeError(RuntimeError):
     """A background finalize raised; chained to the original exception and its traceback."""
 
 
-class BatchFileError(RuntimeError):
+class BatchWriteError(RuntimeError):
     """A shipped batch's file could not be written (disk full, permissions). The batch is in the
-    log: a resume writes the file again."""
+    log: a resume writes the file again. (A file that a trainer reads and finds malformed is
+    `rundir.BatchFileError`.)"""
 
 
 class BackgroundFinalizer:
@@ -407,7 +408,7 @@ class Orchestrator:
         try:
             atomic_write_bytes(path, payload, durable=False)
         except OSError as err:
-            raise BatchFileError(f"cannot write the batch file {path}: {err.strerror or err}") from err
+            raise BatchWriteError(f"cannot write the batch file {path}: {err.strerror or err}") from err
 
     def rematerialize_batches(self) -> int:
         """Resume: rewrite shipped-but-untrained batch files that are missing or partial. Called
