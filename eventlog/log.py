@@ -57,7 +57,7 @@ from .fileformat import data_seed as _data_seed
 from .fileformat import finish_row_hash as _finish_row_hash
 from .fileformat import stored_row_hash as _stored_row_hash
 from .lock import WriterLock
-
+from .recorder import BODIES_CHUNK, Recorder
 from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
 
@@ -153,7 +153,7 @@ def _uri(path: str, **params: str) -> str:
     return f"{Path(path).absolute().as_uri()}?{query}"
 
 
-class EventLog:
+class EventLog(Recorder):
     """A durable, append-only event log (see module docs). Not safe for concurrent
     use from several threads; one thread at a time (e.g. commit in a worker
     thread while the loop waits) is fine.
@@ -545,7 +545,7 @@ class EventLog:
                 yield seq, ts, kind, data, self._checked_payload(seq, kind, data, payload, ref, check)
 
     def read_bodies(
-        self, start: int = 1, stop: int | None = None, chunk_size: int = 16384
+        self, start: int = 1, stop: int | None = None, chunk_size: int = BODIES_CHUNK
     ) -> Iterator[tuple[str, bytes]]:
         """Yield ``(kind, data_bytes)`` for every committed seq ``start..stop`` in order: the row
         of seq ``max(start, 1) + i`` is the i-th one. For folds, which need no seq or timestamp
