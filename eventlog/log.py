@@ -902,8 +902,8 @@ def _insert_sql(n_rows: int, n_columns: int = 6) -> str:
 def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
     """Insert (seq, ts, kind, data[, row_hash]) rows and (seq, ts, kind, data, payload, payload_ref[, row_hash]) rows,
     each shape in as few multi-row statements as power-of-two sizes allow. Rows without a payload
-    leave its columns out (NULL by default): binding two NULLs per row made a commit of small
-    events markedly slower than a raw executemany of four columns."""
+    leave its columns out (NULL by default), so a commit of small events binds only what it
+    stores."""
     plain = [row for row in rows if len(row) < 6]
     with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) >= 6]
     for shape in (plain, with_payload):
