@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import orjson
 
@@ -58,7 +58,7 @@ from .fileformat import data_seed as _data_seed
 from .fileformat import finish_row_hash as _finish_row_hash
 from .fileformat import stored_row_hash as _stored_row_hash
 from .lock import WriterLock
-from .recorder import BODIES_CHUNK, Recorder
+from .recorder import BODIES_CHUNK, Record, Recorder, Snapshot
 from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
 
@@ -88,24 +88,6 @@ _time = time.time
 _loads = orjson.loads
 _dumps = orjson.dumps
 _new_tuple = tuple.__new__
-
-
-class Record(NamedTuple):
-    """One committed event."""
-
-    seq: int
-    ts: float
-    kind: str
-    data: Any
-
-
-class Snapshot(NamedTuple):
-    """A verified reducer-state snapshot taken after event ``seq``."""
-
-    seq: int
-    reducer_version: str
-    state_hash: str
-    state: bytes
 
 
 @dataclass

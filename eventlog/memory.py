@@ -17,8 +17,8 @@ import orjson
 
 from .codec import encode
 from .errors import InvalidArgumentError, InvalidEventError, LogClosedError
-from .log import Record, Snapshot, payload_bytes
-from .recorder import BODIES_CHUNK, Recorder
+from .log import payload_bytes
+from .recorder import BODIES_CHUNK, Record, Recorder, Snapshot
 
 
 def _check_chunk_size(chunk_size: int) -> None:

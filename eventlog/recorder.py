@@ -8,15 +8,30 @@ over every recorder (tests/eventlog/test_eventlog_conformance.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from .log import Snapshot
-
-__all__ = ["Recorder"]
+__all__ = ["Record", "Recorder", "Snapshot"]
 
 # A fold's chunk: bodies are small, and a chunk is one statement's worth of rows.
 BODIES_CHUNK = 16384
+
+
+class Record(NamedTuple):
+    """One committed event."""
+
+    seq: int
+    ts: float
+    kind: str
+    data: Any
+
+
+class Snapshot(NamedTuple):
+    """A verified reducer-state snapshot taken after event ``seq``."""
+
+    seq: int
+    reducer_version: str
+    state_hash: str
+    state: bytes
 
 
 class Recorder(Protocol):
