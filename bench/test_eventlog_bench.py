@@ -260,41 +260,15 @@ def read_rates(benchmark, n: int) -> dict[str, int]:
     return {"events_per_s_median": round(n / stats.median), "events_per_s_best": round(n / stats.min)}
 
 
-def test_read_decode(benchmark, filled_path):
+@pytest.mark.parametrize("method", ["read", "read_raw", "read_bodies", "read_rows"])
+def test_read(benchmark, filled_path, method):
+    """read: each event decoded; read_raw: undecoded rows; read_bodies: the fold's read, (kind,
+    data bytes) of each seq; read_rows: the replay's read, each row with its payload, checked
+    against its checksum."""
     reader = EventLog.open_reader(filled_path)
-    n = benchmark.pedantic(lambda: sum(1 for _ in reader.read(40_001, 40_000 + READ_SLICE)), rounds=20, warmup_rounds=1)
+    read = getattr(reader, method)
+    n = benchmark.pedantic(lambda: sum(1 for _ in read(40_001, 40_000 + READ_SLICE)), rounds=20, warmup_rounds=1)
     reader.close()
     assert n == READ_SLICE
-    report(benchmark, **read_rates(benchmark, READ_SLICE), target_events_per_s=300_000)
-
-
-def test_read_raw(benchmark, filled_path):
-    reader = EventLog.open_reader(filled_path)
-    n = benchmark.pedantic(
-        lambda: sum(1 for _ in reader.read_raw(40_001, 40_000 + READ_SLICE)), rounds=20, warmup_rounds=1
-    )
-    reader.close()
-    assert n == READ_SLICE
-    report(benchmark, **read_rates(benchmark, READ_SLICE))
-
-
-def test_read_bodies(benchmark, filled_path):
-    """The fold's read: (kind, data bytes) of each seq, no seq or timestamp."""
-    reader = EventLog.open_reader(filled_path)
-    n = benchmark.pedantic(
-        lambda: sum(1 for _ in reader.read_bodies(40_001, 40_000 + READ_SLICE)), rounds=20, warmup_rounds=1
-    )
-    reader.close()
-    assert n == READ_SLICE
-    report(benchmark, **read_rates(benchmark, READ_SLICE))
-
-
-def test_read_rows(benchmark, filled_path):
-    """The replay's read: each row with its payload, checked against its checksum."""
-    reader = EventLog.open_reader(filled_path)
-    n = benchmark.pedantic(
-        lambda: sum(1 for _ in reader.read_rows(40_001, 40_000 + READ_SLICE)), rounds=20, warmup_rounds=1
-    )
-    reader.close()
-    assert n == READ_SLICE
-    report(benchmark, **read_rates(benchmark, READ_SLICE))
+    target = {"target_events_per_s": 300_000} if method == "read" else {}
+    report(benchmark, **read_rates(benchmark, READ_SLICE), **target)
