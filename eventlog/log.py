@@ -2,16 +2,18 @@
 
 Design notes (why it looks like this):
 
-* Appends are buffered in Python as ready-to-bind rows and written by one
-  ``executemany`` inside one ``BEGIN IMMEDIATE`` transaction per
-  :meth:`EventLog.commit`: the fsync cost is paid once per batch, and a batch
-  is all-or-nothing.
+* Appends are buffered in Python as ready-to-bind rows and inserted by
+  multi-row ``INSERT`` statements inside one ``BEGIN IMMEDIATE`` transaction
+  per :meth:`EventLog.commit`: the fsync cost is paid once per batch, and a
+  batch is all-or-nothing.
 * Sequence numbers are assigned at append time from a counter (the writer is
   the only writer, enforced by :class:`~eventlog.lock.WriterLock`), so callers
   know an event's seq before it is durable; a failed commit rolls it back.
 * Reads use a separate connection and fetch bounded chunks, each its own
   short statement, so a reader never holds a transaction that would pin the
-  WAL, and reading works while the writer appends.
+  WAL, and reading works while the writer appends. Every read of events in
+  seq order goes through one path (:meth:`EventLog._scan`), which checks
+  that no seq is missing.
 * The WAL is kept bounded by SQLite's passive auto-checkpoint,
   ``journal_size_limit`` and, should readers starve those, an occasional
   TRUNCATE checkpoint with a short busy timeout.
@@ -31,7 +33,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import orjson
 
@@ -56,18 +58,18 @@ from .fileformat import data_seed as _data_seed
 from .fileformat import finish_row_hash as _finish_row_hash
 from .fileformat import stored_row_hash as _stored_row_hash
 from .lock import WriterLock
+from .recorder import BODIES_CHUNK, Record, Recorder, Snapshot
 from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
 
 __all__ = ["EventLog", "Record", "Snapshot", "VerifyReport"]
 
 _SYNC = {"full": "FULL", "normal": "NORMAL"}
-# A commit inserts its rows in multi-row statements of a power-of-two size (at most 256 rows,
-# 1,536 parameters, under SQLite's limit of 32,766). Python's sqlite3 lets go of the GIL around
-# each statement step and must take it back afterwards; while the event loop is busy, every
-# take-back can wait for the interpreter's switch interval (5 ms). One step per row
-# (executemany) made a 500-row commit take 400 ms next to a busy thread; 256 rows per step
-# makes it 35 ms, and is faster on an idle interpreter too.
+# A commit inserts its rows in multi-row statements of a power-of-two size, not one statement
+# step per row (executemany): Python's sqlite3 lets go of the GIL around each step and must take
+# it back afterwards, and while the event loop's thread is busy every take-back can wait for the
+# interpreter's switch interval. 256 rows of at most 7 parameters stay under SQLite's limit on
+# the parameters of one statement.
 _MAX_ROWS_PER_INSERT = 256
 _BUSY_TIMEOUT_S = 5.0
 _MAX_SEQ = (1 << 63) - 1
@@ -75,9 +77,9 @@ _MAX_SEQ = (1 << 63) - 1
 # truncated back to this size whenever it is reset.
 _WAL_AUTOCHECKPOINT_PAGES = (4 << 20) // fileformat.PAGE_SIZE
 _JOURNAL_SIZE_LIMIT = 8 << 20
-# If the WAL still grows past this (readers starving the passive checkpoints: a reader
-# tailing a log written at 140k events/s kept it growing to 32-37 MiB), force a TRUNCATE
-# checkpoint; checked every _WAL_CHECK_EVERY commits (a stat call).
+# Readers can starve the passive checkpoints (a reader tailing a busy writer always holds some
+# frame), and the WAL then grows unbounded: past this size, force a TRUNCATE checkpoint; checked
+# every _WAL_CHECK_EVERY commits (a stat call).
 _WAL_FORCE_BYTES = 12 << 20
 _WAL_CHECK_EVERY = 4
 _FORCE_CHECKPOINT_BUSY_MS = 100
@@ -86,24 +88,6 @@ _time = time.time
 _loads = orjson.loads
 _dumps = orjson.dumps
 _new_tuple = tuple.__new__
-
-
-class Record(NamedTuple):
-    """One committed event."""
-
-    seq: int
-    ts: float
-    kind: str
-    data: Any
-
-
-class Snapshot(NamedTuple):
-    """A verified reducer-state snapshot taken after event ``seq``."""
-
-    seq: int
-    reducer_version: str
-    state_hash: str
-    state: bytes
 
 
 @dataclass
@@ -153,7 +137,7 @@ def _uri(path: str, **params: str) -> str:
     return f"{Path(path).absolute().as_uri()}?{query}"
 
 
-class EventLog:
+class EventLog(Recorder):
     """A durable, append-only event log (see module docs). Not safe for concurrent
     use from several threads; one thread at a time (e.g. commit in a worker
     thread while the loop waits) is fine.
@@ -415,27 +399,43 @@ class EventLog:
     # ------------------------------------------------------------ appending
 
     def append(self, kind: str, data: Any, payload: bytes | None = None) -> int:
-        """Buffer one event (and its binary payload, if any) and return its seq; raise
-        InvalidEventError for non-JSON data."""
-        buf = self._buf
-        if buf is None:
+        """Buffer one event (and its binary payload, if any) and return its seq: its data encoded
+        as JSON, then buffered as :meth:`append_json` buffers a document; raise InvalidEventError
+        for non-JSON data."""
+        if self._buf is None:
             raise self._not_writable()
-        if type(kind) is not str or not kind:
-            raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
-        # codec.encode, inlined: this is the hot path.
+        # codec.encode, inlined: one call less per event.
         try:
             doc = _dumps(data, option=_OPTS)
         except TypeError as e:
             raise InvalidEventError(f"{NOT_JSON}: {e}") from None
         if b"null" in doc and has_nonfinite(data):
             raise InvalidEventError(NONFINITE)
-        return self._buffer(buf, kind, doc, doc.decode(), payload)
+        return self.append_json(kind, doc, payload)
 
-    def _buffer(self, buf: list[tuple], kind: str, doc: bytes, text: str, payload: Any) -> int:
-        """Buffer one row (`doc` its data's bytes, `text` the same as str); rows without a payload
-        are buffered without its columns (see _insert_rows). A row's checksum is begun here, from
-        its data's bytes: a row without a payload gets it whole; one with a payload gets its seed,
-        finished at the commit."""
+    def append_json(self, kind: str, data_json: bytes | str, payload: bytes | None = None) -> int:
+        """Buffer an already-encoded JSON document (trusted: not re-validated) and its binary
+        payload, if any; return its seq.
+
+        A row without a payload is buffered without its columns (see _insert_rows). A row's
+        checksum is begun here, from its data's bytes: a row without a payload gets it whole; one
+        with a payload gets its seed, finished at the commit (where a large payload gets its side
+        file reference)."""
+        buf = self._buf
+        if buf is None:
+            raise self._not_writable()
+        if type(kind) is not str or not kind:
+            raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
+        try:
+            if type(data_json) is bytes:  # the usual document, and every one append encodes
+                doc = data_json
+            elif isinstance(data_json, str):
+                doc = data_json.encode()
+            else:
+                doc = bytes(data_json)
+            text = doc.decode()
+        except (TypeError, UnicodeError) as e:
+            raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
         seq = self._next
         if payload is None:
             if self.row_hashes:
@@ -449,24 +449,6 @@ class EventLog:
         buf.append(row)
         self._next = seq + 1
         return seq
-
-    def append_json(self, kind: str, data_json: bytes | str, payload: bytes | None = None) -> int:
-        """Buffer an already-encoded JSON document (trusted: not re-validated) and its binary
-        payload, if any; return its seq."""
-        buf = self._buf
-        if buf is None:
-            raise self._not_writable()
-        if type(kind) is not str or not kind:
-            raise InvalidEventError(f"event kind must be a non-empty str, not {kind!r}")
-        try:
-            if isinstance(data_json, str):
-                text, doc = data_json, data_json.encode()
-            else:
-                doc = bytes(data_json)
-                text = doc.decode()
-        except (TypeError, UnicodeError) as e:
-            raise InvalidEventError(f"append_json needs UTF-8 JSON bytes: {e}") from None
-        return self._buffer(buf, kind, doc, text, payload)
 
     def commit(self) -> int:
         """Durably write every buffered event in one transaction; return the last seq.
@@ -523,13 +505,13 @@ class EventLog:
     ) -> Iterator[Record]:
         """Yield committed events ``start..stop`` (inclusive) in seq order, data decoded.
 
-        ``stop=None`` means the last seq committed when iteration starts.
-        Streams in chunks of ``chunk_size`` rows from a separate read connection.
+        ``stop=None`` means the last seq committed when iteration starts; ``kinds`` keeps the
+        events of those kinds only. Streams in chunks of ``chunk_size`` rows (see :meth:`_scan`).
         """
-        # Decoded row by row as they are taken: each record's objects are freed before the next
-        # is built, which reads markedly faster than decoding a chunk into a list first. The
-        # events before a damaged row are still yielded; the damaged one raises.
-        for rows in self._chunks(start, stop, kinds, chunk_size, "data"):
+        # Decoded row by row as they are taken, so each record's objects are freed before the next
+        # is built rather than a chunk of them held at once. The events before a damaged row are
+        # still yielded; the damaged one raises.
+        for rows in self._scan(start, stop, kinds, chunk_size, "seq, ts, kind, data"):
             for seq, ts, kind, data in rows:
                 try:
                     decoded = _loads(data)
@@ -538,14 +520,77 @@ class EventLog:
                     raise CorruptLogError(message) from None
                 yield _new_tuple(Record, (seq, ts, kind, decoded))
 
+    def read_raw(
+        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
+    ) -> Iterator[tuple[int, float, str, bytes]]:
+        """Like :meth:`read` but yields ``(seq, ts, kind, data_bytes)`` without decoding."""
+        for rows in self._scan(start, stop, kinds, chunk_size, "seq, ts, kind, CAST(data AS BLOB)"):
+            yield from rows
+
     def read_rows(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 256
     ) -> Iterator[tuple[int, float, str, bytes, bytes | None]]:
         """Like :meth:`read_raw`, each row with its payload: ``(seq, ts, kind, data_bytes,
         payload or None)``. Payloads can be large: the chunks are small."""
-        for rows in self._chunks(start, stop, kinds, chunk_size, f"CAST(data AS BLOB), {self._payload_expr}"):
+        columns = f"seq, ts, kind, CAST(data AS BLOB), {self._payload_expr}"
+        for rows in self._scan(start, stop, kinds, chunk_size, columns):
             for seq, ts, kind, data, payload, ref, check in rows:
                 yield seq, ts, kind, data, self._checked_payload(seq, kind, data, payload, ref, check)
+
+    def read_bodies(
+        self, start: int = 1, stop: int | None = None, chunk_size: int = BODIES_CHUNK
+    ) -> Iterator[tuple[str, bytes]]:
+        """Yield ``(kind, data_bytes)`` for every committed seq ``start..stop`` in order: the row
+        of seq ``max(start, 1) + i`` is the i-th one. For folds, which need no seq or timestamp
+        per row: fewer columns fetched, fewer objects built."""
+        for rows in self._scan(start, stop, None, chunk_size, "kind, CAST(data AS BLOB)"):
+            yield from rows
+
+    def _scan(
+        self, start: int, stop: int | None, kinds: Iterable[str] | None, chunk_size: int, columns: str
+    ) -> Iterator[list[tuple]]:
+        """The one read of events in seq order: ``columns`` of the committed rows ``start..stop``
+        (``stop=None``: the last seq committed when iteration starts), in chunks of at most
+        ``chunk_size`` rows, each a separate, complete statement.
+
+        Unfiltered, each chunk is the seq range ``cursor..cursor + chunk_size - 1`` (cut at
+        ``stop``), and a missing seq in it raises CorruptLogError: below the last seq, every seq is
+        stored. With ``kinds``, no seq can be expected, so there is no such check, and ``columns``
+        begins with ``seq``: the next chunk starts after the last row's."""
+        if chunk_size < 1:
+            raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
+        conn = self._read_conn()
+        if kinds is None:
+            kinds = ()
+        else:
+            kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+            if not kinds:  # an empty filter matches nothing
+                return
+        sql = f"SELECT {columns} FROM events WHERE seq >= ? AND seq <= ?"
+        if kinds:
+            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
+        sql += " ORDER BY seq LIMIT ?"
+        end = self._end(conn)
+        stop = end if stop is None else min(stop, end)
+        cursor = max(int(start), 1)
+        while cursor <= stop:
+            upper = stop if kinds else min(stop, cursor + chunk_size - 1)
+            try:
+                rows = conn.execute(sql, (cursor, upper, *kinds, chunk_size)).fetchall()
+            except sqlite3.DatabaseError as e:
+                raise self._error(e) from None
+            if kinds:
+                if rows:
+                    yield rows
+                if len(rows) < chunk_size:
+                    return
+                cursor = rows[-1][0] + 1
+                continue
+            if len(rows) != upper - cursor + 1:  # distinct seqs in cursor..upper: all, or a gap
+                missing = "not contiguous" if rows else "missing"
+                raise CorruptLogError(f"{self.path}: seqs {cursor}..{upper} are {missing}")
+            yield rows
+            cursor = upper + 1
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
         """The payloads of the committed events ``seqs`` (those that have one), by seq."""
@@ -601,71 +646,6 @@ class EventLog:
         except sqlite3.DatabaseError as e:
             raise self._error(e) from None
         return damaged
-
-    def read_raw(
-        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
-    ) -> Iterator[tuple[int, float, str, bytes]]:
-        """Like :meth:`read` but yields ``(seq, ts, kind, data_bytes)`` without decoding."""
-        for rows in self._chunks(start, stop, kinds, chunk_size, "CAST(data AS BLOB)"):
-            yield from rows
-
-    def read_bodies(
-        self, start: int = 1, stop: int | None = None, chunk_size: int = 16384
-    ) -> Iterator[tuple[str, bytes]]:
-        """Yield ``(kind, data_bytes)`` for every committed seq ``start..stop`` in order: the row
-        of seq ``max(start, 1) + i`` is the i-th one. For folds, which need no seq or timestamp
-        per row and read about twice as fast without them. A missing seq raises CorruptLogError."""
-        if chunk_size < 1:
-            raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
-        conn = self._read_conn()
-        last = self._end(conn)
-        stop = last if stop is None else min(stop, last)
-        sql = "SELECT kind, CAST(data AS BLOB) FROM events WHERE seq >= ? AND seq < ? ORDER BY seq"
-        for first in range(max(int(start), 1), stop + 1, chunk_size):
-            end = min(first + chunk_size, stop + 1)
-            try:
-                rows = conn.execute(sql, (first, end)).fetchall()
-            except sqlite3.DatabaseError as e:
-                raise self._error(e) from None
-            if len(rows) != end - first:
-                raise CorruptLogError(f"{self.path}: seqs {first}..{end - 1} are not contiguous")
-            yield from rows
-
-    def _chunks(
-        self, start: int, stop: int | None, kinds: Iterable[str] | None, chunk_size: int, data_expr: str
-    ) -> Iterator[list[tuple]]:
-        """Fetch rows in bounded chunks; each chunk is a separate, complete statement."""
-        if chunk_size < 1:
-            raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
-        conn = self._read_conn()
-        if kinds is None:
-            kinds = ()
-        else:
-            kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
-            if not kinds:  # an empty filter matches nothing
-                return
-        sql = f"SELECT seq, ts, kind, {data_expr} FROM events WHERE seq >= ? AND seq <= ?"
-        if kinds:
-            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
-        sql += " ORDER BY seq LIMIT ?"
-        end = self._end(conn)
-        stop = end if stop is None else min(stop, end)
-        cursor = max(int(start), 1)
-        while cursor <= stop:
-            try:
-                rows = conn.execute(sql, (cursor, stop, *kinds, chunk_size)).fetchall()
-            except sqlite3.DatabaseError as e:
-                raise self._error(e) from None
-            if not rows:
-                if not kinds:  # cursor..stop lie below the last seq, yet none of them is stored
-                    raise CorruptLogError(f"{self.path}: seqs {cursor}..{stop} are missing")
-                return
-            if not kinds and (rows[0][0] != cursor or rows[-1][0] - cursor + 1 != len(rows)):
-                raise CorruptLogError(f"{self.path}: seqs {cursor}..{rows[-1][0]} are not contiguous")
-            yield rows
-            if len(rows) < chunk_size:
-                return
-            cursor = rows[-1][0] + 1
 
     # ------------------------------------------------------------ meta
 
@@ -915,8 +895,8 @@ def _insert_sql(n_rows: int, n_columns: int = 6) -> str:
 def _insert_rows(conn: sqlite3.Connection, rows: list[tuple]) -> None:
     """Insert (seq, ts, kind, data[, row_hash]) rows and (seq, ts, kind, data, payload, payload_ref[, row_hash]) rows,
     each shape in as few multi-row statements as power-of-two sizes allow. Rows without a payload
-    leave its columns out (NULL by default): binding two NULLs per row made a commit of small
-    events markedly slower than a raw executemany of four columns."""
+    leave its columns out (NULL by default), so a commit of small events binds only what it
+    stores."""
     plain = [row for row in rows if len(row) < 6]
     with_payload = [] if len(plain) == len(rows) else [row for row in rows if len(row) >= 6]
     for shape in (plain, with_payload):

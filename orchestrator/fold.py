@@ -5,10 +5,10 @@ command fold through it, and neither package imports the other for it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from eventlog import CorruptLogError, EventLog
+from eventlog import CorruptLogError, Recorder
 from orchestrator.core.arrays import PayloadError
 from orchestrator.core.evolve import FoldError, fold_rows
 from orchestrator.core.state import REDUCER_VERSION, State, state_from_bytes
@@ -26,7 +26,7 @@ class Folded:
     damaged: dict[int, tuple[int, str]] = field(default_factory=dict)
 
 
-def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True, keep_damaged: bool = False) -> Folded:
+def fold_log(log: Recorder, at: int | None = None, use_snapshots: bool = True, keep_damaged: bool = False) -> Folded:
     """The state after event `at` (default: the last committed one), from the newest usable
     snapshot (one whose state does not load is ignored, as the log ignores one whose hash does
     not match: snapshots are caches); an event that fails to decode or fold raises FoldError
@@ -59,7 +59,9 @@ def fold_log(log: EventLog, at: int | None = None, use_snapshots: bool = True, k
     return Folded(state, start + count - 1, snapshot.seq if snapshot else None, count, lost)
 
 
-def payload_reader_around_damage(log: EventLog, unreadable: dict[int, str]):
+def payload_reader_around_damage(
+    log: Recorder, unreadable: dict[int, str]
+) -> Callable[[Iterable[int]], dict[int, bytes]]:
     """`log.read_payloads` that leaves out, rather than raises on, a payload whose side file is
     missing or damaged, recording why in `unreadable` (seq -> the read's one line)."""
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from eventlog import Recorder
 from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.config import RunConfig
 from orchestrator.contracts import Algorithm, InferenceBackend, RolloutRequest, Trainer, episode_error
@@ -96,7 +97,7 @@ class Orchestrator:
         self,
         config: RunConfig,
         run_dir: Path,
-        log,
+        log: Recorder,
         state: State,
         *,
         backend: InferenceBackend,

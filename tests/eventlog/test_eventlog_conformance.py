@@ -1,8 +1,10 @@
-"""Conformance to the recorder contract: order, contiguity, atomicity, reads, snapshots.
+"""Conformance to the recorder contract (eventlog.Recorder): order, contiguity, atomicity, reads,
+payloads, snapshots.
 
-The contract's tests take the `recorder` fixture and run over both recorders, EventLog (SQLite)
-and MemoryLog (in memory), as one suite; the tests of what only the SQLite file has (its schema,
-durability, meta, readers beside the writer, WAL, verify) take an EventLog."""
+The contract's tests take the `recorder` fixture and run over every recorder (conftest.RECORDERS:
+EventLog in SQLite, MemoryLog in memory) as one suite; a test of what only the SQLite file has
+(its schema, durability, meta, reopening, readers beside the writer, a commit SQLite refuses, a
+damaged file, WAL, verify) is marked sqlite_only with the feature the other recorders lack."""
 
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from eventlog import (
     NotWriterError,
     Record,
     Snapshot,
-    canonical_json,
 )
-from eventlog.memory import MemoryLog
+
+pytestmark = pytest.mark.recorder_suite
+sqlite_only = pytest.mark.sqlite_only
 
 
 def add_failing_trigger(path: str) -> None:
@@ -43,19 +46,10 @@ def seqs(lg: EventLog) -> list[int]:
     return [r.seq for r in lg.read()]
 
 
-@pytest.fixture(params=["EventLog", "MemoryLog"])
-def recorder(request, path):
-    """A fresh writer of each recorder, closed at teardown."""
-    lg = EventLog.create(path, meta={"seed": "1"}) if request.param == "EventLog" else MemoryLog()
-    yield lg
-    if not lg.closed:
-        lg.discard()
-    lg.close()
-
-
 # ---------------------------------------------------------------- create / meta
 
 
+@sqlite_only("a file's schema and meta")
 def test_create_writes_schema_and_meta(log, path):
     assert log.meta["magic"] == "orch-eventlog"
     assert log.meta["format_version"] == "3"
@@ -69,6 +63,7 @@ def test_create_writes_schema_and_meta(log, path):
     assert "seq INTEGER PRIMARY KEY" in tables["events"] and "data TEXT NOT NULL" in tables["events"]
 
 
+@sqlite_only("durability")
 def test_synchronous_follows_durability(path):
     for durability, level in (("full", 2), ("normal", 1)):
         p = f"{path}.{durability}"
@@ -76,12 +71,14 @@ def test_synchronous_follows_durability(path):
             assert lg._conn.execute("PRAGMA synchronous").fetchone()[0] == level
 
 
+@sqlite_only("durability")
 @pytest.mark.parametrize("bad", ["FULL", "off", "", None, 2])
 def test_unknown_durability_is_an_error(path, bad):
     with pytest.raises(InvalidArgumentError):
         EventLog.create(path, durability=bad)
 
 
+@sqlite_only("meta")
 def test_set_meta_and_reserved_keys(log, path):
     log.set_meta("config", '{"a": 1}')
     assert EventLog.open_reader(path).meta["config"] == '{"a": 1}'
@@ -92,6 +89,7 @@ def test_set_meta_and_reserved_keys(log, path):
         log.set_meta("seed", 1)
 
 
+@sqlite_only("meta")
 def test_create_rejects_reserved_or_non_str_meta(tmp_path):
     with pytest.raises(InvalidArgumentError):
         EventLog.create(str(tmp_path / "a.db"), meta={"format_version": "9"})
@@ -127,6 +125,7 @@ def test_order_and_payloads_round_trip(recorder):
     assert [r.ts for r in got] == sorted(r.ts for r in got)
 
 
+@sqlite_only("a file's schema")
 def test_data_is_stored_as_text_json(log, path):
     log.append("k", {"a": [1, 2]})
     log.commit()
@@ -214,6 +213,7 @@ def test_group_insert_keeps_every_byte_of_the_json(recorder, text):
     ]
 
 
+@sqlite_only("a commit SQLite refuses")
 def test_failing_batch_stores_nothing_and_next_commit_continues(log, path):
     log.append("ok", 0)
     log.commit()
@@ -233,6 +233,7 @@ def test_failing_batch_stores_nothing_and_next_commit_continues(log, path):
     assert log.verify().ok
 
 
+@sqlite_only("reopening")
 def test_context_manager_commits_on_success_and_discards_on_error(path):
     with EventLog.create(path) as lg:
         lg.append("k", 1)
@@ -244,6 +245,7 @@ def test_context_manager_commits_on_success_and_discards_on_error(path):
         assert [r.data for r in lg.read()] == [1]
 
 
+@sqlite_only("readers beside the writer")
 def test_close_discards_with_a_warning_and_closes(path):
     lg = EventLog.create(path)
     lg.append("k", 1)
@@ -257,6 +259,7 @@ def test_close_discards_with_a_warning_and_closes(path):
     assert EventLog.open_reader(path).last_seq == 0
 
 
+@sqlite_only("reopening")
 def test_reopen_continues_the_sequence(path):
     with EventLog.create(path) as lg:
         lg.append("k", 1)
@@ -291,8 +294,11 @@ def test_a_closed_recorder_discards_with_a_warning_and_refuses_everything(record
         recorder.commit,
         lambda: list(recorder.read()),
         lambda: list(recorder.read_raw()),
+        lambda: list(recorder.read_rows()),
         lambda: list(recorder.read_bodies()),
+        lambda: recorder.read_payloads([1]),
         lambda: recorder.save_snapshot(1, "r1", b"x"),
+        lambda: recorder.load_snapshot("r1"),
     ):
         with pytest.raises(LogClosedError):
             use()
@@ -320,16 +326,20 @@ def filled_log(log):
     return fill(log)
 
 
+@pytest.mark.parametrize("read", ["read", "read_raw", "read_rows"])
 @pytest.mark.parametrize("chunk", [1, 7, 100, 4096])
-def test_read_ranges_and_chunks(filled, chunk):
-    assert seqs_of(filled.read(chunk_size=chunk)) == list(range(1, 101))
-    assert seqs_of(filled.read(10, 20, chunk_size=chunk)) == list(range(10, 21))
-    assert seqs_of(filled.read(0, 3, chunk_size=chunk)) == [1, 2, 3]
-    assert seqs_of(filled.read(95, 1000, chunk_size=chunk)) == list(range(95, 101))
-    assert seqs_of(filled.read(50, 40, chunk_size=chunk)) == []
-    assert seqs_of(filled.read(kinds=["even"], chunk_size=chunk)) == list(range(2, 101, 2))
-    assert seqs_of(filled.read(11, 15, kinds="odd", chunk_size=chunk)) == [11, 13, 15]
-    assert seqs_of(filled.read(kinds=[], chunk_size=chunk)) == []
+def test_read_ranges_and_chunks(filled, read, chunk):
+    def seqs_read(*args, **kwargs) -> list[int]:
+        return seqs_of(getattr(filled, read)(*args, chunk_size=chunk, **kwargs))
+
+    assert seqs_read() == list(range(1, 101))
+    assert seqs_read(10, 20) == list(range(10, 21))
+    assert seqs_read(0, 3) == [1, 2, 3]
+    assert seqs_read(95, 1000) == list(range(95, 101))
+    assert seqs_read(50, 40) == []
+    assert seqs_read(kinds=["even"]) == list(range(2, 101, 2))
+    assert seqs_read(11, 15, kinds="odd") == [11, 13, 15]
+    assert seqs_read(kinds=[]) == []
 
 
 def seqs_of(records) -> list[int]:
@@ -353,18 +363,27 @@ def test_read_bodies_yields_kind_and_bytes_of_each_seq_in_order(filled, chunk):
     assert list(filled.read_bodies(50, 40, chunk_size=chunk)) == []
 
 
-def test_read_bodies_refuses_a_gap(filled_log, path):
+@sqlite_only("a damaged file (a missing row)")
+@pytest.mark.parametrize("read", ["read", "read_raw", "read_rows", "read_bodies"])
+def test_every_read_in_seq_order_refuses_a_gap(filled_log, path, read):
     with sqlite3.connect(path) as db:
         db.execute("DELETE FROM events WHERE seq = 40")
     db.close()
     reader = EventLog.open_reader(path)
-    assert len(list(reader.read_bodies(41))) == 60  # after the gap: still contiguous
-    with pytest.raises(CorruptLogError, match="not contiguous"):
-        list(reader.read_bodies(chunk_size=16))
+    read_from = getattr(reader, read)
+    assert len(list(read_from(41))) == 60  # after the gap: still contiguous
+    with pytest.raises(CorruptLogError, match="seqs 33..48 are not contiguous"):
+        list(read_from(chunk_size=16))
+    with pytest.raises(CorruptLogError, match="seqs 1..40 are not contiguous"):
+        list(read_from(1, 40))  # the gap at the range's end: short of what it asked for
+    with pytest.raises(CorruptLogError, match="seqs 40..40 are missing"):
+        list(read_from(40, 40))
+    if read != "read_bodies":  # a read of some kinds expects no seq: nothing to check
+        assert len(list(read_from(kinds=["even"]))) == 49
     reader.close()
 
 
-@pytest.mark.parametrize("read", ["read", "read_raw", "read_bodies"])
+@pytest.mark.parametrize("read", ["read", "read_raw", "read_rows", "read_bodies"])
 def test_a_chunk_size_below_one_is_refused(filled, read):
     with pytest.raises(InvalidArgumentError):
         list(getattr(filled, read)(chunk_size=0))
@@ -375,6 +394,36 @@ def test_read_does_not_see_uncommitted_appends(filled):
     assert seqs_of(filled.read())[-1] == 100
 
 
+def test_payloads_round_trip_through_read_rows_and_read_payloads(recorder):
+    payloads = {1: b"\x00\x01", 3: b"", 4: bytes(range(256)) * 4}
+    recorder.append("trace", {"i": 1}, payload=bytearray(payloads[1]))  # bytes-like: stored as bytes
+    recorder.append("note", {"i": 2})
+    recorder.append_json("trace", b'{"i":3}', payload=payloads[3])
+    recorder.append_json("trace", b'{"i":4}', payload=memoryview(payloads[4]))
+    recorder.commit()
+    recorder.append("trace", {"i": 5}, payload=b"uncommitted")
+    rows = list(recorder.read_rows())
+    assert [(seq, kind, data, payload) for seq, _ts, kind, data, payload in rows] == [
+        (1, "trace", b'{"i":1}', payloads[1]),
+        (2, "note", b'{"i":2}', None),
+        (3, "trace", b'{"i":3}', payloads[3]),
+        (4, "trace", b'{"i":4}', payloads[4]),
+    ]
+    assert all(type(row[4]) is bytes for row in rows if row[4] is not None)
+    assert [row[0] for row in recorder.read_rows(kinds="trace", chunk_size=1)] == [1, 3, 4]
+    # By seq: those with a payload; a seq without one, uncommitted or never given is left out.
+    assert recorder.read_payloads([4, 2, 1, 3, 5, 0, 99]) == payloads
+    assert recorder.read_payloads([]) == {}
+
+
+@pytest.mark.parametrize("payload", ["text", 3, {"a": 1}])
+def test_a_payload_that_is_not_bytes_is_refused_and_takes_no_seq(recorder, payload):
+    with pytest.raises(InvalidEventError, match="payload must be bytes"):
+        recorder.append("trace", {}, payload=payload)
+    assert (recorder.next_seq, recorder.pending) == (1, 0)
+
+
+@sqlite_only("readers beside the writer")
 def test_reader_sees_new_commits_and_cannot_write(log, path):
     reader = EventLog.open_reader(path)
     assert reader.last_seq == 0 and not reader.is_writer
@@ -396,6 +445,7 @@ def test_reader_sees_new_commits_and_cannot_write(log, path):
     reader.close()
 
 
+@sqlite_only("readers beside the writer")
 def test_reader_never_blocks_on_an_open_write_transaction(filled_log, path):
     """A writer mid-transaction (holding SQLite's write lock) does not stall readers: a reader that
     waited for the lock would never get it while the transaction stays open, and would fail."""
@@ -413,6 +463,7 @@ def test_reader_never_blocks_on_an_open_write_transaction(filled_log, path):
         other.close()
 
 
+@sqlite_only("readers beside the writer")
 def test_reader_concurrent_with_writer(log, path):
     """Every read by a concurrent reader is a contiguous, growing prefix of the log."""
     done = threading.Event()
@@ -457,6 +508,7 @@ def test_snapshot_round_trip(filled):
     assert filled.load_snapshot("r2") is None
 
 
+@sqlite_only("a damaged file (a tampered snapshot)")
 def test_snapshot_with_other_reducer_version_or_bad_hash_is_ignored(filled_log, path):
     filled_log.save_snapshot(10, "r1", b"good")
     filled_log.save_snapshot(20, "r1", b"tampered")
@@ -492,6 +544,7 @@ def test_snapshot_must_be_at_a_committed_seq(filled):
 # ---------------------------------------------------------------- verify / checkpoint
 
 
+@sqlite_only("verify")
 def test_verify_ok_and_reports_a_gap(filled_log, path):
     report = filled_log.verify()
     assert report.ok and report.events == 100 and report.last_seq == 100 and report.format_version == 3
@@ -503,6 +556,7 @@ def test_verify_ok_and_reports_a_gap(filled_log, path):
     assert any("gap" in p and "40" in p for p in report.problems)
 
 
+@sqlite_only("a WAL")
 def test_checkpoint_truncates_the_wal(filled_log, path):
     import os
 
@@ -512,9 +566,3 @@ def test_checkpoint_truncates_the_wal(filled_log, path):
     assert filled_log.checkpoint("passive")[0] == 0
     with pytest.raises(InvalidArgumentError):
         filled_log.checkpoint("bogus")
-
-
-def test_canonical_json_sorts_keys():
-    assert canonical_json({"b": 1, "a": {"d": 2, "c": 3}}) == b'{"a":{"c":3,"d":2},"b":1}'
-    with pytest.raises(InvalidEventError):
-        canonical_json({"x": float("nan")})
