@@ -64,7 +64,6 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "orchestrator.verifiers.*",
         "orchestrator.algorithms",
         "orchestrator.algorithms.*",
-        "orchestrator.finalizers",
         "orchestrator.serve",  # `orch serve`'s policy, tokenizer and server
         "orchestrator.serve.*",
     ),

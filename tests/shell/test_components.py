@@ -10,6 +10,7 @@ from typing import ClassVar
 import pytest
 from pydantic import Field, ValidationError
 
+from orchestrator.algorithms.gar import GAR
 from orchestrator.config import (
     ALGORITHMS,
     ENVS,
@@ -25,7 +26,6 @@ from orchestrator.config import (
 )
 from orchestrator.contracts import Algorithm, InferenceBackend, Trainer, TrainerComponent
 from orchestrator.envs.fake import FakeEpisodes
-from orchestrator.finalizers import GAR
 from orchestrator.trainers.fake import FakeTrainer
 from tests.support.parts import parts_of
 
