@@ -50,7 +50,6 @@ from orchestrator.contracts import (
     TrainerComponent,
 )
 from orchestrator.contracts import Section as _Section
-from orchestrator.core.advantages import INLINE_SCORERS
 from orchestrator.core.events import CoreParams, EvalParams
 from orchestrator.plugins import installed_names, resolve, resolve_sink
 
@@ -123,8 +122,8 @@ ENVS = Registry(
 ALGORITHMS = Registry(
     "algorithm",
     {
-        "grpo": "orchestrator.finalizers:GRPOConfig",
-        "gar": "orchestrator.finalizers:GARConfig",
+        "grpo": "orchestrator.algorithms.grpo:GRPOConfig",
+        "gar": "orchestrator.algorithms.gar:GARConfig",
     },
     AlgorithmComponent,
 )
@@ -544,6 +543,7 @@ class RunConfig(_Section):
             eval_envs=tuple(self.eval.envs),
             inference=self.inference_kind(),
             requests_in_flight=self.rollout.max_inflight + (self.eval.max_inflight if self.eval.envs else 0),
+            finalize_in_background=self.finalize_in_background(),
         )
 
     def model_request(self) -> ModelRequest:
@@ -580,7 +580,7 @@ class RunConfig(_Section):
 
     def finalize_in_background(self) -> bool:
         flag = self.algorithm.finalize_in_background
-        return self.algorithm.name not in INLINE_SCORERS if flag is None else flag
+        return self.algorithm.chosen().finalize_in_background if flag is None else flag
 
     def core_params(self) -> CoreParams:
         return CoreParams(
@@ -596,8 +596,8 @@ class RunConfig(_Section):
             max_finalizing_groups=self.algorithm.max_finalizing_groups,
             max_steps=self.max_steps,
             algorithm=self.algorithm.name,
-            std_normalization=getattr(self.algorithm.chosen(), "std_normalization", False),
             finalize_in_background=self.finalize_in_background(),
+            **self.algorithm.chosen().core_settings(),
             zero_output_batches=self.zero_output_batches,
             capacity=self.rollout.capacity,
             batch_cut=self.batch.cut,

@@ -49,8 +49,9 @@ What each kind builds:
   itself, its model calls through the backend's `ModelCalls`; checked before the run, closed after
   it. `synthetic = True` (the fake env): its episodes are not the model's tokens, so the model
   samplers and trainers refuse it;
-* an algorithm (`AlgorithmComponent.build` -> `Algorithm`); its name must also be one the core
-  knows (`orchestrator.core.advantages`), which folds its advantages.
+* an algorithm (`AlgorithmComponent.build` -> `Algorithm`): one module of orchestrator/algorithms,
+  whose section also says whether it finalizes in the background and what it puts in the core's
+  params; one the core scores inline also names its scorer in `orchestrator.core.advantages`.
 
 The shell enters them on one `AsyncExitStack` (envs, sampler, trainer) and leaves them in the
 reverse order; a component that fails raises a `ComponentFailed` (one line) and the run ends.
@@ -232,6 +233,7 @@ class RunPlan:
     eval_envs: tuple[str, ...]  # the envs evaluated on a schedule (docs/evals.md)
     inference: str  # the inference backend's name
     requests_in_flight: int = 0  # episodes in flight at most: rollout.max_inflight + eval.max_inflight
+    finalize_in_background: bool = False  # the algorithm's groups finalize in the background
 
 
 @dataclass(frozen=True)
@@ -391,9 +393,6 @@ class Algorithm(Protocol):
     """Advantages of a closed group. Background-finalized algorithms run `finalize_group`
     concurrently for many groups, results coming back in any order."""
 
-    name: ClassVar[str]
-    finalize_in_background: ClassVar[bool]
-
     async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted], /) -> list[float]: ...
 
 
@@ -519,5 +518,17 @@ class TextEnvComponent(EnvComponent):
 
 
 class AlgorithmComponent(Component):
+    """An algorithm's section: its settings and how it scores a group (orchestrator/algorithms)."""
+
+    # Whether its groups finalize in the background by default (`algorithm.finalize_in_background`
+    # overrides it). Inline needs a scorer the core runs (`orchestrator.core.advantages`), which a
+    # plugin's algorithm has not: it finalizes in the background.
+    finalize_in_background: ClassVar[bool] = True
+
+    def core_settings(self) -> dict[str, Any]:
+        """Its settings that the core's inline scorer reads: `CoreParams` fields (logged in
+        `run_started`, so a log is re-scored on its own)."""
+        return {}
+
     @abstractmethod
     def build(self, ctx: BuildContext) -> Algorithm: ...

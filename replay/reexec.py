@@ -163,7 +163,6 @@ class Reexecutor(IgnoringPort):
         self.scheduled: dict[int, tuple[int, ev.BackgroundFinalized | ev.FinalizeFailed]] = {}
         self.held: list[ev.BackgroundFinalized | ev.FinalizeFailed] = []  # shuffled: to deliver at random points
         self.cursor, self.cursor_kind = 0, ""  # the recorded row being processed
-        self.algorithm, self.std_normalization = "grpo", False
         self.source_background = False
 
     # --- the new log ------------------------------------------------------------------------------
@@ -233,16 +232,16 @@ class Reexecutor(IgnoringPort):
         elif order == "recorded" and self.source_background:
             self.report.results_withheld += 1  # RUN never received one: neither does the new run
             return
-        elif self.algorithm in INLINE_SCORERS:
+        elif (scorer := INLINE_SCORERS.get(self.state.params.algorithm)) is not None:
             result = ev.BackgroundFinalized(
                 group_id=started.group_id,
                 trace_ids=started.trace_ids,
-                advantages=INLINE_SCORERS[self.algorithm]([t.reward for t in traces], self.std_normalization),
+                advantages=scorer([t.reward for t in traces], self.state.params),
             )
             self.report.results_computed += 1
         else:
             raise _Halt(
-                f"no recorded {self.algorithm} result for group {started.group_id} with survivors "
+                f"no recorded {self.state.params.algorithm} result for group {started.group_id} with survivors "
                 f"{started.trace_ids}, and replay never re-runs a grader",
                 started.kind,
                 orjson.loads(ev.encode_event(started)[1]),
@@ -273,7 +272,6 @@ class Reexecutor(IgnoringPort):
                 raise ReplayInputError(
                     one_line(f"cannot re-execute with --finalize {self.options.finalize}: {msg}")
                 ) from None
-            self.algorithm, self.std_normalization = params.algorithm, params.std_normalization
             return ev.RunStarted(schema_version=event.schema_version, params=params)
         s = self.state
         if event.kind == "episode_completed":

@@ -61,7 +61,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "orchestrator.trainers.*",
         "orchestrator.verifiers",
         "orchestrator.verifiers.*",
-        "orchestrator.finalizers",
+        "orchestrator.algorithms",
+        "orchestrator.algorithms.*",
         "orchestrator.serve",  # `orch serve`'s policy, tokenizer and server
         "orchestrator.serve.*",
     ),

@@ -1,10 +1,13 @@
-"""Pure advantage rules. The shell's algorithm classes call these, so inline and background
-finalization compute exactly the same numbers."""
+"""Pure advantage rules: the scorers the core runs inline, by the algorithm name a log's
+`run_started` carries, so a log is re-scored from its own params. An algorithm's module
+(orchestrator/algorithms) finalizes in the background with the same function, so inline and
+background finalization compute exactly the same numbers."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 # Added to the group's std before dividing by it: a group of equal rewards has advantages 0.
 STD_EPSILON = 1e-6
@@ -21,29 +24,15 @@ def grpo_advantages(rewards: Sequence[float], std_normalization: bool = False) -
     return [c / (std + STD_EPSILON) for c in centred]
 
 
-def gar_advantages(rewards: Sequence[float], ranks: Sequence[int], rank_weight: float) -> list[float]:
-    """GAR (grader-ranked group advantage redistribution).
-
-    The grader ranks the group's members (0 = best). Each member's score blends its env reward
-    with its rank turned into [0, 1] (best = 1, worst = 0):
-
-        score_i = (1 - w) * reward_i + w * (1 - rank_i / (n - 1))      (rank term = 0.5 when n = 1)
-        advantage_i = score_i - mean(score)
-
-    so the advantages are zero-mean within the group; w = rank_weight in [0, 1].
-    """
-    n = len(rewards)
-    if len(ranks) != n:
-        raise ValueError(f"gar: {len(ranks)} ranks for a group of {n}")
-    if sorted(ranks) != list(range(n)):
-        raise ValueError(f"gar: ranks must be a permutation of 0..{n - 1}, got {list(ranks)}")
-    rank_scores = [0.5] * n if n == 1 else [1.0 - rank / (n - 1) for rank in ranks]
-    scores = [(1.0 - rank_weight) * r + rank_weight * s for r, s in zip(rewards, rank_scores)]
-    return grpo_advantages(scores)
+def _grpo(rewards: Sequence[float], params: Any) -> list[float]:
+    return grpo_advantages(rewards, params.std_normalization)
 
 
-# Algorithms whose scoring the core can run inline, by name: (rewards, std_normalization) ->
-# advantages. An algorithm missing here needs the shell (an external grader) and must finalize in
-# the background (as must every algorithm of a plugin).
-INLINE_SCORERS = {"grpo": grpo_advantages}
-BACKGROUND_ONLY = frozenset({"gar"})
+# An inline scorer: (a pool's rewards, the run's CoreParams) -> advantages; it reads its own
+# algorithm's settings from the params (`AlgorithmComponent.core_settings` put them there).
+# (`Any`: CoreParams is declared in `events`, which imports this module.)
+InlineScorer = Callable[[Sequence[float], Any], list[float]]
+
+# The algorithms the core scores inline, by name. Every other one (a grader's, a plugin's)
+# finalizes in the background, its results logged.
+INLINE_SCORERS: dict[str, InlineScorer] = {"grpo": _grpo}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from orchestrator.core import events as ev
-from orchestrator.core.advantages import INLINE_SCORERS
+from orchestrator.core.advantages import INLINE_SCORERS, InlineScorer
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_of
 from orchestrator.core.evals import (
     accepted_eval_result,
@@ -281,14 +281,14 @@ def finalize_group(d: _Decisions, group: Group) -> None:
         ev.GroupFinalized.unvalidated(
             group_id=group.group_id,
             trace_ids=survivors,
-            advantages=scorer(rewards, p.std_normalization),
+            advantages=scorer(rewards, p),
             sample_advantages=score_agents_apart(s, survivors, scorer),
         )
     )
     settle_group(d, group)
 
 
-def score_agents_apart(s: State, survivors: list[int], scorer: Callable) -> list[tuple[int, float]]:
+def score_agents_apart(s: State, survivors: list[int], scorer: InlineScorer) -> list[tuple[int, float]]:
     """Rule 3 for episodes whose env scored each agent (`agent_rewards`): each agent's samples
     take the advantage of that agent's reward among the rewards of the same seat across the group
     (`seat_of`: the traces one seat played in an episode, `seat#k`, share its pool); empty where
@@ -301,7 +301,7 @@ def score_agents_apart(s: State, survivors: list[int], scorer: Callable) -> list
         return []
     scored: dict[tuple[int, str], float] = {}
     for pool in pools.values():
-        advantages = scorer([reward for _, reward in pool], s.params.std_normalization)
+        advantages = scorer([reward for _, reward in pool], s.params)
         scored.update((key, advantage) for (key, _), advantage in zip(pool, advantages))
     return [
         (head.trace_id, scored[trace_id, head.agent])

@@ -22,7 +22,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, model_validator
 
 from orchestrator.core import arrays
-from orchestrator.core.advantages import BACKGROUND_ONLY, INLINE_SCORERS
+from orchestrator.core.advantages import INLINE_SCORERS
 
 # The event format's version: raised with every change to what an event's row holds, so that a log
 # is read only by the code that knows its format; what each version changed is in
@@ -95,11 +95,12 @@ class CoreParams(_Model):
         64, ge=1, description="background-finalizing groups (per env) that close the dispatch gate"
     )
     max_steps: int = Field(20, ge=1, description="batches to ship before draining")
-    algorithm: str = Field("grpo", description="grpo | gar")
+    algorithm: str = Field("grpo", description="the algorithm's name (`algorithm.name`)")
     finalize_in_background: bool = Field(
         False, description="resolved from the algorithm's class flag and the config override"
     )
-    # Left out of the JSON while off (GRPO's advantages as they always were): the digests hold.
+    # grpo's setting, as its section puts it here (`AlgorithmComponent.core_settings`). Left out
+    # of the JSON while off (GRPO's advantages as they always were): the digests hold.
     std_normalization: bool = Field(
         False, exclude_if=lambda value: not value, description="grpo: advantages divided by the group's std"
     )
@@ -140,9 +141,8 @@ class CoreParams(_Model):
         if not self.env_ratios or any(r <= 0 for r in self.env_ratios.values()):
             raise ValueError("env_ratios must name at least one env, each with a ratio > 0")
         if self.algorithm not in INLINE_SCORERS and not self.finalize_in_background:
-            if self.algorithm in BACKGROUND_ONLY:  # a built-in one, outside INLINE_SCORERS too
-                raise ValueError(f"algorithm {self.algorithm!r} calls a grader and must finalize in the background")
-            # A plugin's algorithm (docs/plugins.md): the core folds the advantages it returns.
+            # E.g. a grader's or a plugin's algorithm (docs/plugins.md): the core folds the
+            # advantages its background finalize returns.
             raise ValueError(
                 f"algorithm {self.algorithm!r} is not one the core scores inline "
                 f"({', '.join(sorted(INLINE_SCORERS))}): it must finalize in the background"

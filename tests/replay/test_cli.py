@@ -205,5 +205,6 @@ def test_reexecuting_a_gar_run_inline_is_one_line_with_the_rules_own_words(tmp_p
     gar = sim_log(tmp_path / "gar.db", sim_params(0, algorithm="gar", finalize_in_background=True), 0)
     assert_bad_input(
         cli(gar, "--reexecute", "--finalize", "inline", "--out", tmp_path / "x"),
-        "cannot re-execute with --finalize inline: algorithm 'gar' calls a grader",
+        "cannot re-execute with --finalize inline: algorithm 'gar' is not one the core scores inline (grpo): "
+        "it must finalize in the background",
     )

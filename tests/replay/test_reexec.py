@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from orchestrator.core.advantages import gar_advantages
+from orchestrator.algorithms.gar import gar_advantages
 from replay.diff import diff_logs
 from replay.logs import write_events
 from replay.reexec import ReexecOptions, reexecute

@@ -10,6 +10,8 @@ from typing import ClassVar
 import pytest
 from pydantic import Field, ValidationError
 
+from orchestrator.algorithms.gar import GAR
+from orchestrator.algorithms.grpo import GRPO
 from orchestrator.config import (
     ALGORITHMS,
     ENVS,
@@ -23,9 +25,10 @@ from orchestrator.config import (
     load_config,
     upgraded_stored_config,
 )
-from orchestrator.contracts import Algorithm, InferenceBackend, Trainer, TrainerComponent
+from orchestrator.contracts import Algorithm, AlgorithmComponent, InferenceBackend, Trainer, TrainerComponent
+from orchestrator.core.advantages import INLINE_SCORERS
+from orchestrator.core.events import CoreParams
 from orchestrator.envs.fake import FakeEpisodes
-from orchestrator.finalizers import GAR
 from orchestrator.trainers.fake import FakeTrainer
 from tests.support.parts import parts_of
 
@@ -131,6 +134,50 @@ def test_the_env_server_is_reverse_text_s_own_setting_and_a_stored_config_moves_
     del stored["env"]["reverse_text"]["server"]
     stored["rollout"]["env_server"] = "http://127.0.0.1:9"  # as a run written before the move stored it
     assert load_config(base=upgraded_stored_config(stored)).env.reverse_text.server == "http://127.0.0.1:9"
+
+
+class LoudConfig(AlgorithmComponent):
+    """An algorithm of a module of its own: GRPO's advantages, louder, scored in the background."""
+
+    gain: float = 2.0
+
+    def build(self, ctx):
+        return GRPO()
+
+
+class InlineWithoutScorerConfig(LoudConfig):
+    """Declares inline scoring, which needs a scorer of the core's that it has not."""
+
+    finalize_in_background: ClassVar[bool] = False
+
+
+def test_an_algorithm_is_its_section_and_the_run_asks_it_nothing_by_name():
+    """The run's core params come from the chosen section alone: its flag, its core settings."""
+    loud = load_config(overrides=[*FAKE, f"algorithm.name={__name__}:LoudConfig"]).core_params()
+    assert (loud.algorithm, loud.finalize_in_background, loud.std_normalization) == (
+        f"{__name__}:LoudConfig",
+        True,
+        False,
+    )
+    normalized = load_config(overrides=[*FAKE, "algorithm.grpo.std_normalization=true"]).core_params()
+    assert (normalized.algorithm, normalized.finalize_in_background, normalized.std_normalization) == (
+        "grpo",
+        False,
+        True,
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[*FAKE, f"algorithm.name={__name__}:InlineWithoutScorerConfig"])
+    assert str(err.value) == (
+        f"invalid config: algorithm '{__name__}:InlineWithoutScorerConfig' is not one the core scores inline "
+        "(grpo): it must finalize in the background"
+    )
+
+
+def test_every_built_in_algorithm_declared_inline_has_the_core_s_scorer():
+    for name, section in ALGORITHMS.configs().items():
+        assert section.__module__ == f"orchestrator.algorithms.{name}"
+        assert section.finalize_in_background or name in INLINE_SCORERS, name
+        assert set(section().core_settings()) <= set(CoreParams.model_fields), name
 
 
 class ProbeTrainerConfig(TrainerComponent):

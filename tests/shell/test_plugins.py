@@ -28,8 +28,6 @@ UPPERCASE = "my_task:UppercaseConfig"
 # A trainer, a sampler and an algorithm of the user's own: each a subclass of its kind's base,
 # each leaving a trace that shows it was the one used.
 OWN_COMPONENTS = '''
-from typing import ClassVar
-
 from orchestrator.contracts import AlgorithmComponent
 from orchestrator.core.advantages import grpo_advantages
 from orchestrator.envs.fake import FakeEnvConfig, FakeEpisodes, FakeEpisodesConfig
@@ -69,9 +67,6 @@ class OwnEpisodesConfig(FakeEpisodesConfig):
 
 
 class Halved:
-    name: ClassVar[str] = "halved"
-    finalize_in_background: ClassVar[bool] = True
-
     def __init__(self, factor):
         self.factor = factor
 

@@ -1,11 +1,5 @@
-"""The algorithms' group finalizers: an async `finalize_group` (advantages of a closed group) and
-the class flag that opts into background finalization (docs/rules.md, 3. Finalize); `algorithm.name`
-picks one from `orchestrator.config.ALGORITHMS`.
-
-Background-finalized algorithms run `finalize_group` concurrently for many groups, and results
-come back in any order: a stateful algorithm must tolerate interleaved groups. The advantage
-arithmetic itself is the core's (orchestrator.core.advantages), so inline and background agree.
-"""
+"""gar (grader-ranked group advantage redistribution): a grader's ranks blended with the rewards.
+It calls a grader (here a simulated slow judge), so it always finalizes in the background."""
 
 from __future__ import annotations
 
@@ -16,25 +10,16 @@ from typing import ClassVar, Protocol
 
 from pydantic import Field
 
-from orchestrator.contracts import AlgorithmComponent, BuildContext
-from orchestrator.core.advantages import gar_advantages, grpo_advantages
+from orchestrator.contracts import AlgorithmComponent, BuildContext, RunPlan
+from orchestrator.core.advantages import grpo_advantages
 from orchestrator.core.events import EpisodeCompleted
-
-
-class GRPOConfig(AlgorithmComponent):
-    """grpo: advantage = reward - group mean (inline), optionally divided by the group's std."""
-
-    std_normalization: bool = Field(
-        False, description="divide by the group's std + 1e-6 (off: Dr. GRPO, the centred rewards)"
-    )
-
-    def build(self, ctx: BuildContext) -> GRPO:
-        return GRPO(self.std_normalization)
 
 
 class GARConfig(AlgorithmComponent):
     """gar: the simulated slow grader's ranks blended with rewards (background); a real judge
     endpoint can replace the grader."""
+
+    finalize_in_background: ClassVar[bool] = True
 
     delay_s: float = Field(0.05, ge=0, description="mean grader latency")
     jitter_s: float = Field(0.02, ge=0, description="uniform +- jitter on the latency")
@@ -42,19 +27,32 @@ class GARConfig(AlgorithmComponent):
     rank_noise: float = Field(0.1, ge=0, description="noise added to rewards before ranking")
     rank_weight: float = Field(0.5, ge=0, le=1, description="gar blend: weight of the grader rank")
 
+    def check(self, plan: RunPlan) -> None:
+        if not plan.finalize_in_background:
+            raise ValueError("algorithm 'gar' calls a grader and must finalize in the background")
+
     def build(self, ctx: BuildContext) -> GAR:
         return GAR(SimulatedGrader(self, ctx.seed), self.rank_weight)
 
 
-class GRPO:
-    name: ClassVar[str] = "grpo"
-    finalize_in_background: ClassVar[bool] = False
+def gar_advantages(rewards: Sequence[float], ranks: Sequence[int], rank_weight: float) -> list[float]:
+    """GAR's advantages of a group from its rewards and the grader's ranks (0 = best).
 
-    def __init__(self, std_normalization: bool = False):
-        self.std_normalization = std_normalization
+    Each member's score blends its env reward with its rank turned into [0, 1] (best = 1, worst = 0):
 
-    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
-        return grpo_advantages([t.reward for t in traces], self.std_normalization)
+        score_i = (1 - w) * reward_i + w * (1 - rank_i / (n - 1))      (rank term = 0.5 when n = 1)
+        advantage_i = score_i - mean(score)
+
+    so the advantages are zero-mean within the group; w = rank_weight in [0, 1].
+    """
+    n = len(rewards)
+    if len(ranks) != n:
+        raise ValueError(f"gar: {len(ranks)} ranks for a group of {n}")
+    if sorted(ranks) != list(range(n)):
+        raise ValueError(f"gar: ranks must be a permutation of 0..{n - 1}, got {list(ranks)}")
+    rank_scores = [0.5] * n if n == 1 else [1.0 - rank / (n - 1) for rank in ranks]
+    scores = [(1.0 - rank_weight) * r + rank_weight * s for r, s in zip(rewards, rank_scores)]
+    return grpo_advantages(scores)
 
 
 class Grader(Protocol):
@@ -91,10 +89,7 @@ class SimulatedGrader:
 
 
 class GAR:
-    """Grader-ranked group advantage redistribution; see core.advantages.gar_advantages."""
-
-    name: ClassVar[str] = "gar"
-    finalize_in_background: ClassVar[bool] = True
+    """Grader-ranked group advantage redistribution: `gar_advantages` of the grader's ranks."""
 
     def __init__(self, grader: Grader, rank_weight: float):
         self.grader, self.rank_weight = grader, rank_weight
