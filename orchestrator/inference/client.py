@@ -286,7 +286,7 @@ class InferenceClient:
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             trust_env=False,
-            mounts={origin: ShardedTransport(_transport) for origin in distinct},
+            mounts={origin: ShardedTransport(lambda: _transport(None)) for origin in distinct},
             transport=_transport(None),
         )
         # The caps, as slots a connection is taken with: per endpoint (origin) and in all.

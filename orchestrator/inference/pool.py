@@ -3,14 +3,23 @@ pool bookkeeping does not grow with the endpoint's connections.
 
 httpcore scans every connection of its pool, and every request queued on it, at each request's
 start and end: with hundreds of streams in flight on one pool that scan is most of a short
-request's cost, and the whole is quadratic in the streams. Here each shard holds at most
-`SHARD_CONNECTIONS`; a request goes to the shard with the fewest requests in flight that has
-room (a new shard when none has), so each scan is over one shard. Caps on connections are the
-client's (`InferenceClient`'s slots), not the shards': a shard never makes a request wait.
+request's cost, and the whole is quadratic in the streams. Here each shard takes at most
+`SHARD_CONNECTIONS` requests at once; a request goes to the shard with the fewest requests in
+flight that has room (a new shard when none has), so each scan is over one shard. Caps on
+connections are the client's (`InferenceClient`'s slots), not the shards': a shard's pool has no
+cap of its own, so it never makes a request wait.
+
+A request cancelled inside httpcore's pool (a reload ending a stream before its first token, a
+drain) can leave behind a connection that was assigned to it and never opened: httpcore 1.0
+neither reuses nor reaps it, so it holds a pool slot for good (encode/httpcore#1093). In a capped
+pool enough of them make every later request wait until its pool timeout, against a healthy
+server. So a shard in which a request was cancelled takes no new request, and is closed (every
+connection of its pool, those included) once its last request has ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -26,20 +35,27 @@ class _Shard:
 
 
 class ShardedTransport(httpx.AsyncBaseTransport):
-    """One endpoint's connections in shards of at most `SHARD_CONNECTIONS` (see the module)."""
+    """One endpoint's requests in shards of at most `SHARD_CONNECTIONS` each (see the module)."""
 
-    def __init__(self, shard: Callable[[int], httpx.AsyncHTTPTransport]):
-        self._make = shard  # a shard that holds at most this many connections
+    def __init__(self, shard: Callable[[], httpx.AsyncHTTPTransport]):
+        self._make = shard  # a shard's transport: a pool without a connection cap
         self._shards: list[_Shard] = []
+        self._retired: list[_Shard] = []  # a request was cancelled in each: closed once drained
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._retired:
+            await self._close_drained()
         shard = min(self._shards, key=lambda s: s.inflight, default=None)
         if shard is None or shard.inflight >= SHARD_CONNECTIONS:
-            shard = _Shard(self._make(SHARD_CONNECTIONS))
+            shard = _Shard(self._make())
             self._shards.append(shard)
         shard.inflight += 1
         try:
             response = await shard.transport.handle_async_request(request)
+        except asyncio.CancelledError:
+            shard.inflight -= 1
+            self._retire(shard)
+            raise
         except BaseException:
             shard.inflight -= 1
             raise
@@ -47,8 +63,22 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         response.stream = _CountedStream(response.stream, shard)
         return response
 
+    def _retire(self, shard: _Shard) -> None:
+        """No new request goes to `shard`; it is closed once drained (see the module)."""
+        if shard in self._shards:
+            self._shards.remove(shard)
+            self._retired.append(shard)
+
+    async def _close_drained(self) -> None:
+        drained = [shard for shard in self._retired if shard.inflight == 0]
+        for shard in drained:
+            self._retired.remove(shard)
+        for shard in drained:
+            await shard.transport.aclose()
+
     async def aclose(self) -> None:
-        for shard in self._shards:
+        shards, self._shards, self._retired = self._shards + self._retired, [], []
+        for shard in shards:
             await shard.transport.aclose()
 
 

@@ -168,6 +168,30 @@ def test_512_streams_in_flight_reach_the_server_at_once(standin):
     assert status["failures"] == 0
 
 
+def test_requests_cancelled_inside_the_pool_leave_no_connection_that_blocks_later_ones(standin):
+    """A reload ends streams before their first token (and a drain cancels requests) wherever they
+    are, inside httpcore's pool too, where a cancelled request can leave an assigned, never opened
+    connection holding a slot for good. Cancelled at every point of their way in, 64 at a time,
+    40 times over: then 64 more all answer, none waiting for a slot until its pool timeout
+    (with the leak they did: every endpoint down, a healthy one)."""
+
+    async def go():
+        async with streamed(standin, timeout_s=10) as client:
+            for round_ in range(40):
+                flight = [asyncio.ensure_future(client.complete(PROMPT, max_tokens=4, seed=i)) for i in range(64)]
+                for _ in range(round_ % 20):  # where each is when cancelled: one more loop step each round
+                    await asyncio.sleep(0)
+                for request in flight:
+                    request.cancel()
+                await asyncio.gather(*flight, return_exceptions=True)
+            got = await asyncio.gather(*(client.complete(PROMPT, max_tokens=4, seed=i) for i in range(64)))
+            return got, client.status()[0], client.lag_retries
+
+    got, status, lag_retries = run(go(), timeout=120)
+    assert [c.choices[0].token_ids for c in got] == [expected_choice(i, 0, 4)[0] for i in range(64)]
+    assert status["failures"] == 0 and lag_retries == 0
+
+
 @pytest.mark.parametrize("cap", ["max_connections", "max_connections_per_endpoint"])
 def test_a_connection_cap_holds_the_others_back_without_failing_them(standin, cap):
     async def go():
