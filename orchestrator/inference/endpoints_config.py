@@ -11,7 +11,7 @@ from orchestrator.contracts import Section
 from orchestrator.urls import endpoint_base_urls
 
 VLLM_MODES = ("vllm_reload", "vllm_lora")  # weight syncs of a vLLM server, which serves an HF model dir
-STREAM_INTERVAL = 1  # tokens per streamed chunk asked of vLLM; 1 sends no field (docs/vllm.md, "Streamed chunks")
+STREAM_INTERVAL = 8  # tokens per streamed chunk asked of vLLM; 1 sends no field (docs/vllm.md, "Streamed chunks")
 
 
 class LaunchSection(Section):
