@@ -6,8 +6,9 @@
    ``asyncio.Event`` and every parked consumer wakes, re-checks and re-parks.
    ``extra_info["resumptions"]`` counts consumer resumptions (every time the loop resumes a
    consumer coroutine), measured the same way for both.
-2. Per-example overhead of ``run_examples`` with an instant ``fn`` (examples/s), next to bare
-   ``asyncio`` tasks doing the same work.
+2. Per-example overhead of ``run_examples`` with an instant ``fn`` (examples/s), fed and taken
+   as the orchestrator does (``ExampleFeed.put``, ``take_ready``), next to bare ``asyncio`` tasks
+   doing the same work.
 
 Run: ``.venv/bin/python -m pytest bench/test_rollouts_bench.py -o addopts= --benchmark-only``
 """
@@ -15,50 +16,20 @@ Run: ``.venv/bin/python -m pytest bench/test_rollouts_bench.py -o addopts= --ben
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
 import pytest
 
 from orchestrator.collection.collect import ExampleFeed, run_examples
-from tests.support.wakeups import arrival_workload
+from tests.support.wakeups import SharedEventStream, arrival_workload, rollouts_of
 
 N_ARRIVALS = 1024
 N_EXAMPLES = 20_000
 
 
-class SharedEventStream:
-    """Baseline: completions append to a deque and set one shared event that wakes everyone."""
-
-    def __init__(self, examples, fn) -> None:
-        self._ready: deque = deque()
-        self._event = asyncio.Event()
-        self._left = len(examples)
-        self._tasks = [asyncio.ensure_future(self._run(fn, x)) for x in examples]
-
-    async def _run(self, fn, example) -> None:
-        self._ready.append(await fn(example))
-        self._event.set()
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        while True:
-            if self._ready:
-                self._left -= 1
-                if self._left == 0:
-                    self._event.set()  # release consumers waiting for the end
-                return self._ready.popleft()
-            if self._left == 0:
-                raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
-
-
-IMPLS = {"queue": run_examples, "shared_event": SharedEventStream}
+IMPLS = {"queue": rollouts_of, "shared_event": SharedEventStream}
 SHAPES = {
     # (consumers, looping): 1,024 eager consumers each taking one outcome (the spec's workload),
-    # and 8 consumers each running `async for` until the end.
+    # and 8 consumers each waiting and taking until the end.
     "eager_1024": (None, False),
     "loop_8": (8, True),
 }
@@ -93,13 +64,6 @@ async def _instant(x: int) -> int:
     return x
 
 
-async def _run_examples_iter() -> int:
-    n = 0
-    async for _ in run_examples(range(N_EXAMPLES), _instant):
-        n += 1
-    return n
-
-
 async def _run_examples_feed_batches() -> int:
     """The orchestrator's shape: submit over time through a feed, consume in batches."""
     feed: ExampleFeed[int] = ExampleFeed()
@@ -123,7 +87,6 @@ async def _bare_tasks() -> int:
 
 
 OVERHEAD = {
-    "run_examples_async_for": _run_examples_iter,
     "run_examples_feed_take_ready": _run_examples_feed_batches,
     "bare_asyncio_tasks": _bare_tasks,
 }

@@ -40,6 +40,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "orchestrator.gc_tuning",
         "orchestrator.effects",
         "orchestrator.fold",
+        "orchestrator.tasks",
         "orchestrator.collection",
         "orchestrator.collection.*",
         "orchestrator.observe",

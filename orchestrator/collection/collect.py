@@ -1,32 +1,35 @@
-"""Rollout collection: run an async ``fn`` over examples and stream the outcomes as they finish.
+"""Rollout collection: run an async ``fn`` over examples and hand out the outcomes as they finish.
 
-``run_examples(examples, fn)`` starts one task per example (at most ``max_concurrency`` at once)
-and returns a :class:`RolloutStream`, an async iterator of :class:`Outcome` in completion order.
+``run_examples(feed, fn)`` starts one task per example the :class:`ExampleFeed` is given (at most
+``max_concurrency`` at once) and returns a :class:`RolloutStream`, from which consumers take the
+:class:`Outcome` of each in completion order: ``wait_ready`` parks until one is ready,
+``take_ready`` takes every one ready.
 
 Delivery guarantees (they hold for any number of concurrent consumers):
 
 * **One notification per finished rollout.** A finished rollout appends its outcome to a ready
   queue and wakes at most *one* parked consumer (FIFO). There is no shared event that wakes every
   consumer, so N outcomes arriving one by one cost N consumer resumptions, not O(N x consumers).
-* **Exactly once.** Every outcome is handed to exactly one consumer (``__anext__`` or
-  ``take_ready``). A consumer cancelled after being notified but before it resumed passes its
-  notification on to the next parked consumer; the outcome stays queued.
+* **Exactly once.** Every outcome is handed to exactly one consumer (``take_ready``). A consumer
+  cancelled after being notified but before it resumed passes its notification on to the next
+  parked consumer; the outcome stays queued.
 * **Failures are outcomes.** An exception raised by ``fn`` is stored in ``Outcome.exception``; it is
-  never raised out of the iterator and never left unretrieved on a task.
+  never raised out of the stream and never left unretrieved on a task.
 * **No retention.** Once an outcome is delivered the stream holds no reference to it (nor to its
   example or result).
 
-Lifecycle (the stream owns every task it starts; nothing is orphaned):
+Lifecycle (the stream's tasks have one owner, its ``orchestrator.tasks.TaskOwner``; nothing is
+orphaned):
 
-* iteration ends by itself when the source is exhausted (an :class:`ExampleFeed` must be
-  ``close()``-d) and every outcome has been delivered;
+* the stream is :attr:`RolloutStream.done` once its feed is ``close()``-d and every outcome has
+  been delivered;
 * :meth:`RolloutStream.aclose` cancels everything and discards undelivered outcomes;
 * :meth:`RolloutStream.aclose_and_drain` cancels unfinished work but keeps the completed,
-  unconsumed outcomes for the consumers, then ends the iteration;
+  unconsumed outcomes for the consumers, then the stream is done;
 * :meth:`RolloutStream.cancel` withdraws one example; its outcome is never delivered.
 
-The owner must either exhaust the stream or call ``aclose``/``aclose_and_drain`` (``async with``
-does it): a stream dropped while rollouts are still running does not stop them.
+The owner must either consume the stream to its end or call ``aclose``/``aclose_and_drain``
+(``async with`` does it): a stream dropped while rollouts are still running does not stop them.
 
 Everything here runs on one event loop; none of it is thread-safe.
 """
@@ -36,9 +39,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterable, Awaitable, Callable, Hashable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from orchestrator.tasks import StillRunning, TaskOwner
 
 __all__ = ["ExampleFeed", "Outcome", "RolloutStream", "run_examples"]
 
@@ -52,10 +57,9 @@ _monotonic = time.monotonic
 class Outcome(Generic[E, R]):
     """The result of one rollout: ``fn(example)`` returned ``result`` or raised ``exception``.
 
-    ``key`` identifies the example within its stream: the 0-based position in the source for
-    iterables, or what :meth:`ExampleFeed.put` returned. ``started``/``finished`` are
-    ``time.monotonic()`` readings taken when the rollout task began running and when ``fn``
-    returned or raised.
+    ``key`` identifies the example within its stream: what :meth:`ExampleFeed.put` returned.
+    ``started``/``finished`` are ``time.monotonic()`` readings taken when the rollout task began
+    running and when ``fn`` returned or raised.
     """
 
     key: Hashable
@@ -72,12 +76,6 @@ class Outcome(Generic[E, R]):
     @property
     def duration(self) -> float:
         return self.finished - self.started
-
-    def unwrap(self) -> R:
-        """The result, or raise the stored exception (with its original traceback)."""
-        if self.exception is not None:
-            raise self.exception
-        return self.result  # type: ignore[return-value]
 
 
 class ExampleFeed(Generic[E]):
@@ -128,7 +126,7 @@ class ExampleFeed(Generic[E]):
             return
         self._closed = True
         if self._stream is not None:
-            self._stream._source_exhausted()
+            self._stream._no_more_examples()
 
     def _bind(self, stream: RolloutStream[E, Any]) -> None:
         if self._stream is not None:
@@ -139,16 +137,17 @@ class ExampleFeed(Generic[E]):
         for key, example in buffered:
             stream._submit(key, example)
         if self._closed:
-            stream._source_exhausted()
+            stream._no_more_examples()
 
 
 class _Job:
-    __slots__ = ("cancelled", "example", "key", "task")
+    """A running example: the stream's bookkeeping; its task belongs to the stream's TaskOwner."""
+
+    __slots__ = ("cancelled", "example", "key")
 
     def __init__(self, key: Hashable, example: Any) -> None:
         self.key = key
         self.example = example
-        self.task: asyncio.Task[None] | None = None
         self.cancelled = False
 
 
@@ -156,13 +155,12 @@ _OPEN, _DRAINING, _CLOSED = 0, 1, 2
 
 
 class RolloutStream(Generic[E, R]):
-    """Async iterator of :class:`Outcome`; see the module docstring for the guarantees.
+    """The outcomes of a feed's rollouts; see the module docstring for the guarantees.
 
-    Consumption APIs (mix freely, each outcome still goes to exactly one caller):
+    Consumption (each outcome goes to exactly one caller):
 
-    * ``async for outcome in stream`` / ``await anext(stream)``: parks until an outcome is ready;
-    * :meth:`take_ready`: everything completed right now, without waiting;
-    * :meth:`wait_ready`: bounded wait until at least one outcome is ready (consumes nothing).
+    * :meth:`wait_ready`: bounded wait until at least one outcome is ready (consumes nothing);
+    * :meth:`take_ready`: everything completed right now, without waiting.
 
     Counts: ``len(stream)`` = completed outcomes not yet delivered; :attr:`in_flight` = rollouts
     running; :attr:`queued` = submitted examples waiting for a ``max_concurrency`` slot.
@@ -186,18 +184,14 @@ class RolloutStream(Generic[E, R]):
         self._ready: deque[Outcome[E, R]] = deque()
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._running: dict[Hashable, _Job] = {}
-        # Tasks already cancelled (cancel(key)/close) that have not finished unwinding yet.
-        self._cancelling: set[asyncio.Task[None]] = set()
+        # Every rollout task, those cancelled and still unwinding included; keyed by the example's
+        # key while it runs. A rollout's failure is an outcome: a task that fails is a bug of the
+        # stream's, reported on the event loop's handler.
+        self._tasks = TaskOwner("rollout stream")
         # Submitted but not started (max_concurrency); order kept by _pending_order.
         self._pending: dict[Hashable, E] = {}
         self._pending_order: deque[Hashable] = deque()
-        self._source_iter: Iterator[E] | None = None  # sync source, pulled lazily
-        self._source_done = False
-        self._source_error: BaseException | None = None
-        self._source_error_raised = False
-        self._pump: asyncio.Task[None] | None = None
-        self._pump_room: asyncio.Future[None] | None = None
-        self._next_index = 0
+        self._feed_closed = False
 
     # ------------------------------------------------------------------ counts
     def __len__(self) -> int:
@@ -221,19 +215,14 @@ class RolloutStream(Generic[E, R]):
 
     @property
     def done(self) -> bool:
-        """True when no outcome will ever be delivered again (iteration is over)."""
+        """True when no outcome will ever be delivered again."""
         return not self._ready and self._nothing_left()
-
-    @property
-    def source_error(self) -> BaseException | None:
-        """The exception raised by the example source itself (not by ``fn``), if any."""
-        return self._source_error
 
     # ------------------------------------------------------------------ admission
     def _nothing_left(self) -> bool:
         if self._state != _OPEN:
             return True
-        return self._source_done and not self._running and not self._pending
+        return self._feed_closed and not self._running and not self._pending
 
     def _has_room(self) -> bool:
         return self._limit is None or len(self._running) < self._limit
@@ -254,78 +243,22 @@ class RolloutStream(Generic[E, R]):
     def _start(self, key: Hashable, example: E) -> None:
         job = _Job(key, example)
         self._running[key] = job
-        job.task = self._loop.create_task(self._run(job))
+        self._tasks.start(self._run(job), key=key)
 
     def _fill(self) -> None:
         """Start queued examples while there is room (called when a slot frees up)."""
-        while self._state == _OPEN and self._has_room():
-            if self._pending:
-                key = self._pending_order.popleft()
-                if key not in self._pending:  # withdrawn by cancel(key)
-                    continue
+        while self._state == _OPEN and self._has_room() and self._pending:
+            key = self._pending_order.popleft()
+            if key in self._pending:  # else withdrawn by cancel(key)
                 self._start(key, self._pending.pop(key))
-            elif self._source_iter is not None:
-                try:
-                    example = next(self._source_iter)
-                except StopIteration:
-                    self._source_iter = None
-                    self._source_exhausted()
-                    return
-                except Exception as exc:  # a broken source: surfaced at the end of the iteration
-                    self._source_iter = None
-                    self._source_error = exc
-                    self._source_exhausted()
-                    return
-                key = self._next_index
-                self._next_index += 1
-                self._start(key, example)
-            else:
-                if self._pump_room is not None and not self._pump_room.done():
-                    self._pump_room.set_result(None)
-                return
 
-    def _source_exhausted(self) -> None:
-        self._source_done = True
+    def _no_more_examples(self) -> None:
+        self._feed_closed = True
         self._maybe_finished()
 
     def _maybe_finished(self) -> None:
         if not self._ready and self._nothing_left():
             self._wake_all()
-
-    async def _pump_async(self, source: AsyncIterable[E]) -> None:
-        iterator = None
-        try:
-            iterator = source.__aiter__()
-            while self._state == _OPEN:
-                while not self._has_room() and self._state == _OPEN:
-                    self._pump_room = self._loop.create_future()
-                    await self._pump_room
-                if self._state != _OPEN:
-                    break
-                try:
-                    example = await iterator.__anext__()
-                except StopAsyncIteration:
-                    break
-                if self._state != _OPEN:
-                    break
-                key = self._next_index
-                self._next_index += 1
-                self._submit(key, example)
-                del example
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a broken source: surfaced at the end of the iteration
-            self._source_error = exc
-        finally:
-            self._pump_room = None
-            aclose = getattr(iterator, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception as exc:  # source misbehaving on close
-                    if self._source_error is None:
-                        self._source_error = exc
-            self._source_exhausted()
 
     # ------------------------------------------------------------------ running
     async def _run(self, job: _Job) -> None:
@@ -333,7 +266,7 @@ class RolloutStream(Generic[E, R]):
         try:
             result = await self._fn(job.example)
         except asyncio.CancelledError as exc:
-            task = job.task
+            task = asyncio.current_task()
             if job.cancelled or (task is not None and task.cancelling()):
                 # Withdrawn by cancel()/close, or the task itself was cancelled from outside (loop
                 # shutdown): no outcome, propagate the cancellation.
@@ -407,23 +340,6 @@ class RolloutStream(Generic[E, R]):
             self._wake_all()
 
     # ------------------------------------------------------------------ consumption
-    def __aiter__(self) -> RolloutStream[E, R]:
-        return self
-
-    async def __anext__(self) -> Outcome[E, R]:
-        while True:
-            if self._ready:
-                outcome = self._ready.popleft()
-                if not self._ready and self._waiters:
-                    self._after_take()
-                return outcome
-            if self._nothing_left():
-                if self._source_error is not None and not self._source_error_raised:
-                    self._source_error_raised = True
-                    raise self._source_error
-                raise StopAsyncIteration
-            await self._park()
-
     def take_ready(self) -> list[Outcome[E, R]]:
         """Every outcome completed so far, in completion order, without waiting (maybe ``[]``)."""
         if not self._ready:
@@ -436,9 +352,9 @@ class RolloutStream(Generic[E, R]):
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until at least one outcome is ready, at most ``timeout`` seconds; consumes nothing.
 
-        Returns True if an outcome is ready (take it with :meth:`take_ready` or ``anext``), False
-        on timeout or when the stream is :attr:`done`. Cancellation-safe: if cancelled after the
-        notification, the notification goes to the next parked consumer.
+        Returns True if an outcome is ready (take it with :meth:`take_ready`), False on timeout or
+        when the stream is :attr:`done`. Cancellation-safe: if cancelled after the notification,
+        the notification goes to the next parked consumer.
         """
         deadline = None if timeout is None else self._loop.time() + timeout
         while True:
@@ -479,49 +395,36 @@ class RolloutStream(Generic[E, R]):
     def _withdraw(self, job: _Job) -> None:
         job.cancelled = True
         job.example = None
-        task = job.task
-        assert task is not None
-        self._cancelling.add(task)
-        # A done callback, not _finish: a task cancelled before its first step never runs _run.
-        task.add_done_callback(self._cancelling.discard)
-        task.cancel()
+        # Its task stays with the TaskOwner until it has unwound: a close waits for it.
+        self._tasks.cancel(job.key)
 
-    def _stop_admission(self) -> list[asyncio.Task[None]]:
-        """Stop admitting, withdraw every queued and running example; return the tasks to await."""
+    def _stop_admission(self) -> None:
+        """Stop admitting, withdraw every queued and running example."""
         self._state = max(self._state, _DRAINING)
         self._pending.clear()
         self._pending_order.clear()
-        self._source_iter = None
         for job in self._running.values():
             self._withdraw(job)
         self._running.clear()
-        if self._pump is not None and not self._pump.done():
-            self._pump.cancel()
-        if self._pump_room is not None and not self._pump_room.done():
-            self._pump_room.cancel()
-        tasks = list(self._cancelling)
-        if self._pump is not None:
-            tasks.append(self._pump)
-        return tasks
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """Cancel every unfinished rollout, discard undelivered outcomes and end the iteration.
+        """Cancel every unfinished rollout, discard undelivered outcomes; the stream is done.
 
-        What it waits for: the rollout tasks *in this process* (and the source pump task) to
-        finish unwinding their cancellation; every task's exception is retrieved. It does *not*
-        wait for, or confirm, any server-side cleanup: for HTTP rollouts, cancelling the request
-        closes the connection and the server's disconnect middleware cancels its handler, but that
-        happens on the server after ``aclose()`` may already have returned.
+        What it waits for: the rollout tasks *in this process* to finish unwinding their
+        cancellation; every task's exception is retrieved. It does *not* wait for, or confirm, any
+        server-side cleanup: for HTTP rollouts, cancelling the request closes the connection and
+        the server's disconnect middleware cancels its handler, but that happens on the server
+        after ``aclose()`` may already have returned.
 
-        Parked consumers are woken and get ``StopAsyncIteration``. Idempotent. With ``timeout``,
+        Parked consumers are woken (``wait_ready`` returns False). Idempotent. With ``timeout``,
         raises ``TimeoutError`` if some task ignores its cancellation for that long (those tasks
         still have their exceptions retrieved when they finish).
         """
-        tasks = self._stop_admission()
+        self._stop_admission()
         self._state = _CLOSED
         self._ready.clear()
         self._wake_all()
-        await _await_all(tasks, timeout)
+        await self._await_tasks(timeout)
 
     async def aclose_and_drain(self, timeout: float | None = None) -> int:
         """Stop admission, cancel unfinished work, keep the completed backlog for the consumers.
@@ -529,17 +432,27 @@ class RolloutStream(Generic[E, R]):
         Admission stops *before* this coroutine first suspends: nothing queued starts afterwards
         and ``ExampleFeed.put`` raises. Unfinished rollouts are cancelled and their outcomes are
         never delivered. Outcomes that completed before the call (successes and failures) stay
-        queued: consumers receive each of them exactly once (``anext``/``take_ready``), then the
-        iteration ends. Every parked consumer is woken immediately.
+        queued: consumers receive each of them exactly once (``take_ready``), then the stream is
+        done. Every parked consumer is woken immediately.
 
         Waits for the same thing as :meth:`aclose` (local tasks only, never server cleanup).
         Returns the number of completed outcomes kept for delivery.
         """
-        tasks = self._stop_admission()
+        self._stop_admission()
         kept = len(self._ready)
         self._wake_all()
-        await _await_all(tasks, timeout)
+        await self._await_tasks(timeout)
         return kept
+
+    async def _await_tasks(self, timeout: float | None) -> None:
+        """Wait for the withdrawn rollouts to unwind, at most ``timeout`` seconds."""
+        try:
+            await self._tasks.aclose(timeout)
+        except StillRunning as err:
+            raise TimeoutError(
+                f"rollout stream close: {len(err.tasks)} rollout task(s) still running {timeout}s "
+                "after cancellation (fn is ignoring CancelledError?)"
+            ) from err
 
     async def __aenter__(self) -> RolloutStream[E, R]:
         return self
@@ -563,55 +476,17 @@ def _discard(waiters: deque[asyncio.Future[None]], fut: asyncio.Future[Any]) -> 
         pass
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-async def _await_all(tasks: list[asyncio.Task[None]], timeout: float | None) -> None:
-    current = asyncio.current_task()
-    tasks = [task for task in tasks if task is not current]  # aclose() called from inside fn
-    if not tasks:
-        return
-    for task in tasks:
-        # Retrieval does not depend on this coroutine surviving (it may itself be cancelled).
-        task.add_done_callback(_retrieve)
-    _, still_running = await asyncio.wait(tasks, timeout=timeout)
-    if still_running:
-        raise TimeoutError(
-            f"rollout stream close: {len(still_running)} rollout task(s) still running {timeout}s "
-            "after cancellation (fn is ignoring CancelledError?)"
-        )
-
-
 def run_examples(
-    examples: Iterable[E] | AsyncIterable[E] | ExampleFeed[E],
+    feed: ExampleFeed[E],
     fn: Callable[[E], Awaitable[R]],
     *,
     max_concurrency: int | None = None,
 ) -> RolloutStream[E, R]:
-    """Run ``await fn(example)`` for every example; return the stream of outcomes.
+    """Run ``await fn(example)`` for every example put to ``feed``; return the stream of outcomes.
 
-    Must be called from a running event loop. ``examples`` may be:
-
-    * a sync iterable: pulled lazily as concurrency slots free up (entirely at once when
-      ``max_concurrency`` is None); keys are 0-based positions;
-    * an async iterable: pulled by a pump task owned by the stream, with the same back-pressure;
-    * an :class:`ExampleFeed`: examples arrive via ``put`` until ``close``.
-
-    An exception raised by the source itself (not by ``fn``) is raised once by ``__anext__`` after
-    every outcome has been delivered, and is available as ``stream.source_error``.
+    Must be called from a running event loop. Examples put before the call start now (as many as
+    ``max_concurrency`` lets), the others as they are put, until the feed is closed.
     """
     stream: RolloutStream[E, R] = RolloutStream(fn, max_concurrency=max_concurrency)
-    if isinstance(examples, ExampleFeed):
-        examples._bind(stream)
-    elif isinstance(examples, AsyncIterable):
-        stream._pump = stream._loop.create_task(stream._pump_async(examples))
-    elif isinstance(examples, Iterable):
-        stream._source_iter = iter(examples)
-        stream._fill()
-    else:
-        raise TypeError(
-            f"run_examples: examples must be an iterable, async iterable or ExampleFeed, got {type(examples).__name__}"
-        )
+    feed._bind(stream)
     return stream

@@ -2,9 +2,11 @@
 
 Write-ahead: an effect (start or cancel a rollout, start or cancel a background finalize, write
 a batch file) is performed only after the events that call for it are committed. Every task the
-loop starts has an owner here: the run's task group (the outcome forwarders, the trainer's task,
-weight reloads) or the background finalizer (algorithm code, closed with a bound since it may
-ignore its cancellation); `run()` never returns with one alive, and `_shutdown` is its order.
+loop starts has an owner, an `orchestrator.tasks.TaskOwner`: the run's (the outcome forwarders,
+the trainer's task, weight reloads), the background finalizer's (algorithm code) or a rollout
+stream's. Each reports its tasks' failures to the loop, which raises the first between two
+iterations; `_shutdown` closes them in order, each with a bound, since their work may ignore its
+cancellation.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from eventlog import Recorder
 from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
@@ -29,6 +30,7 @@ from orchestrator.notices import warn
 from orchestrator.rundir import atomic_write_bytes, batch_path
 from orchestrator.shell.evals import eval_request, eval_result
 from orchestrator.shell.zero_output import NO_SAMPLE_ERROR, ZeroOutputWitness
+from orchestrator.tasks import TaskOwner
 
 POLL_S = 0.5  # the longest the loop sleeps without re-checking failures and bounds
 MAX_INPUTS_PER_ITERATION = 256  # bounds the synchronous decide work between two awaits
@@ -50,46 +52,36 @@ class BatchWriteError(RuntimeError):
 
 
 class BackgroundFinalizer:
-    """Owns the background `finalize_group` tasks; results come back as loop inputs."""
+    """Runs the algorithm's `finalize_group`, one owned task per group; its result or failure
+    comes back as a loop input (`BackgroundFinalized`, `FinalizeFailed`), and a failure is also
+    reported to `on_failure` as a `FinalizeError` for the loop to raise."""
 
-    def __init__(self, algorithm: Algorithm, deliver: Callable[[object], None]):
+    def __init__(
+        self, algorithm: Algorithm, deliver: Callable[[object], None], on_failure: Callable[[BaseException], None]
+    ):
         self.algorithm, self.deliver = algorithm, deliver
-        self.tasks: dict[int, asyncio.Task] = {}
-        self.error: BaseException | None = None
-        self.error_group: int | None = None
+        self.tasks = TaskOwner("background finalize", on_failure)
+
+    def __len__(self) -> int:
+        """Groups finalizing (not cancelled)."""
+        return len(self.tasks.keys())
 
     def start(self, group_id: int, traces: Sequence[Trace]) -> None:
-        self.cancel(group_id)
+        """Finalize `group_id`, cancelling a finalize of it still running."""
         trace_ids = [t.episode_id for t in traces]
-        task = asyncio.get_running_loop().create_task(self.algorithm.finalize_group(group_id, traces))
-        task.add_done_callback(lambda t: self._done(group_id, trace_ids, t))
-        self.tasks[group_id] = task
+        self.tasks.start(self._finalize(group_id, trace_ids, traces), name=f"orch-finalize-{group_id}", key=group_id)
 
-    def _done(self, group_id: int, trace_ids: list[int], task: asyncio.Task) -> None:
-        if self.tasks.get(group_id) is task:
-            del self.tasks[group_id]
-        if task.cancelled():
-            return
-        exc = task.exception()  # retrieved here, so never "never retrieved"
-        if exc is not None:
-            if self.error is None:
-                self.error, self.error_group = exc, group_id
-            self.deliver(ev.FinalizeFailed(group_id=group_id, error=f"{type(exc).__name__}: {exc}"))
-        else:
-            self.deliver(ev.BackgroundFinalized(group_id=group_id, trace_ids=trace_ids, advantages=task.result()))
+    async def _finalize(self, group_id: int, trace_ids: list[int], traces: Sequence[Trace]) -> None:
+        try:
+            advantages = await self.algorithm.finalize_group(group_id, traces)
+        except Exception as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+            self.deliver(ev.FinalizeFailed(group_id=group_id, error=cause))
+            raise FinalizeError(f"background finalize of group {group_id} failed: {cause}") from exc
+        self.deliver(ev.BackgroundFinalized(group_id=group_id, trace_ids=trace_ids, advantages=advantages))
 
     def cancel(self, group_id: int) -> None:
-        task = self.tasks.pop(group_id, None)
-        if task is not None:
-            task.cancel()
-
-    async def aclose(self, timeout_s: float) -> None:
-        tasks = list(self.tasks.values())
-        self.tasks.clear()
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
+        self.tasks.cancel(group_id)
 
 
 class Orchestrator:
@@ -117,12 +109,11 @@ class Orchestrator:
         self._versions: deque[tuple[int, dict | None]] = deque()  # (version, the trainer's metrics)
         self._control: deque = deque()  # stop requests
         self._wake: asyncio.Event | None = None
-        self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized)
+        self._task_error: BaseException | None = None  # the first failure of a task, raised by the loop
+        self._tasks = TaskOwner("the run", self._task_failed)  # forwarders, the trainer, reloads
+        self.finalizer = BackgroundFinalizer(algorithm, self._deliver_finalized, self._task_failed)
         self._last_snapshot_seq = log.last_seq
         self._last_input_at = time.monotonic()
-        self._tasks: asyncio.TaskGroup | None = None  # owns the run's tasks (the finalizer owns its own)
-        self._running: set[asyncio.Task] = set()  # its tasks not done yet, cancelled at shutdown
-        self._task_error: Exception | None = None  # the first failure of one of them
         self.last_episode_error: str | None = None  # what a run stopped for zero output last failed on
         self.zero_output = ZeroOutputWitness()  # why a run stopped for zero output, if it does
         self.events_logged = 0
@@ -163,8 +154,8 @@ class Orchestrator:
     # --- the loop ------------------------------------------------------------------------------
 
     async def run(self, first_input) -> State:
-        """Drive the run from `first_input` (run_started or run_resumed) until run_stopped; its
-        task group owns every task it starts, `_shutdown` stops them."""
+        """Drive the run from `first_input` (run_started or run_resumed) until run_stopped; every
+        task it starts has an owner, which `_shutdown` closes."""
         self._wake = asyncio.Event()
         self.feed: ExampleFeed = ExampleFeed()
         self.stream = run_examples(self.feed, self.backend)
@@ -172,20 +163,14 @@ class Orchestrator:
         # to the end's eval (docs/evals.md). The core caps what is in flight; so does the stream.
         self.eval_feed: ExampleFeed = ExampleFeed()
         self.eval_stream = run_examples(self.eval_feed, self.backend, max_concurrency=self.config.eval.max_inflight)
-        error: Exception | None = None
-        async with asyncio.TaskGroup() as self._tasks:
-            self._start(self._forward_outcomes(self.stream), "orch-outcomes")
-            self._start(self._forward_outcomes(self.eval_stream), "orch-eval-outcomes")
-            self._start(self.trainer.run(self.state.version, self.publish_version), "orch-trainer")
-            self._start(self.backend.watch(self.endpoint_changed), "orch-endpoints-watch")
-            try:
-                await self._drive(first_input)
-            except Exception as exc:  # raised once the group is closed: as itself, not in a group
-                error = exc
-            finally:
-                await self._shutdown()
-        if error is not None:
-            raise error
+        self._tasks.start(self._forward_outcomes(self.stream), name="orch-outcomes")
+        self._tasks.start(self._forward_outcomes(self.eval_stream), name="orch-eval-outcomes")
+        self._tasks.start(self.trainer.run(self.state.version, self.publish_version), name="orch-trainer")
+        self._tasks.start(self.backend.watch(self.endpoint_changed), name="orch-endpoints-watch")
+        try:
+            await self._drive(first_input)
+        finally:
+            await self._shutdown()
         return self.state
 
     async def _drive(self, first_input) -> None:
@@ -200,23 +185,12 @@ class Orchestrator:
             if not inputs and not self.state.stopped:
                 await self._wait_for_inputs()
 
-    def _start(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        task = self._tasks.create_task(self._keeping_failure(work), name=name)
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-        # A task cancelled before its first step never awaits `work`: closed, it is not reported
-        # as "never awaited" (e.g. a reload spawned just before the stop).
-        task.add_done_callback(lambda _: work.close())
-
-    async def _keeping_failure(self, work: Awaitable[None]) -> None:
-        """A failure is kept for the loop to raise between two iterations (rule 3), never in the
-        middle of one (a commit in progress, its effects not yet performed)."""
-        try:
-            await work
-        except Exception as exc:
-            if self._task_error is None:
-                self._task_error = exc
-            self._poke()
+    def _task_failed(self, error: BaseException) -> None:
+        """A task's failure is kept for the loop to raise between two iterations (rule 3), never
+        in the middle of one (a commit in progress, its effects not yet performed)."""
+        if self._task_error is None:
+            self._task_error = error
+        self._poke()
 
     async def _forward_outcomes(self, stream) -> None:
         while await stream.wait_ready(None):
@@ -277,18 +251,13 @@ class Orchestrator:
             parts.append(f"{len(s.inflight)} in-flight episodes")
         if s.evals.inflight:
             parts.append(f"{len(s.evals.inflight)} in-flight eval episodes")
-        if self.finalizer.tasks:
-            parts.append(f"{len(self.finalizer.tasks)} finalizing groups")
+        if finalizing := len(self.finalizer):
+            parts.append(f"{finalizing} finalizing groups")
         parts.append(f"the trainer to publish version {s.version + 1}")
         return ", ".join(parts)
 
     def _raise_if_failed(self) -> None:
-        """Rule 10: a background error surfaces here, at the next iteration, never swallowed."""
-        if self.finalizer.error is not None:
-            raise FinalizeError(
-                f"background finalize of group {self.finalizer.error_group} failed: "
-                f"{type(self.finalizer.error).__name__}: {self.finalizer.error}"
-            ) from self.finalizer.error
+        """Rule 3: a background error surfaces here, at the next iteration, never swallowed."""
         if self._task_error is not None:
             raise self._task_error
         self.trainer.check()
@@ -391,7 +360,7 @@ class Orchestrator:
             warn(err)
 
     def _spawn_reload(self, version: int) -> None:
-        self._start(self.backend.load(version), f"orch-reload-{version}")
+        self._tasks.start(self.backend.load(version), name=f"orch-reload-{version}")
 
     @staticmethod
     def batch_payload(step: int, samples: list[ShippedSample]) -> bytes:
@@ -434,16 +403,18 @@ class Orchestrator:
     # --- shutdown: bounded, nothing left running -----------------------------------------------
 
     async def _shutdown(self) -> None:
-        """The shutdown order. Every step runs; the first two are bounded by SHUTDOWN_STEP_S. A
-        rollout or finalize that ignores its cancellation is reported, not raised: the run's own
-        outcome stands (its events are all committed), and the steps after it still run. The task
-        group then waits for its tasks, which honour their cancellation."""
+        """The shutdown order: the rollout streams, the background finalizes, then the run's own
+        tasks. Every step runs, each bounded by SHUTDOWN_STEP_S. A task that ignores its
+        cancellation is reported, not raised: the run's own outcome stands (its events are all
+        committed), and the steps after it still run."""
         self._wake = None
         for stream in (self.stream, self.eval_stream):
             try:
                 await stream.aclose(timeout=SHUTDOWN_STEP_S)
             except TimeoutError as err:
                 warn(err)
-        await self.finalizer.aclose(timeout_s=SHUTDOWN_STEP_S)
-        for task in list(self._running):
-            task.cancel()
+        for owner in (self.finalizer.tasks, self._tasks):
+            try:
+                await owner.aclose(SHUTDOWN_STEP_S)
+            except TimeoutError as err:
+                warn(err)

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.collection.collect import run_examples
 from orchestrator.config import served_env
 from orchestrator.envs.client import EnvServerError, EnvServerTimeout, HttpEnvClient
 from orchestrator.envs.reverse_text import ReverseTextEnv
 from orchestrator.envs.server import RunningServer, create_app, running_server
+from tests.support.wakeups import rollouts_of
 
 SEED = 7
 CANCEL_BOUND_S = 10.0  # a hang guard: an uncancelled handler sleeps 60 s and never counts as cancelled
@@ -131,7 +131,7 @@ def test_rollout_stream_close_and_drain_over_http(arun, server):
                 return await client.score(task, task.answer, delay_s=delay)
 
             # aclose: 6 slow rollouts, all withdrawn
-            stream = run_examples([(i, 60.0) for i in range(6)], rollout)
+            stream = rollouts_of([(i, 60.0) for i in range(6)], rollout)
 
             async def all_started():
                 return (await client.stats())["score_started"] >= s0["score_started"] + 6
@@ -146,15 +146,15 @@ def test_rollout_stream_close_and_drain_over_http(arun, server):
 
             # drain: 3 fast (completed, kept), 3 slow (cancelled on the server)
             s1 = await client.stats()
-            stream = run_examples([(i, 0.0 if i % 2 == 0 else 60.0) for i in range(6)], rollout)
+            stream = rollouts_of([(i, 0.0 if i % 2 == 0 else 60.0) for i in range(6)], rollout)
 
             async def three_ready():
                 return len(stream) == 3 and (await client.stats())["score_started"] >= s1["score_started"] + 6
 
             await _wait_for(three_ready, 5, "3 outcomes ready, 3 slow handlers running")
             assert await stream.aclose_and_drain() == 3
-            got = sorted((o.key, o.result) for o in [o async for o in stream])
-            assert got == [(0, 1.0), (2, 1.0), (4, 1.0)]
+            got = sorted((o.key, o.result) for o in stream.take_ready())
+            assert got == [(0, 1.0), (2, 1.0), (4, 1.0)] and stream.done
 
             async def three_cancelled():
                 return (await client.stats())["score_cancelled"] >= s1["score_cancelled"] + 3

@@ -6,12 +6,11 @@ import asyncio
 import gc
 import random
 import weakref
-from collections import deque
 
 import pytest
 
-from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
-from tests.support.wakeups import arrival_workload, settle
+from orchestrator.collection.collect import ExampleFeed, Outcome, RolloutStream, run_examples
+from tests.support.wakeups import SharedEventStream, arrival_workload, rollouts_of, settle
 
 
 async def _gated(n: int):
@@ -30,25 +29,28 @@ async def _gated(n: int):
     return gates, cancelled, fn
 
 
+async def _all_outcomes(stream: RolloutStream) -> list[Outcome]:
+    """Wait and take until the stream is done."""
+    got: list[Outcome] = []
+    while await stream.wait_ready(None):
+        got.extend(stream.take_ready())
+    return got
+
+
 # --------------------------------------------------------------------------- basics
 
 
-def test_sync_async_and_feed_sources_deliver_everything(arun):
+def test_a_feed_delivers_everything(arun):
     async def fn(x: int) -> int:
         await asyncio.sleep(0.001 * (x % 3))
         return x * 10
 
-    async def agen():
-        for i in range(30):
-            await asyncio.sleep(0)
-            yield i
-
     async def main():
-        got = [o async for o in run_examples(range(30), fn)]
+        got = await _all_outcomes(rollouts_of(range(30), fn))
         assert sorted(o.key for o in got) == list(range(30))
         assert all(o.ok and o.result == o.example * 10 and o.started <= o.finished for o in got)
 
-        got = [o async for o in run_examples(agen(), fn, max_concurrency=4)]
+        got = await _all_outcomes(rollouts_of(range(30), fn, max_concurrency=4))
         assert sorted((o.key, o.result) for o in got) == [(i, i * 10) for i in range(30)]
 
         feed: ExampleFeed[int] = ExampleFeed([100])
@@ -58,7 +60,7 @@ def test_sync_async_and_feed_sources_deliver_everything(arun):
         feed.close()
         with pytest.raises(RuntimeError):
             feed.put(1)
-        got = {o.key: o.result async for o in stream}
+        got = {o.key: o.result for o in await _all_outcomes(stream)}
         assert got == {0: 1000, 1: 0, 2: 10, 3: 20, 4: 30, 5: 40, "seven": 70}
 
     arun(main)
@@ -76,41 +78,28 @@ def test_max_concurrency_is_respected(arun):
             running -= 1
             return x
 
-        stream = run_examples(iter(range(50)), fn, max_concurrency=3)
-        assert stream.in_flight == 3 and stream.queued == 0
-        got = [o async for o in stream]
+        stream = rollouts_of(range(50), fn, max_concurrency=3)
+        assert stream.in_flight == 3 and stream.queued == 47
+        got = await _all_outcomes(stream)
         assert len(got) == 50 and peak == 3
 
     arun(main)
 
 
-def test_failures_are_outcomes_and_source_errors_surface_at_the_end(arun):
+def test_failures_are_outcomes(arun):
     async def fn(x: int) -> int:
         await asyncio.sleep(0)
         if x % 4 == 0:
             raise ValueError(f"bad {x}")
         return x
 
-    def broken_source():
-        yield from range(6)
-        raise KeyError("source broke")
-
     async def main():
-        got = [o async for o in run_examples(range(12), fn)]
+        got = await _all_outcomes(rollouts_of(range(12), fn))
         failed = sorted(o.key for o in got if not o.ok)
         assert failed == [0, 4, 8]
         bad = next(o for o in got if o.key == 4)
         assert isinstance(bad.exception, ValueError) and bad.result is None
-        with pytest.raises(ValueError, match="bad 4"):
-            bad.unwrap()
-
-        stream = run_examples(broken_source(), fn)
-        seen = []
-        with pytest.raises(KeyError, match="source broke"):
-            async for o in stream:
-                seen.append(o.key)
-        assert sorted(seen) == list(range(6))  # every outcome first, then the source error
-        assert isinstance(stream.source_error, KeyError)
+        assert str(bad.exception) == "bad 4"
 
     arun(main)
 
@@ -120,77 +109,25 @@ def test_failures_are_outcomes_and_source_errors_surface_at_the_end(arun):
 
 def test_1024_arrivals_eager_consumers_exactly_1024_resumptions(arun):
     """Spec regression: 1,024 outcomes arriving one by one, 1,024 parked eager consumers."""
-    stats = arun(lambda: arrival_workload(run_examples, n=1024))
+    stats = arun(lambda: arrival_workload(rollouts_of, n=1024))
     assert stats == {"resumptions": 1024, "delivered": 1024, "distinct": 1024}
 
 
 def test_1024_arrivals_8_looping_consumers(arun):
-    """8 parked ``async for`` consumers: one resumption per outcome, plus one each for the 7
-    consumers still parked when the last outcome is taken (to end their iteration)."""
-    stats = arun(lambda: arrival_workload(run_examples, n=1024, consumers=8, looping=True))
+    """8 consumers waiting and taking in a loop: one resumption per outcome, plus one each for
+    the 7 consumers still parked when the last outcome is taken (to tell them the stream is done)."""
+    stats = arun(lambda: arrival_workload(rollouts_of, n=1024, consumers=8, looping=True))
     assert stats == {"resumptions": 1024 + 7, "delivered": 1024, "distinct": 1024}
 
 
 def test_resumption_counter_detects_a_shared_event(arun):
     """The measurement can fail: a shared-event stream wakes every parked consumer per arrival."""
-
-    class SharedEvent:
-        def __init__(self, examples, fn):
-            self.ready: deque = deque()
-            self.event = asyncio.Event()
-            self.left = len(examples)
-            self.tasks = [asyncio.ensure_future(self._run(fn, x)) for x in examples]
-
-        async def _run(self, fn, x):
-            self.ready.append(await fn(x))
-            self.event.set()
-
-        def __aiter__(self):
-            return self
-
-        async def __anext__(self):
-            while not self.ready:
-                self.event.clear()
-                await self.event.wait()
-            return self.ready.popleft()
-
-    stats = arun(lambda: arrival_workload(SharedEvent, n=64))
+    stats = arun(lambda: arrival_workload(SharedEventStream, n=64))
     assert stats["delivered"] == 64
     assert stats["resumptions"] == 64 * 65 // 2  # 2,080, not 64
 
 
-def test_cancelled_notified_consumer_loses_nothing(arun):
-    async def main():
-        loop = asyncio.get_running_loop()
-        gate = loop.create_future()
-        consumers: dict[str, asyncio.Task] = {}
-
-        async def fn(x: int) -> int:
-            await gate
-            # Runs in the same step that completes the rollout and notifies consumer "a": the
-            # cancellation lands after the notification, before "a" can resume.
-            loop.call_soon(consumers["a"].cancel)
-            return x
-
-        feed: ExampleFeed[int] = ExampleFeed()
-        stream = run_examples(feed, fn)
-        consumers["a"] = asyncio.create_task(anext(stream))
-        await settle()
-        consumers["b"] = asyncio.create_task(anext(stream))
-        await settle()
-        feed.put(42)
-        await settle()
-        gate.set_result(None)
-        outcome = await asyncio.wait_for(consumers["b"], 2)
-        assert outcome.result == 42
-        assert consumers["a"].cancelled()
-        feed.close()
-        assert [o async for o in stream] == [] and stream.done
-
-    arun(main)
-
-
-def test_cancelled_notified_wait_ready_passes_the_notification_on(arun):
+def test_cancelled_notified_consumer_passes_the_notification_on(arun):
     async def main():
         loop = asyncio.get_running_loop()
         gate = loop.create_future()
@@ -198,20 +135,25 @@ def test_cancelled_notified_wait_ready_passes_the_notification_on(arun):
 
         async def fn(x: int) -> int:
             await gate
+            # Runs in the same step that completes the rollout and notifies waiter "a": the
+            # cancellation lands after the notification, before "a" can resume.
             loop.call_soon(waiters["a"].cancel)
             return x
 
-        feed: ExampleFeed[int] = ExampleFeed([1])
+        feed: ExampleFeed[int] = ExampleFeed()
         stream = run_examples(feed, fn)
         waiters["a"] = asyncio.create_task(stream.wait_ready(10))
         await settle()
         waiters["b"] = asyncio.create_task(stream.wait_ready(10))
         await settle()
+        feed.put(42)
+        await settle()
         gate.set_result(None)
         assert await asyncio.wait_for(waiters["b"], 2) is True
         assert waiters["a"].cancelled()
-        assert [o.result for o in stream.take_ready()] == [1]
-        await stream.aclose()
+        assert [o.result for o in stream.take_ready()] == [42]
+        feed.close()
+        assert stream.done and await stream.wait_ready(1) is False
 
     arun(main)
 
@@ -219,16 +161,14 @@ def test_cancelled_notified_wait_ready_passes_the_notification_on(arun):
 def test_drain_wakes_every_parked_consumer(arun):
     async def main():
         gates, cancelled, fn = await _gated(4)
-        stream = run_examples(range(4), fn)
-        parked = [asyncio.create_task(anext(stream, None)) for _ in range(5)]
-        waiting = asyncio.create_task(stream.wait_ready())
+        stream = rollouts_of(range(4), fn)
+        parked = [asyncio.create_task(stream.wait_ready()) for _ in range(5)]
         await settle()
-        assert not any(t.done() for t in parked) and not waiting.done()
+        assert not any(t.done() for t in parked)
         kept = await asyncio.wait_for(stream.aclose_and_drain(), 2)
         assert kept == 0
         results = await asyncio.wait_for(asyncio.gather(*parked), 2)
-        assert results == [None] * 5  # every consumer woken, iteration over
-        assert await asyncio.wait_for(waiting, 2) is False
+        assert results == [False] * 5  # every consumer woken, the stream done
         assert sorted(cancelled) == [0, 1, 2, 3] and stream.in_flight == 0 and stream.done
 
     arun(main)
@@ -257,12 +197,11 @@ def test_completed_backlog_is_delivered_after_drain(arun):
             feed.put(99)
         # unfinished work cancelled; 12 and 13 never started
         assert sorted(cancelled) == [1, 3, 5, 7, 8, 9, 10, 11]
-        # Completed (successes and the failure) come out exactly once, then the iteration ends.
-        first = await anext(stream)
-        rest = [o async for o in stream]
-        got = {o.key: (o.result if o.ok else repr(o.exception)) for o in [first, *rest]}
+        # Completed (successes and the failure) come out exactly once, then the stream is done.
+        assert await stream.wait_ready(0) is True
+        got = {o.key: (o.result if o.ok else repr(o.exception)) for o in stream.take_ready()}
         assert got == {0: 0, 2: 200, 4: 400, 6: "RuntimeError('grader down')"}
-        assert stream.take_ready() == [] and stream.done
+        assert stream.take_ready() == [] and stream.done and await stream.wait_ready(1) is False
 
     arun(main)
 
@@ -279,7 +218,7 @@ def test_drain_stops_admission_before_suspending(arun):
                 await asyncio.sleep(0)  # unwinding takes steps: a freed slot could admit more
             return x
 
-        stream = run_examples(range(100), fn, max_concurrency=2)
+        stream = rollouts_of(range(100), fn, max_concurrency=2)
         await settle()
         assert started == [0, 1]
         drain = asyncio.create_task(stream.aclose_and_drain())
@@ -289,7 +228,7 @@ def test_drain_stops_admission_before_suspending(arun):
         await drain
         await settle()
         assert started == [0, 1]  # nothing was admitted while the cancelled tasks unwound
-        assert [o async for o in stream] == []
+        assert stream.take_ready() == [] and stream.done
 
     arun(main)
 
@@ -309,24 +248,24 @@ def test_aclose_with_unfinished_work_returns_promptly_and_cancels(arun):
         async def instant(x: int) -> int:
             return x
 
-        stream = run_examples(range(200), fn, max_concurrency=50)
-        parked = asyncio.create_task(anext(stream, "ended"))
+        stream = rollouts_of(range(200), fn, max_concurrency=50)
+        parked = asyncio.create_task(stream.wait_ready())
         await settle()
         await stream.aclose()  # the work sleeps an hour: returning at all means it was cancelled
         assert len(cancelled) == 50 and stream.in_flight == 0 and stream.queued == 0
-        assert await asyncio.wait_for(parked, 1) == "ended"
+        assert await asyncio.wait_for(parked, 1) is False
         assert stream.take_ready() == [] and await stream.wait_ready(0.01) is False
         await stream.aclose()  # idempotent
 
         # aclose discards the undelivered backlog (drain is the one that keeps it).
-        stream = run_examples(range(5), instant)
+        stream = rollouts_of(range(5), instant)
         await settle()
         assert len(stream) == 5
         await stream.aclose()
-        assert len(stream) == 0 and [o async for o in stream] == []
+        assert len(stream) == 0 and stream.take_ready() == [] and stream.done
 
         # async with = aclose on exit
-        async with run_examples(range(3), fn) as s:
+        async with rollouts_of(range(3), fn) as s:
             await settle()
             assert s.in_flight == 3
         assert s.in_flight == 0
@@ -348,9 +287,9 @@ def test_aclose_timeout_names_stuck_tasks(arun):
                         raise
                     continue  # ignores cancellation until released
 
-        stream = run_examples(range(2), stubborn)
+        stream = rollouts_of(range(2), stubborn)
         await settle()
-        with pytest.raises(TimeoutError, match="2 rollout task"):
+        with pytest.raises(TimeoutError, match=r"^rollout stream close: 2 rollout task\(s\) still running 0.05s after"):
             await stream.aclose(timeout=0.05)
         release.set()
         await stream.aclose(timeout=2)
@@ -371,15 +310,13 @@ def test_no_unretrieved_exceptions_anywhere(arun):
                 await asyncio.sleep(3600)
             return x
 
-        stream = run_examples(range(40), fn)
+        stream = rollouts_of(range(40), fn)
         seen = 0
-        async for _ in stream:
-            seen += 1
-            if seen == 5:
-                break
+        while seen < 5 and await stream.wait_ready(None):
+            seen += len(stream.take_ready())
         await stream.aclose()  # failures never consumed, sleepers cancelled
 
-        stream = run_examples(range(40), fn)
+        stream = rollouts_of(range(40), fn)
         await asyncio.sleep(0.02)
         await stream.aclose_and_drain()
         failures = [o for o in stream.take_ready() if not o.ok]
@@ -394,7 +331,7 @@ def test_fn_raising_cancelled_error_itself_is_an_outcome(arun):
         raise asyncio.CancelledError("fn gave up")
 
     async def main():
-        got = [o async for o in run_examples(range(3), fn)]
+        got = await _all_outcomes(rollouts_of(range(3), fn))
         assert len(got) == 3 and all(isinstance(o.exception, asyncio.CancelledError) for o in got)
 
     arun(main)
@@ -422,10 +359,10 @@ def test_cancel_one_key(arun):
         gates[1].set_result(1)
         await settle()
         assert stream.cancel("ep1") is False  # finished: delivered normally
-        assert cancelled == [0] and not stream._cancelling  # (internal) nothing left unwinding
+        assert cancelled == [0] and len(stream._tasks) == stream.in_flight == 1  # (internal) nothing unwinding
         gates[4].set_result(4)
         feed.close()
-        got = sorted([o.key async for o in stream])
+        got = sorted(o.key for o in await _all_outcomes(stream))
         assert got == ["ep1", "ep4"]  # cancelled examples are never delivered
         assert stream.done
 
@@ -438,7 +375,7 @@ def test_cancel_one_key(arun):
 def test_take_ready_and_wait_ready(arun):
     async def main():
         gates, _, fn = await _gated(6)
-        stream = run_examples(range(6), fn)
+        stream = rollouts_of(range(6), fn)
         assert stream.take_ready() == []
         assert await stream.wait_ready(0.05) is False  # nothing ready: it times out and says so
         for i in range(3):
@@ -479,9 +416,10 @@ def test_each_outcome_exactly_once_under_concurrency(arun):
         stream = run_examples(feed, fn, max_concurrency=300)
         received: list[Outcome] = []
 
-        async def iterating():
-            async for o in stream:
-                received.append(o)
+        async def polling():  # short bounded waits: most time out and park again
+            while not stream.done:
+                if await stream.wait_ready(0.001):
+                    received.extend(stream.take_ready())
                 if rng.random() < 0.1:
                     await asyncio.sleep(0)
 
@@ -497,7 +435,7 @@ def test_each_outcome_exactly_once_under_concurrency(arun):
                     await asyncio.sleep(0.001)
             feed.close()
 
-        consumers = [asyncio.create_task(iterating()) for _ in range(5)]
+        consumers = [asyncio.create_task(polling()) for _ in range(5)]
         consumers += [asyncio.create_task(batching()) for _ in range(2)]
         await producer()
         await asyncio.wait_for(asyncio.gather(*consumers), 20)
@@ -527,11 +465,12 @@ def test_consumed_payloads_are_released(arun):
         return p
 
     async def main():
-        stream = run_examples(range(50), fn)
+        stream = rollouts_of(range(50), fn)
         n = 0
-        async for outcome in stream:
-            assert isinstance(outcome.result, Payload)
-            n += 1
+        while await stream.wait_ready(None):
+            for outcome in stream.take_ready():
+                assert isinstance(outcome.result, Payload)
+                n += 1
         del outcome
         assert n == 50
         gc.collect()
@@ -539,7 +478,7 @@ def test_consumed_payloads_are_released(arun):
 
         # drain path: backlog taken, stream closed, nothing retained
         refs.clear()
-        stream = run_examples(range(20), fn)
+        stream = rollouts_of(range(20), fn)
         await settle()
         await stream.aclose_and_drain()
         batch = stream.take_ready()
@@ -561,10 +500,11 @@ def test_stream_retains_nothing_after_delivery_while_alive(arun):
         return i
 
     async def main():
-        stream = run_examples(range(10), fn)
+        stream = rollouts_of(range(10), fn)
         outcome_refs = []
-        async for o in stream:
-            outcome_refs.append(weakref.ref(o))
+        while await stream.wait_ready(None):
+            for o in stream.take_ready():
+                outcome_refs.append(weakref.ref(o))
         del o
         assert all(r() is None for r in outcome_refs)  # refcounting alone frees them
 

@@ -3,15 +3,26 @@
 :class:`ResumptionCounter` wraps a consumer coroutine so that every time the event loop resumes
 it (each ``send``/``throw`` after the first start) is counted. The consumer itself uses only the public
 stream API; a stream that wakes consumers spuriously (e.g. a shared event) shows up as extra
-resumptions even though every ``__anext__`` eventually returns a single outcome.
+resumptions even though every ``wait_ready`` eventually returns with a single outcome to take.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections.abc
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
-from typing import Any
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, Protocol
+
+from orchestrator.collection.collect import ExampleFeed, RolloutStream, run_examples
+
+
+class ReadyStream(Protocol):
+    """What a consumer of rollout outcomes uses: ``RolloutStream``'s consumption API."""
+
+    async def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    def take_ready(self) -> list[Any]: ...
 
 
 class ResumptionCounter:
@@ -57,6 +68,45 @@ class _CountingCoroutine(collections.abc.Coroutine):
         return self._coro.__await__()
 
 
+def rollouts_of(examples: Iterable[Any], fn: Callable[[Any], Awaitable[Any]], **options: Any) -> RolloutStream:
+    """``run_examples`` over a feed given every example up front, then closed: the stream is done
+    once each outcome has been delivered."""
+    feed: ExampleFeed[Any] = ExampleFeed(examples)
+    feed.close()
+    return run_examples(feed, fn, **options)
+
+
+class SharedEventStream:
+    """Baseline: completions append to a deque and set one shared event that wakes every parked
+    consumer, which re-checks and re-parks."""
+
+    def __init__(self, examples: Iterable[Any], fn: Callable[[Any], Awaitable[Any]]) -> None:
+        self._ready: deque[Any] = deque()
+        self._event = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._run(fn, x)) for x in examples]
+        self._left = len(self._tasks)
+
+    async def _run(self, fn: Callable[[Any], Awaitable[Any]], example: Any) -> None:
+        self._ready.append(await fn(example))
+        self._event.set()
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:  # the workload waits unbounded
+        while not self._ready:
+            if self._left == 0:
+                return False
+            self._event.clear()
+            await self._event.wait()
+        return True
+
+    def take_ready(self) -> list[Any]:
+        taken = list(self._ready)
+        self._ready.clear()
+        self._left -= len(taken)
+        if self._left == 0:
+            self._event.set()  # release consumers waiting for the end
+        return taken
+
+
 async def settle(rounds: int = 6) -> None:
     """Let every ready callback and task step run (a few loop iterations)."""
     for _ in range(rounds):
@@ -64,7 +114,7 @@ async def settle(rounds: int = 6) -> None:
 
 
 async def arrival_workload(
-    make_stream: Callable[[Iterable[int], Callable[[int], Awaitable[int]]], AsyncIterator[Any]],
+    make_stream: Callable[[Iterable[int], Callable[[int], Awaitable[int]]], ReadyStream],
     n: int = 1024,
     consumers: int | None = None,
     *,
@@ -73,11 +123,11 @@ async def arrival_workload(
 ) -> dict[str, int]:
     """``n`` rollouts finishing one at a time, each only after every consumer has parked again.
 
-    ``make_stream(examples, fn)`` builds the stream under test (``run_examples`` or a baseline).
-    ``consumers`` parked consumers (default ``n``): eager ones each take exactly one outcome with
-    ``anext``; ``looping=True`` ones run ``async for`` until the stream ends. Returns the number of
-    consumer resumptions (counted by :class:`ResumptionCounter`), outcomes delivered and the
-    number of distinct keys delivered.
+    ``make_stream(examples, fn)`` builds the stream under test (``run_examples`` over a closed
+    feed, or a baseline). ``consumers`` parked consumers (default ``n``): eager ones each wait
+    once and take the outcome they were woken for; ``looping=True`` ones wait and take until the
+    stream ends. Returns the number of consumer resumptions (counted by
+    :class:`ResumptionCounter`), outcomes delivered and the number of distinct keys delivered.
     """
     loop = asyncio.get_running_loop()
     consumers = n if consumers is None else consumers
@@ -91,11 +141,12 @@ async def arrival_workload(
     delivered: list[Any] = []
 
     async def eager() -> None:
-        delivered.append(await anext(stream))
+        if await stream.wait_ready(None):
+            delivered.extend(stream.take_ready())
 
     async def loop_consumer() -> None:
-        async for outcome in stream:
-            delivered.append(outcome)
+        while await stream.wait_ready(None):
+            delivered.extend(stream.take_ready())
 
     make = loop_consumer if looping else eager
     tasks = [asyncio.create_task(counter.wrap(make())) for _ in range(consumers)]
