@@ -30,11 +30,12 @@ from tests.support.logs import assert_log_invariants, count_events, events
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 # Tokens per completion (ignore_eos: min_tokens would do it too, but vLLM 0.32 reports the
-# logprobs of the distribution it masks EOS out of): long enough that none ends between its first
-# token coming back and the hold (hold_streaming) that keeps it open for the reload.
+# logprobs of the distribution it masks EOS out of): far longer than the few decode steps of one
+# of the hold's bursts (hold_streaming), so that none ends before the reload.
 LENGTH = 240
 STEPS = 8  # the orch run's
 HOLD_BOUND_S = 120  # the most a hold waits for its completions to stream
+BURST_SETTLE_S = 2.0  # after a burst, the wait for its first tokens before the next burst
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +45,32 @@ def versions(base, tmp_path_factory):
 
 
 async def hold_streaming(client: InferenceClient, http: httpx.AsyncClient, streams: int) -> None:
-    """Once `streams` streamed completions are sent and the client has the first token of each,
-    the engine is paused with mode=keep: they stay unfinished, on any machine, until the client's
-    reload (its pause, mode=abort, ends them with the tokens they have; its /resume ends the pause)."""
+    """Once `streams` streamed completions are sent to the engine paused with mode=keep (see
+    `test_interrupted_completions...`), lets it run in bursts (``/resume`` then ``/pause?mode=keep``
+    at once) until the client has the first token of each: a burst is two HTTP calls, a few
+    decode steps, never the LENGTH a completion needs. So they stay unfinished, on any machine
+    and however late the client reads them, until the client's reload (its pause, mode=abort,
+    ends them with the tokens they have; its /resume ends the hold)."""
     ep = client.endpoints[0]
+    bursts = 0
     try:
         async with asyncio.timeout(HOLD_BOUND_S):
-            while ep.sending < streams or ep.unstarted:
+            while ep.sending < streams:
                 await asyncio.sleep(0.01)
+            while ep.unstarted:
+                (await http.post("/resume")).raise_for_status()
+                (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
+                bursts += 1
+                # the engine is held: the first tokens a burst sampled are on their way to the
+                # client; one that sampled none for a request is followed by another burst
+                settled_by = asyncio.get_running_loop().time() + BURST_SETTLE_S
+                while ep.unstarted and asyncio.get_running_loop().time() < settled_by:
+                    await asyncio.sleep(0.01)
     except TimeoutError:
         raise AssertionError(
-            f"{streams} completions streaming, each with its first token, not within {HOLD_BOUND_S}s: "
-            f"{ep.sending} sent, {len(ep.unstarted)} without a first token"
+            f"{streams} completions streaming, each with its first token, not within {HOLD_BOUND_S}s "
+            f"({bursts} bursts): {ep.sending} sent, {len(ep.unstarted)} without a first token"
         ) from None
-    (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
 
 
 def test_interrupted_completions_are_continued_and_every_token_has_the_version_that_sampled_it(
@@ -74,6 +87,8 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
             httpx.AsyncClient(base_url=c.endpoints[0].url, timeout=60, trust_env=False) as http,
         ):
             await c.load(0, str(versions[0]))
+            # held before they are sent: only the hold's short bursts sample (hold_streaming)
+            (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
             flight = [
                 asyncio.ensure_future(
                     c.complete(p, n=2, max_tokens=LENGTH, seed=i, extra={"ignore_eos": True}, temperature=1.0)
@@ -81,8 +96,8 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
                 for i, p in enumerate(batch)
             ]
             try:
-                # the first reload lands inside every generation (held once every request
-                # streams); the second comes right after it, ending whichever continuations still
+                # the first reload lands inside every generation (held once every request has a
+                # token); the second comes right after it, ending whichever continuations still
                 # run (a short one may be done by then: holding all of them hoped for a timing)
                 await hold_streaming(c, http, len(batch))
                 await c.load(1, str(versions[1]))
