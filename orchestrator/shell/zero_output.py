@@ -23,6 +23,7 @@ class ZeroOutputWitness:
     failed: int = 0  # the other failed episodes
     last_error: str | None = None
     tied: int = 0  # groups settled unadmitted whose scored rewards were all equal
+    lone: int = 0  # ... of them, those with one scored episode (the rest of the group failed)
     untied: int = 0  # ... whose rewards differed, every advantage zero all the same
     without_output: int = 0  # ... with no scored episode
     judged: int = 0  # the scored episodes of the tied and untied groups
@@ -65,6 +66,7 @@ class ZeroOutputWitness:
                 return
             low, high, scored = group
             self.tied += low == high
+            self.lone += scored == 1
             self.untied += low != high
             self.judged += scored
             self.low = low if self.low is None else min(self.low, low)
@@ -79,13 +81,14 @@ class ZeroOutputWitness:
 
     def _restart(self) -> None:
         self.scored = self.unsampled = self.failed = self.judged = 0
-        self.tied = self.untied = self.without_output = self.stale_groups = self.stale_samples = 0
+        self.tied = self.lone = self.untied = self.without_output = self.stale_groups = self.stale_samples = 0
         self.low = self.high = self.last_error = None
 
     def cause(self, group_size: int, zero_output_batches: int) -> str:
         """The stop line's cause (docs/rules.md: no survivors, all-zero advantages, or cancelled as
         stale): no episode sampled a token, every episode failed (the last error), every group's
-        rewards were equal (the rewards seen and the settings that change that), or the groups'
+        rewards were equal (the rewards seen and the settings that change that; not said where the
+        failures left no group two scored episodes: then the failures are the cause), or the groups'
         fates, stale cancellations first."""
         failed = f"{self.failed} failed (the last: {self.last_error})"
         waits = f"zero_output_batches ({zero_output_batches}) is how long a run waits for one"
@@ -97,12 +100,19 @@ class ZeroOutputWitness:
             )
         if not self.scored and self.failed and not self.tied + self.untied + self.stale_groups + self.stale_samples:
             return f"every one of the last {self.failed} episodes failed; the last: {self.last_error}"
+        stale = self.stale_groups or self.stale_samples
+        if self.failed and group_size > 1 and self.tied == self.lone and not (self.untied or stale):
+            # each group kept one scored episode at most: its rewards had none to differ from
+            total = self.scored + self.unsampled + self.failed
+            return (
+                f"{self.failed} of the last {total} episodes failed, leaving no group two scored episodes "
+                f"to compare; the last: {self.last_error}"
+            )
         others = "".join(
             f"; {text}"
             for n, text in ((self.unsampled, f"{self.unsampled} sampled no token"), (self.failed, failed))
             if n
         )
-        stale = self.stale_groups or self.stale_samples
         if self.tied and not (self.untied or stale):
             assert self.low is not None and self.high is not None
             seen = (

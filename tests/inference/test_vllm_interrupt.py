@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 # Tokens per completion (ignore_eos: min_tokens would do it too, but vLLM 0.32 reports the
 # logprobs of the distribution it masks EOS out of): far longer than the few decode steps of one
 # of the hold's bursts (hold_streaming), so that none ends before the reload.
-LENGTH = 240
+LENGTH = 400  # with the prompts (under 30 tokens), within the tiny model's 512 positions
 STEPS = 8  # the orch run's
 HOLD_BOUND_S = 120  # the most a hold waits for its completions to stream
 BURST_SETTLE_S = 2.0  # after a burst, the wait for its first tokens before the next burst

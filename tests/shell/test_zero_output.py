@@ -54,3 +54,23 @@ def test_an_admitted_group_starts_the_tally_anew():
     witness.decided(ev.GroupSettled(group_id=6, admitted=False, trace_ids=[], dropped={"rejected": [11, 12]}))
     line = witness.cause(group_size=2, zero_output_batches=1)
     assert line.startswith("every group's rewards were equal") and "reward 0.250 in every one" in line, line
+
+
+def test_groups_left_with_one_scored_episode_by_failures_are_said_to_have_failed():
+    witness = _witness({1: [0.5]})
+    for episode_id in range(20, 27):
+        witness.saw(
+            ev.EpisodeCompleted(
+                episode_id=episode_id,
+                group_id=1 + episode_id % 2,
+                ok=False,
+                policy_start=0,
+                policy_end=0,
+                error="inference: InferenceUnavailable: every inference endpoint down",
+            )
+        )
+    line = witness.cause(group_size=4, zero_output_batches=1)
+    assert line.startswith("7 of the last 8 episodes failed, leaving no group two scored episodes"), line
+    assert line.endswith("the last: inference: InferenceUnavailable: every inference endpoint down"), line
+    # with groups of one, a lone reward is a tie: raising the group size is what changes it
+    assert _witness({1: [0.5], 2: [0.5]}).cause(group_size=1, zero_output_batches=1).startswith("every group's")
