@@ -322,9 +322,10 @@ class ModelCalls(Protocol):
     """What an `AgentEnv` calls on the run's inference (the `openai` backend's client): the
     generate route, routed, retried and version-stamped like the backend's own requests."""
 
-    async def generate(self, path: str, body: dict[str, Any], *, pin: Any = None) -> Any:
-        """POST `body` to `path` on an endpoint (a group keeps one: `pin`); the answer with its
-        endpoint, versions and attempts."""
+    async def generate(self, path: str, body: dict[str, Any], *, pin: Any = None, at_version: int | None = None) -> Any:
+        """POST `body` to `path` on an endpoint (a group keeps one: `pin`; an eval episode's call
+        asks for its pinned version: `at_version`); the answer with its endpoint, versions and
+        attempts."""
 
     async def models(self) -> Any:
         """An endpoint's `GET /v1/models` answer."""

@@ -624,15 +624,18 @@ class InferenceClient:
         whole = ParsedChoice(choice.prompt_ids, ids, logprobs, text, "length" if finish == "abort" else finish)
         return whole, segments, endpoint, attempts
 
-    async def generate(self, path: str, body: dict[str, Any], *, pin: Any = None) -> Generated:
+    async def generate(
+        self, path: str, body: dict[str, Any], *, pin: Any = None, at_version: int | None = None
+    ) -> Generated:
         """One sampling call of another route than ``/v1/completions`` (vLLM's token-in/token-out
         ``/inference/v1/generate``, which verifiers' train client posts), its JSON body and answer
-        passed through as they are: the same routing, retries, weight versions and cancellation
-        as :meth:`complete`; the request names the model (or the version's adapter) as there."""
+        passed through as they are: the same routing, retries, weight versions, eval pin
+        (``at_version``) and cancellation as :meth:`complete`; the request names the model (or
+        the version's adapter) as there."""
 
         async def send(ep: Endpoint) -> tuple[Any, int, int, float]:
             sent = time.perf_counter()
-            answer, sampled_by, ended_at = await self._post_sampling(ep, path, body, None)
+            answer, sampled_by, ended_at = await self._post_sampling(ep, path, body, at_version)
             return answer, sampled_by, ended_at, time.perf_counter() - sent
 
         ep, (answer, sampled_by, ended_at, http_s), attempts = await self.routed(send, pin, f"POST {path}")

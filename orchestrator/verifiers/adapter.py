@@ -79,6 +79,7 @@ class CallRecord:
 @dataclass
 class Rollout:
     pin: Any  # the key that keeps a group on one endpoint
+    at_version: int | None = None  # an eval's pinned version (`InferenceClient.generate`)
     calls: list[CallRecord] = field(default_factory=list)
 
 
@@ -90,9 +91,9 @@ class GenerateRoute:
         self.id = f"orch-{next(_route_ids)}"
         self._sessions: dict[str, Rollout] = {}
 
-    def open(self, session_id: str, pin: Any) -> Rollout:
+    def open(self, session_id: str, pin: Any, at_version: int | None = None) -> Rollout:
         """Register a rollout's trace id (verifiers' session id) before its first model call."""
-        rollout = self._sessions[session_id] = Rollout(pin)
+        rollout = self._sessions[session_id] = Rollout(pin, at_version)
         return rollout
 
     def close(self, session_id: str) -> Rollout | None:
@@ -116,7 +117,7 @@ class GenerateRoute:
         began = time.perf_counter()
         body = orjson.loads(request.content)
         try:
-            done = await self.client.generate(GENERATE_PATH, body, pin=rollout.pin)
+            done = await self.client.generate(GENERATE_PATH, body, pin=rollout.pin, at_version=rollout.at_version)
         except InferenceRequestError as err:
             return _json(err.status_code or 400, {"error": {"message": str(err)}})
         except InferenceUnavailable as err:  # retries spent: verifiers fails the turn, orch the episode

@@ -26,7 +26,8 @@ class VerifiersConfig(EnvComponent, VerifiersSettings):
 
     def check(self, plan: RunPlan) -> None:
         """ValueError (one line) unless the taskset can run in this run: alone, sampled by the
-        `openai` backend, without evals, verifiers installed (the taskset itself: `preflight`)."""
+        `openai` backend, evals only with held-out tasks, verifiers installed (the taskset
+        itself and its held-out tasks: `preflight`)."""
         if set(plan.envs) != {"verifiers"}:
             raise ValueError("env 'verifiers' runs alone (its episodes come whole from verifiers)")
         if plan.inference != "openai":
@@ -34,12 +35,18 @@ class VerifiersConfig(EnvComponent, VerifiersSettings):
                 "env 'verifiers' samples through inference.kind='openai' (vLLM started with --enable-scale-out), "
                 f"not {plan.inference!r}"
             )
-        if plan.eval_envs:
-            raise ValueError("evals of env 'verifiers' are not supported yet: its tasksets have no held-out split")
+        if plan.eval_envs and not self.held_out:
+            raise ValueError(
+                "evals of env 'verifiers' draw from env.verifiers.held_out (a task match, e.g. {idx = [\"0:64\"]}), "
+                "which is empty: a verifiers taskset has no split of its own"
+            )
         if self.taskset is None:
             raise ValueError("env 'verifiers' needs env.verifiers.taskset (an importable taskset module)")
         if importlib.util.find_spec("verifiers") is None:
             raise ValueError("env 'verifiers' needs the verifiers package: pip install 'orch[verifiers]'")
+
+    def solved(self, reward: float) -> bool | None:
+        return None if self.success_threshold is None else reward >= self.success_threshold
 
     def preflight(self, seed: int) -> None:
         """The taskset module found, and its env with a trainable agent (what orch trains on):

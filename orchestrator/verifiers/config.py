@@ -53,6 +53,14 @@ class VerifiersSettings(Section):
         600.0, gt=0, description="bound on an agent's setup (the first builds the harness's uv environment)"
     )
     scoring_timeout_s: float = Field(120.0, gt=0, description="bound on an episode's scoring")
+    held_out: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the taskset's held-out tasks, which evals draw from and training never does: a verifiers "
+        "task match (`idx`: positions and 'start:stop' ranges; `ids`; `keys`; `names`); empty: none, no evals",
+    )
+    success_threshold: float | None = Field(
+        1.0, description="a reward at or above it solves the task (the pass of pass@k); None: no success notion"
+    )
 
     @field_validator("path")
     @classmethod
@@ -88,6 +96,13 @@ def check_env(section_json: str) -> None:
             f"env.verifiers.taskset {taskset!r}: its env {type(env).__name__} has no trainable agent, "
             "so its episodes have nothing to train"
         )
+    if section.held_out:
+        train, held_out = split_taskset(env.taskset, section.held_out)
+        for part, name in ((held_out, "held-out"), (train, "train")):
+            if next(iter(part), None) is None:
+                raise ValueError(
+                    f"env.verifiers.held_out {section.held_out}: it leaves taskset {taskset!r} no {name} task"
+                )
 
 
 def add_path(paths: list[str]) -> None:
@@ -113,6 +128,22 @@ def load_env(section: VerifiersSettings):
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"env.verifiers.taskset {section.taskset!r}: {first}") from None
+
+
+def split_taskset(taskset, held_out: dict[str, Any]):
+    """(train tasks, held-out tasks) of a verifiers taskset: views without and with the tasks
+    the `held_out` task match names (ValueError, one line, if verifiers refuses the match: a
+    field it lacks, a negative position, an identity match on an infinite taskset)."""
+    from pydantic import ValidationError
+
+    where = f"env.verifiers.held_out {held_out}"
+    try:
+        return taskset.exclude(**held_out), taskset.include(**held_out)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ValueError(f"{where}: {problems}") from None
+    except ValueError as err:
+        raise ValueError(f"{where}: {str(err).strip().splitlines()[0]}") from None
 
 
 def trainable_agents(env) -> list[str]:

@@ -1,8 +1,9 @@
 """The `verifiers` env as the `openai` backend calls it: one verifiers `run_slot` per orch episode.
 
-Tasks: the group's ``task_id`` (the env's cursor, in `group_dispatched`) picks a task of the
-taskset deterministically from the run's seed (:func:`task_index`), so a resumed or replayed run
-sees the same tasks. An episode:
+Tasks: a train group's ``task_id`` (the env's cursor, in `group_dispatched`, from 0 up) picks a
+task of the taskset deterministically from the run's seed (:func:`task_index`), so a resumed or
+replayed run sees the same tasks; with `held_out`, from the tasks it does not name. An eval's task
+``-i`` is the held-out tasks' i-th, in taskset order (docs/evals.md). An episode:
 verifiers' `Env.run_slot` on that task, its model calls routed through the backend's inference
 client (:mod:`.adapter`): the group pinned to one endpoint, retries on another, each call's
 weight version recorded. Its samples: every trainable branch of every trainable trace (token ids,
@@ -30,7 +31,7 @@ from typing import Any
 from orchestrator.contracts import ModelCalls, RolloutRequest, TrainingSample, episode_of_samples
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.verifiers import adapter
-from orchestrator.verifiers.config import VerifiersSettings, load_env
+from orchestrator.verifiers.config import VerifiersSettings, load_env, split_taskset
 
 
 class VerifiersEpisodeError(RuntimeError):
@@ -45,6 +46,27 @@ def task_index(seed: int, cursor: int, size: int | None) -> int:
     order = list(range(size))
     random.Random(f"verifiers/{seed}/{cursor // size}").shuffle(order)
     return order[cursor % size]
+
+
+class TaskDraw:
+    """Tasks of a verifiers taskset (or a view of one) by position: a finite one read whole, an
+    infinite one read as far as drawn."""
+
+    def __init__(self, taskset):
+        self.size: int | None = None
+        self._tasks: list = []
+        self._stream = None
+        if taskset.bounded:
+            self._tasks = list(taskset)
+            self.size = len(self._tasks)
+        else:
+            self._stream = iter(taskset)
+
+    def at(self, position: int):
+        if self._stream is not None:
+            while len(self._tasks) <= position:
+                self._tasks.append(next(self._stream))
+        return self._tasks[position]
 
 
 @dataclass
@@ -104,11 +126,14 @@ class VerifiersEnv:
         )
         self.env = load_env(section)
         taskset = self.env.taskset
-        self._finite = taskset.bounded
-        self._tasks: list = list(taskset) if self._finite else []  # an infinite one: read as far as drawn
-        self._stream = None if self._finite else iter(taskset)
+        if section.held_out:
+            train, held_out = split_taskset(taskset, section.held_out)
+            self._train, self._held_out = TaskDraw(train), TaskDraw(held_out)
+        else:
+            self._train, self._held_out = TaskDraw(taskset), None
         self.route: adapter.GenerateRoute | None = None  # bound to the backend's client by the first episode
-        self._context: Any = None
+        self._client_config: Any = None
+        self._contexts: dict[float, Any] = {}  # by sampling temperature
         self.tally = Tally()
 
     @contextlib.asynccontextmanager
@@ -121,30 +146,38 @@ class VerifiersEnv:
             if self.route is not None:
                 adapter.forget(self.route)
 
-    def task(self, cursor: int):
-        index = task_index(self.seed, cursor, len(self._tasks) if self._finite else None)
-        if self._stream is not None:
-            while len(self._tasks) <= index:
-                self._tasks.append(next(self._stream))
-        return self._tasks[index]
+    def task(self, task_id: int):
+        """A train task (`task_id` >= 0: the env's cursor) or a held-out one (< 0: an eval's)."""
+        if task_id >= 0:
+            return self._train.at(task_index(self.seed, task_id, self._train.size))
+        if self._held_out is None:  # the component's check refuses evals without held-out tasks
+            raise VerifiersEpisodeError(f"held-out task {task_id} asked of a taskset without env.verifiers.held_out")
+        position = -task_id - 1
+        return self._held_out.at(position if self._held_out.size is None else position % self._held_out.size)
 
-    def _bind(self, client: ModelCalls) -> tuple[adapter.GenerateRoute, Any]:
-        """The route of the run's model calls through `client`, and the verifiers ModelContext on it."""
+    def _bind(self, client: ModelCalls, temperature: float) -> tuple[adapter.GenerateRoute, Any]:
+        """The route of the run's model calls through `client`, and the verifiers ModelContext on
+        it that samples at `temperature` (the run's, or an eval's)."""
+        import verifiers.v1 as vf
+
         if self.route is None:
-            import verifiers.v1 as vf
-
             self.route = adapter.GenerateRoute(client)
-            self._context = vf.ModelContext(
-                model=self.model,
-                client=adapter.client_config(self.route, self.renderer_model, self.section.renderer),
-                sampling=vf.SamplingConfig(temperature=self.temperature, max_tokens=self.max_tokens),
-            )
+            self._client_config = adapter.client_config(self.route, self.renderer_model, self.section.renderer)
         elif self.route.client is not client:
             raise RuntimeError("a verifiers env samples through one inference client per run")
-        return self.route, self._context
+        context = self._contexts.get(temperature)
+        if context is None:
+            context = self._contexts[temperature] = vf.ModelContext(
+                model=self.model,
+                client=self._client_config,
+                sampling=vf.SamplingConfig(temperature=temperature, max_tokens=self.max_tokens),
+            )
+        return self.route, context
 
     async def episode(self, req: RolloutRequest, client: ModelCalls) -> EpisodeCompleted:
-        route, context = self._bind(client)
+        temperature = self.temperature if req.temperature is None else req.temperature
+        route, context = self._bind(client, temperature)
+        at_version = None if req.eval_id is None else req.policy_version  # an eval's pinned version
         loop = asyncio.get_running_loop()
         began = loop.time()
         (slot,) = self.env.slots(self.task(req.task_id), 1)
@@ -152,7 +185,7 @@ class VerifiersEnv:
 
         def minted(trace) -> None:  # verifiers mints a trace before its first model call
             sessions.append(trace.id)
-            route.open(trace.id, pin=req.group_id)
+            route.open(trace.id, pin=req.group_id, at_version=at_version)
 
         sampled_at = loop.time()
         try:
@@ -160,7 +193,7 @@ class VerifiersEnv:
         finally:  # cancelled too (drain, stop): its calls are forgotten with it
             calls = {session: route.close(session) for session in sessions}
         harness_s = loop.time() - sampled_at
-        completed = completion(req, episode, calls, self.temperature, self.tally)
+        completed = completion(req, episode, calls, temperature, self.tally)
         self.tally.harness_s += harness_s
         self.tally.orch_s += loop.time() - began - harness_s
         return completed

@@ -538,3 +538,31 @@ def test_a_failed_episode_blames_inference_for_the_clients_errors_and_the_env_fo
     assert episode_error(InferenceUnavailable("all down")) == "inference: InferenceUnavailable: all down"
     assert episode_error(InferenceRequestError("HTTP 400", 400)) == "inference: InferenceRequestError: HTTP 400"
     assert episode_error(ValueError("bad grade")) == "env: ValueError: bad grade"
+
+
+def test_an_eval_call_is_sampled_by_its_pinned_versions_adapter_while_the_endpoint_holds_it(tmp_path):
+    """vllm_lora keeps older adapters loaded: an eval episode's request (`at_version`, through
+    `complete` and through `generate`, an agent env's route) asks for its eval's version, a train
+    request for the newest; a version no longer held is sampled by the newest and says so."""
+    from orchestrator.envs.server import running_server
+
+    dirs = weight_dirs(tmp_path, [1, 2, 3], lora=True)
+    body = {"prompt": [1, 2], "max_tokens": 3, "logprobs": 1}
+    with running_server(vllm_like_app([])) as server:
+
+        async def main():
+            async with InferenceClient([server.base_url], weight_sync="vllm_lora", max_loras=2) as client:
+                await client.load(1, dirs[0])
+                await client.load(2, dirs[1])
+                pinned = await client.complete([1, 2], seed=1, at_version=1)
+                routed = await client.generate("/v1/completions", body, at_version=1)
+                newest = await client.generate("/v1/completions", body)
+                await client.load(3, dirs[2])  # max_loras 2: version 1's adapter is unloaded
+                gone = await client.generate("/v1/completions", body, at_version=1)
+                return pinned, routed, newest, gone
+
+        pinned, routed, newest, gone = run(main())
+    assert (pinned.policy_start, pinned.policy_end) == (1, 1)
+    assert (routed.policy_start, routed.answer["model"]) == (1, "step_1")
+    assert (newest.policy_start, newest.answer["model"]) == (2, "step_2")
+    assert (gone.policy_start, gone.answer["model"]) == (3, "step_3")

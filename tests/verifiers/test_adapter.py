@@ -233,3 +233,63 @@ def test_each_call_of_a_rollout_records_the_version_it_was_sampled_with():
     first, second = asyncio.run(main()).calls
     assert (first.policy_start, first.policy_end, second.policy_start, second.policy_end) == (0, 0, 1, 1)
     assert first.route_s >= first.http_s > 0
+
+
+def held_out_env(size: int, held_out: dict):
+    from orchestrator.verifiers.component import VerifiersConfig
+    from orchestrator.verifiers.env import VerifiersEnv
+
+    section = VerifiersConfig(
+        taskset="orch_reverse_text", path=[str(EXAMPLES)], taskset_config={"size": size}, held_out=held_out
+    )
+    return VerifiersEnv(section, seed=3, temperature=1.0, max_tokens=8, model="m", renderer_model="m")
+
+
+def test_held_out_tasks_are_an_evals_and_never_a_train_groups():
+    env = held_out_env(12, {"idx": ["2:5"], "names": ["reverse_text#9"]})
+    held_out = ["reverse_text#2", "reverse_text#3", "reverse_text#4", "reverse_text#9"]
+    train = [env.task(cursor).data.name for cursor in range(3 * 8)]
+    assert not set(train) & set(held_out)
+    for start in range(0, 3 * 8, 8):  # each pass over the 8 train tasks is a permutation of them
+        assert len(set(train[start : start + 8])) == 8
+    # eval task -i: the held-out tasks' i-th in taskset order, wrapping around
+    assert [env.task(-i).data.name for i in range(1, 7)] == held_out + held_out[:2]
+
+
+def test_without_held_out_tasks_an_eval_task_is_refused_and_train_draws_are_the_whole_taskset():
+    from orchestrator.verifiers.env import VerifiersEpisodeError
+
+    env = held_out_env(6, {})
+    assert {env.task(cursor).data.name for cursor in range(6)} == {f"reverse_text#{i}" for i in range(6)}
+    with pytest.raises(VerifiersEpisodeError, match="without env.verifiers.held_out"):
+        env.task(-1)
+
+
+@pytest.mark.parametrize(
+    "held_out, message",
+    [
+        ({"idx": ["300:400"]}, "leaves taskset 'orch_reverse_text' no held-out task"),
+        ({"idx": ["0:"]}, "leaves taskset 'orch_reverse_text' no train task"),
+        ({"idx": [-1]}, "idx -1 is negative"),
+        ({"indices": [1]}, "indices"),
+    ],
+)
+def test_config_refuses_held_out_tasks_that_leave_a_split_empty_or_are_no_task_match(held_out, message):
+    config = load_config(
+        overrides=verifiers_config(taskset="orch_reverse_text", path=[str(EXAMPLES)], held_out=held_out)
+    )
+    with pytest.raises(ConfigError, match=message) as err:
+        config.env.verifiers.preflight(config.seed)
+    assert "\n" not in str(err.value) and str(err.value).startswith("invalid config: env.verifiers.held_out")
+
+
+def test_config_refuses_evals_of_a_taskset_without_held_out_tasks_and_takes_them_with():
+    evals = ['eval.envs=["verifiers"]']
+    with pytest.raises(ConfigError, match="draw from env.verifiers.held_out .* which is empty"):
+        load_config(overrides=verifiers_config(taskset="orch_reverse_text", path=[str(EXAMPLES)]) + evals)
+    section = {"taskset": "orch_reverse_text", "path": [str(EXAMPLES)], "held_out": {"idx": ["0:32"]}}
+    config = load_config(overrides=verifiers_config(**section) + evals)
+    config.env.verifiers.preflight(config.seed)
+    assert config.env.verifiers.solved(1.0) and not config.env.verifiers.solved(0.99)
+    unscored = load_config(overrides=verifiers_config(**section, success_threshold=None) + evals)
+    assert unscored.env.verifiers.solved(1.0) is None

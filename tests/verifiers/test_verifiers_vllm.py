@@ -258,11 +258,32 @@ def test_each_agent_is_scored_against_the_same_agent_across_its_group(resumed):
     assert 0 < len(weights) <= 8 * KILLED_STEPS and set(weights.values()) == {0.5}
 
 
+HELD_OUT = 2  # tasks 0 and 1 of the example taskset: the evals' tasks
+
+
+def held_out_prompts(model) -> list[list[int]]:
+    """The first-turn prompt token ids of the example taskset's held-out tasks."""
+    from transformers import AutoTokenizer
+
+    from orchestrator.envs.reverse_text import ReverseTextEnv
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = [ReverseTextEnv(seed=0, min_len=3, max_len=6).task(index).prompt for index in range(HELD_OUT)]
+    return [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        for text in texts
+    ]
+
+
 def test_a_split_episode_trains_every_branch_exactly_as_vllm_sampled_it(tmp_path, served):
     """A chat template that drops earlier answers from the context (as thinking is stripped
     between turns): each second turn's prompt does not extend the first call's tokens, so every
-    episode is two branches, each its own sample, each exactly what vLLM saw and returned."""
+    episode is two branches, each its own sample, each exactly what vLLM saw and returned.
+    With evals on held-out tasks: at version 0 and the last, on those tasks only, and no train
+    episode on one of them."""
     model, proxy = served
+    stripping = stripping_model(tmp_path / "model", model)
+    exchanges_before = len(proxy.exchanges)
     done = run_orch(
         tmp_path,
         served,
@@ -270,12 +291,22 @@ def test_a_split_episode_trains_every_branch_exactly_as_vllm_sampled_it(tmp_path
         "split",
         "--max-steps",
         "1",
-        *["--set", f"model.path={stripping_model(tmp_path / 'model', model)}"],
-        *["--set", f"inference.openai.model={model}"],
+        *["--set", f"model.path={stripping}", "--set", f"inference.openai.model={model}"],
+        *["--set", f'env.verifiers.held_out={{"idx": ["0:{HELD_OUT}"]}}', "--set", 'eval.envs=["verifiers"]'],
+        *["--set", f"eval.num_tasks={HELD_OUT}", "--set", "eval.samples_per_task=2"],
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     run_dir = tmp_path / "split"
     assert_log_invariants(run_dir, 1, max_off_policy=2, target_lag=1)
+    evals = events(run_dir, "eval_completed")
+    assert [(e["version"], e["tasks"], e["k"]) for e in evals] == [(0, HELD_OUT, 2), (1, HELD_OUT, 2)]
+    assert all(e["scored"] + e["failures"] + e["off_version"] == 2 * HELD_OUT and e["scored"] for e in evals)
+    held_out = held_out_prompts(stripping)
+    asked = [request["token_ids"] for request, _ in proxy.exchanges[exchanges_before:]]
+    on_held_out = [ids for ids in asked if any(ids[: len(p)] == p for p in held_out)]
+    assert len(on_held_out) >= sum(e["scored"] for e in evals)  # every eval episode asked at least once
+    train_prompts = [samples_of(e)[0]["token_ids"] for e in events(run_dir, "episode_completed") if e["ok"]]
+    assert train_prompts and not any(ids[: len(p)] == p for ids in train_prompts for p in held_out)
     ok = [e for e in events(run_dir, "episode_completed") if e["ok"]]
     assert ok
     for episode in ok:
