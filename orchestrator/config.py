@@ -429,6 +429,12 @@ class MetricsConfig(_Section):
         description="sinks of your own package: name (an entry point of orch.metric_sinks) or "
         "module:Attribute -> its settings (docs/plugins.md)",
     )
+    samples_per_step: int = Field(
+        4,
+        ge=0,
+        description="sample completions per shipped step shown by the sinks that show text (a TensorBoard "
+        "text table, a W&B table): the batch's first, decoded with the run's tokenizer; 0: none",
+    )
 
     @field_validator("plugins")
     @classmethod

@@ -26,7 +26,8 @@ import orjson
 
 from eventlog import EventLog
 from orchestrator.notices import one_line
-from orchestrator.observe.rows import Row, StepRows, log_rows
+from orchestrator.observe.rows import Row, StepRows, fold_events
+from orchestrator.observe.samples import Completed, SampleText, Shipped, StepSamples
 from orchestrator.plugins import resolve_sink
 from orchestrator.rundir import atomic_write_bytes
 
@@ -54,6 +55,20 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+class TextSink(Sink, Protocol):
+    """A sink that also shows text: a few of each shipped step's samples (`observe.samples`)."""
+
+    def write_samples(self, step: int, samples: Sequence[SampleText], wall_time: float) -> None: ...
+
+
+SAMPLE_COLUMNS = ("sample", "reward", "prompt", "completion")
+
+
+def sample_rows(samples: Sequence[SampleText]) -> list[list[str]]:
+    """`samples` as table rows of text, in SAMPLE_COLUMNS order."""
+    return [[str(s.sample_id), f"{s.reward:g}", s.prompt, s.completion] for s in samples]
+
+
 class TensorBoardSink:
     """Scalars in a TensorBoard log dir (tensorboard's own writer: no torch, no TensorFlow),
     stamped with the log's time of the event that completed them."""
@@ -66,20 +81,34 @@ class TensorBoardSink:
 
     def __init__(self, section, run_dir: Path, identity: dict[str, str]):
         from tensorboard.summary import Writer
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         log_dir = Path(section.log_dir) if section.log_dir is not None else run_dir / "tensorboard"
         self.target = f"tensorboard:{log_dir.resolve()}"
         self.writer = Writer(str(log_dir))
+        # tensorboard's framework-free Writer writes scalars only: text goes to a file of its own
+        self.text_writer = EventFileWriter(str(log_dir), filename_suffix=".samples")
 
     def write(self, rows: Sequence[Row], wall_time: float) -> None:
         for step, name, value in rows:
             self.writer.add_scalar(name, value, step, wall_time=wall_time)
 
+    def write_samples(self, step: int, samples: Sequence[SampleText], wall_time: float) -> None:
+        """A table (its first row SAMPLE_COLUMNS) under the tag `samples`, in the text tab."""
+        import numpy as np
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        table = np.array([list(SAMPLE_COLUMNS), *sample_rows(samples)], dtype=object)
+        self.text_writer.add_event(event_pb2.Event(wall_time=wall_time, step=step, summary=text_pb("samples", table)))
+
     def flush(self) -> None:
         self.writer.flush()
+        self.text_writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+        self.text_writer.close()
 
 
 class WandbSink:
@@ -140,6 +169,12 @@ class WandbSink:
         for step, items in groupby(rows, key=lambda row: row[0]):
             self.run.log({"step": step, **{name: value for _, name, value in items}})
 
+    def write_samples(self, step: int, samples: Sequence[SampleText], wall_time: float) -> None:
+        """A table under the key `samples`, logged against the step."""
+        import wandb
+
+        self.run.log({"step": step, "samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=sample_rows(samples))})
+
     def flush(self) -> None:
         """wandb sends in the background; finish() waits for it."""
 
@@ -180,11 +215,12 @@ def check_sinks(metrics) -> None:
 class SinkFeeder:
     """Feeds the configured sinks from the run's log (see the module docs)."""
 
-    def __init__(self, db: Path, run_dir: Path, sinks: list[Sink]):
+    def __init__(self, db: Path, run_dir: Path, sinks: list[Sink], samples: StepSamples | None = None):
         self.reader = EventLog.open_reader(db)
         self.cursors_path = run_dir / CURSORS_FILE
         self.sinks = sinks
         self.rows = StepRows()
+        self.samples = samples
         self.folded = 0  # the last seq folded into self.rows
         cursors = read_cursors(self.cursors_path)
         self.cursors = {sink.target: cursors.get(sink.target, 0) for sink in sinks}
@@ -193,7 +229,16 @@ class SinkFeeder:
         """Fold the events up to `last_seq` and write the rows each sink has not had. Blocking."""
         if last_seq <= self.folded:
             return
-        for seq, ts, group in _grouped(log_rows(self.reader, self.rows, self.folded + 1, last_seq)):
+        rows: list[tuple[int, float, Row]] = []
+        for seq, ts, item in fold_events(self.reader, self._fold_items, self.folded + 1, last_seq):
+            if isinstance(item, Completed):
+                assert self.samples is not None  # only its fold items are not rows
+                self.samples.completed(item.episode_id, seq)
+            elif isinstance(item, Shipped):  # now: the next ship forgets where its samples are
+                self._write_samples(seq, ts, item)
+            else:
+                rows.append((seq, ts, item))
+        for seq, ts, group in _grouped(rows):
             for sink in self.sinks:
                 if seq > self.cursors[sink.target]:
                     _guarded(sink, sink.write, group, ts)
@@ -207,6 +252,22 @@ class SinkFeeder:
             raise SinkFailed(
                 f"cannot record what the metric sinks have had in {self.cursors_path}: {err.strerror or err}"
             ) from err
+
+    def _fold_items(self, ts: float, event) -> list:
+        """What one event gives the sinks: its rows, and the samples' fold items."""
+        rows: list = self.rows.feed(ts, event)
+        if self.samples is None:
+            return rows
+        assert self.rows.state is not None  # feed folded the event into it
+        return rows + self.samples.take(event, self.rows.state)
+
+    def _write_samples(self, seq: int, ts: float, shipped: Shipped) -> None:
+        """A shipped step's samples to each sink that shows text and has not had them."""
+        assert self.samples is not None  # it gave `shipped`
+        writers = [s for s in self.sinks if hasattr(s, "write_samples") and seq > self.cursors[s.target]]
+        texts = self.samples.texts(self.reader, shipped) if writers else self.samples.forget(shipped)
+        for sink in writers if texts else ():  # none: the run has no tokenizer
+            _guarded(sink, sink.write_samples, shipped.step, texts, ts)
 
     async def feed(self, last_seq: int) -> None:
         await asyncio.to_thread(self.catch_up, last_seq)
@@ -277,7 +338,10 @@ def build_feeder(metrics, run_dir: Path, log: EventLog) -> SinkFeeder | None:
             except Exception as err:  # noqa: BLE001 - a third-party sink's errors have no common base
                 where = f"metrics.{name}" if name in SINKS else f"metric sink {name!r}"
                 raise SinkFailed(f"{where}: cannot start: {type(err).__name__}: {one_line(err)}") from err
-        return SinkFeeder(Path(log.path), run_dir, sinks)
+        per_step = metrics.samples_per_step
+        wanted = per_step > 0 and any(hasattr(sink, "write_samples") for sink in sinks)
+        samples = StepSamples(per_step, run_dir, meta.get("config")) if wanted else None
+        return SinkFeeder(Path(log.path), run_dir, sinks, samples)
     except BaseException:
         for sink in sinks:
             sink.close()

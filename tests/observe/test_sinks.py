@@ -150,3 +150,73 @@ def test_a_sink_that_cannot_start_is_one_line_with_the_resume_hint(tmp_path):
         f"orch: error: metrics.tensorboard: cannot start: NotADirectoryError: [Errno 20] Not a directory: "
         f"'{tmp_path / 'afile' / 'tb'}' (continue it with `orch run --resume {tmp_path / 'r'}` once fixed)"
     ]
+
+
+def wandb_tables(wandb_dir, key: str) -> dict[int, dict]:
+    """step -> the W&B table logged under `key` at that step (offline: a JSON file of the run's
+    media, which the history row names under `key/path`)."""
+    tables = {}
+    for row in wandb_history(wandb_dir):
+        if f"{key}/path" in row:
+            run_files = wandb_dir / "wandb" / row["_file"] / "files"
+            tables[row["step"]] = orjson.loads((run_files / row[f"{key}/path"]).read_bytes())
+    return tables
+
+
+def tensorboard_texts(log_dir) -> dict[int, list[list[str]]]:
+    """step -> the `samples` text table of a TensorBoard log dir."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    return {
+        e.step: [[cell.decode() for cell in row] for row in make_ndarray(e.tensor_proto)]
+        for e in accumulator.Tensors("samples")
+    }
+
+
+def test_the_sinks_show_each_steps_first_samples_as_the_runs_tokenizer_decodes_them(tmp_path):
+    """A fake run whose token ids lie in the tiny tokenizer's bytes, that tokenizer its model; then
+    resumed with a new TensorBoard dir, which gets every step's at once."""
+    from orchestrator.core.events import episode_of
+    from orchestrator.hf.tiny_model import build_tokenizer
+    from tests.support.logs import events
+
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    wandb_dir = tmp_path / "wandb-dir"
+    wandb_dir.mkdir()
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
+    on = sets(
+        "metrics.tensorboard=true",
+        "metrics.wandb.project=orch-test",
+        "metrics.samples_per_step=3",
+        "env.fake.vocab_size=256",
+        f"model.path={tmp_path / 'tokenizer'}",
+    )
+    run_dir = run_fake(tmp_path, "r", *on, steps=3, env=env)
+    elsewhere = sets(f"metrics.tensorboard.log_dir={tmp_path / 'tb-resumed'}")
+    result = orch("run", "--resume", str(run_dir), "--max-steps", "4", *elsewhere, env=env)
+    assert result.returncode == 0, result.stderr
+
+    completed = {e["episode_id"]: e for _, e in events(run_dir, "episode_completed") if e["ok"]}
+    want = {}
+    for _, shipped in events(run_dir, "batch_shipped"):
+        rows = []
+        for sample_id in shipped["trace_ids"][:3]:
+            episode = completed[episode_of(sample_id)]
+            first = episode["mask"].index(1)
+            sampled = [t for t, m in zip(episode["token_ids"], episode["mask"]) if m]
+            prompt = tokenizer.decode(episode["token_ids"][:first], skip_special_tokens=True)
+            completion = tokenizer.decode(sampled, skip_special_tokens=True)
+            rows.append([str(sample_id), f"{episode['reward']:g}", prompt, completion])
+        want[shipped["step"]] = rows
+    assert sorted(want) == [1, 2, 3, 4] and all(len(rows) == 3 for rows in want.values())
+    tables = {step: [list(sinks.SAMPLE_COLUMNS), *rows] for step, rows in want.items()}
+    assert tensorboard_texts(run_dir / "tensorboard") == {step: tables[step] for step in (1, 2, 3)}
+    assert tensorboard_texts(tmp_path / "tb-resumed") == tables
+
+    tables = wandb_tables(wandb_dir, "samples")
+    assert {step: table["data"] for step, table in tables.items()} == want
+    assert all(table["columns"] == list(sinks.SAMPLE_COLUMNS) for table in tables.values())
