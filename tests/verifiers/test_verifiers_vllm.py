@@ -269,10 +269,11 @@ def held_out_prompts(model) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     texts = [ReverseTextEnv(seed=0, min_len=3, max_len=6).task(index).prompt for index in range(HELD_OUT)]
-    return [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    rendered = [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
         for text in texts
     ]
+    return [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in rendered]
 
 
 def test_a_split_episode_trains_every_branch_exactly_as_vllm_sampled_it(tmp_path, served):
