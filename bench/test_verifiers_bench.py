@@ -59,9 +59,9 @@ class RecordingClient(InferenceClient):
         self.bodies: list[dict] = []
         self.http_s = 0.0
 
-    async def generate(self, path, body, *, pin=None):
+    async def generate(self, path, body, *, pin=None, at_version=None):
         self.bodies.append(body)
-        done = await super().generate(path, body, pin=pin)
+        done = await super().generate(path, body, pin=pin, at_version=at_version)
         self.http_s += done.http_s
         return done
 
