@@ -59,7 +59,7 @@ class StepSamples:
     def __init__(self, per_step: int, run_dir: Path, stored_config: str | None):
         self.per_step = per_step
         self.run_dir, self.stored_config = run_dir, stored_config
-        self.completed_at: dict[int, int] = {}  # episode id -> seq of its last completion, until it ships
+        self.completed_at: dict[int, int] = {}  # episode id -> seq of its last completion, to the ship after its own
         self._decoder: Decoder | None = None
         self._no_tokenizer = False
 
@@ -81,19 +81,14 @@ class StepSamples:
     def completed(self, episode_id: int, seq: int) -> None:
         self.completed_at[episode_id] = seq
 
-    def forget(self, shipped: Shipped) -> list[SampleText]:
-        """`shipped`'s samples are not asked for (every sink has had that step): no text."""
-        for sample_id in shipped.sample_ids:
-            self.completed_at.pop(episode_of(sample_id), None)
-        return []
-
     def texts(self, log: EventLog, shipped: Shipped) -> list[SampleText]:
         """`shipped`'s samples as text (none if the run has no tokenizer: said once)."""
         decoder = self.decoder()
-        seqs = {sample_id: self.completed_at.pop(episode_of(sample_id), None) for sample_id in shipped.sample_ids}
         if decoder is None:
             return []
-        wanted = sorted({seq for seq in seqs.values() if seq is not None})
+        # where they are is forgotten at the next ship (`take`), when they no longer wait
+        seqs = (self.completed_at.get(episode_of(sample_id)) for sample_id in shipped.sample_ids)
+        wanted = sorted({seq for seq in seqs if seq is not None})
         payloads = log.read_payloads(wanted)
         episodes: dict[int, EpisodeCompleted] = {}
         for seq in wanted:

@@ -265,7 +265,7 @@ class SinkFeeder:
         """A shipped step's samples to each sink that shows text and has not had them."""
         assert self.samples is not None  # it gave `shipped`
         writers = [s for s in self.sinks if hasattr(s, "write_samples") and seq > self.cursors[s.target]]
-        texts = self.samples.texts(self.reader, shipped) if writers else self.samples.forget(shipped)
+        texts = self.samples.texts(self.reader, shipped) if writers else []
         for sink in writers if texts else ():  # none: the run has no tokenizer
             _guarded(sink, sink.write_samples, shipped.step, texts, ts)
 
