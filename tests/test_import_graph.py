@@ -62,6 +62,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "orchestrator.trainers.*",
         "orchestrator.verifiers",
         "orchestrator.verifiers.*",
+        "orchestrator.nemo_gym",
+        "orchestrator.nemo_gym.*",
         "orchestrator.algorithms",
         "orchestrator.algorithms.*",
         "orchestrator.serve",  # `orch serve`'s policy, tokenizer and server

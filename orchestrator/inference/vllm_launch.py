@@ -209,17 +209,9 @@ class VllmLauncher:
         )
 
     def _spawn(self, server: Server) -> None:
-        server.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(server.log_path, "ab") as log:
-            server.proc = subprocess.Popen(
-                guarded(self.command(server), self.launch.stop_timeout_s),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.environment(server),
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )  # noqa: PLW1509 - one libc call
+        server.proc = spawn_guarded(
+            self.command(server), self.environment(server), server.log_path, self.launch.stop_timeout_s
+        )
 
     def check_alive(self) -> None:
         """LaunchError if a server has exited."""
@@ -354,32 +346,54 @@ class VllmLauncher:
         return self._exit_of(server)
 
     def stop(self) -> None:
-        """SIGTERM every server's process group, SIGKILL what is left after ``stop_timeout_s``
-        (blocking: it runs on the way out, where an await could be cancelled)."""
-        running = [s for s in self.servers if s.proc is not None]
-        for server in running:
-            _signal_group(server.proc, signal.SIGTERM)
-            # A stopped guard (SIGSTOP, a debugger) would take the SIGTERM only once continued:
-            # the wait below would last the whole stop timeout.
-            _signal_group(server.proc, signal.SIGCONT)
-        deadline = time.monotonic() + self.launch.stop_timeout_s
-        for server in running:
-            try:
-                server.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(
-                    f"orch: vLLM server {server.index} ({server.url}) still running "
-                    f"{self.launch.stop_timeout_s:g}s after SIGTERM: killed",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        for server in running:  # the group too: the engine core and workers it forked
-            _signal_group(server.proc, signal.SIGKILL)
-            server.proc.wait()
-        for server in running:  # until the killed members are reaped, so none is seen after stop()
-            deadline = time.monotonic() + GROUP_EXIT_WAIT_S
-            while group_alive(server.proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+        """Every server stopped (:func:`stop_guarded`)."""
+        stop_guarded(
+            [(f"vLLM server {s.index} ({s.url})", s.proc) for s in self.servers if s.proc is not None],
+            self.launch.stop_timeout_s,
+        )
+
+
+def spawn_guarded(
+    command: list[str], env: dict[str, str], log_path: Path, stop_timeout_s: float, cwd: Path | None = None
+) -> subprocess.Popen:
+    """`command` started under its guard (:func:`guarded`) in a process group of its own, its stdout
+    and stderr appended to `log_path` (from the event loop's thread: the death signal follows the
+    thread that forked)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            guarded(command, stop_timeout_s),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )  # noqa: PLW1509 - one libc call
+
+
+def stop_guarded(named: list[tuple[str, subprocess.Popen]], stop_timeout_s: float) -> None:
+    """SIGTERM each (name, guarded process)'s process group, SIGKILL what is left after
+    `stop_timeout_s` (blocking: it runs on the way out, where an await could be cancelled)."""
+    for _, proc in named:
+        _signal_group(proc, signal.SIGTERM)
+        # A stopped guard (SIGSTOP, a debugger) would take the SIGTERM only once continued:
+        # the wait below would last the whole stop timeout.
+        _signal_group(proc, signal.SIGCONT)
+    deadline = time.monotonic() + stop_timeout_s
+    for name, proc in named:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"orch: {name} still running {stop_timeout_s:g}s after SIGTERM: killed", file=sys.stderr, flush=True)
+    for _, proc in named:  # the group too: what the server forked
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+    for _, proc in named:  # until the killed members are reaped, so none is seen after this
+        deadline = time.monotonic() + GROUP_EXIT_WAIT_S
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def cpu_share(index: int, servers: int, cores: list[int] | None = None) -> str:

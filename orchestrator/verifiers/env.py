@@ -38,13 +38,13 @@ class VerifiersEpisodeError(RuntimeError):
     """A verifiers episode that did not yield a sample; the message says why (an episode failure)."""
 
 
-def task_index(seed: int, cursor: int, size: int | None) -> int:
-    """The taskset position of the env's `cursor`-th task: each pass over a finite taskset is a
-    fresh seeded permutation of it; an infinite one is read in order."""
+def task_index(seed: int, cursor: int, size: int | None, env: str = "verifiers") -> int:
+    """The task position of `env`'s `cursor`-th task: each pass over a finite taskset is a fresh
+    permutation of it, seeded by (env, seed, pass); an infinite one is read in order."""
     if size is None:
         return cursor
     order = list(range(size))
-    random.Random(f"verifiers/{seed}/{cursor // size}").shuffle(order)
+    random.Random(f"{env}/{seed}/{cursor // size}").shuffle(order)
     return order[cursor % size]
 
 

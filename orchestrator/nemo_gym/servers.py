@@ -1,0 +1,137 @@
+"""The NeMo Gym servers a run starts (`env.nemo_gym.launch`), and stops at its end.
+
+Each server instance of the run's NeMo Gym config that has an entrypoint is one process of NeMo
+Gym's interpreter (`env.nemo_gym.venv`), started in the server's directory (a user's, where one
+is found from where orch runs, else NeMo Gym's built-in one) by :mod:`.launch_server`, under the
+same guard as orch's vLLM servers (its own process group, which dies with orch, SIGKILLed
+included). Logs: ``RUN_DIR/logs/nemo_gym-NAME.log``. A server that exits ends the run (its
+episodes would all fail): the next episode's check says which, with its log's last line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from orchestrator.contracts import ComponentFailed
+from orchestrator.inference.vllm_launch import LOGS_DIR, last_line, spawn_guarded, stop_guarded
+from orchestrator.nemo_gym.config import NemoGymSettings, server_instances
+
+LAUNCHER = Path(__file__).with_name("launch_server.py")
+
+
+class NemoGymServerError(ComponentFailed):
+    """A NeMo Gym server orch started did not start, or died."""
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    directory: Path
+    entrypoint: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+
+def server_directory(settings: NemoGymSettings, kind: str, server: str) -> Path:
+    """Where a server's code is: ``KIND/SERVER`` from where orch runs (a user's own), else NeMo Gym's."""
+    local = Path.cwd() / kind / server
+    if local.is_dir():
+        return local
+    installed = settings.site_packages()
+    return (installed or settings.venv) / kind / server
+
+
+class NemoGymServers:
+    def __init__(self, settings: NemoGymSettings, config: dict[str, Any], run_dir: Path):
+        self.settings = settings
+        self.config_yaml = yaml.safe_dump(config, sort_keys=False)
+        self.servers = [
+            Server(
+                name,
+                f"http://{own['host']}:{own['port']}",
+                server_directory(settings, kind, server),
+                str(own["entrypoint"]),
+                run_dir / LOGS_DIR / f"nemo_gym-{name}.log",
+            )
+            for name, (kind, server, own) in server_instances(config).items()
+            if "entrypoint" in own
+        ]
+
+    def url_of(self, name: str) -> str:
+        return next(server.url for server in self.servers if server.name == name)
+
+    def start(self) -> None:
+        python = str(self.settings.venv / "bin" / "python")
+        for server in self.servers:
+            env = {
+                **os.environ,
+                "NEMO_GYM_CONFIG_DICT": self.config_yaml,
+                "NEMO_GYM_CONFIG_PATH": server.name,
+                "PYTHONPATH": str(server.directory),
+            }
+            env.pop("VIRTUAL_ENV", None)  # orch's, not NeMo Gym's
+            command = [python, str(LAUNCHER), server.entrypoint]
+            server.proc = spawn_guarded(command, env, server.log_path, self.settings.stop_timeout_s, server.directory)
+        names = ", ".join(f"{s.name} ({s.url})" for s in self.servers)
+        print(f"orch: started NeMo Gym servers {names} (logs in {self.servers[0].log_path.parent})", file=sys.stderr)
+
+    def check_alive(self) -> None:
+        """NemoGymServerError if a server has exited."""
+        for server in self.servers:
+            code = server.proc.poll() if server.proc is not None else None
+            if code is not None:
+                raise NemoGymServerError(
+                    f"NeMo Gym server {server.name} ({server.url}) exited with code {code}: "
+                    f"{last_line(server.log_path)} (log: {server.log_path})"
+                )
+
+    async def wait_ready(self) -> None:
+        """Until every server answers ``GET /``, at most `ready_timeout_s` (at once if one exits)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.ready_timeout_s
+        waiting = list(self.servers)
+        print(
+            f"orch: waiting up to {self.settings.ready_timeout_s:g}s for {len(waiting)} NeMo Gym server(s)",
+            file=sys.stderr,
+        )
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+            while waiting:
+                self.check_alive()
+                for server in list(waiting):
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await http.get(server.url + "/")).status_code == 200:
+                            waiting.remove(server)
+                if waiting and loop.time() > deadline:
+                    names = ", ".join(f"{s.name} (log: {s.log_path})" for s in waiting)
+                    raise NemoGymServerError(
+                        f"NeMo Gym server(s) not ready after {self.settings.ready_timeout_s:g}s: {names}"
+                    )
+                if waiting:
+                    await asyncio.sleep(0.25)
+
+    def stop(self) -> None:
+        stop_guarded(
+            [(f"NeMo Gym server {s.name}", s.proc) for s in self.servers if s.proc is not None],
+            self.settings.stop_timeout_s,
+        )
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        """The servers up for the block, stopped after it (whatever ends it)."""
+        try:
+            self.start()
+            await self.wait_ready()
+            yield self
+        finally:
+            self.stop()
