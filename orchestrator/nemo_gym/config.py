@@ -91,8 +91,10 @@ class NemoGymSettings(Section):
         installed = self.site_packages()
         if installed is not None and not given.is_absolute() and (installed / given).exists():
             return installed / given
+        if given.is_absolute():
+            raise ConfigError(f"env.nemo_gym.{what}: no such file: {name}")
         where = f" nor under NeMo Gym's install ({installed})" if installed is not None else ""
-        raise ConfigError(f"env.nemo_gym.{what}: no file {name} from {Path.cwd()}{where}")
+        raise ConfigError(f"env.nemo_gym.{what}: no file {name} in {Path.cwd()}{where}")
 
 
 # ------------------------------------------------------------------------------------------ rows

@@ -171,7 +171,7 @@ def test_rollout_stream_close_and_drain_over_http(arun, server):
 def test_an_env_server_serves_the_envs_of_the_run_configs_registry():
     assert served_env("reverse_text", 3, max_len=9).params == {"seed": 3, "min_len": 3, "max_len": 9}
     with pytest.raises(
-        ValueError, match="unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, verifiers"
+        ValueError, match="unknown env 'nope'; known: dataset, fake, nemo_gym, reasoning_gym, reverse_text, verifiers"
     ):
         served_env("nope")
     with pytest.raises(

@@ -47,7 +47,7 @@ OWN = " (or a 'module:Attribute' of your own)"
         ("algorithm.name=nope", "algorithm.name: unknown algorithm 'nope'; known: gar, grpo" + OWN),
         (
             'envs={"nope": 1}',
-            "envs: unknown env 'nope'; known: dataset, fake, reasoning_gym, reverse_text, verifiers" + OWN,
+            "envs: unknown env 'nope'; known: dataset, fake, nemo_gym, reasoning_gym, reverse_text, verifiers" + OWN,
         ),
         ("trainer.fake.nope=1", "trainer.fake.nope: no such key"),
         ("trainer.lora.rank=16", "trainer.lora: no such key (did you mean trainer.hf.lora?)"),

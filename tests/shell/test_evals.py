@@ -284,8 +284,8 @@ def test_the_progress_line_ends_with_the_newest_eval_result():
         ),
         (
             ["--set", 'eval.envs=["nope"]'],
-            "orch: error: invalid config: eval.envs: unknown env 'nope'; known: dataset, fake, reasoning_gym, "
-            "reverse_text, verifiers (or a 'module:Attribute' of your own)",
+            "orch: error: invalid config: eval.envs: unknown env 'nope'; known: dataset, fake, nemo_gym, "
+            "reasoning_gym, reverse_text, verifiers (or a 'module:Attribute' of your own)",
         ),
         (
             ["--set", 'eval.envs=["fake"]', "--set", "eval.max_inflight=0"],
