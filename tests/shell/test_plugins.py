@@ -248,7 +248,10 @@ def test_an_error_a_library_raises_for_the_users_class_names_the_users_line(plug
     [
         (["--env", "no_such_module:Env"], "module 'no_such_module' does not import"),
         (["--env", "own:RaisingTaskConfig"], "text_env"),
-        (["--env", "nope"], "unknown env 'nope'; known: dataset, fake, nemo_gym, reasoning_gym, reverse_text, verifiers"),
+        (
+            ["--env", "nope"],
+            "unknown env 'nope'; known: dataset, fake, nemo_gym, reasoning_gym, reverse_text, verifiers",
+        ),
     ],
 )
 def test_orch_run_refuses_a_bad_plugin_with_exit_2_before_the_run_dir(plugin_path, tmp_path, args, message):
@@ -301,7 +304,8 @@ def test_an_installed_package_registers_an_env_by_entry_point(tmp_path, monkeypa
         assert config.env_components()["uppercase"].length == 5
         with pytest.raises(
             ConfigError,
-            match=r"unknown env 'nope'; known: dataset, fake, nemo_gym, reasoning_gym, reverse_text, uppercase, verifiers",
+            match=r"unknown env 'nope'; known: dataset, fake, nemo_gym, reasoning_gym, reverse_text, uppercase, "
+            r"verifiers",
         ):
             load_config(overrides=['envs={"nope": 1}'])
     finally:
