@@ -90,7 +90,11 @@ class NemoGymEnv:
         self.agent_url, self.episode_timeout_s = agent_url.rstrip("/"), episode_timeout_s
         self.route = route
         self._check_servers = check_servers  # raises once a server orch started has died
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(episode_timeout_s, connect=10.0), trust_env=False)
+        self.http = httpx.AsyncClient(  # one connection per episode in flight, however many that is
+            timeout=httpx.Timeout(episode_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            trust_env=False,
+        )
 
     def row(self, task_id: int) -> Row:
         if task_id >= 0:
