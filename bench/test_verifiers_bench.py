@@ -37,7 +37,7 @@ from bench.paired import alternated_rounds, paired_ratio  # noqa: E402
 from orchestrator.contracts import RolloutRequest  # noqa: E402
 from orchestrator.inference.client import InferenceClient  # noqa: E402
 from orchestrator.inference.endpoints_backend import EndpointsBackend  # noqa: E402
-from orchestrator.verifiers.adapter import GENERATE_PATH  # noqa: E402
+from orchestrator.inference.protocol import GENERATE_PATH  # noqa: E402
 from orchestrator.verifiers.component import VerifiersConfig  # noqa: E402
 from orchestrator.verifiers.env import VerifiersEnv  # noqa: E402
 from tests.inference.vllm_util import launched, needs_vllm, publish_full, tiny_model  # noqa: E402

@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import click
@@ -261,17 +261,7 @@ async def serve(
     sock = listening_socket(host, port)  # here, not in uvicorn: it calls sys.exit inside its task
     server = uvicorn.Server(_config(app, host, port, log_level))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + startup_timeout
-    while not server.started:
-        if task.done():
-            await task
-            raise RuntimeError(f"env server failed to start on {host}:{port}")
-        if loop.time() > deadline:
-            server.should_exit = True
-            await task
-            raise TimeoutError(f"env server did not start within {startup_timeout}s")
-        await asyncio.sleep(0.01)
+    await _started(server, task, f"env server on {host}:{port}", startup_timeout)
     if on_ready is not None:
         on_ready(f"http://{host}:{_bound_port(server)}")
     await task
@@ -280,6 +270,48 @@ async def serve(
         # on its way out, but asyncio.run turns that into a KeyboardInterrupt only if the main task
         # is still running when it lands: a race, so the interrupt is raised here.
         raise KeyboardInterrupt
+
+
+async def _started(server: uvicorn.Server, task: asyncio.Future, what: str, startup_timeout: float) -> None:
+    """Until uvicorn's `server` (running as `task`) serves; RuntimeError if it stopped first,
+    TimeoutError (the server stopped) if it did not start within `startup_timeout`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + startup_timeout
+    while not server.started:
+        if task.done():
+            await task
+            raise RuntimeError(f"{what} failed to start")
+        if loop.time() > deadline:
+            server.should_exit = True
+            await task
+            raise TimeoutError(f"{what} did not start within {startup_timeout}s")
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: ASGIApp, what: str, *, host: str, port: int, startup_timeout: float = 10.0, stop_timeout: float = 5.0
+) -> AsyncIterator[int]:
+    """``app`` served by uvicorn on this loop for the block, without its signal handlers (the
+    caller owns SIGINT/SIGTERM); yields the bound port (the real one when ``port=0``). Its task is
+    this block's: asked to stop at the block's end, cancelled past ``stop_timeout``. ListenError
+    (one line) if ``host:port`` cannot be bound."""
+    sock = listening_socket(host, port)
+    server = uvicorn.Server(_config(app, host, port, "warning"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        await _started(server, task, f"{what} on {host}:{port}", startup_timeout)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), stop_timeout)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        sock.close()
 
 
 def serve_command_line(

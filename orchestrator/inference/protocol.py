@@ -44,6 +44,10 @@ TOKEN_ID_PREFIX = "token_id:"
 MAX_N = 64
 MAX_LOGPROBS = 20
 
+# vLLM's token-in, token-out sampling route (its `--enable-scale-out`), which verifiers' train client
+# posts and orch's NeMo Gym route samples on.
+GENERATE_PATH = "/inference/v1/generate"
+
 
 class ProtocolError(ValueError):
     """A request or response that does not follow the format above; one-line message."""

@@ -227,30 +227,25 @@ class VllmLauncher:
         """Until every server answers ``GET /health`` with 200, at most ``ready_timeout_s``;
         LaunchError at once if one exits."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.launch.ready_timeout_s
-        waiting = list(self.servers)
         print(
-            f"orch: waiting up to {self.launch.ready_timeout_s:g}s for {len(waiting)} vLLM server(s) to serve "
+            f"orch: waiting up to {self.launch.ready_timeout_s:g}s for {len(self.servers)} vLLM server(s) to serve "
             f"{self.model_dir}",
             file=sys.stderr,
             flush=True,
         )
         t0 = loop.time()
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
-            while waiting:
-                self.check_alive()
-                if health_check is not None:
-                    health_check()
-                for server in list(waiting):
-                    with contextlib.suppress(httpx.HTTPError):
-                        if (await http.get(server.url + "/health")).status_code == 200:
-                            waiting.remove(server)
-                if not waiting:
-                    break
-                if loop.time() > deadline:
-                    names = ", ".join(f"{s.url} (log: {s.log_path})" for s in waiting)
-                    raise LaunchError(f"vLLM server(s) not ready after {self.launch.ready_timeout_s:g}s: {names}")
-                await asyncio.sleep(0.5)
+
+        def check() -> None:
+            self.check_alive()
+            if health_check is not None:
+                health_check()
+
+        await wait_serving(
+            [(f"{s.url} (log: {s.log_path})", s.url + "/health") for s in self.servers],
+            self.launch.ready_timeout_s,
+            check,
+            lambda names: LaunchError(f"vLLM server(s) not ready after {self.launch.ready_timeout_s:g}s: {names}"),
+        )
         print(
             f"orch: {len(self.servers)} vLLM server(s) ready after {loop.time() - t0:.0f}s", file=sys.stderr, flush=True
         )
@@ -351,6 +346,29 @@ class VllmLauncher:
             [(f"vLLM server {s.index} ({s.url})", s.proc) for s in self.servers if s.proc is not None],
             self.launch.stop_timeout_s,
         )
+
+
+async def wait_serving(
+    servers: list[tuple[str, str]], timeout_s: float, check: Callable[[], None], late: Callable[[str], Exception]
+) -> None:
+    """Until each server (its name, the URL it answers GET on with 200 once it serves) serves, at
+    most `timeout_s`: `check()` between polls raises at once for one that died; `late(names)` is
+    raised with the names of those still starting past the bound."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    waiting = list(servers)
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+        while waiting:
+            check()
+            for server in list(waiting):
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(server[1])).status_code == 200:
+                        waiting.remove(server)
+            if not waiting:
+                break
+            if loop.time() > deadline:
+                raise late(", ".join(name for name, _ in waiting))
+            await asyncio.sleep(0.5)
 
 
 def spawn_guarded(

@@ -8,7 +8,15 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, ClassVar
 
 from orchestrator.contracts import BuildContext, ConfigError, EnvComponent, RunPlan
-from orchestrator.nemo_gym.config import NAME, NemoGymSettings, agent_name, load_servers, split_rows
+from orchestrator.nemo_gym.config import (
+    NAME,
+    NemoGymSettings,
+    agent_name,
+    load_servers,
+    server_directory,
+    server_instances,
+    split_rows,
+)
 
 if TYPE_CHECKING:
     from orchestrator.nemo_gym.env import NemoGymEnv
@@ -63,17 +71,25 @@ class NemoGymConfig(EnvComponent, NemoGymSettings):
             )
         if self.site_packages() is None or not (self.site_packages() / "nemo_gym").is_dir():
             raise ConfigError(f"env.nemo_gym.venv {self.venv}: NeMo Gym is not installed there (`make nemo-gym`)")
-        agent_name(self, load_servers(self))
+        config = load_servers(self)
+        agent_name(self, config)
+        for name, (kind, server, own) in server_instances(config).items():
+            if name == self.model_server or "entrypoint" not in own:
+                continue
+            entrypoint = server_directory(self, kind, server) / str(own["entrypoint"])
+            if not entrypoint.is_file():
+                raise ConfigError(f"NeMo Gym server {name}: no {entrypoint} (its {kind}/{server} is not installed)")
 
     @contextlib.asynccontextmanager
     async def open(self, ctx: BuildContext) -> AsyncIterator[NemoGymEnv]:
         """orch's route serving, the servers up (where orch starts them), the env for the run."""
+        from orchestrator.envs.server import ListenError
         from orchestrator.hf.model import load_tokenizer
         from orchestrator.inference.vllm_launch import free_port
         from orchestrator.nemo_gym.config import run_config
         from orchestrator.nemo_gym.env import NemoGymEnv
         from orchestrator.nemo_gym.route import ResponsesRoute
-        from orchestrator.nemo_gym.servers import NemoGymServers
+        from orchestrator.nemo_gym.servers import NemoGymServerError, NemoGymServers
 
         if ctx.model is None:
             raise ValueError("env 'nemo_gym' renders its prompts with the run's prepared model (the hf trainer's)")
@@ -82,7 +98,10 @@ class NemoGymConfig(EnvComponent, NemoGymSettings):
         train, held_out = split_rows(self)
         route = ResponsesRoute(tokenizer, ctx.served_model or str(model_dir), dict(ctx.sampling.chat_template_kwargs))
         async with contextlib.AsyncExitStack() as stack:
-            port = await stack.enter_async_context(route.serving(self.route_host, self.route_port))
+            try:
+                port = await stack.enter_async_context(route.serving(self.route_host, self.route_port))
+            except ListenError as err:
+                raise NemoGymServerError(f"orch's NeMo Gym route (env.nemo_gym.route_host/route_port): {err}") from None
             servers, agent_url = None, self.agent_url
             if self.launch:
                 config = run_config(self, (self.route_host, port), free_port, self.ray_address)

@@ -152,6 +152,15 @@ def split_rows(settings: NemoGymSettings) -> tuple[list[Row], list[Row]]:
 
 
 # --------------------------------------------------------------------------------- NeMo Gym config
+def server_directory(settings: NemoGymSettings, kind: str, server: str) -> Path:
+    """Where a server's code is: ``KIND/SERVER`` from where orch runs (a user's own), else NeMo Gym's."""
+    local = Path.cwd() / kind / server
+    if local.is_dir():
+        return local
+    installed = settings.site_packages()
+    return (installed or settings.venv) / kind / server
+
+
 def server_instances(config: dict[str, Any]) -> dict[str, tuple[str, str, dict[str, Any]]]:
     """Each server instance of a NeMo Gym config: its name -> (type, server, settings)."""
     found = {}

@@ -1,7 +1,7 @@
 """The `nemo_gym` env as the `openai` backend calls it: one NeMo Gym agent ``/run`` per orch episode.
 
 Tasks: train task `i` (the env's cursor) is a row of the train rows, in an order a pure function
-of (seed, pass over the rows) (:func:`orchestrator.verifiers.env.task_index`), so a resumed run
+of (seed, pass over the rows) (:func:`orchestrator.envs.draw.task_index`), so a resumed run
 sees the same tasks; eval task ``-i`` is the held-out rows' i-th, wrapping. An episode posts the
 row to the agent's ``/run`` with orch's sampling in its ``responses_create_params``
 (`temperature`, `max_output_tokens`) and its episode named in ``metadata``; the agent's model
@@ -22,10 +22,11 @@ import httpx
 
 from orchestrator.contracts import ModelCalls, RolloutRequest, TrainingSample, episode_of_samples
 from orchestrator.core.events import EpisodeCompleted
+from orchestrator.envs.draw import task_index
+from orchestrator.http_limits import pool_limits
 from orchestrator.nemo_gym.config import Row
 from orchestrator.nemo_gym.route import EPISODE_KEY, Call, Episode, ResponsesRoute
 from orchestrator.notices import one_line
-from orchestrator.verifiers.env import task_index
 
 
 class NemoGymEpisodeError(RuntimeError):
@@ -92,7 +93,7 @@ class NemoGymEnv:
         self._check_servers = check_servers  # raises once a server orch started has died
         self.http = httpx.AsyncClient(  # one connection per episode in flight, however many that is
             timeout=httpx.Timeout(episode_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            limits=pool_limits(None),
             trust_env=False,
         )
 
@@ -108,13 +109,14 @@ class NemoGymEnv:
             self._check_servers()
         temperature = self.temperature if req.temperature is None else req.temperature
         at_version = None if req.eval_id is None else req.policy_version
-        key = str(req.episode_id)
-        self.route.open(key, Episode(req.group_id, at_version, temperature, self.max_tokens), client)
+        key = self.route.key(req.episode_id)
+        played = Episode(req.group_id, at_version, temperature, self.max_tokens)
+        self.route.open(key, played, client)
         try:
-            verified = await self._run(run_body(self.row(req.task_id), key, temperature, self.max_tokens))
-        finally:  # cancelled too (drain, stop): the agent's request is dropped with it
-            played = self.route.close(key)
-        calls = played.calls if played is not None else []
+            verified = await self._run(run_body(self.row(req.task_id), key, temperature, self.max_tokens), played)
+        finally:  # cancelled too (drain, stop): orch's /run request and its model calls are dropped
+            self.route.close(key)
+        calls = played.calls
         reward = verified.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
             raise NemoGymEpisodeError(f"the agent's /run answered reward {reward!r:.80}, not a finite number")
@@ -134,10 +136,13 @@ class NemoGymEnv:
         except ValueError as err:
             raise NemoGymEpisodeError(f"its samples do not make an episode: {err}") from None
 
-    async def _run(self, body: Row) -> dict[str, Any]:
+    async def _run(self, body: Row, played: Episode) -> dict[str, Any]:
+        """The agent's answer to `body`'s /run; raises for a failed one: where a model call of the
+        episode failed in orch's route first, that failure (an inference error stays one)."""
         try:
-            response = await self.http.post(self.agent_url + "/run", json=body)
-        except httpx.TimeoutException:
+            async with asyncio.timeout(self.episode_timeout_s):
+                response = await self.http.post(self.agent_url + "/run", json=body)
+        except (TimeoutError, httpx.TimeoutException):
             raise NemoGymEpisodeError(
                 f"the agent's /run ({self.agent_url}) took more than env.nemo_gym.episode_timeout_s="
                 f"{self.episode_timeout_s:g}s"
@@ -145,6 +150,8 @@ class NemoGymEnv:
         except httpx.HTTPError as err:
             raise NemoGymEpisodeError(f"the agent's /run ({self.agent_url}): {type(err).__name__}: {err}") from None
         if response.status_code != 200:
+            if played.error is not None:
+                raise played.error
             raise NemoGymEpisodeError(
                 f"the agent's /run answered {response.status_code}: {one_line(response.text)[:300]}"
             )

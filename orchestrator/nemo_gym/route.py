@@ -16,8 +16,10 @@ The route does not parse tool calls out of the text: the output is one assistant
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -30,12 +32,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from orchestrator.contracts import ModelCalls
+from orchestrator.envs.server import serving
 from orchestrator.inference.client import InferenceRequestError, InferenceUnavailable
+from orchestrator.inference.protocol import GENERATE_PATH
 
-GENERATE_PATH = "/inference/v1/generate"
 EPISODE_KEY = "orch_episode"  # the metadata key that names a call's episode
-START_TIMEOUT_S = 10.0  # an in-process server's start-up (uvicorn on a bound socket)
-STOP_TIMEOUT_S = 5.0  # ... and its stop; its requests in flight are cancelled after it
 
 
 class RouteError(ValueError):
@@ -61,6 +62,8 @@ class Episode:
     temperature: float
     max_tokens: int
     calls: list[Call] = field(default_factory=list)
+    sampling: set[asyncio.Task] = field(default_factory=set)  # its model calls being sampled (cancelled at close)
+    error: BaseException | None = None  # the first call the route could not answer, and why
 
 
 def text_of(content: Any) -> str:
@@ -116,8 +119,18 @@ class ResponsesRoute:
         self.tokenizer, self.model = tokenizer, model
         self.template_kwargs = dict(template_kwargs or {})
         self.client: ModelCalls | None = None  # the run's, bound by its first episode
+        # Episode keys carry this route's own prefix: a call of another orch process's episode
+        # (an agent that outlived it) names no episode here, even of the same id.
+        self.prefix = secrets.token_hex(4)
         self._episodes: dict[str, Episode] = {}
         self._ids = itertools.count()
+        # The chat template and the decode run off the event loop (an agent's context grows with
+        # its turns), one at a time: a tokenizer is not made to be used by several threads at once.
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nemo-gym-route")
+
+    def key(self, episode_id: int) -> str:
+        """The name of an orch episode in its model calls' metadata."""
+        return f"{self.prefix}-{episode_id}"
 
     def open(self, key: str, episode: Episode, client: ModelCalls) -> None:
         """Record the model calls naming `key` until :meth:`close`, sampled through `client`
@@ -129,7 +142,13 @@ class ResponsesRoute:
         self._episodes[key] = episode
 
     def close(self, key: str) -> Episode | None:
-        return self._episodes.pop(key, None)
+        """Forget episode `key`: its calls still being sampled are cancelled (their agent is told
+        the episode ended); returns what its calls saw."""
+        episode = self._episodes.pop(key, None)
+        if episode is not None:
+            for task in episode.sampling:
+                task.cancel()
+        return episode
 
     def render(self, body: dict[str, Any]) -> list[int]:
         from orchestrator.hf.model import render_prompt
@@ -146,33 +165,51 @@ class ResponsesRoute:
     async def respond(self, body: dict[str, Any]) -> dict[str, Any]:
         """The Responses answer to `body`: sampled for its episode, and recorded (RouteError for
         a request of no open episode or one the template cannot render)."""
-        key = (body.get("metadata") or {}).get(EPISODE_KEY)
-        episode = self._episodes.get(key) if key is not None else None
+        metadata = body.get("metadata")
+        key = metadata.get(EPISODE_KEY) if isinstance(metadata, dict) else None
+        episode = self._episodes.get(key) if isinstance(key, str) else None
         if episode is None:
             raise RouteError(f"a model call of no episode in flight (metadata.{EPISODE_KEY} = {key!r})")
-        prompt_ids = self.render(body)
+        loop = asyncio.get_running_loop()
+        prompt_ids = await loop.run_in_executor(self._tokenizing, self.render, body)
         asked = body.get("max_output_tokens")
         max_tokens = min(episode.max_tokens, asked) if isinstance(asked, int) and asked > 0 else episode.max_tokens
         sampling = {"temperature": episode.temperature, "max_tokens": max_tokens, "logprobs": 0}
         assert self.client is not None  # bound by the episode's open
-        done = await self.client.generate(
-            GENERATE_PATH,
-            {"token_ids": prompt_ids, "sampling_params": sampling},
-            pin=episode.pin,
-            at_version=episode.at_version,
+        call = loop.create_task(
+            self.client.generate(
+                GENERATE_PATH,
+                {"token_ids": prompt_ids, "sampling_params": sampling},
+                pin=episode.pin,
+                at_version=episode.at_version,
+            )
         )
+        episode.sampling.add(call)  # owned by the episode: awaited here, cancelled by its close
+        try:
+            done = await call
+        except asyncio.CancelledError:
+            if call.cancelled() and not _cancelling():  # the episode closed, not this request
+                raise RouteError(f"episode {key} ended while its model call was sampled") from None
+            raise
+        finally:
+            episode.sampling.discard(call)
         choice = (done.answer.get("choices") or [{}])[0]
         completion = list(choice.get("token_ids") or [])
-        logprobs = [entry["logprob"] for entry in (choice.get("logprobs") or {}).get("content") or []]
-        if len(logprobs) != len(completion):
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [entry.get("logprob") for entry in content if isinstance(entry, dict)]
+        if len(logprobs) != len(completion) or not all(isinstance(lp, float | int) for lp in logprobs):
             raise InferenceRequestError(
-                f"{done.endpoint} answered {len(completion)} tokens with {len(logprobs)} logprobs", 502
+                f"{done.endpoint} answered {len(completion)} tokens with {len(content)} logprob entries", 502
             )
         finish = choice.get("finish_reason")
         episode.calls.append(Call(prompt_ids, completion, logprobs, done.policy_start, done.policy_end, finish))
-        return self.answer(body, prompt_ids, completion, logprobs, finish)
+        text = await loop.run_in_executor(self._tokenizing, self.decode, completion)
+        return self.answer(body, prompt_ids, completion, logprobs, finish, text)
 
-    def answer(self, body, prompt_ids, completion, logprobs, finish) -> dict[str, Any]:
+    def decode(self, completion: list[int]) -> str:
+        return self.tokenizer.decode(completion, skip_special_tokens=True)
+
+    def answer(self, body, prompt_ids, completion, logprobs, finish, text: str) -> dict[str, Any]:
         n = next(self._ids)
         message = {
             "id": f"msg_orch_{n}",
@@ -182,7 +219,7 @@ class ResponsesRoute:
             "content": [
                 {
                     "type": "output_text",
-                    "text": self.tokenizer.decode(completion, skip_special_tokens=True),
+                    "text": text,
                     "annotations": [],
                 }
             ],
@@ -212,64 +249,50 @@ class ResponsesRoute:
             },
         }
 
+    def _refused(self, body: Any, err: BaseException, status: int) -> Response:
+        """The answer to a call the route could not serve; its episode (if any) keeps the first such error."""
+        metadata = body.get("metadata") if isinstance(body, dict) else None
+        key = metadata.get(EPISODE_KEY) if isinstance(metadata, dict) else None
+        episode = self._episodes.get(key) if isinstance(key, str) else None
+        if episode is not None and episode.error is None:
+            episode.error = err
+        return _json(status, {"error": {"message": str(err)}})
+
     def app(self) -> Starlette:
         async def responses(request: Request) -> Response:
+            body: Any = None
             try:
                 body = orjson.loads(await request.body())
                 if not isinstance(body, dict):
                     raise RouteError("the request body is not a JSON object")
                 return _json(200, await self.respond(body))
             except (RouteError, orjson.JSONDecodeError) as err:
-                return _json(400, {"error": {"message": str(err)}})
+                return self._refused(body, err, 400)
             except InferenceRequestError as err:
-                return _json(err.status_code or 400, {"error": {"message": str(err)}})
+                return self._refused(body, err, err.status_code or 400)
             except InferenceUnavailable as err:  # retries spent: the agent fails its run, orch the episode
-                return _json(503, {"error": {"message": str(err)}})
+                return self._refused(body, err, 503)
+            except Exception as err:  # noqa: BLE001 - answered in one line, and the episode fails with it
+                return self._refused(body, RouteError(f"orch's route failed: {type(err).__name__}: {err}"), 500)
 
         async def alive(_: Request) -> Response:
             return _json(200, {"status": "ok"})
 
         return Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]), Route("/", alive)])
 
-    def serving(self, host: str, port: int) -> contextlib.AbstractAsyncContextManager[int]:
+    @contextlib.asynccontextmanager
+    async def serving(self, host: str, port: int) -> AsyncIterator[int]:
         """The route served on (host, port) for the block (port 0: a free one); yields the port."""
-        return serve_app(self.app(), host, port, "orch's NeMo Gym route")
-
-
-@contextlib.asynccontextmanager
-async def serve_app(app: Any, host: str, port: int, what: str) -> AsyncIterator[int]:
-    """An ASGI `app` served by uvicorn in this event loop for the block (port 0: a free one);
-    yields the port. Its task is this block's: stopped (then cancelled, past a bound) at its end."""
-    import socket
-
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
-    server.install_signal_handlers = lambda: None  # the run owns SIGINT/SIGTERM
-    loop = asyncio.get_running_loop()
-    task = loop.create_task(server.serve(sockets=[sock]), name=what)
-    try:
-        deadline = loop.time() + START_TIMEOUT_S
-        while not server.started:  # its socket is bound already: only the app's start-up is waited for
-            if task.done():
-                task.result()
-                raise RuntimeError(f"{what} on {host}:{port} stopped before it served")
-            if loop.time() > deadline:
-                raise RuntimeError(f"{what} on {host}:{port} not serving after {START_TIMEOUT_S:g}s")
-            await asyncio.sleep(0.01)
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(task), STOP_TIMEOUT_S)
-        except TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        sock.close()
+            async with serving(self.app(), "orch's NeMo Gym route", host=host, port=port) as bound:
+                yield bound
+        finally:
+            self._tokenizing.shutdown(wait=True)  # at most the one render or decode under way
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _json(status: int, body: Any) -> Response:

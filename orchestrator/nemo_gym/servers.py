@@ -4,13 +4,12 @@ Each server instance of the run's NeMo Gym config that has an entrypoint is one 
 Gym's interpreter (`env.nemo_gym.venv`), started in the server's directory (a user's, where one
 is found from where orch runs, else NeMo Gym's built-in one) by :mod:`.launch_server`, under the
 same guard as orch's vLLM servers (its own process group, which dies with orch, SIGKILLed
-included). Logs: ``RUN_DIR/logs/nemo_gym-NAME.log``. A server that exits ends the run (its
-episodes would all fail): the next episode's check says which, with its log's last line.
+included). Logs: ``RUN_DIR/logs/nemo_gym-NAME.log``. A server that exits fails every episode
+after it (each episode first checks them), naming it and its log's last line.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import subprocess
@@ -19,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from orchestrator.contracts import ComponentFailed
-from orchestrator.inference.vllm_launch import LOGS_DIR, last_line, spawn_guarded, stop_guarded
-from orchestrator.nemo_gym.config import NemoGymSettings, server_instances
+from orchestrator.inference.vllm_launch import LOGS_DIR, last_line, spawn_guarded, stop_guarded, wait_serving
+from orchestrator.nemo_gym.config import NemoGymSettings, server_directory, server_instances
 
 LAUNCHER = Path(__file__).with_name("launch_server.py")
 
@@ -41,15 +39,6 @@ class Server:
     entrypoint: str
     log_path: Path
     proc: subprocess.Popen | None = None
-
-
-def server_directory(settings: NemoGymSettings, kind: str, server: str) -> Path:
-    """Where a server's code is: ``KIND/SERVER`` from where orch runs (a user's own), else NeMo Gym's."""
-    local = Path.cwd() / kind / server
-    if local.is_dir():
-        return local
-    installed = settings.site_packages()
-    return (installed or settings.venv) / kind / server
 
 
 class NemoGymServers:
@@ -98,27 +87,14 @@ class NemoGymServers:
 
     async def wait_ready(self) -> None:
         """Until every server answers ``GET /``, at most `ready_timeout_s` (at once if one exits)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.ready_timeout_s
-        waiting = list(self.servers)
-        print(
-            f"orch: waiting up to {self.settings.ready_timeout_s:g}s for {len(waiting)} NeMo Gym server(s)",
-            file=sys.stderr,
+        timeout_s = self.settings.ready_timeout_s
+        print(f"orch: waiting up to {timeout_s:g}s for {len(self.servers)} NeMo Gym server(s)", file=sys.stderr)
+        await wait_serving(
+            [(f"{s.name} (log: {s.log_path})", s.url + "/") for s in self.servers],
+            timeout_s,
+            self.check_alive,
+            lambda names: NemoGymServerError(f"NeMo Gym server(s) not ready after {timeout_s:g}s: {names}"),
         )
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
-            while waiting:
-                self.check_alive()
-                for server in list(waiting):
-                    with contextlib.suppress(httpx.HTTPError):
-                        if (await http.get(server.url + "/")).status_code == 200:
-                            waiting.remove(server)
-                if waiting and loop.time() > deadline:
-                    names = ", ".join(f"{s.name} (log: {s.log_path})" for s in waiting)
-                    raise NemoGymServerError(
-                        f"NeMo Gym server(s) not ready after {self.settings.ready_timeout_s:g}s: {names}"
-                    )
-                if waiting:
-                    await asyncio.sleep(0.25)
 
     def stop(self) -> None:
         stop_guarded(

@@ -36,8 +36,8 @@ import orjson
 
 from orchestrator.contracts import ModelCalls
 from orchestrator.inference.client import InferenceRequestError, InferenceUnavailable
+from orchestrator.inference.protocol import GENERATE_PATH
 
-GENERATE_PATH = "/inference/v1/generate"
 MODELS_PATH = "/v1/models"
 SESSION_HEADER = "x-session-id"  # verifiers.v1.clients.client.SESSION_ID_HEADER, lower-cased
 _routes: dict[str, GenerateRoute] = {}

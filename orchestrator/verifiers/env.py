@@ -1,7 +1,7 @@
 """The `verifiers` env as the `openai` backend calls it: one verifiers `run_slot` per orch episode.
 
 Tasks: a train group's ``task_id`` (the env's cursor, in `group_dispatched`, from 0 up) picks a
-task of the taskset deterministically from the run's seed (:func:`task_index`), so a resumed or
+task of the taskset deterministically from the run's seed (:func:`orchestrator.envs.draw.task_index`), so a resumed or
 replayed run sees the same tasks; with `held_out`, from the tasks it does not name. An eval's task
 ``-i`` is the held-out tasks' i-th, in taskset order (docs/evals.md). An episode:
 verifiers' `Env.run_slot` on that task, its model calls routed through the backend's inference
@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import random
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,22 +29,13 @@ from typing import Any
 
 from orchestrator.contracts import ModelCalls, RolloutRequest, TrainingSample, episode_of_samples
 from orchestrator.core.events import EpisodeCompleted
+from orchestrator.envs.draw import task_index
 from orchestrator.verifiers import adapter
 from orchestrator.verifiers.config import VerifiersSettings, load_env, split_taskset
 
 
 class VerifiersEpisodeError(RuntimeError):
     """A verifiers episode that did not yield a sample; the message says why (an episode failure)."""
-
-
-def task_index(seed: int, cursor: int, size: int | None, env: str = "verifiers") -> int:
-    """The task position of `env`'s `cursor`-th task: each pass over a finite taskset is a fresh
-    permutation of it, seeded by (env, seed, pass); an infinite one is read in order."""
-    if size is None:
-        return cursor
-    order = list(range(size))
-    random.Random(f"{env}/{seed}/{cursor // size}").shuffle(order)
-    return order[cursor % size]
 
 
 class TaskDraw:
@@ -149,7 +139,7 @@ class VerifiersEnv:
     def task(self, task_id: int):
         """A train task (`task_id` >= 0: the env's cursor) or a held-out one (< 0: an eval's)."""
         if task_id >= 0:
-            return self._train.at(task_index(self.seed, task_id, self._train.size))
+            return self._train.at(task_index(self.seed, task_id, self._train.size, "verifiers"))
         if self._held_out is None:  # the component's check refuses evals without held-out tasks
             raise VerifiersEpisodeError(f"held-out task {task_id} asked of a taskset without env.verifiers.held_out")
         position = -task_id - 1

@@ -13,11 +13,12 @@ import httpx
 import pytest
 
 from orchestrator.contracts import RolloutRequest
+from orchestrator.envs.server import serving
 from orchestrator.hf.model import render_prompt
 from orchestrator.hf.tiny_model import build_tokenizer
 from orchestrator.inference.client import Generated
 from orchestrator.nemo_gym.env import NemoGymEnv, NemoGymEpisodeError, samples_of
-from orchestrator.nemo_gym.route import EPISODE_KEY, Call, ResponsesRoute, serve_app
+from orchestrator.nemo_gym.route import EPISODE_KEY, Call, ResponsesRoute
 from tests.nemo_gym.agent import agent_app
 
 TOKENIZER = build_tokenizer()
@@ -56,7 +57,7 @@ async def playing(rows: list[dict], held_out: list[dict] | None = None):
     seen: list[dict] = []
     async with route.serving("127.0.0.1", 0) as route_port:
         app = agent_app(f"http://127.0.0.1:{route_port}", seen)
-        async with serve_app(app, "127.0.0.1", 0, "the test's agent") as agent_port:
+        async with serving(app, "the test's agent", host="127.0.0.1", port=0) as agent_port:
             env = NemoGymEnv(
                 train=rows,
                 held_out=held_out or [],
@@ -99,7 +100,8 @@ def test_an_episode_is_the_prompt_rendered_by_orch_and_the_tokens_orch_sampled()
     assert done.reward == 1.0 and done.policy_start == done.policy_end == 3 and done.temperature == 0.7
     # orch's sampling and the episode's name went to the agent in the row's params
     assert seen[0]["temperature"] == 0.7 and seen[0]["max_output_tokens"] == 16
-    assert seen[0]["metadata"] == {EPISODE_KEY: "7"}
+    (key,) = seen[0]["metadata"].values()
+    assert list(seen[0]["metadata"]) == [EPISODE_KEY] and key.endswith("-7")  # this route's prefix, the episode
 
 
 def test_the_agents_reward_is_the_episodes():
@@ -160,10 +162,98 @@ def test_the_route_answers_a_responses_object_nemo_gym_validates():
     client = RecordingClient()
     done, seen, route = play([ROW], request(), client)
     body = {**seen[0]}
-    answer = route.answer(body, [1, 2], [3], [-0.5], "length")
+    answer = route.answer(body, [1, 2], [3], [-0.5], "length", "x")
     (message,) = answer["output"]
     assert message["type"] == "message" and message["role"] == "assistant"
     assert message["prompt_token_ids"] == [1, 2] and message["generation_token_ids"] == [3]
     assert message["generation_log_probs"] == [-0.5]
     assert answer["incomplete_details"] == {"reason": "max_output_tokens"}  # simple_agent stops there
-    assert answer["metadata"] == {EPISODE_KEY: "7"}
+    assert answer["metadata"] == seen[0]["metadata"] and message["content"][0]["text"] == "x"
+
+
+class StuckClient(RecordingClient):
+    """Samples until cancelled (or fails at once: `fail`); says when a call started."""
+
+    def __init__(self, fail: BaseException | None = None):
+        super().__init__()
+        self.fail, self.started, self.cancelled = fail, asyncio.Event(), asyncio.Event()
+
+    async def generate(self, path, body, *, pin=None, at_version=None):
+        self.started.set()
+        if self.fail is not None:
+            raise self.fail
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+def test_a_cancelled_episode_cancels_its_model_call_being_sampled():
+    async def go():
+        client = StuckClient()
+        async with playing([ROW]) as (env, route, _):
+            episode = asyncio.ensure_future(env.episode(request(), client))
+            async with asyncio.timeout(30):
+                await client.started.wait()  # the agent's call reached orch's client
+                episode.cancel()
+                await client.cancelled.wait()
+            with pytest.raises(asyncio.CancelledError):
+                await episode
+            assert route._episodes == {}
+
+    asyncio.run(go())
+
+
+def test_a_run_longer_than_its_bound_fails_the_episode():
+    async def go():
+        client = StuckClient()
+        async with playing([ROW]) as (env, _, _):
+            env.episode_timeout_s = 2.0  # the call is sampled forever: the bound ends the episode, whenever it comes
+            with pytest.raises(NemoGymEpisodeError, match="took more than env.nemo_gym.episode_timeout_s=2s"):
+                await env.episode(request(), client)
+
+    asyncio.run(go())
+
+
+def test_an_inference_failure_in_the_route_is_the_episodes_error_blamed_on_inference():
+    from orchestrator.contracts import episode_error
+    from orchestrator.inference.client import InferenceUnavailable
+
+    async def go():
+        client = StuckClient(fail=InferenceUnavailable("every inference endpoint down for 30s"))
+        async with playing([ROW]) as (env, _, _):
+            with pytest.raises(InferenceUnavailable) as err:
+                await env.episode(request(), client)
+            return err.value
+
+    error = asyncio.run(go())
+    assert episode_error(error) == "inference: InferenceUnavailable: every inference endpoint down for 30s"
+
+
+def test_function_calls_and_their_outputs_are_tool_calls_and_tool_messages():
+    from orchestrator.nemo_gym.route import chat_messages, chat_tools
+
+    body = {
+        "instructions": "be brief",
+        "input": [
+            {"role": "developer", "content": [{"type": "input_text", "text": "sys"}]},
+            {"role": "user", "content": "weather?"},
+            {"type": "reasoning", "summary": []},
+            {"type": "function_call", "call_id": "c1", "name": "get", "arguments": '{"city": "x"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ],
+        "tools": [{"type": "function", "name": "get", "parameters": {"type": "object"}, "strict": True}],
+    }
+    assert chat_messages(body) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"city": "x"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    assert chat_tools(body) == [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]

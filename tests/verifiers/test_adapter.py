@@ -17,9 +17,9 @@ pytest.importorskip("verifiers.v1")
 from renderers.client import MalformedGenerateResponseError, _parse_completion_logprobs  # noqa: E402
 
 from orchestrator.config import ConfigError, load_config  # noqa: E402
+from orchestrator.envs.draw import task_index  # noqa: E402
 from orchestrator.inference.client import InferenceClient  # noqa: E402
 from orchestrator.verifiers import adapter  # noqa: E402
-from orchestrator.verifiers.env import task_index  # noqa: E402
 from tests.support.cli import orch  # noqa: E402
 from tests.support.runs import sets  # noqa: E402
 from tests.verifiers.util import orch_env  # noqa: E402
@@ -149,16 +149,18 @@ def test_a_call_of_an_unknown_rollout_is_refused():
     assert upstream.seen == []
 
 
-def test_task_draw_is_a_seeded_permutation_per_pass():
+def test_task_draw_is_a_seeded_permutation_per_pass_and_env():
     size = 10
     for seed in (0, 1):
-        draws = [task_index(seed, cursor, size) for cursor in range(3 * size)]
-        assert draws == [task_index(seed, cursor, size) for cursor in range(3 * size)]
+        draws = [task_index(seed, cursor, size, "verifiers") for cursor in range(3 * size)]
+        assert draws == [task_index(seed, cursor, size, "verifiers") for cursor in range(3 * size)]
         for start in range(0, 3 * size, size):
             assert sorted(draws[start : start + size]) == list(range(size))
         assert draws[:size] != draws[size : 2 * size]
-    assert [task_index(0, c, size) for c in range(size)] != [task_index(1, c, size) for c in range(size)]
-    assert [task_index(0, c, None) for c in range(5)] == [0, 1, 2, 3, 4]
+    first_pass = [task_index(0, c, size, "verifiers") for c in range(size)]
+    assert first_pass != [task_index(1, c, size, "verifiers") for c in range(size)]
+    assert first_pass != [task_index(0, c, size, "nemo_gym") for c in range(size)]
+    assert [task_index(0, c, None, "verifiers") for c in range(5)] == [0, 1, 2, 3, 4]
 
 
 def verifiers_config(**section) -> list[str]:
