@@ -11,14 +11,19 @@ middleware then cancels its handler.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 
 from orchestrator.contracts import ComponentFailed, Task
 from orchestrator.http_limits import pool_limits
 
-__all__ = ["EnvServerError", "EnvServerTimeout", "HttpEnvClient"]
+__all__ = ["EnvServerError", "EnvServerPool", "EnvServerTimeout", "HttpEnvClient"]
+
+T = TypeVar("T")
+BACKOFF_S = (1.0, 30.0)  # a failed pool member's first and longest time set aside
 
 
 class EnvServerError(ComponentFailed):
@@ -122,6 +127,106 @@ class HttpEnvClient:
         await self._client.aclose()
 
     async def __aenter__(self) -> HttpEnvClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def worth_another(err: EnvServerError) -> bool:
+    """Whether another server of a pool may answer what this one failed: it timed out, could not
+    be reached or failed itself (5xx); not a request it refused (4xx)."""
+    return err.status_code is None or err.status_code >= 500
+
+
+class _Member:
+    def __init__(self, client: HttpEnvClient) -> None:
+        self.client = client
+        self.in_flight = 0
+        self.failures = 0  # in a row
+        self.retry_at = 0.0  # monotonic: set aside until then, then probed
+        self.last_error = ""
+
+
+class EnvServerPool:
+    """``task`` / ``score`` against several env servers serving the same tasks (docs/scaling-out.md).
+
+    Each call goes to the least busy server in service. A server that fails a call in a way another
+    may not (:func:`worth_another`) is set aside with a growing backoff (1 s, doubling, at most
+    30 s) and the call is sent to another: a task and a score are pure functions of their
+    arguments, so sending one again is safe. A server set aside gets calls again once a probe
+    (``GET /health``) after its backoff answers. With every server set aside a call waits for the
+    first backoff to expire, for at most ``timeout`` in all, then fails naming each server's last
+    error."""
+
+    def __init__(self, base_urls: list[str], *, timeout: float = 30.0, **client_options: Any) -> None:
+        if len(base_urls) < 2:
+            raise ValueError("a pool has two env servers or more (one: HttpEnvClient)")
+        self.timeout = timeout
+        self.members = [_Member(HttpEnvClient(url, timeout=timeout, **client_options)) for url in base_urls]
+        self.base_url = ", ".join(m.client.base_url for m in self.members)
+
+    @property
+    def clients(self) -> list[HttpEnvClient]:
+        return [m.client for m in self.members]
+
+    async def _in_service(self) -> _Member | None:
+        """The least busy server in service, a server set aside probed first where its backoff
+        is over; None: every one is set aside."""
+        now = time.monotonic()
+        for member in sorted(self.members, key=lambda m: m.in_flight):
+            if member.failures == 0:
+                return member
+            if member.retry_at <= now:
+                try:
+                    await member.client.health()
+                except EnvServerError as err:
+                    self._set_aside(member, err)
+                    continue
+                member.failures = 0
+                return member
+        return None
+
+    def _set_aside(self, member: _Member, err: EnvServerError) -> None:
+        member.last_error = str(err)
+        now = time.monotonic()
+        if member.failures and member.retry_at > now:
+            return  # set aside already: the other calls it had in flight fail with it, one failure
+        member.failures += 1
+        member.retry_at = now + min(BACKOFF_S[0] * 2 ** (member.failures - 1), BACKOFF_S[1])
+
+    async def _call(self, call: Callable[[HttpEnvClient], Awaitable[T]]) -> T:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            member = await self._in_service()
+            if member is None:
+                wait = min(m.retry_at for m in self.members) - time.monotonic()
+                if time.monotonic() + max(wait, 0.0) > deadline:
+                    errors = "; ".join(f"{m.client.base_url}: {m.last_error}" for m in self.members)
+                    raise EnvServerError(f"every env server of the pool failed within {self.timeout:g}s: {errors}")
+                await asyncio.sleep(max(wait, 0.0))
+                continue
+            member.in_flight += 1
+            try:
+                return await call(member.client)
+            except EnvServerError as err:
+                if not worth_another(err):
+                    raise
+                self._set_aside(member, err)
+            finally:
+                member.in_flight -= 1
+
+    async def task(self, index: int) -> Task:
+        return await self._call(lambda client: client.task(index))
+
+    async def score(self, task: Task, completion: str, *, delay_s: float | None = None) -> float:
+        return await self._call(lambda client: client.score(task, completion, delay_s=delay_s))
+
+    async def aclose(self) -> None:
+        for member in self.members:
+            await member.client.aclose()
+
+    async def __aenter__(self) -> EnvServerPool:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -107,22 +107,31 @@ class ReverseTextConfig(EnvComponent):
 
     min_len: int = Field(3, ge=1, description="shortest string to reverse, in characters")
     max_len: int = Field(6, ge=1, description="longest string to reverse, in characters")
-    server: str | None = Field(
-        None, description="URL of an `orch env-server` serving these tasks (else the env runs in-process)"
+    server: str | list[str] | None = Field(
+        None,
+        description="URL of an `orch env-server` serving these tasks, or a list of several (a pool: each call "
+        "to the least busy, a failed one set aside and probed again); else the env runs in-process",
     )
     max_connections: int | None = Field(
         None,
         ge=1,
-        description="HTTP connections to the env server, at most (None: no cap, one per episode in flight); "
+        description="HTTP connections to the env server (to each of a pool), at most (None: no cap, one per "
+        "episode in flight); "
         "a call beyond it waits for a free one",
     )
 
     @field_validator("server")
     @classmethod
-    def _server_is_a_url(cls, server: str | None) -> str | None:
-        if server is not None:
-            check_http_url(server, f"server {server!r}")
+    def _server_is_a_url(cls, server: str | list[str] | None) -> str | list[str] | None:
+        for url in [server] if isinstance(server, str) else server or []:
+            check_http_url(url, f"server {url!r}")
+        if isinstance(server, list) and not server:
+            raise ValueError("server: an empty list (give one URL or several, or none: in-process)")
         return server
+
+    def servers(self) -> list[str]:
+        """The env servers' URLs (none: in-process)."""
+        return [self.server] if isinstance(self.server, str) else list(self.server or [])
 
     def check(self, plan: RunPlan) -> None:
         if self.server is not None and plan.eval_envs:
@@ -146,14 +155,14 @@ class ReverseTextConfig(EnvComponent):
 
     def preflight(self, seed: int) -> None:
         """Its server (if given) reachable and serving this run's tasks, before the run dir exists."""
-        server = self.server
-        if server is None:
+        if not self.servers():
             return
         from orchestrator.envs.client import EnvServerError, HttpEnvClient  # httpx: only now
 
         async def check() -> None:
-            async with HttpEnvClient(server, timeout=PREFLIGHT_TIMEOUT_S) as client:
-                await self._check_server(client, seed)
+            for server in self.servers():  # each member of a pool serves this run's tasks
+                async with HttpEnvClient(server, timeout=PREFLIGHT_TIMEOUT_S) as client:
+                    await self._check_server(client, seed)
 
         try:
             asyncio.run(check())
@@ -165,11 +174,18 @@ class ReverseTextConfig(EnvComponent):
         if self.server is None:
             yield InProcessEnv(self.text_env(ctx.seed))
             return
-        from orchestrator.envs.client import HttpEnvClient  # httpx: only now
+        from orchestrator.envs.client import EnvServerPool, HttpEnvClient  # httpx: only now
 
-        async with HttpEnvClient(self.server, max_connections=self.max_connections) as client:
-            await self._check_server(client, ctx.seed)
-            yield client
+        servers = self.servers()
+        if len(servers) == 1:
+            async with HttpEnvClient(servers[0], max_connections=self.max_connections) as client:
+                await self._check_server(client, ctx.seed)
+                yield client
+            return
+        async with EnvServerPool(servers, max_connections=self.max_connections) as pool:
+            for client in pool.clients:
+                await self._check_server(client, ctx.seed)
+            yield pool
 
     async def _check_server(self, client: HttpEnvClient, seed: int) -> None:
         """Fail before the run, in one line, if the env server is unreachable or does not serve the
