@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from tests.support.cli import orch, spawn_orch, wait_until
-from tests.support.logs import assert_log_invariants, shipped_batches
+from tests.support.logs import assert_log_invariants, events, shipped_batches
 from tests.support.runs import run_args, sets
 
 pytestmark = pytest.mark.slow
@@ -186,6 +186,48 @@ def test_embedded_run_with_its_env_behind_an_env_server(tmp_path):
     db = sqlite3.connect(tmp_path / "r" / "events.db")
     completed = db.execute("SELECT count(*) FROM events WHERE kind = 'episode_completed'").fetchone()[0]
     assert app.state.stats["task"] >= completed >= 64 and app.state.stats["score_completed"] >= completed
+
+
+def test_an_env_server_of_a_pool_killed_mid_run_fails_no_episode(tmp_path):
+    """`env.reverse_text.server` as a pool: one member (an `orch env-server` process) SIGKILLed
+    once a batch shipped; its calls in flight and every later call go to the other member."""
+    import sys
+
+    from orchestrator.config import served_env
+    from orchestrator.envs.server import create_app, running_server
+
+    run_dir = tmp_path / "r"
+    app = create_app(served_env("reverse_text", seed=0))
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.envs.cli", "--port", "0", "--seed", "0", "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        assert doomed.stdout is not None
+        doomed_url = None
+        while doomed_url is None and (line := doomed.stdout.readline()):  # it prints its address, or exits
+            if "listening on " in line:
+                doomed_url = line.rsplit("listening on ", 1)[1].strip()
+        assert doomed_url, "the env server did not report its address"
+        with running_server(app) as kept:
+            pool = f'env.reverse_text.server=["{doomed_url}", "{kept.base_url}"]'
+            proc = spawn_run(tmp_path, "--max-steps", "6", "--set", pool)
+            wait_until(lambda: shipped_batches(run_dir) >= 2 or proc.poll() is not None, 150, "batch 2")
+            served_before = app.state.stats["score_completed"]
+            doomed.kill()
+            _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+    finally:
+        doomed.kill()
+        doomed.wait(10)
+        doomed.stdout.close()
+    assert_log_invariants(run_dir, 6, max_off_policy=2, target_lag=1)
+    completed = [fields for _, fields in events(run_dir, "episode_completed")]
+    assert completed and all(e["ok"] for e in completed), "an episode failed with the pool's member"
+    assert app.state.stats["score_completed"] > served_before  # the kept member took over
 
 
 def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_the_run_completes(tmp_path):
