@@ -70,7 +70,9 @@ reasoning-gym: $(REASONING_GYM_STAMP)
 # packages orch's venv pins otherwise. PYTHON312 is the interpreter it is built with.
 NEMO_GYM_VENV := .venv-nemo-gym
 NEMO_GYM_STAMP := $(NEMO_GYM_VENV)/.installed
-PYTHON312 ?= $(shell command -v python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+# The first python3.12 that runs (pyenv's shim is on PATH where 3.12 is installed but not active).
+PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 
 $(NEMO_GYM_STAMP):
 	@test -n "$(PYTHON312)" || { echo "make nemo-gym: needs Python 3.12 (python3.12 on PATH, or PYTHON312=...)"; exit 2; }

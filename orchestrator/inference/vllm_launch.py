@@ -216,12 +216,9 @@ class VllmLauncher:
     def check_alive(self) -> None:
         """LaunchError if a server has exited."""
         for server in self.servers:
-            code = server.proc.poll() if server.proc is not None else None
-            if code is not None:
-                raise LaunchError(
-                    f"vLLM server {server.index} ({server.url}) exited with code {code}: "
-                    f"{last_line(server.log_path)} (log: {server.log_path})"
-                )
+            exited = exit_message(f"vLLM server {server.index} ({server.url})", server.proc, server.log_path)
+            if exited is not None:
+                raise LaunchError(exited)
 
     async def wait_ready(self, health_check=None) -> None:
         """Until every server answers ``GET /health`` with 200, at most ``ready_timeout_s``;
@@ -369,6 +366,15 @@ async def wait_serving(
             if loop.time() > deadline:
                 raise late(", ".join(name for name, _ in waiting))
             await asyncio.sleep(0.5)
+
+
+def exit_message(name: str, proc: subprocess.Popen | None, log_path: Path) -> str | None:
+    """'NAME exited with code C: its log's last line (log: PATH)' once `proc` has exited; None
+    while it runs (or was never started)."""
+    code = proc.poll() if proc is not None else None
+    if code is None:
+        return None
+    return f"{name} exited with code {code}: {last_line(log_path)} (log: {log_path})"
 
 
 def spawn_guarded(

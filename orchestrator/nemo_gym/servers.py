@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from orchestrator.contracts import ComponentFailed
-from orchestrator.inference.vllm_launch import LOGS_DIR, last_line, spawn_guarded, stop_guarded, wait_serving
+from orchestrator.inference.vllm_launch import LOGS_DIR, exit_message, spawn_guarded, stop_guarded, wait_serving
 from orchestrator.nemo_gym.config import NemoGymSettings, server_directory, server_instances
 
 LAUNCHER = Path(__file__).with_name("launch_server.py")
@@ -78,12 +78,9 @@ class NemoGymServers:
     def check_alive(self) -> None:
         """NemoGymServerError if a server has exited."""
         for server in self.servers:
-            code = server.proc.poll() if server.proc is not None else None
-            if code is not None:
-                raise NemoGymServerError(
-                    f"NeMo Gym server {server.name} ({server.url}) exited with code {code}: "
-                    f"{last_line(server.log_path)} (log: {server.log_path})"
-                )
+            exited = exit_message(f"NeMo Gym server {server.name} ({server.url})", server.proc, server.log_path)
+            if exited is not None:
+                raise NemoGymServerError(exited)
 
     async def wait_ready(self) -> None:
         """Until every server answers ``GET /``, at most `ready_timeout_s` (at once if one exits)."""

@@ -27,7 +27,7 @@ from orchestrator.inference.vllm_launch import free_port
 from orchestrator.nemo_gym.config import NemoGymSettings, load_servers, read_rows
 from orchestrator.nemo_gym.servers import NemoGymServers
 from tests.inference.vllm_util import needs_vllm, tiny_model
-from tests.support.cli import orch_argv, wait_until
+from tests.support.cli import orch, orch_argv, wait_until
 from tests.support.logs import assert_log_invariants
 from tests.support.runs import sets
 from tests.verifiers.util import EXAMPLES, RecordingProxy, events, orch_env
@@ -104,13 +104,7 @@ def resumed(vllm_reload_server, tmp_path_factory):
             proc.stderr.close()
         left_after_kill = no_nemo_gym_left(GONE_WITHIN_S)
         killed_tasks = [e["task_id"] for e in events(run_dir, "group_dispatched")]
-        done = subprocess.run(
-            orch_argv("run", "--resume", str(run_dir)),
-            env=orch_env(),
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-        )
+        done = orch("run", "--resume", str(run_dir), env=orch_env(), timeout=RUN_TIMEOUT_S)
         yield {
             "dir": run_dir,
             "done": done,
