@@ -23,7 +23,6 @@ import functools
 import hashlib
 import inspect
 import math
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import orjson
 from pydantic import Field, field_validator
 
 from orchestrator.contracts import ConfigError, RunPlan, Section, Task, TextEnvComponent
+from orchestrator.envs.draw import task_index
 from orchestrator.notices import one_line
 from orchestrator.plugins import PluginError, import_attribute
 
@@ -142,12 +142,18 @@ def _split_cached(train: Path, key: tuple[Path, int, int], fraction: float) -> t
     """The train file's rows (`key`, of `train` as given) split by `held_out_fraction`: each run
     start asks for it several times, and hashing every row is not free. The lists are shared, never
     mutated."""
-    rows = _read_rows_cached(*key, TRAIN)
-    held = [held_out_draw(row, f"{TRAIN}: row {number} of {train}") < fraction for number, row in enumerate(rows, 1)]
+    return split_by_hash(_read_rows_cached(*key, TRAIN), fraction, f"{TRAIN}: row {{}} of {train}", "env.dataset")
+
+
+def split_by_hash(rows: list[Row], fraction: float, where: str, section: str) -> tuple[list[Row], list[Row]]:
+    """(train rows, held-out rows): a row is held out where its stable hash (`held_out_draw`) falls
+    under `fraction`. ConfigError (one line) where a side is left empty, or a row cannot be hashed
+    (`where` names it, formatted with its 1-based number); `section` names the setting."""
+    held = [held_out_draw(row, where.format(number)) < fraction for number, row in enumerate(rows, 1)]
     kept = [row for row, out in zip(rows, held) if not out]
     if not kept or all(not out for out in held):
         side = "train" if not kept else "held-out"
-        raise ConfigError(f"env.dataset.held_out_fraction={fraction} leaves no {side} row")
+        raise ConfigError(f"{section}.held_out_fraction={fraction} leaves no {side} row")
     return kept, [row for row, out in zip(rows, held) if out]
 
 
@@ -209,27 +215,15 @@ class DatasetEnv:
         shuffle: bool,
     ):
         self.seed, self.train, self.held_out, self.rewards, self.shuffle = seed, train, held_out, rewards, shuffle
-        self._orders: dict[int, list[int]] = {}
-
-    def _order(self, pass_number: int) -> list[int]:
-        """The order of the train rows in pass `pass_number` (a pure function of seed and pass)."""
-        if pass_number not in self._orders:
-            order = list(range(len(self.train)))
-            if self.shuffle:
-                random.Random(f"dataset/{self.seed}/{pass_number}").shuffle(order)
-            # Passes are visited in order, but episodes in flight straddle a pass boundary: the
-            # last two are kept, so alternating between them does not reshuffle each time.
-            self._orders = {p: o for p, o in self._orders.items() if p == pass_number - 1}
-            self._orders[pass_number] = order
-        return self._orders[pass_number]
 
     def row(self, index: int) -> Row:
         if index < 0:
             if not self.held_out:
                 raise ValueError("dataset: this data set has no held-out rows (set held_out or held_out_fraction)")
             return self.held_out[(-index - 1) % len(self.held_out)]
-        pass_number, position = divmod(index, len(self.train))
-        return self.train[self._order(pass_number)[position]]
+        if not self.shuffle:
+            return self.train[index % len(self.train)]
+        return self.train[task_index(self.seed, index, len(self.train), NAME)]
 
     def task(self, index: int) -> Task:
         row = self.row(index)

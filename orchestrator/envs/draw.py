@@ -4,14 +4,23 @@ run draws the same tasks."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 
+@functools.lru_cache(maxsize=8)
+def pass_order(env: str, seed: int, pass_number: int, size: int) -> tuple[int, ...]:
+    """The order of a finite set's `size` tasks in pass `pass_number`: a permutation seeded by
+    (env, seed, pass). Kept for the next draws (a few passes: episodes in flight straddle a pass
+    boundary), not shuffled again for each."""
+    order = list(range(size))
+    random.Random(f"{env}/{seed}/{pass_number}").shuffle(order)
+    return tuple(order)
+
+
 def task_index(seed: int, cursor: int, size: int | None, env: str) -> int:
-    """The task position of `env`'s `cursor`-th task: each pass over a finite set is a fresh
-    permutation of it, seeded by (env, seed, pass); an infinite one is read in order."""
+    """The task position of `env`'s `cursor`-th task: in a finite set, its place in the pass's
+    order (:func:`pass_order`); an infinite one is read in order."""
     if size is None:
         return cursor
-    order = list(range(size))
-    random.Random(f"{env}/{seed}/{cursor // size}").shuffle(order)
-    return order[cursor % size]
+    return pass_order(env, seed, cursor // size, size)[cursor % size]

@@ -19,7 +19,7 @@ import orjson
 from pydantic import Field, field_validator
 
 from orchestrator.contracts import ConfigError, Section
-from orchestrator.envs.dataset import held_out_draw
+from orchestrator.envs.dataset import split_by_hash
 from orchestrator.notices import one_line
 
 NAME = "nemo_gym"
@@ -140,15 +140,7 @@ def split_rows(settings: NemoGymSettings) -> tuple[list[Row], list[Row]]:
         return rows, read_rows(settings.resolve(settings.held_out, "held_out"), "held_out")
     if not settings.held_out_fraction:
         return rows, []
-    out = [
-        held_out_draw(row, f"env.nemo_gym.tasks: row {n}") < settings.held_out_fraction for n, row in enumerate(rows, 1)
-    ]
-    train = [row for row, held in zip(rows, out) if not held]
-    held_out = [row for row, held in zip(rows, out) if held]
-    if not train or not held_out:
-        side = "train" if not train else "held-out"
-        raise ConfigError(f"env.nemo_gym.held_out_fraction={settings.held_out_fraction} leaves no {side} row")
-    return train, held_out
+    return split_by_hash(rows, settings.held_out_fraction, "env.nemo_gym.tasks: row {}", "env.nemo_gym")
 
 
 # --------------------------------------------------------------------------------- NeMo Gym config
@@ -197,7 +189,8 @@ def load_servers(settings: NemoGymSettings) -> dict[str, Any]:
 
 def agent_name(settings: NemoGymSettings, config: dict[str, Any]) -> str:
     """The agent instance episodes are posted to, checked to call `model_server` (ConfigError)."""
-    agents = [name for name, (kind, _, s) in server_instances(config).items() if kind == AGENTS and "entrypoint" in s]
+    instances = server_instances(config)
+    agents = [name for name, (kind, _, s) in instances.items() if kind == AGENTS and "entrypoint" in s]
     declared = ", ".join(agents) or "none"
     if settings.agent is None and len(agents) != 1:
         raise ConfigError(
@@ -206,7 +199,7 @@ def agent_name(settings: NemoGymSettings, config: dict[str, Any]) -> str:
     name = settings.agent if settings.agent is not None else agents[0]
     if name not in agents:
         raise ConfigError(f"env.nemo_gym.agent {name!r} is not an agent of env.nemo_gym.servers (agents: {declared})")
-    ref = server_instances(config)[name][2].get("model_server")
+    ref = instances[name][2].get("model_server")
     called = ref.get("name") if isinstance(ref, dict) else None
     if called != settings.model_server:
         raise ConfigError(

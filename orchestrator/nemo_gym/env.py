@@ -49,21 +49,14 @@ def samples_of(calls: list[Call]) -> tuple[list[TrainingSample], list[tuple[int,
     samples: list[TrainingSample] = []
     for call in calls:
         last = samples[-1] if samples else None
-        if last is not None and call.prompt_ids[: len(last.token_ids)] == list(last.token_ids):
-            added = call.prompt_ids[len(last.token_ids) :]
-            samples[-1] = TrainingSample(
-                [*last.token_ids, *added, *call.completion_ids],
-                [*last.mask, *[0] * len(added), *[1] * len(call.completion_ids)],
-                [*last.logprobs, *[0.0] * len(added), *call.logprobs],
-            )
-        else:
-            samples.append(
-                TrainingSample(
-                    [*call.prompt_ids, *call.completion_ids],
-                    [0] * len(call.prompt_ids) + [1] * len(call.completion_ids),
-                    [0.0] * len(call.prompt_ids) + call.logprobs,
-                )
-            )
+        extends = last is not None and call.prompt_ids[: len(last.token_ids)] == last.token_ids
+        sample = last if extends else TrainingSample([], [], [])
+        added = call.prompt_ids[len(sample.token_ids) :]  # its whole prompt, for a new sample
+        sample.token_ids.extend([*added, *call.completion_ids])
+        sample.mask.extend([0] * len(added) + [1] * len(call.completion_ids))
+        sample.logprobs.extend([0.0] * len(added) + call.logprobs)
+        if not extends:
+            samples.append(sample)
     exact = all(call.policy_start == call.policy_end for call in calls)
     segments = [(call.policy_start, len(call.completion_ids)) for call in calls if call.completion_ids]
     return samples, segments if exact else None

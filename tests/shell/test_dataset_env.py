@@ -168,12 +168,16 @@ def test_a_held_out_fraction_is_disjoint_stable_and_its_file_alternative(rewards
 def test_a_pass_boundary_keeps_both_passes_orders(rewards_module, tmp_path):
     """Episodes in flight straddle a pass boundary: alternating between two passes reuses their
     orders rather than reshuffling at each switch."""
+    from orchestrator.envs.draw import pass_order
+
     train = write_jsonl(tmp_path / "train.jsonl", reverse_text_rows(range(10)))
     env = DatasetConfig(train=train, rewards=[{"function": "rev_rewards:reversal"}]).text_env(3)
-    first, second = env._order(0), env._order(1)
-    assert env._order(0) is first and env._order(1) is second
-    env._order(2)
-    assert env._order(1) is second and env._order(0) is not first and env._order(0) == first
+    assert [env.task(i).prompt for i in range(10, 12)] == [env.task(i).prompt for i in range(10, 12)]
+    first, second = pass_order("dataset", 3, 0, 10), pass_order("dataset", 3, 1, 10)
+    assert pass_order("dataset", 3, 0, 10) is first and pass_order("dataset", 3, 1, 10) is second
+    pass_order("dataset", 3, 2, 10)
+    assert pass_order("dataset", 3, 1, 10) is second and pass_order("dataset", 3, 0, 10) == first
+    assert env.row(12) is env.train[second[2]]  # the env draws by that order
 
 
 def test_a_null_prompt_beside_messages_is_the_messages(rewards_module, tmp_path):
