@@ -9,55 +9,91 @@ group, SIGTERM then SIGKILL after STOP_TIMEOUT_S, as soon as orch is gone (its d
 parent pid no longer PARENT_PID: a death signal is lost when the thread that forked exits) or when
 told to stop (SIGTERM); it exits with COMMAND's exit code when COMMAND exits by itself (128 + N
 when signal N killed it).
+
+The guard is its tree's subreaper: what COMMAND forked and left behind is re-parented to the guard,
+not to init, and the guard reaps it. So the guard exits only once every member of its group is
+gone (or REAP_BOUND_S after their SIGKILL, for one stuck in the kernel): a stop that has waited
+for the guard has waited for the whole server, whatever init does with orphans.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
-import subprocess
 import sys
 import time
 
 POLL_S = 0.2
+REAP_BOUND_S = 30.0  # SIGKILLed members: the kernel frees a ~3 GiB process well within this
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def main(argv: list[str]) -> int:
     parent, stop_timeout_s, command = int(argv[0]), float(argv[1]), argv[argv.index("--") + 1 :]
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append("told to stop"))
-    child = subprocess.Popen(command)  # inherits the guard's group, stdout and stderr
-    while child.poll() is None:
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    child = os.posix_spawnp(command[0], command, os.environ)  # in the guard's group, with its stdout
+    code = None
+    while code is None:
         if stopping or os.getppid() != parent:
             _end_group(child, stop_timeout_s)
             return 0
         time.sleep(POLL_S)
+        code = _reap_exited(child)
     _kill_the_rest()  # what COMMAND forked and left behind (an engine core whose API server died)
-    code = child.returncode
+    _reap_all(REAP_BOUND_S)
     return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says it
 
 
+def _reap_exited(child: int) -> int | None:
+    """Reaps every process of the tree that has exited (COMMAND, and what it left to the guard);
+    COMMAND's exit code (-N: signal N) once it is among them."""
+    code = None
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # nothing left to wait for
+            return code
+        if pid == 0:
+            return code
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+
+
+def _reap_all(bound_s: float) -> None:
+    """Until the guard has no child left (each was SIGKILLed), at most `bound_s`."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                time.sleep(0.02)
+        except ChildProcessError:
+            return
+
+
 def _kill_the_rest() -> None:
+    """SIGKILL to every member of the guard's group but the guard."""
     me, group = os.getpid(), os.getpgrp()
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != me:
-            try:
+            with contextlib.suppress(OSError):
                 if os.getpgid(int(entry)) == group:
                     os.kill(int(entry), signal.SIGKILL)
-            except OSError:
-                continue
 
 
-def _end_group(child: subprocess.Popen, stop_timeout_s: float) -> None:
-    """SIGTERM to the group (the guard ignores it now), SIGKILL to the group (the guard with it)
-    once COMMAND has exited or `stop_timeout_s` passed."""
+def _end_group(child: int, stop_timeout_s: float) -> None:
+    """SIGTERM to the group (the guard ignores it now), SIGKILL to the rest of the group once
+    COMMAND has exited or `stop_timeout_s` passed, then every member reaped."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.killpg(os.getpgrp(), signal.SIGTERM)
-    try:
-        child.wait(stop_timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
-    os.killpg(os.getpgrp(), signal.SIGKILL)
+    deadline = time.monotonic() + stop_timeout_s
+    while _reap_exited(child) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _kill_the_rest()
+    _reap_all(REAP_BOUND_S)
 
 
 if __name__ == "__main__":

@@ -44,11 +44,11 @@ import httpx
 from orchestrator.contracts import ConfigError
 from orchestrator.inference.client import InferenceClient, InferenceError
 from orchestrator.inference.endpoints_config import LaunchSection
+from orchestrator.inference.server_guard import REAP_BOUND_S
 from orchestrator.notices import report, warn
 
 LOGS_DIR = "logs"
 _PR_SET_PDEATHSIG = 1
-GROUP_EXIT_WAIT_S = 5.0  # SIGKILLed members of a server's group: init reaps them within this
 WATCH_EVERY_S = 1.0  # how often the run checks each launched server
 GUARD_POLL_S = 0.5  # more than the guard's poll: a server that died has its guard's exit by then
 
@@ -281,12 +281,12 @@ class VllmLauncher:
                     if not any(e.failures == 0 for e in client.endpoints):
                         raise LaunchError(f"{what}; no server left (inference.openai.launch.max_restarts)")
                     warn(f"{what}: left down (inference.openai.launch.max_restarts); the run goes on with the others")
-                    await asyncio.to_thread(_kill_group, server.proc)
+                    await asyncio.to_thread(_kill_group, f"vLLM server {server.index} ({server.url})", server.proc)
                     return
                 restarts += 1
                 limit = self.launch.max_restarts
                 warn(f"vLLM server {server.index} ({server.url}) {cause}; restarting it ({restarts}/{limit})")
-                await asyncio.to_thread(_kill_group, server.proc)
+                await asyncio.to_thread(_kill_group, f"vLLM server {server.index} ({server.url})", server.proc)
                 self._spawn(server)  # on the loop's thread, which its death signal follows
                 cause = await self._restarted(server, ep, client, http)
             client.mark_up(ep)
@@ -398,26 +398,27 @@ def spawn_guarded(
 
 
 def stop_guarded(named: list[tuple[str, subprocess.Popen]], stop_timeout_s: float) -> None:
-    """SIGTERM each (name, guarded process)'s process group, SIGKILL what is left after
-    `stop_timeout_s` (blocking: it runs on the way out, where an await could be cancelled)."""
+    """SIGTERM each (name, guarded process)'s process group: its guard SIGKILLs what is left after
+    `stop_timeout_s` and exits once it has reaped the whole group. A guard still running past that
+    and its reap bound is SIGKILLed with its group (blocking: it runs on the way out, where an
+    await could be cancelled)."""
     for _, proc in named:
         _signal_group(proc, signal.SIGTERM)
         # A stopped guard (SIGSTOP, a debugger) would take the SIGTERM only once continued:
         # the wait below would last the whole stop timeout.
         _signal_group(proc, signal.SIGCONT)
-    deadline = time.monotonic() + stop_timeout_s
+    bound_s = stop_timeout_s + REAP_BOUND_S
+    deadline = time.monotonic() + bound_s
     for name, proc in named:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"orch: {name} still running {stop_timeout_s:g}s after SIGTERM: killed", file=sys.stderr, flush=True)
+            print(f"orch: {name} still running {bound_s:g}s after SIGTERM: killed", file=sys.stderr, flush=True)
     for _, proc in named:  # the group too: what the server forked
         _signal_group(proc, signal.SIGKILL)
         proc.wait()
-    for _, proc in named:  # until the killed members are reaped, so none is seen after this
-        deadline = time.monotonic() + GROUP_EXIT_WAIT_S
-        while group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    for name, proc in named:  # until the killed members are reaped, so none is seen after this
+        _wait_group_gone(name, proc.pid)
 
 
 def cpu_share(index: int, servers: int, cores: list[int] | None = None) -> str:
@@ -441,15 +442,25 @@ def exit_cause(code: int) -> str:
     return f"exit code {code}"
 
 
-def _kill_group(proc: subprocess.Popen | None) -> None:
+def _kill_group(name: str, proc: subprocess.Popen | None) -> None:
     """SIGKILL a server's whole group (a frozen one takes no SIGTERM) and reap its guard."""
     if proc is None:
         return
     _signal_group(proc, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(GROUP_EXIT_WAIT_S)
-    deadline = time.monotonic() + GROUP_EXIT_WAIT_S
-    while group_alive(proc.pid) and time.monotonic() < deadline:
+        proc.wait(REAP_BOUND_S)
+    _wait_group_gone(name, proc.pid)
+
+
+def _wait_group_gone(name: str, pgid: int) -> None:
+    """Until no member of the SIGKILLed group `pgid` is left, at most REAP_BOUND_S (one stuck in
+    the kernel is named, not waited for)."""
+    deadline = time.monotonic() + REAP_BOUND_S
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            what = f"orch: {name}: process group {pgid} still has members {REAP_BOUND_S:g}s after SIGKILL"
+            print(what, file=sys.stderr, flush=True)
+            return
         time.sleep(0.05)
 
 

@@ -84,14 +84,16 @@ def test_told_to_stop_the_guard_ends_the_group():
         assert time.monotonic() < deadline
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGTERM)  # what VllmLauncher.stop sends first
-    assert proc.wait(10) == -signal.SIGKILL  # the group's SIGKILL ends the guard last
-    _wait_gone(proc.pid, within_s=5)
+    assert proc.wait(10) == 0  # SIGTERM ignored: SIGKILL after the 1 s stop timeout, then reaped
+    # The guard reaps what it SIGKILLed (the server's orphaned child is the guard's, not init's):
+    # once the guard has exited, nothing of its group is left, with no wait.
+    assert not group_alive(proc.pid)
 
 
 def test_a_server_that_exits_by_itself_gives_its_code_and_leaves_nothing():
     proc = subprocess.Popen(guarded([sys.executable, "-c", SERVER, "1"], 1.0), start_new_session=True)
     assert proc.wait(30) == 3
-    _wait_gone(proc.pid, within_s=5)
+    assert not group_alive(proc.pid)  # its orphaned child killed and reaped before the guard exits
 
 
 def test_stop_does_not_wait_out_its_timeout_on_a_stopped_guard():
