@@ -355,7 +355,7 @@ class _InferenceChoice(_Components):
     kind: _name_in(INFERENCE, optional=True) = Field(
         None,
         description="the sampler: " + ", ".join(INFERENCE.names()) + " (None: fake for the fake env, openai "
-        "when inference.openai.endpoints or inference.openai.launch.servers is set, else embedded)",
+        "when inference.openai.endpoints, routers or launch.servers is set, else embedded)",
     )
 
 

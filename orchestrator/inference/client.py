@@ -56,7 +56,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -66,7 +66,7 @@ import orjson
 from orchestrator import rundir
 from orchestrator.core.events import version_runs
 from orchestrator.http_limits import pool_limits
-from orchestrator.inference.endpoints_config import STREAM_INTERVAL
+from orchestrator.inference.endpoints_config import STREAM_INTERVAL, RouterSection
 from orchestrator.inference.errors import (
     InferenceError,
     InferenceRequestError,
@@ -136,6 +136,10 @@ class Endpoint:
     adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
     last_load_error: ServerError | None = None  # its last load's 5xx, if that load failed on one
     connections: asyncio.Semaphore | None = field(default=None, repr=False)  # its origin's cap (None: none)
+    # A router's: the engines behind it (their base URLs), which its weight loads go to, each
+    # directly; and the header its requests name their group's session in (sticky routing).
+    engines: tuple[str, ...] = ()
+    session_header: str | None = None
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -182,6 +186,18 @@ class Endpoint:
 
     def up(self, now: float) -> bool:
         return now >= self.down_until
+
+    @property
+    def admin_urls(self) -> tuple[str, ...]:
+        """Where its weights are loaded: a router's engines, else the endpoint itself."""
+        return self.engines or (self.url,)
+
+    def sampling_headers(self, session: Any) -> dict[str, str]:
+        """A sampling request's headers: a router's name the request's session (its group), so
+        that a sticky router sends a group's requests to one engine and its prefix cache."""
+        if self.session_header is None or session is None:
+            return JSON_HEADERS
+        return {**JSON_HEADERS, self.session_header: str(session)}
 
     def snapshot(self, now: float) -> dict[str, Any]:
         # "up": the last contact succeeded; a failing endpoint is probed again after retry_in_s
@@ -248,12 +264,17 @@ class InferenceClient:
         max_loras: int = 2,
         update_mode: UpdateMode = "wait",
         stream_interval: int = STREAM_INTERVAL,
+        routers: Sequence[RouterSection] = (),
     ):
+        urls = [*urls, *(router.url for router in routers)]
         if not urls:
             raise ValueError("InferenceClient needs at least one endpoint URL")
         if max_attempts < 1 or timeout_s <= 0 or connect_timeout_s <= 0 or backoff_s <= 0:
             raise ValueError("max_attempts >= 1 and positive timeouts/backoff are required")
         self.endpoints = [Endpoint(url, i) for i, url in enumerate(endpoint_base_urls(urls))]
+        for ep, router in zip(self.endpoints[len(urls) - len(routers) :], routers, strict=True):
+            ep.engines = tuple(endpoint_base_urls(router.engines))
+            ep.session_header = router.session_header
         self.model, self.weight_sync = model, weight_sync
         if update_mode == "interrupt" and weight_sync != "vllm_reload":
             raise ValueError(f"update_mode 'interrupt' needs weight_sync 'vllm_reload', not {weight_sync!r}")
@@ -379,15 +400,25 @@ class InferenceClient:
 
     # -- HTTP -------------------------------------------------------------------------------------
     async def call(
-        self, ep: Endpoint, method: str, path: str, body: Any = None, timeout: float | None = None, text: bool = False
+        self,
+        ep: Endpoint,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float | None = None,
+        text: bool = False,
+        *,
+        base: str | None = None,
+        headers: dict[str, str] = JSON_HEADERS,
     ) -> Any:
-        """One HTTP call; transport errors and 5xx -> Retryable, 4xx -> InferenceRequestError.
-        The answer's JSON, or its text with ``text`` (vLLM's LoRA routes answer in plain text)."""
-        url = ep.url + path
+        """One HTTP call to ``ep`` (or to ``base``, one of its engines); transport errors and 5xx
+        -> Retryable, 4xx -> InferenceRequestError. The answer's JSON, or its text with ``text``
+        (vLLM's LoRA routes answer in plain text)."""
+        url = (base or ep.url) + path
         # orjson both ways: the sampling calls' bodies and answers are the client's hot path.
         kwargs: dict[str, Any] = {}
         if body is not None:
-            kwargs.update(content=orjson.dumps(body), headers=JSON_HEADERS)
+            kwargs.update(content=orjson.dumps(body), headers=headers)
         if timeout is not None:
             kwargs["timeout"] = httpx.Timeout(timeout, connect=self._http.timeout.connect)
         async with self._connection_slot(ep, method, url, path):
@@ -405,7 +436,9 @@ class InferenceClient:
         except ValueError:
             raise Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
 
-    async def _stream(self, ep: Endpoint, path: str, body: dict[str, Any], restarts: int) -> dict[str, Any]:
+    async def _stream(
+        self, ep: Endpoint, path: str, body: dict[str, Any], restarts: int, headers: dict[str, str]
+    ) -> dict[str, Any]:
         """``POST path`` streamed (update_mode interrupt): the chunks gathered into the answer an
         unstreamed call gives, so that an aborted request comes back with every token it was
         sent (vLLM's unstreamed answer to an aborted request holds only its last one). A reload
@@ -427,7 +460,7 @@ class InferenceClient:
                 with until_started(restart) as started, self._transport_errors("POST", url, path):
                     async with (
                         self._connection_slot(ep, "POST", url, path),
-                        self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as resp,
+                        self._http.stream("POST", url, content=content, headers=headers) as resp,
                     ):
                         if resp.status_code >= 400:
                             await resp.aread()
@@ -548,7 +581,7 @@ class InferenceClient:
             body.update(extra)
         expected = n * (len(prompt) if _is_batch(prompt) else 1)
         ep, (choices, sampled_by, ended_at), attempts = await self.routed(
-            self._completion_sender(body, expected, at_version), pin, "completion"
+            self._completion_sender(body, expected, at_version, pin), pin, "completion"
         )
         if self.update_mode != "interrupt" or not any(c.finish_reason == "abort" for c in choices):
             return Completion(ep.url, choices, sampled_by, ended_at, attempts)
@@ -575,13 +608,13 @@ class InferenceClient:
         )
 
     def _completion_sender(
-        self, body: dict[str, Any], expected: int, at_version: int | None
+        self, body: dict[str, Any], expected: int, at_version: int | None, pin: Any
     ) -> Callable[[Endpoint], Awaitable[tuple[list[ParsedChoice], int, int]]]:
         """One attempt of a completion call on an endpoint (for `routed`): its parsed choices,
         the version that sampled them and the one known when they came back."""
 
         async def send(ep: Endpoint) -> tuple[list[ParsedChoice], int, int]:
-            answer, sampled_by, ended_at = await self._post_sampling(ep, "/v1/completions", body, at_version)
+            answer, sampled_by, ended_at = await self._post_sampling(ep, "/v1/completions", body, at_version, pin)
             try:
                 choices, reported = parse_completion(answer, expected, where=f"{ep.url}/v1/completions")
             except ProtocolError as exc:
@@ -613,7 +646,7 @@ class InferenceClient:
             if "min_tokens" in body:
                 part_body["min_tokens"] = max(0, body["min_tokens"] - len(ids))
             ep, ((part,), sampled_by, _ended), tries = await self.routed(
-                self._completion_sender(part_body, 1, None), pin, "continued completion"
+                self._completion_sender(part_body, 1, None, pin), pin, "continued completion"
             )
             segments.append((sampled_by, len(part.token_ids)))
             ids += part.token_ids
@@ -635,7 +668,7 @@ class InferenceClient:
 
         async def send(ep: Endpoint) -> tuple[Any, int, int, float]:
             sent = time.perf_counter()
-            answer, sampled_by, ended_at = await self._post_sampling(ep, path, body, at_version)
+            answer, sampled_by, ended_at = await self._post_sampling(ep, path, body, at_version, pin)
             return answer, sampled_by, ended_at, time.perf_counter() - sent
 
         ep, (answer, sampled_by, ended_at, http_s), attempts = await self.routed(send, pin, f"POST {path}")
@@ -726,11 +759,13 @@ class InferenceClient:
             return ep, result, attempt
 
     async def _post_sampling(
-        self, ep: Endpoint, path: str, body: dict[str, Any], at_version: int | None
+        self, ep: Endpoint, path: str, body: dict[str, Any], at_version: int | None, pin: Any
     ) -> tuple[Any, int, int]:
         """One sampling call (``POST path``) on ``ep`` at its newest version (vllm_lora: at
         ``at_version`` while the endpoint still holds its adapter): (the answer's JSON, version
-        that sampled it, version known when it came back)."""
+        that sampled it, version known when it came back). A router's requests name ``pin``
+        (the group) as their session, where groups are pinned."""
+        headers = ep.sampling_headers(pin if self.pin_groups else None)
         version = await self._ensure_version(ep)
         if at_version is not None and self.weight_sync == "vllm_lora" and at_version in ep.adapters:
             version = min(version, at_version)
@@ -753,12 +788,19 @@ class InferenceClient:
                     failed = f"{ep.url}: its weight reload failed ({ep.last_error})"
                     raise Retryable(failed, "weight sync", counted=ep.failures > 0)
             try:
-                return await self._sampling_attempt(ep, path, request, version, adapter, restarts)
+                return await self._sampling_attempt(ep, path, request, version, adapter, restarts, headers)
             except UpdateBegan:  # interrupt: ended by a reload before its first token
                 restarts += 1
 
     async def _sampling_attempt(
-        self, ep: Endpoint, path: str, request: dict[str, Any], version: int, adapter: str | None, restarts: int
+        self,
+        ep: Endpoint,
+        path: str,
+        request: dict[str, Any],
+        version: int,
+        adapter: str | None,
+        restarts: int,
+        headers: dict[str, str],
     ) -> tuple[Any, int, int]:
         """`_post_sampling`'s call on ``ep``, once the endpoint is not reloading."""
         start_version = self._known_version(ep)
@@ -768,12 +810,12 @@ class InferenceClient:
             ep.adapters[version] = ep.adapters.get(version, 0) + 1
         try:
             if self.update_mode != "interrupt":
-                answer = await self.call(ep, "POST", path, request)
+                answer = await self.call(ep, "POST", path, request, headers=headers)
             elif path == "/v1/completions":
-                answer = await self._stream(ep, path, request, restarts)
+                answer = await self._stream(ep, path, request, restarts, headers)
             else:  # another route's call (verifiers' /inference/v1/generate) is not continued
                 with ep.unabortable_call():
-                    answer = await self.call(ep, "POST", path, request)
+                    answer = await self.call(ep, "POST", path, request, headers=headers)
         except InferenceRequestError as exc:
             if adapter is None or exc.status_code != 404 or adapter not in str(exc):
                 raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)

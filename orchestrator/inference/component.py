@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 class EndpointsConfig(InferenceComponent, EndpointsSettings):
     """OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) instead of the in-process sampler.
 
-    Given (`endpoints`), or vLLM servers the run starts and stops itself (`launch`)."""
+    Given (`endpoints`, or `routers` with the engines behind them), or vLLM servers the run starts
+    and stops itself (`launch`)."""
 
     follows_weights: ClassVar[bool] = True
     refuses_synthetic: ClassVar[str | None] = "inference endpoints sample the model, not the {envs} env's episodes"
@@ -39,15 +40,14 @@ class EndpointsConfig(InferenceComponent, EndpointsSettings):
             "max_connections",
             "max_connections_per_endpoint",
             "stream_interval",
+            "routers",
         }
     )
 
     def check(self, plan: RunPlan) -> None:
         if not self.enabled:
-            raise ValueError(
-                "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers"
-            )
-        servers = len(self.endpoints) or self.launch.servers
+            raise ValueError("inference.kind='openai' needs inference.openai.endpoints, routers or launch.servers")
+        servers = len(self.endpoints) + len(self.routers) or self.launch.servers
         caps = [("max_connections", self.max_connections, plan.requests_in_flight)]
         if self.max_connections_per_endpoint is not None:
             cap_of_all = self.max_connections_per_endpoint * servers

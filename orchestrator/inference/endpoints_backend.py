@@ -96,6 +96,7 @@ def make_client(section: EndpointsSettings, urls: list[str], load_timeout_s: flo
         max_connections=section.max_connections,
         max_connections_per_endpoint=section.max_connections_per_endpoint,
         stream_interval=section.stream_interval,
+        routers=section.routers,
     )
 
 
@@ -103,10 +104,12 @@ def check_given_endpoints(section: EndpointsSettings, weight_format: str | None)
     """The backend's first pre-run step (`EndpointsConfig.preflight_servers`, before the model is
     built): ConfigError (one line) for a given endpoint that is unreachable, failing, or cannot
     load the trainer's `weight_format` (`orchestrator.inference.preflight`)."""
-    if section.endpoints and section.preflight_timeout_s > 0:
+    if (section.endpoints or section.routers) and section.preflight_timeout_s > 0:
         from orchestrator.inference.preflight import PreflightError, check_endpoints
 
-        urls = endpoint_base_urls(section.endpoints)
+        # a router is checked as it serves (/v1/models, /health), its engines as they load weights
+        given = section.endpoints + [url for router in section.routers for url in (router.url, *router.engines)]
+        urls = list(dict.fromkeys(endpoint_base_urls(given)))
         try:
             asyncio.run(check_endpoints(urls, section.weight_sync, section.preflight_timeout_s, weight_format))
         except PreflightError as err:
@@ -124,7 +127,7 @@ def check_inference(section: EndpointsSettings, model_dir: Path) -> None:
     from orchestrator.inference.weight_sync.vllm_check import check_vllm_endpoints
 
     check_launch(section.launch, model_dir)
-    if section.endpoints and section.weight_sync in VLLM_MODES:
+    if (section.endpoints or section.routers) and section.weight_sync in VLLM_MODES:
 
         async def check() -> None:
             # the check loads no weights: its client's load bound is the request timeout

@@ -51,6 +51,24 @@ class LaunchSection(Section):
         return self
 
 
+class RouterSection(Section):
+    """A router in front of engines (vllm-router, sglang-router): the run samples through it, and
+    loads weights on each engine directly (docs/scaling-out.md, "Behind a router")."""
+
+    url: str = Field(description="the router's base URL (http://host:port), sampled like an endpoint")
+    engines: list[str] = Field(
+        default_factory=list,
+        description="base URLs of the engines behind it, where each weight load goes (their admin routes: "
+        "/pause, /collective_rpc, ...); empty only with weight_sync 'none'",
+    )
+    session_header: str = Field(
+        "X-Session-ID",
+        min_length=1,
+        description="the header each request names its group in, so that a sticky router (vllm-router's "
+        "consistent_hash, sglang-router's) keeps a group's shared prompt on one engine",
+    )
+
+
 class EndpointsSettings(Section):
     """The `inference.openai` section's settings: the endpoints, given or launched, and how the
     client talks to them."""
@@ -115,6 +133,11 @@ class EndpointsSettings(Section):
         "is streamed): the first and last tokens, and every token on an abort, come at once; the versions "
         "stay exact; 1: no field sent, one chunk per token",
     )
+    routers: list[RouterSection] = Field(
+        default_factory=list,
+        description="routers to sample through, beside or instead of endpoints, each with its engines "
+        "(docs/scaling-out.md)",
+    )
     launch: LaunchSection = Field(
         default_factory=LaunchSection,
         description="the vLLM servers the run starts itself, and stops at its end (docs/vllm.md)",
@@ -122,7 +145,14 @@ class EndpointsSettings(Section):
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> EndpointsSettings:
-        endpoint_base_urls(self.endpoints)
+        endpoint_base_urls(self.endpoints + [router.url for router in self.routers])
+        for index, router in enumerate(self.routers):
+            endpoint_base_urls(router.engines)
+            if not router.engines and self.weight_sync != "none":
+                raise ValueError(
+                    f"inference.openai.routers[{index}] ({router.url}) lists no engines: weight_sync "
+                    f"{self.weight_sync!r} loads each engine behind the router directly (their URLs in engines)"
+                )
         if self.update_mode == "keep":
             raise ValueError(
                 "inference.openai.update_mode 'keep' is not offered: vLLM 0.32's /v1/completions does not say "
@@ -135,9 +165,9 @@ class EndpointsSettings(Section):
                 f"{self.weight_sync!r} (vllm_lora never pauses: a request runs on its adapter to its end)"
             )
         if self.launch.servers:
-            if self.endpoints:
+            if self.endpoints or self.routers:
                 raise ValueError(
-                    "give inference.openai.endpoints or inference.openai.launch.servers, not both "
+                    "give inference.openai.endpoints (or routers) or inference.openai.launch.servers, not both "
                     "(launched servers are the endpoints)"
                 )
             if self.weight_sync not in (*VLLM_MODES, "none"):
@@ -158,4 +188,4 @@ class EndpointsSettings(Section):
     @property
     def enabled(self) -> bool:
         """Endpoints are given or launched."""
-        return bool(self.endpoints or self.launch.servers)
+        return bool(self.endpoints or self.routers or self.launch.servers)

@@ -48,6 +48,7 @@ class PausableEngine:
     admit_from_version: int = 0
     paused: bool = False
     received: int = 0  # completion requests that reached the server
+    sessions: list[str | None] = field(default_factory=list)  # each one's X-Session-ID header
     admitted_at: list[int] = field(default_factory=list)  # the version each admitted request started under
     running: list[_Run] = field(default_factory=list)
 
@@ -59,6 +60,7 @@ class PausableEngine:
                 Route("/resume", self.resume, methods=["POST"]),
                 Route("/collective_rpc", self.reload, methods=["POST"]),
                 Route("/reset_prefix_cache", self.reset, methods=["POST"]),
+                Route("/health", self.health),
             ]
         )
 
@@ -66,6 +68,7 @@ class PausableEngine:
         body = await request.json()
         assert body.get("stream") is True, body
         self.received += 1
+        self.sessions.append(request.headers.get("x-session-id"))
         if self.failing:
             return JSONResponse({"error": {"message": "engine dead", "code": 503}}, status_code=503)
         prompt = body["prompt"]
@@ -95,6 +98,9 @@ class PausableEngine:
                 self.running.remove(run)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({})
 
     async def pause(self, request: Request) -> JSONResponse:
         assert request.query_params["mode"] == "abort"

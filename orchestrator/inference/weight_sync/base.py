@@ -19,6 +19,9 @@ class SyncedEndpoint(Protocol):
     idle: asyncio.Event  # set while no sampling call is in flight
     abortable: asyncio.Event  # interrupt: set while no call of another route than /v1/completions is in flight
 
+    @property
+    def admin_urls(self) -> tuple[str, ...]: ...  # where its weights are loaded: a router's engines, else its URL
+
     def restart_unstarted(self) -> None: ...  # interrupt: ends the streams without a first token (sent again)
 
     reloading: asyncio.Event | None  # vllm_reload: set (and dropped) once a reload is done
@@ -51,7 +54,31 @@ class WeightSyncClient(Protocol[EndpointT]):
         body: Any = None,
         timeout: float | None = None,
         text: bool = False,
+        *,
+        base: str | None = None,
     ) -> Any: ...
+
+
+async def on_each_engine(
+    client: WeightSyncClient[EndpointT],
+    ep: EndpointT,
+    method: str,
+    path: str,
+    body: Any = None,
+    timeout: float | None = None,
+    text: bool = False,
+) -> list[Any]:
+    """The call on every engine whose weights `ep` serves (a router's engines, else `ep` itself),
+    all at once; their answers, in order. Every call ends (each has its timeout) before the
+    first failure is raised, so none is left running."""
+    answers = await asyncio.gather(
+        *(client.call(ep, method, path, body, timeout, text, base=url) for url in ep.admin_urls),
+        return_exceptions=True,
+    )
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return list(answers)
 
 
 def check_weights_dir(path: str, marker: str, what: str) -> None:

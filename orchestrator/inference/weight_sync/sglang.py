@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from orchestrator.inference.errors import InferenceRequestError
-from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, on_each_engine
 
 
 async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
-    answer = await client.call(
-        ep, "POST", "/update_weights_from_disk", {"model_path": path}, timeout=client.load_timeout_s
+    answers = await on_each_engine(
+        client, ep, "POST", "/update_weights_from_disk", {"model_path": path}, timeout=client.load_timeout_s
     )
-    if not (isinstance(answer, dict) and answer.get("success") is True):
-        raise InferenceRequestError(f"{ep.url}/update_weights_from_disk refused {path}: {answer!r}")
+    for url, answer in zip(ep.admin_urls, answers, strict=True):
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            raise InferenceRequestError(f"{url}/update_weights_from_disk refused {path}: {answer!r}")
     return version

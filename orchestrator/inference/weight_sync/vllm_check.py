@@ -37,16 +37,17 @@ async def check_vllm_endpoints(client: WeightSyncClient[EndpointT], model_dir: P
                 ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}, None, True),
                 "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
             )
-        try:
-            await client.call(ep, *probe)
-        except InferenceRequestError as exc:
-            if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
-                raise InferenceRequestError(
-                    f"{ep.url} lacks {probe[1]} ({exc}): weight_sync "
-                    f"{client.weight_sync!r} needs vLLM started with {needs}"
-                ) from None
-        except Retryable:
-            continue
+        for url in ep.admin_urls:  # a router's engines, each
+            try:
+                await client.call(ep, *probe, base=url)
+            except InferenceRequestError as exc:
+                if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
+                    raise InferenceRequestError(
+                        f"{url} lacks {probe[1]} ({exc}): weight_sync "
+                        f"{client.weight_sync!r} needs vLLM started with {needs}"
+                    ) from None
+            except Retryable:
+                continue
 
 
 def _same_path(name: str, path: Path) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.inference.errors import InferenceRequestError, Retryable
-from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, check_weights_dir
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, check_weights_dir, on_each_engine
 
 
 async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
@@ -40,7 +40,8 @@ async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int,
             ) from None
     # In place: a step_N left by an earlier run of this name (a crash before N was recorded)
     # is replaced rather than kept.
-    await client.call(
+    await on_each_engine(
+        client,
         ep,
         "POST",
         "/v1/load_lora_adapter",
@@ -53,13 +54,14 @@ async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int,
 
 
 async def _adopt_listed_adapters(client: WeightSyncClient[EndpointT], ep: EndpointT) -> None:
-    """Count the ``step_N`` adapters the endpoint lists as loaded, so they are unloaded too."""
-    listed = await client.call(ep, "GET", "/v1/models")
-    for entry in listed.get("data", []) if isinstance(listed, dict) else []:
-        name = entry.get("id") if isinstance(entry, dict) and entry.get("parent") is not None else None
-        version = adapter_version(name) if isinstance(name, str) else None
-        if version is not None:
-            ep.adapters.setdefault(version, 0)
+    """Count the ``step_N`` adapters any engine of the endpoint lists as loaded, so they are
+    unloaded too."""
+    for listed in await on_each_engine(client, ep, "GET", "/v1/models"):
+        for entry in listed.get("data", []) if isinstance(listed, dict) else []:
+            name = entry.get("id") if isinstance(entry, dict) and entry.get("parent") is not None else None
+            version = adapter_version(name) if isinstance(name, str) else None
+            if version is not None:
+                ep.adapters.setdefault(version, 0)
 
 
 async def _unload_adapter(client: WeightSyncClient[EndpointT], ep: EndpointT, old: int) -> None:
@@ -67,7 +69,8 @@ async def _unload_adapter(client: WeightSyncClient[EndpointT], ep: EndpointT, ol
     (one pinned to ``old`` looks it up) takes it up meanwhile."""
     del ep.adapters[old]
     try:
-        await client.call(
+        await on_each_engine(
+            client,
             ep,
             "POST",
             "/v1/unload_lora_adapter",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.inference.errors import Retryable
-from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, check_weights_dir
+from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, check_weights_dir, on_each_engine
 
 
 async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
@@ -47,8 +47,11 @@ async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int,
 
 
 async def _paused_reload(client: WeightSyncClient[EndpointT], ep: EndpointT, path: str, mode: str) -> None:
-    await client.call(ep, "POST", f"/pause?mode={mode}", timeout=client.load_timeout_s)
-    await client.call(
+    """Each step on every engine of the endpoint (a router's all pause, and all reload, before
+    any resumes: no request of the endpoint is sampled by a mix of versions)."""
+    await on_each_engine(client, ep, "POST", f"/pause?mode={mode}", timeout=client.load_timeout_s)
+    await on_each_engine(
+        client,
         ep,
         "POST",
         "/collective_rpc",
@@ -56,7 +59,8 @@ async def _paused_reload(client: WeightSyncClient[EndpointT], ep: EndpointT, pat
         timeout=client.load_timeout_s,
     )
     # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
-    answer = await client.call(ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
-    if not (isinstance(answer, dict) and answer.get("success") is True):  # the server's state, not the request
-        raise Retryable(f"{ep.url}/reset_prefix_cache failed after the reload of {path}: {answer!r}", "reload")
-    await client.call(ep, "POST", "/resume", timeout=client.load_timeout_s)
+    answers = await on_each_engine(client, ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
+    for url, answer in zip(ep.admin_urls, answers, strict=True):
+        if not (isinstance(answer, dict) and answer.get("success") is True):  # the server's state, not the request
+            raise Retryable(f"{url}/reset_prefix_cache failed after the reload of {path}: {answer!r}", "reload")
+    await on_each_engine(client, ep, "POST", "/resume", timeout=client.load_timeout_s)
