@@ -76,7 +76,7 @@ def test_an_unknown_name_is_one_line_listing_the_known_ones(override, message):
         (["inference.kind=fake"], "inference.kind='fake' makes the fake env's episodes only"),
         (
             ["inference.kind=openai"],
-            "inference.kind='openai' needs inference.openai.endpoints or inference.openai.launch.servers",
+            "inference.kind='openai' needs inference.openai.endpoints, routers or launch.servers",
         ),
     ],
 )
