@@ -399,6 +399,12 @@ class EvalConfig(_Section):
 class LogConfig(_Section):
     durability: Literal["full", "normal"] = Field("full", description="SQLite synchronous=FULL or NORMAL")
     snapshot_every: int = Field(20000, ge=0, description="snapshot the state every N events (0 = never)")
+    batch_files: Literal["until_trained", "keep"] = Field(
+        "until_trained",
+        description="until_trained: batches/step_N.safetensors is removed once version N is published (the "
+        "trainer checkpoints a step before it publishes it; a resume re-writes from the log any batch not "
+        "trained yet); keep: every batch file stays (the log holds what they hold either way)",
+    )
 
 
 class WandbSection(_Section):
@@ -625,6 +631,7 @@ def _resumable_fields() -> frozenset[str]:
         "name",
         "log.durability",
         "log.snapshot_every",
+        "log.batch_files",
         "trainer.publish_timeout_s",
         "trainer.exit_timeout_s",
         "trainer.max_restarts",

@@ -346,7 +346,9 @@ class AgentEnv(Protocol):
 class Trainer(Protocol):
     """Turns shipped batch files into published versions: `publish(N, metrics)` once step N's
     weights are out (docs/rules.md: the version advances at confirmation), with the trainer's
-    figures of that step (`orchestrator.rundir.TRAINER_METRICS`; None if it has none)."""
+    figures of that step (`orchestrator.rundir.TRAINER_METRICS`; None if it has none). Step N is
+    in its checkpoint before version N is published: the batch files of published versions are
+    removed (`log.batch_files`), so a restarted trainer never needs them again."""
 
     async def start(self) -> None:
         """Start what runs outside this process (after a resume re-announced its batches)."""

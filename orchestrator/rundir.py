@@ -7,7 +7,8 @@ Layout of a run directory (``RUN_DIR``)::
     trainer.json                 the trainer's config (orchestrator.hf.config.TrainerConfig), written by the
                                  orchestrator before it spawns the trainer
     trainer.log                  the trainer process's output (appended to across resumes)
-    batches/step_N.safetensors   batch N (binary; written atomically by the orchestrator)
+    batches/step_N.safetensors   batch N (binary; written atomically by the orchestrator; removed once
+                                 version N is published, unless log.batch_files = "keep")
     weights/step_N/              the policy after training on batches 1..N (step_0 = the model as loaded)
         full fine-tuning:        an HF model dir: config.json, model.safetensors, generation_config.json,
                                  tokenizer files (save_pretrained, safe_serialization)

@@ -145,9 +145,9 @@ class EndpointsSettings(Section):
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> EndpointsSettings:
-        endpoint_base_urls(self.endpoints + [router.url for router in self.routers])
+        # Each URL once, engines too: two listings of one engine would race their reloads.
+        endpoint_base_urls(self.endpoints + [url for router in self.routers for url in (router.url, *router.engines)])
         for index, router in enumerate(self.routers):
-            endpoint_base_urls(router.engines)
             if not router.engines and self.weight_sync != "none":
                 raise ValueError(
                     f"inference.openai.routers[{index}] ({router.url}) lists no engines: weight_sync "

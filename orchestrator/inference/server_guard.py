@@ -12,7 +12,8 @@ when signal N killed it).
 
 The guard is its tree's subreaper: what COMMAND forked and left behind is re-parented to the guard,
 not to init, and the guard reaps it. So the guard exits only once every member of its group is
-gone (or REAP_BOUND_S after their SIGKILL, for one stuck in the kernel): a stop that has waited
+gone (or REAP_BOUND_S after their SIGKILL, for one stuck in the kernel; a descendant that left
+the group with a session of its own is not waited for): a stop that has waited
 for the guard has waited for the whole server, whatever init does with orphans.
 """
 
@@ -35,7 +36,8 @@ def main(argv: list[str]) -> int:
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append("told to stop"))
     ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    child = os.posix_spawnp(command[0], command, os.environ)  # in the guard's group, with its stdout
+    # in the guard's group, with its stdout; the signals Python ignores back to their defaults
+    child = os.posix_spawnp(command[0], command, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
     code = None
     while code is None:
         if stopping or os.getppid() != parent:
@@ -43,8 +45,7 @@ def main(argv: list[str]) -> int:
             return 0
         time.sleep(POLL_S)
         code = _reap_exited(child)
-    _kill_the_rest()  # what COMMAND forked and left behind (an engine core whose API server died)
-    _reap_all(REAP_BOUND_S)
+    _end_the_rest()  # what COMMAND forked and left behind (an engine core whose API server died)
     return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says it
 
 
@@ -63,25 +64,29 @@ def _reap_exited(child: int) -> int | None:
             code = os.waitstatus_to_exitcode(status)
 
 
-def _reap_all(bound_s: float) -> None:
-    """Until the guard has no child left (each was SIGKILLed), at most `bound_s`."""
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(-1, os.WNOHANG) == (0, 0):
-                time.sleep(0.02)
-        except ChildProcessError:
-            return
+def _end_the_rest() -> None:
+    """SIGKILL to every other member of the guard's group, again until none is left (one forked
+    meanwhile included), each reaped (the guard's children and orphans), at most REAP_BOUND_S.
+    A descendant that left the group (setsid) is not the guard's to end, nor to wait for."""
+    deadline = time.monotonic() + REAP_BOUND_S
+    while _kill_the_rest() and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        time.sleep(0.02)
 
 
-def _kill_the_rest() -> None:
-    """SIGKILL to every member of the guard's group but the guard."""
-    me, group = os.getpid(), os.getpgrp()
+def _kill_the_rest() -> int:
+    """SIGKILL to every member of the guard's group but the guard; how many there were (a
+    killed one counts until it is reaped)."""
+    me, group, members = os.getpid(), os.getpgrp(), 0
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != me:
             with contextlib.suppress(OSError):
                 if os.getpgid(int(entry)) == group:
                     os.kill(int(entry), signal.SIGKILL)
+                    members += 1
+    return members
 
 
 def _end_group(child: int, stop_timeout_s: float) -> None:
@@ -92,8 +97,7 @@ def _end_group(child: int, stop_timeout_s: float) -> None:
     deadline = time.monotonic() + stop_timeout_s
     while _reap_exited(child) is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    _kill_the_rest()
-    _reap_all(REAP_BOUND_S)
+    _end_the_rest()
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ from orchestrator.notices import report, warn
 LOGS_DIR = "logs"
 _PR_SET_PDEATHSIG = 1
 WATCH_EVERY_S = 1.0  # how often the run checks each launched server
-GUARD_POLL_S = 0.5  # more than the guard's poll: a server that died has its guard's exit by then
+# A server whose /health fails may be dying: its guard exits once it has reaped the rest of the
+# group, within this (its poll, and a few SIGKILLed processes freed).
+GUARD_EXIT_S = 5.0
 
 
 class LaunchError(InferenceError):
@@ -134,6 +136,10 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def name(self) -> str:
+        return f"vLLM server {self.index} ({self.url})"
+
 
 class VllmLauncher:
     def __init__(self, launch: LaunchSection, model_dir: Path, run_dir: Path, weight_sync: str, max_loras: int):
@@ -216,7 +222,7 @@ class VllmLauncher:
     def check_alive(self) -> None:
         """LaunchError if a server has exited."""
         for server in self.servers:
-            exited = exit_message(f"vLLM server {server.index} ({server.url})", server.proc, server.log_path)
+            exited = exit_message(server.name, server.proc, server.log_path)
             if exited is not None:
                 raise LaunchError(exited)
 
@@ -277,21 +283,21 @@ class VllmLauncher:
                 client.mark_down(ep, cause, "server down")  # its version unknown from now on
                 ep.adapters = {}  # a new process holds no adapter, only the model as launched
                 if restarts >= self.launch.max_restarts:
-                    what = f"vLLM server {server.index} ({server.url}) {cause}, after {restarts} restart(s)"
+                    what = f"{server.name} {cause}, after {restarts} restart(s)"
                     if not any(e.failures == 0 for e in client.endpoints):
                         raise LaunchError(f"{what}; no server left (inference.openai.launch.max_restarts)")
                     warn(f"{what}: left down (inference.openai.launch.max_restarts); the run goes on with the others")
-                    await asyncio.to_thread(_kill_group, f"vLLM server {server.index} ({server.url})", server.proc)
+                    await asyncio.to_thread(_kill_group, server.name, server.proc)
                     return
                 restarts += 1
                 limit = self.launch.max_restarts
-                warn(f"vLLM server {server.index} ({server.url}) {cause}; restarting it ({restarts}/{limit})")
-                await asyncio.to_thread(_kill_group, f"vLLM server {server.index} ({server.url})", server.proc)
+                warn(f"{server.name} {cause}; restarting it ({restarts}/{limit})")
+                await asyncio.to_thread(_kill_group, server.name, server.proc)
                 self._spawn(server)  # on the loop's thread, which its death signal follows
                 cause = await self._restarted(server, ep, client, http)
             client.mark_up(ep)
             on_change(server.url, True, restarts, f"restarted, at version {ep.version}")
-            report(f"orch: vLLM server {server.index} ({server.url}) is back, at version {ep.version}")
+            report(f"orch: {server.name} is back, at version {ep.version}")
 
     async def _fault(self, server: Server, http: httpx.AsyncClient) -> str | None:
         """Why `server` cannot serve (None: it can): it exited, or missed its health deadline."""
@@ -302,9 +308,11 @@ class VllmLauncher:
             answer = await http.get(server.url + "/health")
         except httpx.TimeoutException:
             return f"did not answer /health within {self.launch.health_timeout_s:g}s (frozen)"
-        except httpx.HTTPError as err:  # its process may be dying: its guard tells within a poll
-            await asyncio.sleep(GUARD_POLL_S)
-            return self._exit_of(server) or f"/health failed ({type(err).__name__}: {err})"
+        except httpx.HTTPError as err:  # its process may be dying: its guard's exit says how
+            deadline = time.monotonic() + GUARD_EXIT_S
+            while (exited := self._exit_of(server)) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return exited or f"/health failed ({type(err).__name__}: {err})"
         return None if answer.status_code == 200 else f"/health answered HTTP {answer.status_code}"
 
     @staticmethod
@@ -340,7 +348,7 @@ class VllmLauncher:
     def stop(self) -> None:
         """Every server stopped (:func:`stop_guarded`)."""
         stop_guarded(
-            [(f"vLLM server {s.index} ({s.url})", s.proc) for s in self.servers if s.proc is not None],
+            [(s.name, s.proc) for s in self.servers if s.proc is not None],
             self.launch.stop_timeout_s,
         )
 
@@ -407,7 +415,7 @@ def stop_guarded(named: list[tuple[str, subprocess.Popen]], stop_timeout_s: floa
         # A stopped guard (SIGSTOP, a debugger) would take the SIGTERM only once continued:
         # the wait below would last the whole stop timeout.
         _signal_group(proc, signal.SIGCONT)
-    bound_s = stop_timeout_s + REAP_BOUND_S
+    bound_s = stop_timeout_s + REAP_BOUND_S + GUARD_EXIT_S  # the guard's own bounds, and its poll
     deadline = time.monotonic() + bound_s
     for name, proc in named:
         try:

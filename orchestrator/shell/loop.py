@@ -27,7 +27,7 @@ from orchestrator.core.decide import decide
 from orchestrator.core.state import REDUCER_VERSION, Group, ShippedSample, State, Trace, state_bytes
 from orchestrator.effects import perform
 from orchestrator.notices import warn
-from orchestrator.rundir import atomic_write_bytes, batch_path
+from orchestrator.rundir import atomic_write_bytes, batch_path, batch_steps_on_disk
 from orchestrator.shell.evals import eval_request, eval_result
 from orchestrator.shell.zero_output import NO_SAMPLE_ERROR, ZeroOutputWitness
 from orchestrator.tasks import TaskOwner
@@ -122,6 +122,7 @@ class Orchestrator:
         self._batches_to_write: list[tuple[int, bytes]] = []
         self._batches_to_announce: list[ev.BatchShipped] = []
         self._versions_published: list[int] = []
+        self._unremovable_batches: set[int] = set()  # trained batch files whose removal failed (said once)
         self._drain_due = self._snapshot_due = False
         trainer.report_restarts_to(self.trainer_restarted)
 
@@ -294,6 +295,8 @@ class Orchestrator:
         batches, self._batches_to_write = self._batches_to_write, []
         if batches:  # file I/O off the loop thread; the trainer hears of them afterwards
             await asyncio.to_thread(self._write_batches, batches)
+        if versions:
+            await asyncio.to_thread(self.remove_trained_batches)
         announced, self._batches_to_announce = self._batches_to_announce, []
         for e in announced:
             self.trainer.batch_written(e.step, e.sha256)
@@ -379,6 +382,22 @@ class Orchestrator:
             atomic_write_bytes(path, payload, durable=False)
         except OSError as err:
             raise BatchWriteError(f"cannot write the batch file {path}: {err.strerror or err}") from err
+
+    def remove_trained_batches(self) -> None:
+        """log.batch_files until_trained: the batch files of the steps the published version has
+        trained on are removed (the trainer checkpoints a step before it publishes it, so no
+        restart reads them again; docs/resume.md). Only untrained batches stay in the directory,
+        a few, so listing it is cheap."""
+        if self.config.log.batch_files != "until_trained":
+            return
+        for step in batch_steps_on_disk(self.run_dir):
+            if step <= self.state.version and step not in self._unremovable_batches:
+                path = batch_path(self.run_dir, step)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as err:  # a file left is disk used, not a wrong run: said once, not raised
+                    self._unremovable_batches.add(step)
+                    warn(f"cannot remove the trained batch file {path}: {err.strerror or err}")
 
     def rematerialize_batches(self) -> int:
         """Resume: rewrite shipped-but-untrained batch files that are missing or partial. Called

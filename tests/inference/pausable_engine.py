@@ -41,6 +41,7 @@ class PausableEngine:
     version: int = 0
     fail_after_next_resume: bool = False
     failed_resets: int = 0  # the next resets of the prefix cache that fail (success false)
+    failed_reloads: int = 0  # the next reloads that fail (HTTP 500), the weights unchanged
     stagger: int = 0  # choice c of a request starts sampling c * stagger steps after choice 0
     failing: bool = False
     # requests are admitted only once the engine holds this version: a test keeps a request
@@ -118,6 +119,9 @@ class PausableEngine:
 
     async def reload(self, request: Request) -> JSONResponse:
         assert self.paused
+        if self.failed_reloads:
+            self.failed_reloads -= 1
+            return JSONResponse({"error": "reload failed"}, status_code=500)
         path = (await request.json())["kwargs"]["weights_path"]
         self.version = int(Path(path).name.split("_")[1])
         return JSONResponse({})

@@ -8,56 +8,15 @@ their version (tests/inference/pausable_engine.py)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import pytest
 
 from orchestrator.envs.server import running_server
-from orchestrator.inference.client import InferenceClient
+from orchestrator.inference.client import InferenceClient, InferenceError
 from orchestrator.inference.endpoints_config import EndpointsSettings, RouterSection
-from orchestrator.inference.vllm_launch import free_port
 from tests.inference.pausable_engine import PausableEngine, logprob_of, token_of
 from tests.inference.test_interrupt import per_token
-from tests.inference.util import run, weight_dirs
-
-ROUTER_READY_S = 60.0
-
-
-@contextlib.contextmanager
-def vllm_router(workers: list[str], log_path) -> Iterator[str]:
-    """A vllm-router process (consistent_hash) over `workers`, its URL once it answers /health;
-    stopped (SIGTERM, then SIGKILL after 10 s) at the end."""
-    binary = Path(sys.executable).parent / "vllm-router"  # the venv's, installed by pip install -e '.[dev]'
-    assert binary.exists(), f"vllm-router is not installed beside {sys.executable} (pip install -e '.[dev]')"
-    port, metrics_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    command = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", "consistent_hash"]
-    command += ["--prometheus-port", str(metrics_port)]  # its default port is one for the whole machine
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*command, "--worker-urls", *workers], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ROUTER_READY_S
-        while True:
-            assert proc.poll() is None, f"vllm-router exited with code {proc.returncode} (log: {log_path})"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"vllm-router not serving {url}/health within {ROUTER_READY_S:g}s"
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+from tests.inference.util import run, vllm_router, weight_dirs
 
 
 def test_through_a_sticky_router_each_group_stays_on_one_engine_and_every_token_has_its_version(tmp_path):
@@ -105,6 +64,32 @@ def test_through_a_sticky_router_each_group_stays_on_one_engine_and_every_token_
     assert {index for on in served_by.values() for index in on} == {0, 1}  # 16 groups hashed over both
 
 
+def test_an_engine_that_fails_a_load_the_other_took_makes_the_next_request_reload_both(tmp_path):
+    """Engines at mixed versions: the router's load fails, its version unknown, and its next
+    request reloads every engine first, so that request samples with the new version only."""
+    engines, dirs = [PausableEngine(), PausableEngine()], weight_dirs(tmp_path, range(2))
+
+    async def main(router: str, engine_urls: list[str]):
+        routers = [RouterSection(url=router, engines=engine_urls)]
+        async with InferenceClient([], weight_sync="vllm_reload", update_mode="interrupt", routers=routers) as client:
+            await client.load(0, dirs[0])
+            engines[1].failed_reloads = 1
+            with pytest.raises(InferenceError) as failed:
+                await client.load(1, dirs[1])
+            versions_after_the_failure = [e.version for e in engines]
+            completion = await client.complete([0, 1, 2], max_tokens=5, seed=1, pin="g0")
+            return str(failed.value), versions_after_the_failure, completion
+
+    with running_server(engines[0].app()) as first, running_server(engines[1].app()) as second:
+        urls = [first.base_url, second.base_url]
+        with vllm_router(urls, tmp_path / "router.log") as router:
+            failure, mixed, completion = run(main(router, urls))
+    assert mixed == [1, 0]  # the first engine took version 1, the second did not
+    assert "/collective_rpc failed on some of its engines, not all" in failure and urls[1] in failure
+    assert [e.version for e in engines] == [1, 1] and not any(e.paused for e in engines)
+    assert completion.choices[0].token_ids == [token_of(1)] * 5 and completion.policy_start == 1
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -115,6 +100,10 @@ def test_through_a_sticky_router_each_group_stays_on_one_engine_and_every_token_
         (
             {"routers": [{"url": "http://r:1", "engines": ["not a url"]}], "weight_sync": "vllm_reload"},
             "not a url",
+        ),
+        (
+            {"routers": [{"url": "http://r:1", "engines": ["http://e:1"]}], "endpoints": ["http://e:1/"]},
+            "endpoints 'http://e:1/' and 'http://e:1' are the same",
         ),
         (
             {"routers": [{"url": "http://r:1", "engines": ["http://e:1"]}], "launch": {"servers": 1}},

@@ -124,7 +124,7 @@ def _stop_a_stopped_guard(proc: subprocess.Popen) -> None:
         assert time.monotonic() < deadline, "the guard did not stop"
         time.sleep(0.01)
     launcher = SimpleNamespace(
-        servers=[SimpleNamespace(proc=proc, index=0, url="http://127.0.0.1:1")],
+        servers=[SimpleNamespace(proc=proc, name="vLLM server 0 (http://127.0.0.1:1)")],
         launch=SimpleNamespace(stop_timeout_s=60.0),
     )
     start = time.monotonic()

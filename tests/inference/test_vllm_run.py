@@ -113,6 +113,9 @@ def run(tmp_path_factory):
     first = Segment(out, "first", "--runs-dir", str(out), "--name", "r", "--max-steps", str(MAX_STEPS), *config)
     try:
         first.wait_for(run_dir, "batch_shipped", rng.randint(2, 5))
+        # the resumed segments are to serve a trained version (test_each_resumed_segment_...):
+        # batch 2 may ship before version 1 is out
+        first.wait_for(run_dir, "version_published", 1, version=1)
         time.sleep(rng.uniform(0, 2))
         left["first"] = first.kill()
 

@@ -9,11 +9,13 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import torch
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,6 +25,7 @@ from starlette.routing import Route
 torch.set_num_threads(1)
 
 from orchestrator.envs.server import running_server  # noqa: E402
+from orchestrator.inference.vllm_launch import free_port  # noqa: E402
 from orchestrator.rundir import mark_stable, weights_dir  # noqa: E402
 from orchestrator.serve.policy import PolicyConfig, build_policy, save_weights  # noqa: E402
 from orchestrator.serve.server import PolicyServer, create_app  # noqa: E402
@@ -238,3 +241,37 @@ def replaying_vllm(calls: list[str], dev_mode: bool = True) -> Starlette:
         return JSONResponse({"detail": "Not Found"}, status_code=404)
 
     return Starlette(routes=[Route("/{path:path}", handle, methods=["GET", "POST"])])
+
+
+ROUTER_READY_S = 60.0
+
+
+@contextlib.contextmanager
+def vllm_router(workers: list[str], log_path: Path) -> Iterator[str]:
+    """A vllm-router process (consistent_hash) over `workers`, its URL once it answers /health;
+    stopped (SIGTERM, then SIGKILL after 10 s) at the end."""
+    binary = Path(sys.executable).parent / "vllm-router"  # the venv's, installed by pip install -e '.[dev]'
+    assert binary.exists(), f"vllm-router is not installed beside {sys.executable} (pip install -e '.[dev]')"
+    port, metrics_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    command = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", "consistent_hash"]
+    command += ["--prometheus-port", str(metrics_port)]  # its default port is one for the whole machine
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*command, "--worker-urls", *workers], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ROUTER_READY_S
+        while True:
+            assert proc.poll() is None, f"vllm-router exited with code {proc.returncode} (log: {log_path})"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"vllm-router not serving {url}/health within {ROUTER_READY_S:g}s"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -28,7 +28,7 @@ from orchestrator.nemo_gym.config import NemoGymSettings, load_servers, read_row
 from orchestrator.nemo_gym.servers import NemoGymServers
 from tests.inference.vllm_util import needs_vllm, tiny_model
 from tests.support.cli import orch, orch_argv, wait_until
-from tests.support.logs import assert_log_invariants
+from tests.support.logs import assert_log_invariants, count_events
 from tests.support.runs import sets
 from tests.verifiers.util import EXAMPLES, RecordingProxy, events, orch_env
 
@@ -90,7 +90,7 @@ def resumed(vllm_reload_server, tmp_path_factory):
         )
         try:
             wait_until(
-                lambda: (run_dir / "batches" / "step_1.safetensors").exists() or proc.poll() is not None,
+                lambda: count_events(run_dir, "batch_shipped") >= 1 or proc.poll() is not None,
                 RUN_TIMEOUT_S,
                 "the first batch shipped",
             )

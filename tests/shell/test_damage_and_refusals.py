@@ -19,7 +19,7 @@ from tests.support.cli import orch
 
 def _fake_run(tmp_path: Path, steps: int = 5) -> Path:
     args = ("--env", "fake", "--trainer", "fake", "--max-steps", str(steps), "--runs-dir", str(tmp_path))
-    done = orch("run", *args, "--name", "r")
+    done = orch("run", *args, "--name", "r", "--set", "log.batch_files=keep")  # a format-2 check reads them
     assert done.returncode == 0, done.stderr
     return tmp_path / "r"
 

@@ -52,6 +52,7 @@ def test_a_run_of_several_samples_per_episode_ships_whole_groups_weighed_per_epi
     result = orch(
         *fake_run_args(tmp_path, "r", steps=steps),
         *sets("batch.size=32", "batch.cut=groups", "env.fake.samples_per_episode=3", "zero_output_batches=100000"),
+        *sets("log.batch_files=keep"),  # read back below
     )
     assert result.returncode == 0, result.stderr
     assert_log_invariants(tmp_path / "r", steps, max_off_policy=2, target_lag=1)
@@ -258,7 +259,7 @@ def test_an_interrupt_before_the_run_starts_exits_130_with_one_line(tmp_path, mo
 def test_a_batch_file_past_the_logs_last_shipped_step_refuses_the_resume(tmp_path):
     """Batch files are written after their batch_shipped is committed: one past the log's last
     shipped step means the log lost committed events. Not overwritten: the trainer may have used it."""
-    assert _fake_run(tmp_path, "r", "--max-steps", "2").returncode == 0
+    assert _fake_run(tmp_path, "r", "--max-steps", "2", *sets("log.batch_files=keep")).returncode == 0
     batches = tmp_path / "r" / "batches"
     (batches / "step_4.safetensors").write_bytes((batches / "step_2.safetensors").read_bytes())
     result = orch("run", "--resume", str(tmp_path / "r"), "--max-steps", "6")

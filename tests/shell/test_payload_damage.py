@@ -32,7 +32,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("runs")
-    done = orch("run", *LONG_INLINE, "--max-steps", "3", "--runs-dir", str(runs), "--name", "long")
+    keep = ("--set", "log.batch_files=keep")  # its copies' resumes check every batch file they ship
+    done = orch("run", *LONG_INLINE, *keep, "--max-steps", "3", "--runs-dir", str(runs), "--name", "long")
     assert done.returncode == 0, done.stderr
     return runs / "long"
 

@@ -39,8 +39,11 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
             (seq,),
         ).fetchone()
         assert version >= step - 1 - target_lag, f"batch {step} shipped before version {step - 1 - target_lag}"
-        payload = (run_dir / "batches" / f"step_{step}.safetensors").read_bytes()
-        assert hashlib.sha256(payload).hexdigest() == sha
+        path = run_dir / "batches" / f"step_{step}.safetensors"
+        if batch_files_kept(db):
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == sha
+        else:  # removed once the version trained on it was published: every step, by the run's end
+            assert not path.exists(), f"{path} outlived the publication of the version trained on it"
     last_kind, reason = db.execute(
         "SELECT kind, json_extract(data, '$.reason') FROM events ORDER BY seq DESC LIMIT 1"
     ).fetchone()
@@ -50,6 +53,12 @@ def assert_log_invariants(run_dir: Path, max_steps: int, max_off_policy: int, ta
     holds, terms = conservation(state)
     assert holds, terms
     assert state.acct.completed_samples == terms["shipped"] + terms["dropped"]  # nothing left behind
+
+
+def batch_files_kept(db: sqlite3.Connection) -> bool:
+    """Does the run keep its batch files (log.batch_files = "keep", as it was created)?"""
+    (config,) = db.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
+    return orjson.loads(config)["log"].get("batch_files") == "keep"
 
 
 def count_events(run_dir: Path, kind: str, **fields: object) -> int:

@@ -43,6 +43,7 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 RUN_TIMEOUT_S = 600  # a hang guard: a 3-step run takes about a minute on an idle 2-core machine
 KILLED_STEPS = 3
 TWO_AGENTS = ["--set", "env.verifiers.taskset=orch_test_two_agents"]
+KEEP_BATCHES = ["--set", "log.batch_files=keep"]  # the tests read each sample's weight back from them
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +168,7 @@ def resumed(served, tmp_path_factory):
         "--max-steps",
         str(KILLED_STEPS),
         *TWO_AGENTS,
+        *KEEP_BATCHES,
     )
     proc = subprocess.Popen(
         cmd, env=orch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -295,6 +297,7 @@ def test_a_split_episode_trains_every_branch_exactly_as_vllm_sampled_it(tmp_path
         *["--set", f"model.path={stripping}", "--set", f"inference.openai.model={model}"],
         *["--set", f'env.verifiers.held_out={{"idx": ["0:{HELD_OUT}"]}}', "--set", 'eval.envs=["verifiers"]'],
         *["--set", f"eval.num_tasks={HELD_OUT}", "--set", "eval.samples_per_task=2"],
+        *KEEP_BATCHES,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     run_dir = tmp_path / "split"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from orchestrator.inference.errors import InferenceRequestError
+from orchestrator.inference.errors import InferenceRequestError, Retryable
 
 
 class SyncedEndpoint(Protocol):
@@ -69,15 +69,23 @@ async def on_each_engine(
     text: bool = False,
 ) -> list[Any]:
     """The call on every engine whose weights `ep` serves (a router's engines, else `ep` itself),
-    all at once; their answers, in order. Every call ends (each has its timeout) before the
-    first failure is raised, so none is left running."""
+    all at once; their answers, in order. Every call ends (each has its timeout) before a
+    failure is raised, so none is left running. Some engines failing where others succeeded is
+    Retryable: the router's engines may now differ, so it is marked down, its version unknown,
+    and its next request loads every engine again."""
     answers = await asyncio.gather(
         *(client.call(ep, method, path, body, timeout, text, base=url) for url in ep.admin_urls),
         return_exceptions=True,
     )
-    for answer in answers:
-        if isinstance(answer, BaseException):
+    failed = [(url, a) for url, a in zip(ep.admin_urls, answers, strict=True) if isinstance(a, BaseException)]
+    for _url, answer in failed:
+        if not isinstance(answer, Exception):  # a cancel (a stop) is a cancel, whatever else failed
             raise answer
+    if failed and len(failed) < len(answers):
+        what = "; ".join(f"{url}: {error}" for url, error in failed)
+        raise Retryable(f"{ep.url}: {path} failed on some of its engines, not all ({what})", "engine mismatch")
+    if failed:
+        raise failed[0][1]
     return list(answers)
 
 
