@@ -60,21 +60,15 @@ class WeightSyncClient(Protocol[EndpointT]):
 
 
 async def on_each_engine(
-    client: WeightSyncClient[EndpointT],
-    ep: EndpointT,
-    method: str,
-    path: str,
-    body: Any = None,
-    timeout: float | None = None,
-    text: bool = False,
+    client: WeightSyncClient[EndpointT], ep: EndpointT, method: str, path: str, *args: Any, **options: Any
 ) -> list[Any]:
-    """The call on every engine whose weights `ep` serves (a router's engines, else `ep` itself),
-    all at once; their answers, in order. Every call ends (each has its timeout) before a
-    failure is raised, so none is left running. Some engines failing where others succeeded is
-    Retryable: the router's engines may now differ, so it is marked down, its version unknown,
-    and its next request loads every engine again."""
+    """`client.call(ep, method, path, *args, **options)` on every engine whose weights `ep` serves
+    (a router's engines, else `ep` itself), all at once; their answers, in order. Every call ends
+    (each has its timeout) before a failure is raised, so none is left running. Some engines
+    failing where others succeeded is Retryable: the router's engines may now differ, so it is
+    marked down, its version unknown, and its next request loads every engine again."""
     answers = await asyncio.gather(
-        *(client.call(ep, method, path, body, timeout, text, base=url) for url in ep.admin_urls),
+        *(client.call(ep, method, path, *args, **options, base=url) for url in ep.admin_urls),
         return_exceptions=True,
     )
     failed = [(url, a) for url, a in zip(ep.admin_urls, answers, strict=True) if isinstance(a, BaseException)]
