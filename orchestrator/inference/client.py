@@ -50,10 +50,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
 import logging
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -1028,9 +1030,16 @@ def continuation_seed(seed: int, choice: int, tokens_so_far: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """The TLS settings every pool shares: httpx builds a context per transport otherwise, which
+    takes milliseconds of the event loop each time a shard is made (.pool)."""
+    return httpx.create_ssl_context(trust_env=False)
+
+
 def _transport(max_connections: int | None) -> httpx.AsyncHTTPTransport:
     """An httpcore pool of at most `max_connections` (None: no cap), idle ones expired at KEEPALIVE_S."""
-    return httpx.AsyncHTTPTransport(retries=0, limits=pool_limits(max_connections))
+    return httpx.AsyncHTTPTransport(retries=0, limits=pool_limits(max_connections), verify=_ssl_context())
 
 
 def _origin(url: str) -> str:

@@ -11,7 +11,7 @@ from orchestrator.contracts import Section
 from orchestrator.urls import endpoint_base_urls
 
 VLLM_MODES = ("vllm_reload", "vllm_lora")  # weight syncs of a vLLM server, which serves an HF model dir
-STREAM_INTERVAL = 8  # tokens per streamed chunk asked of vLLM; 1 sends no field (docs/vllm.md, "Streamed chunks")
+STREAM_INTERVAL = 64  # tokens per streamed chunk asked of vLLM; 1 sends no field (docs/vllm.md, "Streamed chunks")
 
 
 class LaunchSection(Section):
@@ -131,7 +131,7 @@ class EndpointsSettings(Section):
         description="tokens per streamed chunk that vLLM sends, asked as the request field stream_interval "
         "in every streamed request (update_mode interrupt streams its /v1/completions calls; nothing else "
         "is streamed): the first and last tokens, and every token on an abort, come at once; the versions "
-        "stay exact; 1: no field sent, one chunk per token",
+        "stay exact; each chunk must come within request_timeout_s; 1: no field sent, one chunk per token",
     )
     routers: list[RouterSection] = Field(
         default_factory=list,

@@ -2,10 +2,12 @@
 pool bookkeeping does not grow with the endpoint's connections.
 
 httpcore scans every connection of its pool, and every request queued on it, at each request's
-start and end: with hundreds of streams in flight on one pool that scan is most of a short
-request's cost, and the whole is quadratic in the streams. Here each shard takes at most
-`SHARD_CONNECTIONS` requests at once; a request goes to the shard with the fewest requests in
-flight that has room (a new shard when none has), so each scan is over one shard. Caps on
+start and end (for each idle connection it counts the idle ones again: quadratic in the pool's
+connections), so with hundreds of streams in flight on one pool that scan is most of a request's
+cost. Here each shard takes at most `SHARD_CONNECTIONS` requests at once, few enough that the
+scan is cheap; shards are cheap to make (they share one TLS context). A request goes to the
+shard with the fewest requests in flight that has room (a new shard when none has), so each scan
+is over one shard. Caps on
 connections are the client's (`InferenceClient`'s slots), not the shards': a shard's pool has no
 cap of its own, so it never makes a request wait.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import httpx
 
-SHARD_CONNECTIONS = 32
+SHARD_CONNECTIONS = 4
 
 
 @dataclass(eq=False)

@@ -76,8 +76,11 @@ def _int(body: dict, key: str, default: int | None, lo: int, hi: int | None = No
     return value
 
 
+_INT_ONLY = frozenset({int})
+
+
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(type(t) is int for t in value)  # JSON ints; not bools
+    return isinstance(value, list) and _INT_ONLY.issuperset(map(type, value))  # JSON ints; not bools
 
 
 def parse_completion_request(body: Any) -> CompletionParams:
@@ -242,7 +245,7 @@ def _logprobs(logprobs: list, where: str) -> list[float]:
         values is not None
         and values == values  # no NaN
         and (not values or (max(values) <= 1e-6 and min(values) > -math.inf))
-        and not any(type(lp) is bool for lp in logprobs)
+        and bool not in set(map(type, logprobs))
     ):
         clean = values.tolist()
         return [min(lp, 0.0) for lp in clean] if clean and max(clean) > 0.0 else clean
