@@ -667,9 +667,10 @@ class EventLog(Recorder):
             for first in range(0, len(wanted), _MAX_ROWS_PER_INSERT):
                 chunk = wanted[first : first + _MAX_ROWS_PER_INSERT]
                 marks = ",".join("?" * len(chunk))
-                sql = (
+                sql = (  # a row dropped already is not read again (a resume's pass asks for them all)
                     f"SELECT seq, ts, kind, CAST(data AS BLOB), {self._payload_expr} FROM events"
-                    f" WHERE (payload IS NOT NULL OR payload_ref IS NOT NULL) AND seq IN ({marks})"
+                    " WHERE (payload IS NOT NULL OR payload_ref IS NOT NULL)"
+                    f" AND coalesce(payload_ref, '') NOT LIKE '{fileformat.DROPPED_PREFIX}%' AND seq IN ({marks})"
                 )
                 stored = (self._dropped_row(row, side_files) for row in conn.execute(sql, chunk).fetchall())
                 rows = [row for row in stored if row is not None]
@@ -689,8 +690,6 @@ class EventLog(Recorder):
         """The row as a drop stores it (payload NULL, its reference `dropped:<sha256>`, its
         checksum over that); None for a row left as it is."""
         seq, ts, kind, data, payload, ref, check = row
-        if dropped_sha256(ref) is not None:
-            return None
         if self.row_hashes and check != _stored_row_hash(kind, data, payload, ref):
             return None  # damage stays visible as damage: a new checksum would hide it
         if ref is None:
