@@ -17,9 +17,10 @@ from .codec import canonical_json
 from .errors import *  # noqa: F403 - the typed errors, listed in errors.__all__
 from .fileformat import FORMAT_VERSION, MAGIC
 from .log import EventLog, Record, Snapshot, VerifyReport
-from .recorder import Recorder
+from .recorder import DroppedPayload, Recorder
 
 __all__ = [
+    "DroppedPayload",
     "EventLog",
     "Record",
     "Recorder",

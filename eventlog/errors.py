@@ -14,6 +14,7 @@ __all__ = [
     "OlderFormatError",
     "CorruptLogError",
     "DamagedSnapshotsError",
+    "PayloadDroppedError",
     "WriterLockedError",
     "ReadOnlyLocationError",
     "StorageError",
@@ -53,6 +54,11 @@ class CorruptLogError(LogError):
 class DamagedSnapshotsError(CorruptLogError):
     """Only the snapshots table (a cache of folded states) is damaged; the events are intact.
     A writer's open rebuilds the file without them (:mod:`eventlog.repair`)."""
+
+
+class PayloadDroppedError(LogError):
+    """The payload asked for was dropped (``EventLog.drop_payloads``): its row keeps the payload's
+    sha256, not its bytes. Not damage: the row still verifies."""
 
 
 class WriterLockedError(LogError):

@@ -45,6 +45,21 @@ SCHEMA = (
     "CREATE TABLE snapshots(seq INTEGER PRIMARY KEY, reducer_version TEXT, state_hash TEXT, state BLOB)",
 )
 
+# A dropped payload's `payload_ref` (docs/log-format.md, "Dropped token arrays"): this prefix,
+# then the sha256 of the payload's bytes. A side file's reference starts with 64 hex digits, never
+# with this.
+DROPPED_PREFIX = "dropped:"
+
+
+def dropped_ref(sha256_hex: str) -> str:
+    return DROPPED_PREFIX + sha256_hex
+
+
+def dropped_sha256(ref: str | None) -> str | None:
+    """The sha256 a dropped payload's reference keeps; None for any other reference."""
+    return ref[len(DROPPED_PREFIX) :] if ref is not None and ref.startswith(DROPPED_PREFIX) else None
+
+
 # New logs use 16 KiB pages: a sequential read of the log (a fold) walks a quarter as many
 # pages as with SQLite's 4 KiB default (bench/test_replay_bench.py measures the fold).
 PAGE_SIZE = 16384

@@ -50,19 +50,21 @@ from .errors import (
     LogExistsError,
     LogNotFoundError,
     NotWriterError,
+    PayloadDroppedError,
     ReadOnlyLocationError,
     StorageError,
 )
 from .fileformat import data_hash as _data_hash
 from .fileformat import data_seed as _data_seed
+from .fileformat import dropped_ref, dropped_sha256
 from .fileformat import finish_row_hash as _finish_row_hash
 from .fileformat import stored_row_hash as _stored_row_hash
 from .lock import WriterLock
-from .recorder import BODIES_CHUNK, Record, Recorder, Snapshot
+from .recorder import BODIES_CHUNK, DroppedPayload, Record, Recorder, Snapshot, dropped_line
 from .repair import rebuild_without_snapshots
 from .sidefiles import SIDE_FILE_BYTES, read_side_payload, remove_orphans, side_dir, write_side_file
 
-__all__ = ["EventLog", "Record", "Snapshot", "VerifyReport"]
+__all__ = ["DroppedPayload", "EventLog", "Record", "Snapshot", "VerifyReport"]
 
 _SYNC = {"full": "FULL", "normal": "NORMAL"}
 # A commit inserts its rows in multi-row statements of a power-of-two size, not one statement
@@ -528,14 +530,26 @@ class EventLog(Recorder):
             yield from rows
 
     def read_rows(
-        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 256
-    ) -> Iterator[tuple[int, float, str, bytes, bytes | None]]:
+        self,
+        start: int = 1,
+        stop: int | None = None,
+        kinds: Iterable[str] | None = None,
+        chunk_size: int = 256,
+        dropped_as_sha256: bool = False,
+    ) -> Iterator[tuple[int, float, str, bytes, Any]]:
         """Like :meth:`read_raw`, each row with its payload: ``(seq, ts, kind, data_bytes,
-        payload or None)``. Payloads can be large: the chunks are small."""
+        payload or None)``. Payloads can be large: the chunks are small. A dropped payload raises
+        PayloadDroppedError, or with ``dropped_as_sha256`` is its DroppedPayload (its row checked
+        all the same)."""
         columns = f"seq, ts, kind, CAST(data AS BLOB), {self._payload_expr}"
         for rows in self._scan(start, stop, kinds, chunk_size, columns):
             for seq, ts, kind, data, payload, ref, check in rows:
-                yield seq, ts, kind, data, self._checked_payload(seq, kind, data, payload, ref, check)
+                sha = dropped_sha256(ref) if dropped_as_sha256 else None
+                if sha is not None:
+                    self._check_row(seq, kind, data, payload, ref, check)
+                    yield seq, ts, kind, data, DroppedPayload(sha)
+                else:
+                    yield seq, ts, kind, data, self._checked_payload(seq, kind, data, payload, ref, check)
 
     def read_bodies(
         self, start: int = 1, stop: int | None = None, chunk_size: int = BODIES_CHUNK
@@ -619,9 +633,81 @@ class EventLog(Recorder):
     ) -> bytes | None:
         """A row's payload, the row checked against its `row_hash` (a log of format 2 has none:
         read unchecked), a side file's piece against the sha256 its reference holds."""
+        self._check_row(seq, kind, data, payload, ref, check)
+        if ref is None:
+            return payload
+        sha = dropped_sha256(ref)
+        if sha is not None:
+            raise PayloadDroppedError(dropped_line(self.path, seq, sha))
+        return read_side_payload(self.path, seq, ref)
+
+    def _check_row(
+        self, seq: int, kind: str, data: bytes, payload: bytes | None, ref: str | None, check: int | None
+    ) -> None:
         if self.row_hashes and check != _stored_row_hash(kind, data, payload, ref):
             raise CorruptLogError(row_damage(self.path, seq, check))
-        return payload if ref is None else read_side_payload(self.path, seq, ref)
+
+    def drop_payloads(self, seqs: Iterable[int]) -> list[int]:
+        """Drop the payloads of the committed rows ``seqs`` in one transaction: each row's
+        ``payload`` becomes NULL and its ``payload_ref`` ``dropped:<sha256 of the payload>``, its
+        checksum taken again over that reference (docs/log-format.md, "Dropped token arrays"), so
+        the row still verifies and still says what it held. Return the seqs dropped, in order. A
+        row without a payload, or already dropped, is left as it is; so is one that fails its
+        checksum: its damage is named by the reads and checks that find it, never hashed over. A
+        side file every piece of which is dropped is deleted after the commit (a crash in
+        between leaves it unreferenced: the next writer's open deletes it)."""
+        self._require_writer()
+        wanted = sorted({seq for seq in seqs if 1 <= seq <= self._last})
+        dropped: list[tuple] = []
+        side_files: set[str] = set()
+
+        def work(conn: sqlite3.Connection) -> None:
+            dropped.clear()
+            side_files.clear()
+            for first in range(0, len(wanted), _MAX_ROWS_PER_INSERT):
+                chunk = wanted[first : first + _MAX_ROWS_PER_INSERT]
+                marks = ",".join("?" * len(chunk))
+                sql = (  # a row dropped already is not read again (a resume's pass asks for them all)
+                    f"SELECT seq, ts, kind, CAST(data AS BLOB), {self._payload_expr} FROM events"
+                    " WHERE (payload IS NOT NULL OR payload_ref IS NOT NULL)"
+                    f" AND coalesce(payload_ref, '') NOT LIKE '{fileformat.DROPPED_PREFIX}%' AND seq IN ({marks})"
+                )
+                stored = (self._dropped_row(row, side_files) for row in conn.execute(sql, chunk).fetchall())
+                rows = [row for row in stored if row is not None]
+                # Deleted and inserted again, not updated in place: an UPDATE that shrinks a row
+                # leaves its b-tree page as sparse as it made it, while a delete lets SQLite merge
+                # the emptied pages, so the file stops growing (bench/test_rundir_bench.py).
+                conn.executemany("DELETE FROM events WHERE seq = ?", [(row[0],) for row in rows])
+                _insert_rows(conn, rows)
+                dropped.extend(rows)
+
+        self._transact(work)
+        if side_files:
+            remove_orphans(self.path, _referenced_side_files(self._live_conn()))
+        return [row[0] for row in dropped]
+
+    def _dropped_row(self, row: tuple, side_files: set[str]) -> tuple | None:
+        """The row as a drop stores it (payload NULL, its reference `dropped:<sha256>`, its
+        checksum over that); None for a row left as it is."""
+        seq, ts, kind, data, payload, ref, check = row
+        if self.row_hashes and check != _stored_row_hash(kind, data, payload, ref):
+            return None  # damage stays visible as damage: a new checksum would hide it
+        if ref is None:
+            sha = hashlib.sha256(payload).hexdigest()
+        else:  # name:offset:length:sha256, checked by the row's checksum
+            parts = ref.split(":")
+            if len(parts) != 4:
+                return None  # not a reference this code wrote: its read names it
+            side_files.add(parts[0])
+            sha = parts[3]
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            return None  # not what an append stores: damage, named where it is read
+        new_ref = dropped_ref(sha)
+        if not self.row_hashes:
+            return (seq, ts, kind, text, None, new_ref)
+        return (seq, ts, kind, text, None, new_ref, _stored_row_hash(kind, data, None, new_ref))
 
     def damaged_rows(self, stop: int | None = None, payloads_only: bool = False) -> dict[int, str]:
         """Every row (seqs up to ``stop``; ``payloads_only``: of the rows with a payload) whose
@@ -704,7 +790,8 @@ class EventLog(Recorder):
 
     def verify(self) -> VerifyReport:
         """Full check: PRAGMA integrity_check, format marks, seq contiguous from 1, every side-file
-        payload present with its sha256."""
+        payload present with its sha256 (a dropped payload has none to check: its row's checksum
+        covers the sha256 it keeps)."""
         report = VerifyReport(self.path)
         conn = self._read_conn()
         try:
@@ -986,14 +1073,16 @@ def _check_format(conn: sqlite3.Connection, report: VerifyReport) -> None:
 
 def _referenced_side_files(conn: sqlite3.Connection) -> set[str]:
     rows = conn.execute(
-        "SELECT DISTINCT substr(payload_ref, 1, instr(payload_ref, ':') - 1) FROM events WHERE payload_ref IS NOT NULL"
+        "SELECT DISTINCT substr(payload_ref, 1, instr(payload_ref, ':') - 1) FROM events"
+        f" WHERE payload_ref IS NOT NULL AND payload_ref NOT LIKE '{fileformat.DROPPED_PREFIX}%'"
     )
     return {name for (name,) in rows}
 
 
 def _check_side_files(conn: sqlite3.Connection, report: VerifyReport, up_to: int | None) -> None:
     rows = conn.execute(
-        "SELECT seq, payload_ref FROM events WHERE payload_ref IS NOT NULL AND seq <= ? ORDER BY seq",
+        "SELECT seq, payload_ref FROM events WHERE payload_ref IS NOT NULL AND seq <= ?"
+        f" AND payload_ref NOT LIKE '{fileformat.DROPPED_PREFIX}%' ORDER BY seq",
         (_MAX_SEQ if up_to is None else up_to,),
     )
     for seq, ref in rows:

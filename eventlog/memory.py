@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 
 from .codec import encode
-from .errors import InvalidArgumentError, InvalidEventError, LogClosedError
+from .errors import InvalidArgumentError, InvalidEventError, LogClosedError, PayloadDroppedError
 from .log import payload_bytes
-from .recorder import BODIES_CHUNK, Record, Recorder, Snapshot
+from .recorder import BODIES_CHUNK, DroppedPayload, Record, Recorder, Snapshot, dropped_line
 
 
 def _check_chunk_size(chunk_size: int) -> None:
@@ -26,13 +26,20 @@ def _check_chunk_size(chunk_size: int) -> None:
         raise InvalidArgumentError(f"chunk_size must be >= 1, not {chunk_size}")
 
 
+def _refuse_dropped(seq: int, payload: bytes | DroppedPayload | None) -> bytes | None:
+    if isinstance(payload, DroppedPayload):
+        raise PayloadDroppedError(dropped_line(MemoryLog.path, seq, payload.sha256))
+    return payload
+
+
 class MemoryLog(Recorder):
     path = ":memory:"
     is_writer = True
 
     def __init__(self) -> None:
-        self._rows: list[tuple[int, float, str, bytes, bytes | None]] = []  # committed; row i holds seq i + 1
-        self._buffer: list[tuple[int, float, str, bytes, bytes | None]] | None = []  # None once closed
+        # Committed; row i holds seq i + 1; a dropped payload is its DroppedPayload.
+        self._rows: list[tuple[int, float, str, bytes, bytes | DroppedPayload | None]] = []
+        self._buffer: list[tuple[int, float, str, bytes, bytes | DroppedPayload | None]] | None = []  # None once closed
         self._snapshots: dict[int, Snapshot] = {}
 
     @property
@@ -52,7 +59,7 @@ class MemoryLog(Recorder):
     def pending(self) -> int:
         return len(self._buffer or ())
 
-    def _open_buffer(self) -> list[tuple[int, float, str, bytes, bytes | None]]:
+    def _open_buffer(self) -> list[tuple[int, float, str, bytes, bytes | DroppedPayload | None]]:
         if self._buffer is None:
             raise LogClosedError("the in-memory log is closed")
         return self._buffer
@@ -93,34 +100,62 @@ class MemoryLog(Recorder):
 
     # --- reading -------------------------------------------------------------------------------
 
-    def _committed(self, start: int, stop: int | None) -> list[tuple[int, float, str, bytes, bytes | None]]:
+    def _committed(
+        self, start: int, stop: int | None
+    ) -> list[tuple[int, float, str, bytes, bytes | DroppedPayload | None]]:
         """Committed rows of seqs start..stop (inclusive; stop None: the last one)."""
         self._open_buffer()
         first = max(int(start), 1)
         last = len(self._rows) if stop is None else min(stop, len(self._rows))
         return self._rows[first - 1 : last]
 
-    def read_raw(
-        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
-    ) -> Iterator[tuple[int, float, str, bytes]]:
-        for seq, ts, kind, data, _payload in self.read_rows(start, stop, kinds, chunk_size):
-            yield seq, ts, kind, data
-
-    def read_rows(
-        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 256
-    ) -> Iterator[tuple[int, float, str, bytes, bytes | None]]:
+    def _of_kinds(
+        self, start: int, stop: int | None, kinds: Iterable[str] | None, chunk_size: int
+    ) -> list[tuple[int, float, str, bytes, bytes | DroppedPayload | None]]:
         _check_chunk_size(chunk_size)
         rows = self._committed(start, stop)
         if kinds is None:
-            yield from rows
-            return
+            return rows
         wanted = {kinds} if isinstance(kinds, str) else set(kinds)
-        yield from (row for row in rows if row[2] in wanted)
+        return [row for row in rows if row[2] in wanted]
+
+    def read_raw(
+        self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096
+    ) -> Iterator[tuple[int, float, str, bytes]]:
+        for seq, ts, kind, data, _payload in self._of_kinds(start, stop, kinds, chunk_size):
+            yield seq, ts, kind, data
+
+    def read_rows(
+        self,
+        start: int = 1,
+        stop: int | None = None,
+        kinds: Iterable[str] | None = None,
+        chunk_size: int = 256,
+        dropped_as_sha256: bool = False,
+    ) -> Iterator[tuple[int, float, str, bytes, bytes | DroppedPayload | None]]:
+        for row in self._of_kinds(start, stop, kinds, chunk_size):
+            if not dropped_as_sha256:
+                _refuse_dropped(row[0], row[4])
+            yield row
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
         rows = self._committed(1, None)
-        found = ((seq, rows[seq - 1][4]) for seq in seqs if 1 <= seq <= len(rows))
-        return {seq: payload for seq, payload in found if payload is not None}
+        out: dict[int, bytes] = {}
+        for seq in seqs:
+            payload = _refuse_dropped(seq, rows[seq - 1][4]) if 1 <= seq <= len(rows) else None
+            if payload is not None:
+                out[seq] = payload
+        return out
+
+    def drop_payloads(self, seqs: Iterable[int]) -> list[int]:
+        self._open_buffer()
+        rows = self._rows
+        dropped = sorted(seq for seq in set(seqs) if 1 <= seq <= len(rows) and type(rows[seq - 1][4]) is bytes)
+        for seq in dropped:
+            payload = rows[seq - 1][4]
+            assert type(payload) is bytes  # as selected above
+            rows[seq - 1] = (*rows[seq - 1][:4], DroppedPayload(hashlib.sha256(payload).hexdigest()))
+        return dropped
 
     def read(
         self, start: int = 1, stop: int | None = None, kinds: Iterable[str] | None = None, chunk_size: int = 4096

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Record", "Recorder", "Snapshot"]
+__all__ = ["DroppedPayload", "Record", "Recorder", "Snapshot"]
 
 # A fold's chunk: bodies are small, and a chunk is one statement's worth of rows.
 BODIES_CHUNK = 16384
@@ -32,6 +32,18 @@ class Snapshot(NamedTuple):
     reducer_version: str
     state_hash: str
     state: bytes
+
+
+class DroppedPayload(NamedTuple):
+    """What `read_rows(..., dropped_as_sha256=True)` yields for a payload dropped once no longer
+    needed (`drop_payloads`): the sha256 of its bytes, which its row keeps."""
+
+    sha256: str
+
+
+def dropped_line(path: str, seq: int, sha256: str) -> str:
+    """The one line a read of a dropped payload raises (PayloadDroppedError)."""
+    return f"{path}: seq {seq}: its payload was dropped once no longer needed (its sha256 {sha256} is kept)"
 
 
 class Recorder(Protocol):
@@ -60,7 +72,14 @@ class Recorder(Protocol):
         ...
 
     def read_payloads(self, seqs: Iterable[int]) -> dict[int, bytes]:
-        """The payloads of the committed events ``seqs`` that have one, by seq."""
+        """The payloads of the committed events ``seqs`` that have one, by seq; PayloadDroppedError
+        (one line) for one that was dropped."""
+        ...
+
+    def drop_payloads(self, seqs: Iterable[int]) -> list[int]:
+        """Drop the payloads of the committed events ``seqs``, each row keeping the sha256 of its
+        payload's bytes; return the seqs dropped, in order (a row without a payload, or already
+        dropped, is left as it is)."""
         ...
 
     def save_snapshot(self, seq: int, reducer_version: str, state: bytes) -> str:

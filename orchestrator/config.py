@@ -405,6 +405,14 @@ class LogConfig(_Section):
         "trainer checkpoints a step before it publishes it; a resume re-writes from the log any batch not "
         "trained yet); keep: every batch file stays (the log holds what they hold either way)",
     )
+    token_arrays: Literal["keep", "until_trained"] = Field(
+        "keep",
+        description="keep: every trace's token ids, mask and logprobs stay in the log (about 8.2 bytes per "
+        "token logged, the whole record: orch replay --episode, --check and --reexecute read them); "
+        "until_trained: an episode's arrays are dropped once no resume can need them (its samples trained on "
+        "by a published version, or dropped), each row keeping their sha256; the replays that need them "
+        "refuse in one line",
+    )
 
 
 class WandbSection(_Section):
@@ -632,6 +640,7 @@ def _resumable_fields() -> frozenset[str]:
         "log.durability",
         "log.snapshot_every",
         "log.batch_files",
+        "log.token_arrays",
         "trainer.publish_timeout_s",
         "trainer.exit_timeout_s",
         "trainer.max_restarts",

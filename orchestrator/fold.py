@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from eventlog import CorruptLogError, Recorder
+from eventlog import CorruptLogError, LogError, Recorder
 from orchestrator.core.arrays import PayloadError
 from orchestrator.core.evolve import FoldError, fold_rows
 from orchestrator.core.state import REDUCER_VERSION, State, state_from_bytes
@@ -60,22 +60,23 @@ def fold_log(log: Recorder, at: int | None = None, use_snapshots: bool = True, k
 
 
 def payload_reader_around_damage(
-    log: Recorder, unreadable: dict[int, str]
+    log: Recorder, unreadable: dict[int, str], around: tuple[type[LogError], ...] = (CorruptLogError,)
 ) -> Callable[[Iterable[int]], dict[int, bytes]]:
     """`log.read_payloads` that leaves out, rather than raises on, a payload whose side file is
-    missing or damaged, recording why in `unreadable` (seq -> the read's one line)."""
+    missing or damaged (or that raises another of `around`: an export reads past a dropped one),
+    recording why in `unreadable` (seq -> the read's one line)."""
 
     def read(seqs: Iterable[int]) -> dict[int, bytes]:
         seqs = list(seqs)
         try:
             return log.read_payloads(seqs)
-        except CorruptLogError:
+        except around:
             pass
         out: dict[int, bytes] = {}
         for seq in seqs:  # the damaged path only: one by one, to tell the lost from the rest
             try:
                 out.update(log.read_payloads([seq]))
-            except CorruptLogError as err:
+            except around as err:
                 unreadable[seq] = str(err)
         return out
 

@@ -17,7 +17,7 @@ import orjson
 from eventlog import LogError
 from replay.diff import LEVELS
 from replay.reexec import SETTLE_ORDERS
-from replay.source import ReplayInputError, one_line
+from replay.source import ReplayInputError, log_error_line, one_line
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -142,7 +142,7 @@ def replay_command(
     except ReplayInputError as err:
         _fail(str(err))
     except LogError as err:
-        _fail(str(err))
+        _fail(log_error_line(err))
     sys.exit(code)
 
 

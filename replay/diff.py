@@ -14,7 +14,8 @@ Levels (what "equivalent" means):
                  accounting totals of the folded end states.
 * ``curriculum`` the order of (env, task_id) over the `group_dispatched` decisions.
 * ``evals``      the eval results (`eval_completed`), field by field: env, pinned version, figures.
-* ``events``     every event, inputs and decisions, in order.
+* ``events``     every event, inputs and decisions, in order; a trace's token arrays too, or where
+                 either run dropped them (`log.token_arrays`), their sha256 (`payload_sha256`).
 
 Timestamps (the `ts` column) are never compared; fields that hold durations or positions in the
 log (`MASKED_FIELDS`) are masked. The first divergence is reported Temporal-replayer style: the
@@ -23,6 +24,7 @@ seq in each run, both events, and a structural diff of the fields that differ.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice, zip_longest
@@ -30,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from eventlog import EventLog
+from eventlog import DroppedPayload, EventLog
 from orchestrator.core.arrays import PayloadError, unpack
 from replay.source import ReplayInputError, guarded, row_data
 
@@ -174,16 +176,31 @@ def divergence_of(
 
 
 def _rows(log: EventLog, kinds: tuple[str, ...] | None = None, chunk_size: int = 4096) -> Iterator[tuple]:
-    """(seq, ts, kind, data, payload) rows: a trace's token arrays are compared too."""
-    return guarded(log.read_rows(kinds=kinds, chunk_size=chunk_size), log.path)
+    """(seq, ts, kind, data, payload) rows: a trace's token arrays are compared too, or where
+    either run dropped them (log.token_arrays), their sha256 (a DroppedPayload)."""
+    return guarded(log.read_rows(kinds=kinds, chunk_size=chunk_size, dropped_as_sha256=True), log.path)
+
+
+def _comparable(x: tuple, y: tuple) -> tuple[tuple, tuple]:
+    """Two rows as compared: where one run dropped a payload the other kept, the kept one is
+    compared by its sha256, as the dropped one can only be."""
+    px, py = x[4], y[4]
+    if isinstance(px, DroppedPayload) and isinstance(py, bytes):
+        return x, (*y[:4], DroppedPayload(hashlib.sha256(py).hexdigest()))
+    if isinstance(py, DroppedPayload) and isinstance(px, bytes):
+        return (*x[:4], DroppedPayload(hashlib.sha256(px).hexdigest())), y
+    return x, y
 
 
 def _side(row: tuple, source: str) -> Side:
     """A row as compared: its data, and for a trace its arrays as lists (decoded only for a row
-    whose bytes differ, so a divergence names the first tokens that differ)."""
+    whose bytes differ, so a divergence names the first tokens that differ), or the sha256 of a
+    dropped payload (`payload_sha256`)."""
     seq, _ts, kind, data, payload = row
     fields = row_data(seq, data, source)
-    if payload is not None and isinstance(fields, dict) and isinstance(fields.get("n_tokens"), int):
+    if isinstance(payload, DroppedPayload) and isinstance(fields, dict):
+        fields["payload_sha256"] = payload.sha256
+    elif payload is not None and isinstance(fields, dict) and isinstance(fields.get("n_tokens"), int):
         try:
             token_ids, mask, logprobs = unpack(payload, fields["n_tokens"])
         except PayloadError as err:
@@ -214,6 +231,7 @@ def _compare_rows(
             continue
         for x, y in zip_longest(ca, cb):
             if x is not None and y is not None:
+                x, y = _comparable(x, y)
                 if x[2:] == y[2:]:
                     index += 1
                     continue  # same kind, same bytes (data and token payload): equal

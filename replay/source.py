@@ -13,12 +13,17 @@ from pathlib import Path
 
 import orjson
 
-from eventlog import EventLog, LogError
+from eventlog import EventLog, LogError, PayloadDroppedError
 from orchestrator.notices import one_line
 from orchestrator.orch_log import OrchLogError, open_orch_log, warn_if_unchecked
 from orchestrator.rundir import EVENTS_DB
 
 REEXECUTED_META = "reexecuted"  # meta key marking a log written by `orch replay --reexecute`
+# What a replay that reads a dropped payload adds to the log's line (docs/replay.md).
+DROPPED_NOTE = (
+    "this needs the token arrays, which the run dropped once trained on (log.token_arrays = until_trained); "
+    "`orch replay --diff` compares them by the sha256 each row keeps"
+)
 
 
 class ReplayInputError(ValueError):
@@ -66,4 +71,10 @@ def guarded(rows: Iterator, path: str) -> Iterator:
     try:
         yield from rows
     except LogError as err:
-        raise ReplayInputError(one_line(str(err))) from None
+        raise ReplayInputError(log_error_line(err)) from None
+
+
+def log_error_line(err: LogError) -> str:
+    """The one line a replay command prints for a LogError: a dropped payload's says why."""
+    line = one_line(str(err))
+    return f"{line}: {DROPPED_NOTE}" if isinstance(err, PayloadDroppedError) else line

@@ -287,6 +287,16 @@ class State:
     evals: EvalState = field(default_factory=EvalState)
 
 
+def episodes_with_arrays(s: State) -> set[int]:
+    """The episodes whose token arrays the state still holds: its traces not yet shipped and the
+    samples of the batches shipped and not yet trained on. These, and no others, are the payloads
+    a fold of the log reads at its end (`evolve.fold_rows`), so a resume never needs the arrays of
+    any other episode logged so far (`log.token_arrays`)."""
+    held = {episode_of(trace_id) for trace_id in s.traces}
+    held.update(episode_of(x.trace.episode_id) for xs in s.shipped_batches.values() for x in xs)
+    return held
+
+
 def initial_state(params: CoreParams) -> State:
     """The state of a run before its first event, `run_started` (which carries `params`)."""
     return State(params=params, cursors={env: 0 for env in params.env_ratios})

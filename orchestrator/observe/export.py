@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eventlog import EventLog
+from eventlog import CorruptLogError, EventLog, PayloadDroppedError
 from orchestrator.core.arrays import PayloadError
 from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve_from
@@ -247,12 +247,12 @@ TEXT_CHUNK = 512  # episodes whose token arrays are read at once
 def add_texts(log: EventLog, episodes: dict[int, dict], decoder: Decoder) -> dict[int, str]:
     """Each completed episode's `text`: the tokens it sampled, decoded (its token arrays are read
     only now: the fold reads the traces' scalars alone). A payload that is damaged (fails its
-    checksum, its side file missing) or does not decode leaves its text NULL: returned, seq ->
-    the one line that says why."""
+    checksum, its side file missing), dropped (log.token_arrays) or does not decode leaves its
+    text NULL: returned, seq -> the one line that says why."""
     by_seq = {e["completed_seq"]: e for e in episodes.values() if e.get("completion_tokens") and "completed_seq" in e}
     rows = [(seq, data) for seq, _ts, _kind, data in log.read_raw(kinds=("episode_completed",)) if seq in by_seq]
     unreadable: dict[int, str] = {}
-    read_payloads = payload_reader_around_damage(log, unreadable)
+    read_payloads = payload_reader_around_damage(log, unreadable, (CorruptLogError, PayloadDroppedError))
     for start in range(0, len(rows), TEXT_CHUNK):
         chunk = rows[start : start + TEXT_CHUNK]
         payloads = read_payloads([seq for seq, _data in chunk])
@@ -280,7 +280,8 @@ def export_run(log: EventLog, out: Path, decoder: Decoder | None = None, note=la
         pass
     if decoder is not None and (unreadable := add_texts(log, export.episodes, decoder)):
         first = unreadable[min(unreadable)]
-        note(f"{len(unreadable)} episodes' text is left NULL: their payloads are damaged (the first: {first})")
+        why = "their payloads are damaged or dropped"
+        note(f"{len(unreadable)} episodes' text is left NULL: {why} (the first: {first})")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     try:

@@ -119,6 +119,7 @@ async def _run_async(run: OpenedRun, progress: Progress | None, early_signals: S
             if run.first_input.kind == "run_resumed":
                 orch.rematerialize_batches()  # on the loop: it also tells the trainer (not thread-safe)
                 orch.remove_trained_batches()  # those a stop left behind before it removed them
+                orch.drop_unneeded_token_arrays()  # likewise, and all of them when the setting was keep
             await parts.trainer.start()
             if parts.backend.follows_weights and not interrupts:
                 # Version 0 is the trainer's warm start; the run resumes from the newest version.

@@ -17,14 +17,24 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from eventlog import Recorder
+import orjson
+
+from eventlog import Recorder, StorageError
 from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.config import RunConfig
 from orchestrator.contracts import Algorithm, InferenceBackend, RolloutRequest, Trainer, episode_error
 from orchestrator.core import events as ev
 from orchestrator.core.batch import batch_sha256, encode_batch, sample_of
 from orchestrator.core.decide import decide
-from orchestrator.core.state import REDUCER_VERSION, Group, ShippedSample, State, Trace, state_bytes
+from orchestrator.core.state import (
+    REDUCER_VERSION,
+    Group,
+    ShippedSample,
+    State,
+    Trace,
+    episodes_with_arrays,
+    state_bytes,
+)
 from orchestrator.effects import perform
 from orchestrator.notices import warn
 from orchestrator.rundir import atomic_write_bytes, batch_path, batch_steps_on_disk
@@ -123,6 +133,10 @@ class Orchestrator:
         self._batches_to_announce: list[ev.BatchShipped] = []
         self._versions_published: list[int] = []
         self._unremovable_batches: set[int] = set()  # trained batch files whose removal failed (said once)
+        # log.token_arrays until_trained: every episode row below this seq has had its arrays
+        # dropped (or never had any to drop); a resume starts from the log's first row.
+        self._arrays_kept_from = 1
+        self._side_file_removal_failed = False  # said once
         self._drain_due = self._snapshot_due = False
         trainer.report_restarts_to(self.trainer_restarted)
 
@@ -297,6 +311,7 @@ class Orchestrator:
             await asyncio.to_thread(self._write_batches, batches)
         if versions:
             await asyncio.to_thread(self.remove_trained_batches)
+            await asyncio.to_thread(self.drop_unneeded_token_arrays)
         announced, self._batches_to_announce = self._batches_to_announce, []
         for e in announced:
             self.trainer.batch_written(e.step, e.sha256)
@@ -398,6 +413,31 @@ class Orchestrator:
                 except OSError as err:  # a file left is disk used, not a wrong run: said once, not raised
                     self._unremovable_batches.add(step)
                     warn(f"cannot remove the trained batch file {path}: {err.strerror or err}")
+
+    def drop_unneeded_token_arrays(self) -> None:
+        """log.token_arrays until_trained: the token arrays of every episode the state no longer
+        holds (its samples trained on by a published version, or dropped) are dropped from the log,
+        each row keeping their sha256 (docs/resume.md). A resume's fold reads the arrays of the
+        traces still held and of the batches shipped and not yet trained, and nothing else: what is
+        dropped here, no resume needs. Runs after the commit, on the committed state."""
+        if self.config.log.token_arrays != "until_trained":
+            return
+        needed = episodes_with_arrays(self.state)
+        start, unneeded, kept_from = self._arrays_kept_from, [], None
+        for seq, (kind, data) in enumerate(self.log.read_bodies(start=start), start):
+            if kind != "episode_completed":
+                continue
+            if orjson.loads(data).get("episode_id") in needed:
+                kept_from = seq if kept_from is None else kept_from
+            else:
+                unneeded.append(seq)
+        try:
+            self.log.drop_payloads(unneeded)
+        except StorageError as err:  # a side file left is disk used, not a wrong run: said once
+            if not self._side_file_removal_failed:
+                self._side_file_removal_failed = True
+                warn(str(err))
+        self._arrays_kept_from = kept_from if kept_from is not None else self.log.last_seq + 1
 
     def rematerialize_batches(self) -> int:
         """Resume: rewrite shipped-but-untrained batch files that are missing or partial. Called

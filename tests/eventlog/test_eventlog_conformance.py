@@ -18,12 +18,14 @@ import pytest
 
 from eventlog import (
     CorruptLogError,
+    DroppedPayload,
     EventLog,
     InvalidArgumentError,
     InvalidEventError,
     LogClosedError,
     LogError,
     NotWriterError,
+    PayloadDroppedError,
     Record,
     Snapshot,
 )
@@ -414,6 +416,26 @@ def test_payloads_round_trip_through_read_rows_and_read_payloads(recorder):
     # By seq: those with a payload; a seq without one, uncommitted or never given is left out.
     assert recorder.read_payloads([4, 2, 1, 3, 5, 0, 99]) == payloads
     assert recorder.read_payloads([]) == {}
+
+
+def test_a_dropped_payload_keeps_its_sha256_and_its_read_refuses_in_one_line(recorder):
+    kept, gone = b"\x01" * 40, bytes(range(256))
+    recorder.append("trace", {"i": 1}, payload=gone)
+    recorder.append("note", {"i": 2})
+    recorder.append("trace", {"i": 3}, payload=kept)
+    recorder.commit()
+    # A row without a payload, one uncommitted or never logged, is left as it is.
+    assert recorder.drop_payloads([1, 2, 99, 0]) == [1]
+    assert recorder.drop_payloads([1]) == []  # dropped once
+    assert recorder.read_payloads([3]) == {3: kept}
+    sha = hashlib.sha256(gone).hexdigest()
+    for read in (lambda: recorder.read_payloads([1, 3]), lambda: list(recorder.read_rows())):
+        with pytest.raises(PayloadDroppedError, match=f"seq 1: its payload was dropped .*its sha256 {sha} is kept"):
+            read()
+    assert [row[4] for row in recorder.read_rows(dropped_as_sha256=True)] == [DroppedPayload(sha), None, kept]
+    # The data is all there: the reads of the data alone never look at a payload.
+    assert [r.data for r in recorder.read()] == [{"i": 1}, {"i": 2}, {"i": 3}]
+    assert [kind for kind, _data in recorder.read_bodies()] == ["trace", "note", "trace"]
 
 
 @pytest.mark.parametrize("payload", ["text", 3, {"a": 1}])

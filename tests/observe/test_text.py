@@ -11,6 +11,7 @@ from contextlib import closing
 import orjson
 import pytest
 
+from eventlog import EventLog
 from eventlog.fileformat import PAGE_SIZE
 from orchestrator.hf.tiny_model import build_tokenizer
 from orchestrator.observe.text import Decoder, NoTokenizer, tokenizer_dir
@@ -123,13 +124,26 @@ def test_export_of_a_damaged_payload_leaves_its_text_null_and_says_so(fake_run, 
     result = orch("export", str(damaged), str(tmp_path / "d.db"))
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"orch: note: 1 episodes' text is left NULL: their payloads are damaged (the first: "
+        f"orch: note: 1 episodes' text is left NULL: their payloads are damaged or dropped (the first: "
         f"{damaged / 'events.db'} is damaged: seq {seq}: its data or payload fails its checksum (row_hash "
         + result.stderr.split("(row_hash ", 1)[1].strip()
     ]
     texts = dict(sqlite3.connect(tmp_path / "d.db").execute("SELECT id, text FROM episodes WHERE ok = 1"))
     assert texts[episode["episode_id"]] is None
     assert sum(text is not None for text in texts.values()) == len(texts) - 1
+
+
+def test_export_of_a_run_that_dropped_its_token_arrays_leaves_their_texts_null_and_says_so(fake_run, tmp_path):
+    dropped = tmp_path / "dropped"
+    shutil.copytree(fake_run, dropped)
+    with EventLog.open(dropped / "events.db") as log:
+        assert log.drop_payloads(r.seq for r in log.read(kinds=("episode_completed",)))
+    result = orch("export", str(dropped), str(tmp_path / "d.db"))
+    assert result.returncode == 0, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "text is left NULL: their payloads are damaged or dropped" in line and "its payload was dropped" in line
+    texts = dict(sqlite3.connect(tmp_path / "d.db").execute("SELECT id, text FROM episodes WHERE ok = 1"))
+    assert texts and all(text is None for text in texts.values())
 
 
 def test_export_of_a_damaged_table_is_one_line(fake_run, tmp_path):
