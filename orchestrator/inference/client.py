@@ -78,7 +78,7 @@ from orchestrator.inference.errors import (
     same_server_error_again,
 )
 from orchestrator.inference.loop_lag import LoopLag
-from orchestrator.inference.pool import ShardedTransport
+from orchestrator.inference.pool import ByOrigin, ShardedTransport
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 from orchestrator.inference.sse import EventStreamDecoder
 from orchestrator.inference.weight_sync import DIALECTS
@@ -309,8 +309,9 @@ class InferenceClient:
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             trust_env=False,
-            mounts={origin: ShardedTransport(lambda: _transport(None)) for origin in distinct},
-            transport=_transport(None),
+            transport=ByOrigin(
+                {origin: ShardedTransport(lambda: _transport(None)) for origin in distinct}, _transport(None)
+            ),
         )
         # The caps, as slots a connection is taken with: per endpoint (origin) and in all.
         per_endpoint = {

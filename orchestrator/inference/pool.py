@@ -101,3 +101,21 @@ class _CountedStream(httpx.AsyncByteStream):
             if self._shard is not None:
                 self._shard.inflight -= 1
                 self._shard = None
+
+
+class ByOrigin(httpx.AsyncBaseTransport):
+    """Each request to the transport of its origin (scheme://host[:port]) by one dict look-up,
+    `other` for the rest: httpx's own `mounts` try every pattern per request, a cost that grows
+    with the endpoints."""
+
+    def __init__(self, transports: dict[str, httpx.AsyncBaseTransport], other: httpx.AsyncBaseTransport):
+        self._transports, self._other = transports, other
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        transport = self._transports.get(f"{url.scheme}://{url.netloc.decode('ascii')}", self._other)
+        return await transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for transport in (*self._transports.values(), self._other):
+            await transport.aclose()
