@@ -62,12 +62,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import aiohttp
 import httpx
 import orjson
 
 from orchestrator import rundir
 from orchestrator.core.events import version_runs
-from orchestrator.http_limits import pool_limits
+from orchestrator.http_limits import KEEPALIVE_S, pool_limits
 from orchestrator.inference.endpoints_config import STREAM_INTERVAL, RouterSection
 from orchestrator.inference.errors import (
     InferenceError,
@@ -321,13 +322,32 @@ class InferenceClient:
         for ep, origin in origins.items():
             ep.connections = per_endpoint[origin]
         self._all_connections = asyncio.Semaphore(max_connections) if max_connections is not None else None
+        self._connect_timeout_s = connect_timeout_s
+        self._stream_session: aiohttp.ClientSession | None = None  # `_streams`
         self.lag = LoopLag(keep_s=max(timeout_s, connect_timeout_s))  # the windows `_transport_errors` asks about
         self.retries = 0  # requests re-sent after a failure (all endpoints together)
         self.lag_retries = 0  # requests sent again after a failure on orch's side (Retryable.orch_side)
 
+    def _streams(self) -> aiohttp.ClientSession:
+        """The HTTP client of streamed completions, made on the running loop at the first stream.
+        aiohttp rather than httpx: its per-request cost is a fraction of httpx's (bench/README.md,
+        "a fleet's shape"), and a stream is one request per completion and per continuation.
+        Connections: no cap of its own (the client's slots cap them), idle ones dropped at
+        KEEPALIVE_S, as httpx's."""
+        if self._stream_session is None:
+            self._stream_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, ssl=_ssl_context()),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s, sock_read=self.timeout_s),
+                trust_env=False,
+                auto_decompress=False,
+            )
+        return self._stream_session
+
     async def aclose(self) -> None:
         self.lag.stop()
         await self._http.aclose()
+        if self._stream_session is not None:
+            await self._stream_session.close()
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -427,7 +447,8 @@ class InferenceClient:
         async with self._connection_slot(ep, method, url, path):
             with self._transport_errors(method, url, path, timeout):
                 resp = await self._http.request(method, url, **kwargs)
-        _raise_for_status(resp, method, url, path)
+        if resp.status_code >= 400:
+            _raise_for_status(resp.status_code, resp.content, resp.reason_phrase, method, url, path)
         if text:
             return resp.text
         try:
@@ -463,12 +484,11 @@ class InferenceClient:
                 with until_started(restart) as started, self._transport_errors("POST", url, path):
                     async with (
                         self._connection_slot(ep, "POST", url, path),
-                        self._http.stream("POST", url, content=content, headers=headers) as resp,
+                        self._streams().post(url, data=content, headers={**headers, **JSON_BODY}) as resp,
                     ):
-                        if resp.status_code >= 400:
-                            await resp.aread()
-                            _raise_for_status(resp, "POST", url, path)
-                        async for read in resp.aiter_bytes():
+                        if resp.status >= 400:
+                            _raise_for_status(resp.status, await resp.read(), resp.reason or "", "POST", url, path)
+                        async for read in resp.content.iter_any():
                             for data in events.feed(read):
                                 if data == b"[DONE]":
                                     continue
@@ -546,6 +566,17 @@ class InferenceClient:
             raise Retryable(
                 f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
             ) from None
+        except aiohttp.ServerTimeoutError as exc:  # a streamed completion's connect or read
+            connect = isinstance(exc, aiohttp.ConnectionTimeoutError)
+            own_lag = self.lag.caused(self._connect_timeout_s if connect else timeout or self.timeout_s)
+            cause = " while orch's event loop stalled" if own_lag else ""
+            kind = "ConnectTimeout" if connect else "ReadTimeout"
+            raise Retryable(
+                f"{method} {url}: timed out ({kind}){cause}", f"{kind} {path}", orch_side=own_lag, stalled=own_lag
+            ) from None
+        except aiohttp.ClientError as exc:
+            kind = _AIOHTTP_KINDS.get(type(exc), type(exc).__name__)
+            raise Retryable(f"{method} {url}: {kind}: {exc or 'connection failed'}", f"{kind} {path}") from None
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(
@@ -938,15 +969,13 @@ class InferenceClient:
             raise
 
 
-def _raise_for_status(resp: httpx.Response, method: str, url: str, path: str) -> None:
+def _raise_for_status(status: int, body: bytes, reason: str, method: str, url: str, path: str) -> None:
     """5xx -> Retryable (the endpoint's fault), 4xx -> InferenceRequestError (the request's)."""
-    if resp.status_code >= 500:
-        error = (resp.status_code, path, _error_message(resp))
+    if status >= 500:
+        error = (status, path, _error_message(body, reason))
         raise Retryable(f"{method} {url}: HTTP {error[0]}: {error[2]}", f"HTTP {error[0]} {path}", server_error=error)
-    if resp.status_code >= 400:
-        raise InferenceRequestError(
-            f"{method} {url}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
-        )
+    if status >= 400:
+        raise InferenceRequestError(f"{method} {url}: HTTP {status}: {_error_message(body, reason)}", status)
 
 
 def _raise_for_stream_error(error: Any, url: str, path: str) -> None:
@@ -1031,6 +1060,17 @@ def continuation_seed(seed: int, choice: int, tokens_so_far: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+JSON_BODY = {"content-type": "application/json"}
+# aiohttp's failures named as httpx names the same ones, so that an endpoint's error kinds read
+# alike whichever client met them (`Endpoint.error_kinds`).
+_AIOHTTP_KINDS = {
+    aiohttp.ClientConnectorError: "ConnectError",
+    aiohttp.ServerDisconnectedError: "RemoteProtocolError",
+    aiohttp.ClientPayloadError: "ReadError",
+    aiohttp.ClientOSError: "ReadError",
+}
+
+
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
     """The TLS settings every pool shares: httpx builds a context per transport otherwise, which
@@ -1053,11 +1093,11 @@ def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
-def _error_message(resp: httpx.Response) -> str:
+def _error_message(content: bytes, reason: str) -> str:
     try:
-        body = resp.json()
+        body = json.loads(content)
     except ValueError:
-        return resp.text[:200] or resp.reason_phrase
+        return content.decode("utf-8", "replace")[:200] or reason
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict) and "message" in err:

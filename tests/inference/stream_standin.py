@@ -15,7 +15,8 @@ Knobs a request may carry besides vLLM's fields (a test's own, never sent by orc
 CRLF is split across reads), ``standin_line_end`` ("\\n", "\\r\\n" or "\\r"),
 ``standin_data_lines`` (each event's JSON over several ``data:`` lines), ``standin_token_s`` (a
 pause before each chunk), ``standin_barrier`` (hold every such request until this many are open
-at once, at most 60 s). ``GET /stats``: the most requests it had open at once, and resets it.
+at once, at most 60 s). ``GET /stats``: the most requests it had open at once and each streamed
+request's ``stream_interval`` field since the last ``/stats``, and resets both.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Standin:
         self.most_open = 0
         self.enough = asyncio.Event()  # standin_barrier: set once that many requests are open
         self.serial = 0
+        self.intervals: list[int | None] = []  # each streamed request's stream_interval field (None: absent)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -78,8 +80,8 @@ class Standin:
                 headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 if path == "/stats" and method == "GET":
-                    answer = orjson.dumps({"most_open": self.most_open})
-                    self.most_open = self.open
+                    answer = orjson.dumps({"most_open": self.most_open, "intervals": self.intervals})
+                    self.most_open, self.intervals = self.open, []
                     writer.write(_response_head(len(answer)) + answer)
                 elif path == "/v1/completions" and method == "POST":
                     await self.completions(orjson.loads(body), writer)
@@ -147,6 +149,7 @@ class Standin:
                 self.enough.clear()
 
     async def stream(self, body: dict, rid: str, seed: int, n: int, length: int, prompt: list, writer) -> None:
+        self.intervals.append(body.get("stream_interval"))
         interval = max(1, body.get("stream_interval") or 1)
         piece, pause = body.get("standin_piece"), body.get("standin_token_s")
         line_end = body.get("standin_line_end", "\n").encode()

@@ -8,10 +8,10 @@ import asyncio
 import socket
 import time
 
+import aiohttp
 import httpx
 import orjson
 import pytest
-from httpcore._backends.auto import AutoBackend
 
 from orchestrator.contracts import RunPlan
 from orchestrator.inference.client import InferenceClient
@@ -121,33 +121,13 @@ def test_the_standin_chunks_are_vllms_own_models(standin):
 
 
 def test_stream_interval_is_sent_only_above_one(standin):
-    seen: list[dict] = []
-
-    def recording(request: httpx.Request) -> httpx.Response:
-        seen.append(orjson.loads(request.content))
-        chunk = {
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "a",
-                    "token_ids": [1],
-                    "logprobs": {"token_logprobs": [-0.5], "tokens": ["token_id:1"]},
-                    "finish_reason": "length",
-                    "prompt_token_ids": [1],
-                }
-            ]
-        }
-        body = b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
-        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
-
-    async def go(interval: int):
+    async def go(interval: int) -> list:
         async with streamed(standin, stream_interval=interval) as client:
-            client._http = httpx.AsyncClient(transport=httpx.MockTransport(recording))
-            await client.complete([1], max_tokens=1)
+            await client._http.get(standin + "/stats")  # resets what it saw
+            await client.complete([1], max_tokens=3)
+            return orjson.loads((await client._http.get(standin + "/stats")).content)["intervals"]
 
-    run(go(1))
-    run(go(8))
-    assert "stream_interval" not in seen[0] and seen[1]["stream_interval"] == 8
+    assert run(go(1)) == [None] and run(go(8)) == [8]
 
 
 # -- connection caps --------------------------------------------------------------------------------
@@ -170,8 +150,8 @@ def test_512_streams_in_flight_reach_the_server_at_once(standin):
 
 def test_requests_cancelled_inside_the_pool_leave_no_connection_that_blocks_later_ones(standin):
     """A reload ends streams before their first token (and a drain cancels requests) wherever they
-    are, inside httpcore's pool too, where a cancelled request can leave an assigned, never opened
-    connection holding a slot for good. Cancelled at every point of their way in, 64 at a time,
+    are, inside the HTTP client's pool too (httpcore's could leave an assigned, never opened
+    connection holding a slot for good, encode/httpcore#1093). Cancelled at every point of their way in, 64 at a time,
     40 times over: then 64 more all answer, none waiting for a slot until its pool timeout
     (with the leak they did: every endpoint down, a healthy one)."""
 
@@ -231,18 +211,18 @@ def hog(seconds: float) -> None:
 def test_a_loop_stalled_through_a_connect_marks_no_endpoint_down(standin, monkeypatch):
     """Each of the first connects is followed at once by 1.5 s of CPU-bound work on the loop:
     the connect finishes in the kernel within microseconds, but its 0.5 s timeout (in the loop's
-    time) has run out by the time the loop looks, so httpx raises ConnectTimeout. Those
-    timeouts are orch's: the endpoint is not marked down, no attempt is spent (max_attempts 1),
-    and every stream completes."""
+    time) has run out by the time the loop looks, so the stream's HTTP client (aiohttp) raises
+    its connect timeout. Those timeouts are orch's: the endpoint is not marked down, no attempt
+    is spent (max_attempts 1), and every stream completes."""
     stalls = [1.5, 1.5, 1.5]
-    connect = AutoBackend.connect_tcp
+    connect = aiohttp.TCPConnector._wrap_create_connection
 
     async def connect_then_stall(self, *args, **kwargs):
         if stalls:
             asyncio.get_running_loop().call_soon(hog, stalls.pop())  # runs once the connect is under way
         return await connect(self, *args, **kwargs)
 
-    monkeypatch.setattr(AutoBackend, "connect_tcp", connect_then_stall)
+    monkeypatch.setattr(aiohttp.TCPConnector, "_wrap_create_connection", connect_then_stall)
 
     async def go():
         async with streamed(standin, connect_timeout_s=0.5, max_attempts=1) as client:
