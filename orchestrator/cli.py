@@ -22,6 +22,7 @@ import orjson
 
 from eventlog import LogError
 from orchestrator.config import ENVS, TRAINERS, ConfigError, load_config
+from orchestrator.quick_exit import exit_process
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -254,11 +255,24 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     type=click.Path(file_okay=False, path_type=Path),
     help="run directory holding trainer.json, batches/ and weights/",
 )
-def trainer_command(run_dir: Path) -> None:
+@click.option(
+    "--wait-for-start",
+    "started_early",
+    is_flag=True,
+    help="import torch and transformers first, then wait for a start line on stdin before reading "
+    "trainer.json (orch run starts its trainer so while it checks the model; end of input: exit 0)",
+)
+def trainer_command(run_dir: Path, started_early: bool) -> None:
     """The hf (transformers) trainer: batches/step_N.safetensors -> weights/step_N (+ STABLE)."""
-    from orchestrator.hf.trainer import run_trainer  # torch is imported only here
+    from orchestrator.hf.process import EXIT_OK, wait_for_start
+    from orchestrator.hf.trainer import import_model_classes, run_trainer  # torch is imported only here
+    from orchestrator.rundir import trainer_log
 
-    sys.exit(run_trainer(run_dir))
+    if started_early:
+        import_model_classes()
+        if not wait_for_start(trainer_log(run_dir)):
+            exit_process(EXIT_OK)
+    exit_process(run_trainer(run_dir))
 
 
 @main.command("tiny-model")
@@ -296,5 +310,17 @@ def _register_commands() -> None:
 
 _register_commands()
 
+
+def entry() -> None:
+    """The `orch` console script: `main`, then an exit without the interpreter's teardown
+    (orchestrator.quick_exit). Not `main` itself: tests run it in-process."""
+    try:
+        main()
+    except SystemExit as done:
+        if done.code is not None and not isinstance(done.code, int):
+            raise
+        exit_process(done.code or 0)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -46,6 +46,7 @@ from orchestrator.contracts import (
     PreparedModel,
     RunPlan,
     Sampling,
+    StartedEarly,
     TextEnv,
     TrainerComponent,
 )
@@ -576,7 +577,11 @@ class RunConfig(_Section):
         )
 
     def build_context(
-        self, run_dir: Path, version_now: Callable[[], int], model: PreparedModel | None = None
+        self,
+        run_dir: Path,
+        version_now: Callable[[], int],
+        model: PreparedModel | None = None,
+        started_early: StartedEarly | None = None,
     ) -> BuildContext:
         """What every factory gets besides its own section."""
         return BuildContext(
@@ -595,6 +600,7 @@ class RunConfig(_Section):
             kept_versions=self.off_policy.target_lag + 2,
             max_restarts=self.trainer.max_restarts,
             model=model,
+            started_early=started_early,
             served_model=self.inference_backend().served_model(),
             env_sections=self.env_components(),
         )

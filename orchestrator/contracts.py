@@ -248,6 +248,13 @@ class Sampling:
 Publish = Callable[[int, "dict[str, int | float] | None"], None]  # (version, the trainer's metrics for it)
 
 
+class StartedEarly(Protocol):
+    """What a trainer started before its run (`TrainerComponent.start_early`); the run closes it at
+    its end, which ends it if its trainer never started it."""
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What a factory gets besides its own section: the run's directory and settings every
@@ -263,6 +270,7 @@ class BuildContext:
     kept_versions: int  # weight versions that must stay on disk: a resume reloads the oldest
     max_restarts: int = 0  # times a dead trainer process is restarted from its checkpoint
     model: PreparedModel | None = None  # the run's model dir, checked and hashed (the hf trainer's)
+    started_early: StartedEarly | None = None  # what the trainer started before the run (start_early)
     served_model: str | None = None  # the model name the inference backend's servers serve it under
     env_sections: Mapping[str, EnvComponent] = field(default_factory=dict)  # the run's envs' sections
 
@@ -432,6 +440,12 @@ class TrainerComponent(Component):
     def check_resume(self, run_dir: Path, trained_steps: int) -> None:
         """On a resume, before anything runs: ConfigError (one line) if what this trainer kept of
         the `trained_steps` steps the log says it trained (e.g. its checkpoint) is gone or damaged."""
+
+    def start_early(self, run_dir: Path) -> StartedEarly | None:
+        """Start, before the model is checked and before `run_dir` exists, what is slow to start
+        and needs nothing of the run yet (the hf trainer: its process, importing torch), so that it
+        overlaps those checks; `build` gets it as `ctx.started_early`. None: nothing."""
+        return None
 
     @abstractmethod
     def build(self, ctx: BuildContext) -> Trainer: ...

@@ -9,7 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from orchestrator.contracts import BuildContext, ConfigError, ModelRequest, PreparedModel, Trainer, TrainerComponent
+from orchestrator.contracts import (
+    BuildContext,
+    ConfigError,
+    ModelRequest,
+    PreparedModel,
+    StartedEarly,
+    Trainer,
+    TrainerComponent,
+)
 from orchestrator.hf.config import HFTrainerSettings
 
 
@@ -41,6 +49,15 @@ class HFTrainerConfig(TrainerComponent, HFTrainerSettings):
             check_checkpoint(run_dir, trained_steps)
         except ModelError as err:
             raise ConfigError(str(err)) from None
+
+    def start_early(self, run_dir: Path) -> StartedEarly | None:
+        """The single trainer process (not torchrun's), importing torch and transformers while
+        the run checks the model."""
+        if self.nproc > 1 or self.nnodes > 1:
+            return None
+        from orchestrator.trainers.process import EarlyTrainer
+
+        return EarlyTrainer(run_dir)
 
     def build(self, ctx: BuildContext) -> Trainer:
         from orchestrator.hf.factory import make_trainer  # torch, transformers: only now

@@ -16,7 +16,7 @@ from orchestrator.contracts import BuildContext, ModelRequest, PreparedModel
 from orchestrator.hf.config import HFTrainerSettings, LoraSection, TrainingSettings
 from orchestrator.hf.model import ModelError
 from orchestrator.trainers import TrainerFailed
-from orchestrator.trainers.process import ProcessTrainer
+from orchestrator.trainers.process import EarlyTrainer, ProcessTrainer
 
 
 def prepare_model(request: ModelRequest, lora: LoraSection, stored_hash: str | None = None) -> PreparedModel:
@@ -90,10 +90,13 @@ def make_trainer(section: HFTrainerSettings, ctx: BuildContext, model: PreparedM
     """The supervised trainer process, its trainer.json written: torchrun's ranks for several
     ranks or nodes, else one `orch trainer` process."""
     write_trainer_json(section, ctx, model)
-    return _process_trainer(section, Path(ctx.run_dir), ctx.max_restarts)
+    # started_early: what HFTrainerConfig.start_early started, an EarlyTrainer (or None)
+    return _process_trainer(section, Path(ctx.run_dir), ctx.max_restarts, ctx.started_early)
 
 
-def _process_trainer(section: HFTrainerSettings, run_dir: Path, max_restarts: int) -> ProcessTrainer:
+def _process_trainer(
+    section: HFTrainerSettings, run_dir: Path, max_restarts: int, started_early: EarlyTrainer | None
+) -> ProcessTrainer:
     if section.nproc > 1 or section.nnodes > 1:
         from orchestrator.hf.distributed import torchrun_command
         from orchestrator.trainers.torchrun import TorchrunTrainer
@@ -109,4 +112,4 @@ def _process_trainer(section: HFTrainerSettings, run_dir: Path, max_restarts: in
             ),
             max_restarts=max_restarts,
         )
-    return ProcessTrainer(run_dir, max_restarts=max_restarts)
+    return ProcessTrainer(run_dir, max_restarts=max_restarts, early=started_early)

@@ -1,5 +1,6 @@
-"""What makes the trainer a well-behaved child process: exit codes, one-line errors, and a
-watchdog that ends it when the process that started it is gone."""
+"""What makes the trainer a well-behaved child process: exit codes, one-line errors, a watchdog
+that ends it when the process that started it is gone, and the wait of a trainer started before
+its run (`wait_for_start`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PARENT_DIED = 0, 1, 130, 3
 
@@ -72,3 +74,25 @@ def exit_code_of(body: Callable[[], None], where: str = "") -> int:
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
         return EXIT_ERROR
+
+
+START_LINE = b"start\n"  # what the orchestrator writes to a waiting trainer once its trainer.json is written
+
+
+def wait_for_start(log_path: Path) -> bool:
+    """A trainer started before its run directory exists (`orch trainer --wait-for-start`, its
+    imports done) waits here for the orchestrator's start line on stdin. Then its output so far
+    (held in the temporary file the orchestrator gave it as stdout) and all after it go to
+    `log_path`, and it trains (True). End of input instead: the orchestrator did not need it (a
+    refused model, an interrupt) or is gone, and it exits having done nothing (False)."""
+    if sys.stdin.buffer.readline() != START_LINE:
+        return False
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(log_path, "ab") as log, os.fdopen(os.dup(sys.stdout.fileno()), "rb") as held:
+        held.seek(0)
+        log.write(held.read())
+        log.flush()
+        for fd in (sys.stdout.fileno(), sys.stderr.fileno()):
+            os.dup2(log.fileno(), fd)
+    return True

@@ -64,6 +64,13 @@ def read_trainer_config(run_dir: str | os.PathLike) -> TrainerConfig:
         raise TrainerSetupError(f"invalid {path}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
 
 
+def import_model_classes() -> None:
+    """What `load_tokenizer` and `load_model` import on first use (transformers' auto classes),
+    imported now: by a trainer started before its run (`orch trainer --wait-for-start`), while
+    the orchestrator checks the model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 def build_model(config: TrainerConfig):
     """The model to train: the HF model at model_path, with a fresh LoRA adapter if asked."""
     try:

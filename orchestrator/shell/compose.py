@@ -38,11 +38,15 @@ async def open_parts(run: OpenedRun, stack: AsyncExitStack) -> RunParts:
     trainer stops first (cleanly only after a completed run), then the sampler, then the envs,
     then the metric sinks write what the log holds by then."""
     config = run.config
+    if run.started_early is not None:  # ended last, if the trainer never started it
+        stack.callback(run.started_early.close)
     sinks = build_feeder(config.metrics, run.run_dir, run.log)
     if sinks is not None:
         stack.push_async_callback(lambda: sinks.aclose(run.log.last_seq, warn))
     # The state is the loop's own (evolve updates it in place): its version is the one the run holds.
-    ctx = config.build_context(run.run_dir, version_now=lambda: run.state.version, model=run.model)
+    ctx = config.build_context(
+        run.run_dir, version_now=lambda: run.state.version, model=run.model, started_early=run.started_early
+    )
     envs = {}  # those with a task source of their own
     for name, env in config.env_components().items():
         opened = await stack.enter_async_context(env.open(ctx))

@@ -31,7 +31,7 @@ from orchestrator.orch_log import LOG_MAGIC_META, OrchLogError, open_orch_log, w
 from orchestrator.rundir import EVENTS_DB, batch_steps_on_disk, batches_dir, events_db
 
 if TYPE_CHECKING:
-    from orchestrator.contracts import PreparedModel
+    from orchestrator.contracts import PreparedModel, StartedEarly
 
 
 class RunDirError(ValueError):
@@ -47,6 +47,7 @@ class OpenedRun:
     first_input: object
     resumed_from: int | None
     model: PreparedModel | None = None  # the hf trainer's model dir, checked and hashed
+    started_early: StartedEarly | None = None  # the trainer's, overlapping the checks (the run closes it)
 
 
 MODEL_HASH_META = "model_sha256"
@@ -91,16 +92,30 @@ def create_run(config: RunConfig) -> OpenedRun:
         )
     check_outside(config)
     _check_runs_dir(config.runs_dir)
-    model = preflight(config)  # before the run dir exists: a bad model leaves nothing behind
+    started_early = config.trainer.chosen().start_early(run_dir)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        model = preflight(config)  # before the run dir exists: a bad model leaves nothing behind
+        log = _create_log(config, model)
+    except BaseException:
+        _close(started_early)
+        raise
+    params = config.core_params()
+    return OpenedRun(
+        config, run_dir, log, initial_state(params), ev.RunStarted(params=params), None, model, started_early
+    )
+
+
+def _create_log(config: RunConfig, model: PreparedModel | None) -> EventLog:
+    """The run directory and its log, the run's config and model hash in the log's meta."""
+    try:
+        config.run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise RunDirError(f"cannot create the run directory {run_dir}: {err.strerror}") from None
+        raise RunDirError(f"cannot create the run directory {config.run_dir}: {err.strerror}") from None
     config_json = config.to_json()
     model_meta = {} if model is None else {MODEL_HASH_META: model.sha256}
     try:
-        log = EventLog.create(
-            db,
+        return EventLog.create(
+            events_db(config.run_dir),
             meta={
                 **LOG_MAGIC_META,
                 "config": config_json.decode(),
@@ -112,8 +127,12 @@ def create_run(config: RunConfig) -> OpenedRun:
         )
     except LogExistsError as err:
         raise RunDirError(str(err)) from None
-    params = config.core_params()
-    return OpenedRun(config, run_dir, log, initial_state(params), ev.RunStarted(params=params), None, model)
+
+
+def _close(started_early: StartedEarly | None) -> None:
+    """What the trainer started early, closed when the run does not start after all."""
+    if started_early is not None:
+        started_early.close()
 
 
 def _check_runs_dir(runs_dir: Path) -> None:
@@ -137,6 +156,27 @@ def resume_run(
     stored, stored_model_hash = _stored_config(db)
     requested = _requested_config(stored, run_dir, overrides, config_file)
     check_outside(requested)
+    started_early = requested.trainer.chosen().start_early(run_dir)
+    try:
+        run = _resume(run_dir, db, stored, stored_model_hash, requested, overrides, config_file, drop_damaged)
+    except BaseException:
+        _close(started_early)
+        raise
+    run.started_early = started_early
+    return run
+
+
+def _resume(
+    run_dir: Path,
+    db: Path,
+    stored: RunConfig,
+    stored_model_hash: str | None,
+    requested: RunConfig,
+    overrides: list[str],
+    config_file: Path | None,
+    drop_damaged: bool,
+) -> OpenedRun:
+    """`resume_run` from the model's checks on, while the trainer started early imports."""
     model = preflight(requested, stored_model_hash)
     try:  # with the durability asked for now (an operational field a resume may change)
         log = EventLog.open(db, durability=requested.log.durability)

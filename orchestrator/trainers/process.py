@@ -1,6 +1,9 @@
 """The trainer process (`orch trainer`, or its ranks under torchrun: the hf trainer's)
 supervised as a child; a poll of `weights/step_N/STABLE` markers publishes each new version, in
-order, with the step's `metrics.json` beside the marker. A crash of the child is noticed within one poll."""
+order, with the step's `metrics.json` beside the marker. A crash of the child is noticed within one poll.
+
+The single-process trainer may be started before its run directory exists (`EarlyTrainer`): its
+imports (torch, transformers: seconds) then overlap the orchestrator's own checks of the model."""
 
 from __future__ import annotations
 
@@ -9,10 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.contracts import Publish
+from orchestrator.hf.process import START_LINE
 from orchestrator.notices import warn
 from orchestrator.rundir import (
     ckpt_dir,
@@ -26,13 +31,71 @@ from orchestrator.rundir import (
 from orchestrator.trainers import TrainerFailed
 
 REFUSAL = "orch trainer: error:"  # the trainer's own one-line refusal (a bad batch, a bad model)
+KILL_WAIT_S = 5.0  # the longest wait to reap a SIGKILLed child
+
+
+def trainer_command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(run_dir)]
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+class EarlyTrainer:
+    """`orch trainer --run-dir D --wait-for-start`, started before D exists: it imports torch and
+    transformers while the orchestrator checks the model and creates the run, then waits for the
+    start line (`ProcessTrainer.start` writes it once trainer.json is written). Its output until
+    then is held in a temporary file, which it copies into trainer.log when it starts.
+
+    Never left behind: `close` (the run's, at its end) kills it if it was not started; if the
+    orchestrator dies first, the trainer reads the end of its input and exits."""
+
+    def __init__(self, run_dir: Path):
+        with tempfile.TemporaryFile() as held:
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                [*trainer_command(run_dir), "--wait-for-start"],
+                stdin=subprocess.PIPE,
+                stdout=held,
+                stderr=subprocess.STDOUT,
+                env=_child_env(),
+                start_new_session=True,  # as ProcessTrainer's: a Ctrl-C reaches the orchestrator only
+            )
+
+    def start(self) -> subprocess.Popen | None:
+        """Tell it to train (its trainer.json is written); the process, or None if it is gone
+        (it died importing: a trainer started now tells why in trainer.log)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        try:
+            proc.stdin.write(START_LINE)
+            proc.stdin.close()
+        except OSError:  # it exited: its end of the pipe is closed
+            _kill(proc)
+            return None
+        return proc
+
+    def close(self) -> None:
+        """Kill it unless it was started (a refused model, an interrupt before the run ran)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _kill(proc)
+            proc.stdin.close()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(KILL_WAIT_S)
 
 
 class ProcessTrainer:
     """`orch trainer --run-dir D` as a supervised child process."""
 
-    def __init__(self, run_dir: Path, poll_s: float = 0.05, max_restarts: int = 0):
+    def __init__(self, run_dir: Path, poll_s: float = 0.05, max_restarts: int = 0, early: EarlyTrainer | None = None):
         self.run_dir, self.poll_s = run_dir, poll_s
+        self.early = early  # started before the run dir existed: `start` starts it
         self.log_path = trainer_log(run_dir)
         self.proc: subprocess.Popen | None = None
         self._published = -1
@@ -44,10 +107,16 @@ class ProcessTrainer:
         self.on_restart: Callable[[int, str], None] | None = None
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "orchestrator.cli", "trainer", "--run-dir", str(self.run_dir)]
+        return trainer_command(self.run_dir)
 
     async def start(self) -> None:
-        self._spawn()
+        early, self.early = self.early, None
+        if early is not None:
+            with open(self.log_path, "ab") as log:
+                self._log_start = log.seek(0, os.SEEK_END)
+            self.proc = early.start()
+        if self.proc is None:
+            self._spawn()
 
     def _spawn(self) -> None:
         log = open(self.log_path, "ab")
@@ -58,7 +127,7 @@ class ProcessTrainer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=_child_env(),
                 # Its own session: a Ctrl-C in the terminal reaches the orchestrator only, which
                 # drains and then stops the trainer itself. The child's parent watchdog still
                 # ends it if the orchestrator dies.

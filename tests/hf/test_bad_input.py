@@ -77,7 +77,9 @@ def test_a_resumed_run_whose_model_dir_changed(tmp_path, model_dir):
 
     model = tmp_path / "model"
     shutil.copytree(model_dir, model)
-    create_run(load_config(overrides=[f"runs_dir={tmp_path}", "name=r", f"model.path={model}"])).log.close()
+    run = create_run(load_config(overrides=[f"runs_dir={tmp_path}", "name=r", f"model.path={model}"]))
+    run.log.close()
+    run.started_early.close()  # the trainer it started: this run never runs
     (model / "generation_config.json").write_text('{"do_sample": true}')  # any change to the dir's files
     result = CliRunner().invoke(main, ["run", "--resume", str(tmp_path / "r")])
     assert _error_line(result).startswith(f"orch: error: the model dir {model} changed since the run started")

@@ -145,8 +145,9 @@ def test_terminal_ctrl_c_during_start_up_stops_cleanly_then_resume_finishes(tmp_
     process, and --resume finishes it (from an empty log if nothing had been committed)."""
     run_dir = tmp_path / "r"
     proc = spawn_run(tmp_path, "--max-steps", "2", start_new_session=True)
-    # the trainer process exists once the run's loop (and its signal handlers) runs: it warms up
-    wait_until(lambda: [pid for pid in processes_mentioning(str(run_dir)) if pid != proc.pid], 120, "the trainer")
+    # trainer.json is written once the run's loop (and its signal handlers) runs; the trainer,
+    # started before the model's checks, then loads the model and publishes its warm start
+    wait_until(lambda: (run_dir / "trainer.json").exists(), 120, "the trainer's config")
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=120)
     stderr = proc.stderr.read()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
@@ -133,3 +134,52 @@ def test_a_trainer_that_refused_something_itself_is_not_restarted(tmp_path):
     with pytest.raises(TrainerFailed, match="bad batch 5"):
         trainer.check()
     assert trainer.restarts == 0
+
+
+def test_a_run_refused_during_its_model_checks_kills_the_trainer_it_started_early(tmp_path, monkeypatch):
+    """The hf trainer starts before the model is checked (its imports overlap the checks); a
+    refusal or an interrupt meanwhile kills it, and nothing of the run is created."""
+    from orchestrator.config import load_config
+    from orchestrator.hf.component import HFTrainerConfig
+    from orchestrator.shell import runner
+
+    started = []
+    start_early = HFTrainerConfig.start_early
+
+    def recorded(self, run_dir):
+        started.append(start_early(self, run_dir))
+        return started[-1]
+
+    monkeypatch.setattr(HFTrainerConfig, "start_early", recorded)
+
+    def interrupted(config, stored_hash=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "preflight", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.create_run(load_config(overrides=[f"runs_dir={tmp_path}", "name=r"]))
+    [early] = started
+    assert early.proc is None and not (tmp_path / "r").exists()
+    assert not [line for line in _processes() if str(tmp_path / "r") in line]
+
+
+def test_a_trainer_started_early_exits_by_itself_once_its_orchestrator_is_gone(tmp_path):
+    """Its orchestrator gone (the pipe it waits on closed), it exits without training."""
+    from orchestrator.trainers.process import EarlyTrainer
+
+    early = EarlyTrainer(tmp_path / "r")
+    early.proc.stdin.close()
+    assert early.proc.wait(60) == 0
+    assert not (tmp_path / "r").exists()
+
+
+def _processes() -> list[str]:
+    """Every process's command line."""
+    lines = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                lines.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return lines
