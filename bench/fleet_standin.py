@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import math
 import random
+import resource
 import subprocess
 import sys
 from collections import deque
@@ -224,6 +225,15 @@ def _json(value: dict) -> bytes:
     )
 
 
+def raise_open_files_limit(wanted: int = 65536) -> None:
+    """A socket per request in flight: the soft limit raised as far as this process may."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):  # above the hard limit, unprivileged: keep it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), max(hard, wanted)))
+        return
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def serve(engines: int, slots: int, step_s: float) -> None:
     fleet = Fleet(engines, slots, step_s)
     servers = [await asyncio.start_server(fleet.handler(e), "127.0.0.1", 0, backlog=4096) for e in fleet.engines]
@@ -255,5 +265,6 @@ def fleet_process(engines: int, slots: int, step_s: float, cpu: int | None = Non
 
 
 if __name__ == "__main__":
+    raise_open_files_limit()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])))

@@ -34,7 +34,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from bench.fleet_standin import fleet_process, token_of
+from bench.fleet_standin import fleet_process, raise_open_files_limit, token_of
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.inference.client import InferenceClient, InferenceError
 from tests.inference.test_interrupt import per_token
@@ -46,7 +46,7 @@ RELOAD_S = 5.0
 PROMPT = [1, 2, 3, 4]
 VERSIONS = 1000  # weight dirs made, more than a run loads
 # (engines, slots per engine, decode step in s, completions in flight, max_tokens)
-SHAPES = [(16, 64, 0.02, 2048, 2048), (64, 32, 0.05, 16384, 1024)]
+SHAPES = [(16, 64, 0.02, 2048, 2048), (64, 192, 0.05, 12288, 1024)]
 
 
 def _rss_bytes() -> int:
@@ -111,8 +111,8 @@ def test_fleet_sampled_tokens_against_offered(benchmark, tmp_path, engines, slot
     dirs = weight_dirs(tmp_path, range(VERSIONS))
     two_cores = len(os.sched_getaffinity(0)) >= 2
     mine = os.sched_getaffinity(0)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a socket per completion in flight
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raise_open_files_limit()
 
     async def main() -> tuple[list[dict], Episodes]:
         async with (
@@ -162,7 +162,7 @@ def test_fleet_sampled_tokens_against_offered(benchmark, tmp_path, engines, slot
                 windows, episodes = benchmark.pedantic(lambda: asyncio.run(main()), rounds=1, iterations=1)
     finally:
         os.sched_setaffinity(0, mine)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     assert episodes.wrong_versions == 0, f"{episodes.wrong_versions} completions had a token of another version"
     figures = {
         key: {
