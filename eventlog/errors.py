@@ -18,6 +18,7 @@ __all__ = [
     "WriterLockedError",
     "ReadOnlyLocationError",
     "StorageError",
+    "SideFileLeftError",
     "LogNotFoundError",
     "LogExistsError",
     "InvalidEventError",
@@ -77,6 +78,11 @@ class ReadOnlyLocationError(LogError):
 class StorageError(LogError):
     """The storage refused the operation: disk or quota full, an I/O error, or the database held
     by another connection past the busy timeout. A failed commit stored nothing."""
+
+
+class SideFileLeftError(StorageError):
+    """A side file no row references any more could not be deleted: disk used, nothing lost (the
+    commit before it stands)."""
 
 
 class LogNotFoundError(LogError):

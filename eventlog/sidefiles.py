@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from .errors import CorruptLogError, StorageError
+from .errors import CorruptLogError, SideFileLeftError, StorageError
 
 SIDE_FILE_BYTES = 100 * 1024
 
@@ -36,7 +36,9 @@ def remove_orphans(log_path: str, referenced: set[str]) -> list[str]:
         try:
             os.unlink(os.path.join(side_dir(log_path), name))
         except OSError as err:
-            raise StorageError(f"cannot remove the unreferenced payload file {name}: {err.strerror or err}") from None
+            raise SideFileLeftError(
+                f"cannot remove the unreferenced payload file {name}: {err.strerror or err}"
+            ) from None
     return orphans
 
 

@@ -10,6 +10,7 @@ the atexit handlers run first and the output is flushed, so what the process wro
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -22,6 +23,7 @@ def exit_process(code: int) -> NoReturn:
     if any(thread is not main and not thread.daemon and thread.is_alive() for thread in threading.enumerate()):
         sys.exit(code)
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing to keep
+            stream.flush()
     os._exit(code)

@@ -331,7 +331,7 @@ class InferenceClient:
     def _streams(self) -> aiohttp.ClientSession:
         """The HTTP client of streamed completions, made on the running loop at the first stream.
         aiohttp rather than httpx: its per-request cost is a fraction of httpx's (bench/README.md,
-        "a fleet's shape"), and a stream is one request per completion and per continuation.
+        "streamed tokens"), and a stream is one request per completion and per continuation.
         Connections: no cap of its own (the client's slots cap them), idle ones dropped at
         KEEPALIVE_S, as httpx's."""
         if self._stream_session is None:
@@ -339,15 +339,18 @@ class InferenceClient:
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, ssl=_ssl_context()),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s, sock_read=self.timeout_s),
                 trust_env=False,
-                auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding",),  # the stream as the server writes it
             )
         return self._stream_session
 
     async def aclose(self) -> None:
         self.lag.stop()
-        await self._http.aclose()
-        if self._stream_session is not None:
-            await self._stream_session.close()
+        session, self._stream_session = self._stream_session, None
+        try:
+            await self._http.aclose()
+        finally:
+            if session is not None:
+                await session.close()
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -484,7 +487,7 @@ class InferenceClient:
                 with until_started(restart) as started, self._transport_errors("POST", url, path):
                     async with (
                         self._connection_slot(ep, "POST", url, path),
-                        self._streams().post(url, data=content, headers={**headers, **JSON_BODY}) as resp,
+                        self._streams().post(url, data=content, headers=headers, allow_redirects=False) as resp,
                     ):
                         if resp.status >= 400:
                             _raise_for_status(resp.status, await resp.read(), resp.reason or "", "POST", url, path)
@@ -575,7 +578,7 @@ class InferenceClient:
                 f"{method} {url}: timed out ({kind}){cause}", f"{kind} {path}", orch_side=own_lag, stalled=own_lag
             ) from None
         except aiohttp.ClientError as exc:
-            kind = _AIOHTTP_KINDS.get(type(exc), type(exc).__name__)
+            kind = next((_AIOHTTP_KINDS[t] for t in type(exc).__mro__ if t in _AIOHTTP_KINDS), type(exc).__name__)
             raise Retryable(f"{method} {url}: {kind}: {exc or 'connection failed'}", f"{kind} {path}") from None
 
     # -- completions ------------------------------------------------------------------------------
@@ -1060,7 +1063,6 @@ def continuation_seed(seed: int, choice: int, tokens_so_far: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-JSON_BODY = {"content-type": "application/json"}
 # aiohttp's failures named as httpx names the same ones, so that an endpoint's error kinds read
 # alike whichever client met them (`Endpoint.error_kinds`).
 _AIOHTTP_KINDS = {
@@ -1075,7 +1077,7 @@ _AIOHTTP_KINDS = {
 def _ssl_context() -> ssl.SSLContext:
     """The TLS settings every pool shares: httpx builds a context per transport otherwise, which
     takes milliseconds of the event loop each time a shard is made (.pool)."""
-    return httpx.create_ssl_context(trust_env=False)
+    return httpx.create_ssl_context()  # SSL_CERT_FILE / SSL_CERT_DIR honoured, as httpx's default
 
 
 def _transport(max_connections: int | None) -> httpx.AsyncHTTPTransport:

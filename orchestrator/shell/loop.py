@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from eventlog import Recorder, StorageError
+from eventlog import Recorder, SideFileLeftError, StorageError
 from orchestrator.collection.collect import ExampleFeed, Outcome, run_examples
 from orchestrator.config import RunConfig
 from orchestrator.contracts import Algorithm, InferenceBackend, RolloutRequest, Trainer, episode_error
@@ -433,10 +433,13 @@ class Orchestrator:
                 unneeded.append(seq)
         try:
             self.log.drop_payloads(unneeded)
-        except StorageError as err:  # a side file left is disk used, not a wrong run: said once
+        except SideFileLeftError as err:  # disk used, not a wrong run: said once
             if not self._side_file_removal_failed:
                 self._side_file_removal_failed = True
                 warn(str(err))
+        except StorageError as err:  # nothing dropped: tried again from the same row at the next publish
+            warn(f"token arrays not dropped this time (log.token_arrays): {err}")
+            return
         self._arrays_kept_from = kept_from if kept_from is not None else self.log.last_seq + 1
 
     def rematerialize_batches(self) -> int:

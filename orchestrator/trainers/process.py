@@ -87,7 +87,10 @@ class EarlyTrainer:
 def _kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
-    proc.wait(KILL_WAIT_S)
+    try:
+        proc.wait(KILL_WAIT_S)
+    except subprocess.TimeoutExpired:  # not reaped yet: named, never hiding the error being handled
+        warn(f"the trainer process {proc.pid} did not exit within {KILL_WAIT_S:g}s of its SIGKILL")
 
 
 class ProcessTrainer:
