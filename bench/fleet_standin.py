@@ -26,13 +26,14 @@ import contextlib
 import math
 import random
 import resource
-import subprocess
 import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import orjson
+
+from tests.inference.stream_standin import ports_of_child
 
 MODEL = "fleet-standin"
 FIRST_TOKEN = 100  # token ids are FIRST_TOKEN + the sampling version
@@ -249,19 +250,10 @@ async def serve(engines: int, slots: int, step_s: float) -> None:
 def fleet_process(engines: int, slots: int, step_s: float, cpu: int | None = None) -> Iterator[list[str]]:
     """The fleet in a child process (pinned to CPU `cpu` where given); yields each engine's base
     URL. Killed and waited for at the end."""
-    command = [sys.executable, "-m", "bench.fleet_standin", str(engines), str(slots), str(step_s)]
-    if cpu is not None:
-        command = ["taskset", "-c", str(cpu), *command]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        ports = process.stdout.readline().split()  # bounded: the child prints them or dies (EOF)
+    with ports_of_child(["bench.fleet_standin", str(engines), str(slots), str(step_s)], cpu) as ports:
         if len(ports) != engines:
-            raise RuntimeError(f"the stand-in fleet did not start (exit {process.poll()})")
+            raise RuntimeError(f"the stand-in fleet served {len(ports)} engines, not {engines}")
         yield [f"http://127.0.0.1:{port}" for port in ports]
-    finally:
-        process.kill()
-        process.wait(10)
 
 
 if __name__ == "__main__":

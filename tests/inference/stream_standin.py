@@ -212,22 +212,29 @@ async def serve() -> None:
 
 
 @contextlib.contextmanager
-def standin_process(cpu: int | None = None) -> Iterator[str]:
-    """The stand-in in a child process (pinned to CPU `cpu` where given); yields its base URL.
-    Killed and waited for at the end."""
-    command = [sys.executable, "-m", "tests.inference.stream_standin"]
+def ports_of_child(module_args: list[str], cpu: int | None = None) -> Iterator[list[str]]:
+    """``python -m MODULE ARGS`` in a child process (pinned to CPU `cpu` where given) that prints
+    the ports it serves on one line first; yields them. Killed and waited for at the end."""
+    command = [sys.executable, "-m", *module_args]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
-        port = process.stdout.readline().strip()  # bounded: the child prints it or dies (EOF)
-        if not port.isdigit():
-            raise RuntimeError(f"the stand-in engine did not start (exit {process.poll()})")
-        yield f"http://127.0.0.1:{port}"
+        ports = process.stdout.readline().split()  # bounded: the child prints them or dies (EOF)
+        if not ports or not all(port.isdigit() for port in ports):
+            raise RuntimeError(f"{module_args[0]} did not start (exit {process.poll()})")
+        yield ports
     finally:
         process.kill()
         process.wait(10)
+
+
+@contextlib.contextmanager
+def standin_process(cpu: int | None = None) -> Iterator[str]:
+    """The stand-in in a child process (pinned to CPU `cpu` where given); yields its base URL."""
+    with ports_of_child(["tests.inference.stream_standin"], cpu) as ports:
+        yield f"http://127.0.0.1:{ports[0]}"
 
 
 if __name__ == "__main__":
