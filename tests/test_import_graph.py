@@ -38,6 +38,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "orchestrator.rundir",
         "orchestrator.notices",
         "orchestrator.gc_tuning",
+        "orchestrator.quick_exit",
         "orchestrator.effects",
         "orchestrator.fold",
         "orchestrator.tasks",

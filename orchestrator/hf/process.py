@@ -12,6 +12,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.trainers.process import START_LINE
+
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PARENT_DIED = 0, 1, 130, 3
 
 
@@ -74,9 +76,6 @@ def exit_code_of(body: Callable[[], None], where: str = "") -> int:
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
         return EXIT_ERROR
-
-
-START_LINE = b"start\n"  # what the orchestrator writes to a waiting trainer once its trainer.json is written
 
 
 def wait_for_start(log_path: Path) -> bool:

@@ -79,6 +79,7 @@ from orchestrator.inference.errors import (
     same_server_error_again,
 )
 from orchestrator.inference.loop_lag import LoopLag
+from orchestrator.inference.pacing import StartPacer
 from orchestrator.inference.pool import ByOrigin, ShardedTransport
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 from orchestrator.inference.sse import EventStreamDecoder
@@ -324,6 +325,7 @@ class InferenceClient:
         self._all_connections = asyncio.Semaphore(max_connections) if max_connections is not None else None
         self._connect_timeout_s = connect_timeout_s
         self._stream_session: aiohttp.ClientSession | None = None  # `_streams`
+        self._pacer = StartPacer()  # a reload's wave of continuations spread over loop steps
         self.lag = LoopLag(keep_s=max(timeout_s, connect_timeout_s))  # the windows `_transport_errors` asks about
         self.retries = 0  # requests re-sent after a failure (all endpoints together)
         self.lag_retries = 0  # requests sent again after a failure on orch's side (Retryable.orch_side)
@@ -485,6 +487,7 @@ class InferenceClient:
         try:
             async with asyncio.timeout(None) as restart:
                 with until_started(restart) as started, self._transport_errors("POST", url, path):
+                    await self._pacer.turn()  # registered first: a reload meanwhile ends it as unstarted
                     async with (
                         self._connection_slot(ep, "POST", url, path),
                         self._streams().post(url, data=content, headers=headers, allow_redirects=False) as resp,

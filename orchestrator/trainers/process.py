@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.contracts import Publish
-from orchestrator.hf.process import START_LINE
 from orchestrator.notices import warn
 from orchestrator.rundir import (
     ckpt_dir,
@@ -32,6 +31,8 @@ from orchestrator.trainers import TrainerFailed
 
 REFUSAL = "orch trainer: error:"  # the trainer's own one-line refusal (a bad batch, a bad model)
 KILL_WAIT_S = 5.0  # the longest wait to reap a SIGKILLed child
+
+START_LINE = b"start\n"  # what the orchestrator writes to a waiting trainer once its trainer.json is written
 
 
 def trainer_command(run_dir: Path) -> list[str]:
