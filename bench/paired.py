@@ -40,3 +40,12 @@ def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> 
         "q3": round(quartiles[2], 3),
         "rounds": [round(x, 3) for x in ratios],
     }
+
+
+def spread(values: Sequence[float], digits: int = 4) -> dict[str, float]:
+    """The median and the range of `values`, rounded."""
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+    }

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from bench.paired import alternated_rounds, paired_ratio
+from bench.paired import alternated_rounds, paired_ratio, spread
 from eventlog import EventLog
 from orchestrator.config import load_config
 from orchestrator.core import events as ev
@@ -96,10 +96,6 @@ async def run_once(run_dir, max_steps: int, sets: dict, capacity: str) -> dict:
         "stale_share": acct.dropped.get("stale", 0) / acct.completed,
         "shipped_per_s": acct.shipped / elapsed,
     }
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
-import statistics
 import time
 from collections import Counter
 
@@ -35,6 +34,7 @@ import httpx
 import pytest
 
 from bench.fleet_standin import fleet_process, raise_open_files_limit, token_of
+from bench.paired import spread
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.inference.client import InferenceClient, InferenceError
 from tests.inference.test_interrupt import per_token
@@ -164,14 +164,7 @@ def test_fleet_sampled_tokens_against_offered(benchmark, tmp_path, engines, slot
         os.sched_setaffinity(0, mine)
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     assert episodes.wrong_versions == 0, f"{episodes.wrong_versions} completions had a token of another version"
-    figures = {
-        key: {
-            "median": round(statistics.median(w[key] for w in windows), 3),
-            "min": round(min(w[key] for w in windows), 3),
-            "max": round(max(w[key] for w in windows), 3),
-        }
-        for key in windows[0]
-    }
+    figures = {key: spread([w[key] for w in windows], digits=3) for key in windows[0]}
     benchmark.extra_info.update(
         engines=engines,
         slots=slots,
