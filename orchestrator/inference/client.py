@@ -556,33 +556,29 @@ class InferenceClient:
         try:
             yield
         except httpx.TimeoutException as exc:
-            if isinstance(exc, httpx.ConnectTimeout):
-                window = self._http.timeout.connect or self.timeout_s
-            else:
-                window = timeout or self.timeout_s
-            own_lag = self.lag.caused(window)
-            cause = " while orch's event loop stalled" if own_lag else ""
-            raise Retryable(
-                f"{method} {url}: timed out ({type(exc).__name__}){cause}",
-                f"{type(exc).__name__} {path}",
-                orch_side=own_lag or isinstance(exc, httpx.PoolTimeout),
-                stalled=own_lag,
-            ) from None
-        except httpx.TransportError as exc:
-            raise Retryable(
-                f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}", f"{type(exc).__name__} {path}"
-            ) from None
+            connect, pool_wait = isinstance(exc, httpx.ConnectTimeout), isinstance(exc, httpx.PoolTimeout)
+            raise self._timed_out(method, url, path, type(exc).__name__, connect, timeout, pool_wait) from None
         except aiohttp.ServerTimeoutError as exc:  # a streamed completion's connect or read
             connect = isinstance(exc, aiohttp.ConnectionTimeoutError)
-            own_lag = self.lag.caused(self._connect_timeout_s if connect else timeout or self.timeout_s)
-            cause = " while orch's event loop stalled" if own_lag else ""
             kind = "ConnectTimeout" if connect else "ReadTimeout"
-            raise Retryable(
-                f"{method} {url}: timed out ({kind}){cause}", f"{kind} {path}", orch_side=own_lag, stalled=own_lag
-            ) from None
-        except aiohttp.ClientError as exc:
+            raise self._timed_out(method, url, path, kind, connect, timeout) from None
+        except (httpx.TransportError, aiohttp.ClientError) as exc:
             kind = next((_AIOHTTP_KINDS[t] for t in type(exc).__mro__ if t in _AIOHTTP_KINDS), type(exc).__name__)
             raise Retryable(f"{method} {url}: {kind}: {exc or 'connection failed'}", f"{kind} {path}") from None
+
+    def _timed_out(
+        self, method: str, url: str, path: str, kind: str, connect: bool, timeout: float | None, pool_wait: bool = False
+    ) -> Retryable:
+        """A timed-out exchange (either HTTP client's): orch's side if orch's own loop stalled
+        through its window, or if it waited for a pooled connection."""
+        own_lag = self.lag.caused((self._connect_timeout_s or self.timeout_s) if connect else timeout or self.timeout_s)
+        cause = " while orch's event loop stalled" if own_lag else ""
+        return Retryable(
+            f"{method} {url}: timed out ({kind}){cause}",
+            f"{kind} {path}",
+            orch_side=own_lag or pool_wait,
+            stalled=own_lag,
+        )
 
     # -- completions ------------------------------------------------------------------------------
     async def complete(

@@ -17,7 +17,7 @@ from orchestrator.config import load_config
 from orchestrator.core.state import state_hash
 from orchestrator.fold import fold_log
 from orchestrator.shell.runner import create_run, resume_run
-from tests.support.cli import orch, spawn_orch, wait_until
+from tests.support.cli import kill_once, orch, spawn_orch, wait_until
 from tests.support.logs import assert_log_invariants, count_events
 from tests.support.runs import fake_run_args, sets
 
@@ -163,18 +163,9 @@ def test_missing_or_partial_batch_files_of_untrained_steps_are_rematerialized_id
         *sets("trainer.fake.step_time_s=600", "batch.size=16", "off_policy.target_lag=2"),
         *sets("off_policy.max_off_policy_steps=4"),
     )
-    try:
-        # a batch file is written after its batch_shipped event commits: wait for the files
-        files = run_dir / "batches"
-        wait_until(
-            lambda: proc.poll() is not None or len(list(files.glob("step_*.safetensors"))) >= 2,
-            60,
-            "two batch files written",
-        )
-        assert proc.poll() is None, proc.stderr.read()
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    # a batch file is written after its batch_shipped event commits: wait for the files
+    files = run_dir / "batches"
+    kill_once(proc, lambda: len(list(files.glob("step_*.safetensors"))) >= 2, 60, "two batch files written")
     with EventLog.open_reader(run_dir / "events.db") as log:
         untrained = sorted(fold_log(log).state.shipped_batches)
     assert len(untrained) >= 2, untrained

@@ -6,9 +6,7 @@ the replays that need dropped arrays refuse in one line, and `--diff` compares t
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import sqlite3
 
 from eventlog import EventLog
@@ -16,7 +14,7 @@ from eventlog.fileformat import row_hash
 from orchestrator.core.state import episodes_with_arrays
 from orchestrator.fold import fold_log
 from orchestrator.rundir import batch_path
-from tests.support.cli import orch, spawn_orch, wait_until
+from tests.support.cli import kill_once, orch, spawn_orch
 from tests.support.logs import assert_log_invariants, count_events
 from tests.support.runs import fake_run_args, sets
 
@@ -85,16 +83,7 @@ def test_a_killed_until_trained_run_resumes_rebuilding_its_untrained_batches_and
     run_dir = tmp_path / "r"
     keep_files = sets("log.batch_files=keep", "batch.size=16", "trainer.fake.step_time_s=0.5")
     proc = spawn_orch(*fake_run_args(tmp_path, "r", steps=12), *UNTIL_TRAINED, *keep_files, *QUIET)
-    try:
-        wait_until(
-            lambda: proc.poll() is not None or count_events(run_dir, "version_published") >= 2,
-            60,
-            "two versions published",
-        )
-        assert proc.poll() is None, proc.stderr.read()
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_once(proc, lambda: count_events(run_dir, "version_published") >= 2, 60, "two versions published")
     with EventLog.open_reader(run_dir / "events.db") as log:
         state = fold_log(log).state  # reads every array it holds: none of them was dropped
     assert _payload_rows(run_dir)["dropped"] > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,3 +34,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.1)
+
+
+def kill_once(proc: subprocess.Popen, reached: Callable[[], bool], timeout: float, what: str) -> None:
+    """SIGKILL a running `orch` once `reached()` holds (waited for as `wait_until` waits, and
+    failing with its stderr if it exited first); it is killed and reaped however this ends."""
+    try:
+        wait_until(lambda: proc.poll() is not None or reached(), timeout, what)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else proc.returncode
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
