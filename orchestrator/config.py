@@ -674,33 +674,6 @@ def resumable(key: str) -> bool:
     return key in RESUMABLE_FIELDS or any(key.startswith(section + ".") for section in RESUMABLE_SECTIONS)
 
 
-# Fields added after runs were first written, with the value a stored config that lacks one
-# means: the behaviour its run was recorded with (its log says the same).
-ADDED_FIELDS = {("rollout", "capacity"): "off", ("batch", "cut"): "prefix"}
-# Fields that moved (old path -> new path): a stored config's value moves with them.
-MOVED_FIELDS = {("rollout", "env_server"): ("env", "reverse_text", "server")}
-
-
-def upgraded_stored_config(stored: dict) -> dict:
-    """A stored config (JSON) with every field it predates set to what its run did, and every
-    field that moved since at its new place."""
-    upgraded = copy.deepcopy(stored)
-    for (section, name), new_path in MOVED_FIELDS.items():
-        node = upgraded.get(section)
-        if isinstance(node, dict) and name in node:
-            value = node.pop(name)
-            target = upgraded
-            for part in new_path[:-1]:
-                target = target.setdefault(part, {})
-            if isinstance(target, dict):
-                target.setdefault(new_path[-1], value)
-    for (section, name), value in ADDED_FIELDS.items():
-        node = upgraded.setdefault(section, {})
-        if isinstance(node, dict):
-            node.setdefault(name, value)
-    return upgraded
-
-
 def config_hash(config_json: bytes) -> str:
     return hashlib.sha256(config_json).hexdigest()
 

@@ -67,10 +67,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE
-from orchestrator.core.events import EpisodeCompleted, version_runs
+from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE, Tokens
+from orchestrator.core.events import EpisodeCompleted, checked, version_runs
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -185,25 +185,21 @@ def episode_of_samples(
     if named and len(named) != len(samples):
         raise ValueError("either every sample of an episode names its agent or none does")
     agents = tuple(named)
-    try:
-        return EpisodeCompleted(
-            episode_id=req.episode_id,
-            group_id=req.group_id,
-            ok=True,
-            reward=reward,
-            token_ids=token_ids,
-            mask=mask,
-            logprobs=logprobs,
-            policy_start=policy_start,
-            policy_end=policy_end,
-            temperature=temperature,
-            token_versions=version_runs(version_segments),
-            samples=tuple((len(s.token_ids), sum(s.mask)) for s in samples) if len(samples) > 1 else (),
-            agents=agents,
-            agent_rewards=tuple(sorted((agent_rewards or {}).items())) if agents else (),
-        )
-    except ValidationError as err:  # one line: what is wrong, not pydantic's report
-        raise ValueError("; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())) from None
+    return checked(
+        EpisodeCompleted,
+        episode_id=req.episode_id,
+        group_id=req.group_id,
+        ok=True,
+        reward=reward,
+        tokens=Tokens.of(token_ids, mask, logprobs),
+        policy_start=policy_start,
+        policy_end=policy_end,
+        temperature=temperature,
+        token_versions=version_runs(version_segments),
+        samples=tuple((len(s.token_ids), sum(s.mask)) for s in samples) if len(samples) > 1 else (),
+        agents=agents,
+        agent_rewards=tuple(sorted((agent_rewards or {}).items())) if agents else (),
+    )
 
 
 class PreparedModel(NamedTuple):

@@ -146,7 +146,7 @@ def perform(state: State, events: Iterable[ev.Event], port: EffectPort) -> None:
         effect = effects.get(event.kind)
         if effect is not None:
             effect(state, event, port)
-            if event.kind == "batch_shipped":
+            if isinstance(event, ev.BatchShipped):
                 shipped.append(event)
     for event in shipped:
         port.notify_trainer(event)

@@ -10,7 +10,7 @@ so every later input is checked against the right state.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
 
@@ -24,14 +24,6 @@ from replay.diff import Divergence, Side, divergence_of
 from replay.inputs import decode
 from replay.source import ReplayInputError, guarded, one_line, row_data
 
-# A rule that a run's parameters switch on is checked as the run had it: a log written before
-# the rule has no such parameter, folds with the rule off, and the check says so.
-CAPACITY_OFF_NOTE = (
-    "rule 1's dispatch capacity is off in this log (its run_started sets no capacity: "
-    "written before the rule, or with rollout.capacity=off); its decisions were re-derived with "
-    "the rule off, as they were made"
-)
-
 
 @dataclass
 class CheckResult:
@@ -40,7 +32,6 @@ class CheckResult:
     inputs: int  # recorded inputs re-decided
     decisions: int  # recorded decisions re-derived identically
     divergence: Divergence | None = None
-    notes: list[str] = field(default_factory=list)  # how the log's own parameters shaped the check
     damage: str | None = None  # the divergence is the log's damage (replay.damage), named here
 
     def to_dict(self) -> dict:
@@ -50,7 +41,6 @@ class CheckResult:
             "inputs": self.inputs,
             "decisions": self.decisions,
             "divergence": self.divergence.to_dict() if self.divergence else None,
-            "notes": self.notes,
             "damage": self.damage,
         }
 
@@ -91,16 +81,7 @@ def check_log(log: EventLog) -> CheckResult:
     recorded = result.divergence.a if result.divergence is not None else None
     if recorded is not None and recorded.kind == "batch_shipped" and isinstance(recorded.data, dict):
         result.damage = payload_damage(log, recorded.seq, recorded.data)
-    if _capacity_off(log):
-        result.notes.append(CAPACITY_OFF_NOTE)
     return result
-
-
-def _capacity_off(log: EventLog) -> bool:
-    """Does the log's run_started leave the dispatch capacity off (no `capacity` parameter)?"""
-    for _seq, _ts, _kind, data in log.read_raw(kinds=("run_started",)):
-        return "capacity" not in orjson.loads(data).get("params", {})
-    return False
 
 
 def _check(log: EventLog) -> CheckResult:

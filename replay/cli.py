@@ -208,9 +208,6 @@ def _check(run: Path, as_json: bool) -> int:
         console = _console()
         console.print(f"NOT deterministic: {result.decisions} decisions re-derived identically, then:")
         render_divergence(result.divergence, console, "recorded", "current code")
-    if not as_json:
-        for note in result.notes:
-            click.echo(f"note: {note}")
     return EXIT_OK if result.deterministic else EXIT_DIVERGENT
 
 

@@ -22,6 +22,7 @@ import orjson
 from eventlog import EventLog
 from orchestrator.core.arrays import PayloadError, unpack
 from orchestrator.core.batch import decode_batch
+from orchestrator.core.events import logged_n_tokens
 from orchestrator.rundir import batch_path
 
 
@@ -51,7 +52,8 @@ def payload_damage(log: EventLog, shipped_seq: int, shipped: dict[str, Any]) -> 
             continue
         where = f"seq {seq} (the episode_completed of trace {fields['episode_id']})"
         try:
-            token_ids, mask, logprobs = unpack(payload, fields.get("n_tokens", -1))
+            n_tokens = logged_n_tokens(fields)
+            token_ids, mask, logprobs = unpack(payload, -1 if n_tokens is None else n_tokens)
         except PayloadError as err:
             return f"{where}: its token payload does not decode ({err})"
         start, end = int(batch.offsets[i]), int(batch.offsets[i + 1])

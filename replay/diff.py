@@ -34,6 +34,7 @@ import orjson
 
 from eventlog import DroppedPayload, EventLog
 from orchestrator.core.arrays import PayloadError, unpack
+from orchestrator.core.events import logged_n_tokens
 from replay.source import ReplayInputError, guarded, row_data
 
 LEVELS = ("batches", "accounting", "curriculum", "evals", "events")
@@ -200,9 +201,9 @@ def _side(row: tuple, source: str) -> Side:
     fields = row_data(seq, data, source)
     if isinstance(payload, DroppedPayload) and isinstance(fields, dict):
         fields["payload_sha256"] = payload.sha256
-    elif payload is not None and isinstance(fields, dict) and isinstance(fields.get("n_tokens"), int):
+    elif payload is not None and (n_tokens := logged_n_tokens(fields)) is not None:
         try:
-            token_ids, mask, logprobs = unpack(payload, fields["n_tokens"])
+            token_ids, mask, logprobs = unpack(payload, n_tokens)
         except PayloadError as err:
             raise ReplayInputError(f"{source}: seq {seq}: {err}") from None
         fields.update(token_ids=token_ids.tolist(), mask=list(mask), logprobs=logprobs.tolist())

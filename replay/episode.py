@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eventlog import EventLog
-from orchestrator.core.events import EpisodeCompleted, decode_event, episode_of
+from orchestrator.core.events import EpisodeCompleted, decode_event, episode_json, episode_of
 from orchestrator.core.samples import split_episode
 from replay.source import ReplayInputError, guarded, one_line, row_data
 
@@ -38,13 +38,13 @@ def episode_completions(log: EventLog, episode_id: int) -> list[dict]:
                 one_line(f"{log.path}: seq {seq}: cannot decode episode {episode_id}: {err}")
             ) from None
         assert isinstance(event, EpisodeCompleted)  # the kind it was decoded as
-        fields = {"seq": seq, **event.model_dump(mode="json", exclude={"kind"})}
+        fields = {"seq": seq, **episode_json(event)}
         if event.samples:
             fields["training_samples"] = [
                 {
                     "sample_id": sample.episode_id,
                     "agent": sample.agents[0] if sample.agents else None,
-                    **sample.model_dump(mode="json", include=SAMPLE_FIELDS),
+                    **{name: value for name, value in episode_json(sample).items() if name in SAMPLE_FIELDS},
                 }
                 for sample in split_episode(event)
             ]

@@ -9,9 +9,10 @@ logprobs: 9 bytes per token, compared with equality like lists, read without a c
     logprobs    n x float32, little-endian
     mask        ceil(n / 8) bytes, bit i of the mask is bit (i % 8) of byte i // 8 (little bit order)
 
-Every array comes in through the `as_*` functions (the boundary: the validators of
-`EpisodeCompleted`): a NaN or infinite logprob, a mask value other than 0 or 1 or a token id
-outside int32 is refused there with a one-line ValueError.
+An event holds them as `Tokens`: their sizes, logged in the row's JSON, and the arrays, which
+are the row's payload, unpacked when first read. Every array comes in through `Tokens.of` and
+the `as_*` functions it calls (the boundary): a NaN or infinite logprob, a mask value other than
+0 or 1 or a token id outside int32 is refused there with a one-line ValueError.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from array import array
 from typing import Any
 
+import msgspec
 import numpy as np
 
 TOKEN_ID_CODE, LOGPROB_CODE = "i", "f"
@@ -123,3 +125,95 @@ def unpack(payload: bytes | memoryview | None, n_tokens: int) -> tuple[array, by
     bits = np.frombuffer(view[8 * n_tokens :], dtype=np.uint8)
     mask = np.unpackbits(bits, count=n_tokens, bitorder="little").tobytes()
     return ids, mask, lps
+
+
+class Tokens(msgspec.Struct, array_like=True, dict=True, eq=False):
+    """An episode's (or a sample's) token arrays as its event holds them: their sizes, which the
+    row's JSON logs as `[n_tokens, sampled_tokens]`, and the arrays, which travel as the row's
+    payload and are unpacked when first read. A fold reads only the payloads of the traces it
+    still holds at its end (`attach`, by `seq`): until then a trace costs its sizes alone."""
+
+    n_tokens: int
+    sampled_tokens: int
+
+    @classmethod
+    def of(cls, token_ids: Any, mask: Any, logprobs: Any) -> Tokens:
+        """The arrays of an episode, checked (the `as_*` functions) and aligned."""
+        ids, flags, lps = as_token_ids(token_ids), as_mask(mask), as_logprobs(logprobs)
+        if not len(ids) == len(flags) == len(lps):
+            raise ValueError("token_ids, mask and logprobs must have the same length")
+        tokens = cls(len(ids), flags.count(1))
+        tokens.__dict__["_arrays"] = (ids, flags, lps)
+        return tokens
+
+    @property
+    def seq(self) -> int | None:
+        """The log row whose payload holds the arrays (set by a fold; None: not from a fold)."""
+        if "_slice" in self.__dict__:
+            return self.__dict__["_slice"][0].seq
+        return self.__dict__.get("_seq")
+
+    @seq.setter
+    def seq(self, seq: int) -> None:
+        self.__dict__["_seq"] = seq
+
+    def attach(self, payload: bytes | None) -> None:
+        """Take the arrays from their row's payload (checked when first read: PayloadError); a
+        sample's part, from its episode's."""
+        if "_slice" in self.__dict__:
+            self.__dict__["_slice"][0].attach(payload)
+        else:
+            self.__dict__["_payload"] = payload
+
+    def arrays(self) -> tuple[array, bytes, array]:
+        """(token ids, mask, logprobs); PayloadError if a payload was attached that does not hold
+        them, or none was (a trace read before its fold read its payload)."""
+        held = self.__dict__
+        if "_arrays" not in held:
+            if "_slice" in held:
+                whole, start = held["_slice"]
+                ids, mask, lps = whole.arrays()
+                end = start + self.n_tokens
+                held["_arrays"] = (ids[start:end], mask[start:end], lps[start:end])
+            elif self.n_tokens == 0:
+                held["_arrays"] = (array(TOKEN_ID_CODE), b"", array(LOGPROB_CODE))
+            elif "_payload" not in held:
+                raise PayloadError("the payload of its event was not read")
+            else:
+                ids, mask, lps = unpack(held["_payload"], self.n_tokens)
+                if mask.count(1) != self.sampled_tokens:
+                    raise PayloadError(
+                        f"a payload with {mask.count(1)} sampled tokens where its event says {self.sampled_tokens}"
+                    )
+                held["_arrays"] = (ids, mask, lps)
+        return held["_arrays"]
+
+    def packed(self) -> bytes:
+        """The payload of the arrays (`pack`)."""
+        return pack(*self.arrays())
+
+    def part(self, start: int, n_tokens: int, sampled_tokens: int) -> Tokens:
+        """The `n_tokens` tokens from `start`: a sample's arrays, read from its episode's when
+        first read."""
+        part = Tokens(n_tokens, sampled_tokens)
+        part.__dict__["_slice"] = (self, start)
+        return part
+
+    @property
+    def token_ids(self) -> array:
+        return self.arrays()[0]
+
+    @property
+    def mask(self) -> bytes:
+        return self.arrays()[1]
+
+    @property
+    def logprobs(self) -> array:
+        return self.arrays()[2]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Tokens):
+            return NotImplemented
+        return (self.n_tokens, self.sampled_tokens) == (other.n_tokens, other.sampled_tokens) and (
+            self.arrays() == other.arrays()
+        )

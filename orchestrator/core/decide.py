@@ -16,6 +16,7 @@ finalization dispatch the same episodes at the same points, so both ship identic
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 from orchestrator.core import events as ev
 from orchestrator.core.advantages import INLINE_SCORERS, InlineScorer
@@ -29,7 +30,7 @@ from orchestrator.core.evals import (
 )
 from orchestrator.core.evolve import evolve
 from orchestrator.core.rng import choose_by_ratio, uniform
-from orchestrator.core.samples import sample_heads, seat_of, trainable_starts
+from orchestrator.core.samples import seat_of, split_episode, trainable_starts
 from orchestrator.core.state import Group, QueuedTrace, State, Trace, min_fresh_version
 
 
@@ -178,7 +179,7 @@ def update_dispatch_gate(d: _Decisions) -> None:
     s = d.state
     is_open, reason = dispatch_gate(s)
     if (is_open, reason) != (s.gate_open, s.gate_reason):
-        d.emit(ev.GateChanged.unvalidated(open=is_open, reason=reason))
+        d.emit(ev.GateChanged(open=is_open, reason=reason))
 
 
 def dispatch_train_episodes(d: _Decisions) -> None:
@@ -197,7 +198,7 @@ def dispatch_train_episodes(d: _Decisions) -> None:
             return
         group = s.groups[group_id]
         d.emit(
-            ev.EpisodeDispatched.unvalidated(
+            ev.EpisodeDispatched(
                 episode_id=s.next_episode_id,
                 group_id=group_id,
                 attempt=group.attempts,
@@ -212,7 +213,7 @@ def start_train_group(d: _Decisions) -> int:
     env = choose_by_ratio(p.env_ratios, uniform(p.seed, s.rng_counter))
     group_id = s.next_group_id
     d.emit(
-        ev.GroupDispatched.unvalidated(
+        ev.GroupDispatched(
             group_id=group_id,
             env=env,
             task_id=s.cursors[env],
@@ -267,7 +268,7 @@ def finalize_group(d: _Decisions, group: Group) -> None:
         settle_group(d, group)
         return
     d.emit(
-        ev.FinalizeStarted.unvalidated(
+        ev.FinalizeStarted(
             group_id=group.group_id,
             background=p.finalize_in_background,
             trace_ids=survivors,
@@ -278,7 +279,7 @@ def finalize_group(d: _Decisions, group: Group) -> None:
     scorer = INLINE_SCORERS[p.algorithm]
     rewards = [s.traces[trace_id].reward for trace_id in survivors]
     d.emit(
-        ev.GroupFinalized.unvalidated(
+        ev.GroupFinalized(
             group_id=group.group_id,
             trace_ids=survivors,
             advantages=scorer(rewards, p),
@@ -304,11 +305,11 @@ def score_agents_apart(s: State, survivors: list[int], scorer: InlineScorer) -> 
         advantages = scorer([reward for _, reward in pool], s.params)
         scored.update((key, advantage) for (key, _), advantage in zip(pool, advantages))
     return [
-        (head.trace_id, scored[trace_id, head.agent])
+        (sample.episode_id, scored[trace_id, sample.agents[0]])
         for trace_id in survivors
         if s.traces[trace_id].agent_rewards
-        for head in sample_heads(s.traces[trace_id])
-        if head.agent is not None
+        for sample in split_episode(s.traces[trace_id])
+        if sample.agents
     ]
 
 
@@ -317,7 +318,7 @@ def on_background_finalized(d: _Decisions, e: ev.BackgroundFinalized) -> None:
     common_tail(d)
 
 
-def _drop_reason(s: State, trace_id: int) -> str:
+def _drop_reason(s: State, trace_id: int) -> ev.DropReason:
     trace = s.traces[trace_id]
     if not trace.ok:
         return "failed"
@@ -330,13 +331,13 @@ def survivor_samples(trace: Trace) -> list[tuple[int, int, int]]:
     """(sample id, oldest version, sampled tokens) of each sample of a survivor."""
     if not trace.samples:  # its one sample has sampled tokens, or it would not have survived
         return [(trace.episode_id, trace.policy_start, 1)]
-    return [(head.trace_id, head.policy_start, head.sampled_tokens) for head in sample_heads(trace)]
+    return [(sample.episode_id, sample.policy_start, sample.sampled_tokens) for sample in split_episode(trace)]
 
 
 def sample_ids(trace: Trace) -> list[int]:
     if not trace.samples:
         return [trace.episode_id]
-    return [head.trace_id for head in sample_heads(trace)]
+    return [sample.episode_id for sample in split_episode(trace)]
 
 
 def settle_group(d: _Decisions, group: Group) -> None:
@@ -346,7 +347,7 @@ def settle_group(d: _Decisions, group: Group) -> None:
     s, p = d.state, d.state.params
     survivors = group.survivors if group.finalizing else []
     scored = dict.fromkeys(survivors)
-    dropped: dict[str, list[int]] = {}
+    dropped: dict[ev.DropReason, list[int]] = {}
     for trace_id in group.members:
         if trace_id not in scored:
             dropped.setdefault(_drop_reason(s, trace_id), []).extend(sample_ids(s.traces[trace_id]))
@@ -366,7 +367,7 @@ def settle_group(d: _Decisions, group: Group) -> None:
         else:
             inserted.append(trace_id)
     d.emit(
-        ev.GroupSettled.unvalidated(
+        ev.GroupSettled(
             group_id=group.group_id,
             admitted=admitted,
             trace_ids=inserted,
@@ -391,7 +392,7 @@ def sweep_stale_pending(d: _Decisions) -> None:
     oldest = min_fresh_version(s.params, s.step)
     stale = [q.trace_id for q in s.pending.values() if q.policy_start < oldest]
     if stale:
-        d.emit(ev.TracesDropped.unvalidated(trace_ids=stale, reason="stale"))
+        d.emit(ev.TracesDropped(trace_ids=stale, reason="stale"))
 
 
 def cancel_stale_finalizing(d: _Decisions) -> None:
@@ -401,7 +402,7 @@ def cancel_stale_finalizing(d: _Decisions) -> None:
     for group in [g for g in s.groups.values() if g.background]:
         if not any(could_train(s.traces[t], oldest) for t in group.survivors):
             d.emit(
-                ev.GroupCancelled.unvalidated(
+                ev.GroupCancelled(
                     group_id=group.group_id,
                     reason="stale",
                     count=len(group.members),
@@ -496,7 +497,7 @@ def ship_batch(d: _Decisions) -> None:
     if d.batch_payloads is not None:
         d.batch_payloads[step] = payload
     d.emit(
-        ev.BatchShipped.unvalidated(
+        ev.BatchShipped(
             step=step,
             trace_ids=[q.trace_id for q in shipped],
             pruned_ids=[q.trace_id for q in pruned],
@@ -524,26 +525,26 @@ def on_version_published(d: _Decisions, e: ev.VersionPublished) -> None:
 # --- rule 9: drain and stop ----------------------------------------------------------------------
 
 
-def cancel_everything(d: _Decisions, reason: str) -> None:
+def cancel_everything(d: _Decisions, reason: Literal["drain", "stop"]) -> None:
     """Cancel in-flight episodes, open and finalizing groups, and the queue; wait for none."""
     s = d.state
     for episode_id in list(s.inflight):
-        d.emit(ev.EpisodeCancelled.unvalidated(episode_id=episode_id, reason=reason))
+        d.emit(ev.EpisodeCancelled(episode_id=episode_id, reason=reason))
     for group in list(s.groups.values()):
         d.emit(
-            ev.GroupCancelled.unvalidated(
+            ev.GroupCancelled(
                 group_id=group.group_id,
                 reason=reason,
                 count=len(group.members),
             )
         )
     if s.pending:
-        d.emit(ev.TracesDropped.unvalidated(trace_ids=list(s.pending), reason=reason))
+        d.emit(ev.TracesDropped(trace_ids=list(s.pending), reason=reason))
 
 
 def start_drain(d: _Decisions) -> None:
     """At max_steps: stop dispatch and cancel work whose batches would be dropped anyway."""
-    d.emit(ev.DrainStarted.unvalidated(reason="max_steps"))
+    d.emit(ev.DrainStarted(reason="max_steps"))
     cancel_everything(d, "drain")
     update_dispatch_gate(d)
 
@@ -554,17 +555,17 @@ def finish_drain(d: _Decisions) -> None:
     max_steps, unless a resume lowered max_steps below what had already shipped."""
     s = d.state
     if s.draining and not s.stopped and s.version >= s.step - 1 and not evals_pending(s):
-        d.emit(ev.RunStopped.unvalidated(reason="completed"))
+        d.emit(ev.RunStopped(reason="completed"))
 
 
 def stop_run(d: _Decisions, reason: str, error: bool = False) -> None:
     s = d.state
     if not s.draining:
-        d.emit(ev.DrainStarted.unvalidated(reason=reason))
+        d.emit(ev.DrainStarted(reason=reason))
     cancel_everything(d, "stop")
     cancel_eval_episodes(d, "stop")
     update_dispatch_gate(d)
-    d.emit(ev.RunStopped.unvalidated(reason=reason, error=error))
+    d.emit(ev.RunStopped(reason=reason, error=error))
 
 
 def on_stop_requested(d: _Decisions, e: ev.StopRequested) -> None:
@@ -579,7 +580,7 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
     re-finalize, sweep the queue."""
     s = d.state
     for episode_id in list(s.inflight):
-        d.emit(ev.EpisodeCancelled.unvalidated(episode_id=episode_id, reason="resume"))
+        d.emit(ev.EpisodeCancelled(episode_id=episode_id, reason="resume"))
     cancel_eval_episodes(d, "resume")
     drop_damaged_traces(d, e.damaged_traces)
     oldest = min_fresh_version(s.params, s.step)
@@ -591,10 +592,10 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
         if max(trainable_starts(s.traces[trace_id]), default=s.traces[trace_id].policy_start) < oldest
     ]
     if stale_members:
-        d.emit(ev.TracesDropped.unvalidated(trace_ids=stale_members, reason="stale"))
+        d.emit(ev.TracesDropped(trace_ids=stale_members, reason="stale"))
     for group in [g for g in s.groups.values() if g.finalizing]:
         d.emit(
-            ev.FinalizeStarted.unvalidated(
+            ev.FinalizeStarted(
                 group_id=group.group_id,
                 background=True,
                 trace_ids=group.survivors,
@@ -620,10 +621,10 @@ def drop_damaged_traces(d: _Decisions, trace_ids: list[int]) -> None:
     for group_id in finalizing:
         group = s.groups[group_id]
         damaged.difference_update(group.members)
-        d.emit(ev.GroupCancelled.unvalidated(group_id=group_id, reason="damaged", count=len(group.members)))
+        d.emit(ev.GroupCancelled(group_id=group_id, reason="damaged", count=len(group.members)))
     rest = [t for t in trace_ids if t in damaged]
     if rest:
-        d.emit(ev.TracesDropped.unvalidated(trace_ids=rest, reason="damaged"))
+        d.emit(ev.TracesDropped(trace_ids=rest, reason="damaged"))
 
 
 def on_run_started(d: _Decisions, e: ev.RunStarted) -> None:

@@ -11,6 +11,8 @@ change the state only by emitting events (folded by `evolve`).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from orchestrator.core import events as ev
 from orchestrator.core.state import Eval, State
 
@@ -41,7 +43,7 @@ def start_due_evals(d) -> None:
     p = s.params.eval
     for env in p.envs:
         d.emit(
-            ev.EvalStarted.unvalidated(
+            ev.EvalStarted(
                 eval_id=s.evals.next_eval_id,
                 env=env,
                 version=s.version,
@@ -67,7 +69,7 @@ def dispatch_eval_episodes(d) -> None:
         sample = min(x.to_dispatch)
         task = sample // x.samples_per_task
         d.emit(
-            ev.EvalEpisodeDispatched.unvalidated(
+            ev.EvalEpisodeDispatched(
                 episode_id=s.next_episode_id,
                 eval_id=x.eval_id,
                 group_id=x.first_group_id + task,
@@ -114,7 +116,7 @@ def eval_figures(x: Eval) -> dict:
 
 def complete_eval(d, x: Eval) -> None:
     d.emit(
-        ev.EvalCompleted.unvalidated(
+        ev.EvalCompleted(
             eval_id=x.eval_id,
             env=x.env,
             version=x.version,
@@ -136,12 +138,12 @@ def on_eval_result(d, e: ev.EvalEpisodeCompleted) -> None:
         complete_eval(d, x)
 
 
-def cancel_eval_episodes(d, reason: str) -> None:
+def cancel_eval_episodes(d, reason: Literal["stop", "resume"]) -> None:
     """Stop (their rollouts are cancelled) or resume (they were lost in a crash): the in-flight
     eval episodes give their samples back. The evals stay open, so a resumed run finishes them:
     the same eval, the same samples, the same pinned version."""
     for episode_id in list(d.state.evals.inflight):
-        d.emit(ev.EvalEpisodeCancelled.unvalidated(episode_id=episode_id, reason=reason))
+        d.emit(ev.EvalEpisodeCancelled(episode_id=episode_id, reason=reason))
 
 
 def accepted_eval_result(s: State, e: ev.EvalEpisodeCompleted) -> bool:

@@ -1,4 +1,5 @@
-"""The event catalogue (docs/log-format.md): one pydantic model per kind, a discriminated union on `kind`.
+"""The event catalogue (docs/log-format.md): one msgspec Struct per kind, which is at once the
+event the core builds and folds, and its codec.
 
 An event is either an *input* (a fact from the outside world: a finished episode, a background
 finalize result, a published version, a stop request, a start/resume marker) or a *decision*
@@ -7,27 +8,30 @@ whose role is "input" are `INPUT_KINDS`). Both are logged; `evolve` folds both. 
 inline is the decision `group_finalized`; the same result from a background finalize is the input
 `background_finalized`.
 
-In the log, `kind` is the column and `data` is the model's JSON without `kind`. The constructors
-that skip validation (`Event.unvalidated`) and the fold views are in `_fast_events`.
+In the log, `kind` is the column and `data` is the event's JSON: its fields, a field at its
+default left out. An `episode_completed`'s token arrays are the row's payload (`arrays.Tokens`).
+Constructing an event checks nothing but its own invariants (`__post_init__`): the core builds
+its decisions from values valid by construction; what comes from outside is checked with
+`checked`, and every decoded row is type-checked by its decoder.
 """
 
 from __future__ import annotations
 
+import math
 from array import array
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal, TypeVar
 
-import orjson
-import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, model_validator
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from orchestrator.core import arrays
 from orchestrator.core.advantages import INLINE_SCORERS
+from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE, Tokens
 
 # The event format's version: raised with every change to what an event's row holds, so that a log
 # is read only by the code that knows its format; what each version changed is in
 # docs/log-format.md, "Version history", and a log of another version is refused.
-EVENT_SCHEMA_VERSION = 5
+EVENT_SCHEMA_VERSION = 6
 
 
 def check_schema_version(version: int | str) -> None:
@@ -39,22 +43,12 @@ def check_schema_version(version: int | str) -> None:
         )
 
 
-class _Model(BaseModel):
-    # Frozen: the same object lives in the log buffer and in the state. NaN/Inf are refused at
-    # construction, so an encoded event is always valid JSON.
+class _Params(BaseModel):
+    # The run's settings, validated with the config they come from. NaN/Inf are refused.
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-    if TYPE_CHECKING:
-        kind: str  # an event's discriminator: a Literal field of each event class
-    # `cls(**fields)` without validation, for values valid by construction; every event class
-    # gets its own (`_fast_events.unvalidated_constructor`).
-    unvalidated: ClassVar[Callable[..., Self]]
-    # An event's role: "input" (a fact from the outside world, handed to `decide`) or "decision"
-    # (what `decide` derived from one). A class attribute rather than two base classes: a deeper
-    # class hierarchy slows every attribute lookup of the core.
-    role: ClassVar[Literal["input", "decision"]]
 
 
-class EvalParams(_Model):
+class EvalParams(_Params):
     """Evaluations on a schedule (docs/evals.md): held-out tasks sampled beside training, outside
     the train gate, never trained on. Off unless `CoreParams.eval` is set."""
 
@@ -72,7 +66,7 @@ class EvalParams(_Model):
         return self
 
 
-class CoreParams(_Model):
+class CoreParams(_Params):
     """Every knob of the rules in docs/rules.md. Carried by `run_started`, so a log folds on its own."""
 
     seed: int = Field(0, description="seeds env choice and everything random in the core")
@@ -99,42 +93,29 @@ class CoreParams(_Model):
     finalize_in_background: bool = Field(
         False, description="resolved from the algorithm's class flag and the config override"
     )
-    # grpo's setting, as its section puts it here (`AlgorithmComponent.core_settings`). Left out
-    # of the JSON while off (GRPO's advantages as they always were): the digests hold.
-    std_normalization: bool = Field(
-        False, exclude_if=lambda value: not value, description="grpo: advantages divided by the group's std"
-    )
+    # grpo's setting, as its section puts it here (`AlgorithmComponent.core_settings`).
+    std_normalization: bool = Field(False, description="grpo: advantages divided by the group's std")
     zero_output_batches: int = Field(
         10, ge=1, description="batch-equivalents of zero output in a row that stop the run"
     )
-    # Rule 1 (d). A `run_started` written before the rule has no such field and means "off", the
-    # behaviour it was recorded with; so "off" is written as no field at all, and a log with the
-    # rule off stays byte for byte a log of the code before it. New runs get "staleness" from
-    # the config's default.
+    # Rule 1 (d). New runs get "staleness" from the config's default.
     capacity: Literal["off", "staleness"] = Field(
         "off",
-        exclude_if=lambda value: value == "off",
         description="staleness: start a group only while the work dispatched and not yet shipped "
         "or dropped can still train in the steps that would accept it; off: max_inflight alone",
     )
-    # Rule 6 and the batch file (docs/rules.md, "Samples"). Left out of the JSON at the value a
-    # log written before them means (the cut by prefix; one-sample episodes, each weighing 1).
+    # Rule 6 and the batch file (docs/rules.md, "Samples").
     batch_cut: Literal["prefix", "groups"] = Field(
         "prefix",
-        exclude_if=lambda value: value == "prefix",
         description="groups: a batch takes whole groups (a group's samples never split across batches); "
         "prefix: the oldest batch_size samples, a group split at the edge",
     )
     sample_weight: Literal["episode", "sample"] = Field(
         "episode",
-        exclude_if=lambda value: value == "episode",
         description="each sample's loss weight: episode: 1/N for the N samples of an episode, so an episode "
         "weighs the same however many samples it has; sample: 1 each",
     )
-    # Left out of the JSON while None: a run without evals logs the `run_started` it always did.
-    eval: EvalParams | None = Field(
-        None, exclude_if=lambda value: value is None, description="evaluations on a schedule (None: none)"
-    )
+    eval: EvalParams | None = Field(None, description="evaluations on a schedule (None: none)")
 
     @model_validator(mode="after")
     def _check(self) -> CoreParams:
@@ -155,27 +136,44 @@ class CoreParams(_Model):
         return self
 
 
-class RunStarted(_Model):
+class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """An event: one subclass per kind, declaring its fields once. Frozen: the same object lives
+    in the log buffer and in the state. No GC tracking: an event holds no reference cycle.
+
+    A field at its default is not written. Defaults are only None, False, 0 and empty
+    collections, which msgspec recognises whatever object holds them; a float field has no
+    default (an equal float computed elsewhere is another object, and would be written), so
+    equal events always write the same bytes."""
+
+    kind: ClassVar[str]  # the discriminator: the log's `kind` column
+    # "input" (a fact from the outside world, handed to `decide`) or "decision" (what `decide`
+    # derived from one).
+    role: ClassVar[Literal["input", "decision"]]
+
+
+class RunStarted(Event, frozen=True, kw_only=True, omit_defaults=False):
+    """A run's first event: every field written, so the row names its format."""
+
     role = "input"
-    kind: Literal["run_started"] = Field("run_started", exclude=True)
+    kind = "run_started"
     schema_version: int = EVENT_SCHEMA_VERSION
     params: CoreParams
 
 
-class RunResumed(_Model):
+class RunResumed(Event, frozen=True, kw_only=True):
     role = "input"
-    kind: Literal["run_resumed"] = Field("run_resumed", exclude=True)
+    kind = "run_resumed"
     from_seq: int
     max_steps: int
     # `orch run --resume --drop-damaged`: held traces, never shipped, whose token payloads are lost
     # (a side file missing or damaged); the resume drops them first. Left out of the JSON while
     # empty: a resume without damage logs the `run_resumed` it always did.
-    damaged_traces: list[int] = Field([], exclude_if=lambda value: not value)
+    damaged_traces: list[int] = []
 
 
-class GroupDispatched(_Model):
+class GroupDispatched(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["group_dispatched"] = Field("group_dispatched", exclude=True)
+    kind = "group_dispatched"
     group_id: int
     env: str
     task_id: int
@@ -183,35 +181,31 @@ class GroupDispatched(_Model):
     policy_version: int
 
 
-class EpisodeDispatched(_Model):
+class EpisodeDispatched(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["episode_dispatched"] = Field("episode_dispatched", exclude=True)
+    kind = "episode_dispatched"
     episode_id: int
     group_id: int
     attempt: int
     policy_version: int
 
 
-# A trace's arrays, packed (orchestrator.core.arrays): validated at the boundary, JSON lists only
-# where a model is dumped as JSON (the log stores them as a payload: `encode_event`).
-TokenIds = Annotated[array, PlainValidator(arrays.as_token_ids), PlainSerializer(array.tolist, when_used="json")]
-Mask = Annotated[bytes, PlainValidator(arrays.as_mask), PlainSerializer(list, when_used="json")]
-Logprobs = Annotated[array, PlainValidator(arrays.as_logprobs), PlainSerializer(array.tolist, when_used="json")]
+class EpisodeCompleted(Event, frozen=True, kw_only=True):
+    """An episode's result. As the state holds it, a trace: an episode, or after its group
+    settled, one of its samples under its sample id (`samples.split_episode`)."""
 
-
-class EpisodeCompleted(_Model):
     role = "input"
-    kind: Literal["episode_completed"] = Field("episode_completed", exclude=True)
+    kind = "episode_completed"
     episode_id: int
     group_id: int
     ok: bool
-    reward: float = 0.0
-    token_ids: TokenIds = Field(default_factory=lambda: array(arrays.TOKEN_ID_CODE))
-    mask: Mask = b""
-    logprobs: Logprobs = Field(default_factory=lambda: array(arrays.LOGPROB_CODE))
+    reward: float
+    # Its token ids, sampled mask and logprobs: their sizes in the row, the arrays its payload.
+    # None: no token (a failed episode).
+    tokens: Tokens | None = None
     policy_start: int
     policy_end: int
-    temperature: float = 1.0
+    temperature: float
     error: str | None = None
     # The version of each sampled token, in their order, as runs [version, tokens]: given when
     # they came from more than one version (`version_runs`). Empty: all from policy_start when
@@ -228,23 +222,34 @@ class EpisodeCompleted(_Model):
     agents: tuple[str, ...] = ()
     agent_rewards: tuple[tuple[str, float], ...] = ()
 
-    @model_validator(mode="after")
-    def _aligned(self) -> EpisodeCompleted:
-        if not (len(self.token_ids) == len(self.mask) == len(self.logprobs)):
-            raise ValueError("token_ids, mask and logprobs must have the same length")
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.reward) and math.isfinite(self.temperature)):
+            raise ValueError(f"reward {self.reward} and temperature {self.temperature} must be finite")
         if self.token_versions:
-            check_version_runs(self.token_versions, self.mask.count(1), self.policy_start, self.policy_end)
+            check_version_runs(self.token_versions, self.sampled_tokens, self.policy_start, self.policy_end)
         if self.samples or self.agents or self.agent_rewards:
             check_samples(self)
-        return self
 
     @property
     def n_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.tokens.n_tokens if self.tokens is not None else 0
 
     @property
     def sampled_tokens(self) -> int:
-        return self.mask.count(1)
+        return self.tokens.sampled_tokens if self.tokens is not None else 0
+
+    # The arrays, unpacked from the payload when first read (`arrays.Tokens`).
+    @property
+    def token_ids(self) -> array:
+        return self.tokens.token_ids if self.tokens is not None else array(TOKEN_ID_CODE)
+
+    @property
+    def mask(self) -> bytes:
+        return self.tokens.mask if self.tokens is not None else b""
+
+    @property
+    def logprobs(self) -> array:
+        return self.tokens.logprobs if self.tokens is not None else array(LOGPROB_CODE)
 
 
 # Sample k of episode e is named `e + k * SAMPLE_ID_STRIDE`: sample 0 is the episode's own id, so
@@ -269,15 +274,10 @@ def check_samples(e: EpisodeCompleted) -> None:
             raise ValueError("samples lists two or more samples (one sample: leave it empty)")
         if any(n <= 0 or not 0 <= k <= n for n, k in e.samples):
             raise ValueError(f"samples {list(e.samples)}: each is [tokens > 0, sampled tokens <= tokens]")
-        if sum(n for n, _ in e.samples) != len(e.token_ids):
-            raise ValueError(
-                f"samples count {sum(n for n, _ in e.samples)} tokens where the episode has {len(e.token_ids)}"
-            )
-        start = 0
-        for n, k in e.samples:
-            if e.mask[start : start + n].count(1) != k:
-                raise ValueError(f"samples {list(e.samples)} do not match the mask's sampled tokens")
-            start += n
+        if sum(n for n, _ in e.samples) != e.n_tokens:
+            raise ValueError(f"samples count {sum(n for n, _ in e.samples)} tokens where the episode has {e.n_tokens}")
+        if sum(k for _, k in e.samples) != e.sampled_tokens:
+            raise ValueError(f"samples {list(e.samples)} do not match the mask's sampled tokens")
     if e.agents and len(e.agents) != max(1, len(e.samples)):
         raise ValueError(f"agents names {len(e.agents)} samples where the episode has {max(1, len(e.samples))}")
     scored = [name for name, _ in e.agent_rewards]
@@ -314,47 +314,47 @@ def check_version_runs(runs: tuple[tuple[int, int], ...], sampled: int, start: i
         )
 
 
-class EpisodeCancelled(_Model):
+class EpisodeCancelled(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["episode_cancelled"] = Field("episode_cancelled", exclude=True)
+    kind = "episode_cancelled"
     episode_id: int
     reason: Literal["drain", "stop", "resume", "group_cancelled"]
 
 
-class FinalizeStarted(_Model):
+class FinalizeStarted(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["finalize_started"] = Field("finalize_started", exclude=True)
+    kind = "finalize_started"
     group_id: int
     background: bool
     trace_ids: list[int]
 
 
-class GroupFinalized(_Model):
+class GroupFinalized(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["group_finalized"] = Field("group_finalized", exclude=True)
+    kind = "group_finalized"
     group_id: int
     trace_ids: list[int]
     advantages: list[float]
     # [sample id, advantage] of the samples of agents the env scored apart (`agent_rewards`):
     # each agent scored against the same agent's rewards across the group. The other samples
     # take their episode's advantage. Left out while empty.
-    sample_advantages: list[tuple[int, float]] = Field([], exclude_if=lambda value: not value)
+    sample_advantages: list[tuple[int, float]] = []
 
 
-class BackgroundFinalized(_Model):
+class BackgroundFinalized(Event, frozen=True, kw_only=True):
     """A background finalize's result: what `group_finalized` decides on the inline path."""
 
     role = "input"
 
-    kind: Literal["background_finalized"] = Field("background_finalized", exclude=True)
+    kind = "background_finalized"
     group_id: int
     trace_ids: list[int]
     advantages: list[float]
 
 
-class FinalizeFailed(_Model):
+class FinalizeFailed(Event, frozen=True, kw_only=True):
     role = "input"
-    kind: Literal["finalize_failed"] = Field("finalize_failed", exclude=True)
+    kind = "finalize_failed"
     group_id: int
     error: str
 
@@ -366,52 +366,52 @@ DropReason = Literal[
 ]
 
 
-class GroupSettled(_Model):
+class GroupSettled(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["group_settled"] = Field("group_settled", exclude=True)
+    kind = "group_settled"
     group_id: int
     admitted: bool
     trace_ids: list[int]  # the traces inserted into the pending queue, in order
-    dropped: dict[DropReason, list[int]] = Field(default_factory=dict)  # reason -> completed episodes not queued
+    dropped: dict[DropReason, list[int]] = {}  # reason -> completed episodes not queued
 
 
-class GroupCancelled(_Model):
+class GroupCancelled(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["group_cancelled"] = Field("group_cancelled", exclude=True)
+    kind = "group_cancelled"
     group_id: int
     reason: Literal["stale", "overload", "drain", "stop", "damaged"]
     count: int  # completed episodes of the group that will never train
 
 
-class TracesDropped(_Model):
+class TracesDropped(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["traces_dropped"] = Field("traces_dropped", exclude=True)
+    kind = "traces_dropped"
     trace_ids: list[int]
     reason: Literal["stale", "drain", "stop", "damaged"]
 
 
-class GateChanged(_Model):
+class GateChanged(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["gate_changed"] = Field("gate_changed", exclude=True)
+    kind = "gate_changed"
     open: bool
     reason: str
 
 
-class VersionPublished(_Model):
+class VersionPublished(Event, frozen=True, kw_only=True):
     role = "input"
-    kind: Literal["version_published"] = Field("version_published", exclude=True)
+    kind = "version_published"
     version: int
     # The trainer's figures for the step that made this version (rundir.TRAINER_METRICS), as it
     # reported them; None before a trainer reported any (and in older logs). No rule reads them.
     metrics: dict[str, int | float] | None = None
 
 
-class BatchShipped(_Model):
+class BatchShipped(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["batch_shipped"] = Field("batch_shipped", exclude=True)
+    kind = "batch_shipped"
     step: int
     trace_ids: list[int]  # shipped, in batch order
-    pruned_ids: list[int] = Field(default_factory=list)  # cut but zero-advantage, so not shipped
+    pruned_ids: list[int] = []  # cut but zero-advantage, so not shipped
     sha256: str
     n_tokens: int
     off_policy_max: int
@@ -422,13 +422,13 @@ class BatchShipped(_Model):
 # --- evaluations (docs/evals.md): their own events, apart from the train traffic ----------------
 
 
-class EvalStarted(_Model):
+class EvalStarted(Event, frozen=True, kw_only=True):
     """Decision: evaluate `env` at `version` (pinned) on its held-out tasks. Task i of the eval is
     group `first_group_id + i`, sampled `samples_per_task` times."""
 
     role = "decision"
 
-    kind: Literal["eval_started"] = Field("eval_started", exclude=True)
+    kind = "eval_started"
     eval_id: int
     env: str
     version: int
@@ -438,12 +438,12 @@ class EvalStarted(_Model):
     temperature: float
 
 
-class EvalEpisodeDispatched(_Model):
+class EvalEpisodeDispatched(Event, frozen=True, kw_only=True):
     """Decision: sample `sample` (task `sample // samples_per_task`) of an eval, pinned to `policy_version`."""
 
     role = "decision"
 
-    kind: Literal["eval_episode_dispatched"] = Field("eval_episode_dispatched", exclude=True)
+    kind = "eval_episode_dispatched"
     episode_id: int
     eval_id: int
     group_id: int
@@ -453,17 +453,17 @@ class EvalEpisodeDispatched(_Model):
     policy_version: int
 
 
-class EvalEpisodeCompleted(_Model):
+class EvalEpisodeCompleted(Event, frozen=True, kw_only=True):
     """Input: an eval episode's result. No token ids: an eval is never trained on, so only what
     its figures need is logged. `success` is the env's success notion (None: it has none)."""
 
     role = "input"
 
-    kind: Literal["eval_episode_completed"] = Field("eval_episode_completed", exclude=True)
+    kind = "eval_episode_completed"
     episode_id: int
     eval_id: int
     ok: bool
-    reward: float = 0.0
+    reward: float
     success: bool | None = None
     sampled_tokens: int = 0
     policy_start: int
@@ -471,18 +471,18 @@ class EvalEpisodeCompleted(_Model):
     error: str | None = None
 
 
-class EvalEpisodeCancelled(_Model):
+class EvalEpisodeCancelled(Event, frozen=True, kw_only=True):
     """Decision: an eval episode's rollout is cancelled (stop) or lost (resume); either way its
     eval stays open and the sample is taken again when the run goes on."""
 
     role = "decision"
 
-    kind: Literal["eval_episode_cancelled"] = Field("eval_episode_cancelled", exclude=True)
+    kind = "eval_episode_cancelled"
     episode_id: int
     reason: Literal["stop", "resume"]
 
 
-class EvalCompleted(_Model):
+class EvalCompleted(Event, frozen=True, kw_only=True):
     """Decision: an eval's result, from the samples taken by its pinned version (`scored`).
     pass@1 is the success rate; pass@k (k = samples_per_task) the share of tasks with a success
     among their scored samples; both None for an env without a success notion. `off_version`
@@ -490,7 +490,7 @@ class EvalCompleted(_Model):
 
     role = "decision"
 
-    kind: Literal["eval_completed"] = Field("eval_completed", exclude=True)
+    kind = "eval_completed"
     eval_id: int
     env: str
     version: int
@@ -505,175 +505,166 @@ class EvalCompleted(_Model):
     tokens: int
 
 
-class DrainStarted(_Model):
+class DrainStarted(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["drain_started"] = Field("drain_started", exclude=True)
+    kind = "drain_started"
     reason: str
 
 
-class StopRequested(_Model):
+class StopRequested(Event, frozen=True, kw_only=True):
     role = "input"
-    kind: Literal["stop_requested"] = Field("stop_requested", exclude=True)
+    kind = "stop_requested"
     reason: str
 
 
-class TrainerRestarted(_Model):
+class TrainerRestarted(Event, frozen=True, kw_only=True):
     """Input: the trainer process died (`cause`: its signal or exit code, its last error line) and
     was started again from its checkpoint, the `attempt`-th time in this run. Recorded for
     `orch replay`; it changes nothing the core decides (docs/resume.md)."""
 
     role = "input"
-    kind: Literal["trainer_restarted"] = Field("trainer_restarted", exclude=True)
+    kind = "trainer_restarted"
     attempt: int
     cause: str
 
 
-class EndpointChanged(_Model):
+class EndpointChanged(Event, frozen=True, kw_only=True):
     """Input: an inference server orch launched went down (`up` false: it exited, its `cause` the
     exit code and its log's last line, or it missed its health deadline) or came back after a
     restart (`up` true; `attempt`: the restart). Recorded for `orch replay`; it changes nothing the
     core decides (docs/vllm.md)."""
 
     role = "input"
-    kind: Literal["endpoint_changed"] = Field("endpoint_changed", exclude=True)
+    kind = "endpoint_changed"
     url: str
     up: bool
     attempt: int
     cause: str
 
 
-class RunStopped(_Model):
+class RunStopped(Event, frozen=True, kw_only=True):
     role = "decision"
-    kind: Literal["run_stopped"] = Field("run_stopped", exclude=True)
+    kind = "run_stopped"
     reason: str
     error: bool = False
 
 
-Event = Annotated[
-    RunStarted
-    | RunResumed
-    | GroupDispatched
-    | EpisodeDispatched
-    | EpisodeCompleted
-    | EpisodeCancelled
-    | FinalizeStarted
-    | GroupFinalized
-    | BackgroundFinalized
-    | FinalizeFailed
-    | GroupSettled
-    | GroupCancelled
-    | TracesDropped
-    | GateChanged
-    | VersionPublished
-    | BatchShipped
-    | DrainStarted
-    | StopRequested
-    | TrainerRestarted
-    | EndpointChanged
-    | RunStopped
-    | EvalStarted
-    | EvalEpisodeDispatched
-    | EvalEpisodeCompleted
-    | EvalEpisodeCancelled
-    | EvalCompleted,
-    Field(discriminator="kind"),
-]
-EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
-EVENT_TYPES: dict[str, type[_Model]] = {
-    cls.model_fields["kind"].default: cls
-    for cls in Event.__origin__.__args__  # type: ignore[attr-defined]
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        RunStarted,
+        RunResumed,
+        GroupDispatched,
+        EpisodeDispatched,
+        EpisodeCompleted,
+        EpisodeCancelled,
+        FinalizeStarted,
+        GroupFinalized,
+        BackgroundFinalized,
+        FinalizeFailed,
+        GroupSettled,
+        GroupCancelled,
+        TracesDropped,
+        GateChanged,
+        VersionPublished,
+        BatchShipped,
+        DrainStarted,
+        StopRequested,
+        TrainerRestarted,
+        EndpointChanged,
+        RunStopped,
+        EvalStarted,
+        EvalEpisodeDispatched,
+        EvalEpisodeCompleted,
+        EvalEpisodeCancelled,
+        EvalCompleted,
+    )
 }
-# Facts from the outside world; everything else is decided by the core.
 assert all(getattr(cls, "role", None) in ("input", "decision") for cls in EVENT_TYPES.values()), "a kind lacks a role"
+# Facts from the outside world; everything else is decided by the core.
 INPUT_KINDS = frozenset(kind for kind, cls in EVENT_TYPES.items() if cls.role == "input")
 
-# Kinds encoded and decoded by pydantic itself: a nested model (run_started's params), or a field
-# left out of the JSON while empty (`exclude_if`, which the orjson path below does not know:
-# run_resumed's damaged_traces). Both are rare rows.
-_NESTED_KINDS = frozenset({"run_started", "run_resumed"})
-# An event's fields are its __dict__, `kind` first, in declaration order, so its data is the
-# orjson encoding of that dict minus the `{"kind":"...",` head: byte for byte what pydantic's
-# serializer writes (a property test checks it), at a fraction of the cost. What orjson refuses
-# goes through pydantic, which encodes big ints and names an unset field.
-_KIND_HEAD_LENGTH = {kind: len(orjson.dumps({"kind": kind})) for kind in EVENT_TYPES}
-# Fields of flat kinds left out of the JSON while empty (`exclude_if`): the fast path leaves them
-# out itself.
-_OMITTED_WHILE_EMPTY = {"group_finalized": "sample_advantages"}
-_FIELDS_JSON: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
+
+# `run_started`'s params are the run's settings, a pydantic model validated with the config:
+# written as their JSON, read back through their validation.
+def _encode_params(value: Any) -> Any:
+    if isinstance(value, CoreParams):
+        return value.model_dump(mode="json")
+    raise NotImplementedError(f"an event field of type {type(value).__name__}")
 
 
-def episode_fields(e: EpisodeCompleted) -> dict[str, Any]:
-    """An `episode_completed` row's JSON fields: its scalars, with `n_tokens` and
-    `sampled_tokens` where the packed arrays are (`arrays.pack` makes its payload), and its
-    `token_versions` only where it has some (a trace of one version logs what it always did)."""
-    return {
-        "episode_id": e.episode_id,
-        "group_id": e.group_id,
-        "ok": e.ok,
-        "reward": e.reward,
-        "n_tokens": len(e.token_ids),
-        "sampled_tokens": e.mask.count(1),
-        "policy_start": e.policy_start,
-        "policy_end": e.policy_end,
-        "temperature": e.temperature,
-        "error": e.error,
-        **({"token_versions": e.token_versions} if e.token_versions else {}),
-        **({"samples": e.samples} if e.samples else {}),
-        **({"agents": e.agents} if e.agents else {}),
-        **({"agent_rewards": e.agent_rewards} if e.agent_rewards else {}),
-    }
+def _decode_params(cls: type, value: Any) -> Any:
+    if cls is CoreParams:
+        return CoreParams.model_validate(value)
+    raise NotImplementedError(f"an event field of type {cls.__name__}")
 
 
-def episode_from_fields(fields: dict[str, Any], payload: bytes | None, validate: bool = True) -> EpisodeCompleted:
-    """The `EpisodeCompleted` of a row's JSON fields and payload; ValueError (`arrays.PayloadError`)
-    if the payload does not hold the `n_tokens` and `sampled_tokens` the fields say."""
-    fields = dict(fields)
-    n_tokens, sampled = fields.pop("n_tokens"), fields.pop("sampled_tokens")
-    token_ids, mask, logprobs = arrays.unpack(payload, n_tokens)
-    if mask.count(1) != sampled:
-        raise arrays.PayloadError(f"a payload with {mask.count(1)} sampled tokens where its event says {sampled}")
-    fields.update(token_ids=token_ids, mask=mask, logprobs=logprobs)
-    for name in ("token_versions", "samples", "agent_rewards"):  # JSON lists: the pairs are tuples
-        if name in fields:
-            fields[name] = tuple(tuple(pair) for pair in fields[name])
-    if "agents" in fields:
-        fields["agents"] = tuple(fields["agents"])
-    if validate:
-        return EpisodeCompleted.model_validate(fields)
-    return EpisodeCompleted.unvalidated(**fields)
+_ENCODER = msgspec.json.Encoder(enc_hook=_encode_params)
+# kind -> its rows' decoder (JSON data -> the event, type-checked; ValueError for bad data).
+DECODERS = {kind: msgspec.json.Decoder(cls, dec_hook=_decode_params).decode for kind, cls in EVENT_TYPES.items()}
+E = TypeVar("E", bound=Event)
 
 
-def encode_event(event: _Model) -> tuple[str, bytes, bytes | None]:
-    """(kind, data JSON, payload) as stored in the log: the fields without `kind`, and the packed
-    token arrays of an `episode_completed` with tokens (None for every other event)."""
-    kind = event.kind
-    if kind == "episode_completed":
-        e: EpisodeCompleted = event  # type: ignore[assignment]
-        fields = episode_fields(e)
-        try:
-            data = orjson.dumps(fields)
-        except orjson.JSONEncodeError:  # an int beyond 64 bits
-            data = _FIELDS_JSON.dump_json(fields)
-        return kind, data, arrays.pack(e.token_ids, e.mask, e.logprobs) or None
-    if kind not in _NESTED_KINDS:
-        fields = event.__dict__
-        omitted = _OMITTED_WHILE_EMPTY.get(kind)
-        if omitted is not None and not fields[omitted]:
-            fields = {name: value for name, value in fields.items() if name != omitted}
-        try:
-            return kind, b"{" + orjson.dumps(fields)[_KIND_HEAD_LENGTH[kind] :], None
-        except orjson.JSONEncodeError:  # an int beyond 64 bits, or a field left unset
-            pass
-    return kind, event.__pydantic_serializer__.to_json(event), None
-
-
-def decode_event(kind: str, data: bytes | str, payload: bytes | None = None) -> _Model:
-    """The event model for a log row (its payload, for an `episode_completed`); raises
-    ValueError on an unknown kind or bad data."""
+def checked(cls: type[E], **fields: Any) -> E:
+    """`cls(**fields)`, each field checked against its type, and no float NaN or infinite (JSON
+    has neither) (ValueError, one line): for events built from values that come from outside (an
+    env's episode, an algorithm's advantages, a trainer's figures)."""
     try:
-        cls = EVENT_TYPES[kind]
+        event = msgspec.convert(fields, cls, dec_hook=_decode_params)
+    except msgspec.ValidationError as err:
+        raise ValueError(f"{cls.kind}: {err}") from None
+    for name in cls.__struct_fields__:
+        _refuse_non_finite(getattr(event, name), f"{cls.kind}.{name}")
+    return event
+
+
+def _refuse_non_finite(value: Any, where: str) -> None:
+    if type(value) is float:
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value}: it must be finite")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _refuse_non_finite(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_non_finite(item, f"{where}.{key}")
+
+
+def encode_event(event: Event) -> tuple[str, bytes, bytes | None]:
+    """(kind, data JSON, payload) as stored in the log: the fields, and the packed token arrays
+    of an `episode_completed` with tokens (None for every other event)."""
+    data = _ENCODER.encode(event)
+    if event.kind == "episode_completed" and event.tokens is not None and event.tokens.n_tokens:  # type: ignore[attr-defined]
+        return event.kind, data, event.tokens.packed()  # type: ignore[attr-defined]
+    return event.kind, data, None
+
+
+def logged_n_tokens(fields: Any) -> int | None:
+    """The token count an `episode_completed` row's JSON fields give (`tokens`, [n_tokens,
+    sampled_tokens]): what its payload's size follows from; None where they give none."""
+    tokens = fields.get("tokens") if isinstance(fields, dict) else None
+    if isinstance(tokens, list) and tokens and type(tokens[0]) is int:
+        return tokens[0]
+    return None
+
+
+def decode_event(kind: str, data: bytes | str, payload: bytes | None = None) -> Event:
+    """The event of a log row, each field type-checked, with its arrays from `payload` (an
+    `episode_completed`'s; without it they are not read); ValueError (msgspec's, or PayloadError)
+    on an unknown kind or bad data."""
+    try:
+        decode = DECODERS[kind]
     except KeyError:
         raise ValueError(f"unknown event kind {kind!r}") from None
-    if kind == "episode_completed":
-        return episode_from_fields(pydantic_core.from_json(data), payload)  # any int, as pydantic reads one
-    return cls.model_validate_json(data)
+    event = decode(data)
+    if payload is not None and event.kind == "episode_completed" and event.tokens is not None:  # type: ignore[attr-defined]
+        event.tokens.attach(payload)  # type: ignore[attr-defined]
+        event.tokens.arrays()  # type: ignore[attr-defined]  # checked now: PayloadError
+    return event
+
+
+def episode_json(e: EpisodeCompleted) -> dict[str, Any]:
+    """An episode's fields, every one, with its arrays as lists in place of `tokens`: how
+    `orch replay --episode` shows it."""
+    fields = {name: getattr(e, name) for name in e.__struct_fields__ if name != "tokens"}
+    return {**fields, "token_ids": e.token_ids.tolist(), "mask": list(e.mask), "logprobs": e.logprobs.tolist()}

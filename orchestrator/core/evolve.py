@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from orchestrator.core import events as ev
-from orchestrator.core._fast_events import FOLD_VIEWS, SampleView, TraceView, split_trace
-from orchestrator.core.samples import sample_count
+from orchestrator.core.arrays import Tokens
+from orchestrator.core.samples import sample_count, split_episode
 from orchestrator.core.state import Eval, EvalResult, Group, QueuedTrace, ShippedSample, State, Trace, initial_state
 
 _ZERO_OUTPUT_CANCEL_REASONS = ("stale", "overload")
@@ -163,7 +163,7 @@ def _split_members(s: State, group: Group) -> dict[int, int]:
         trace = s.traces[episode_id]
         if trace.samples:
             del s.traces[episode_id]
-            for sample in split_trace(trace):
+            for sample in split_episode(trace):
                 s.traces[sample.episode_id] = sample
             counts[episode_id] = len(trace.samples)
     return counts
@@ -422,11 +422,10 @@ class FoldError(ValueError):
         self.seq, self.kind, self.cause = seq, kind, cause
 
 
-# What a row of damaged bytes raises as it is decoded: ValueError from msgspec, orjson and pydantic
-# (a DecodeError or ValidationError), a payload that does not hold its arrays (PayloadError), an
-# unknown kind; TypeError from fields that are not the keyword arguments of their event
-# (`unvalidated`, or a JSON value that is not an object). Anything else is a bug, raised as itself.
-DECODE_ERRORS = (ValueError, TypeError)
+# What a row of damaged bytes raises as it is decoded: a ValueError (msgspec's DecodeError or
+# ValidationError, pydantic's for run_started's params, a payload that does not hold its arrays:
+# PayloadError, an unknown kind). Anything else is a bug, raised as itself.
+DECODE_ERRORS = ValueError
 
 
 # seqs -> the payloads of those events (the log's `read_payloads`): how a fold reads the token
@@ -445,14 +444,13 @@ def fold_rows(
     with no state into the state their `run_started` makes; return (the state, how many rows).
     No state and no rows: (None, 0), a log with no event yet.
 
-    Each row is read as a fold view (`_fast_events.FOLD_VIEWS`) rather than a validated model,
-    and the traces still held at the end are decoded into full events, with their payloads read
-    through `payloads`, so the result is the state that folding the models gives, at a fraction
-    of the cost. A row that fails raises FoldError; so does a held trace whose payload is
-    missing or does not hold its arrays, unless `damaged` is given: a held trace never shipped
-    is then left undecoded (a `TraceView`) and recorded there (trace id -> its seq and why), for the
-    resume that drops it (`RunResumed.damaged_traces`)."""
-    reducers, views = _REDUCERS, FOLD_VIEWS
+    Each row is decoded as its event, type-checked, without its token arrays; the traces still
+    held at the end get theirs, their payloads read through `payloads` (and checked), so a fold
+    costs the arrays of those traces alone. A row that fails raises FoldError; so does a held
+    trace whose payload is missing or does not hold its arrays, unless `damaged` is given: a held
+    trace never shipped then keeps no arrays and is recorded there (trace id -> its seq and why),
+    for the resume that drops it (`RunResumed.damaged_traces`)."""
+    reducers, decoders = _REDUCERS, ev.DECODERS
     rows = iter(rows)
     count = 0
     if state is None:
@@ -461,7 +459,7 @@ def fold_rows(
             return None, 0
         kind, data = first
         try:
-            first_event = views[kind](data) if kind in views else None
+            first_event = decoders[kind](data) if kind in decoders else None
         except ValueError as err:
             raise FoldError(first_seq, kind, err) from err
         try:
@@ -470,21 +468,21 @@ def fold_rows(
             raise FoldError(first_seq, kind, err) from err
         count = 1
     for kind, data in rows:
-        view = views.get(kind)
+        decode = decoders.get(kind)
         try:
-            if view is None:
+            if decode is None:
                 raise ValueError(f"unknown event kind {kind!r}")
-            row = view(data)
-        except ValueError as err:  # what a fold view raises for any bytes (msgspec's errors)
+            event: Any = decode(data)  # the event of its kind
+        except ValueError as err:  # what a decoder raises for any bytes (msgspec's errors)
             raise FoldError(first_seq + count, kind, err) from err
-        if kind == "episode_completed":
-            row.seq = first_seq + count  # type: ignore[attr-defined]
+        if kind == "episode_completed" and event.tokens is not None:
+            event.tokens.seq = first_seq + count
         try:
-            reducers[kind](state, row)
+            reducers[kind](state, event)
         except InconsistentEvent as err:
             raise FoldError(first_seq + count, kind, err) from err
         count += 1
-    _decode_held_traces(state, payloads, damaged)
+    _read_held_arrays(state, payloads, damaged)
     return state, count
 
 
@@ -501,35 +499,41 @@ def evolve_from(state: State | None, event: ev.Event) -> State:
     return _state_made_by(event, event.kind) if state is None else evolve(state, event)
 
 
-def _decode_held_traces(
-    state: State, payloads: PayloadReader | None, damaged: dict[int, tuple[int, str]] | None
-) -> None:
-    view_types = (TraceView, SampleView)
-    shipped = [(x, x.trace) for xs in state.shipped_batches.values() for x in xs if isinstance(x.trace, view_types)]
-    held = [(trace_id, t) for trace_id, t in state.traces.items() if isinstance(t, view_types)]
-    views = [view for _, view in held] + [view for _, view in shipped]
-    wanted = list(dict.fromkeys(view.seq for view in views if view.n_tokens))  # an episode's samples share a seq
+def _read_held_arrays(state: State, payloads: PayloadReader | None, damaged: dict[int, tuple[int, str]] | None) -> None:
+    """Give the traces a fold leaves held (queued, or in a batch shipped and not yet trained)
+    their token arrays: their rows' payloads, read at once and each checked."""
+    held = [(trace_id, unread) for trace_id, t in state.traces.items() if (unread := _unread(t)) is not None]
+    shipped = [unread for xs in state.shipped_batches.values() for x in xs if (unread := _unread(x.trace)) is not None]
+    wanted = list(dict.fromkeys(seq for _, seq in [unread for _, unread in held] + shipped))
     read = payloads(wanted) if wanted and payloads is not None else {}
-    for view in views:
-        view.payload = read.get(view.seq)
-    for trace_id, view in held:
+    for tokens, seq in [unread for _, unread in held] + shipped:
+        tokens.attach(read.get(seq))
+    for trace_id, (tokens, seq) in held:
         try:
-            state.traces[trace_id] = _model_of(view)
+            _check_arrays(tokens, seq)
         except FoldError as err:
             if damaged is None:
                 raise
-            damaged[trace_id] = (view.seq, str(err))
-    for sample, view in shipped:
-        sample.trace = _model_of(view)
+            damaged[trace_id] = (seq, str(err))
+    for tokens, seq in shipped:
+        _check_arrays(tokens, seq)
 
 
-def _model_of(view: TraceView | SampleView) -> ev.EpisodeCompleted:
-    """The full event of a held trace; FoldError naming its seq if its payload is missing or
-    does not hold its arrays."""
+def _unread(trace: Trace) -> tuple[Tokens, int] | None:
+    """A trace's tokens and the row whose payload holds their arrays, if this fold decoded it
+    and has not read them."""
+    tokens = trace.tokens
+    if tokens is None or not tokens.n_tokens or tokens.seq is None:
+        return None
+    return tokens, tokens.seq
+
+
+def _check_arrays(tokens: Tokens, seq: int) -> None:
+    """FoldError naming its row if the payload read for a held trace does not hold its arrays."""
     try:
-        return view.model()
+        tokens.arrays()
     except DECODE_ERRORS as err:
-        raise FoldError(view.seq, "episode_completed", err) from err
+        raise FoldError(seq, "episode_completed", err) from err
 
 
 def fold(events: Iterable[ev.Event], state: State | None = None) -> State:

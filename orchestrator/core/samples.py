@@ -10,24 +10,7 @@ under its own id: nothing is split.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from orchestrator.core.events import EpisodeCompleted, sample_id, version_runs
-
-
-class SampleHead(NamedTuple):
-    """A sample's scalars, read from its episode's fields alone (no token arrays): what a fold
-    needs to queue, sweep and cut it."""
-
-    trace_id: int
-    start: int  # the first of its tokens in the episode's arrays
-    n_tokens: int
-    sampled_tokens: int
-    reward: float
-    policy_start: int
-    policy_end: int
-    token_versions: tuple[tuple[int, int], ...]
-    agent: str | None
 
 
 def seat_of(agent: str) -> str:
@@ -37,21 +20,25 @@ def seat_of(agent: str) -> str:
     return agent.partition("#")[0]
 
 
-def sample_count(trace) -> int:
-    """How many samples a trace holds: a failed or one-sample episode counts one."""
-    return len(trace.samples) or 1
+def sample_count(episode: EpisodeCompleted) -> int:
+    """How many samples an episode holds: a failed or one-sample episode counts one."""
+    return len(episode.samples) or 1
 
 
-def sample_heads(trace) -> list[SampleHead]:
-    """The samples of a several-sample episode (an `EpisodeCompleted` or its fold view), each
-    with the versions of its own sampled tokens: the episode's runs cut at each sample's end
-    (a backend that told only the episode's bounds gives each sample those bounds)."""
-    rewards = dict(trace.agent_rewards)
-    runs = [list(run) for run in trace.token_versions]
-    heads, start, run = [], 0, 0
-    for index, (n_tokens, sampled) in enumerate(trace.samples):
-        agent = trace.agents[index] if trace.agents else None
-        oldest, newest = trace.policy_start, trace.policy_end
+def split_episode(episode: EpisodeCompleted) -> list[EpisodeCompleted]:
+    """An episode's samples as traces of their own (a one-sample episode: itself), each under its
+    sample id, with its reward, its agent, its part of the arrays (read from the episode's when
+    first read: a fold splits episodes whose payloads it has not read) and the versions of its
+    own sampled tokens: the episode's runs cut at each sample's end (a backend that told only the
+    episode's bounds gives each sample those bounds)."""
+    if not episode.samples:
+        return [episode]
+    rewards = dict(episode.agent_rewards)
+    runs = [list(run) for run in episode.token_versions]
+    parts, start, run = [], 0, 0
+    for index, (n_tokens, sampled) in enumerate(episode.samples):
+        agent = episode.agents[index] if episode.agents else None
+        oldest, newest = episode.policy_start, episode.policy_end
         own: tuple[tuple[int, int], ...] = ()
         if runs and sampled:
             segments, left = [], sampled
@@ -64,55 +51,24 @@ def sample_heads(trace) -> list[SampleHead]:
                 run += not runs[run][1]
             versions = [version for version, _ in segments]
             oldest, newest, own = min(versions), max(versions), version_runs(segments)
-        heads.append(
-            SampleHead(
-                sample_id(trace.episode_id, index),
-                start,
-                n_tokens,
-                sampled,
-                rewards.get(agent, trace.reward) if agent is not None else trace.reward,
-                oldest,
-                newest,
-                own,
-                agent,
+        parts.append(
+            EpisodeCompleted(
+                episode_id=sample_id(episode.episode_id, index),
+                group_id=episode.group_id,
+                ok=True,
+                reward=rewards.get(agent, episode.reward) if agent is not None else episode.reward,
+                tokens=episode.tokens.part(start, n_tokens, sampled),  # type: ignore[union-attr]
+                policy_start=oldest,
+                policy_end=newest,
+                temperature=episode.temperature,
+                token_versions=own,
+                agents=(agent,) if agent is not None else (),
             )
         )
         start += n_tokens
-    return heads
+    return parts
 
 
-def trainable_starts(trace) -> list[int]:
+def trainable_starts(episode: EpisodeCompleted) -> list[int]:
     """The oldest version of each sample with a sampled token: what staleness judges."""
-    if not trace.samples:
-        return [trace.policy_start] if trace.sampled_tokens else []
-    return [head.policy_start for head in sample_heads(trace) if head.sampled_tokens]
-
-
-def sample_of_head(episode: EpisodeCompleted, head: SampleHead) -> EpisodeCompleted:
-    """One sample of a several-sample episode, as a trace of its own: its slice of the arrays,
-    its reward, versions and agent, under its sample id."""
-    end = head.start + head.n_tokens
-    return EpisodeCompleted.unvalidated(
-        episode_id=head.trace_id,
-        group_id=episode.group_id,
-        ok=True,
-        reward=head.reward,
-        token_ids=episode.token_ids[head.start : end],
-        mask=episode.mask[head.start : end],
-        logprobs=episode.logprobs[head.start : end],
-        policy_start=head.policy_start,
-        policy_end=head.policy_end,
-        temperature=episode.temperature,
-        error=None,
-        token_versions=head.token_versions,
-        samples=(),
-        agents=(head.agent,) if head.agent is not None else (),
-        agent_rewards=(),
-    )
-
-
-def split_episode(episode: EpisodeCompleted) -> list[EpisodeCompleted]:
-    """An episode's samples as traces of their own (a one-sample episode: itself)."""
-    if not episode.samples:
-        return [episode]
-    return [sample_of_head(episode, head) for head in sample_heads(episode)]
+    return [sample.policy_start for sample in split_episode(episode) if sample.sampled_tokens]

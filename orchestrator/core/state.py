@@ -2,8 +2,8 @@
 
 Plain dataclasses of ints, lists and insertion-ordered dicts (never sets, so iteration order is
 part of the state and identical after a fold). Traces are the logged `EpisodeCompleted` events
-themselves (frozen), kept until they ship or are dropped; during a fold, their fold views (both
-are a `Trace`). A state is whole from the start: `initial_state(params)` is the state of a run
+themselves (frozen), kept until they ship or are dropped (a fold reads their token arrays only
+for those it still holds at its end). A state is whole from the start: `initial_state(params)` is the state of a run
 before its `run_started`.
 """
 
@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from array import array
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
-from orchestrator.core import arrays
 from orchestrator.core.events import (
     SAMPLE_ID_STRIDE,
     CoreParams,
     EpisodeCompleted,
     FinalizeStarted,
-    episode_fields,
-    episode_from_fields,
+    decode_event,
+    encode_event,
     episode_of,
 )
 
@@ -34,43 +32,14 @@ from orchestrator.core.events import (
 # 5: a held trace is its log fields and its packed arrays (base64), not JSON lists.
 # 6: several samples per episode: settled episodes are held as their samples; `grouped_episodes`
 # (was `grouped_episodes`); `completed_samples`.
-REDUCER_VERSION = "orch-core-6"
+# 7: a held trace is its row (event format 6) and its payload.
+REDUCER_VERSION = "orch-core-7"
 
 
-class Trace(Protocol):
-    """A completed episode as the state holds it: the `EpisodeCompleted` event, or in a fold its
-    view (`_fast_events.TraceView`), which the fold turns into the event before it ends."""
-
-    @property
-    def episode_id(self) -> int: ...
-    @property
-    def group_id(self) -> int: ...
-    @property
-    def ok(self) -> bool: ...
-    @property
-    def reward(self) -> float: ...
-    @property
-    def token_ids(self) -> array: ...  # int32 (orchestrator.core.arrays)
-    @property
-    def mask(self) -> bytes: ...  # 0 and 1
-    @property
-    def logprobs(self) -> array: ...  # float32
-    @property
-    def policy_start(self) -> int: ...
-    @property
-    def token_versions(self) -> tuple[tuple[int, int], ...]: ...  # runs (EpisodeCompleted.token_versions)
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def n_tokens(self) -> int: ...
-    @property
-    def sampled_tokens(self) -> int: ...
-    @property
-    def samples(self) -> tuple[tuple[int, int], ...]: ...  # EpisodeCompleted.samples
-    @property
-    def agents(self) -> tuple[str, ...]: ...
-    @property
-    def agent_rewards(self) -> tuple[tuple[str, float], ...]: ...
+# A trace: a completed episode as the state holds it, until it ships or is dropped; after its
+# group settled, each of a several-sample episode's samples is a trace of its own
+# (`samples.split_episode`).
+Trace = EpisodeCompleted
 
 
 @dataclass(slots=True)
@@ -356,17 +325,15 @@ def _group_from_dict(d: dict[str, Any]) -> Group:
     )
 
 
-def _trace_dict(t: Trace) -> dict[str, Any]:
-    """A held trace in a snapshot: its log fields and its payload in base64."""
-    if not isinstance(t, EpisodeCompleted):  # a fold ends with every view turned into its event
-        raise TypeError(f"cannot encode a {type(t).__name__} in a state: the fold did not end")
-    payload = arrays.pack(t.token_ids, t.mask, t.logprobs)
-    return {**episode_fields(t), "payload": base64.b64encode(payload).decode()}
+def _trace_dict(t: Trace) -> list[str]:
+    """A held trace in a snapshot: its row's JSON and its payload in base64."""
+    _kind, data, payload = encode_event(t)
+    return [data.decode(), base64.b64encode(payload or b"").decode()]
 
 
-def _trace_from_dict(d: dict[str, Any]) -> EpisodeCompleted:
-    fields = dict(d)
-    return episode_from_fields(fields, base64.b64decode(fields.pop("payload")))
+def _trace_from_dict(d: list[str]) -> EpisodeCompleted:
+    data, payload = d
+    return decode_event("episode_completed", data, base64.b64decode(payload))  # type: ignore[return-value]
 
 
 def _evals_to_dict(e: EvalState) -> dict:
@@ -490,7 +457,7 @@ def state_from_dict(d: dict[str, Any]) -> State:
         groups={g["group_id"]: _group_from_dict(g) for g in d["groups"]},
         unfilled=dict.fromkeys(d["unfilled"]),
         inflight={e: g for e, g in d["inflight"]},
-        traces={t["episode_id"]: _trace_from_dict(t) for t in d["traces"]},
+        traces={t.episode_id: t for t in map(_trace_from_dict, d["traces"])},
         pending={q[0]: QueuedTrace(*q) for q in d["pending"]},
         pending_tokens=d["pending_tokens"],
         finalizing=d["finalizing"],

@@ -24,7 +24,7 @@ from orchestrator.contracts import (
     TrainingSample,
     episode_of_samples,
 )
-from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE
+from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE, Tokens
 from orchestrator.core.events import EpisodeCompleted
 
 
@@ -137,16 +137,17 @@ class FakeEpisodes:
             return self._several_samples(req, key, n_sampled, score, policy_start, policy_end)
         n_total = cfg.prompt_tokens + n_sampled
         offset = logprob_offset % 256
-        # Valid by construction (aligned int32 / 0-1 / finite float32 arrays), so not validated
-        # again: an instant env should cost next to nothing beside the orchestrator it exercises.
-        return EpisodeCompleted.unvalidated(
+        return EpisodeCompleted(
             episode_id=req.episode_id,
             group_id=req.group_id,
             ok=True,
+            temperature=1.0,
             reward=score,
-            token_ids=self._token_ids(key, n_total),
-            mask=self._masks[n_sampled],
-            logprobs=self._prompt_logprobs + self._logprob_pool[offset : offset + n_sampled],
+            tokens=Tokens.of(
+                self._token_ids(key, n_total),
+                self._masks[n_sampled],
+                self._prompt_logprobs + self._logprob_pool[offset : offset + n_sampled],
+            ),
             policy_start=policy_start,
             policy_end=policy_end,
         )

@@ -27,9 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from eventlog import EventLog
-from orchestrator.core import decode_unvalidated
 from orchestrator.core import events as ev
-from orchestrator.core._fast_events import trace_view
 from orchestrator.core.evolve import DECODE_ERRORS, FoldError, InconsistentEvent, evolve_from
 from orchestrator.core.state import State, wasted_samples
 
@@ -112,8 +110,7 @@ def fold_events(
     or that contradicts the state (`consume` folds it with `evolve`: `InconsistentEvent`)."""
     for seq, ts, kind, data in log.read_raw(start, stop):
         try:
-            # A trace as its fold view: its scalars, without reading its token arrays.
-            event = trace_view(data) if kind == "episode_completed" else decode_unvalidated(kind, data)
+            event = ev.decode_event(kind, data)  # a trace without its token arrays (its payload is not read)
         except DECODE_ERRORS as err:
             raise FoldError(seq, kind, err) from None
         try:

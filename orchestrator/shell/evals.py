@@ -42,6 +42,7 @@ def eval_result(outcome: Outcome, solved: Solved) -> ev.EvalEpisodeCompleted:
             episode_id=req.episode_id,
             eval_id=req.eval_id,
             ok=False,
+            reward=0.0,
             policy_start=req.policy_version,
             policy_end=req.policy_version,
             error=error,

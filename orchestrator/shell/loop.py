@@ -88,7 +88,7 @@ class BackgroundFinalizer:
             cause = f"{type(exc).__name__}: {exc}"
             self.deliver(ev.FinalizeFailed(group_id=group_id, error=cause))
             raise FinalizeError(f"background finalize of group {group_id} failed: {cause}") from exc
-        self.deliver(ev.BackgroundFinalized(group_id=group_id, trace_ids=trace_ids, advantages=advantages))
+        self.deliver(ev.checked(ev.BackgroundFinalized, group_id=group_id, trace_ids=trace_ids, advantages=advantages))
 
     def cancel(self, group_id: int) -> None:
         self.tasks.cancel(group_id)
@@ -222,7 +222,7 @@ class Orchestrator:
             inputs.append(self._completion_of(outcomes.popleft()))
         while self._versions:
             version, metrics = self._versions.popleft()
-            inputs.append(ev.VersionPublished(version=version, metrics=metrics))
+            inputs.append(ev.checked(ev.VersionPublished, version=version, metrics=metrics))
         while self._control:
             inputs.append(self._control.popleft())
         if inputs:
@@ -245,6 +245,8 @@ class Orchestrator:
             episode_id=req.episode_id,
             group_id=req.group_id,
             ok=False,
+            reward=0.0,
+            temperature=1.0,
             policy_start=req.policy_version,
             policy_end=self.state.version,
             error=self.last_episode_error,

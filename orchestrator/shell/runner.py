@@ -19,7 +19,6 @@ from orchestrator.config import (
     config_hash,
     load_config,
     meaning_changes,
-    upgraded_stored_config,
 )
 from orchestrator.core import events as ev
 from orchestrator.core.state import State, initial_state
@@ -313,7 +312,7 @@ def _stored_config(db: Path) -> tuple[RunConfig, str | None]:
     if not isinstance(stored_json, dict):
         raise RunDirError(f"{db} is corrupted: the run's stored config is not a JSON object")
     try:
-        return load_config(base=upgraded_stored_config(stored_json)), meta.get(MODEL_HASH_META)
+        return load_config(base=stored_json), meta.get(MODEL_HASH_META)
     except ConfigError as err:
         raise RunDirError(f"{db}: the run's stored config does not load with this orch: {err}") from None
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import load_config, meaning_changes, upgraded_stored_config
+from orchestrator.config import load_config, meaning_changes
 from orchestrator.core import events as ev
 from orchestrator.core.decide import capacity_has_room, dispatch_gate, trainer_keeps_up
 from tests.core.encoded import fold_encoded
@@ -114,23 +114,20 @@ def test_no_room_when_no_step_could_train_a_sample_dispatched_now(driver):
     assert len(d.of(out, "group_dispatched")) == 5 and len(d.state.inflight) == 10
 
 
-def test_the_capacity_travels_in_run_started_and_off_is_written_as_before_the_rule():
+def test_the_capacity_travels_in_run_started():
     off, on = ev.RunStarted(params=ev.CoreParams()), ev.RunStarted(params=ev.CoreParams(capacity="staleness"))
-    assert b"capacity" not in ev.encode_event(off)[1]
+    assert orjson.loads(ev.encode_event(off)[1])["params"]["capacity"] == "off"
     assert orjson.loads(ev.encode_event(on)[1])["params"]["capacity"] == "staleness"
-    # A log written before the rule: no such field, so it folds (and resumes, and checks) as off.
     state, _ = fold_encoded(None, [off])
     assert state.params.capacity == "off"
     state, _ = fold_encoded(None, [on])
     assert state.params.capacity == "staleness"
 
 
-def test_the_config_turns_it_on_and_a_stored_config_from_before_the_rule_means_off(tmp_path):
+def test_the_config_turns_it_on_and_a_resume_may_not_turn_it_off_or_on(tmp_path):
     config = load_config(None, [])
     assert config.rollout.capacity == "staleness" and config.core_params().capacity == "staleness"
-    stored = orjson.loads(config.to_json())
-    del stored["rollout"]["capacity"]  # what a run created before the rule stored
-    old = load_config(base=upgraded_stored_config(stored))
+    old = load_config(None, ["rollout.capacity=off"])
     assert old.rollout.capacity == "off" and old.core_params().capacity == "off"
     # Turning it on in a resume of such a run changes what the run computes: refused.
     resumed = load_config(None, ["rollout.capacity=staleness"], base=old.model_dump(mode="json"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.core import events as ev
+from orchestrator.core.arrays import Tokens
 from orchestrator.core.state import Group, Trace
 from orchestrator.effects import perform
 
@@ -75,10 +76,9 @@ def test_a_background_finalize_starts_with_the_survivors_and_is_cancelled_with_i
         episode_id=2,
         group_id=completed[2],
         ok=True,
+        temperature=1.0,
         reward=1.0,
-        token_ids=[7, 7],
-        mask=[0, 1],
-        logprobs=[0.0, 0.0],
+        tokens=Tokens.of([7, 7], [0, 1], [0.0, 0.0]),
         policy_start=0,
         policy_end=0,
     )
@@ -98,10 +98,9 @@ def test_an_episode_dispatched_and_cancelled_in_the_same_step_is_not_started(dri
         episode_id=2,
         group_id=1,
         ok=True,
+        temperature=1.0,
         reward=0.0,
-        token_ids=[7, 7],
-        mask=[0, 1],
-        logprobs=[0.0, 0.0],
+        tokens=Tokens.of([7, 7], [0, 1], [0.0, 0.0]),
         policy_start=0,
         policy_end=0,
     )

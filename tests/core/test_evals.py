@@ -165,9 +165,11 @@ def test_a_result_naming_another_eval_is_refused_and_a_late_one_ignored():
     d.start()
     episode_id = next(iter(d.state.evals.inflight))
     with pytest.raises(ValueError, match="dispatched for eval 1"):
-        d.feed(ev.EvalEpisodeCompleted(episode_id=episode_id, eval_id=7, ok=True, policy_start=0, policy_end=0))
+        d.feed(
+            ev.EvalEpisodeCompleted(episode_id=episode_id, eval_id=7, ok=True, reward=0.0, policy_start=0, policy_end=0)
+        )
     d.feed(ev.StopRequested(reason="test"))
-    d.feed(ev.EvalEpisodeCompleted(episode_id=episode_id, eval_id=1, ok=True, policy_start=0, policy_end=0))
+    d.feed(ev.EvalEpisodeCompleted(episode_id=episode_id, eval_id=1, ok=True, reward=0.0, policy_start=0, policy_end=0))
     assert d.state.evals.acct.late == 1 and conservation(d.state)[0]
 
 
@@ -256,8 +258,7 @@ def test_evals_off_decide_nothing_about_evals():
     world = SimWorld(eval_sim_params(2, eval=None), seed=2)
     world.run()
     assert not [e for e in world.log if e.kind.startswith("eval_")]
-    # `run_started` is the bytes it was before evals existed: no `eval` key (the same-events digests).
-    assert b'"eval"' not in ev.encode_event(world.log[0])[1]
+    assert world.log[0].params.eval is None
     assert "eval_dispatched" not in conservation(world.state)[1]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from orchestrator.core import events as ev
@@ -102,12 +103,12 @@ def test_a_row_that_cannot_be_folded_names_its_seq(sim_log, row, error):
 
 
 def test_a_log_of_another_format_version_is_refused_naming_it(sim_log):
-    """Version 3 had no per-token versions: its rows are not read as version 5."""
-    rows, _ = encoded_rows([sim_log[0].model_copy(update={"schema_version": 3})])
+    """Version 5 wrote a trace's sizes as fields of their own: its rows are not read as version 6."""
+    rows, _ = encoded_rows([msgspec.structs.replace(sim_log[0], schema_version=5)])
     with pytest.raises(
         FoldError,
         match=r"seq 1: cannot fold the 'run_started' event: an orch log of "
-        r"format version 3; this orch reads version 5 only",
+        r"format version 5; this orch reads version 6 only",
     ):
         fold_rows(None, rows)
 

@@ -3,16 +3,17 @@ determinism / inline-vs-background equivalence over many seeds."""
 
 from __future__ import annotations
 
-import inspect
 import json
+import typing
 
 import hypothesis.strategies as st
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from orchestrator.core import events as ev
-from orchestrator.core._fast_events import decode_unvalidated
+from orchestrator.core.arrays import Tokens
 from orchestrator.core.decide import decide, dispatch_gate
 from orchestrator.core.evolve import fold
 from orchestrator.core.state import State, conservation, state_bytes, state_from_bytes, state_hash
@@ -22,12 +23,12 @@ from tests.support.sim import SimOptions, SimWorld
 
 
 def fold_rows_of(log) -> State:
-    """The state `orch run --resume` rebuilds: the encoded rows folded through views; every trace
-    it holds afterwards is a full event again."""
+    """The state `orch run --resume` rebuilds: the encoded rows folded; every trace it holds
+    afterwards has its arrays."""
     state, _ = fold_encoded(None, log)
     assert state is not None
     held = list(state.traces.values()) + [s.trace for b in state.shipped_batches.values() for s in b]
-    assert all(type(trace) is ev.EpisodeCompleted for trace in held)
+    assert all(trace.tokens is None or trace.tokens.arrays() for trace in held)
     return state
 
 
@@ -181,12 +182,12 @@ class CoreMachine(RuleBasedStateMachine):
         assert (s.gate_open, s.gate_reason) == dispatch_gate(s)
 
     @invariant()
-    def decisions_equal_their_validated_copies(self):
-        """The core builds its decisions without validation (`Event.unvalidated`)."""
+    def decisions_pass_their_type_checks(self):
+        """The core builds its decisions unchecked (a Struct's constructor checks no type)."""
         log = self.world.log
         for event in log[self.checked :]:
             if event.kind not in ev.INPUT_KINDS:
-                validated = type(event).model_validate(event.model_dump())
+                validated = ev.checked(type(event), **msgspec.structs.asdict(event))
                 assert validated == event and ev.encode_event(validated) == ev.encode_event(event), event
         self.checked = len(log)
 
@@ -296,7 +297,7 @@ def test_random_settle_order_keeps_totals_and_meets_stale_cancels(seed):
     assert sum(1 for e in world.log if e.kind == "group_cancelled" and e.reason == "stale") > 0
 
 
-def test_unvalidated_decoding_round_trips_every_kind_exactly():
+def test_decoding_round_trips_every_kind_exactly():
     world = SimWorld(
         sim_params(3, max_steps=12, finalize_in_background=True), seed=3, options=SimOptions(settle="random")
     )
@@ -304,24 +305,14 @@ def test_unvalidated_decoding_round_trips_every_kind_exactly():
     kinds = set()
     for event in world.log:
         kind, data, payload = ev.encode_event(event)
-        decoded = decode_unvalidated(kind, data, payload)
+        decoded = ev.decode_event(kind, data, payload)
         assert decoded == event and ev.encode_event(decoded) == (kind, data, payload)
         kinds.add(kind)
     assert len(kinds) >= 12
 
 
-def test_events_built_without_validation_share_their_classs_fields_set_and_copies_do_not():
-    built = ev.EpisodeCancelled.unvalidated(episode_id=1, reason="drain")
-    decoded = decode_unvalidated(*ev.encode_event(ev.EpisodeCancelled(episode_id=2, reason="stop")))
-    assert built.model_fields_set is decoded.model_fields_set == set(ev.EpisodeCancelled.model_fields)
-    assert built.model_dump(exclude_unset=True) == built.model_dump()  # every field counts as set
-    copied = built.model_copy(update={"reason": "stop"})
-    assert copied.model_fields_set is not built.model_fields_set
-    assert built.model_fields_set == set(ev.EpisodeCancelled.model_fields)  # untouched by the copy
-
-
 _FLAT_EVENT_TYPES = [cls for kind, cls in ev.EVENT_TYPES.items() if kind != "run_started"]
-_FINITE = st.floats(allow_nan=False, allow_infinity=False)  # events refuse NaN and infinities
+_FINITE = st.floats(allow_nan=False, allow_infinity=False)  # NaN and infinities have no JSON
 
 
 def _values_of(annotation):
@@ -340,44 +331,47 @@ def _values_of(annotation):
 
 @settings(max_examples=400, deadline=None)
 @given(data=st.data(), cls=st.sampled_from(_FLAT_EVENT_TYPES))
-def test_encoding_is_byte_for_byte_pydantics_for_any_field_values(data, cls):
-    """`encode_event` writes orjson of the fields; it must equal pydantic's own serializer for
-    every value a field can hold (unicode and control characters, extreme floats, big ints)."""
-    fields = {name: _values_of(info.annotation) for name, info in cls.model_fields.items() if name != "kind"}
-    if cls is ev.EpisodeCompleted:  # its validator wants aligned lists
+def test_every_event_round_trips_its_row_for_any_field_values(data, cls):
+    """An event's row decodes to the same event and encodes to the same bytes, for every value a
+    field can hold (unicode and control characters, extreme floats, big ints); a field at its
+    default is not written."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: _values_of(hints[f.name]) for f in msgspec.structs.fields(cls)}
+    if cls is ev.EpisodeCompleted:  # its arrays are aligned, its runs and samples fit them
         n = data.draw(st.integers(0, 4))
         fields.update(
-            token_ids=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n, max_size=n),
-            mask=st.lists(st.integers(0, 1), min_size=n, max_size=n),
-            logprobs=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=n, max_size=n),
-            token_versions=st.just(()),  # runs must fit the mask: test_core_token_versions.py
+            tokens=st.builds(
+                Tokens.of,
+                st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n, max_size=n),
+                st.lists(st.integers(0, 1), min_size=n, max_size=n),
+                st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=n, max_size=n),
+            ),
+            token_versions=st.just(()),  # runs must fit the mask: test_token_versions.py
             samples=st.just(()),  # samples must fit the arrays: tests/core/test_samples.py
             agents=st.just(()),
             agent_rewards=st.just(()),
         )
     event = data.draw(st.builds(cls, **fields))
     kind, encoded, payload = ev.encode_event(event)
-    if cls is ev.EpisodeCompleted:  # its scalars as JSON, its arrays packed
-        assert json.loads(encoded) == ev.episode_fields(event) and (payload is None) == (event.n_tokens == 0)
-    else:
-        assert encoded == event.__pydantic_serializer__.to_json(event) and payload is None
-    assert ev.decode_event(kind, encoded, payload) == event
-    built = cls.unvalidated(**{name: value for name, value in event.__dict__.items() if name != "kind"})
-    assert built == event and ev.encode_event(built) == (kind, encoded, payload)
+    assert (payload is None) == (cls is not ev.EpisodeCompleted or event.n_tokens == 0)
+    decoded = ev.decode_event(kind, encoded, payload)
+    assert decoded == event and ev.encode_event(decoded) == (kind, encoded, payload)
+    written = json.loads(encoded)
+    for f in msgspec.structs.fields(cls):
+        if f.required:
+            assert f.name in written, f.name
+        else:
+            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+            assert (f.name in written) == (getattr(event, f.name) != default), f.name
 
 
 @pytest.mark.parametrize("cls", list(ev.EVENT_TYPES.values()), ids=list(ev.EVENT_TYPES))
-def test_unvalidated_constructor_takes_each_field_with_its_plain_default(cls):
-    """`cls.unvalidated` is generated from the class: the same fields, in the same order, the same
-    defaults; a required field or one with a default factory must be given."""
-    signature = inspect.signature(cls.unvalidated)
-    fields = {name: info for name, info in cls.model_fields.items() if name != "kind"}
-    assert list(signature.parameters) == list(fields)
-    for name, param in signature.parameters.items():
-        assert param.kind is inspect.Parameter.KEYWORD_ONLY
-        info = fields[name]
-        plain = not info.is_required() and info.default_factory is None
-        assert param.default is (info.default if plain else inspect.Parameter.empty), name
-    if any(param.default is inspect.Parameter.empty for param in signature.parameters.values()):
-        with pytest.raises(TypeError, match="missing"):
-            cls.unvalidated()
+def test_a_default_is_one_that_equal_events_write_alike(cls):
+    """A field at its default is not written, and msgspec recognises a default by identity for a
+    scalar: so defaults are singletons (None, False, small ints) or empty collections, never a
+    float (an equal float computed elsewhere is another object, and would be written)."""
+    for f in msgspec.structs.fields(cls):
+        if f.required or (cls is ev.RunStarted):
+            continue
+        default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+        assert default in (None, False, 0, (), [], {}) and type(default) is not float, f.name

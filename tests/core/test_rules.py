@@ -275,7 +275,11 @@ def test_late_completion_of_a_cancelled_episode_is_ignored(driver):
     d.start()
     d.feed(ev.StopRequested(reason="x"))
     before = d.state.acct.completed
-    d.feed(ev.EpisodeCompleted(episode_id=1, group_id=1, ok=True, policy_start=0, policy_end=0))
+    d.feed(
+        ev.EpisodeCompleted(
+            episode_id=1, group_id=1, ok=True, reward=0.0, temperature=1.0, policy_start=0, policy_end=0
+        )
+    )
     assert d.state.acct.completed == before and d.state.acct.late == 1
 
 
@@ -285,7 +289,11 @@ def test_a_completion_for_another_group_than_its_dispatch_is_refused_before_any_
     assert d.state.inflight[1] == 1 and d.state.inflight[3] == 2
     before = state_hash(d.state)
     with pytest.raises(ValueError, match="episode 1 completed for group 2, but it was dispatched into group 1"):
-        d.feed(ev.EpisodeCompleted(episode_id=1, group_id=2, ok=True, policy_start=0, policy_end=0))
+        d.feed(
+            ev.EpisodeCompleted(
+                episode_id=1, group_id=2, ok=True, reward=0.0, temperature=1.0, policy_start=0, policy_end=0
+            )
+        )
     assert state_hash(d.state) == before
 
 

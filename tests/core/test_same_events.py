@@ -1,10 +1,10 @@
 """Behaviour stays the same: a fixed matrix of simulated runs logs the same events, in the
 same order, with the same fields, as the code did when the digests below were computed.
 
-Each run's digest is the sha256 over its events, each as `kind`, a NUL, its data as canonical JSON
-(sorted keys) and a newline, after `as_recorded` maps the event back to the format the digests were
-computed on (docs/log-format.md, "Version history"). Regenerate (only for an intended change of
-behaviour, saying so in the commit):
+Each run's digest is the sha256 over its events' rows as the log stores them, each as `kind`, a
+NUL, its data, a NUL, its payload and a newline: they pin today's format byte for byte
+(docs/log-format.md). Regenerate (only for an intended change of behaviour or of the format,
+saying so in the commit):
 
     PYTHONPATH=$PWD .venv/bin/python -m tests.core.test_same_events --regenerate
 """
@@ -20,15 +20,12 @@ import orjson
 import pytest
 
 from orchestrator.core import events as ev
-from orchestrator.core.arrays import unpack
 from tests.support.sim import SimOptions, SimWorld
 
 DIGESTS = Path(__file__).with_name("same_events_digests.json")
 
-# Core params pinned for every run of the matrix, in this one place: a param added after the
-# digests were computed goes here with the value that keeps the old behaviour (and is left out of
-# the digested `run_started`, which did not have it).
-PINNED: dict[str, object] = {"capacity": "off"}  # the dispatch capacity (its "off" is the code before it)
+# The matrix runs with the dispatch capacity off: its runs are the rules without it.
+CAPACITY = "off"
 
 SEEDS = range(6)
 FINALIZE = {"inline": {}, "background": {"finalize_in_background": True}}
@@ -53,7 +50,7 @@ def simulate(seed: int, finalize: str, batching: str, max_off: int) -> list:
         zero_output_batches=1000,
         **FINALIZE[finalize],
         **BATCHING[batching],
-        **PINNED,
+        capacity=CAPACITY,
     )
     # Background results held and delivered in a seeded random order, interleaved with completions.
     options = SimOptions(settle="random") if finalize == "background" else None
@@ -62,36 +59,11 @@ def simulate(seed: int, finalize: str, batching: str, max_off: int) -> list:
     return world.log
 
 
-def as_recorded(kind: str, data: dict, payload: bytes | None) -> tuple[str, dict]:
-    """An event of today's format as the digested format (version 1) wrote it, with the two
-    values that a packed format cannot carry bit for bit mapped to what it does carry: each
-    logprob as its float32 value, and no `batch_shipped.sha256` (the hash of a batch file,
-    whose format is not the log's; the batch's content is the digested traces, advantages and
-    trace ids). Since version 3 a trace's arrays are its payload: they go back into its fields as
-    lists, in place of `n_tokens` and `sampled_tokens`."""
-    if kind == "episode_completed":
-        token_ids, mask, logprobs = unpack(payload, data["n_tokens"])
-        data = {k: v for k, v in data.items() if k not in ("n_tokens", "sampled_tokens")}
-        data.update(token_ids=token_ids.tolist(), mask=list(mask), logprobs=logprobs.tolist())
-    if kind == "batch_shipped":
-        data = {k: v for k, v in data.items() if k != "sha256"}
-    if kind == "background_finalized":  # version 1 logged a background result as group_finalized
-        return "group_finalized", data
-    if kind == "version_published" and data.get("metrics") is None:
-        # The trainer's figures, a field added since with a null default; the simulated trainer
-        # reports none.
-        data = {k: v for k, v in data.items() if k != "metrics"}
-    if kind == "run_started":
-        data = {**data, "schema_version": 1, "params": {k: v for k, v in data["params"].items() if k not in PINNED}}
-    return kind, data
-
-
 def digest(events: list) -> str:
     h = hashlib.sha256()
     for event in events:
         kind, data, payload = ev.encode_event(event)
-        kind, fields = as_recorded(kind, orjson.loads(data), payload)
-        h.update(kind.encode() + b"\0" + orjson.dumps(fields, option=orjson.OPT_SORT_KEYS) + b"\n")
+        h.update(kind.encode() + b"\0" + data + b"\0" + (payload or b"") + b"\n")
     return h.hexdigest()
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from orchestrator.core import events as ev
+from orchestrator.core.arrays import Tokens
 from orchestrator.core.batch import decode_batch
 from orchestrator.core.decide import decide
 from orchestrator.core.evolve import evolve_from, fold
@@ -184,10 +185,9 @@ def test_the_traces_one_seat_played_in_an_episode_are_scored_in_one_pool():
                 episode_id=episode_id,
                 group_id=driver.state.inflight[episode_id],
                 ok=True,
+                temperature=1.0,
                 reward=sum(agents.values()) / 3,
-                token_ids=[7, 7] * 3,
-                mask=[0, 1] * 3,
-                logprobs=[0.0, -1.0] * 3,
+                tokens=Tokens.of([7, 7] * 3, [0, 1] * 3, [0.0, -1.0] * 3),
                 policy_start=0,
                 policy_end=0,
                 samples=((2, 1),) * 3,
@@ -204,14 +204,14 @@ def test_the_traces_one_seat_played_in_an_episode_are_scored_in_one_pool():
     assert dict(finalized.sample_advantages) == pytest.approx(expected)
 
 
-def test_one_sample_episodes_log_what_they_always_did():
+def test_one_sample_episodes_write_no_sample_fields():
     one = ev.EpisodeCompleted(
         episode_id=3,
         group_id=1,
         ok=True,
-        token_ids=[1, 2],
-        mask=[0, 1],
-        logprobs=[0, -1.0],
+        reward=0.0,
+        temperature=1.0,
+        tokens=Tokens.of([1, 2], [0, 1], [0, -1.0]),
         policy_start=0,
         policy_end=0,
     )
@@ -219,7 +219,6 @@ def test_one_sample_episodes_log_what_they_always_did():
     assert b"samples" not in data and b"agents" not in data
     finalized = ev.GroupFinalized(group_id=1, trace_ids=[3], advantages=[0.5])
     assert b"sample_advantages" not in ev.encode_event(finalized)[1]
-    assert "batch_cut" not in ev.CoreParams().model_dump_json()
 
 
 @pytest.mark.parametrize(
@@ -238,9 +237,9 @@ def test_samples_that_do_not_fit_the_arrays_are_refused(fields, error):
             episode_id=1,
             group_id=1,
             ok=True,
-            token_ids=[1, 2, 3, 4],
-            mask=[0, 1, 0, 1],
-            logprobs=[0, -1.0, 0, -1.0],
+            reward=0.0,
+            temperature=1.0,
+            tokens=Tokens.of([1, 2, 3, 4], [0, 1, 0, 1], [0, -1.0, 0, -1.0]),
             policy_start=0,
             policy_end=0,
             **fields,
@@ -254,10 +253,9 @@ def test_an_episode_splits_into_its_samples_with_their_own_versions():
         episode_id=7,
         group_id=2,
         ok=True,
+        temperature=1.0,
         reward=0.5,
-        token_ids=[1, 2, 3, 4, 5],
-        mask=[0, 1, 1, 0, 1],
-        logprobs=[0, -1.0, -2.0, 0, -3.0],
+        tokens=Tokens.of([1, 2, 3, 4, 5], [0, 1, 1, 0, 1], [0, -1.0, -2.0, 0, -3.0]),
         policy_start=3,
         policy_end=4,
         token_versions=((3, 1), (4, 2)),
@@ -271,17 +269,13 @@ def test_an_episode_splits_into_its_samples_with_their_own_versions():
     assert np.allclose(list(second.logprobs), [0, -3.0])
 
 
-def test_new_runs_cut_by_groups_and_a_stored_config_from_before_the_cut_means_prefix():
-    import orjson
-
-    from orchestrator.config import load_config, meaning_changes, upgraded_stored_config
+def test_new_runs_cut_by_groups_and_a_resume_may_not_change_the_cut():
+    from orchestrator.config import load_config, meaning_changes
 
     config = load_config(None, [])
     assert config.batch.cut == "groups" and config.core_params().batch_cut == "groups"
     assert load_config(None, ["batch.constant_trainer_batch_size=true"]).batch.cut == "prefix"
-    stored = orjson.loads(config.to_json())
-    del stored["batch"]["cut"]  # what a run created before batch.cut stored
-    old = load_config(base=upgraded_stored_config(stored))
+    old = load_config(None, ["batch.cut=prefix"])
     assert old.batch.cut == "prefix" and old.core_params().batch_cut == "prefix"
     resumed = load_config(None, ["batch.cut=groups"], base=old.model_dump(mode="json"))
     assert meaning_changes(old, resumed) == ["batch.cut"]

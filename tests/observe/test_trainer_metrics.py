@@ -10,7 +10,6 @@ import pytest
 
 from orchestrator import rundir as files
 from orchestrator.core import events as ev
-from orchestrator.core._fast_events import FOLD_VIEWS, decode_unvalidated
 from orchestrator.core.batch import batch_sha256
 from orchestrator.trainers.fake import FakeTrainer
 from orchestrator.trainers.process import ProcessTrainer
@@ -106,20 +105,18 @@ def test_process_trainer_publishes_every_version_marked_between_two_polls_in_ord
     assert published == [(1, {"loss": 1}), (2, {"loss": 2}), (3, {"loss": 3})]
 
 
-def test_version_published_carries_metrics_in_every_constructor_and_view():
+def test_version_published_carries_metrics_through_its_row():
     metrics = {"loss": 0.25, "tokens": 7}
-    validated = ev.VersionPublished(version=3, metrics=metrics)
-    built = ev.VersionPublished.unvalidated(version=3, metrics=metrics)
+    validated = ev.checked(ev.VersionPublished, version=3, metrics=metrics)
+    built = ev.VersionPublished(version=3, metrics=metrics)
     assert built == validated and ev.encode_event(built) == ev.encode_event(validated)
     kind, data, _ = ev.encode_event(validated)
     assert data == b'{"version":3,"metrics":{"loss":0.25,"tokens":7}}'
-    assert ev.decode_event(kind, data) == decode_unvalidated(kind, data) == validated
-    assert FOLD_VIEWS[kind](data).metrics == metrics
-    assert ev.VersionPublished.unvalidated(version=1).metrics is None  # default: nothing reported
-    old = b'{"version":3}'  # a log written before the field existed
-    assert ev.decode_event(kind, old).metrics is None and FOLD_VIEWS[kind](old).metrics is None
-    with pytest.raises(ValueError):
-        ev.VersionPublished(version=1, metrics={"loss": float("nan")})
+    assert ev.decode_event(kind, data) == validated
+    assert ev.VersionPublished(version=1).metrics is None  # default: nothing reported
+    assert ev.encode_event(ev.VersionPublished(version=1))[1] == b'{"version":1}'
+    with pytest.raises(ValueError, match="version_published.metrics.loss is nan: it must be finite"):
+        ev.checked(ev.VersionPublished, version=1, metrics={"loss": float("nan")})
 
 
 def test_replay_diff_does_not_compare_the_trainers_measurements():

@@ -53,7 +53,7 @@ DROPPED_SQL = """SELECT
 ACCEPTED_SQL = """SELECT count(*) FROM events c WHERE c.kind = 'episode_completed' AND c.seq <= :seq AND NOT EXISTS
   (SELECT 1 FROM events x WHERE x.kind = 'episode_cancelled' AND x.seq < c.seq
    AND json_extract(x.data, '$.episode_id') = json_extract(c.data, '$.episode_id'))"""
-WINDOW_SQL = """SELECT count(*), coalesce(sum(json_extract(data, '$.sampled_tokens')), 0)
+WINDOW_SQL = """SELECT count(*), coalesce(sum(json_extract(data, '$.tokens[1]')), 0)
   FROM events WHERE kind = 'episode_completed' AND seq > :since AND seq < :seq"""
 
 

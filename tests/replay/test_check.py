@@ -12,7 +12,7 @@ import pytest
 from orchestrator.core import decide as decide_mod
 from orchestrator.core import events as ev
 from orchestrator.core.rng import choose_by_ratio
-from replay.check import CAPACITY_OFF_NOTE, check_log
+from replay.check import check_log
 from replay.source import open_run
 from tests.support.logs import rewrite_row, rows, sim_log
 from tests.support.params import sim_params
@@ -175,18 +175,14 @@ def test_the_current_code_raising_on_a_recorded_input_is_a_divergence(tmp_path, 
     assert "RuntimeError: regression" in result.divergence.note
 
 
-def test_a_log_without_the_capacity_parameter_checks_with_the_rule_off_and_says_so(tmp_path, cli):
-    """A log written before rule 1's dispatch capacity has no `capacity` in its run_started: it is re-derived
-    with the rule off, as it was made, and the check says so (a log with the rule on does not)."""
+def test_logs_with_the_capacity_off_and_on_both_check_deterministic(tmp_path, cli):
+    """Rule 1's dispatch capacity is re-derived as the log's run_started sets it."""
     old = sim_log(tmp_path / "old.db", sim_params(2, max_off_policy_steps=1), 2)
-    assert all("capacity" not in data["params"] for _, kind, data in rows(old) if kind == "run_started")
-    result = cli(old, "--check")
-    assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines()[-1] == f"note: {CAPACITY_OFF_NOTE}"
+    assert all(data["params"]["capacity"] == "off" for _, kind, data in rows(old) if kind == "run_started")
     code, report = cli.json(old, "--check")
-    assert code == 0 and report["deterministic"] and report["notes"] == [CAPACITY_OFF_NOTE]
+    assert code == 0 and report["deterministic"]
     new = sim_log(tmp_path / "new.db", sim_params(2, max_off_policy_steps=1, capacity="staleness"), 2)
     code, report = cli.json(new, "--check")
-    assert code == 0 and report["deterministic"] and report["notes"] == []
+    assert code == 0 and report["deterministic"]
     # The two runs differ where the rule decides: the capacity closes the gate before max_inflight.
     assert any(kind == "gate_changed" and data["reason"] == "capacity" for _, kind, data in rows(new))

@@ -69,11 +69,11 @@ def _bad_files(tmp_path, good):
         "foreign sqlite": (foreign, "not an orch event log"),
         "other app": (not_orch, "not one written by orch"),
         "newer format": (newer, "format version 99"),
-        "older event format": (older, "an orch log of format version 3; this orch reads version 5 only"),
+        "older event format": (older, "an orch log of format version 3; this orch reads version 6 only"),
         "older table format": (older_table, "uses log format version 1 (no payload column)"),
         "no event format version": (
             unversioned,
-            "an orch log of format version (none); this orch reads version 5 only",
+            "an orch log of format version (none); this orch reads version 6 only",
         ),
         "truncated": (truncated, "truncated"),
     }

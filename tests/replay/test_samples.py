@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import orjson
 import pytest
 
 from orchestrator.core import events as ev
+from orchestrator.core.arrays import Tokens
 from replay.check import check_log
 from replay.diff import diff_logs
 from replay.logs import write_events
@@ -68,7 +70,8 @@ def test_diff_names_a_sample_array_that_differs(tmp_path, cli):
     index, episode = next((i, e) for i, e in enumerate(world.log) if e.kind == "episode_completed" and e.samples)
     logprobs = episode.logprobs[:]
     logprobs[-1] -= 0.5  # the last sample's last token
-    changed = world.log[:index] + [episode.model_copy(update={"logprobs": logprobs})] + world.log[index + 1 :]
+    tokens = Tokens.of(episode.token_ids, episode.mask, logprobs)
+    changed = world.log[:index] + [msgspec.structs.replace(episode, tokens=tokens)] + world.log[index + 1 :]
     write_events(tmp_path / "b.db", changed)
     code, out = cli.json("--diff", tmp_path / "a.db", tmp_path / "b.db", "--level", "events")
     assert code == 1 and out["divergence"]["a"]["seq"] == index + 1

@@ -23,7 +23,6 @@ from orchestrator.config import (
     _TrainerChoice,
     _with_components,
     load_config,
-    upgraded_stored_config,
 )
 from orchestrator.contracts import Algorithm, AlgorithmComponent, InferenceBackend, Trainer, TrainerComponent
 from orchestrator.core.advantages import INLINE_SCORERS
@@ -124,16 +123,12 @@ def test_components_name_the_fields_a_resume_may_change():
     assert "trainer.hf.lr" not in RESUMABLE_FIELDS and "env.fake.latency_s" not in RESUMABLE_FIELDS
 
 
-def test_the_env_server_is_reverse_text_s_own_setting_and_a_stored_config_moves_it_there():
+def test_the_env_server_is_reverse_text_s_own_setting():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["rollout.env_server=http://127.0.0.1:9"])
     assert str(err.value) == (
         "invalid config: rollout: env_server is now env.reverse_text.server (the reverse_text env's own setting)"
     )
-    stored = load_config().model_dump(mode="json")
-    del stored["env"]["reverse_text"]["server"]
-    stored["rollout"]["env_server"] = "http://127.0.0.1:9"  # as a run written before the move stored it
-    assert load_config(base=upgraded_stored_config(stored)).env.reverse_text.server == "http://127.0.0.1:9"
 
 
 class LoudConfig(AlgorithmComponent):

@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 from array import array
 
+import msgspec
 import pytest
 
 from orchestrator.contracts import RolloutRequest
-from orchestrator.core.events import EpisodeCompleted, encode_event
+from orchestrator.core.events import EpisodeCompleted, checked, encode_event
 from orchestrator.envs.fake import FakeEnvConfig, FakeEpisodes
 
 
 @pytest.mark.parametrize("prompt_tokens, empty_rate", [(8, 0.2), (0, 0.5)])
-def test_fake_env_events_equal_their_validated_copies(prompt_tokens, empty_rate):
+def test_fake_env_events_pass_their_type_checks(prompt_tokens, empty_rate):
     config = FakeEnvConfig(prompt_tokens=prompt_tokens, empty_rate=empty_rate, min_tokens=1, max_tokens=6)
     env = FakeEpisodes(config, seed=3, version_now=lambda: 2)
 
@@ -23,7 +24,7 @@ def test_fake_env_events_equal_their_validated_copies(prompt_tokens, empty_rate)
 
     events = asyncio.run(episodes())
     for event in events:
-        validated = EpisodeCompleted.model_validate(event.model_dump())
+        validated = checked(EpisodeCompleted, **msgspec.structs.asdict(event))
         assert validated == event and encode_event(validated) == encode_event(event)
     assert {len(e.token_ids) - prompt_tokens for e in events} == set(range(7))  # empty ones too
     # Packed: the arrays of one event are its own (the masks, immutable bytes, may be shared).

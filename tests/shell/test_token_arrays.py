@@ -117,16 +117,13 @@ def test_replays_that_need_dropped_arrays_refuse_in_one_line_and_diff_compares_t
     shutil.copytree(a, b)
     shutil.copytree(a, c)
     with EventLog.open(b / "events.db") as log:
-        rows = [(r.seq, r.data) for r in log.read(kinds=("episode_completed",)) if r.data["n_tokens"]]
+        rows = [(r.seq, r.data) for r in log.read(kinds=("episode_completed",)) if r.data.get("tokens", [0])[0]]
         assert log.drop_payloads(seq for seq, _data in rows) == [seq for seq, _data in rows]
     seq, data = rows[0]
     db = sqlite3.connect(c / "events.db")
     kind, text, payload = db.execute("SELECT kind, data, payload FROM events WHERE seq = ?", (seq,)).fetchone()
-    changed = (
-        payload[: 4 * data["n_tokens"]]
-        + bytes([payload[4 * data["n_tokens"]] ^ 1])
-        + payload[4 * data["n_tokens"] + 1 :]
-    )
+    n_tokens = data["tokens"][0]
+    changed = payload[: 4 * n_tokens] + bytes([payload[4 * n_tokens] ^ 1]) + payload[4 * n_tokens + 1 :]
     db.execute(
         "UPDATE events SET payload = ?, row_hash = ? WHERE seq = ?",
         (changed, row_hash(kind, text.encode(), changed), seq),

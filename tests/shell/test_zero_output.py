@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 
 from orchestrator.core import events as ev
+from orchestrator.core.arrays import Tokens
 from orchestrator.shell.zero_output import ZeroOutputWitness
 
 
@@ -13,12 +14,11 @@ def _episode(episode_id: int, group_id: int, reward: float) -> ev.EpisodeComplet
         episode_id=episode_id,
         group_id=group_id,
         ok=True,
+        temperature=1.0,
         policy_start=0,
         policy_end=0,
         reward=reward,
-        token_ids=array("i", [5, 6, 7, 8]),
-        mask=bytes([0, 1, 1, 1]),
-        logprobs=array("f", [0.0, -0.5, -0.5, -0.5]),
+        tokens=Tokens.of(array("i", [5, 6, 7, 8]), bytes([0, 1, 1, 1]), array("f", [0.0, -0.5, -0.5, -0.5])),
     )
 
 
@@ -64,6 +64,8 @@ def test_groups_left_with_one_scored_episode_by_failures_are_said_to_have_failed
                 episode_id=episode_id,
                 group_id=1 + episode_id % 2,
                 ok=False,
+                reward=0.0,
+                temperature=1.0,
                 policy_start=0,
                 policy_end=0,
                 error="inference: InferenceUnavailable: every inference endpoint down",

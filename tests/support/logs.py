@@ -84,7 +84,17 @@ def events(run_dir: Path, kind: str) -> list[tuple[int, dict]]:
     """(seq, fields) of a run's `kind` events; a trace's packed arrays decoded into lists."""
     with EventLog.open_reader(run_dir / "events.db") as log:
         found = list(log.read_rows(kinds=(kind,)))
-    return [(seq, ev.decode_event(k, data, payload).model_dump(mode="json")) for seq, _ts, k, data, payload in found]
+    return [(seq, _fields(ev.decode_event(k, data, payload))) for seq, _ts, k, data, payload in found]
+
+
+def _fields(event: ev.Event) -> dict:
+    """Every field of an event (those at their defaults too) as JSON values; a trace's arrays as
+    lists."""
+    if isinstance(event, ev.EpisodeCompleted):
+        fields = ev.episode_json(event)
+    else:
+        fields = {name: getattr(event, name) for name in event.__struct_fields__}
+    return orjson.loads(orjson.dumps(fields, default=lambda params: params.model_dump(mode="json")))
 
 
 def decoded(path: Path) -> list[tuple[int, object]]:

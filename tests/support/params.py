@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.core import events as ev
+from orchestrator.core.arrays import Tokens
 from orchestrator.core.decide import decide
 from orchestrator.core.state import initial_state
 
@@ -95,10 +96,9 @@ class Driver:
                 episode_id=episode_id,
                 group_id=group_id,
                 ok=ok,
+                temperature=1.0,
                 reward=reward if ok else 0.0,
-                token_ids=[7] * n if ok else [],
-                mask=([0] * prompt + [1] * sampled) if ok else [],
-                logprobs=[0.0] * n if ok else [],
+                tokens=Tokens.of([7] * n, [0] * prompt + [1] * sampled, [0.0] * n) if ok else None,
                 policy_start=start,
                 policy_end=self.state.version,
                 error=None if ok else "boom",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from orchestrator.core import events as ev
 from orchestrator.core.advantages import grpo_advantages
+from orchestrator.core.arrays import Tokens
 from orchestrator.core.decide import decide
 from orchestrator.core.state import Group, State, Trace, initial_state
 from orchestrator.effects import IgnoringPort, perform
@@ -102,6 +103,8 @@ class SimWorld(IgnoringPort):
                 episode_id=episode_id,
                 group_id=group_id,
                 ok=False,
+                reward=0.0,
+                temperature=1.0,
                 policy_start=start,
                 policy_end=self.state.version,
                 error="sim: env error",
@@ -117,10 +120,13 @@ class SimWorld(IgnoringPort):
             episode_id=episode_id,
             group_id=group_id,
             ok=True,
+            temperature=1.0,
             reward=rng.randint(0, o.reward_levels) / o.reward_levels,
-            token_ids=[rng.randrange(256) for _ in range(n)],
-            mask=[0] * prompt + [1] * sampled,
-            logprobs=[0.0] * prompt + [-rng.random() for _ in range(sampled)],
+            tokens=Tokens.of(
+                [rng.randrange(256) for _ in range(n)],
+                [0] * prompt + [1] * sampled,
+                [0.0] * prompt + [-rng.random() for _ in range(sampled)],
+            ),
             policy_start=start,
             policy_end=self.state.version,
         )
@@ -145,10 +151,9 @@ class SimWorld(IgnoringPort):
             episode_id=episode_id,
             group_id=group_id,
             ok=True,
+            temperature=1.0,
             reward=rng.randint(0, o.reward_levels) / o.reward_levels,
-            token_ids=token_ids,
-            mask=mask,
-            logprobs=logprobs,
+            tokens=Tokens.of(token_ids, mask, logprobs),
             policy_start=min(sampled_versions, default=start),
             policy_end=max(sampled_versions, default=start),
             token_versions=ev.version_runs(runs),

@@ -9,6 +9,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.contracts import AgentEnv, InProcessEnv, RolloutRequest
+from orchestrator.core.arrays import Tokens
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.envs.reverse_text import ReverseTextEnv
 from orchestrator.inference.client import InferenceClient
@@ -28,10 +29,9 @@ class RecordingAgentEnv:
             episode_id=request.episode_id,
             group_id=request.group_id,
             ok=True,
+            temperature=1.0,
             reward=0.5,
-            token_ids=[1, 2],
-            mask=[0, 1],
-            logprobs=[0.0, -0.1],
+            tokens=Tokens.of([1, 2], [0, 1], [0.0, -0.1]),
             policy_start=request.policy_version,
             policy_end=request.policy_version,
         )
