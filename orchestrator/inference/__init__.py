@@ -5,8 +5,9 @@
 * :mod:`.client`   - :class:`~.client.InferenceClient`: several endpoints, least-loaded routing,
   per-group pinning, bounded retries, health tracking, the weight-update contract (no torch);
   its errors are :mod:`.errors`.
-* :mod:`.weight_sync` - how an endpoint loads a version, one module per engine dialect (orch,
-  vllm_reload, vllm_lora, sglang).
+* :mod:`.weight_sync` - how an endpoint loads a version and what that means for its requests,
+  one module per engine dialect (none, orch, vllm_reload, vllm_lora, sglang), each owning its
+  endpoints' state and waits; the client calls them at fixed points.
 * :mod:`.component` - inference backend `openai` (`inference.openai.*`): what it supports, its
   pre-run step and factory; its settings are :mod:`.endpoints_config` (no httpx).
 * :mod:`.endpoints_backend` - :class:`~.endpoints_backend.EndpointsBackend`: that backend, which

@@ -20,8 +20,9 @@ one to come back, still within its attempts, and for at most ``timeout_s`` (then
 Weight updates (the contract): :meth:`InferenceClient.load` (version N, the published
 ``weights/step_N`` dir) is sent to every endpoint and returns once they answered; an endpoint
 that did not confirm N is brought to the newest version before its next request (so a restarted
-server catches up), and every completion reports the version it was sampled with. Modes (each
-endpoint's load is its dialect's, one module each in :mod:`.weight_sync`):
+server catches up), and every completion reports the version it was sampled with. Modes (each a
+dialect of :mod:`.weight_sync`, one module each, which owns its endpoints' state and waits; the
+client calls it at fixed points of a load and of each sampling call):
 
 * ``"orch"``: ``POST /update_weights {"path", "version"}`` -> ``{"version": N}``; completions
   carry ``policy_version`` (`orch serve`).
@@ -66,7 +67,6 @@ import aiohttp
 import httpx
 import orjson
 
-from orchestrator import rundir
 from orchestrator.core.events import version_runs
 from orchestrator.http_limits import KEEPALIVE_S, pool_limits
 from orchestrator.inference.endpoints_config import STREAM_INTERVAL, RouterSection
@@ -84,7 +84,6 @@ from orchestrator.inference.pool import ByOrigin, ShardedTransport
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 from orchestrator.inference.sse import EventStreamDecoder
 from orchestrator.inference.weight_sync import DIALECTS
-from orchestrator.inference.weight_sync.vllm_lora import lora_name
 from orchestrator.urls import endpoint_base_urls
 
 WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
@@ -135,9 +134,7 @@ class Endpoint:
     # them yet, and a pause would keep them for the new weights): a reload ends each of them
     # (its timeout, expired now) and it is sent again once the endpoint resumed.
     unstarted: dict[int, asyncio.Timeout] = field(default_factory=dict, repr=False)
-    reloading: asyncio.Event | None = field(default=None, repr=False)  # vllm_reload: set (and dropped) once done
-    adapters: dict[int, int] = field(default_factory=dict)  # vllm_lora: version loaded -> its requests in flight
-    adapter_released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # an adapter's count hit 0
+    sync: Any = None  # its weight-sync dialect's state (`WeightSyncDialect.new_state`)
     last_load_error: ServerError | None = None  # its last load's 5xx, if that load failed on one
     connections: asyncio.Semaphore | None = field(default=None, repr=False)  # its origin's cap (None: none)
     # A router's: the engines behind it (their base URLs), which its weight loads go to, each
@@ -275,13 +272,17 @@ class InferenceClient:
             raise ValueError("InferenceClient needs at least one endpoint URL")
         if max_attempts < 1 or timeout_s <= 0 or connect_timeout_s <= 0 or backoff_s <= 0:
             raise ValueError("max_attempts >= 1 and positive timeouts/backoff are required")
-        self.endpoints = [Endpoint(url, i) for i, url in enumerate(endpoint_base_urls(urls))]
+        self.dialect = DIALECTS[weight_sync]
+        self.endpoints = [
+            Endpoint(url, i, sync=self.dialect.new_state()) for i, url in enumerate(endpoint_base_urls(urls))
+        ]
         for ep, router in zip(self.endpoints[len(urls) - len(routers) :], routers, strict=True):
             ep.engines = tuple(endpoint_base_urls(router.engines))
             ep.session_header = router.session_header
         self.model, self.weight_sync = model, weight_sync
-        if update_mode == "interrupt" and weight_sync != "vllm_reload":
-            raise ValueError(f"update_mode 'interrupt' needs weight_sync 'vllm_reload', not {weight_sync!r}")
+        if update_mode not in self.dialect.update_modes:
+            offered = " or ".join(repr(name) for name, d in DIALECTS.items() if update_mode in d.update_modes)
+            raise ValueError(f"update_mode {update_mode!r} needs weight_sync {offered}, not {weight_sync!r}")
         self.update_mode = update_mode
         if stream_interval < 1:
             raise ValueError("stream_interval >= 1 (tokens per streamed chunk)")
@@ -802,29 +803,15 @@ class InferenceClient:
         that sampled it, version known when it came back). A router's requests name ``pin``
         (the group) as their session, where groups are pinned."""
         headers = ep.sampling_headers(pin if self.pin_groups else None)
-        version = await self._ensure_version(ep)
-        if at_version is not None and self.weight_sync == "vllm_lora" and at_version in ep.adapters:
-            version = min(version, at_version)
+        version, model = self.dialect.sample_with(self, ep, await self._ensure_version(ep), at_version)
         request = dict(body)
-        adapter = None
-        if self.weight_sync == "vllm_lora":
-            if version < 0:  # a base-model request would share vLLM-CPU's batches with adapter ones
-                raise InferenceRequestError(f"{ep.url} holds no adapter yet: vllm_lora sends no base-model request")
-            adapter = request["model"] = lora_name(version)
-        elif self.model is not None:
-            request["model"] = self.model
+        if model is not None:
+            request["model"] = model
         restarts = 0
         while True:
-            if self.weight_sync == "vllm_reload":
-                # Exact versions: none is sent during a reload, nor after one that failed (the
-                # endpoint's weights are unknown until it loads again).
-                while ep.reloading is not None:
-                    await ep.reloading.wait()
-                if ep.version < 0 and self.target is not None:
-                    failed = f"{ep.url}: its weight reload failed ({ep.last_error})"
-                    raise Retryable(failed, "weight sync", counted=ep.failures > 0)
+            await self.dialect.before_attempt(self, ep)
             try:
-                return await self._sampling_attempt(ep, path, request, version, adapter, restarts, headers)
+                return await self._sampling_attempt(ep, path, request, version, restarts, headers)
             except UpdateBegan:  # interrupt: ended by a reload before its first token
                 restarts += 1
 
@@ -834,48 +821,27 @@ class InferenceClient:
         path: str,
         request: dict[str, Any],
         version: int,
-        adapter: str | None,
         restarts: int,
         headers: dict[str, str],
     ) -> tuple[Any, int, int]:
-        """`_post_sampling`'s call on ``ep``, once the endpoint is not reloading."""
-        start_version = self._known_version(ep)
+        """`_post_sampling`'s call on ``ep`` at ``version``, once its dialect let it be sent."""
+        start_version = self.dialect.known_version(self, ep)
         ep.sending += 1
         ep.idle.clear()
-        if adapter is not None:
-            ep.adapters[version] = ep.adapters.get(version, 0) + 1
         try:
-            if self.update_mode != "interrupt":
-                answer = await self.call(ep, "POST", path, request, headers=headers)
-            elif path == "/v1/completions":
-                answer = await self._stream(ep, path, request, restarts, headers)
-            else:  # another route's call (verifiers' /inference/v1/generate) is not continued
-                with ep.unabortable_call():
+            with self.dialect.in_flight(ep, version):
+                if self.update_mode != "interrupt":
                     answer = await self.call(ep, "POST", path, request, headers=headers)
-        except InferenceRequestError as exc:
-            if adapter is None or exc.status_code != 404 or adapter not in str(exc):
-                raise  # not vLLM saying it lacks this adapter (a wrong path 404s too)
-            # vLLM does not hold the adapter it confirmed: it restarted unseen. Marked
-            # down, it gets the adapter again before it next serves (_ensure_version).
-            raise Retryable(f"{ep.url} lost adapter {adapter} (restarted?): {exc}", "adapter lost") from None
+                elif path == "/v1/completions":
+                    answer = await self._stream(ep, path, request, restarts, headers)
+                else:  # another route's call (verifiers' /inference/v1/generate) is not continued
+                    with ep.unabortable_call():
+                        answer = await self.call(ep, "POST", path, request, headers=headers)
         finally:
             ep.sending -= 1
             if ep.sending == 0:
                 ep.idle.set()
-            if adapter is not None:
-                ep.adapters[version] -= 1
-                if ep.adapters[version] == 0:
-                    ep.adapter_released.set()
-        if adapter is not None:  # exactly the adapter it asked for
-            return answer, version, version
-        if self.weight_sync == "vllm_reload":
-            return answer, start_version, start_version
-        return answer, start_version, max(start_version, self._known_version(ep))
-
-    def _known_version(self, ep: Endpoint) -> int:
-        if self.weight_sync == "none":
-            return self.target[0] if self.target is not None else 0
-        return ep.version
+        return answer, *self.dialect.answer_versions(self, ep, version, start_version)
 
     # -- weights ----------------------------------------------------------------------------------
     async def load(self, version: int, path: str) -> dict[str, int | str]:
@@ -885,7 +851,7 @@ class InferenceClient:
         before = self.target
         if self.target is None or version >= self.target[0]:
             self.target = (version, path)
-        if self.weight_sync == "none":
+        if not self.dialect.loads:
             return {e.url: version for e in self.endpoints}
         results = await asyncio.gather(
             *(self._load_one(e, version, path) for e in self.endpoints), return_exceptions=True
@@ -922,8 +888,7 @@ class InferenceClient:
             if ep.version >= version:
                 return ep.version
             try:
-                async with self._version_held(path):
-                    confirmed = await DIALECTS[self.weight_sync](self, ep, version, path)
+                confirmed = await self.dialect.load(self, ep, version, path)
             except Retryable as exc:
                 # an endpoint's loads run one at a time (its sync_lock): their retries are one loop
                 if same_server_error_again(ep.last_load_error, exc.server_error):
@@ -936,28 +901,13 @@ class InferenceClient:
             self.mark_up(ep)
             return ep.version
 
-    @contextlib.asynccontextmanager
-    async def _version_held(self, path: str) -> AsyncIterator[None]:
-        """The weight versions beside `path` held against the trainer's prune while an endpoint
-        loads one (rundir.hold_versions): the trainer prunes at its next publish instead. A
-        prune holds them for milliseconds; waited for at most the load timeout."""
-        deadline = time.monotonic() + self.load_timeout_s
-        while (held := rundir.hold_versions(path, exclusive=False)) is None:
-            if time.monotonic() >= deadline:
-                raise Retryable(f"the trainer's prune held {path}'s versions for {self.load_timeout_s:g}s", "reload")
-            await asyncio.sleep(0.01)
-        try:
-            yield
-        finally:
-            rundir.release_versions(held)
-
     async def _ensure_version(self, ep: Endpoint) -> int:
         """Before a request: bring ``ep`` to the target version if it has not confirmed it.
 
         A load that the endpoint refuses (e.g. the weights dir was already pruned) is not fatal if
         the endpoint holds some version: it samples with that one and reports it."""
-        if self.target is None or self.weight_sync == "none":
-            return self._known_version(ep)
+        if self.target is None or not self.dialect.loads:
+            return self.dialect.known_version(self, ep)
         version, path = self.target
         if ep.version >= version:
             return ep.version

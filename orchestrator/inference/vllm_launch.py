@@ -281,7 +281,7 @@ class VllmLauncher:
             while cause is not None:  # down until a restart serves the newest version
                 on_change(server.url, False, restarts, cause)
                 client.mark_down(ep, cause, "server down")  # its version unknown from now on
-                ep.adapters = {}  # a new process holds no adapter, only the model as launched
+                client.dialect.server_lost(ep)
                 if restarts >= self.launch.max_restarts:
                     what = f"{server.name} {cause}, after {restarts} restart(s)"
                     if not any(e.failures == 0 for e in client.endpoints):

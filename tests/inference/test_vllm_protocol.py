@@ -65,7 +65,7 @@ def test_lora_loads_unloads_and_adopts_what_the_server_lists(tmp_path):
         async def main():
             async with InferenceClient([vllm.base_url], weight_sync="vllm_lora", max_loras=2) as client:
                 await client.load(2, step_2)
-                return await client.complete([1, 2, 3], seed=7), client.endpoints[0].adapters
+                return await client.complete([1, 2, 3], seed=7), client.endpoints[0].sync.adapters
 
         done, adapters = run(main())
     assert calls == ["/v1/models", "/v1/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/completions"]

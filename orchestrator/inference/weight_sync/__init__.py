@@ -1,8 +1,12 @@
 """How endpoints load a published version (`inference.openai.weight_sync`), one module per engine
-dialect; the client (:mod:`orchestrator.inference.client`) routes, retries and tracks versions,
-and hands each endpoint's load to its dialect. `none` has no module: weights are managed outside
-orch, the client only records the version it was told.
+dialect, each a :class:`~.base.WeightSyncDialect` that owns its per-endpoint state and its waits;
+the client (:mod:`orchestrator.inference.client`) routes, retries and streams, and calls the
+dialect at fixed points of a load and of each sampling call. A dialect is a module and a line of
+:data:`DIALECTS`.
 
+* :mod:`.base`: the interface, what a dialect uses of the client, and their shared helpers (a
+  load on every engine of a router; the weight versions held against the trainer's prune);
+* :mod:`.none`: weights managed outside orch, the client only records the version it was told;
 * :mod:`.orch`: `orch serve`'s ``/update_weights``;
 * :mod:`.vllm_reload`: vLLM's full reload (pause, reload_weights, reset_prefix_cache, resume);
 * :mod:`.vllm_lora`: vLLM's LoRA adapters, one per version;
@@ -12,24 +16,13 @@ orch, the client only records the version it was told.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Protocol
+from orchestrator.inference.weight_sync import none, orch, sglang, vllm_lora, vllm_reload
+from orchestrator.inference.weight_sync.base import WeightSyncDialect
 
-from orchestrator.inference.weight_sync import orch, sglang, vllm_lora, vllm_reload
-from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient
-
-
-class Load(Protocol):
-    """A dialect's load(client, endpoint, version, weights dir) -> the version the endpoint confirmed."""
-
-    def __call__(
-        self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str
-    ) -> Awaitable[int]: ...
-
-
-DIALECTS: dict[str, Load] = {
-    "orch": orch.load,
-    "vllm_reload": vllm_reload.load,
-    "vllm_lora": vllm_lora.load,
-    "sglang": sglang.load,
+DIALECTS: dict[str, WeightSyncDialect] = {
+    "none": none.NoSync(),
+    "orch": orch.OrchServe(),
+    "vllm_reload": vllm_reload.VllmReload(),
+    "vllm_lora": vllm_lora.VllmLora(),
+    "sglang": sglang.SGLang(),
 }

@@ -1,21 +1,28 @@
-"""What a weight-sync dialect uses of the inference client (a Protocol, so that the dialects do
-not import the client, which dispatches to them), and the checks they share."""
+"""The interface of a weight-sync dialect (:class:`WeightSyncDialect`), what a dialect uses of the
+inference client (a Protocol, so that the dialects do not import the client, which calls them),
+and the helpers they share."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
+from orchestrator import rundir
 from orchestrator.inference.errors import InferenceRequestError, Retryable
 
 
 class SyncedEndpoint(Protocol):
-    """An endpoint's state as the dialects read and update it (`client.Endpoint`)."""
+    """An endpoint as the dialects read and update it (`client.Endpoint`)."""
 
     url: str
     version: int  # newest weight version it confirmed (-1: unknown)
+    sync: Any  # its dialect's state (`WeightSyncDialect.new_state`)
+    failures: int  # failed contacts in a row (0: up)
+    last_error: str | None
     idle: asyncio.Event  # set while no sampling call is in flight
     abortable: asyncio.Event  # interrupt: set while no call of another route than /v1/completions is in flight
 
@@ -23,10 +30,6 @@ class SyncedEndpoint(Protocol):
     def admin_urls(self) -> tuple[str, ...]: ...  # where its weights are loaded: a router's engines, else its URL
 
     def restart_unstarted(self) -> None: ...  # interrupt: ends the streams without a first token (sent again)
-
-    reloading: asyncio.Event | None  # vllm_reload: set (and dropped) once a reload is done
-    adapters: dict[int, int]  # vllm_lora: version loaded -> its requests in flight
-    adapter_released: asyncio.Event  # vllm_lora: an adapter's count hit 0
 
 
 EndpointT = TypeVar("EndpointT", bound=SyncedEndpoint)
@@ -37,8 +40,11 @@ class WeightSyncClient(Protocol[EndpointT]):
 
     load_timeout_s: float
     max_loras: int
-    update_mode: str  # "wait" | "interrupt" (vllm_reload)
     model: str | None
+    target: tuple[int, str] | None  # (version, weights dir) every endpoint should hold
+
+    @property
+    def update_mode(self) -> str: ...  # "wait" | "interrupt" (vllm_reload)
 
     @property
     def endpoints(self) -> Sequence[EndpointT]: ...
@@ -57,6 +63,54 @@ class WeightSyncClient(Protocol[EndpointT]):
         *,
         base: str | None = None,
     ) -> Any: ...
+
+
+class WeightSyncDialect:
+    """How endpoints load a published version, and what that means for the sampling calls: the
+    points the inference client calls it at. The defaults are a dialect's whose endpoints sample
+    with the version they confirmed last; each dialect is one module, one class of this."""
+
+    update_modes: ClassVar[frozenset[str]] = frozenset({"wait"})  # the `update_mode`s it offers
+    loads: ClassVar[bool] = True  # False: weights are loaded outside orch, the client only records the version
+
+    def new_state(self) -> Any:
+        """An endpoint's state of this dialect (`Endpoint.sync`), made with the endpoint."""
+        return None
+
+    async def load(self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
+        """Load weights dir ``path`` as ``version`` on ``ep``: the version it confirmed. One load
+        of an endpoint at a time."""
+        raise NotImplementedError
+
+    def server_lost(self, ep: SyncedEndpoint) -> None:
+        """``ep``'s server ended and is started afresh: it holds only the model as launched."""
+
+    def known_version(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> int:
+        """The version ``ep`` is known to hold."""
+        return ep.version
+
+    def sample_with(
+        self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, at_version: int | None
+    ) -> tuple[int, str | None]:
+        """A sampling call's version and the model it names (None: none), given the version
+        ``ep`` is brought to and the call's eval pin (``at_version``)."""
+        return version, client.model
+
+    async def before_attempt(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> None:
+        """Before each attempt of a sampling call on ``ep`` (again after a reload ended it)."""
+
+    @contextlib.contextmanager
+    def in_flight(self, ep: SyncedEndpoint, version: int) -> Iterator[None]:
+        """Around a sampling call at ``version`` while it is in flight."""
+        yield
+
+    def answer_versions(
+        self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, start: int
+    ) -> tuple[int, int]:
+        """The versions an answer reports (sampled by, ended at), of a call at ``version`` sent
+        when ``ep`` was known to hold ``start``: bounded by the versions known when it was sent
+        and when it came back."""
+        return start, max(start, self.known_version(client, ep))
 
 
 async def on_each_engine(
@@ -81,6 +135,22 @@ async def on_each_engine(
     if failed:
         raise failed[0][1]
     return list(answers)
+
+
+@contextlib.asynccontextmanager
+async def versions_held(path: str, timeout_s: float) -> AsyncIterator[None]:
+    """The weight versions beside `path` held against the trainer's prune while an endpoint
+    loads one (rundir.hold_versions): the trainer prunes at its next publish instead. A
+    prune holds them for milliseconds; waited for at most `timeout_s` (the load timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while (held := rundir.hold_versions(path, exclusive=False)) is None:
+        if time.monotonic() >= deadline:
+            raise Retryable(f"the trainer's prune held {path}'s versions for {timeout_s:g}s", "reload")
+        await asyncio.sleep(0.01)
+    try:
+        yield
+    finally:
+        rundir.release_versions(held)
 
 
 def check_weights_dir(path: str, marker: str, what: str) -> None:

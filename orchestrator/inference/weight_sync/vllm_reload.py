@@ -1,49 +1,88 @@
 """`vllm_reload`: a vLLM server's full-weight reload (``VLLM_SERVER_DEV_MODE=1``): ``POST
 /pause?mode=wait`` (update_mode interrupt: ``mode=abort``) -> ``POST /collective_rpc {"method":
-"reload_weights", ...}`` -> ``POST /reset_prefix_cache`` -> ``POST /resume``."""
+"reload_weights", ...}`` -> ``POST /reset_prefix_cache`` -> ``POST /resume``. No request of an
+endpoint is sent while it reloads, so a completion's version is the one it was sent at."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from orchestrator.inference.errors import Retryable
-from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient, check_weights_dir, on_each_engine
+from orchestrator.inference.weight_sync.base import (
+    EndpointT,
+    WeightSyncClient,
+    WeightSyncDialect,
+    check_weights_dir,
+    on_each_engine,
+    versions_held,
+)
 
 
-async def load(client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
-    """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1); none of the endpoint's requests is sent
-    until it resumed. update_mode wait: its requests in flight end with the old weights first.
-    interrupt: the streamed completions without a first token yet are ended and sent again
-    after the reload (`Endpoint.restart_unstarted`); once the calls of other routes have ended
-    (`Endpoint.abortable`), the pause aborts the rest: each comes back with the tokens it has,
-    all sampled by the old weights, and the client continues it after the reload. Either way
-    each token's version is exact."""
-    check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
-    ep.reloading = asyncio.Event()
-    interrupt = client.update_mode == "interrupt"
-    try:
-        if interrupt:
-            ep.restart_unstarted()
-        try:
-            await asyncio.wait_for((ep.abortable if interrupt else ep.idle).wait(), client.load_timeout_s)
-        except TimeoutError:
-            raise Retryable(
-                f"{ep.url}: its requests in flight did not end within {client.load_timeout_s:g}s "
-                f"of the reload of version {version}",
-                "reload drain",
-            ) from None
-        try:
-            await _paused_reload(client, ep, path, "abort" if interrupt else "wait")
-        except BaseException:
-            # Paused (or maybe), its weights either version: unknown until a reload succeeds. The
-            # endpoint's next request reloads it first, and that reload's /resume ends the pause.
-            ep.version = -1
-            raise
-        ep.version = max(ep.version, version)  # before `reloading` is dropped: what the waiting requests read
-        return version
-    finally:
-        ep.reloading.set()
-        ep.reloading = None
+@dataclass
+class ReloadState:
+    reloading: asyncio.Event | None = None  # set (and dropped) once the reload running is done
+
+
+class VllmReload(WeightSyncDialect):
+    update_modes = frozenset({"wait", "interrupt"})
+
+    def new_state(self) -> ReloadState:
+        return ReloadState()
+
+    async def load(self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
+        """vLLM full-weight reload (VLLM_SERVER_DEV_MODE=1); none of the endpoint's requests is
+        sent until it resumed. update_mode wait: its requests in flight end with the old weights
+        first. interrupt: the streamed completions without a first token yet are ended and sent
+        again after the reload (`Endpoint.restart_unstarted`); once the calls of other routes
+        have ended (`Endpoint.abortable`), the pause aborts the rest: each comes back with the
+        tokens it has, all sampled by the old weights, and the client continues it after the
+        reload. Either way each token's version is exact."""
+        state: ReloadState = ep.sync
+        async with versions_held(path, client.load_timeout_s):
+            check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
+            state.reloading = asyncio.Event()
+            interrupt = client.update_mode == "interrupt"
+            try:
+                if interrupt:
+                    ep.restart_unstarted()
+                try:
+                    await asyncio.wait_for((ep.abortable if interrupt else ep.idle).wait(), client.load_timeout_s)
+                except TimeoutError:
+                    raise Retryable(
+                        f"{ep.url}: its requests in flight did not end within {client.load_timeout_s:g}s "
+                        f"of the reload of version {version}",
+                        "reload drain",
+                    ) from None
+                try:
+                    await _paused_reload(client, ep, path, "abort" if interrupt else "wait")
+                except BaseException:
+                    # Paused (or maybe), its weights either version: unknown until a reload succeeds.
+                    # The endpoint's next request reloads it first, and that reload's /resume ends
+                    # the pause.
+                    ep.version = -1
+                    raise
+                ep.version = max(ep.version, version)  # before `reloading` is dropped: what the waiting requests read
+                return version
+            finally:
+                state.reloading.set()
+                state.reloading = None
+
+    async def before_attempt(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> None:
+        """Exact versions: none is sent during a reload, nor after one that failed (the
+        endpoint's weights are unknown until it loads again)."""
+        state: ReloadState = ep.sync
+        while state.reloading is not None:  # each reload's steps are bounded by the load timeout
+            await state.reloading.wait()
+        if ep.version < 0 and client.target is not None:
+            failed = f"{ep.url}: its weight reload failed ({ep.last_error})"
+            raise Retryable(failed, "weight sync", counted=ep.failures > 0)
+
+    def answer_versions(
+        self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, start: int
+    ) -> tuple[int, int]:
+        """The version it was sent at: no reload runs while it is in flight."""
+        return start, start
 
 
 async def _paused_reload(client: WeightSyncClient[EndpointT], ep: EndpointT, path: str, mode: str) -> None:
