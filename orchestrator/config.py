@@ -408,7 +408,7 @@ class LogConfig(_Section):
     )
     token_arrays: Literal["keep", "until_trained"] = Field(
         "keep",
-        description="keep: every trace's token ids, mask and logprobs stay in the log (about 8.2 bytes per "
+        description="keep: every episode's token ids, mask and logprobs stay in the log (about 8.2 bytes per "
         "token logged, the whole record: orch replay --episode, --check and --reexecute read them); "
         "until_trained: an episode's arrays are dropped once no resume can need them (its samples trained on "
         "by a published version, or dropped), each row keeping their sha256; the replays that need them "

@@ -400,7 +400,7 @@ class Algorithm(Protocol):
     """Advantages of a closed group. Background-finalized algorithms run `finalize_group`
     concurrently for many groups, results coming back in any order."""
 
-    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted], /) -> list[float]: ...
+    async def finalize_group(self, group_id: int, episodes: Sequence[EpisodeCompleted], /) -> list[float]: ...
 
 
 # ------------------------------------------------------------------------------- config sections

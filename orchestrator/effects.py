@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from orchestrator.core import events as ev
-from orchestrator.core.state import Group, State, Trace, finalizes_in_background
+from orchestrator.core.state import Group, State, finalizes_in_background, member
 
 
 class EffectPort(Protocol):
@@ -32,7 +32,7 @@ class EffectPort(Protocol):
     def report_eval(self, completed: ev.EvalCompleted) -> None:
         """Show an eval's result."""
 
-    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
+    def start_finalize(self, started: ev.FinalizeStarted, episodes: list[ev.EpisodeCompleted]) -> None:
         """Score the group in the background; the result comes back as an input."""
 
     def cancel_finalize(self, group_id: int) -> None:
@@ -63,7 +63,7 @@ class IgnoringPort:
     def start_eval_rollout(self, dispatched: ev.EvalEpisodeDispatched) -> None: ...
     def cancel_eval_rollout(self, episode_id: int) -> None: ...
     def report_eval(self, completed: ev.EvalCompleted) -> None: ...
-    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None: ...
+    def start_finalize(self, started: ev.FinalizeStarted, episodes: list[ev.EpisodeCompleted]) -> None: ...
     def cancel_finalize(self, group_id: int) -> None: ...
     def write_batch(self, shipped: ev.BatchShipped) -> None: ...
     def notify_trainer(self, shipped: ev.BatchShipped) -> None: ...
@@ -96,7 +96,7 @@ def _report_eval(s: State, e: ev.EvalCompleted, port: EffectPort) -> None:
 
 def _start_finalize(s: State, e: ev.FinalizeStarted, port: EffectPort) -> None:
     if finalizes_in_background(s, e):
-        port.start_finalize(e, [s.traces[t] for t in e.trace_ids])
+        port.start_finalize(e, [member(s, episode_id) for episode_id in e.episode_ids])
 
 
 def _cancel_finalize(s: State, e: ev.GroupCancelled, port: EffectPort) -> None:

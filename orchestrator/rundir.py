@@ -27,7 +27,7 @@ Layout of a run directory (``RUN_DIR``)::
 
 Batch file (format ``orchestrator.core.batch.BATCH_FORMAT``): a safetensors file of flat arrays, laid out and built by
 ``orchestrator.core.batch`` (its canonical bytes are what the log's sha256 covers). Per sample:
-``trace_id``, ``group_id``, ``policy_start``, ``lag`` (int64), ``advantage``, ``temperature``
+``sample_id``, ``group_id``, ``policy_start``, ``lag`` (int64), ``advantage``, ``temperature``
 (float64), optionally ``reward`` (float64: averaged into the hf trainer's step line); per token,
 sample i's at ``offsets[i]:offsets[i+1]``: ``token_ids`` (int32, prompt + completion), ``mask``
 (uint8, 1 = sampled token), ``logprobs`` (float32, the sampler's, 0.0 where mask is 0); the env
@@ -288,7 +288,7 @@ def read_batch_file(raw: bytes | memoryview, expected_step: int, where: str = "b
 
 def sample_tag(where: str, batch: BatchArrays, index: int) -> str:
     """How an error names a sample of a batch file."""
-    return f"{where}: sample {index} (trace_id {int(batch.trace_id[index])})"
+    return f"{where}: sample {index} (sample_id {int(batch.sample_id[index])})"
 
 
 def checkpoint_damage(file: Path) -> str | None:

@@ -44,13 +44,13 @@ def payload_damage(log: EventLog, shipped_seq: int, shipped: dict[str, Any]) -> 
         batch = decode_batch(raw)
     except ValueError:
         return None
-    index = {int(trace_id): i for i, trace_id in enumerate(batch.trace_id)}
+    index = {int(sample_id): i for i, sample_id in enumerate(batch.sample_id)}
     for seq, _ts, _kind, data, payload in log.read_rows(stop=shipped_seq, kinds=("episode_completed",)):
         fields = _episode_fields(data)
         i = index.get(fields.get("episode_id", -1))
         if i is None:
             continue
-        where = f"seq {seq} (the episode_completed of trace {fields['episode_id']})"
+        where = f"seq {seq} (the episode_completed of episode {fields['episode_id']})"
         try:
             n_tokens = logged_n_tokens(fields)
             token_ids, mask, logprobs = unpack(payload, -1 if n_tokens is None else n_tokens)

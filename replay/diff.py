@@ -288,7 +288,7 @@ def diff_events(a: EventLog, b: EventLog, chunk_size: int = 256) -> DiffResult:
 
 
 def _admitted(side: Side) -> Iterator[Any]:
-    yield from side.data.get("trace_ids", ())
+    yield from side.data.get("sample_ids", ())
 
 
 def _cancelled(side: Side) -> Iterator[Any]:
@@ -300,7 +300,7 @@ def _cancelled(side: Side) -> Iterator[Any]:
 
 
 def _sampled(side: Side) -> Iterator[Any]:
-    yield from side.data.get("trace_ids", ())
+    yield from side.data.get("sample_ids", ())
 
 
 ACCOUNTING_SEQUENCES: dict[str, tuple[tuple[str, ...], Callable[[Side], Iterator[Any]]]] = {

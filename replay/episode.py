@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from eventlog import EventLog
-from orchestrator.core.events import EpisodeCompleted, decode_event, episode_json, episode_of
-from orchestrator.core.samples import split_episode
+from orchestrator.core.events import EpisodeCompleted, decode_event, episode_of, with_arrays
+from orchestrator.core.samples import Sample, split_episode
 from replay.source import ReplayInputError, guarded, one_line, row_data
 
 SAMPLE_FIELDS = {"reward", "policy_start", "policy_end", "token_versions", "token_ids", "mask", "logprobs"}
@@ -38,15 +38,16 @@ def episode_completions(log: EventLog, episode_id: int) -> list[dict]:
                 one_line(f"{log.path}: seq {seq}: cannot decode episode {episode_id}: {err}")
             ) from None
         assert isinstance(event, EpisodeCompleted)  # the kind it was decoded as
-        fields = {"seq": seq, **episode_json(event)}
+        fields = {"seq": seq, **with_arrays(event)}
         if event.samples:
             fields["training_samples"] = [
                 {
-                    "sample_id": sample.episode_id,
-                    "agent": sample.agents[0] if sample.agents else None,
-                    **{name: value for name, value in episode_json(sample).items() if name in SAMPLE_FIELDS},
+                    "sample_id": sample.sample_id,
+                    "agent": sample.agent,
+                    **{name: value for name, value in with_arrays(sample).items() if name in SAMPLE_FIELDS},
                 }
                 for sample in split_episode(event)
+                if isinstance(sample, Sample)
             ]
         out.append(fields)
     return out

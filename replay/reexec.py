@@ -50,7 +50,7 @@ from eventlog.lock import lock_path_for
 from orchestrator.core import events as ev
 from orchestrator.core.advantages import INLINE_SCORERS
 from orchestrator.core.decide import decide
-from orchestrator.core.state import State, Trace, initial_state
+from orchestrator.core.state import State, initial_state
 from orchestrator.effects import IgnoringPort, perform
 from replay.inputs import decode
 from replay.source import EVENTS_DB, REEXECUTED_META, ReplayInputError, guarded, one_line
@@ -122,17 +122,17 @@ class RecordedResults:
             event = decode(row, log.path)
             if isinstance(event, ev.GroupFinalized):  # decided inline: the new run receives it as an input
                 event = ev.BackgroundFinalized(
-                    group_id=event.group_id, trace_ids=event.trace_ids, advantages=event.advantages
+                    group_id=event.group_id, episode_ids=event.episode_ids, advantages=event.advantages
                 )
             self.by_group.setdefault(event.group_id, []).append(_Entry(seq, kind in ev.INPUT_KINDS, event))
 
-    def take(self, group_id: int, trace_ids: list[int]) -> _Entry | None:
+    def take(self, group_id: int, episode_ids: list[int]) -> _Entry | None:
         """The first unused recorded result for this group and these survivors."""
         entries = self.by_group.get(group_id)
         if not entries:
             return None
         for i, entry in enumerate(entries):
-            if isinstance(entry.event, ev.FinalizeFailed) or entry.event.trace_ids == trace_ids:
+            if isinstance(entry.event, ev.FinalizeFailed) or entry.event.episode_ids == episode_ids:
                 del entries[i]
                 return entry
         return None
@@ -208,8 +208,8 @@ class Reexecutor(IgnoringPort):
     # --- the effect port: only background finalizes need an answer; completions and publishes
     # are recorded inputs, and a re-executed log is compared, not resumed (no files, no snapshot).
 
-    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
-        self._finalize_requested(started, traces)
+    def start_finalize(self, started: ev.FinalizeStarted, episodes: list[ev.EpisodeCompleted]) -> None:
+        self._finalize_requested(started, episodes)
 
     def cancel_finalize(self, group_id: int) -> None:
         if self.options.settle_order != "recorded":
@@ -223,8 +223,8 @@ class Reexecutor(IgnoringPort):
         self.scheduled = {s: (g, r) for s, (g, r) in self.scheduled.items() if g != group_id}
         self.report.results_dropped += before - len(self.held) - len(self.scheduled)
 
-    def _finalize_requested(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
-        entry = self.results.take(started.group_id, started.trace_ids)
+    def _finalize_requested(self, started: ev.FinalizeStarted, episodes: list[ev.EpisodeCompleted]) -> None:
+        entry = self.results.take(started.group_id, started.episode_ids)
         order = self.options.settle_order
         if entry is not None:
             result = entry.event
@@ -235,14 +235,14 @@ class Reexecutor(IgnoringPort):
         elif (scorer := INLINE_SCORERS.get(self.state.params.algorithm)) is not None:
             result = ev.BackgroundFinalized(
                 group_id=started.group_id,
-                trace_ids=started.trace_ids,
-                advantages=scorer([t.reward for t in traces], self.state.params),
+                episode_ids=started.episode_ids,
+                advantages=scorer([e.reward for e in episodes], self.state.params),
             )
             self.report.results_computed += 1
         else:
             raise _Halt(
                 f"no recorded {self.state.params.algorithm} result for group {started.group_id} with survivors "
-                f"{started.trace_ids}, and replay never re-runs a grader",
+                f"{started.episode_ids}, and replay never re-runs a grader",
                 started.kind,
                 orjson.loads(ev.encode_event(started)[1]),
             )

@@ -65,7 +65,7 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
             )
     pending = [
         {
-            "trace_id": q.trace_id,
+            "sample_id": q.sample_id,
             "group_id": q.group_id,
             "env": q.env,
             "dispatch_version": q.dispatch_version,
@@ -92,7 +92,7 @@ def summarize(folded: Folded, log: EventLog) -> dict[str, Any]:
         "stopped": s.stopped,
         "stop_reason": s.stop_reason,
         "inflight_episodes": len(s.inflight),
-        "pending": {"traces": len(pending), "tokens": s.pending_tokens, "items": pending},
+        "pending": {"samples": len(pending), "tokens": s.pending_tokens, "items": pending},
         "open_groups": groups_open,
         "finalizing_groups": groups_finalizing,
         "finalizing_per_env": dict(s.finalizing),
@@ -248,7 +248,7 @@ def render(summary: dict[str, Any], console) -> None:
             else ("draining" if summary["draining"] else "running"),
         ),
         ("in-flight episodes", str(summary["inflight_episodes"])),
-        ("pending", f"{summary['pending']['traces']} traces, {summary['pending']['tokens']} tokens"),
+        ("pending", f"{summary['pending']['samples']} samples, {summary['pending']['tokens']} tokens"),
         ("open groups", str(len(summary["open_groups"]))),
         ("finalizing groups", str(len(summary["finalizing_groups"]))),
     ]
@@ -271,11 +271,11 @@ def render(summary: dict[str, Any], console) -> None:
 
     _print_items(
         console,
-        "pending traces (queue order)",
-        ("trace", "group", "env", "dispatch v", "policy start", "tokens", "advantage"),
+        "pending samples (queue order)",
+        ("sample", "group", "env", "dispatch v", "policy start", "tokens", "advantage"),
         [
             (
-                str(q["trace_id"]),
+                str(q["sample_id"]),
                 str(q["group_id"]),
                 q["env"],
                 str(q["dispatch_version"]),

@@ -95,7 +95,7 @@ def payload_size(n_tokens: int) -> int:
 
 
 def pack(token_ids: array, mask: bytes, logprobs: array) -> bytes:
-    """The log payload of a trace's arrays (see the module doc); b"" for no token."""
+    """The log payload of an episode's arrays (see the module doc); b"" for no token."""
     if not token_ids:
         return b""
     if _LITTLE:

@@ -1,14 +1,14 @@
 """The batch file the trainer reads: binary, in canonical bytes, so a re-materialized batch hashes
 the same.
 
-Format 3 is a safetensors file (any safetensors reader opens it): an 8-byte little-endian header
+Format 4 is a safetensors file (any safetensors reader opens it): an 8-byte little-endian header
 length, a JSON header (sorted keys, padded with spaces to a multiple of 8 bytes), then the
 tensors' bytes, contiguous, little-endian, the 8-byte ones first, then the 4-byte, then the
 1-byte ones (each group by name), so every tensor is aligned for a zero-copy view:
 
     advantage     F64 [n]      group_id  I64 [n]     lag  I64 [n]     offsets  I64 [n + 1]
     policy_start  I64 [n]      reward    F64 [n]     (only when every sample has one)
-    temperature   F64 [n]      trace_id  I64 [n]
+    sample_id     I64 [n]      temperature F64 [n]
     logprobs      F32 [T]      token_ids I32 [T]     version I32 [T]    mask U8 [T]
 
 Sample i's tokens are `offsets[i]:offsets[i+1]` of the flat arrays (T tokens in all); `mask` is 1
@@ -16,10 +16,10 @@ on sampled tokens, `logprobs` the sampler's (0.0 where mask is 0), `version` the
 that sampled each token (-1 where mask is 0; a trace whose backend could tell only the bounds of
 its versions has its oldest, policy_start, on every token: docs/rules.md, "A token's version");
 `lag` the sample's true off-policy distance (step-1) - policy_start, by its oldest token, queue
-time included. `trace_id` is the sample's id (its episode's id for an episode's only or first
+time included. `sample_id` is the sample's id (its episode's id for an episode's only or first
 sample: docs/rules.md, "Samples"); `sample_weight F64 [n]`, each sample's loss weight, is
 there only when a weight is not 1 (a file without it weighs every sample 1). `__metadata__`
-holds `format` ("3"), `step` and `envs` (a JSON list of the samples' env names).
+holds `format` ("4"), `step` and `envs` (a JSON list of the samples' env names).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import orjson
 
 from orchestrator.core.events import SAMPLE_ID_STRIDE
 
-BATCH_FORMAT = 3  # 3: the per-token `version`
+BATCH_FORMAT = 4  # 3: the per-token `version`; 4: `sample_id` (was `trace_id`)
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
     "I64": np.dtype("<i8"),
@@ -48,7 +48,7 @@ _PER_SAMPLE = {
     "lag": "I64",
     "policy_start": "I64",
     "temperature": "F64",
-    "trace_id": "I64",
+    "sample_id": "I64",
 }
 _PER_TOKEN = {"logprobs": "F32", "token_ids": "I32", "version": "I32", "mask": "U8"}
 _MAX_HEADER = 1 << 24
@@ -58,7 +58,7 @@ class BatchSample(NamedTuple):
     """One sample as a batch file holds it; the arrays are anything numpy reads as a flat array
     (a trace's packed arrays are read without a copy)."""
 
-    trace_id: int
+    sample_id: int
     group_id: int
     env: str
     token_ids: Any
@@ -91,7 +91,7 @@ def token_versions(mask: Any, runs: Sequence[tuple[int, int]], policy_start: int
 def sample_of(trace, env: str, advantage: float, lag: int, weight: float) -> BatchSample:
     """The sample a trace (`state.Trace`) makes."""
     return BatchSample(
-        trace.episode_id,
+        trace.trace_id,
         trace.group_id,
         env,
         trace.token_ids,
@@ -165,7 +165,7 @@ class BatchArrays:
     step: int
     envs: list[str]
     offsets: np.ndarray  # int64 [n + 1]
-    trace_id: np.ndarray  # int64 [n]
+    sample_id: np.ndarray  # int64 [n]
     group_id: np.ndarray
     policy_start: np.ndarray
     lag: np.ndarray
@@ -179,13 +179,13 @@ class BatchArrays:
     logprobs: np.ndarray  # float32 [T]
 
     def __len__(self) -> int:
-        return len(self.trace_id)
+        return len(self.sample_id)
 
     @property
     def episode_id(self) -> np.ndarray:
         """Each sample's episode (int64 [n]): a sample id is its episode's id plus its index
         times `events.SAMPLE_ID_STRIDE`."""
-        return self.trace_id % SAMPLE_ID_STRIDE
+        return self.sample_id % SAMPLE_ID_STRIDE
 
     def tokens(self, i: int) -> slice:
         """Sample i's tokens in the flat arrays."""
@@ -194,7 +194,7 @@ class BatchArrays:
 
 def decode_batch(payload: bytes | memoryview) -> BatchArrays:
     """The arrays of a batch file's bytes, as views; ValueError (one line) if it is not a batch
-    file of format 3 (header, dtypes, shapes, offsets)."""
+    file of format 4 (header, dtypes, shapes, offsets)."""
     view = memoryview(payload)
     if len(view) < 8:
         raise ValueError("shorter than a safetensors header")
@@ -215,7 +215,7 @@ def decode_batch(payload: bytes | memoryview) -> BatchArrays:
         for name, code in {**_PER_SAMPLE, **_PER_TOKEN, "offsets": "I64"}.items()
     }
     reward = _tensor(header, "reward", "F64", data) if "reward" in header else None
-    n, total = len(arrays["trace_id"]), len(arrays["token_ids"])
+    n, total = len(arrays["sample_id"]), len(arrays["token_ids"])
     if "sample_weight" in header:
         weight = _tensor(header, "sample_weight", "F64", data)
         if len(weight) != n or not np.all(np.isfinite(weight)) or np.any(weight < 0):

@@ -30,8 +30,8 @@ from orchestrator.core.evals import (
 )
 from orchestrator.core.evolve import evolve
 from orchestrator.core.rng import choose_by_ratio, uniform
-from orchestrator.core.samples import seat_of, split_episode, trainable_starts
-from orchestrator.core.state import Group, QueuedTrace, State, Trace, min_fresh_version
+from orchestrator.core.samples import Sample, seat_of, split_episode, trainable_starts
+from orchestrator.core.state import Group, QueuedSample, State, member, min_fresh_version
 
 
 class _Decisions:
@@ -246,14 +246,14 @@ def survivors_of(s: State, group: Group) -> list[int]:
     """Ok episodes with a sample that has a sampled token and is still fresh enough to train."""
     oldest = min_fresh_version(s.params, s.step)
     survivors = []
-    for trace_id in group.members:
-        trace = s.traces[trace_id]
-        if trace.ok and could_train(trace, oldest):
-            survivors.append(trace_id)
+    for episode_id in group.members:
+        episode = member(s, episode_id)
+        if episode.ok and could_train(episode, oldest):
+            survivors.append(episode_id)
     return survivors
 
 
-def could_train(trace: Trace, oldest: int) -> bool:
+def could_train(trace: ev.EpisodeCompleted, oldest: int) -> bool:
     """Rule 5 for an episode: has it a sample with sampled tokens whose oldest token is at least
     `oldest`? (Each sample is judged by its own oldest token.)"""
     if not trace.samples:  # one sample: the episode's own fields say it
@@ -271,7 +271,7 @@ def finalize_group(d: _Decisions, group: Group) -> None:
         ev.FinalizeStarted(
             group_id=group.group_id,
             background=p.finalize_in_background,
-            trace_ids=survivors,
+            episode_ids=survivors,
         )
     )
     if p.finalize_in_background:
@@ -281,7 +281,7 @@ def finalize_group(d: _Decisions, group: Group) -> None:
     d.emit(
         ev.GroupFinalized(
             group_id=group.group_id,
-            trace_ids=survivors,
+            episode_ids=survivors,
             advantages=scorer(rewards, p),
             sample_advantages=score_agents_apart(s, survivors, scorer),
         )
@@ -296,7 +296,7 @@ def score_agents_apart(s: State, survivors: list[int], scorer: InlineScorer) -> 
     no episode has agent rewards."""
     pools: dict[str, list[tuple[tuple[int, str], float]]] = {}
     for trace_id in survivors:
-        for agent, reward in s.traces[trace_id].agent_rewards:
+        for agent, reward in member(s, trace_id).agent_rewards:
             pools.setdefault(seat_of(agent), []).append(((trace_id, agent), reward))
     if not pools:
         return []
@@ -305,11 +305,11 @@ def score_agents_apart(s: State, survivors: list[int], scorer: InlineScorer) -> 
         advantages = scorer([reward for _, reward in pool], s.params)
         scored.update((key, advantage) for (key, _), advantage in zip(pool, advantages))
     return [
-        (sample.episode_id, scored[trace_id, sample.agents[0]])
+        (sample.trace_id, scored[trace_id, sample.agent])
         for trace_id in survivors
-        if s.traces[trace_id].agent_rewards
-        for sample in split_episode(s.traces[trace_id])
-        if sample.agents
+        if member(s, trace_id).agent_rewards
+        for sample in split_episode(member(s, trace_id))
+        if isinstance(sample, Sample) and sample.agent is not None
     ]
 
 
@@ -327,17 +327,17 @@ def _drop_reason(s: State, trace_id: int) -> ev.DropReason:
     return "stale"
 
 
-def survivor_samples(trace: Trace) -> list[tuple[int, int, int]]:
+def survivor_samples(trace: ev.EpisodeCompleted) -> list[tuple[int, int, int]]:
     """(sample id, oldest version, sampled tokens) of each sample of a survivor."""
     if not trace.samples:  # its one sample has sampled tokens, or it would not have survived
         return [(trace.episode_id, trace.policy_start, 1)]
-    return [(sample.episode_id, sample.policy_start, sample.sampled_tokens) for sample in split_episode(trace)]
+    return [(sample.trace_id, sample.policy_start, sample.sampled_tokens) for sample in split_episode(trace)]
 
 
-def sample_ids(trace: Trace) -> list[int]:
+def sample_ids(trace: ev.EpisodeCompleted) -> list[int]:
     if not trace.samples:
         return [trace.episode_id]
-    return [sample.episode_id for sample in split_episode(trace)]
+    return [sample.trace_id for sample in split_episode(trace)]
 
 
 def settle_group(d: _Decisions, group: Group) -> None:
@@ -348,10 +348,10 @@ def settle_group(d: _Decisions, group: Group) -> None:
     survivors = group.survivors if group.finalizing else []
     scored = dict.fromkeys(survivors)
     dropped: dict[ev.DropReason, list[int]] = {}
-    for trace_id in group.members:
-        if trace_id not in scored:
-            dropped.setdefault(_drop_reason(s, trace_id), []).extend(sample_ids(s.traces[trace_id]))
-    parts = [part for trace_id in survivors for part in survivor_samples(s.traces[trace_id])]
+    for episode_id in group.members:
+        if episode_id not in scored:
+            dropped.setdefault(_drop_reason(s, episode_id), []).extend(sample_ids(member(s, episode_id)))
+    parts = [part for episode_id in survivors for part in survivor_samples(member(s, episode_id))]
     admitted = any(group.advantage_of(trace_id) != 0.0 for trace_id, _, _ in parts)
     inserted: list[int] = []
     if survivors and not admitted:
@@ -370,7 +370,7 @@ def settle_group(d: _Decisions, group: Group) -> None:
         ev.GroupSettled(
             group_id=group.group_id,
             admitted=admitted,
-            trace_ids=inserted,
+            sample_ids=inserted,
             dropped=dropped,
         )
     )
@@ -390,7 +390,7 @@ def stop_if_zero_output(d: _Decisions) -> None:
 def sweep_stale_pending(d: _Decisions) -> None:
     s = d.state
     oldest = min_fresh_version(s.params, s.step)
-    stale = [q.trace_id for q in s.pending.values() if q.policy_start < oldest]
+    stale = [q.sample_id for q in s.pending.values() if q.policy_start < oldest]
     if stale:
         d.emit(ev.TracesDropped(trace_ids=stale, reason="stale"))
 
@@ -400,7 +400,7 @@ def cancel_stale_finalizing(d: _Decisions) -> None:
     s = d.state
     oldest = min_fresh_version(s.params, s.step)
     for group in [g for g in s.groups.values() if g.background]:
-        if not any(could_train(s.traces[t], oldest) for t in group.survivors):
+        if not any(could_train(member(s, t), oldest) for t in group.survivors):
             d.emit(
                 ev.GroupCancelled(
                     group_id=group.group_id,
@@ -428,7 +428,7 @@ def ship_hold_released(s: State) -> bool:
     return s.version >= s.step - 1 - s.params.target_lag
 
 
-def cut_batch(s: State) -> tuple[list[QueuedTrace], list[QueuedTrace]]:
+def cut_batch(s: State) -> tuple[list[QueuedSample], list[QueuedSample]]:
     """Rule 6: the oldest samples of the queue (a stable sort, so a group's samples stay next
     to each other): (shipped, pruned). `batch_cut` says where the batch ends: at `batch_size`
     samples, or with the last whole group that fits (`groups`: a group's samples never split
@@ -453,10 +453,10 @@ def cut_batch(s: State) -> tuple[list[QueuedTrace], list[QueuedTrace]]:
     return [q for q in taken if q.advantage != 0.0], [q for q in taken if q.advantage == 0.0]
 
 
-def whole_groups_that_fit(ordered: list[QueuedTrace], limit: int, in_tokens: bool) -> list[QueuedTrace]:
+def whole_groups_that_fit(ordered: list[QueuedSample], limit: int, in_tokens: bool) -> list[QueuedSample]:
     """The oldest whole groups of `ordered` (each group's samples next to each other) that
     together hold at most `limit` samples (`in_tokens`: tokens); at least the first group."""
-    taken: list[QueuedTrace] = []
+    taken: list[QueuedSample] = []
     size = start = 0
     while start < len(ordered):
         end = start + 1
@@ -487,7 +487,7 @@ def ship_batch(d: _Decisions) -> None:
     step = s.step
     records, lags, rewards, n_tokens = [], [], [], 0
     for queued in shipped:
-        trace = s.traces[queued.trace_id]
+        trace = s.traces[queued.sample_id]
         lag = (step - 1) - trace.policy_start
         records.append(sample_of(trace, queued.env, queued.advantage, lag, queued.weight))
         lags.append(lag)
@@ -499,8 +499,8 @@ def ship_batch(d: _Decisions) -> None:
     d.emit(
         ev.BatchShipped(
             step=step,
-            trace_ids=[q.trace_id for q in shipped],
-            pruned_ids=[q.trace_id for q in pruned],
+            sample_ids=[q.sample_id for q in shipped],
+            pruned_ids=[q.sample_id for q in pruned],
             sha256=batch_sha256(payload),
             n_tokens=n_tokens,
             off_policy_max=max(lags, default=0),
@@ -589,7 +589,7 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
         for group in s.groups.values()
         if not group.finalizing
         for trace_id in group.members
-        if max(trainable_starts(s.traces[trace_id]), default=s.traces[trace_id].policy_start) < oldest
+        if max(trainable_starts(member(s, trace_id)), default=member(s, trace_id).policy_start) < oldest
     ]
     if stale_members:
         d.emit(ev.TracesDropped(trace_ids=stale_members, reason="stale"))
@@ -598,7 +598,7 @@ def on_run_resumed(d: _Decisions, e: ev.RunResumed) -> None:
             ev.FinalizeStarted(
                 group_id=group.group_id,
                 background=True,
-                trace_ids=group.survivors,
+                episode_ids=group.survivors,
             )
         )
     sweep_stale_pending(d)

@@ -75,15 +75,15 @@ class CoreParams(_Params):
         description="train envs and their dispatch ratios (chosen with the seeded RNG)",
     )
     group_size: int = Field(8, ge=1, description="episodes per group (one task)")
-    batch_size: int = Field(64, ge=1, description="traces per batch (trace batching)")
-    token_batch_size: int | None = Field(None, ge=1, description="if set, cut batches by tokens instead of traces")
+    batch_size: int = Field(64, ge=1, description="samples per batch")
+    token_batch_size: int | None = Field(None, ge=1, description="if set, cut batches by tokens instead of samples")
     constant_trainer_batch_size: bool = Field(
         False, description="prune zero-advantage samples before the cut, so every batch is full"
     )
     max_inflight: int = Field(64, ge=1, description="in-flight episode permits")
     target_lag: int = Field(1, ge=0, description="batch N ships once version >= N-1-target_lag")
     max_off_policy_steps: int = Field(
-        2, ge=0, description="traces older than (step-1)-max_off_policy_steps are dropped"
+        2, ge=0, description="samples whose oldest token is older than (step-1)-max_off_policy_steps are dropped"
     )
     max_finalizing_groups: int = Field(
         64, ge=1, description="background-finalizing groups (per env) that close the dispatch gate"
@@ -191,8 +191,7 @@ class EpisodeDispatched(Event, frozen=True, kw_only=True):
 
 
 class EpisodeCompleted(Event, frozen=True, kw_only=True):
-    """An episode's result. As the state holds it, a trace: an episode, or after its group
-    settled, one of its samples under its sample id (`samples.split_episode`)."""
+    """An episode's result: its one training sample, or several (`samples`)."""
 
     role = "input"
     kind = "episode_completed"
@@ -231,6 +230,11 @@ class EpisodeCompleted(Event, frozen=True, kw_only=True):
             check_samples(self)
 
     @property
+    def trace_id(self) -> int:
+        """Its id as the state holds it (a trace: docs/rules.md, "Words")."""
+        return self.episode_id
+
+    @property
     def n_tokens(self) -> int:
         return self.tokens.n_tokens if self.tokens is not None else 0
 
@@ -258,7 +262,7 @@ SAMPLE_ID_STRIDE = 10**12
 
 
 def sample_id(episode_id: int, index: int) -> int:
-    """The id of sample `index` of episode `episode_id` (its trace id in the queue and batches)."""
+    """The id of sample `index` of episode `episode_id` (its id in the queue and batches)."""
     return episode_id + index * SAMPLE_ID_STRIDE
 
 
@@ -310,7 +314,7 @@ def check_version_runs(runs: tuple[tuple[int, int], ...], sampled: int, start: i
     versions = [v for v, _ in runs]
     if (min(versions), max(versions)) != (start, end):
         raise ValueError(
-            f"token_versions span versions {min(versions)}..{max(versions)}, the trace says {start}..{end}"
+            f"token_versions span versions {min(versions)}..{max(versions)}, the episode says {start}..{end}"
         )
 
 
@@ -326,14 +330,14 @@ class FinalizeStarted(Event, frozen=True, kw_only=True):
     kind = "finalize_started"
     group_id: int
     background: bool
-    trace_ids: list[int]
+    episode_ids: list[int]
 
 
 class GroupFinalized(Event, frozen=True, kw_only=True):
     role = "decision"
     kind = "group_finalized"
     group_id: int
-    trace_ids: list[int]
+    episode_ids: list[int]
     advantages: list[float]
     # [sample id, advantage] of the samples of agents the env scored apart (`agent_rewards`):
     # each agent scored against the same agent's rewards across the group. The other samples
@@ -348,7 +352,7 @@ class BackgroundFinalized(Event, frozen=True, kw_only=True):
 
     kind = "background_finalized"
     group_id: int
-    trace_ids: list[int]
+    episode_ids: list[int]
     advantages: list[float]
 
 
@@ -371,7 +375,7 @@ class GroupSettled(Event, frozen=True, kw_only=True):
     kind = "group_settled"
     group_id: int
     admitted: bool
-    trace_ids: list[int]  # the traces inserted into the pending queue, in order
+    sample_ids: list[int]  # the samples inserted into the pending queue, in order
     dropped: dict[DropReason, list[int]] = {}  # reason -> completed episodes not queued
 
 
@@ -410,7 +414,7 @@ class BatchShipped(Event, frozen=True, kw_only=True):
     role = "decision"
     kind = "batch_shipped"
     step: int
-    trace_ids: list[int]  # shipped, in batch order
+    sample_ids: list[int]  # shipped, in batch order
     pruned_ids: list[int] = []  # cut but zero-advantage, so not shipped
     sha256: str
     n_tokens: int
@@ -663,8 +667,13 @@ def decode_event(kind: str, data: bytes | str, payload: bytes | None = None) -> 
     return event
 
 
-def episode_json(e: EpisodeCompleted) -> dict[str, Any]:
-    """An episode's fields, every one, with its arrays as lists in place of `tokens`: how
-    `orch replay --episode` shows it."""
-    fields = {name: getattr(e, name) for name in e.__struct_fields__ if name != "tokens"}
-    return {**fields, "token_ids": e.token_ids.tolist(), "mask": list(e.mask), "logprobs": e.logprobs.tolist()}
+def with_arrays(trace: Any) -> dict[str, Any]:
+    """An episode's (or a sample's, `samples.Sample`) fields, every one, with its arrays as lists
+    in place of `tokens`: how `orch replay --episode` shows it."""
+    fields = {name: getattr(trace, name) for name in trace.__struct_fields__ if name != "tokens"}
+    return {
+        **fields,
+        "token_ids": trace.token_ids.tolist(),
+        "mask": list(trace.mask),
+        "logprobs": trace.logprobs.tolist(),
+    }

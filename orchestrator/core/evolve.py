@@ -12,7 +12,17 @@ from typing import Any
 from orchestrator.core import events as ev
 from orchestrator.core.arrays import Tokens
 from orchestrator.core.samples import sample_count, split_episode
-from orchestrator.core.state import Eval, EvalResult, Group, QueuedTrace, ShippedSample, State, Trace, initial_state
+from orchestrator.core.state import (
+    Eval,
+    EvalResult,
+    Group,
+    QueuedSample,
+    ShippedSample,
+    State,
+    Trace,
+    initial_state,
+    member,
+)
 
 _ZERO_OUTPUT_CANCEL_REASONS = ("stale", "overload")
 
@@ -113,7 +123,7 @@ def _finalize_started(s: State, e: ev.FinalizeStarted) -> None:
         s.finalizing[group.env] = s.finalizing.get(group.env, 0) + 1
         group.background = True
     group.finalizing = True
-    group.survivors = list(e.trace_ids)
+    group.survivors = list(e.episode_ids)
 
 
 def _group_finalized(s: State, e: ev.GroupFinalized | ev.BackgroundFinalized) -> None:
@@ -121,7 +131,7 @@ def _group_finalized(s: State, e: ev.GroupFinalized | ev.BackgroundFinalized) ->
     if group is None or not group.finalizing:  # cancelled while its grader ran
         s.acct.late += 1
         return
-    group.advantages = dict(zip(e.trace_ids, e.advantages))
+    group.advantages = dict(zip(e.episode_ids, e.advantages))
     group.sample_advantages = dict(getattr(e, "sample_advantages", ()))  # inline results only
 
 
@@ -160,22 +170,22 @@ def _split_members(s: State, group: Group) -> dict[int, int]:
     returns how many samples each of them has."""
     counts = {}
     for episode_id in group.members:
-        trace = s.traces[episode_id]
-        if trace.samples:
+        episode = member(s, episode_id)
+        if episode.samples:
             del s.traces[episode_id]
-            for sample in split_episode(trace):
-                s.traces[sample.episode_id] = sample
-            counts[episode_id] = len(trace.samples)
+            for sample in split_episode(episode):
+                s.traces[sample.trace_id] = sample
+            counts[episode_id] = len(episode.samples)
     return counts
 
 
 def _judged_episodes(e: ev.GroupSettled, several_samples: bool) -> int:
     """The settled episodes judged on their content (the dispatch capacity's rate): queued, or
     dropped for any reason but staleness; each once, however many of its samples are listed."""
-    judged = [e.trace_ids] + [trace_ids for reason, trace_ids in e.dropped.items() if reason != "stale"]
+    judged = [e.sample_ids] + [sample_ids for reason, sample_ids in e.dropped.items() if reason != "stale"]
     if not several_samples:  # every id is its own episode's
         return sum(map(len, judged))
-    return len({ev.episode_of(trace_id): None for trace_ids in judged for trace_id in trace_ids})
+    return len({ev.episode_of(sample_id): None for sample_ids in judged for sample_id in sample_ids})
 
 
 def _group_settled(s: State, e: ev.GroupSettled) -> None:
@@ -183,13 +193,13 @@ def _group_settled(s: State, e: ev.GroupSettled) -> None:
     sample_counts = _split_members(s, group)
     per_episode = s.params.sample_weight == "episode" and bool(sample_counts)
     queued_tokens = 0
-    for trace_id in e.trace_ids:
+    for trace_id in e.sample_ids:
         try:
             trace = s.traces[trace_id]
         except KeyError:
             raise _missing("held trace", trace_id) from None
         n_tokens = trace.n_tokens
-        s.pending[trace_id] = QueuedTrace(
+        s.pending[trace_id] = QueuedSample(
             trace_id,
             group.group_id,
             group.env,
@@ -202,7 +212,7 @@ def _group_settled(s: State, e: ev.GroupSettled) -> None:
         queued_tokens += n_tokens
     s.pending_tokens += queued_tokens
     acct = s.acct
-    acct.queued += len(e.trace_ids)
+    acct.queued += len(e.sample_ids)
     acct.queued_tokens += queued_tokens
     acct.judged += _judged_episodes(e, several_samples=bool(sample_counts))
     for reason, trace_ids in e.dropped.items():
@@ -254,13 +264,13 @@ def _version_published(s: State, e: ev.VersionPublished) -> None:
 
 def _batch_shipped(s: State, e: ev.BatchShipped) -> None:
     samples = []
-    for trace_id in e.trace_ids:
+    for sample_id in e.sample_ids:
         try:
-            queued = s.pending.pop(trace_id)
+            queued = s.pending.pop(sample_id)
         except KeyError:
-            raise _missing("queued trace", trace_id) from None
+            raise _missing("queued sample", sample_id) from None
         s.pending_tokens -= queued.n_tokens
-        trace = s.traces.pop(trace_id)
+        trace = s.traces.pop(sample_id)
         lag = (e.step - 1) - trace.policy_start
         samples.append(ShippedSample(trace, queued.env, queued.advantage, lag, queued.weight))
     for trace_id in e.pruned_ids:

@@ -14,6 +14,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
 
 from orchestrator.core.events import (
@@ -25,6 +26,7 @@ from orchestrator.core.events import (
     encode_event,
     episode_of,
 )
+from orchestrator.core.samples import Sample
 
 # 2: `params` is stored as its own JSON, so env_ratios keeps its order through a snapshot.
 # 3: the evals' state (`State.evals`).
@@ -36,10 +38,10 @@ from orchestrator.core.events import (
 REDUCER_VERSION = "orch-core-7"
 
 
-# A trace: a completed episode as the state holds it, until it ships or is dropped; after its
-# group settled, each of a several-sample episode's samples is a trace of its own
-# (`samples.split_episode`).
-Trace = EpisodeCompleted
+# A trace: what the state holds of a completed episode until it ships or is dropped, under its
+# trace id: the episode while its group is open or finalizing; once the group settled, each of
+# its samples (a one-sample episode is its own sample; docs/rules.md, "Words").
+Trace = EpisodeCompleted | Sample
 
 
 @dataclass(slots=True)
@@ -76,10 +78,10 @@ class Group:
 
 
 @dataclass(slots=True)
-class QueuedTrace:
+class QueuedSample:
     """A sample in the batch queue (a one-sample episode's sample has the episode's id)."""
 
-    trace_id: int
+    sample_id: int
     group_id: int
     env: str
     dispatch_version: int
@@ -238,7 +240,7 @@ class State:
     unfilled: dict[int, None] = field(default_factory=dict)  # groups with members to dispatch, in order
     inflight: dict[int, int] = field(default_factory=dict)  # episode id -> group id
     traces: dict[int, Trace] = field(default_factory=dict)  # completed, not shipped nor dropped
-    pending: dict[int, QueuedTrace] = field(default_factory=dict)  # the batch queue, insertion order
+    pending: dict[int, QueuedSample] = field(default_factory=dict)  # the batch queue, insertion order
     pending_tokens: int = 0
     finalizing: dict[str, int] = field(default_factory=dict)  # env -> groups finalizing in background
     shipped_batches: dict[int, list[ShippedSample]] = field(default_factory=dict)  # until trained on
@@ -254,6 +256,13 @@ class State:
     grouped_episodes: int = 0
     acct: Accounting = field(default_factory=Accounting)
     evals: EvalState = field(default_factory=EvalState)
+
+
+def member(s: State, episode_id: int) -> EpisodeCompleted:
+    """A completed member of a group not yet settled: held as the episode itself."""
+    trace = s.traces[episode_id]
+    assert isinstance(trace, EpisodeCompleted), f"group member {episode_id} is held as its samples"
+    return trace
 
 
 def episodes_with_arrays(s: State) -> set[int]:
@@ -280,7 +289,7 @@ def finalizes_in_background(s: State, started: FinalizeStarted) -> bool:
 
 
 def min_fresh_version(params: CoreParams, step: int) -> int:
-    """Oldest policy version a trace may start from to train in batch `step`."""
+    """Oldest policy version a sample may start from to train in batch `step`."""
     return (step - 1) - params.max_off_policy_steps
 
 
@@ -326,14 +335,26 @@ def _group_from_dict(d: dict[str, Any]) -> Group:
 
 
 def _trace_dict(t: Trace) -> list[str]:
-    """A held trace in a snapshot: its row's JSON and its payload in base64."""
-    _kind, data, payload = encode_event(t)
-    return [data.decode(), base64.b64encode(payload or b"").decode()]
+    """A held trace in a snapshot: what it is, its fields as JSON and its payload in base64."""
+    payload: bytes | None
+    if isinstance(t, Sample):
+        data, payload = _SAMPLE_ENCODER.encode(t), t.tokens.packed()
+    else:
+        _kind, data, payload = encode_event(t)
+    return [type(t).__name__, data.decode(), base64.b64encode(payload or b"").decode()]
 
 
-def _trace_from_dict(d: list[str]) -> EpisodeCompleted:
-    data, payload = d
+def _trace_from_dict(d: list[str]) -> Trace:
+    what, data, payload = d
+    if what == "Sample":
+        sample = _decode_sample(data)
+        sample.tokens.attach(base64.b64decode(payload))
+        return sample
     return decode_event("episode_completed", data, base64.b64decode(payload))  # type: ignore[return-value]
+
+
+_SAMPLE_ENCODER = msgspec.json.Encoder()
+_decode_sample = msgspec.json.Decoder(Sample).decode
 
 
 def _evals_to_dict(e: EvalState) -> dict:
@@ -421,7 +442,7 @@ def state_to_dict(s: State) -> dict[str, Any]:
         "inflight": [[e, g] for e, g in s.inflight.items()],
         "traces": [_trace_dict(t) for t in s.traces.values()],
         "pending": [
-            [q.trace_id, q.group_id, q.env, q.dispatch_version, q.policy_start, q.n_tokens, q.advantage, q.weight]
+            [q.sample_id, q.group_id, q.env, q.dispatch_version, q.policy_start, q.n_tokens, q.advantage, q.weight]
             for q in s.pending.values()
         ],
         "pending_tokens": s.pending_tokens,
@@ -457,8 +478,8 @@ def state_from_dict(d: dict[str, Any]) -> State:
         groups={g["group_id"]: _group_from_dict(g) for g in d["groups"]},
         unfilled=dict.fromkeys(d["unfilled"]),
         inflight={e: g for e, g in d["inflight"]},
-        traces={t.episode_id: t for t in map(_trace_from_dict, d["traces"])},
-        pending={q[0]: QueuedTrace(*q) for q in d["pending"]},
+        traces={t.trace_id: t for t in map(_trace_from_dict, d["traces"])},
+        pending={q[0]: QueuedSample(*q) for q in d["pending"]},
         pending_tokens=d["pending_tokens"],
         finalizing=d["finalizing"],
         shipped_batches={

@@ -169,8 +169,8 @@ class Export:
         self.groups[e.group_id]["background"] = int(e.background)
 
     def _group_finalized(self, ts: float, e) -> None:
-        for trace_id, advantage in zip(e.trace_ids, e.advantages):
-            if (episode := self.episodes.get(trace_id)) is not None:  # the reducer ignores an unknown group's
+        for episode_id, advantage in zip(e.episode_ids, e.advantages):
+            if (episode := self.episodes.get(episode_id)) is not None:  # the reducer ignores an unknown group's
                 episode["advantage"] = advantage
 
     _background_finalized = _group_finalized  # the same scores, sent by a background finalize
@@ -183,9 +183,9 @@ class Export:
         group = self.groups[e.group_id]
         finalizing = self.state.groups[e.group_id].finalizing
         group["outcome"] = "admitted" if e.admitted else "rejected" if finalizing else "no_output"
-        group["queued"] = len(e.trace_ids)
-        for trace_id in e.trace_ids:
-            self.episodes[trace_id]["fate"] = "pending"
+        group["queued"] = len(e.sample_ids)
+        for sample_id in e.sample_ids:
+            self.episodes[sample_id]["fate"] = "pending"
         for reason, trace_ids in e.dropped.items():
             self._drop(trace_ids, reason)
 
@@ -203,8 +203,8 @@ class Export:
             self.groups[episode["group_id"]]["dropped"] += 1
 
     def _batch_shipped(self, ts: float, e) -> None:
-        for trace_id in e.trace_ids:
-            episode = self.episodes[trace_id]
+        for sample_id in e.sample_ids:
+            episode = self.episodes[sample_id]
             episode.update(fate="shipped", step=e.step, lag=(e.step - 1) - episode["policy_start"])
         self._drop(e.pruned_ids, "zero_advantage")
         self.batches.append(
@@ -212,7 +212,7 @@ class Export:
                 "step": e.step,
                 "seq": self.seq,
                 "ts": ts,
-                "samples": len(e.trace_ids),
+                "samples": len(e.sample_ids),
                 "pruned": len(e.pruned_ids),
                 "tokens": e.n_tokens,
                 "reward_mean": e.reward_mean,

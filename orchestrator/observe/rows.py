@@ -84,7 +84,7 @@ class StepRows:
             (e.step, "reward/mean", e.reward_mean),
             (e.step, "lag/max", e.off_policy_max),
             (e.step, "lag/mean", e.off_policy_mean),
-            (e.step, "batch/samples", len(e.trace_ids)),
+            (e.step, "batch/samples", len(e.sample_ids)),
             (e.step, "batch/tokens", e.n_tokens),
             (e.step, "queue/buffered", buffered_episodes(s)),
             (e.step, "queue/finalizing", sum(s.finalizing.values())),

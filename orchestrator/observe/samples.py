@@ -69,7 +69,7 @@ class StepSamples:
         if event.kind == "episode_completed":
             return [Completed(event.episode_id)]
         if event.kind == "batch_shipped":
-            shown = event.trace_ids[: self.per_step]
+            shown = event.sample_ids[: self.per_step]
             self._keep_only({episode_of(sample_id) for sample_id in shown} | waiting_episodes(state))
             return [Shipped(event.step, shown)]
         return []
@@ -98,7 +98,7 @@ class StepSamples:
             for _seq, _ts, kind, data in log.read_raw(seq, seq):
                 event = decode_event(kind, data, payloads.get(seq))
                 assert isinstance(event, EpisodeCompleted)  # the seq of an episode_completed
-                episodes.update((sample.episode_id, sample) for sample in split_episode(event))
+                episodes.update((sample.trace_id, sample) for sample in split_episode(event))
         out = []
         for sample_id in shipped.sample_ids:
             sample = episodes.get(sample_id)

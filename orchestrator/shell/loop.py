@@ -31,7 +31,6 @@ from orchestrator.core.state import (
     Group,
     ShippedSample,
     State,
-    Trace,
     episodes_with_arrays,
     state_bytes,
 )
@@ -76,19 +75,23 @@ class BackgroundFinalizer:
         """Groups finalizing (not cancelled)."""
         return len(self.tasks.keys())
 
-    def start(self, group_id: int, traces: Sequence[Trace]) -> None:
+    def start(self, group_id: int, episodes: Sequence[ev.EpisodeCompleted]) -> None:
         """Finalize `group_id`, cancelling a finalize of it still running."""
-        trace_ids = [t.episode_id for t in traces]
-        self.tasks.start(self._finalize(group_id, trace_ids, traces), name=f"orch-finalize-{group_id}", key=group_id)
+        episode_ids = [e.episode_id for e in episodes]
+        self.tasks.start(
+            self._finalize(group_id, episode_ids, episodes), name=f"orch-finalize-{group_id}", key=group_id
+        )
 
-    async def _finalize(self, group_id: int, trace_ids: list[int], traces: Sequence[Trace]) -> None:
+    async def _finalize(self, group_id: int, episode_ids: list[int], episodes: Sequence[ev.EpisodeCompleted]) -> None:
         try:
-            advantages = await self.algorithm.finalize_group(group_id, traces)
+            advantages = await self.algorithm.finalize_group(group_id, episodes)
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
             self.deliver(ev.FinalizeFailed(group_id=group_id, error=cause))
             raise FinalizeError(f"background finalize of group {group_id} failed: {cause}") from exc
-        self.deliver(ev.checked(ev.BackgroundFinalized, group_id=group_id, trace_ids=trace_ids, advantages=advantages))
+        self.deliver(
+            ev.checked(ev.BackgroundFinalized, group_id=group_id, episode_ids=episode_ids, advantages=advantages)
+        )
 
     def cancel(self, group_id: int) -> None:
         self.tasks.cancel(group_id)
@@ -348,8 +351,8 @@ class Orchestrator:
         if self.progress is not None:
             self.progress.on_eval(completed)
 
-    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
-        self.finalizer.start(started.group_id, traces)
+    def start_finalize(self, started: ev.FinalizeStarted, episodes: list[ev.EpisodeCompleted]) -> None:
+        self.finalizer.start(started.group_id, episodes)
 
     def cancel_finalize(self, group_id: int) -> None:
         self.finalizer.cancel(group_id)

@@ -32,7 +32,7 @@ def test_a_batch_file_holds_its_samples_and_any_safetensors_reader_opens_it():
         assert batch.token_ids[span].tolist() == s.trace.token_ids.tolist()
         assert batch.mask[span].tobytes() == s.trace.mask
         assert batch.logprobs[span].tobytes() == s.trace.logprobs.tobytes()
-        assert (batch.trace_id[i], batch.advantage[i], batch.lag[i]) == (s.trace.episode_id, s.advantage, s.lag)
+        assert (batch.sample_id[i], batch.advantage[i], batch.lag[i]) == (s.trace.trace_id, s.advantage, s.lag)
     # Views of the bytes, not copies.
     assert not batch.token_ids.flags.owndata and not batch.token_ids.flags.writeable
     tensors = load(payload)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from orchestrator.core import events as ev
 from orchestrator.core.arrays import Tokens
-from orchestrator.core.state import Group, Trace
+from orchestrator.core.state import Group
 from orchestrator.effects import perform
 
 
@@ -29,8 +29,8 @@ class RecordingPort:
     def report_eval(self, completed: ev.EvalCompleted) -> None:
         self.calls.append(("report_eval", completed.eval_id))
 
-    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
-        self.calls.append(("start_finalize", (started.group_id, [t.episode_id for t in traces])))
+    def start_finalize(self, started: ev.FinalizeStarted, episodes: list[ev.EpisodeCompleted]) -> None:
+        self.calls.append(("start_finalize", (started.group_id, [e.episode_id for e in episodes])))
 
     def cancel_finalize(self, group_id: int) -> None:
         self.calls.append(("cancel_finalize", group_id))
@@ -119,7 +119,7 @@ def test_a_finalize_restarted_and_cancelled_in_the_same_step_is_not_started(driv
     d = driver(group_size=1, batch_size=1, max_inflight=2, finalize_in_background=True, max_steps=5)
     d.start()
     d.complete(1)
-    d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1], advantages=[0.5]))  # ships step 1
+    d.feed(ev.BackgroundFinalized(group_id=1, episode_ids=[1], advantages=[0.5]))  # ships step 1
     d.complete(2)  # group 2 finalizing in the background
     resumed = ev.RunResumed(from_seq=len(d.log), max_steps=1)
     decisions = d.feed(resumed)

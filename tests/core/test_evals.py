@@ -111,7 +111,7 @@ def test_eval_traffic_is_never_counted_in_the_train_accounting():
     eval_acct = with_evals.state.evals.acct
     assert eval_acct.dispatched == len(of(with_evals.log, "eval_episode_dispatched")) > 0
     eval_episodes = {e.episode_id for e in of(with_evals.log, "eval_episode_dispatched")}
-    shipped = {t for e in of(with_evals.log, "batch_shipped") for t in e.trace_ids}
+    shipped = {t for e in of(with_evals.log, "batch_shipped") for t in e.sample_ids}
     assert eval_episodes.isdisjoint(shipped) and eval_episodes.isdisjoint(e.episode_id for e in train_dispatches)
     assert conservation(with_evals.state)[0]
 

@@ -61,7 +61,7 @@ def test_open_group_keeps_fresh_members_redispatches_the_rest_and_scores_only_fr
     for e in [x.episode_id for x in redispatched]:
         out = d.complete(e, reward=1.0, policy_start=1)
     started = [e for e in d.log if e.kind == "finalize_started" and e.group_id == 1][0]
-    assert 1 not in started.trace_ids and 2 in started.trace_ids and len(started.trace_ids) == 3
+    assert 1 not in started.episode_ids and 2 in started.episode_ids and len(started.episode_ids) == 3
     assert conservation(d.state)[0]
 
 
@@ -72,11 +72,11 @@ def test_finalizing_groups_are_finalized_again_and_inflight_episodes_rerun(drive
     inflight_before = sorted(d.state.inflight)
     out = crash_and_resume(d)
     restarted = [e for e in out if e.kind == "finalize_started"]
-    assert [(e.group_id, e.background, e.trace_ids) for e in restarted] == [(1, True, [1, 2])]
+    assert [(e.group_id, e.background, e.episode_ids) for e in restarted] == [(1, True, [1, 2])]
     assert d.state.finalizing == {"a": 1}  # counted once, not twice
     assert sorted(e.episode_id for e in out if e.kind == "episode_cancelled") == inflight_before
     assert d.state.acct.rerun_attempts == len(inflight_before)
-    out = d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))
+    out = d.feed(ev.BackgroundFinalized(group_id=1, episode_ids=[1, 2], advantages=[-0.5, 0.5]))
     assert [e.kind for e in out][0] == "group_settled" and list(d.state.pending) == [1, 2]
     assert conservation(d.state)[0]
 
@@ -101,7 +101,7 @@ def test_damaged_traces_are_dropped_first_a_finalizing_group_cancelled_whole(dri
     d = driver(group_size=2, batch_size=100, max_inflight=6, finalize_in_background=True)
     d.start()  # groups 1, 2, 3: episodes 1..6
     d.complete_group(1, [0.0, 1.0])
-    d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))  # 1, 2 queued
+    d.feed(ev.BackgroundFinalized(group_id=1, episode_ids=[1, 2], advantages=[-0.5, 0.5]))  # 1, 2 queued
     d.complete_group(2, [0.0, 1.0])  # 3, 4 finalizing
     d.complete(5, reward=1.0)  # an open group's member
     assert list(d.state.pending) == [1, 2] and d.state.groups[2].finalizing and 5 in d.state.groups[3].members

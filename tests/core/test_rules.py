@@ -62,10 +62,10 @@ def test_gate_closes_at_the_finalizing_cap_and_reopens_below_it(driver):
     inflight_before = len(d.state.inflight)
     out = d.complete(3)  # in-flight episodes keep flowing; nothing new is dispatched
     assert not d.of(out, "episode_dispatched") and len(d.state.inflight) == inflight_before - 1
-    out = d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1], advantages=[0.5]))
+    out = d.feed(ev.BackgroundFinalized(group_id=1, episode_ids=[1], advantages=[0.5]))
     assert d.state.finalizing == {"a": 2}  # groups 2, 3 still finalizing: still at cap
     assert not d.of(out, "episode_dispatched")
-    out = d.feed(ev.BackgroundFinalized(group_id=2, trace_ids=[2], advantages=[0.5]))
+    out = d.feed(ev.BackgroundFinalized(group_id=2, episode_ids=[2], advantages=[0.5]))
     assert d.of(out, "gate_changed")[-1].open is True
     assert d.of(out, "episode_dispatched")
 
@@ -122,7 +122,7 @@ def test_admission_rejects_all_zero_advantage_groups(driver):
     d.start()
     out = d.complete_group(1, [0.5, 0.5, 0.5])
     settled = d.of(out, "group_settled")[0]
-    assert settled.admitted is False and not settled.trace_ids and d.state.acct.groups_rejected == 1
+    assert settled.admitted is False and not settled.sample_ids and d.state.acct.groups_rejected == 1
 
 
 def test_constant_batch_size_prunes_zero_advantage_samples_at_insertion(driver):
@@ -130,7 +130,7 @@ def test_constant_batch_size_prunes_zero_advantage_samples_at_insertion(driver):
     d.start()
     out = d.complete_group(1, [0.0, 0.5, 1.0])  # advantages -0.5, 0, 0.5
     settled = d.of(out, "group_settled")[0]
-    assert settled.trace_ids == [1, 3] and settled.dropped == {"zero_advantage": [2]}
+    assert settled.sample_ids == [1, 3] and settled.dropped == {"zero_advantage": [2]}
 
 
 def test_insertion_sweep_drops_traces_already_stale(driver):
@@ -153,7 +153,7 @@ def test_full_sweep_once_per_step_drops_queued_traces_that_aged_out(driver):
     d.start()
     d.complete_group(1, [0.0, 1.0])  # 2 queued from v0
     out = d.complete_group(2, [0.0, 1.0])  # 4 queued -> batch 1 ships them
-    assert d.of(out, "batch_shipped")[0].trace_ids == [1, 2, 3, 4]
+    assert d.of(out, "batch_shipped")[0].sample_ids == [1, 2, 3, 4]
     d.complete(5, reward=0.0)  # dispatched at v0, group 3 stays open
     d.complete(6, reward=1.0)  # group 3 complete: scored at step 2 -> members stale (v0 < 1)
     assert d.state.acct.dropped["stale"] == 2
@@ -170,14 +170,14 @@ def test_step_advance_cancels_finalizing_groups_that_would_be_stale_on_insertion
     d.complete(4, reward=1.0, policy_start=1)  # group 2 finalizing (v1 traces)
     d.complete(5, reward=0.0, policy_start=1)
     d.complete(6, reward=1.0, policy_start=1)  # group 3 finalizing (v1 traces)
-    out = d.feed(ev.BackgroundFinalized(group_id=3, trace_ids=[5, 6], advantages=[-0.5, 0.5]))
+    out = d.feed(ev.BackgroundFinalized(group_id=3, episode_ids=[5, 6], advantages=[-0.5, 0.5]))
     # batch 1 ships -> step 2 -> min fresh 1: group 1 (v0) is cancelled, group 2 (v1) is not
     assert d.of(out, "batch_shipped")
     cancelled = d.of(out, "group_cancelled")
     assert [(c.group_id, c.reason, c.count) for c in cancelled] == [(1, "stale", 2)]
     assert 2 in d.state.groups and d.state.groups[2].finalizing
     # a late result for the cancelled group is ignored
-    late = d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1, 2], advantages=[-0.5, 0.5]))
+    late = d.feed(ev.BackgroundFinalized(group_id=1, episode_ids=[1, 2], advantages=[-0.5, 0.5]))
     assert late == [] and d.state.acct.late == 1
 
 
@@ -193,7 +193,7 @@ def test_batch_cut_is_oldest_first_stable_and_keeps_groups_together(driver):
     d.complete(6, reward=1.0)  # group 3 settles first: queue [5, 6] (v1)
     out = d.complete(4, reward=1.0)  # group 2 settles: queue [5, 6, 3, 4]; the cut sorts v0 first
     shipped = d.of(out, "batch_shipped")[0]
-    assert shipped.trace_ids == [3, 4, 5]
+    assert shipped.sample_ids == [3, 4, 5]
     assert list(d.state.pending) == [6]  # the youngest trace overflows
 
 
@@ -204,7 +204,7 @@ def test_token_batching_cuts_by_tokens(driver):
     assert not d.of(out, "batch_shipped")
     out = d.complete_group(2, [0.0, 1.0], sampled=3, prompt=1)  # 16 tokens: cut <= 10 tokens
     shipped = d.of(out, "batch_shipped")[0]
-    assert shipped.trace_ids == [1, 2] and shipped.n_tokens == 8
+    assert shipped.sample_ids == [1, 2] and shipped.n_tokens == 8
 
 
 def test_without_constant_batch_size_zero_advantage_samples_are_pruned_at_the_cut(driver):
@@ -212,7 +212,7 @@ def test_without_constant_batch_size_zero_advantage_samples_are_pruned_at_the_cu
     d.start()
     out = d.complete_group(1, [0.0, 0.5, 1.0])
     shipped = d.of(out, "batch_shipped")[0]
-    assert shipped.trace_ids == [1, 3] and shipped.pruned_ids == [2]
+    assert shipped.sample_ids == [1, 3] and shipped.pruned_ids == [2]
 
 
 def test_ship_hold_waits_for_the_trainer_and_stamps_true_lag(driver):
@@ -311,6 +311,6 @@ def test_a_scored_group_is_a_decision_inline_and_an_input_only_from_the_backgrou
     d.start()
     d.complete(1)
     with pytest.raises(ValueError, match="'group_finalized' is a decision, not an input"):
-        decide(d.state, ev.GroupFinalized(group_id=1, trace_ids=[1], advantages=[0.5]))
-    settled = d.of(d.feed(ev.BackgroundFinalized(group_id=1, trace_ids=[1], advantages=[0.5])), "group_settled")
-    assert settled and settled[0].trace_ids == [1]
+        decide(d.state, ev.GroupFinalized(group_id=1, episode_ids=[1], advantages=[0.5]))
+    settled = d.of(d.feed(ev.BackgroundFinalized(group_id=1, episode_ids=[1], advantages=[0.5])), "group_settled")
+    assert settled and settled[0].sample_ids == [1]

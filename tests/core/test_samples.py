@@ -58,7 +58,7 @@ def test_every_sample_is_shipped_dropped_or_pending_once(seed, cut, weight, back
     log = world.log
     completed = {e.episode_id: e for e in log if e.kind == "episode_completed"}
     assert any(len(e.samples) > 1 for e in completed.values()), "the run has several-sample episodes"
-    shipped = [t for e in log if e.kind == "batch_shipped" for t in e.trace_ids]
+    shipped = [t for e in log if e.kind == "batch_shipped" for t in e.sample_ids]
     assert len(shipped) == len(set(shipped)), "a sample shipped twice"
     assert sum(e.kind == "batch_shipped" for e in log) == 12
     # Each sample id names a sample of a completed episode.
@@ -73,10 +73,10 @@ def test_staleness_judges_each_sample_by_its_own_oldest_token():
     for event in world.log:
         if event.kind == "batch_shipped":
             oldest = min_fresh_version(state.params, event.step)
-            assert all(state.traces[t].policy_start >= oldest for t in event.trace_ids)
+            assert all(state.traces[t].policy_start >= oldest for t in event.sample_ids)
         if event.kind == "group_settled":
             stale = {ev.episode_of(t) for t in event.dropped.get("stale", [])}
-            partly += len(stale & {ev.episode_of(t) for t in event.trace_ids})
+            partly += len(stale & {ev.episode_of(t) for t in event.sample_ids})
         state = evolve_from(state, event)
     assert partly, "an episode with a stale sample and a fresh one shipped the fresh one"
 
@@ -88,11 +88,11 @@ def test_a_groups_samples_never_split_across_batches(tokens):
         group_of = {}
         for e in world.log:
             if e.kind == "group_settled":
-                group_of.update(dict.fromkeys(e.trace_ids, e.group_id))
+                group_of.update(dict.fromkeys(e.sample_ids, e.group_id))
         batches_of_group: dict[int, set[int]] = {}
         for e in world.log:
             if e.kind == "batch_shipped":
-                for t in e.trace_ids + e.pruned_ids:
+                for t in e.sample_ids + e.pruned_ids:
                     batches_of_group.setdefault(group_of[t], set()).add(e.step)
         assert batches_of_group and all(len(steps) == 1 for steps in batches_of_group.values())
 
@@ -100,7 +100,7 @@ def test_a_groups_samples_never_split_across_batches(tokens):
 def test_the_prefix_cut_splits_groups_where_the_batch_ends():
     """The cut a log without `batch_cut` was recorded with: a batch of exactly batch_size."""
     world, _ = simulate(0, "prefix", "episode", False, None)
-    sizes = [len(e.trace_ids) + len(e.pruned_ids) for e in world.log if e.kind == "batch_shipped"]
+    sizes = [len(e.sample_ids) + len(e.pruned_ids) for e in world.log if e.kind == "batch_shipped"]
     assert sizes == [12] * 12
 
 
@@ -158,7 +158,7 @@ def test_agents_scored_apart_take_their_agents_advantage():
         for agent in "ab":
             rewards = {
                 t: dict(completed[t].agent_rewards)[agent]
-                for t in e.trace_ids
+                for t in e.episode_ids
                 if agent in dict(completed[t].agent_rewards)
             }
             mean = sum(rewards.values()) / len(rewards)
@@ -197,7 +197,7 @@ def test_the_traces_one_seat_played_in_an_episode_are_scored_in_one_pool():
         )
     (finalized,) = [e for e in out if e.kind == "group_finalized"]
     expected = {}
-    for episode_id, agents in zip(finalized.trace_ids, rewards.values()):  # in the order they completed
+    for episode_id, agents in zip(finalized.episode_ids, rewards.values()):  # in the order they completed
         for k, (agent, reward) in enumerate(agents.items()):
             mean = 0.25 if agent.startswith("x") else 0.75  # x: (1 + 0 + 0 + 0) / 4; y: (0.5 + 1) / 2
             expected[ev.sample_id(episode_id, k)] = reward - mean
@@ -217,7 +217,7 @@ def test_one_sample_episodes_write_no_sample_fields():
     )
     kind, data, _ = ev.encode_event(one)
     assert b"samples" not in data and b"agents" not in data
-    finalized = ev.GroupFinalized(group_id=1, trace_ids=[3], advantages=[0.5])
+    finalized = ev.GroupFinalized(group_id=1, episode_ids=[3], advantages=[0.5])
     assert b"sample_advantages" not in ev.encode_event(finalized)[1]
 
 
@@ -262,7 +262,8 @@ def test_an_episode_splits_into_its_samples_with_their_own_versions():
         samples=((3, 2), (2, 1)),
     )
     first, second = split_episode(episode)
-    assert (first.episode_id, second.episode_id) == (7, 7 + ev.SAMPLE_ID_STRIDE)
+    assert (first.sample_id, second.sample_id) == (7, 7 + ev.SAMPLE_ID_STRIDE)
+    assert first.episode_id == second.episode_id == 7
     assert list(first.token_ids) == [1, 2, 3] and list(second.token_ids) == [4, 5]
     assert (first.policy_start, first.policy_end, first.token_versions) == (3, 4, ((3, 1), (4, 1)))
     assert (second.policy_start, second.policy_end, second.token_versions) == (4, 4, ())

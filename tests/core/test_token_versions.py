@@ -40,7 +40,7 @@ def test_runs_are_canonical_and_a_single_version_has_none():
         (((3, 2), (3, 2)), 3, 3, "not runs of two or more versions"),
         (((3, 2), (4, 0), (5, 2)), 3, 5, "not runs of two or more versions"),
         (((3, 2), (4, 3)), 3, 4, "count 5 tokens where 4 were sampled"),
-        (((3, 2), (4, 2)), 2, 4, "span versions 3..4, the trace says 2..4"),
+        (((3, 2), (4, 2)), 2, 4, "span versions 3..4, the episode says 2..4"),
     ],
 )
 def test_runs_that_do_not_fit_the_trace_are_refused_in_one_line(runs, start, end, message):

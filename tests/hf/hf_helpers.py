@@ -61,7 +61,7 @@ def samples(model, tokenizer, advantages: list[float], temperature: float = 1.0)
         mask = [0] * len(prompt) + [1] * len(answer)
         out.append(
             {
-                "trace_id": i,
+                "sample_id": i,
                 "group_id": i // 2,
                 "env": "reverse_text",
                 "token_ids": prompt + answer,

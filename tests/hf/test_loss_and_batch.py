@@ -21,7 +21,7 @@ VOCAB = 300
 
 
 def _raw(sample_list, step=1) -> bytes:
-    defaults = {"trace_id": 0, "group_id": 0, "env": "", "policy_start": 0, "lag": 0}
+    defaults = {"sample_id": 0, "group_id": 0, "env": "", "policy_start": 0, "lag": 0}
     return encode_batch(step, [BatchSample(**{**defaults, **sample}) for sample in sample_list])
 
 
@@ -95,7 +95,7 @@ GOOD = {
     "logprobs": [0.0, -0.5, -1.0],
     "advantage": 0.5,
     "temperature": 1.0,
-    "trace_id": 7,
+    "sample_id": 7,
 }
 
 
@@ -113,7 +113,7 @@ GOOD = {
 def test_a_bad_sample_is_named(change, message):
     with pytest.raises(BatchError, match=re.escape(message)) as err:
         parse_batch(_raw([GOOD, GOOD | change]), 1, VOCAB)
-    assert "sample 1 (trace_id 7)" in str(err.value)
+    assert "sample 1 (sample_id 7)" in str(err.value)
 
 
 def test_a_file_that_is_no_batch_and_a_wrong_step_are_named():
@@ -197,9 +197,9 @@ def test_each_samples_loss_weight_scales_its_rows_share():
 def test_a_batch_carries_its_samples_weights_and_counts_its_episodes():
     second = 7 + 10**12  # sample 1 of episode 7
     raw = _raw(
-        [GOOD | {"trace_id": 7, "weight": 0.5}, GOOD | {"trace_id": second, "weight": 0.5}, GOOD | {"trace_id": 8}]
+        [GOOD | {"sample_id": 7, "weight": 0.5}, GOOD | {"sample_id": second, "weight": 0.5}, GOOD | {"sample_id": 8}]
     )
     batch = parse_batch(raw, 1, VOCAB)
     assert batch.sample_weights.tolist() == [0.5, 0.5, 1.0] and batch.episodes == 2
-    one = parse_batch(_raw([GOOD, GOOD | {"trace_id": 1}]), 1, VOCAB)
+    one = parse_batch(_raw([GOOD, GOOD | {"sample_id": 1}]), 1, VOCAB)
     assert one.sample_weights.tolist() == [1.0, 1.0] and b"sample_weight" not in _raw([GOOD])

@@ -27,7 +27,7 @@ def _ship(progress: Progress, steps: range, max_steps: int) -> None:
         progress.on_batch(
             BatchShipped(
                 step=step,
-                trace_ids=[],
+                sample_ids=[],
                 sha256="0" * 64,
                 n_tokens=0,
                 off_policy_max=1,
@@ -95,7 +95,13 @@ def test_a_long_step_line_fits_a_terminal_of_100_or_80_columns_folded_at_its_sep
     from orchestrator.shell.progress import step_parts
 
     event = BatchShipped(
-        step=1000, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=12, off_policy_mean=10.25, reward_mean=0.25
+        step=1000,
+        sample_ids=[],
+        sha256="0" * 64,
+        n_tokens=0,
+        off_policy_max=12,
+        off_policy_mean=10.25,
+        reward_mean=0.25,
     )
     state = _busy_state(1000)
     whole = " | ".join(step_parts(event, state, 123.45))
@@ -117,7 +123,7 @@ def test_a_pipe_never_folds_and_a_common_step_line_fits_100_columns():
     from orchestrator.shell.progress import step_parts
 
     event = BatchShipped(
-        step=40, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=1, off_policy_mean=0.5, reward_mean=0.25
+        step=40, sample_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=1, off_policy_mean=0.5, reward_mean=0.25
     )
     state = _busy_state(40)
     state.finalizing = {}
@@ -261,7 +267,7 @@ def test_the_drops_of_a_drain_or_a_stop_are_not_waste():
     summary = progress.summary(state, "r")
     assert summary["waste_pct"] == 5.0 and summary["dropped_by_reason"]["drain"] == 127
     event = BatchShipped(
-        step=1, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=0, off_policy_mean=0.0, reward_mean=0.5
+        step=1, sample_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=0, off_policy_mean=0.0, reward_mean=0.5
     )
     progress.on_batch(event, state, None)
     assert "| waste 5.0% |" in out.getvalue()
@@ -282,7 +288,7 @@ def test_every_drop_reason_is_listed_once_with_whether_it_is_waste():
         assert set(get_args(get_type_hints(model)["reason"])) <= reasons, model
     assert get_args(get_type_hints(ev.GroupSettled)["dropped"])[0] == ev.DropReason
     with pytest.raises(ValueError):
-        ev.checked(ev.GroupSettled, group_id=1, admitted=False, trace_ids=[], dropped={"unlisted": [1]})
+        ev.checked(ev.GroupSettled, group_id=1, admitted=False, sample_ids=[], dropped={"unlisted": [1]})
 
 
 def test_overload_and_damaged_drops_are_waste_on_the_step_line_and_in_the_warning():
@@ -296,7 +302,13 @@ def test_overload_and_damaged_drops_are_waste_on_the_step_line_and_in_the_warnin
         state.acct.completed_samples += 30
         state.acct.dropped = {"overload": 10 * step, "damaged": 10 * step, "drain": 5 * step}
         event = BatchShipped(
-            step=step, trace_ids=[], sha256="0" * 64, n_tokens=0, off_policy_max=0, off_policy_mean=0.0, reward_mean=0.5
+            step=step,
+            sample_ids=[],
+            sha256="0" * 64,
+            n_tokens=0,
+            off_policy_max=0,
+            off_policy_mean=0.0,
+            reward_mean=0.5,
         )
         progress.on_batch(event, state, None)
     assert f"| waste {140 / 210:.1%} |" in out.getvalue()

@@ -94,7 +94,7 @@ def test_export_counts_and_sums_equal_the_log(runs, tmp_path):
     assert one(x, "SELECT count(*) FROM groups") == events("group_dispatched")
     assert one(x, "SELECT count(*) FROM batches") == events("batch_shipped") == STEPS
     assert one(x, "SELECT count(*) FROM versions") == events("version_published")
-    shipped = events("batch_shipped", "sum(json_array_length(json_extract(data, '$.trace_ids')))")
+    shipped = events("batch_shipped", "sum(json_array_length(json_extract(data, '$.sample_ids')))")
     assert one(x, "SELECT count(*) FROM episodes WHERE fate = 'shipped'") == shipped
     assert one(x, "SELECT sum(samples) FROM batches") == shipped
     assert one(x, "SELECT sum(tokens) FROM batches") == events("batch_shipped", "sum(json_extract(data, '$.n_tokens'))")

@@ -204,7 +204,7 @@ def test_the_sinks_show_each_steps_first_samples_as_the_runs_tokenizer_decodes_t
     want = {}
     for _, shipped in events(run_dir, "batch_shipped"):
         rows = []
-        for sample_id in shipped["trace_ids"][:3]:
+        for sample_id in shipped["sample_ids"][:3]:
             episode = completed[episode_of(sample_id)]
             first = episode["mask"].index(1)
             sampled = [t for t, m in zip(episode["token_ids"], episode["mask"]) if m]

@@ -18,7 +18,7 @@ from tests.support.batches import write_batch_file
 
 def _batch(run_dir, step, masks):
     samples = [
-        {"trace_id": i, "mask": mask, "token_ids": [1] * len(mask), "logprobs": [0.0] * len(mask)}
+        {"sample_id": i, "mask": mask, "token_ids": [1] * len(mask), "logprobs": [0.0] * len(mask)}
         | {"advantage": 1.0, "temperature": 1.0}
         for i, mask in enumerate(masks)
     ]

@@ -35,7 +35,7 @@ def reference_accounting_first(a_rows, b_rows):
         return [(seq, item) for seq, kind, data in rs if kind in kinds for item in explode(kind, data)]
 
     seqs = {
-        "admitted": (("group_settled",), lambda k, d: d["trace_ids"]),
+        "admitted": (("group_settled",), lambda k, d: d["sample_ids"]),
         "cancelled": (
             ("episode_cancelled", "group_cancelled"),
             lambda k, d: [
@@ -44,7 +44,7 @@ def reference_accounting_first(a_rows, b_rows):
                 else ["group", d["group_id"], d["reason"], d["count"]]
             ],
         ),
-        "sampled": (("batch_shipped",), lambda k, d: d["trace_ids"]),
+        "sampled": (("batch_shipped",), lambda k, d: d["sample_ids"]),
     }
     firsts = []
     for name, (kinds, explode) in seqs.items():

@@ -40,8 +40,8 @@ def test_summary_at_a_seq_matches_an_independent_fold(bg_log, cli):
     assert code == 0
     assert (out["seq"], out["step"], out["version"]) == (at, state.step, state.version)
     assert out["state_hash"] == state_hash(state)
-    assert [(q["trace_id"], q["dispatch_version"], q["policy_start"]) for q in out["pending"]["items"]] == [
-        (q.trace_id, q.dispatch_version, q.policy_start) for q in state.pending.values()
+    assert [(q["sample_id"], q["dispatch_version"], q["policy_start"]) for q in out["pending"]["items"]] == [
+        (q.sample_id, q.dispatch_version, q.policy_start) for q in state.pending.values()
     ]
     assert {g["group_id"]: g["members"] for g in out["open_groups"]} == {
         g.group_id: list(g.members) for g in state.groups.values() if not g.finalizing
@@ -83,8 +83,8 @@ def test_summary_at_one_and_out_of_range(bg_log, cli):
 
 def test_a_violated_conservation_exits_1(tmp_path, cli):
     path = sim_log(tmp_path / "a.db", sim_params(1), 1)
-    seq, data = next((seq, data) for seq, kind, data in rows(path) if kind == "group_settled" and data["trace_ids"])
-    data["trace_ids"].pop()  # a queued trace vanishes from the record, accounted nowhere
+    seq, data = next((seq, data) for seq, kind, data in rows(path) if kind == "group_settled" and data["sample_ids"])
+    data["sample_ids"].pop()  # a queued trace vanishes from the record, accounted nowhere
     rewrite_row(path, seq, orjson.dumps(data))
     code, out = cli.json(path, "--at", seq)
     assert code == 1 and out["conservation"]["holds"] is False

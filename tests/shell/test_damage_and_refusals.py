@@ -124,7 +124,7 @@ def _shipped_trace_row(db: Path) -> tuple[int, int]:
     """(seq, episode id) of the first trace batch 1 shipped, with a payload in the log's own column."""
     conn = sqlite3.connect(db)
     (trace_ids,) = conn.execute(
-        "SELECT json_extract(data, '$.trace_ids') FROM events WHERE kind = 'batch_shipped'"
+        "SELECT json_extract(data, '$.sample_ids') FROM events WHERE kind = 'batch_shipped'"
     ).fetchone()
     for trace_id in orjson.loads(trace_ids):
         row = conn.execute(
@@ -166,7 +166,7 @@ def test_check_names_a_damaged_payload_rather_than_blame_the_code(tmp_path, log_
     assert (
         warning == f"orch: warning: {db} was written before row checksums (log format 2): its rows are read unchecked"
     )
-    assert line.startswith(f"orch: error: {db} is damaged: seq {seq} (the episode_completed of trace {trace_id}): ")
+    assert line.startswith(f"orch: error: {db} is damaged: seq {seq} (the episode_completed of episode {trace_id}): ")
     assert "its token payload differs from what" in line and "not the code non-deterministic" in line
     (run / "batches" / "step_1.safetensors").unlink()  # nothing left to compare with: a divergence, as before
     assert orch("replay", str(run), "--check").returncode == 1
@@ -255,7 +255,7 @@ def test_drop_damaged_drops_the_never_shipped_traces_whose_payloads_are_lost_and
     cancelled = {f["group_id"] for kind, f in decided if kind == "group_cancelled" and f["reason"] == "damaged"}
     assert sorted(dropped) == [t for t in lost if state.traces[t].group_id not in cancelled]
     assert cancelled <= {g.group_id for g in state.groups.values() if g.finalizing}
-    shipped = [t for _seq, fields in events(run, "batch_shipped") for t in fields["trace_ids"]]
+    shipped = [t for _seq, fields in events(run, "batch_shipped") for t in fields["sample_ids"]]
     assert not set(lost) & set(shipped) and len(shipped) == len(set(shipped))
     ((_seq, started),) = events(run, "run_started")
     params = started["params"]

@@ -60,7 +60,7 @@ def test_a_run_of_several_samples_per_episode_ships_whole_groups_weighed_per_epi
     for step in range(1, steps + 1):
         batch = decode_batch(batch_path(tmp_path / "r", step).read_bytes())
         assert 0 < len(batch) <= 32 and set(batch.sample_weight.tolist()) == {1 / 3}
-        assert len(set(batch.trace_id.tolist())) == len(batch)
+        assert len(set(batch.sample_id.tolist())) == len(batch)
         assert all(len(batch.episode_id[batch.episode_id == e]) == 3 for e in set(batch.episode_id.tolist()))
         for group in set(batch.group_id.tolist()):
             assert groups_seen.setdefault(group, step) == step, f"group {group} split across batches"

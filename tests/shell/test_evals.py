@@ -136,7 +136,9 @@ def test_a_fake_run_with_evals_keeps_every_invariant_and_replays_them(tmp_path):
     assert peak < 0
     shipped = {
         t
-        for (ids,) in rows(run_dir, "SELECT json_extract(data, '$.trace_ids') FROM events WHERE kind = 'batch_shipped'")
+        for (ids,) in rows(
+            run_dir, "SELECT json_extract(data, '$.sample_ids') FROM events WHERE kind = 'batch_shipped'"
+        )
         for t in orjson.loads(ids)
     }
     assert eval_episodes and eval_episodes.isdisjoint(shipped)

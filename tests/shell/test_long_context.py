@@ -116,7 +116,7 @@ def test_a_long_context_run_resumes_and_replays_and_names_a_damaged_payload(tmp_
     # A shipped sample's arrays, from the batch file, are the episode's in the log.
     batch = read_batch_file(batch_path(run_dir, 4).read_bytes(), 4)
     span = batch.tokens(0)
-    shown = orch("replay", str(run_dir), "--episode", str(batch.trace_id[0]))
+    shown = orch("replay", str(run_dir), "--episode", str(batch.sample_id[0]))
     assert shown.returncode == 0, shown.stderr
     [completion] = [orjson.loads(line) for line in shown.stdout.splitlines()]
     assert completion["token_ids"] == batch.token_ids[span].tolist() and len(completion["token_ids"]) >= 5024
@@ -228,7 +228,7 @@ def test_a_long_context_run_resumes_and_replays_and_names_a_damaged_payload(tmp_
     ).fetchone()
     shipped = [
         t
-        for (ids,) in db.execute("select data ->> '$.trace_ids' from events where kind = 'batch_shipped'")
+        for (ids,) in db.execute("select data ->> '$.sample_ids' from events where kind = 'batch_shipped'")
         for t in orjson.loads(ids)
     ]
     db.close()

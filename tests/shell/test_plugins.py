@@ -289,7 +289,7 @@ def test_own_trainer_sampler_and_algorithm_run_a_fake_job(plugin_path, tmp_path)
     finalized = events(run_dir, "background_finalized")
     assert finalized
     for _, result_event in finalized:
-        expected = [0.25 * a for a in grpo_advantages([rewards[t] for t in result_event["trace_ids"]])]
+        expected = [0.25 * a for a in grpo_advantages([rewards[t] for t in result_event["episode_ids"]])]
         assert result_event["advantages"] == pytest.approx(expected)
 
 

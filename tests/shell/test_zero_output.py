@@ -29,7 +29,7 @@ def _witness(rewards_by_group: dict[int, list[float]]) -> ZeroOutputWitness:
         for reward in rewards:
             witness.saw(_episode(episode_id, group_id, reward))
             episode_id += 1
-        witness.decided(ev.GroupSettled(group_id=group_id, admitted=False, trace_ids=[], dropped={"rejected": []}))
+        witness.decided(ev.GroupSettled(group_id=group_id, admitted=False, sample_ids=[], dropped={"rejected": []}))
     return witness
 
 
@@ -48,10 +48,10 @@ def test_a_group_whose_rewards_differed_is_not_said_to_be_equal():
 def test_an_admitted_group_starts_the_tally_anew():
     witness = _witness({1: [0.0, 1.0]})
     witness.saw(_episode(10, 5, 1.0))
-    witness.decided(ev.GroupSettled(group_id=5, admitted=True, trace_ids=[10]))
+    witness.decided(ev.GroupSettled(group_id=5, admitted=True, sample_ids=[10]))
     witness.saw(_episode(11, 6, 0.25))
     witness.saw(_episode(12, 6, 0.25))
-    witness.decided(ev.GroupSettled(group_id=6, admitted=False, trace_ids=[], dropped={"rejected": [11, 12]}))
+    witness.decided(ev.GroupSettled(group_id=6, admitted=False, sample_ids=[], dropped={"rejected": [11, 12]}))
     line = witness.cause(group_size=2, zero_output_batches=1)
     assert line.startswith("every group's rewards were equal") and "reward 0.250 in every one" in line, line
 

@@ -91,7 +91,7 @@ def _fields(event: ev.Event) -> dict:
     """Every field of an event (those at their defaults too) as JSON values; a trace's arrays as
     lists."""
     if isinstance(event, ev.EpisodeCompleted):
-        fields = ev.episode_json(event)
+        fields = ev.with_arrays(event)
     else:
         fields = {name: getattr(event, name) for name in event.__struct_fields__}
     return orjson.loads(orjson.dumps(fields, default=lambda params: params.model_dump(mode="json")))

@@ -21,7 +21,7 @@ from orchestrator.core import events as ev
 from orchestrator.core.advantages import grpo_advantages
 from orchestrator.core.arrays import Tokens
 from orchestrator.core.decide import decide
-from orchestrator.core.state import Group, State, Trace, initial_state
+from orchestrator.core.state import Group, State, initial_state
 from orchestrator.effects import IgnoringPort, perform
 
 
@@ -78,9 +78,11 @@ class SimWorld(IgnoringPort):
     def start_eval_rollout(self, dispatched: ev.EvalEpisodeDispatched) -> None:
         self.eval_pins[dispatched.episode_id] = dispatched.policy_version
 
-    def start_finalize(self, started: ev.FinalizeStarted, traces: list[Trace]) -> None:
+    def start_finalize(self, started: ev.FinalizeStarted, episodes: list[ev.EpisodeCompleted]) -> None:
         result = ev.BackgroundFinalized(
-            group_id=started.group_id, trace_ids=started.trace_ids, advantages=self.scorer([t.reward for t in traces])
+            group_id=started.group_id,
+            episode_ids=started.episode_ids,
+            advantages=self.scorer([e.reward for e in episodes]),
         )
         if self.options.settle == "immediate":
             self.feed(result)

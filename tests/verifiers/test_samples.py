@@ -92,7 +92,7 @@ def test_a_split_trace_ships_every_branch_as_a_sample_each_span_at_its_calls_ver
     assert (done.policy_start, done.policy_end, done.token_versions) == (3, 4, ((3, 2), (4, 1)))
     first, second = split_episode(done)
     assert (first.policy_start, first.policy_end, second.policy_start, second.policy_end) == (3, 3, 4, 4)
-    assert second.episode_id == ev.sample_id(REQ.episode_id, 1)
+    assert second.sample_id == ev.sample_id(REQ.episode_id, 1) and second.episode_id == REQ.episode_id
     assert (tally.episodes, tally.samples, tally.split, tally.multi_agent) == (1, 2, 1, 0)
 
 

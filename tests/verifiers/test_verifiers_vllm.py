@@ -115,7 +115,7 @@ def batch_weights(run_dir) -> dict[int, float]:
     weights = {}
     for path in sorted((run_dir / "batches").glob("step_*.safetensors")):
         batch = decode_batch(path.read_bytes())
-        weights.update(zip(map(int, batch.trace_id), map(float, batch.sample_weight)))
+        weights.update(zip(map(int, batch.sample_id), map(float, batch.sample_weight)))
     return weights
 
 
@@ -252,7 +252,7 @@ def test_each_agent_is_scored_against_the_same_agent_across_its_group(resumed):
         for sample_id, advantage in group["sample_advantages"]:
             episode = completed[episode_of(sample_id)]
             agent = episode["agents"][sample_id // SAMPLE_ID_STRIDE]
-            rewards = [dict(completed[t]["agent_rewards"])[agent] for t in group["trace_ids"]]
+            rewards = [dict(completed[t]["agent_rewards"])[agent] for t in group["episode_ids"]]
             own = dict(episode["agent_rewards"])[agent]
             assert advantage == pytest.approx(own - sum(rewards) / len(rewards))
     weights = batch_weights(run_dir)  # batch.sample_weight = episode: each of 2 samples weighs 1/2
