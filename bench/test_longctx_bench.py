@@ -51,8 +51,9 @@ def measure(run_dir: Path, n_traces: int, prompt_tokens: int, completion_tokens:
     from orchestrator.core import events as ev
     from orchestrator.core.decide import decide
     from orchestrator.core.state import initial_state, state_hash
-    from orchestrator.envs.fake import FakeEnvConfig, FakeEpisodes
+    from orchestrator.envs.fake import FakeEnvConfig
     from orchestrator.fold import fold_log
+    from orchestrator.inference.fake import FakeEpisodes
 
     n_episodes = n_traces // samples
     params = ev.CoreParams(

@@ -104,8 +104,8 @@ INFERENCE = Registry(
     "inference backend",
     {
         "embedded": "orchestrator.embedded.sampler_backend:EmbeddedSamplerConfig",
-        "openai": "orchestrator.inference.component:EndpointsConfig",
-        "fake": "orchestrator.envs.fake:FakeEpisodesConfig",
+        "openai": "orchestrator.inference.component:OpenAIConfig",
+        "fake": "orchestrator.inference.fake:FakeEpisodesConfig",
     },
     InferenceComponent,
 )

@@ -107,7 +107,7 @@ def reference_model(config: TrainerConfig, device: torch.device):
     return reference
 
 
-class Trainer:
+class TrainingLoop:
     """One rank of the trainer (the only one by default); usable in-process by tests."""
 
     def __init__(self, run_dir: str | os.PathLike, config: TrainerConfig, ranks: Ranks | None = None, log=None):
@@ -417,7 +417,7 @@ def run_trainer(run_dir: str | os.PathLike) -> int:
         torch.set_num_threads(config.num_threads)
         ranks = Ranks.from_env(config.backend, timeout_s=config.batch_wait_timeout_s + 120)
         try:
-            Trainer(run_dir, config, ranks).run()
+            TrainingLoop(run_dir, config, ranks).run()
             ranks.barrier()  # the last publication is done before any rank reports success
         finally:
             ranks.close()

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from orchestrator.inference.endpoints_backend import EndpointsBackend
 
 
-class EndpointsConfig(InferenceComponent, EndpointsSettings):
+class OpenAIConfig(InferenceComponent, EndpointsSettings):
     """OpenAI-compatible endpoints (vLLM, SGLang, `orch serve`) instead of the in-process sampler.
 
     Given (`endpoints`, or `routers` with the engines behind them), or vLLM servers the run starts

@@ -101,7 +101,7 @@ def make_client(section: EndpointsSettings, urls: list[str], load_timeout_s: flo
 
 
 def check_given_endpoints(section: EndpointsSettings, weight_format: str | None) -> None:
-    """The backend's first pre-run step (`EndpointsConfig.preflight_servers`, before the model is
+    """The backend's first pre-run step (`OpenAIConfig.preflight_servers`, before the model is
     built): ConfigError (one line) for a given endpoint that is unreachable, failing, or cannot
     load the trainer's `weight_format` (`orchestrator.inference.preflight`)."""
     if (section.endpoints or section.routers) and section.preflight_timeout_s > 0:
@@ -117,11 +117,11 @@ def check_given_endpoints(section: EndpointsSettings, weight_format: str | None)
 
 
 def check_inference(section: EndpointsSettings, model_dir: Path) -> None:
-    """The backend's pre-run step once the model is prepared (`EndpointsConfig.preflight`, before
+    """The backend's pre-run step once the model is prepared (`OpenAIConfig.preflight`, before
     the run dir exists; the model dir itself is checked by ``orchestrator.hf.model``): ConfigError
     (one line) for a launch that cannot work (`check_launch`), or a given vLLM endpoint that serves
     another model or lacks the routes of the weight sync. (What needs no file nor server is checked
-    with the config: `EndpointsConfig.check`; the endpoints' reachability before the model is
+    with the config: `OpenAIConfig.check`; the endpoints' reachability before the model is
     built: `check_given_endpoints`.)"""
     from orchestrator.inference.vllm_launch import check_launch
     from orchestrator.inference.weight_sync.vllm_check import check_vllm_endpoints

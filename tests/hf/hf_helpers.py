@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 from orchestrator.hf.config import LoraSection, TrainerConfig  # noqa: E402
 from orchestrator.hf.loss import token_logprobs  # noqa: E402
 from orchestrator.hf.tiny_model import answer_ids, build_untrained, render_prompt  # noqa: E402
-from orchestrator.hf.trainer import Trainer  # noqa: E402
+from orchestrator.hf.trainer import TrainingLoop  # noqa: E402
 
 TEXTS = ["abc", "hgfe", "bbad", "cadhe"]
 VARIANTS = {"full": LoraSection(), "lora": LoraSection(rank=4, alpha=8.0)}
@@ -41,8 +41,8 @@ def trainer_config(model_dir: Path, variant: str = "full", **kw) -> TrainerConfi
     return TrainerConfig(**(base | kw))
 
 
-def started_trainer(run_dir: Path, config: TrainerConfig) -> Trainer:
-    trainer = Trainer(run_dir, config, log=lambda line: None)
+def started_trainer(run_dir: Path, config: TrainerConfig) -> TrainingLoop:
+    trainer = TrainingLoop(run_dir, config, log=lambda line: None)
     trainer.init_or_resume()
     return trainer
 

@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.contracts import RunPlan
 from orchestrator.inference.client import InferenceClient
-from orchestrator.inference.component import EndpointsConfig
+from orchestrator.inference.component import OpenAIConfig
 from orchestrator.inference.loop_lag import LoopLag
 from orchestrator.inference.sse import EventStreamDecoder
 from tests.inference.stream_standin import expected_choice, standin_process
@@ -189,13 +189,13 @@ def test_a_connection_cap_holds_the_others_back_without_failing_them(standin, ca
 
 
 def test_a_cap_below_the_runs_requests_in_flight_is_warned_in_one_line(capsys):
-    section = EndpointsConfig(endpoints=["http://127.0.0.1:9", "http://127.0.0.1:10"], max_connections_per_endpoint=64)
+    section = OpenAIConfig(endpoints=["http://127.0.0.1:9", "http://127.0.0.1:10"], max_connections_per_endpoint=64)
     section.check(RunPlan(envs=("e",), eval_envs=(), inference="openai", requests_in_flight=128))
     assert capsys.readouterr().err == ""
     section.check(RunPlan(envs=("e",), eval_envs=(), inference="openai", requests_in_flight=129))
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "max_connections_per_endpoint allows 128" in err[0] and "129" in err[0]
-    capped = EndpointsConfig(endpoints=["http://127.0.0.1:9"], max_connections=100)
+    capped = OpenAIConfig(endpoints=["http://127.0.0.1:9"], max_connections=100)
     capped.check(RunPlan(envs=("e",), eval_envs=(), inference="openai", requests_in_flight=128))
     assert "inference.openai.max_connections allows 100" in capsys.readouterr().err
 

@@ -27,7 +27,7 @@ from orchestrator.config import (
 from orchestrator.contracts import Algorithm, AlgorithmComponent, InferenceBackend, Trainer, TrainerComponent
 from orchestrator.core.advantages import INLINE_SCORERS
 from orchestrator.core.events import CoreParams
-from orchestrator.envs.fake import FakeEpisodes
+from orchestrator.inference.fake import FakeEpisodes
 from orchestrator.trainers.fake import FakeTrainer
 from tests.support.parts import parts_of
 

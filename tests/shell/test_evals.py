@@ -20,9 +20,9 @@ from orchestrator.contracts import RolloutRequest
 from orchestrator.core.events import decode_event
 from orchestrator.core.evolve import evolve_from
 from orchestrator.core.state import conservation
-from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.envs.reverse_text import ReverseTextEnv, is_held_out
 from orchestrator.fold import fold_log
+from orchestrator.inference.fake import FakeEpisodes
 from orchestrator.shell.evals import eval_result
 from tests.support.cli import orch, spawn_orch, wait_until
 from tests.support.logs import assert_log_invariants

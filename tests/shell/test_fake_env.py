@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator.contracts import RolloutRequest
 from orchestrator.core.events import EpisodeCompleted, checked, encode_event
-from orchestrator.envs.fake import FakeEnvConfig, FakeEpisodes
+from orchestrator.envs.fake import FakeEnvConfig
+from orchestrator.inference.fake import FakeEpisodes
 
 
 @pytest.mark.parametrize("prompt_tokens, empty_rate", [(8, 0.2), (0, 0.5)])

@@ -30,7 +30,8 @@ UPPERCASE = "my_task:UppercaseConfig"
 OWN_COMPONENTS = '''
 from orchestrator.contracts import AlgorithmComponent
 from orchestrator.core.advantages import grpo_advantages
-from orchestrator.envs.fake import FakeEnvConfig, FakeEpisodes, FakeEpisodesConfig
+from orchestrator.envs.fake import FakeEnvConfig
+from orchestrator.inference.fake import FakeEpisodes, FakeEpisodesConfig
 from orchestrator.trainers.fake import FakeTrainerConfig, FakeTrainer
 
 

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from orchestrator.config import load_config
     from orchestrator.core import events as ev
     from orchestrator.core.state import initial_state
-    from orchestrator.envs.fake import FakeEpisodes
+    from orchestrator.inference.fake import FakeEpisodes
     from orchestrator.shell import compose, eventloop, loop, runner
 
     loop.SHUTDOWN_STEP_S = eventloop.LEFTOVER_WAIT_S = 0.5
@@ -118,7 +118,7 @@ def test_an_error_raised_by_a_leftover_task_on_its_way_out_is_reported(caplog):
 WARM_START_SCRIPT = textwrap.dedent("""
     import asyncio, os, signal, sys
     from orchestrator import cli
-    from orchestrator.envs.fake import FakeEpisodes
+    from orchestrator.inference.fake import FakeEpisodes
 
     async def never_loads(self, version, health_check=None):
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while waiting for the first weights

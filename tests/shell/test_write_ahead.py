@@ -10,8 +10,8 @@ from eventlog import EventLog
 from orchestrator.config import load_config
 from orchestrator.core import events as ev
 from orchestrator.core.state import initial_state, state_hash
-from orchestrator.envs.fake import FakeEpisodes
 from orchestrator.fold import fold_log
+from orchestrator.inference.fake import FakeEpisodes
 from orchestrator.shell.compose import run_job
 from orchestrator.shell.runner import OpenedRun
 from orchestrator.trainers.fake import FakeTrainer
