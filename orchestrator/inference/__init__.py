@@ -6,8 +6,9 @@
   per-group pinning, bounded retries, health tracking, the weight-update contract (no torch);
   its errors are :mod:`.errors`.
 * :mod:`.weight_sync` - how an endpoint loads a version and what that means for its requests,
-  one module per engine dialect (none, orch, vllm_reload, vllm_lora, sglang), each owning its
-  endpoints' state and waits; the client calls them at fixed points.
+  one module per engine dialect (registered by name in ``DIALECTS``), each owning its endpoints'
+  state and waits and saying what its engine, the config and launched servers need; the client
+  and the checks ask them rather than name them.
 * :mod:`.component` - inference backend `openai` (`inference.openai.*`): what it supports, its
   pre-run step and factory; its settings are :mod:`.endpoints_config` (no httpx).
 * :mod:`.endpoints_backend` - :class:`~.endpoints_backend.EndpointsBackend`: that backend, which

@@ -20,31 +20,13 @@ one to come back, still within its attempts, and for at most ``timeout_s`` (then
 Weight updates (the contract): :meth:`InferenceClient.load` (version N, the published
 ``weights/step_N`` dir) is sent to every endpoint and returns once they answered; an endpoint
 that did not confirm N is brought to the newest version before its next request (so a restarted
-server catches up), and every completion reports the version it was sampled with. Modes (each a
-dialect of :mod:`.weight_sync`, one module each, which owns its endpoints' state and waits; the
-client calls it at fixed points of a load and of each sampling call):
-
-* ``"orch"``: ``POST /update_weights {"path", "version"}`` -> ``{"version": N}``; completions
-  carry ``policy_version`` (`orch serve`).
-* ``"vllm_reload"``: vLLM full weights (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait`` ->
-  ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}`` ->
-  ``POST /reset_prefix_cache`` -> ``POST /resume``. The endpoint's requests in flight end first
-  and none is sent until it resumed, so a completion's version is the one it was sent at. With
-  ``update_mode="interrupt"`` completions are streamed, the pause aborts them (``mode=abort``) and
-  each is continued after the reload, its parts' versions in ``Completion.choice_versions``.
-* ``"vllm_lora"``: ``POST /v1/load_lora_adapter {"lora_name": "step_N", "lora_path": dir}``
-  (vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name
-  ``model="step_N"``, so the version of a completion is exactly the adapter it asked for. Every
-  version is an adapter (step_0 too: no base-model request shares vLLM-CPU's batches with
-  adapter ones, which gives those wrong logprobs); to make room for a new one, the oldest that
-  no request uses is unloaded (``/v1/unload_lora_adapter``), so an endpoint holds at most
-  ``max_loras``: the newest versions.
-* ``"sglang"``: ``POST /update_weights_from_disk {"model_path": dir}`` -> ``{"success": true}``
-  (SGLang reloads full weights in place; the version is the one it confirmed, bounded by the
-  versions known when the request was sent and when it returned, as below).
-* ``"none"``: weights are managed outside orch; the version is the last one ``load`` was told
-  (a completion is reported as sampled by the version known when it was sent, and ended at the
-  version known when it returned).
+server catches up), and every completion reports the version it was sampled with. How an
+endpoint loads a version, and which versions its completions then report, is its dialect's
+(``inference.openai.weight_sync``: a module of :mod:`.weight_sync` each, which owns its
+endpoints' state and waits); the client calls the dialect at fixed points of a load and of each
+sampling call, and names none. With ``update_mode="interrupt"`` (a dialect that pauses its
+endpoints to reload, vLLM's full reload) completions are streamed, the pause aborts them and each
+is continued after the reload, its parts' versions in ``Completion.choice_versions``.
 """
 
 from __future__ import annotations
@@ -61,7 +43,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 import httpx
@@ -83,11 +65,10 @@ from orchestrator.inference.pacing import StartPacer
 from orchestrator.inference.pool import ByOrigin, ShardedTransport
 from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
 from orchestrator.inference.sse import EventStreamDecoder
-from orchestrator.inference.weight_sync import DIALECTS
+from orchestrator.inference.weight_sync import DIALECTS, names_where
+from orchestrator.inference.weight_sync.base import UpdateMode
 from orchestrator.urls import endpoint_base_urls
 
-WeightSync = Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"]
-UpdateMode = Literal["wait", "interrupt"]
 MAX_PINS = 65536
 # interrupt: times a reload may end a completion before its first token; a reload then waits for
 # that one's first token (bounded by load_timeout_s), so that a slow-starting request is not
@@ -252,7 +233,7 @@ class InferenceClient:
         urls: list[str],
         *,
         model: str | None = None,
-        weight_sync: WeightSync = "orch",
+        weight_sync: str = "orch",
         timeout_s: float = 120.0,
         connect_timeout_s: float = 5.0,
         load_timeout_s: float = 300.0,
@@ -281,7 +262,7 @@ class InferenceClient:
             ep.session_header = router.session_header
         self.model, self.weight_sync = model, weight_sync
         if update_mode not in self.dialect.update_modes:
-            offered = " or ".join(repr(name) for name, d in DIALECTS.items() if update_mode in d.update_modes)
+            offered = names_where(lambda dialect: update_mode in dialect.update_modes)
             raise ValueError(f"update_mode {update_mode!r} needs weight_sync {offered}, not {weight_sync!r}")
         self.update_mode = update_mode
         if stream_interval < 1:

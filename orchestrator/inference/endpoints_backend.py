@@ -40,7 +40,7 @@ from orchestrator.contracts import (
 )
 from orchestrator.core.events import EpisodeCompleted
 from orchestrator.inference.client import InferenceClient, InferenceError, InferenceRequestError
-from orchestrator.inference.endpoints_config import VLLM_MODES, EndpointsSettings
+from orchestrator.inference.endpoints_config import EndpointsSettings
 from orchestrator.notices import report, warn
 from orchestrator.rundir import is_stable, weights_dir
 from orchestrator.urls import endpoint_base_urls
@@ -127,7 +127,7 @@ def check_inference(section: EndpointsSettings, model_dir: Path) -> None:
     from orchestrator.inference.weight_sync.vllm_check import check_vllm_endpoints
 
     check_launch(section.launch, model_dir)
-    if (section.endpoints or section.routers) and section.weight_sync in VLLM_MODES:
+    if (section.endpoints or section.routers) and section.dialect.engine == "vllm":
 
         async def check() -> None:
             # the check loads no weights: its client's load bound is the request timeout

@@ -3,15 +3,28 @@ serve`), given or launched (the component is :mod:`.component`). Light: pydantic
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
 from orchestrator.contracts import Section
+from orchestrator.inference.weight_sync import DIALECTS, names_where
+from orchestrator.inference.weight_sync.base import UpdateMode, WeightSyncDialect
 from orchestrator.urls import endpoint_base_urls
 
-VLLM_MODES = ("vllm_reload", "vllm_lora")  # weight syncs of a vLLM server, which serves an HF model dir
+# `inference.openai.weight_sync`: a dialect's name, as the config reads and documents it (the
+# registry's, which a type checker cannot read: a str to it).
+if TYPE_CHECKING:
+    WeightSyncName = str
+else:
+    WeightSyncName = Literal[tuple(DIALECTS)]
 STREAM_INTERVAL = 64  # tokens per streamed chunk asked of vLLM; 1 sends no field (docs/vllm.md, "Streamed chunks")
+
+
+def _weight_sync_description() -> str:
+    """Each dialect's way of loading a version, in the registry's order."""
+    *others, last = (dialect.summary for dialect in DIALECTS.values())
+    return f"how endpoints load weights/step_N: {', '.join(others)}, or {last}"
 
 
 class LaunchSection(Section):
@@ -78,11 +91,9 @@ class EndpointsSettings(Section):
         description="base URLs (http://host:port); setting them selects this backend when inference.kind is not set",
     )
     model: str | None = Field(None, description="model name sent with each request (None: the server's own)")
-    weight_sync: Literal["orch", "vllm_reload", "vllm_lora", "sglang", "none"] = Field(
+    weight_sync: WeightSyncName = Field(
         "orch",
-        description="how endpoints load weights/step_N: orch /update_weights, vLLM full reload "
-        "(/pause, reload_weights, /reset_prefix_cache, /resume), vLLM LoRA adapters, "
-        "SGLang /update_weights_from_disk, or not at all",
+        description=_weight_sync_description(),
     )
     update_mode: Literal["wait", "interrupt", "keep"] | None = Field(
         None,
@@ -148,7 +159,7 @@ class EndpointsSettings(Section):
         # Each URL once, engines too: two listings of one engine would race their reloads.
         endpoint_base_urls(self.endpoints + [url for router in self.routers for url in (router.url, *router.engines)])
         for index, router in enumerate(self.routers):
-            if not router.engines and self.weight_sync != "none":
+            if not router.engines and self.dialect.loads:
                 raise ValueError(
                     f"inference.openai.routers[{index}] ({router.url}) lists no engines: weight_sync "
                     f"{self.weight_sync!r} loads each engine behind the router directly (their URLs in engines)"
@@ -159,10 +170,12 @@ class EndpointsSettings(Section):
                 "which tokens came before the update, so their versions would not be exact "
                 "(docs/vllm.md); use 'interrupt' or 'wait'"
             )
-        if self.update_mode == "interrupt" and self.weight_sync != "vllm_reload":
+        mode = self.update_mode
+        if mode is not None and mode not in self.dialect.update_modes:
             raise ValueError(
-                f"inference.openai.update_mode 'interrupt' needs weight_sync 'vllm_reload', not "
-                f"{self.weight_sync!r} (vllm_lora never pauses: a request runs on its adapter to its end)"
+                f"inference.openai.update_mode {mode!r} needs weight_sync "
+                f"{names_where(lambda dialect: mode in dialect.update_modes)}, not {self.weight_sync!r} "
+                "(vllm_lora never pauses: a request runs on its adapter to its end)"
             )
         if self.launch.servers:
             if self.endpoints or self.routers:
@@ -170,18 +183,24 @@ class EndpointsSettings(Section):
                     "give inference.openai.endpoints (or routers) or inference.openai.launch.servers, not both "
                     "(launched servers are the endpoints)"
                 )
-            if self.weight_sync not in (*VLLM_MODES, "none"):
+            if self.dialect.loads and self.dialect.engine != "vllm":
                 raise ValueError(
-                    f"launched vLLM servers sync weights with weight_sync 'vllm_reload' or 'vllm_lora' "
-                    f"(or 'none'), not {self.weight_sync!r}"
+                    "launched vLLM servers sync weights with weight_sync "
+                    f"{names_where(lambda dialect: dialect.engine == 'vllm')} "
+                    f"(or {names_where(lambda dialect: not dialect.loads)}), not {self.weight_sync!r}"
                 )
         return self
 
     @property
-    def update_mode_in_use(self) -> Literal["wait", "interrupt"]:
+    def dialect(self) -> WeightSyncDialect:
+        """The weight sync's dialect, which the checks ask what it needs and offers."""
+        return DIALECTS[self.weight_sync]
+
+    @property
+    def update_mode_in_use(self) -> UpdateMode:
         """`update_mode`, or the weight sync's default where it is not set."""
         if self.update_mode is None:
-            return "interrupt" if self.weight_sync == "vllm_reload" else "wait"
+            return self.dialect.default_update_mode
         assert self.update_mode != "keep"  # refused by the validator
         return self.update_mode
 

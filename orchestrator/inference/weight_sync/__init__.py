@@ -2,7 +2,9 @@
 dialect, each a :class:`~.base.WeightSyncDialect` that owns its per-endpoint state and its waits;
 the client (:mod:`orchestrator.inference.client`) routes, retries and streams, and calls the
 dialect at fixed points of a load and of each sampling call. A dialect is a module and a line of
-:data:`DIALECTS`.
+:data:`DIALECTS`: the config's names (`inference.openai.weight_sync`), its checks, the pre-run
+checks and the launched servers ask the dialect (its engine, update modes, routes, launch flags
+and environment) rather than name it.
 
 * :mod:`.base`: the interface, what a dialect uses of the client, and their shared helpers (a
   load on every engine of a router; the weight versions held against the trainer's prune);
@@ -16,13 +18,21 @@ dialect at fixed points of a load and of each sampling call. A dialect is a modu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from orchestrator.inference.weight_sync import none, orch, sglang, vllm_lora, vllm_reload
 from orchestrator.inference.weight_sync.base import WeightSyncDialect
 
+# In the order the config's docs and messages list them.
 DIALECTS: dict[str, WeightSyncDialect] = {
-    "none": none.NoSync(),
     "orch": orch.OrchServe(),
     "vllm_reload": vllm_reload.VllmReload(),
     "vllm_lora": vllm_lora.VllmLora(),
     "sglang": sglang.SGLang(),
+    "none": none.NoSync(),
 }
+
+
+def names_where(test: Callable[[WeightSyncDialect], bool]) -> str:
+    """The dialects that pass ``test``, as a message offers them: 'a' or 'b'."""
+    return " or ".join(repr(name) for name, dialect in DIALECTS.items() if test(dialect))

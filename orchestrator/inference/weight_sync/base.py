@@ -1,6 +1,6 @@
 """The interface of a weight-sync dialect (:class:`WeightSyncDialect`), what a dialect uses of the
-inference client (a Protocol, so that the dialects do not import the client, which calls them),
-and the helpers they share."""
+inference client and of the launch settings (Protocols, so that the dialects import neither the
+client nor the config, which ask them), and the helpers they share."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from orchestrator import rundir
 from orchestrator.inference.errors import InferenceRequestError, Retryable
+
+UpdateMode = Literal["wait", "interrupt"]  # what a weight update does to the requests running
 
 
 class SyncedEndpoint(Protocol):
@@ -44,13 +47,16 @@ class WeightSyncClient(Protocol[EndpointT]):
     target: tuple[int, str] | None  # (version, weights dir) every endpoint should hold
 
     @property
-    def update_mode(self) -> str: ...  # "wait" | "interrupt" (vllm_reload)
+    def update_mode(self) -> UpdateMode: ...
 
     @property
     def endpoints(self) -> Sequence[EndpointT]: ...
 
     @property
     def weight_sync(self) -> str: ...
+
+    @property
+    def dialect(self) -> WeightSyncDialect: ...
 
     async def call(
         self,
@@ -65,13 +71,52 @@ class WeightSyncClient(Protocol[EndpointT]):
     ) -> Any: ...
 
 
+class LaunchSettings(Protocol):
+    """What a dialect reads of the servers a run launches (`inference.openai.launch`)."""
+
+    max_lora_rank: int
+
+
+@dataclass(frozen=True)
+class RouteProbe:
+    """A call that shows, before a run, that a given vLLM server has a dialect's routes: the
+    route answers, or refuses what it was asked with a 404 that says what "cannot be found";
+    a server without it answers a plain 404."""
+
+    method: str
+    path: str
+    needs: str  # how vLLM is started to have the route, as the check's message says it
+    body: Any = None
+    text: bool = False  # the answer is text, not JSON
+
+
 class WeightSyncDialect:
     """How endpoints load a published version, and what that means for the sampling calls: the
     points the inference client calls it at. The defaults are a dialect's whose endpoints sample
-    with the version they confirmed last; each dialect is one module, one class of this."""
+    with the version they confirmed last; each dialect is one module, one class of this, which
+    also says what the config, the pre-run checks and the launched servers need of it."""
 
-    update_modes: ClassVar[frozenset[str]] = frozenset({"wait"})  # the `update_mode`s it offers
-    loads: ClassVar[bool] = True  # False: weights are loaded outside orch, the client only records the version
+    # The engine whose weights it loads ("vllm", "sglang", "orch": as the pre-run check tells
+    # engines apart); None: weights are loaded outside orch, the client only records the version.
+    # Each dialect names its own.
+    engine: ClassVar[str | None]
+    summary: ClassVar[str]  # how it loads a version, in the words of the config's description
+    update_modes: ClassVar[frozenset[UpdateMode]] = frozenset({"wait"})  # the `update_mode`s it offers
+    default_update_mode: ClassVar[UpdateMode] = "wait"  # the `update_mode` used where none is set
+    route_probe: ClassVar[RouteProbe | None] = None  # vLLM: the call that shows a given server has its routes
+
+    @property
+    def loads(self) -> bool:
+        """It loads each version on the endpoints (else the client only records the version)."""
+        return self.engine is not None
+
+    def launch_args(self, launch: LaunchSettings, max_loras: int) -> list[str]:
+        """The `vllm serve` flags a launched server needs for this dialect."""
+        return []
+
+    def launch_env(self) -> dict[str, str]:
+        """The environment a launched vLLM server needs for this dialect."""
+        return {}
 
     def new_state(self) -> Any:
         """An endpoint's state of this dialect (`Endpoint.sync`), made with the endpoint."""

@@ -8,7 +8,8 @@ from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient,
 
 
 class NoSync(WeightSyncDialect):
-    loads = False
+    engine = None
+    summary = "not at all"
 
     def known_version(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> int:
         """The version the client was told last (0 before any)."""

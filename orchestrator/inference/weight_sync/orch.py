@@ -16,6 +16,9 @@ from orchestrator.inference.weight_sync.base import (
 
 
 class OrchServe(WeightSyncDialect):
+    engine = "orch"
+    summary = "orch /update_weights"
+
     async def load(self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
         async with versions_held(path, client.load_timeout_s):
             answers = await on_each_engine(

@@ -14,6 +14,9 @@ from orchestrator.inference.weight_sync.base import (
 
 
 class SGLang(WeightSyncDialect):
+    engine = "sglang"
+    summary = "SGLang /update_weights_from_disk"
+
     async def load(self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
         async with versions_held(path, client.load_timeout_s):
             answers = await on_each_engine(

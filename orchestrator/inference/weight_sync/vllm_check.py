@@ -1,5 +1,5 @@
-"""Before a run samples given vLLM endpoints (`vllm_reload`, `vllm_lora`): each serves the run's
-model and has the routes of the weight sync."""
+"""Before a run samples given vLLM endpoints (a dialect of engine "vllm"): each serves the run's
+model and has the routes of the weight sync (its dialect's `route_probe`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ async def check_vllm_endpoints(client: WeightSyncClient[EndpointT], model_dir: P
     """InferenceRequestError (one line) if a reachable endpoint serves another model than
     ``model_dir`` (or ``model``, when given), or lacks the routes of this weight sync. One not
     reachable yet is left to the weight loads, which wait for endpoints that are starting."""
+    probe = client.dialect.route_probe
+    assert probe is not None, "every dialect of engine vllm names its route_probe"
     for ep in client.endpoints:
         try:
             listed = await client.call(ep, "GET", "/v1/models")
@@ -30,21 +32,14 @@ async def check_vllm_endpoints(client: WeightSyncClient[EndpointT], model_dir: P
             raise InferenceRequestError(
                 f"{ep.url} serves {served}, not this run's model {client.model or model_dir}" + hint
             )
-        if client.weight_sync == "vllm_reload":
-            probe, needs = ("GET", "/is_paused", None), "VLLM_SERVER_DEV_MODE=1"
-        else:
-            probe, needs = (
-                ("POST", "/v1/unload_lora_adapter", {"lora_name": "orch-probe"}, None, True),
-                "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
-            )
         for url in ep.admin_urls:  # a router's engines, each
             try:
-                await client.call(ep, *probe, base=url)
+                await client.call(ep, probe.method, probe.path, probe.body, text=probe.text, base=url)
             except InferenceRequestError as exc:
                 if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
                     raise InferenceRequestError(
-                        f"{url} lacks {probe[1]} ({exc}): weight_sync "
-                        f"{client.weight_sync!r} needs vLLM started with {needs}"
+                        f"{url} lacks {probe.path} ({exc}): weight_sync "
+                        f"{client.weight_sync!r} needs vLLM started with {probe.needs}"
                     ) from None
             except Retryable:
                 continue

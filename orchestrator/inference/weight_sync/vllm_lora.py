@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from orchestrator.inference.errors import InferenceRequestError, Retryable
 from orchestrator.inference.weight_sync.base import (
     EndpointT,
+    LaunchSettings,
+    RouteProbe,
     SyncedEndpoint,
     WeightSyncClient,
     WeightSyncDialect,
@@ -32,6 +34,25 @@ class LoraState:
 
 
 class VllmLora(WeightSyncDialect):
+    engine = "vllm"
+    summary = "vLLM LoRA adapters"
+    # an adapter no server holds: vLLM with the route refuses it as one that "cannot be found"
+    route_probe = RouteProbe(
+        "POST",
+        "/v1/unload_lora_adapter",
+        needs="--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
+        body={"lora_name": "orch-probe"},
+        text=True,
+    )
+
+    def launch_args(self, launch: LaunchSettings, max_loras: int) -> list[str]:
+        """Adapters, as many as the client keeps loaded, of at most the trainer's rank."""
+        return ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(launch.max_lora_rank)]
+
+    def launch_env(self) -> dict[str, str]:
+        """/v1/load_lora_adapter and /v1/unload_lora_adapter."""
+        return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
     def new_state(self) -> LoraState:
         return LoraState()
 

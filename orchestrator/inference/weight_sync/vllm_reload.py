@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from orchestrator.inference.errors import Retryable
 from orchestrator.inference.weight_sync.base import (
     EndpointT,
+    RouteProbe,
     WeightSyncClient,
     WeightSyncDialect,
     check_weights_dir,
@@ -25,7 +26,15 @@ class ReloadState:
 
 
 class VllmReload(WeightSyncDialect):
+    engine = "vllm"
+    summary = "vLLM full reload (/pause, reload_weights, /reset_prefix_cache, /resume)"
     update_modes = frozenset({"wait", "interrupt"})
+    default_update_mode = "interrupt"  # it samples more tokens/s through a long tail
+    route_probe = RouteProbe("GET", "/is_paused", needs="VLLM_SERVER_DEV_MODE=1")
+
+    def launch_env(self) -> dict[str, str]:
+        """The dev-mode routes: /pause, /collective_rpc, /reset_prefix_cache."""
+        return {"VLLM_SERVER_DEV_MODE": "1"}
 
     def new_state(self) -> ReloadState:
         return ReloadState()
