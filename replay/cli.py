@@ -80,7 +80,7 @@ def replay_command(
     """Replay a run's log (RUN: a run directory or its events.db).
 
     \b
-      orch replay RUN [--at SEQ] [--json]       state: step, version, pending traces, open and
+      orch replay RUN [--at SEQ] [--json]       state: step, version, pending samples, open and
                                                 finalizing groups, accounting, conservation
       orch replay --diff A B [--level LEVEL]    first divergence of two runs (streamed)
       orch replay RUN --reexecute --finalize inline|background

@@ -20,9 +20,9 @@ import numpy as np
 import orjson
 
 from eventlog import EventLog
-from orchestrator.core.arrays import PayloadError, unpack
 from orchestrator.core.batch import decode_batch
-from orchestrator.core.events import logged_n_tokens
+from orchestrator.core.events import decode_event, episode_of
+from orchestrator.core.samples import split_episode
 from orchestrator.rundir import batch_path
 
 
@@ -45,28 +45,30 @@ def payload_damage(log: EventLog, shipped_seq: int, shipped: dict[str, Any]) -> 
     except ValueError:
         return None
     index = {int(sample_id): i for i, sample_id in enumerate(batch.sample_id)}
+    shipped_episodes = {episode_of(sample_id) for sample_id in index}
     for seq, _ts, _kind, data, payload in log.read_rows(stop=shipped_seq, kinds=("episode_completed",)):
-        fields = _episode_fields(data)
-        i = index.get(fields.get("episode_id", -1))
-        if i is None:
+        episode_id = _episode_fields(data).get("episode_id", -1)
+        if episode_id not in shipped_episodes:
             continue
-        where = f"seq {seq} (the episode_completed of episode {fields['episode_id']})"
+        where = f"seq {seq} (the episode_completed of episode {episode_id})"
         try:
-            n_tokens = logged_n_tokens(fields)
-            token_ids, mask, logprobs = unpack(payload, -1 if n_tokens is None else n_tokens)
-        except PayloadError as err:
+            episode = decode_event("episode_completed", data, payload)
+            samples = [s for s in split_episode(episode) if s.trace_id in index and s.tokens is not None]  # type: ignore[arg-type]
+            arrays = [(index[s.trace_id], s.tokens.arrays()) for s in samples]  # type: ignore[union-attr]
+        except ValueError as err:  # PayloadError, or a row that does not decode
             return f"{where}: its token payload does not decode ({err})"
-        start, end = int(batch.offsets[i]), int(batch.offsets[i + 1])
-        same = (
-            np.array_equal(np.frombuffer(token_ids, np.int32), batch.token_ids[start:end])
-            and np.frombuffer(mask, np.uint8).tobytes() == batch.mask[start:end].tobytes()
-            and np.frombuffer(logprobs, np.float32).tobytes() == batch.logprobs[start:end].tobytes()
-        )
-        if not same:
-            return (
-                f"{where}: its token payload differs from what {path} (sha256 {sha256[:12]}, as recorded at seq "
-                f"{shipped_seq}) shipped of it: the log is damaged, not the code non-deterministic"
+        for i, (token_ids, mask, logprobs) in arrays:
+            start, end = int(batch.offsets[i]), int(batch.offsets[i + 1])
+            same = (
+                np.array_equal(np.frombuffer(token_ids, np.int32), batch.token_ids[start:end])
+                and np.frombuffer(mask, np.uint8).tobytes() == batch.mask[start:end].tobytes()
+                and np.frombuffer(logprobs, np.float32).tobytes() == batch.logprobs[start:end].tobytes()
             )
+            if not same:
+                return (
+                    f"{where}: its token payload differs from what {path} (sha256 {sha256[:12]}, as recorded at "
+                    f"seq {shipped_seq}) shipped of it: the log is damaged, not the code non-deterministic"
+                )
     return None
 
 

@@ -56,7 +56,7 @@ def gar_advantages(rewards: Sequence[float], ranks: Sequence[int], rank_weight: 
 
 
 class Grader(Protocol):
-    async def rank(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[int]:
+    async def rank(self, group_id: int, episodes: Sequence[EpisodeCompleted]) -> list[int]:
         """Rank of each trace in the group, 0 = best (a permutation of 0..n-1)."""
         ...
 
@@ -74,15 +74,15 @@ class SimulatedGrader:
     def __init__(self, config: GARConfig, seed: int):
         self.config, self.seed = config, seed
 
-    async def rank(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[int]:
+    async def rank(self, group_id: int, episodes: Sequence[EpisodeCompleted]) -> list[int]:
         cfg = self.config
         rng = random.Random(f"grader/{self.seed}/{group_id}")
         await asyncio.sleep(max(0.0, cfg.delay_s + rng.uniform(-cfg.jitter_s, cfg.jitter_s)))
         if cfg.failure_rate and rng.random() < cfg.failure_rate:
             raise GraderError(f"grader failed on group {group_id} (failure_rate={cfg.failure_rate})")
-        noisy = [t.reward + rng.gauss(0.0, cfg.rank_noise) for t in traces]
-        order = sorted(range(len(traces)), key=lambda i: -noisy[i])
-        ranks = [0] * len(traces)
+        noisy = [t.reward + rng.gauss(0.0, cfg.rank_noise) for t in episodes]
+        order = sorted(range(len(episodes)), key=lambda i: -noisy[i])
+        ranks = [0] * len(episodes)
         for rank, index in enumerate(order):
             ranks[index] = rank
         return ranks
@@ -94,6 +94,6 @@ class GAR:
     def __init__(self, grader: Grader, rank_weight: float):
         self.grader, self.rank_weight = grader, rank_weight
 
-    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
-        ranks = await self.grader.rank(group_id, traces)
-        return gar_advantages([t.reward for t in traces], ranks, self.rank_weight)
+    async def finalize_group(self, group_id: int, episodes: Sequence[EpisodeCompleted]) -> list[float]:
+        ranks = await self.grader.rank(group_id, episodes)
+        return gar_advantages([t.reward for t in episodes], ranks, self.rank_weight)

@@ -33,5 +33,5 @@ class GRPO:
     def __init__(self, std_normalization: bool = False):
         self.std_normalization = std_normalization
 
-    async def finalize_group(self, group_id: int, traces: Sequence[EpisodeCompleted]) -> list[float]:
-        return grpo_advantages([t.reward for t in traces], self.std_normalization)
+    async def finalize_group(self, group_id: int, episodes: Sequence[EpisodeCompleted]) -> list[float]:
+        return grpo_advantages([t.reward for t in episodes], self.std_normalization)

@@ -136,6 +136,10 @@ class Tokens(msgspec.Struct, array_like=True, dict=True, eq=False):
     n_tokens: int
     sampled_tokens: int
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.sampled_tokens <= self.n_tokens:
+            raise ValueError(f"tokens [{self.n_tokens}, {self.sampled_tokens}]: 0 <= sampled tokens <= tokens")
+
     @classmethod
     def of(cls, token_ids: Any, mask: Any, logprobs: Any) -> Tokens:
         """The arrays of an episode, checked (the `as_*` functions) and aligned."""
@@ -165,6 +169,10 @@ class Tokens(msgspec.Struct, array_like=True, dict=True, eq=False):
         else:
             self.__dict__["_payload"] = payload
 
+    def in_memory(self) -> bool:
+        """Are its arrays unpacked (or made here), not left to be read from a payload?"""
+        return "_arrays" in self.__dict__
+
     def arrays(self) -> tuple[array, bytes, array]:
         """(token ids, mask, logprobs); PayloadError if a payload was attached that does not hold
         them, or none was (a trace read before its fold read its payload)."""
@@ -174,7 +182,12 @@ class Tokens(msgspec.Struct, array_like=True, dict=True, eq=False):
                 whole, start = held["_slice"]
                 ids, mask, lps = whole.arrays()
                 end = start + self.n_tokens
+                if (sampled := mask[start:end].count(1)) != self.sampled_tokens:
+                    raise PayloadError(
+                        f"a sample with {sampled} sampled tokens where its episode says {self.sampled_tokens}"
+                    )
                 held["_arrays"] = (ids[start:end], mask[start:end], lps[start:end])
+                del held["_slice"]  # its own arrays now: the episode's may go
             elif self.n_tokens == 0:
                 held["_arrays"] = (array(TOKEN_ID_CODE), b"", array(LOGPROB_CODE))
             elif "_payload" not in held:
@@ -186,6 +199,7 @@ class Tokens(msgspec.Struct, array_like=True, dict=True, eq=False):
                         f"a payload with {mask.count(1)} sampled tokens where its event says {self.sampled_tokens}"
                     )
                 held["_arrays"] = (ids, mask, lps)
+                del held["_payload"]  # unpacked: the packed bytes need not stay too
         return held["_arrays"]
 
     def packed(self) -> bytes:

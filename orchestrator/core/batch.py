@@ -34,7 +34,7 @@ import orjson
 
 from orchestrator.core.events import SAMPLE_ID_STRIDE
 
-BATCH_FORMAT = 4  # 3: the per-token `version`; 4: `sample_id` (was `trace_id`)
+BATCH_FORMAT = 4  # what each format changed: docs/log-format.md, "Version history"
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
     "I64": np.dtype("<i8"),

@@ -136,7 +136,7 @@ class CoreParams(_Params):
         return self
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True, gc=False):
     """An event: one subclass per kind, declaring its fields once. Frozen: the same object lives
     in the log buffer and in the state. No GC tracking: an event holds no reference cycle.
 
@@ -166,8 +166,7 @@ class RunResumed(Event, frozen=True, kw_only=True):
     from_seq: int
     max_steps: int
     # `orch run --resume --drop-damaged`: held traces, never shipped, whose token payloads are lost
-    # (a side file missing or damaged); the resume drops them first. Left out of the JSON while
-    # empty: a resume without damage logs the `run_resumed` it always did.
+    # (a side file missing or damaged); the resume drops them first.
     damaged_traces: list[int] = []
 
 
@@ -222,8 +221,11 @@ class EpisodeCompleted(Event, frozen=True, kw_only=True):
     agent_rewards: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        _store_as_float(self, "reward", "temperature")
         if not (math.isfinite(self.reward) and math.isfinite(self.temperature)):
             raise ValueError(f"reward {self.reward} and temperature {self.temperature} must be finite")
+        if not all(type(r) is float and math.isfinite(r) for _, r in self.agent_rewards):
+            raise ValueError(f"agent_rewards {list(self.agent_rewards)}: each reward a finite float")
         if self.token_versions:
             check_version_runs(self.token_versions, self.sampled_tokens, self.policy_start, self.policy_end)
         if self.samples or self.agents or self.agent_rewards:
@@ -280,13 +282,39 @@ def check_samples(e: EpisodeCompleted) -> None:
             raise ValueError(f"samples {list(e.samples)}: each is [tokens > 0, sampled tokens <= tokens]")
         if sum(n for n, _ in e.samples) != e.n_tokens:
             raise ValueError(f"samples count {sum(n for n, _ in e.samples)} tokens where the episode has {e.n_tokens}")
-        if sum(k for _, k in e.samples) != e.sampled_tokens:
+        if sum(k for _, k in e.samples) != e.sampled_tokens or not _each_sample_fits_its_mask(e):
             raise ValueError(f"samples {list(e.samples)} do not match the mask's sampled tokens")
     if e.agents and len(e.agents) != max(1, len(e.samples)):
         raise ValueError(f"agents names {len(e.agents)} samples where the episode has {max(1, len(e.samples))}")
     scored = [name for name, _ in e.agent_rewards]
     if e.agent_rewards and (len(set(scored)) != len(scored) or set(scored) != set(e.agents)):
         raise ValueError(f"agent_rewards scores {scored}, the samples' agents are {sorted(set(e.agents))}")
+
+
+def _each_sample_fits_its_mask(e: EpisodeCompleted) -> bool:
+    """Each sample's sampled tokens are its part of the mask's, where the arrays are in memory (a
+    decoded row's are checked when its payload is read: `arrays.Tokens.part`)."""
+    if e.tokens is None or not e.tokens.in_memory():
+        return True
+    mask, start = e.mask, 0
+    for n, k in e.samples:
+        if mask[start : start + n].count(1) != k:
+            return False
+        start += n
+    return True
+
+
+def _store_as_float(event: Event, *names: str) -> None:
+    """A float field given another number (an int, a numpy scalar) holds the float it is: the
+    event and its decoded copy are then equal and write the same bytes. ValueError (one line)
+    for a value that is no number."""
+    for name in names:
+        value = getattr(event, name)
+        if type(value) is not float:
+            try:
+                msgspec.structs.force_setattr(event, name, float(value))
+            except (TypeError, ValueError):
+                raise ValueError(f"{event.kind}.{name} must be a number, got {value!r}") from None
 
 
 def version_runs(versions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -406,7 +434,7 @@ class VersionPublished(Event, frozen=True, kw_only=True):
     kind = "version_published"
     version: int
     # The trainer's figures for the step that made this version (rundir.TRAINER_METRICS), as it
-    # reported them; None before a trainer reported any (and in older logs). No rule reads them.
+    # reported them; None where it reported none. No rule reads them.
     metrics: dict[str, int | float] | None = None
 
 
@@ -473,6 +501,9 @@ class EvalEpisodeCompleted(Event, frozen=True, kw_only=True):
     policy_start: int
     policy_end: int
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        _store_as_float(self, "reward")
 
 
 class EvalEpisodeCancelled(Event, frozen=True, kw_only=True):
@@ -614,12 +645,34 @@ def checked(cls: type[E], **fields: Any) -> E:
     has neither) (ValueError, one line): for events built from values that come from outside (an
     env's episode, an algorithm's advantages, a trainer's figures)."""
     try:
-        event = msgspec.convert(fields, cls, dec_hook=_decode_params)
+        event = msgspec.convert({name: _plain(value) for name, value in fields.items()}, cls, dec_hook=_decode_params)
     except msgspec.ValidationError as err:
         raise ValueError(f"{cls.kind}: {err}") from None
     for name in cls.__struct_fields__:
         _refuse_non_finite(getattr(event, name), f"{cls.kind}.{name}")
     return event
+
+
+def checked_episode(episode: Any) -> EpisodeCompleted:
+    """An episode as an env or a backend made it, checked as `checked` does, its arrays in memory
+    (ValueError, one line): what the log is given is what it can fold back."""
+    if not isinstance(episode, EpisodeCompleted):
+        raise ValueError(f"an episode is an EpisodeCompleted, got {type(episode).__name__}")
+    if episode.tokens is not None and not episode.tokens.in_memory():
+        raise ValueError("episode_completed.tokens holds sizes without arrays: build it with Tokens.of")
+    return checked(EpisodeCompleted, **{name: getattr(episode, name) for name in episode.__struct_fields__})
+
+
+def _plain(value: Any) -> Any:
+    """Numpy's scalars and arrays as the Python values they hold (an env's reward from np.mean,
+    an algorithm's advantages as an ndarray); other values as they are."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (str, bytes, Tokens)) or not hasattr(value, "tolist"):
+        return value
+    return value.tolist()
 
 
 def _refuse_non_finite(value: Any, where: str) -> None:

@@ -32,8 +32,8 @@ from orchestrator.core.samples import Sample
 # 3: the evals' state (`State.evals`).
 # 4: the dispatch capacity's counters (`grouped_episodes`, the admission and token tallies).
 # 5: a held trace is its log fields and its packed arrays (base64), not JSON lists.
-# 6: several samples per episode: settled episodes are held as their samples; `grouped_episodes`
-# (was `grouped_episodes`); `completed_samples`.
+# 6: several samples per episode: settled episodes are held as their samples; `grouped_episodes`;
+# `completed_samples`.
 # 7: a held trace is its row (event format 6) and its payload.
 REDUCER_VERSION = "orch-core-7"
 
@@ -349,6 +349,7 @@ def _trace_from_dict(d: list[str]) -> Trace:
     if what == "Sample":
         sample = _decode_sample(data)
         sample.tokens.attach(base64.b64decode(payload))
+        sample.tokens.arrays()  # checked now, as an episode's are: PayloadError
         return sample
     return decode_event("episode_completed", data, base64.b64decode(payload))  # type: ignore[return-value]
 

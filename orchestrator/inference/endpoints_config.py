@@ -174,8 +174,8 @@ class EndpointsSettings(Section):
         if mode is not None and mode not in self.dialect.update_modes:
             raise ValueError(
                 f"inference.openai.update_mode {mode!r} needs weight_sync "
-                f"{names_where(lambda dialect: mode in dialect.update_modes)}, not {self.weight_sync!r} "
-                "(vllm_lora never pauses: a request runs on its adapter to its end)"
+                f"{names_where(lambda dialect: mode in dialect.update_modes)}, not {self.weight_sync!r}"
+                + (f" ({note})" if (note := self.dialect.update_modes_note) else "")
             )
         if self.launch.servers:
             if self.endpoints or self.routers:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eventlog import EventLog, PayloadDroppedError
 from orchestrator.core.events import EpisodeCompleted, decode_event, episode_of
-from orchestrator.core.samples import split_episode
+from orchestrator.core.samples import Sample, split_episode
 from orchestrator.core.state import State
 from orchestrator.notices import warn
 from orchestrator.observe.text import Decoder, NoTokenizer, tokenizer_dir
@@ -93,7 +93,7 @@ class StepSamples:
             payloads = log.read_payloads(wanted)
         except PayloadDroppedError:  # a sink catching up on steps whose arrays were dropped (log.token_arrays)
             return []
-        episodes: dict[int, EpisodeCompleted] = {}
+        episodes: dict[int, EpisodeCompleted | Sample] = {}  # by sample id
         for seq in wanted:
             for _seq, _ts, kind, data in log.read_raw(seq, seq):
                 event = decode_event(kind, data, payloads.get(seq))

@@ -85,13 +85,14 @@ class BackgroundFinalizer:
     async def _finalize(self, group_id: int, episode_ids: list[int], episodes: Sequence[ev.EpisodeCompleted]) -> None:
         try:
             advantages = await self.algorithm.finalize_group(group_id, episodes)
+            result = ev.checked(
+                ev.BackgroundFinalized, group_id=group_id, episode_ids=episode_ids, advantages=advantages
+            )
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
             self.deliver(ev.FinalizeFailed(group_id=group_id, error=cause))
             raise FinalizeError(f"background finalize of group {group_id} failed: {cause}") from exc
-        self.deliver(
-            ev.checked(ev.BackgroundFinalized, group_id=group_id, episode_ids=episode_ids, advantages=advantages)
-        )
+        self.deliver(result)
 
     def cancel(self, group_id: int) -> None:
         self.tasks.cancel(group_id)
@@ -237,11 +238,15 @@ class Orchestrator:
         if req.eval_id is not None:
             return eval_result(outcome, self._solved[req.env])
         if outcome.exception is None:
-            done = outcome.result
-            if not done.ok or done.n_tokens:
-                return done
-            # An env's mistake, not the run's: the episode fails with the reason (docs/rules.md, "Samples").
-            self.last_episode_error = NO_SAMPLE_ERROR
+            try:
+                done = ev.checked_episode(outcome.result)
+            except ValueError as err:  # a bad episode is the env's mistake: it fails, the log stays readable
+                self.last_episode_error = episode_error(err)
+            else:
+                if not done.ok or done.n_tokens:
+                    return done
+                # An env's mistake, not the run's: the episode fails with the reason (docs/rules.md, "Samples").
+                self.last_episode_error = NO_SAMPLE_ERROR
         else:
             self.last_episode_error = episode_error(outcome.exception)
         return ev.EpisodeCompleted(

@@ -75,8 +75,8 @@ def test_a_fold_from_nothing_starts_with_run_started(sim_log):
         (
             (
                 "episode_completed",
-                b'{"episode_id":"1","group_id":1,"ok":true,"reward":0,"n_tokens":0,"sampled_tokens":0,'
-                b'"policy_start":0,"policy_end":0,"temperature":1.0,"error":null}',
+                b'{"episode_id":"1","group_id":1,"ok":true,"reward":0.0,"tokens":[0,0],'
+                b'"policy_start":0,"policy_end":0,"temperature":1.0}',
             ),
             "seq 12: cannot fold the 'episode_completed' event: ValidationError: "
             "Expected `int`, got `str` - at `$.episode_id`",

@@ -54,3 +54,22 @@ def test_a_launched_server_gets_its_dialects_flags_and_environment(tmp_path, mon
     assert {
         k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING") if k in environment
     } == env
+
+
+def test_a_lora_server_restarted_under_calls_in_flight_leaves_its_new_state_clean():
+    """The calls in flight on the old process count down the old adapters, not the new ones."""
+    import asyncio
+    from types import SimpleNamespace
+
+    dialect = DIALECTS["vllm_lora"]
+
+    async def main():
+        ep = SimpleNamespace(sync=dialect.new_state())
+        lost = ep.sync
+        with dialect.in_flight(ep, 3):
+            dialect.server_lost(ep)
+            assert lost.adapter_released.is_set(), "a load waiting for room wakes"
+            ep.sync.adapters[3] = 0  # the new process loads version 3 again
+        assert ep.sync.adapters == {3: 0} and lost.adapters == {3: 0}
+
+    asyncio.run(main())

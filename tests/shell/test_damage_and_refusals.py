@@ -271,3 +271,18 @@ def test_drop_damaged_needs_a_resume(tmp_path):
     assert done.returncode == 2
     assert "--drop-damaged is for --resume" in _one_error_line(done.stderr)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_run_of_several_sample_episodes_shows_no_payload_damage_against_its_batch_files(tmp_path):
+    """Each shipped sample is compared with its own part of its episode's payload."""
+    from eventlog import EventLog
+    from replay.damage import payload_damage
+
+    args = ("--env", "fake", "--trainer", "fake", "--max-steps", "2", "--runs-dir", str(tmp_path), "--name", "r")
+    result = orch("run", *args, "--set", "env.fake.samples_per_episode=2", "--set", "log.batch_files=keep")
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "r"
+    with EventLog.open_reader(run / "events.db") as log:
+        shipped = [(r.seq, r.data) for r in log.read(kinds=("batch_shipped",))]
+        assert shipped and any(s >= 10**12 for _, data in shipped for s in data["sample_ids"])
+        assert [payload_damage(log, seq, data) for seq, data in shipped] == [None] * len(shipped)

@@ -83,7 +83,7 @@ def test_an_ok_episode_without_token_ids_is_a_failed_episode_with_the_reason(tmp
         "env: the episode yielded no sample (an ok episode without token ids)"
     }
     empty_ok = "SELECT count(*) FROM events WHERE kind = 'episode_completed' AND json_extract(data, '$.ok') "
-    assert db.execute(empty_ok + "AND json_extract(data, '$.n_tokens') = 0").fetchone() == (0,)
+    assert db.execute(empty_ok + "AND coalesce(json_extract(data, '$.tokens[0]'), 0) = 0").fetchone() == (0,)
     assert_log_invariants(tmp_path / "r", 3, max_off_policy=2, target_lag=1)
 
 

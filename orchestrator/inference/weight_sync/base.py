@@ -103,6 +103,8 @@ class WeightSyncDialect:
     summary: ClassVar[str]  # how it loads a version, in the words of the config's description
     update_modes: ClassVar[frozenset[UpdateMode]] = frozenset({"wait"})  # the `update_mode`s it offers
     default_update_mode: ClassVar[UpdateMode] = "wait"  # the `update_mode` used where none is set
+    # why it offers only some update modes, said when a config asks for another (None: nothing to add)
+    update_modes_note: ClassVar[str | None] = None
     route_probe: ClassVar[RouteProbe | None] = None  # vLLM: the call that shows a given server has its routes
 
     @property

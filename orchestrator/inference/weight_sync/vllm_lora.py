@@ -36,6 +36,7 @@ class LoraState:
 class VllmLora(WeightSyncDialect):
     engine = "vllm"
     summary = "vLLM LoRA adapters"
+    update_modes_note = "vllm_lora never pauses: a request runs on its adapter to its end"
     # an adapter no server holds: vLLM with the route refuses it as one that "cannot be found"
     route_probe = RouteProbe(
         "POST",
@@ -61,14 +62,13 @@ class VllmLora(WeightSyncDialect):
         adapter ``step_N``. The newest ``max_loras`` stay loaded (an eval pinned to a recent
         version samples with its adapter); to make room, the oldest that no request in flight
         uses is unloaded, and the load waits for one to be free, so an endpoint never holds more."""
-        state: LoraState = ep.sync
         async with versions_held(path, client.load_timeout_s):
             check_weights_dir(path, "adapter_config.json", "a PEFT adapter dir")
             if ep.version < 0:  # a new client, or the endpoint failed: what it holds is unknown
                 await _adopt_listed_adapters(client, ep)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + client.load_timeout_s
-            while len(state.adapters) >= client.max_loras:
+            while len((state := ep.sync).adapters) >= client.max_loras:  # read again: a restart replaces it
                 unused = sorted(v for v, users in state.adapters.items() if users == 0 and v != ep.version)
                 if unused:
                     await _unload_adapter(client, ep, unused[0])
@@ -93,11 +93,16 @@ class VllmLora(WeightSyncDialect):
                 timeout=client.load_timeout_s,
                 text=True,
             )
-            state.adapters.setdefault(version, 0)
+            ep.sync.adapters.setdefault(version, 0)
             return version
 
     def server_lost(self, ep: SyncedEndpoint) -> None:
-        ep.sync.adapters = {}  # a new process holds no adapter, only the model as launched
+        """A new process holds no adapter, only the model as launched: a fresh state. The calls
+        still in flight on the old process count down the old state's adapters, and a load
+        waiting for room wakes and looks at the new one."""
+        lost: LoraState = ep.sync
+        ep.sync = self.new_state()
+        lost.adapter_released.set()
 
     def sample_with(
         self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, at_version: int | None
