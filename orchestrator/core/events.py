@@ -221,10 +221,14 @@ class EpisodeCompleted(Event, frozen=True, kw_only=True):
     agent_rewards: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
-        _store_as_float(self, "reward", "temperature")
+        # Runs for every row a fold decodes: the common case (floats, no agents) costs two checks.
+        if type(self.reward) is not float or type(self.temperature) is not float:
+            _store_as_float(self, "reward", "temperature")
         if not (math.isfinite(self.reward) and math.isfinite(self.temperature)):
             raise ValueError(f"reward {self.reward} and temperature {self.temperature} must be finite")
-        if not all(type(r) is float and math.isfinite(r) for _, r in self.agent_rewards):
+        if self.tokens is not None and self.tokens.sampled_tokens > self.tokens.n_tokens:
+            raise ValueError(f"tokens {[self.tokens.n_tokens, self.tokens.sampled_tokens]}: more sampled than in all")
+        if self.agent_rewards and not all(type(r) is float and math.isfinite(r) for _, r in self.agent_rewards):
             raise ValueError(f"agent_rewards {list(self.agent_rewards)}: each reward a finite float")
         if self.token_versions:
             check_version_runs(self.token_versions, self.sampled_tokens, self.policy_start, self.policy_end)

@@ -486,7 +486,7 @@ def fold_rows(
         except ValueError as err:  # what a decoder raises for any bytes (msgspec's errors)
             raise FoldError(first_seq + count, kind, err) from err
         if kind == "episode_completed" and event.tokens is not None:
-            event.tokens.seq = first_seq + count
+            event.tokens.__dict__["seq"] = first_seq + count  # `arrays.Tokens.seq`
         try:
             reducers[kind](state, event)
         except InconsistentEvent as err:

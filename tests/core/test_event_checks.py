@@ -75,12 +75,12 @@ def test_each_sample_s_sampled_tokens_are_its_part_of_the_mask():
         (
             b'{"episode_id":1,"group_id":1,"ok":true,"reward":0.0,"tokens":[2,5],"policy_start":0,'
             b'"policy_end":0,"temperature":1.0}',
-            "0 <= sampled tokens <= tokens",
+            r"tokens \[2, 5\]: more sampled than in all",
         ),
         (
             b'{"episode_id":1,"group_id":1,"ok":true,"reward":0.0,"tokens":[-3,0],"policy_start":0,'
             b'"policy_end":0,"temperature":1.0}',
-            "0 <= sampled tokens <= tokens",
+            r"Expected `int` >= 0 - at `\$.tokens\[0\]`",
         ),
         (
             b'{"episode_id":1,"group_id":1,"ok":true,"reward":0.0,"policy_start":0,"policy_end":0,'
