@@ -625,7 +625,8 @@ INPUT_KINDS = frozenset(kind for kind, cls in EVENT_TYPES.items() if cls.role ==
 
 
 # `run_started`'s params are the run's settings, a pydantic model validated with the config:
-# written as their JSON, read back through their validation.
+# written as their JSON, read back through their validation. NotImplementedError is msgspec's
+# protocol for a hook given a type it does not handle (msgspec reports it as an unsupported type).
 def _encode_params(value: Any) -> Any:
     if isinstance(value, CoreParams):
         return value.model_dump(mode="json")

@@ -4,6 +4,7 @@ client nor the config, which ask them), and the helpers they share."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import time
@@ -90,7 +91,7 @@ class RouteProbe:
     text: bool = False  # the answer is text, not JSON
 
 
-class WeightSyncDialect:
+class WeightSyncDialect(abc.ABC):
     """How endpoints load a published version, and what that means for the sampling calls: the
     points the inference client calls it at. The defaults are a dialect's whose endpoints sample
     with the version they confirmed last; each dialect is one module, one class of this, which
@@ -124,13 +125,14 @@ class WeightSyncDialect:
         """An endpoint's state of this dialect (`Endpoint.sync`), made with the endpoint."""
         return None
 
+    @abc.abstractmethod
     async def load(self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
         """Load weights dir ``path`` as ``version`` on ``ep``: the version it confirmed. One load
         of an endpoint at a time."""
-        raise NotImplementedError
 
     def server_lost(self, ep: SyncedEndpoint) -> None:
         """``ep``'s server ended and is started afresh: it holds only the model as launched."""
+        return None  # a dialect without per-endpoint state has nothing to forget
 
     def known_version(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> int:
         """The version ``ep`` is known to hold."""
@@ -145,6 +147,7 @@ class WeightSyncDialect:
 
     async def before_attempt(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> None:
         """Before each attempt of a sampling call on ``ep`` (again after a reload ended it)."""
+        return None  # a dialect whose loads never hold a call back: nothing to wait for
 
     @contextlib.contextmanager
     def in_flight(self, ep: SyncedEndpoint, version: int) -> Iterator[None]:

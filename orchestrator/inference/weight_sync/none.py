@@ -14,3 +14,7 @@ class NoSync(WeightSyncDialect):
     def known_version(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> int:
         """The version the client was told last (0 before any)."""
         return client.target[0] if client.target is not None else 0
+
+    async def load(self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str) -> int:
+        """Nothing to load (the client does not call it: `loads` is false): the version as told."""
+        return version
