@@ -69,6 +69,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "orchestrator.algorithms.*",
         "orchestrator.serve",  # `orch serve`'s policy, tokenizer and server
         "orchestrator.serve.*",
+        "orchestrator.weight_push",  # the trainer's weight push and its vLLM engine (weight_sync vllm_push)
+        "orchestrator.weight_push.*",
     ),
     # the registries, RunConfig and the rules that span components
     "composition root": ("orchestrator.config", "orchestrator.config_docs"),

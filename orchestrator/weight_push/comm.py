@@ -1,0 +1,95 @@
+"""The communicator a weight push broadcasts over: an interface (:class:`Communicator`), so the
+sender and vLLM's receiving engine do not care what moves the bytes, and its gloo form
+(:class:`GlooCommunicator`), between CPU processes. On GPUs an NCCL one takes its place (vLLM's
+``PyNcclCommunicator`` has the same broadcast); the buckets, the control plane and the dialect
+stay as they are.
+
+A group is made for one push channel (the trainer and one vLLM server's workers) and for
+nothing else: a *stateless* group (its own TCPStore, no ``torch.distributed`` default group),
+so it neither needs nor disturbs the trainer's own process group (DDP/FSDP ranks) or vLLM's.
+
+Bounds: every gloo operation, the rendezvous included, gives up after the group's timeout and
+raises, so a peer that is gone (a killed server, a killed trainer) costs at most that long; the
+caller still runs collectives where its own wait is bounded (the sender in a thread it waits on
+with a deadline), as a collective cannot be cancelled from outside."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+GROUP_PREFIX = "orch-weight-push"
+
+
+class Communicator(Protocol):
+    """A group in which rank 0 (the trainer) sends and every other rank (vLLM's workers) receives."""
+
+    rank: int
+    world_size: int
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """``src``'s ``tensor`` into every other rank's ``tensor`` (same size and dtype); returns
+        when this rank's part is done."""
+        ...
+
+    def close(self) -> None:
+        """Release the group (idempotent); a collective running in another thread fails."""
+        ...
+
+
+def master_store(host: str, world_size: int, timeout_s: float) -> TCPStore:
+    """The trainer's side of the rendezvous: a TCPStore listening on a free port of ``host``
+    (``store.port``), returned at once; the workers connect to it, then every rank builds the
+    group (`GlooCommunicator`), which waits for all of them."""
+    return TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def client_store(host: str, port: int, world_size: int, timeout_s: float) -> TCPStore:
+    """A worker's side of the rendezvous: the trainer's store (connecting waits at most ``timeout_s``)."""
+    return TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _device(peer_host: str) -> ProcessGroupGloo.Device:
+    """The interface gloo uses: ``GLOO_SOCKET_IFNAME`` if set (as torch reads it), else loopback
+    when the trainer is on this machine's loopback (the hostname may resolve to an address
+    another process cannot reach), else the hostname's address."""
+    if ifname := os.environ.get("GLOO_SOCKET_IFNAME"):
+        return ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+    if peer_host in ("127.0.0.1", "localhost", "::1"):
+        return ProcessGroupGloo.create_device(hostname=peer_host)
+    return ProcessGroupGloo.create_default_device()
+
+
+class GlooCommunicator:
+    """A stateless gloo group over ``store`` (`master_store` on rank 0, `client_store` elsewhere);
+    built once every rank built it, within ``timeout_s``, which also bounds each broadcast."""
+
+    def __init__(self, store: TCPStore, rank: int, world_size: int, timeout_s: float, peer_host: str):
+        self.rank, self.world_size = rank, world_size
+        self._store = store  # the group's rendezvous and its keys live as long as the group
+        options = ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        options._devices = [_device(peer_host)]
+        self._group: ProcessGroupGloo | None = ProcessGroupGloo(
+            PrefixStore(GROUP_PREFIX, store), rank, world_size, options
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        group = self._group
+        if group is None:
+            raise RuntimeError("the weight-push group is closed")
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        group.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                group.abort()  # a broadcast blocked in another thread fails now, not at its timeout
+            except RuntimeError:
+                pass

@@ -1,0 +1,272 @@
+"""The trainer's side of a weight push: :class:`WeightPushSender` holds the newest published
+version's tensors and one channel (a `Communicator` group) per vLLM server, and broadcasts the
+version in buckets when asked; :class:`PushService` is how the orchestrator asks (a small HTTP
+server in the trainer process, its address in ``RUN_DIR/weights/push.json``).
+
+Why the orchestrator asks rather than the trainer pushing on its own: the orchestrator's client
+owns each server's pause, resume and the version every completion records (the `vllm_push`
+dialect), and a broadcast needs both sides in the same collective at the same time. So the
+dialect drives the server's routes and, while the server's ``/update_weights`` waits in the
+collective, asks the trainer to broadcast (``POST /push``). The trainer only answers.
+
+Every wait is bounded: a channel's rendezvous and each broadcast by the group's timeout (gloo
+raises after it), and a whole push by ``push_timeout_s`` (it runs in the channel's thread, the
+request waits for it with that deadline, and on expiry the group is aborted and dropped: the
+next load opens a fresh one)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.weight_push.buckets import DEFAULT_BUCKET_BYTES, ParamSpec, pack, plan_buckets, specs_of
+from orchestrator.weight_push.comm import Communicator, GlooCommunicator, master_store
+
+PUSH_INFO = "push.json"  # in RUN_DIR/weights: where the trainer's push service listens
+
+
+class PushError(RuntimeError):
+    pass
+
+
+class _NoRoute(LookupError):
+    pass
+
+
+@dataclass
+class _Snapshot:
+    version: int
+    tensors: list[tuple[str, torch.Tensor]]
+    specs: list[ParamSpec]
+
+
+@dataclass
+class _Channel:
+    """The group with one server's workers (ranks 1..world_size-1) and the thread that runs its
+    collectives: one at a time, the group's rendezvous first."""
+
+    key: str
+    port: int
+    world_size: int
+    runner: concurrent.futures.ThreadPoolExecutor
+    group: concurrent.futures.Future  # -> Communicator, once every rank joined
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        if self.group.done() and self.group.exception() is None:
+            self.group.result().close()
+        else:
+            self.group.cancel()
+        self.runner.shutdown(wait=False, cancel_futures=True)  # a collective blocked in it fails at its timeout
+
+
+class WeightPushSender:
+    """What the trainer process keeps to push versions: the newest version's tensors (a copy in
+    ``wire_dtype``: training goes on while a push reads them) and the channels."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 60.0,
+        push_timeout_s: float = 300.0,
+        wire_dtype: torch.dtype | None = None,
+    ):
+        self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s
+        self.push_timeout_s, self.wire_dtype = push_timeout_s, wire_dtype
+        self.instance = uuid.uuid4().hex  # a restarted trainer is another instance: servers join anew
+        self._snapshot: _Snapshot | None = None
+        self._channels: dict[str, _Channel] = {}
+        self._cond = threading.Condition()
+
+    # -- versions ------------------------------------------------------------------------------
+    def set_version(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hold ``tensors`` (name, tensor: HF checkpoint names, as vLLM loads them) as ``version``.
+        Called before the version's STABLE marker is written, so that any version the
+        orchestrator asks for is here (or a newer one)."""
+        copied = []
+        for name, t in tensors:
+            t = t.detach()
+            copied.append((name, t.to(dtype=self.wire_dtype or t.dtype, device="cpu", copy=True)))
+        snapshot = _Snapshot(version, copied, specs_of(copied))
+        with self._cond:
+            if self._snapshot is None or version >= self._snapshot.version:
+                self._snapshot = snapshot
+            self._cond.notify_all()
+
+    def _snapshot_at_least(self, version: int, timeout_s: float) -> _Snapshot:
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._snapshot is not None and self._snapshot.version >= version, timeout_s
+            ):
+                held = None if self._snapshot is None else self._snapshot.version
+                raise PushError(f"the trainer holds version {held}, not {version} or newer, after {timeout_s:g}s")
+            assert self._snapshot is not None
+            return self._snapshot
+
+    def metadata(self) -> dict[str, Any]:
+        """The newest version's tensors as vLLM's ``/update_weights`` takes them (the same for
+        every version: only the values change)."""
+        snapshot = self._snapshot_at_least(-1, self.timeout_s)
+        names, dtypes, shapes = zip(*(spec.wire() for spec in snapshot.specs), strict=True)
+        return {"version": snapshot.version, "names": list(names), "dtype_names": list(dtypes), "shapes": list(shapes)}
+
+    # -- channels ------------------------------------------------------------------------------
+    def open_channel(self, key: str, world_size: int, communicator=GlooCommunicator) -> dict[str, Any]:
+        """A new group for server ``key`` (replacing its old one): the store listens at once, and
+        the group forms in the channel's thread as the server's workers join (its
+        ``/init_weight_transfer_engine``, given what this returns), within the timeout."""
+        if world_size < 2:
+            raise PushError(f"a push group needs the trainer and at least one worker, not {world_size} ranks")
+        self.close_channel(key)
+        store = master_store(self.host, world_size, self.timeout_s)
+        runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"orch-push-{key}")
+        group = runner.submit(communicator, store, 0, world_size, self.timeout_s, self.host)
+        with self._cond:
+            self._channels[key] = _Channel(key, store.port, world_size, runner, group)
+        return {
+            "master_address": self.host,
+            "master_port": store.port,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "bucket_bytes": self.bucket_bytes,
+            "timeout_s": self.timeout_s,
+        }
+
+    def close_channel(self, key: str) -> None:
+        with self._cond:
+            channel = self._channels.pop(key, None)
+        if channel is not None:
+            channel.close()
+
+    def push(self, key: str, version: int) -> int:
+        """Broadcast the newest version (``version`` or newer) on ``key``'s channel: the version
+        sent. Bounded by ``push_timeout_s``; a failed or late push drops the channel."""
+        with self._cond:
+            channel = self._channels.get(key)
+        if channel is None:
+            raise PushError(f"no push channel for {key}: open one first")
+        if not channel.lock.acquire(timeout=self.push_timeout_s):
+            raise PushError(f"{key}: another push held its channel for {self.push_timeout_s:g}s")
+        try:
+            deadline = time.monotonic() + self.push_timeout_s
+            snapshot = self._snapshot_at_least(version, self.push_timeout_s)
+            try:
+                group: Communicator = channel.group.result(timeout=max(0.0, deadline - time.monotonic()))
+                sent = channel.runner.submit(self._broadcast, group, snapshot)
+                sent.result(timeout=max(0.0, deadline - time.monotonic()))
+            except BaseException as exc:
+                self.close_channel(key)
+                if isinstance(exc, concurrent.futures.TimeoutError):
+                    late = f"{key}: the push of version {snapshot.version} took over {self.push_timeout_s:g}s"
+                    raise PushError(late) from None
+                raise
+            return snapshot.version
+        finally:
+            channel.lock.release()
+
+    def _broadcast(self, group: Communicator, snapshot: _Snapshot) -> None:
+        for bucket in plan_buckets(snapshot.specs, self.bucket_bytes):
+            group.broadcast(pack([snapshot.tensors[i][1] for i in bucket]), src=0)
+
+    def close(self) -> None:
+        with self._cond:
+            keys = list(self._channels)
+        for key in keys:
+            self.close_channel(key)
+
+
+class PushService:
+    """The sender's HTTP face, on ``host``'s free port, in daemon threads (one per request):
+
+    * ``GET /info`` -> ``{"instance", "version"}``;
+    * ``GET /metadata`` -> the tensors' names, dtype names and shapes (`WeightPushSender.metadata`);
+    * ``POST /channel {"key", "world_size"}`` -> the init info for the server's
+      ``/init_weight_transfer_engine`` (`WeightPushSender.open_channel`);
+    * ``POST /push {"key", "version"}`` -> ``{"version": sent}``, once the broadcast is done;
+    * ``POST /close {"key"}``.
+
+    Errors answer 500 with ``{"error"}``. ``info_path`` (``RUN_DIR/weights/push.json``) says
+    where it listens and which instance it is; written atomically, removed at close."""
+
+    def __init__(self, sender: WeightPushSender, info_path: str | os.PathLike | None = None, host: str = "127.0.0.1"):
+        self.sender = sender
+        self.info_path = Path(info_path) if info_path is not None else None
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: the trainer's log is its steps
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._answer(lambda _body: service.get(self.path))
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._answer(lambda body: service.post(self.path, body))
+
+            def _answer(self, handle) -> None:
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    body = json.loads(self.rfile.read(length)) if length else {}
+                    status, answer = HTTPStatus.OK, handle(body)
+                except _NoRoute as exc:
+                    status, answer = HTTPStatus.NOT_FOUND, {"error": f"no route {exc}"}
+                except Exception as exc:  # noqa: BLE001 - the caller gets it, in one line
+                    status, answer = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(exc).__name__}: {exc}"}
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="orch-push-service", daemon=True)
+        self._thread.start()
+        if self.info_path is not None:
+            tmp = self.info_path.with_name(f".{self.info_path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"url": self.url, "instance": sender.instance, "pid": os.getpid()}))
+            os.replace(tmp, self.info_path)
+
+    def get(self, path: str) -> Any:
+        if path == "/info":
+            snapshot = self.sender._snapshot
+            return {"instance": self.sender.instance, "version": None if snapshot is None else snapshot.version}
+        if path == "/metadata":
+            return self.sender.metadata()
+        raise _NoRoute(path)
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        if path == "/channel":
+            return self.sender.open_channel(str(body["key"]), int(body["world_size"]))
+        if path == "/push":
+            return {"version": self.sender.push(str(body["key"]), int(body["version"]))}
+        if path == "/close":
+            self.sender.close_channel(str(body["key"]))
+            return {}
+        raise _NoRoute(path)
+
+    def close(self) -> None:
+        if self.info_path is not None:
+            try:
+                if json.loads(self.info_path.read_text()).get("instance") == self.sender.instance:
+                    self.info_path.unlink()
+            except (OSError, ValueError):
+                pass
+        self._server.shutdown()
+        self._server.server_close()
+        self.sender.close()
