@@ -23,6 +23,26 @@ class LoraSection(Section):
     )
 
 
+class PushSection(Section):
+    """The trainer's weight push (prototype; weight_sync vllm_push: orchestrator/weight_push)."""
+
+    enabled: bool = Field(
+        False,
+        description="hold each published version in memory and broadcast it into the vLLM servers when "
+        "the orchestrator asks (its push service, RUN_DIR/weights/push.json); needs weight_sync vllm_push",
+    )
+    host: str = Field("127.0.0.1", description="the address the push service and its groups listen on")
+    bucket_mb: float = Field(64.0, gt=0, description="bytes per broadcast bucket, in MiB")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="the dtype the tensors travel in (None: the trained weights' own)"
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="bound on a push group's rendezvous and on each broadcast: a side whose peer is gone gives up",
+    )
+
+
 class TrainingSettings(Section):
     """What the trainer process trains with, as the run's `trainer.hf` section gives it."""
 
@@ -56,6 +76,13 @@ class TrainingSettings(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process group backend (auto: nccl with CUDA, else gloo)"
     )
+    push: PushSection = Field(default_factory=PushSection, description="the weight push (weight_sync vllm_push)")
+
+    @model_validator(mode="after")
+    def _push_full_weights(self) -> TrainingSettings:
+        if self.push.enabled and self.lora.rank:
+            raise ValueError("trainer.hf.push pushes full weights: it does not go with trainer.hf.lora (rank > 0)")
+        return self
 
 
 class HFTrainerSettings(TrainingSettings):

@@ -115,6 +115,8 @@ class TrainingLoop:
         self.ranks = ranks or Ranks()
         self._log = log or (lambda line: print(line, flush=True))
         self.step = -1  # last trained step (0 = nothing trained yet)
+        self.pusher = None  # the weight push's sender and service (trainer.hf.push; main rank)
+        self._push_held = False  # every rank: the sender holds the newest version
 
     def log(self, line: str) -> None:
         if self.ranks.is_main:
@@ -163,6 +165,8 @@ class TrainingLoop:
             f"{n_train} trained parameters), {ranks.world} rank(s) ({ranks.backend}, {ranks.device.type}"
             f"{', ' + config.distributed if ranks.world > 1 else ''}), at step {self.step}"
         )
+        if config.push.enabled and ranks.is_main:
+            self.pusher = start_push_service(self.run_dir, config)
         self.publish(self.step, None)
         return self.step
 
@@ -359,9 +363,16 @@ class TrainingLoop:
         """Publish the weights as `version` unless they are already; `checked`: the step that made
         them has just refused non-finite ones (`refuse_nonfinite`), so they are not scanned again.
         A republish (at start) scans them: its checkpoint may predate that check."""
-        if rundir.is_stable(rundir.weights_dir(self.run_dir, version)):
+        stable = rundir.is_stable(rundir.weights_dir(self.run_dir, version))
+        if stable and (self._push_held or not self.config.push.enabled):
             return  # every rank sees it (shared run dir): none gathers
         state = checkpoint.trained_state_dict(self.module)  # collective under FSDP
+        if self.config.push.enabled:  # before STABLE: a version the orchestrator sees can be pushed
+            if self.pusher is not None:
+                self.pusher.sender.set_version(version, state.items())
+            self._push_held = True
+            if stable:  # a resume's republish: the sender holds it now, the disk already did
+                return
         if checked:
             bad = 0.0
         else:
@@ -378,13 +389,35 @@ class TrainingLoop:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
-        self.init_or_resume()
-        if self.step >= self.config.max_steps:
-            self.log(f"trainer: already at step {self.step} >= max_steps {self.config.max_steps}; done")
-            return
-        for step in range(self.step + 1, self.config.max_steps + 1):
-            self.log(step_line(self.train_step(step)))
-        self.log(f"trainer done: {self.config.max_steps} steps")
+        try:
+            self.init_or_resume()
+            if self.step >= self.config.max_steps:
+                self.log(f"trainer: already at step {self.step} >= max_steps {self.config.max_steps}; done")
+                return
+            for step in range(self.step + 1, self.config.max_steps + 1):
+                self.log(step_line(self.train_step(step)))
+            self.log(f"trainer done: {self.config.max_steps} steps")
+        finally:
+            if self.pusher is not None:
+                self.pusher.close()
+
+
+def start_push_service(run_dir: Path, config: TrainerConfig):
+    """The weight push's sender and its HTTP service (orchestrator/weight_push), its address in
+    RUN_DIR/weights/push.json."""
+    from orchestrator.weight_push.sender import PUSH_INFO, PushService, WeightPushSender
+
+    push = config.push
+    sender = WeightPushSender(
+        host=push.host,
+        bucket_bytes=int(push.bucket_mb * (1 << 20)),
+        timeout_s=push.timeout_s,
+        push_timeout_s=config.batch_wait_timeout_s,
+        wire_dtype=getattr(torch, push.dtype) if push.dtype else None,
+    )
+    root = rundir.weights_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    return PushService(sender, root / PUSH_INFO, host=push.host)
 
 
 def full_value(norm: torch.Tensor) -> float:

@@ -39,6 +39,7 @@ def test_each_dialect_says_what_it_loads_and_offers(name):
             ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"],
             {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
         ),
+        ("vllm_push", ["--weight-transfer-config", '{"backend": "orch_gloo"}'], {"VLLM_SERVER_DEV_MODE": "1"}),
         ("none", [], {}),
     ],
 )

@@ -12,6 +12,7 @@ and environment) rather than name it.
 * :mod:`.orch`: `orch serve`'s ``/update_weights``;
 * :mod:`.vllm_reload`: vLLM's full reload (pause, reload_weights, reset_prefix_cache, resume);
 * :mod:`.vllm_lora`: vLLM's LoRA adapters, one per version;
+* :mod:`.vllm_push`: (prototype) the trainer broadcasts each version into vLLM over a process group;
 * :mod:`.sglang`: SGLang's ``/update_weights_from_disk``;
 * :mod:`.vllm_check`: the check of given vLLM endpoints before a run.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from orchestrator.inference.weight_sync import none, orch, sglang, vllm_lora, vllm_reload
+from orchestrator.inference.weight_sync import none, orch, sglang, vllm_lora, vllm_push, vllm_reload
 from orchestrator.inference.weight_sync.base import WeightSyncDialect
 
 # In the order the config's docs and messages list them.
@@ -28,6 +29,7 @@ DIALECTS: dict[str, WeightSyncDialect] = {
     "orch": orch.OrchServe(),
     "vllm_reload": vllm_reload.VllmReload(),
     "vllm_lora": vllm_lora.VllmLora(),
+    "vllm_push": vllm_push.VllmPush(),
     "sglang": sglang.SGLang(),
     "none": none.NoSync(),
 }

@@ -49,7 +49,7 @@ class VllmReload(WeightSyncDialect):
         reload. Either way each token's version is exact."""
         state: ReloadState = ep.sync
         async with versions_held(path, client.load_timeout_s):
-            check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
+            self.check_source(path)
             state.reloading = asyncio.Event()
             interrupt = client.update_mode == "interrupt"
             try:
@@ -64,7 +64,7 @@ class VllmReload(WeightSyncDialect):
                         "reload drain",
                     ) from None
                 try:
-                    await _paused_reload(client, ep, path, "abort" if interrupt else "wait")
+                    version = await self.paused_load(client, ep, version, path, "abort" if interrupt else "wait")
                 except BaseException:
                     # Paused (or maybe), its weights either version: unknown until a reload succeeds.
                     # The endpoint's next request reloads it first, and that reload's /resume ends
@@ -76,6 +76,19 @@ class VllmReload(WeightSyncDialect):
             finally:
                 state.reloading.set()
                 state.reloading = None
+
+    def check_source(self, path: str) -> None:
+        """Before the pause: what the load will read is there."""
+        check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
+
+    async def paused_load(
+        self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str, mode: str
+    ) -> int:
+        """Pause ``ep`` (``mode``), load the weights, reset its prefix cache and resume it: the
+        version it now holds. The steps between the drain and the resume, which a dialect that
+        loads another way (`vllm_push`) replaces."""
+        await _paused_reload(client, ep, path, mode)
+        return version
 
     async def before_attempt(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> None:
         """Exact versions: none is sent during a reload, nor after one that failed (the
@@ -106,9 +119,14 @@ async def _paused_reload(client: WeightSyncClient[EndpointT], ep: EndpointT, pat
         {"method": "reload_weights", "kwargs": {"weights_path": path}},
         timeout=client.load_timeout_s,
     )
+    await reset_prefix_cache_and_resume(client, ep, f"the reload of {path}")
+
+
+async def reset_prefix_cache_and_resume(client: WeightSyncClient[EndpointT], ep: EndpointT, after: str) -> None:
+    """The last steps of a load on every engine of ``ep`` (``after``: the load, as a failure names it)."""
     # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
     answers = await on_each_engine(client, ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
     for url, answer in zip(ep.admin_urls, answers, strict=True):
         if not (isinstance(answer, dict) and answer.get("success") is True):  # the server's state, not the request
-            raise Retryable(f"{url}/reset_prefix_cache failed after the reload of {path}: {answer!r}", "reload")
+            raise Retryable(f"{url}/reset_prefix_cache failed after {after}: {answer!r}", "reload")
     await on_each_engine(client, ep, "POST", "/resume", timeout=client.load_timeout_s)
