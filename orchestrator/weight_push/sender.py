@@ -65,10 +65,11 @@ class _Channel:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
-        if self.group.done() and self.group.exception() is None:
-            self.group.result().close()
-        else:
-            self.group.cancel()
+        def close_group(group: concurrent.futures.Future) -> None:  # now, or once a rendezvous under way ends
+            if not group.cancelled() and group.exception() is None:
+                group.result().close()
+
+        self.group.add_done_callback(close_group)
         self.runner.shutdown(wait=False, cancel_futures=True)  # a collective blocked in it fails at its timeout
 
 

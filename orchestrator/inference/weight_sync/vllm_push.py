@@ -15,6 +15,7 @@ collective bounded by the group's timeout (shorter: a side left alone gives up f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,9 +121,19 @@ async def _push_one(
     send = asyncio.ensure_future(
         client.call(ep, "POST", "/push", {"key": url, "version": version}, timeout, base=trainer)
     )
-    # Both end (each call has its timeout; each side's collective gives up at the group's
-    # timeout when the other is gone) before a failure is raised: none is left running.
-    received, answer = await asyncio.gather(receive, send, return_exceptions=True)
+    # Both end before a failure is raised: none is left running. Each call has its timeout, and
+    # each side's collective gives up at the group's timeout when the other is gone; a side that
+    # failed first (a refused /update_weights, say) has the trainer abort its group, so that its
+    # broadcast, and the worker's receive with it, fail now rather than at that timeout.
+    try:
+        done, _ = await asyncio.wait((receive, send), return_when=asyncio.FIRST_EXCEPTION)
+        if any(task.exception() is not None for task in done) and not send.done():
+            with contextlib.suppress(Exception):  # it ends at its timeout anyway
+                await client.call(ep, "POST", "/close", {"key": url}, timeout, base=trainer)
+        received, answer = await asyncio.gather(receive, send, return_exceptions=True)
+    finally:  # the load cancelled (a stop): its calls with it
+        for task in (receive, send):
+            task.cancel()
     for outcome in (received, answer):
         if isinstance(outcome, BaseException):
             raise outcome
