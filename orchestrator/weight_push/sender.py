@@ -100,6 +100,7 @@ class WeightPushSender:
         copied = []
         for name, t in tensors:
             t = t.detach()
+            # In host memory: gloo sends from there (an NCCL communicator would want a GPU copy).
             copied.append((name, t.to(dtype=self.wire_dtype or t.dtype, device="cpu", copy=True)))
         snapshot = _Snapshot(version, copied, specs_of(copied))
         with self._cond:
