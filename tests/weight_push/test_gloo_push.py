@@ -21,14 +21,17 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 pytestmark = needs_vllm
 
 
-def receive(init_info: dict, update_info: dict | None, out: str) -> None:
-    """A vLLM worker's engine, as the server's routes drive it: join, then receive one push
-    (None: join and wait for one that never comes, as ``/update_weights`` would)."""
+def receive(ready, inbox, update_info: dict | None, out: str) -> None:
+    """A vLLM worker's engine, as the server's routes drive it: once its imports are done (it
+    sets ``ready``), join with the init info ``inbox`` then gives it, and receive one push (None:
+    wait for one that never comes, as ``/update_weights`` would)."""
     from types import SimpleNamespace
 
     from orchestrator.weight_push.vllm_engine import OrchGlooWeightTransferEngine
 
     torch.set_num_threads(1)
+    ready.set()
+    init_info = inbox.get(timeout=60)
     got: list = []
     model = SimpleNamespace(load_weights=lambda weights: got.extend((n, t.clone()) for n, t in weights))
     parallel = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
@@ -44,6 +47,19 @@ def receive(init_info: dict, update_info: dict | None, out: str) -> None:
         Path(out).write_text(json.dumps({"error": str(exc).splitlines()[0], "after_s": time.monotonic() - started}))
     finally:
         engine.shutdown()
+
+
+def started_worker(update_info: dict | None, out: Path):
+    """The receiving process, its imports (vLLM's) done: a channel's rendezvous is timed from
+    its opening, as a server's is (a server's workers are up long before)."""
+    spawn = multiprocessing.get_context("spawn")
+    ready, inbox = spawn.Event(), spawn.Queue()
+    worker = spawn.Process(target=receive, args=(ready, inbox, update_info, str(out)))
+    worker.start()
+    deadline = time.monotonic() + 120
+    while not ready.wait(0.1):
+        assert worker.is_alive() and time.monotonic() < deadline, "the receiving process did not start"
+    return worker, inbox
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -68,17 +84,15 @@ def call(url: str, path: str, body: dict | None = None) -> dict:
 def test_a_version_pushed_through_the_service_arrives_bit_for_bit(tmp_path, wire_dtype):
     sender = WeightPushSender(bucket_bytes=5000, timeout_s=30, push_timeout_s=60, wire_dtype=wire_dtype)
     service = PushService(sender, tmp_path / PUSH_INFO)
-    spawn = multiprocessing.get_context("spawn")
     try:
         assert json.loads((tmp_path / PUSH_INFO).read_text())["url"] == service.url
         sender.set_version(2, tensors().items())
         sender.set_version(1, tensors().items())  # an older version never replaces a newer one
         meta = call(service.url, "/metadata")
         assert meta["version"] == 2 and meta["names"] == list(tensors())
-        init_info = call(service.url, "/channel", {"key": "server-0", "world_size": 2})
         update_info = {k: meta[k] for k in ("names", "dtype_names", "shapes")}
-        worker = spawn.Process(target=receive, args=(init_info, update_info, str(tmp_path / "got.pt")))
-        worker.start()
+        worker, inbox = started_worker(update_info, tmp_path / "got.pt")
+        inbox.put(call(service.url, "/channel", {"key": "server-0", "world_size": 2}))
         assert call(service.url, "/push", {"key": "server-0", "version": 1}) == {"version": 2}  # the newest
         worker.join(60)
         assert worker.exitcode == 0
@@ -110,10 +124,9 @@ def test_a_push_to_a_server_that_never_joins_gives_up_within_the_groups_timeout(
 def test_a_receive_whose_trainer_never_sends_gives_up_within_the_groups_timeout(tmp_path):
     sender = WeightPushSender(timeout_s=3, push_timeout_s=20)
     sender.set_version(0, tensors().items())
-    init_info = sender.open_channel("server-0", 2)
-    worker = multiprocessing.get_context("spawn").Process(target=receive, args=(init_info, None, str(tmp_path / "r")))
-    worker.start()
+    worker, inbox = started_worker(None, tmp_path / "r")
     try:
+        inbox.put(sender.open_channel("server-0", 2))
         sender._channels["server-0"].group.result(timeout=60)  # joined; then nothing is sent
         worker.join(60)
         assert worker.exitcode == 0
