@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.weight_push.buckets import DEFAULT_BUCKET_BYTES, ParamSpec, pack, plan_buckets, specs_of
+from orchestrator.weight_push.buckets import DEFAULT_BUCKET_BYTES, ParamSpec, pack, plan_buckets, unpack
 from orchestrator.weight_push.comm import Communicator, GlooCommunicator, master_store
 
 PUSH_INFO = "push.json"  # in RUN_DIR/weights: where the trainer's push service listens
@@ -47,9 +47,12 @@ class _NoRoute(LookupError):
 
 @dataclass
 class _Snapshot:
+    """A version as it travels: its tensors' specs and their bytes, already cut into the buckets
+    (packed once, when the version is handed over, rather than at every push to every server)."""
+
     version: int
-    tensors: list[tuple[str, torch.Tensor]]
     specs: list[ParamSpec]
+    buckets: list[torch.Tensor]  # uint8, plan_buckets(specs)'s order
 
 
 @dataclass
@@ -94,19 +97,31 @@ class WeightPushSender:
 
     # -- versions ------------------------------------------------------------------------------
     def set_version(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hold ``tensors`` (name, tensor: HF checkpoint names, as vLLM loads them) as ``version``.
-        Called before the version's STABLE marker is written, so that any version the
-        orchestrator asks for is here (or a newer one)."""
-        copied = []
-        for name, t in tensors:
-            t = t.detach()
-            # In host memory: gloo sends from there (an NCCL communicator would want a GPU copy).
-            copied.append((name, t.to(dtype=self.wire_dtype or t.dtype, device="cpu", copy=True)))
-        snapshot = _Snapshot(version, copied, specs_of(copied))
+        """Hold ``tensors`` (name, tensor: HF checkpoint names, as vLLM loads them) as ``version``,
+        packed into buckets: a copy (training goes on while a push reads it), in host memory
+        (gloo sends from there; an NCCL communicator would want it on the GPU). Called before the
+        version's STABLE marker is written, so that any version the orchestrator asks for is
+        here (or a newer one)."""
+        named = [(name, t.detach()) for name, t in tensors]
+        specs = [ParamSpec(name, self.wire_dtype or t.dtype, tuple(t.shape)) for name, t in named]
+        buckets = [
+            pack([named[i][1].to(device="cpu", dtype=specs[i].dtype) for i in bucket])
+            for bucket in plan_buckets(specs, self.bucket_bytes)
+        ]
+        snapshot = _Snapshot(version, specs, buckets)
         with self._cond:
             if self._snapshot is None or version >= self._snapshot.version:
                 self._snapshot = snapshot
             self._cond.notify_all()
+
+    def held(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The version held and its tensors (views of the buckets), or None."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            return None
+        plan = plan_buckets(snapshot.specs, self.bucket_bytes)
+        tensors = [t for b, buf in zip(plan, snapshot.buckets) for t in unpack(buf, [snapshot.specs[i] for i in b])]
+        return snapshot.version, tensors
 
     def _snapshot_at_least(self, version: int, timeout_s: float) -> _Snapshot:
         with self._cond:
@@ -180,8 +195,8 @@ class WeightPushSender:
             channel.lock.release()
 
     def _broadcast(self, group: Communicator, snapshot: _Snapshot) -> None:
-        for bucket in plan_buckets(snapshot.specs, self.bucket_bytes):
-            group.broadcast(pack([snapshot.tensors[i][1] for i in bucket]), src=0)
+        for buffer in snapshot.buckets:
+            group.broadcast(buffer, src=0)
 
     def close(self) -> None:
         with self._cond:

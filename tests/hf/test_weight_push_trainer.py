@@ -35,7 +35,9 @@ def test_the_trainer_holds_each_version_it_publishes_and_a_resume_holds_its_own(
         write_batch_file(tmp_path, 1, samples(trainer.model, trainer.tokenizer, [1.0, -1.0, 0.5, -0.5]))
         trainer.train_step(1)
         assert metadata(tmp_path)["version"] == 1
-        held = dict(trainer.pusher.sender._snapshot.tensors)
+        version, tensors = trainer.pusher.sender.held()
+        held = dict(tensors)
+        assert version == 1
         assert all(torch.equal(held[n], p.detach().bfloat16()) for n, p in trained.items())
     finally:
         trainer.pusher.close()
