@@ -36,5 +36,5 @@ DIALECTS: dict[str, WeightSyncDialect] = {
 
 
 def names_where(test: Callable[[WeightSyncDialect], bool]) -> str:
-    """The dialects that pass ``test``, as a message offers them: 'a' or 'b'."""
-    return " or ".join(repr(name) for name, dialect in DIALECTS.items() if test(dialect))
+    """The dialects that pass ``test``, as a message offers them: 'a' or 'b' (no prototype)."""
+    return " or ".join(repr(name) for name, dialect in DIALECTS.items() if test(dialect) and not dialect.prototype)

@@ -107,6 +107,9 @@ class WeightSyncDialect(abc.ABC):
     # why it offers only some update modes, said when a config asks for another (None: nothing to add)
     update_modes_note: ClassVar[str | None] = None
     route_probe: ClassVar[RouteProbe | None] = None  # vLLM: the call that shows a given server has its routes
+    # A prototype is used where a config names it, and offered by no message that names the
+    # dialects to use instead.
+    prototype: ClassVar[bool] = False
 
     @property
     def loads(self) -> bool:

@@ -46,6 +46,7 @@ class VllmPush(VllmReload):
     engine = "vllm"
     summary = "vLLM weight push from the trainer process over a process group (prototype: gloo, CPU)"
     default_update_mode = "wait"  # a prototype: interrupt works as with vllm_reload, unmeasured here
+    prototype = True
     route_probe = RouteProbe(
         "GET",
         "/get_world_size",
