@@ -173,6 +173,57 @@ def test_a_bf16_push_gives_the_weights_rounded_to_bf16(server, base, tmp_path, t
     assert own < 1e-3 and unrounded > 1e-3  # bf16 did travel
 
 
+@pytest.mark.parametrize("update_mode", ["wait", "interrupt"])
+def test_versions_pushed_while_requests_run_are_exact(server, base, tmp_path, tokenizer, update_mode):
+    """Requests keep flowing while versions 1..3 are pushed: each token's logprob is that of the
+    version the completion reports for it (interrupt: a completion continued across a push has
+    a run of tokens per version; the tiny model's answers are short, so few or none are), and
+    a request sent once a push returned gets the new version."""
+    run = tmp_path / "run"
+    versions = [publish_full(run, 0, base)]
+    trainer = Trainer(run)
+    batch = prompts(tokenizer, 12, seed=9)
+    try:
+
+        async def main():
+            done = []
+            async with InferenceClient(server.urls, weight_sync="vllm_push", update_mode=update_mode) as push:
+                await push.load(0, str(versions[0]))
+                for v in range(1, 4):
+                    versions.append(publish_full(run, v, base))  # (blocks the loop: before the requests)
+                    trainer.holds(v)
+                    flight = [
+                        asyncio.ensure_future(push.complete(p, max_tokens=128, seed=10 * v + i))
+                        for i, p in enumerate(batch)
+                    ]
+                    await asyncio.sleep(0.3)  # they run with the version before
+                    await push.load(v, str(versions[v]))
+                    after = await push.complete(batch[0], max_tokens=128, seed=v)
+                    assert after.policy_start == v
+                    done += [*zip(batch, await asyncio.gather(*flight), strict=True), (batch[0], after)]
+            return done
+
+        done = asyncio.run(asyncio.wait_for(main(), 600))
+    finally:
+        trainer.stop()
+    models = [load_model(w) for w in versions]
+    seams, seen = 0, set()
+    for prompt, completion in done:
+        (choice,) = completion.choices
+        runs = completion.choice_versions[0] if completion.choice_versions else ()
+        runs = runs or ((completion.policy_start, len(choice.token_ids)),)
+        seams += len(runs) - 1
+        per_token = [v for v, n in runs for _ in range(n)]
+        assert len(per_token) == len(choice.token_ids)
+        for version in set(per_token):
+            seen.add(version)
+            own = recompute_logprobs(models[version], prompt, choice.token_ids)
+            at = [i for i, v in enumerate(per_token) if v == version]
+            assert max(abs(own[i] - choice.logprobs[i]) for i in at) < 1e-3, (version, runs)
+    print(f"\nvllm_push {update_mode}: {len(done)} completions, versions {sorted(seen)}, {seams} seams")
+    assert seen == {0, 1, 2, 3}
+
+
 def timed_loads(urls: list[str], run: Path, base: Path, trainer: Trainer, rounds: int) -> dict[str, list[float]]:
     """Alternated rounds on the server, a new version each (its publish and the trainer's hold of
     it not timed): each client's load, end to end."""
