@@ -7,7 +7,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 VERIFIERS_STAMP := $(VENV)/.installed-verifiers
 REASONING_GYM_STAMP := $(VENV)/.installed-reasoning-gym
 
-.PHONY: run run-vllm vllm verifiers reasoning-gym nemo-gym lint test test-busy test-nemo-gym bench clean
+.PHONY: run run-vllm vllm verifiers reasoning-gym nemo-gym lint test test-busy test-nemo-gym bench gpu-check clean
 
 # Each install stage says what it does in one line, then pip shows what it collects and downloads
 # (not --quiet: a first set-up takes minutes, and silence looks like a hang).
@@ -121,6 +121,13 @@ bench: $(VERIFIERS_STAMP)
 	mkdir -p bench/results
 	$(BIN)/python -m pytest bench -p no:randomly -o addopts= --benchmark-only \
 		--benchmark-json=bench/results/latest.json
+
+# The weight push over NCCL (its tests and a 20-step run), on a machine with two GPUs or more:
+# GPU_PYTHON is an interpreter there with torch (CUDA), vLLM's CUDA build and orch installed
+# (this venv's torch is the CPU build). It downloads nothing.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) $(NEMO_GYM_VENV) runs

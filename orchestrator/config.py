@@ -180,6 +180,15 @@ def check_samples_published_weights(backend: InferenceComponent, trainer: Traine
         )
 
 
+def check_pushed_weights(backend: InferenceComponent, trainer: TrainerComponent, kind: str) -> None:
+    """A sampler whose servers take pushed versions needs a trainer that pushes them."""
+    if backend.pulls_pushed_weights() and (refusal := trainer.push_refusal()) is not None:
+        raise ValueError(
+            f"{backend.sampler} takes each version pushed from the trainer (weight_sync 'vllm_push'), "
+            f"which the {kind} trainer cannot do: {refusal}"
+        )
+
+
 class RolloutConfig(_Section):
     group_size: int = Field(8, ge=1, description="episodes per group (one task)")
     max_inflight: int = Field(128, ge=1, description="in-flight episode permits (a hard cap, capacity or not)")
@@ -529,6 +538,7 @@ class RunConfig(_Section):
         refuse_synthetic_envs(backend, self)
         backend.check(plan)
         check_samples_published_weights(backend, trainer, self.trainer.kind)
+        check_pushed_weights(backend, trainer, self.trainer.kind)
         refuse_synthetic_envs(trainer, self)
         refuse_loss_options_of_another_trainer(self)
         trainer.check(plan)
@@ -574,6 +584,7 @@ class RunConfig(_Section):
             path=self.model.path,
             cache_dir=self.runs_dir / ".cache",
             env_gives_messages=any(env.gives_messages for env in self.env_components().values()),
+            weights_pushed=self.inference_backend().pulls_pushed_weights(),
         )
 
     def build_context(
@@ -602,6 +613,7 @@ class RunConfig(_Section):
             model=model,
             started_early=started_early,
             served_model=self.inference_backend().served_model(),
+            weights_pushed=self.inference_backend().pulls_pushed_weights(),
             env_sections=self.env_components(),
         )
 
@@ -665,8 +677,8 @@ def _resumable_fields() -> frozenset[str]:
 
 RESUMABLE_FIELDS = _resumable_fields()
 # Sections every field inside which may change on resume: the metric sinks, how the run's vLLM
-# servers are started (not what they compute).
-RESUMABLE_SECTIONS = frozenset({"metrics", "inference.openai.launch"})
+# servers are started and how a version travels to them (not what they compute).
+RESUMABLE_SECTIONS = frozenset({"metrics", "inference.openai.launch", "trainer.hf.push"})
 
 
 def resumable(key: str) -> bool:

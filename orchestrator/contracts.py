@@ -213,12 +213,14 @@ class PreparedModel(NamedTuple):
 @dataclass(frozen=True)
 class ModelRequest:
     """What a trainer's `prepare_model` is asked for: the `model` section's dir (None: the tiny
-    reverse_text model, built under `cache_dir`), and whether an env gives chat messages (then
-    the tokenizer needs a chat template)."""
+    reverse_text model, built under `cache_dir`), whether an env gives chat messages (then
+    the tokenizer needs a chat template), and whether the sampler's servers take each version
+    pushed from the trainer process (then every tensor must fit the trainer's push buckets)."""
 
     path: Path | None
     cache_dir: Path
     env_gives_messages: bool
+    weights_pushed: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,9 @@ class BuildContext:
     model: PreparedModel | None = None  # the run's model dir, checked and hashed (the hf trainer's)
     started_early: StartedEarly | None = None  # what the trainer started before the run (start_early)
     served_model: str | None = None  # the model name the inference backend's servers serve it under
+    # The inference backend's servers take each version pushed from the trainer process, not from
+    # its weights dir (`InferenceComponent.pulls_pushed_weights`): the trainer pushes them.
+    weights_pushed: bool = False
     env_sections: Mapping[str, EnvComponent] = field(default_factory=dict)  # the run's envs' sections
 
 
@@ -437,6 +442,11 @@ class TrainerComponent(Component):
         """On a resume, before anything runs: ConfigError (one line) if what this trainer kept of
         the `trained_steps` steps the log says it trained (e.g. its checkpoint) is gone or damaged."""
 
+    def push_refusal(self) -> str | None:
+        """Why this trainer cannot push each version into the inference servers itself (the
+        `vllm_push` weight sync), in a clause the run's message ends with; None: it can."""
+        return "it has no weight push"
+
     def start_early(self, run_dir: Path) -> StartedEarly | None:
         """Start, before the model is checked and before `run_dir` exists, what is slow to start
         and needs nothing of the run yet (the hf trainer: its process, importing torch), so that it
@@ -457,6 +467,10 @@ class InferenceComponent(Component):
     def served_model(self) -> str | None:
         """The name its servers serve the model under (None: they serve it as its dir)."""
         return None
+
+    def pulls_pushed_weights(self) -> bool:
+        """Its servers take each version pushed from the trainer process, not read from disk."""
+        return False
 
     def preflight_servers(self, weight_format: str | None) -> None:
         """The first pre-run step, before the model is built (which can be slow): ConfigError (one

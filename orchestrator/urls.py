@@ -1,8 +1,17 @@
-"""URL rules the config sections and the inference client share (a leaf: the stdlib alone)."""
+"""URL rules the config sections and the inference client share, and where a local service
+listens (a leaf: the stdlib alone)."""
 
 from __future__ import annotations
 
+import socket
 from urllib.parse import urlsplit
+
+
+def free_port(host: str) -> int:
+    """A port of ``host`` free now (the OS's pick), for a server about to listen on it."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def endpoint_base_urls(urls: list[str]) -> list[str]:

@@ -37,9 +37,17 @@ class HFTrainerConfig(TrainerComponent, HFTrainerSettings):
         from orchestrator.hf.model import ModelError
 
         try:
-            return prepare_model(request, self.lora, stored_hash)
+            return prepare_model(request, self, stored_hash)
         except ModelError as err:
             raise ConfigError(str(err)) from None
+
+    def push_refusal(self) -> str | None:
+        if self.lora.rank:
+            return (
+                "trainer.hf.lora trains adapters, which vLLM loads from the weights dir as adapters, not "
+                "pushed (weight_sync 'vllm_lora')"
+            )
+        return None
 
     def check_resume(self, run_dir: Path, trained_steps: int) -> None:
         from orchestrator.hf.factory import check_checkpoint

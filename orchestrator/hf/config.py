@@ -24,15 +24,25 @@ class LoraSection(Section):
 
 
 class PushSection(Section):
-    """The trainer's weight push (prototype; weight_sync vllm_push: orchestrator/weight_push)."""
+    """How the trainer pushes each version into the vLLM servers, when the run's weight sync is
+    `vllm_push` (docs/vllm.md, "Weight push"): it holds the newest version in memory and
+    broadcasts it when the orchestrator asks (its push service: RUN_DIR/weights/push.json)."""
 
-    enabled: bool = Field(
-        False,
-        description="hold each published version in memory and broadcast it into the vLLM servers when "
-        "the orchestrator asks (its push service, RUN_DIR/weights/push.json); needs weight_sync vllm_push",
+    host: str = Field(
+        "127.0.0.1",
+        description="the address the push service and its groups listen on: one the servers reach "
+        "(another node's servers: this node's address on their network)",
     )
-    host: str = Field("127.0.0.1", description="the address the push service and its groups listen on")
-    bucket_mb: float = Field(64.0, gt=0, description="bytes per broadcast bucket, in MiB")
+    bucket_mb: float = Field(
+        64.0,
+        gt=0,
+        description="bytes per broadcast bucket, in MiB: at least the largest tensor (checked before the run)",
+    )
+    transport: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="what moves the bytes: nccl between GPUs (the servers run vLLM's nccl weight-transfer "
+        "backend), gloo between CPU processes (orch's orch_gloo backend); auto: nccl where the trainer has CUDA",
+    )
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="the dtype the tensors travel in (None: the trained weights' own)"
     )
@@ -76,13 +86,13 @@ class TrainingSettings(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process group backend (auto: nccl with CUDA, else gloo)"
     )
-    push: PushSection = Field(default_factory=PushSection, description="the weight push (weight_sync vllm_push)")
+    push: PushSection = Field(
+        default_factory=PushSection, description="the weight push, used with weight_sync 'vllm_push'"
+    )
 
-    @model_validator(mode="after")
-    def _push_full_weights(self) -> TrainingSettings:
-        if self.push.enabled and self.lora.rank:
-            raise ValueError("trainer.hf.push pushes full weights: it does not go with trainer.hf.lora (rank > 0)")
-        return self
+    @property
+    def push_bucket_bytes(self) -> int:
+        return int(self.push.bucket_mb * (1 << 20))
 
 
 class HFTrainerSettings(TrainingSettings):
@@ -120,3 +130,4 @@ class TrainerConfig(TrainingSettings):
     poll_interval_s: float = Field(0.02, gt=0, description="batch file polling period")
     parent_pid: int | None = Field(None, description="exit when this process dies")
     num_threads: int = Field(1, ge=1, description="torch intra-op threads per rank")
+    push_weights: bool = Field(False, description="push each version into the servers (weight_sync vllm_push)")

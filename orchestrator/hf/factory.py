@@ -9,33 +9,62 @@ batch_written, check, stop).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 from orchestrator.contracts import BuildContext, ModelRequest, PreparedModel
-from orchestrator.hf.config import HFTrainerSettings, LoraSection, TrainingSettings
+from orchestrator.hf.config import HFTrainerSettings, TrainingSettings
 from orchestrator.hf.model import ModelError
 from orchestrator.trainers import TrainerFailed
 from orchestrator.trainers.process import EarlyTrainer, ProcessTrainer
 
 
-def prepare_model(request: ModelRequest, lora: LoraSection, stored_hash: str | None = None) -> PreparedModel:
+def prepare_model(request: ModelRequest, settings: TrainingSettings, stored_hash: str | None = None) -> PreparedModel:
     """The run's model dir, checked (ModelError: one line); on a resume, also the one the run
-    started from (`stored_hash`, as kept in the log's meta)."""
+    started from (`stored_hash`, as kept in the log's meta); with the weight push, its largest
+    tensor against the push's bucket size."""
     from orchestrator.hf.model import prepare_model as prepare_model_dir
 
     model = prepare_model_dir(
         request.path,
         request.cache_dir,
         env_gives_messages=request.env_gives_messages,
-        lora_targets=lora.target_modules if lora.rank else None,
+        lora_targets=settings.lora.target_modules if settings.lora.rank else None,
     )
+    if request.weights_pushed:
+        check_push_buckets(model.path, settings)
     if stored_hash is not None and model.sha256 != stored_hash:
         raise ModelError(
             f"the model dir {model.path} changed since the run started (its files' sha256 is {model.sha256[:12]}, "
             f"the run's was {stored_hash[:12]}); restore it, or start a new run"
         )
     return model
+
+
+def check_push_buckets(model_dir: Path, settings: TrainingSettings) -> None:
+    """ModelError unless every tensor of ``model_dir``'s safetensors files fits one push bucket
+    (in the dtype it travels in: the push's, else float32, the trainer's). A bucket never splits
+    a tensor, so a bucket smaller than one would be a size the push cannot keep. Files of
+    another format are checked by the trainer when it first holds a version."""
+    from safetensors import safe_open
+
+    from orchestrator.weight_push.buckets import WIRE_ITEMSIZE
+
+    itemsize = WIRE_ITEMSIZE[settings.push.dtype or "float32"]
+    largest, name = 0, ""
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as tensors:
+            for key in tensors.keys():
+                size = math.prod(tensors.get_slice(key).get_shape()) * itemsize
+                if size > largest:
+                    largest, name = size, key
+    if largest > settings.push_bucket_bytes:
+        raise ModelError(
+            f"trainer.hf.push.bucket_mb {settings.push.bucket_mb:g} is below the model's largest tensor "
+            f"({name}: {largest / (1 << 20):.1f} MiB as it travels); "
+            f"set it to at least {math.ceil(largest / (1 << 20))}"
+        )
 
 
 def check_checkpoint(run_dir: Path, trained_steps: int) -> None:
@@ -79,6 +108,7 @@ def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: Pre
         seed=ctx.seed,
         batch_wait_timeout_s=ctx.publish_timeout_s,
         parent_pid=os.getpid(),
+        push_weights=ctx.weights_pushed,
     )
     try:
         write_trainer_config(ctx.run_dir, config_for_trainer)

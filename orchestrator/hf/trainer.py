@@ -115,7 +115,7 @@ class TrainingLoop:
         self.ranks = ranks or Ranks()
         self._log = log or (lambda line: print(line, flush=True))
         self.step = -1  # last trained step (0 = nothing trained yet)
-        self.pusher = None  # the weight push's sender and service (trainer.hf.push; main rank)
+        self.pusher = None  # the weight push's sender and service (config.push_weights; main rank)
         self._push_held = False  # every rank: the sender holds the newest version
 
     def log(self, line: str) -> None:
@@ -165,8 +165,8 @@ class TrainingLoop:
             f"{n_train} trained parameters), {ranks.world} rank(s) ({ranks.backend}, {ranks.device.type}"
             f"{', ' + config.distributed if ranks.world > 1 else ''}), at step {self.step}"
         )
-        if config.push.enabled and ranks.is_main:
-            self.pusher = start_push_service(self.run_dir, config)
+        if config.push_weights and ranks.is_main:
+            self.pusher = start_push_service(self.run_dir, config, ranks.device)
         self.publish(self.step, None)
         return self.step
 
@@ -364,10 +364,10 @@ class TrainingLoop:
         them has just refused non-finite ones (`refuse_nonfinite`), so they are not scanned again.
         A republish (at start) scans them: its checkpoint may predate that check."""
         stable = rundir.is_stable(rundir.weights_dir(self.run_dir, version))
-        if stable and (self._push_held or not self.config.push.enabled):
+        if stable and (self._push_held or not self.config.push_weights):
             return  # every rank sees it (shared run dir): none gathers
         state = checkpoint.trained_state_dict(self.module)  # collective under FSDP
-        if self.config.push.enabled:  # before STABLE: a version the orchestrator sees can be pushed
+        if self.config.push_weights:  # before STABLE: a version the orchestrator sees can be pushed
             if self.pusher is not None:
                 self.pusher.sender.set_version(version, state.items())
             self._push_held = True
@@ -402,15 +402,17 @@ class TrainingLoop:
                 self.pusher.close()
 
 
-def start_push_service(run_dir: Path, config: TrainerConfig):
+def start_push_service(run_dir: Path, config: TrainerConfig, device: torch.device):
     """The weight push's sender and its HTTP service (orchestrator/weight_push), its address in
-    RUN_DIR/weights/push.json."""
+    RUN_DIR/weights/push.json; its transport NCCL where the trainer is on a GPU (auto)."""
     from orchestrator.weight_push.sender import PUSH_INFO, PushService, WeightPushSender
+    from orchestrator.weight_push.transport import transport_named
 
     push = config.push
+    name = push.transport if push.transport != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     sender = WeightPushSender(
+        transport_named(name, config.push_bucket_bytes),
         host=push.host,
-        bucket_bytes=int(push.bucket_mb * (1 << 20)),
         timeout_s=push.timeout_s,
         push_timeout_s=config.batch_wait_timeout_s,
         wire_dtype=getattr(torch, push.dtype) if push.dtype else None,

@@ -64,6 +64,9 @@ class OpenAIConfig(InferenceComponent, EndpointsSettings):
     def served_model(self) -> str | None:
         return self.model
 
+    def pulls_pushed_weights(self) -> bool:
+        return self.dialect.pushed
+
     def preflight_servers(self, weight_format: str | None) -> None:
         from orchestrator.inference.endpoints_backend import check_given_endpoints  # httpx: only now
 

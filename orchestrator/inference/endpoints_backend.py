@@ -126,7 +126,7 @@ def check_inference(section: EndpointsSettings, model_dir: Path) -> None:
     from orchestrator.inference.vllm_launch import check_launch
     from orchestrator.inference.weight_sync.vllm_check import check_vllm_endpoints
 
-    check_launch(section.launch, model_dir)
+    check_launch(section.launch, model_dir, section.dialect)
     if (section.endpoints or section.routers) and section.dialect.engine == "vllm":
 
         async def check() -> None:

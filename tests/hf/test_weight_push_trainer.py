@@ -1,22 +1,28 @@
-"""trainer.hf.push: the trainer process holds each version it publishes for the weight push
-(before STABLE), a resume holds its republished version too, its push service says where it
-listens in RUN_DIR/weights/push.json and is gone when the loop ends; with LoRA it is refused."""
+"""The hf trainer with the weight push (weight_sync vllm_push): the trainer process holds each
+version it publishes (before STABLE), a resume holds its republished version too, its push
+service says where it listens in RUN_DIR/weights/push.json and is gone when the loop ends. A
+run that asks for the push of a LoRA trainer, or with buckets smaller than a tensor, is refused
+in one line before it starts."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
 from hf_helpers import samples, started_trainer, trainer_config
 
 from orchestrator import rundir
+from orchestrator.contracts import ConfigError, ModelRequest
+from orchestrator.hf.component import HFTrainerConfig
 from orchestrator.hf.config import PushSection
+from orchestrator.hf.trainer import TrainingLoop
+from orchestrator.weight_push.sender import PushError
 from tests.support.batches import write_batch_file
 
-PUSH = PushSection(enabled=True, dtype="bfloat16")
+PUSH = dict(push_weights=True, push=PushSection(dtype="bfloat16"))
 
 
 def metadata(run_dir) -> dict:
@@ -26,7 +32,7 @@ def metadata(run_dir) -> dict:
 
 
 def test_the_trainer_holds_each_version_it_publishes_and_a_resume_holds_its_own(tmp_path, model_dir):
-    trainer = started_trainer(tmp_path, trainer_config(model_dir, push=PUSH))
+    trainer = started_trainer(tmp_path, trainer_config(model_dir, **PUSH))
     try:
         meta = metadata(tmp_path)
         trained = dict(trainer.model.named_parameters())
@@ -42,13 +48,30 @@ def test_the_trainer_holds_each_version_it_publishes_and_a_resume_holds_its_own(
     finally:
         trainer.pusher.close()
     assert not (rundir.weights_root(tmp_path) / "push.json").exists()
-    resumed = started_trainer(tmp_path, trainer_config(model_dir, push=PUSH))  # version 1 already stable
+    resumed = started_trainer(tmp_path, trainer_config(model_dir, **PUSH))  # version 1 already stable
     try:
         assert metadata(tmp_path)["version"] == 1
     finally:
         resumed.pusher.close()
 
 
-def test_a_push_of_lora_adapters_is_refused():
-    with pytest.raises(ValueError, match="pushes full weights"):
-        trainer_config(Path("unused"), "lora", push=PUSH)
+def test_a_version_with_a_tensor_larger_than_a_bucket_is_refused(tmp_path, model_dir):
+    trainer = TrainingLoop(tmp_path, trainer_config(model_dir, push_weights=True, push=PushSection(bucket_mb=0.01)))
+    try:
+        with pytest.raises(PushError, match="larger than a push bucket"):
+            trainer.init_or_resume()
+    finally:
+        trainer.pusher.close()
+
+
+def test_a_run_whose_buckets_are_smaller_than_a_tensor_is_refused_before_it_starts(tmp_path, model_dir):
+    request = ModelRequest(path=model_dir, cache_dir=tmp_path, env_gives_messages=False, weights_pushed=True)
+    section = HFTrainerConfig(push=PushSection(bucket_mb=0.01, dtype="bfloat16"))
+    with pytest.raises(
+        ConfigError, match=r"^trainer.hf.push.bucket_mb 0.01 is below the model's largest tensor \("
+    ) as err:
+        section.prepare_model(request, None)
+    assert "set it to at least 1" in str(err.value)
+    fits = HFTrainerConfig(push=PushSection(bucket_mb=1, dtype="bfloat16"))
+    assert fits.prepare_model(request, None).path == model_dir
+    assert section.prepare_model(replace(request, weights_pushed=False), None).path == model_dir  # no push: no check

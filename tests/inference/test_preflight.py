@@ -90,7 +90,8 @@ def test_a_vllm_server_with_the_default_weight_sync_names_the_ones_to_use():
         with pytest.raises(PreflightError, match=r"is a vLLM server \(from its routes\)") as refused:
             _check([server.base_url])
         assert str(refused.value).endswith(
-            "use --set inference.openai.weight_sync=vllm_reload or inference.openai.weight_sync=vllm_lora"
+            "use --set inference.openai.weight_sync=vllm_reload or inference.openai.weight_sync=vllm_lora "
+            "or inference.openai.weight_sync=vllm_push"
         )
         assert _check([server.base_url], weight_sync="vllm_lora") == {server.base_url: "vllm"}
 

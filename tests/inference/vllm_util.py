@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import math
 import os
 import random
 import shutil
@@ -78,9 +79,12 @@ def load_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def publish_full(run_dir: Path, version: int, base: Path, noise: float = 0.02) -> Path:
+def publish_full(
+    run_dir: Path, version: int, base: Path, noise: float = 0.02, dtype: torch.dtype = torch.float32
+) -> Path:
     """weights/step_{version} (+ STABLE): the base model, every weight moved by seeded noise
-    (version 0: the base itself), saved as an HF dir with the tokenizer, as a trainer publishes it."""
+    (version 0: the base itself), saved in ``dtype`` as an HF dir with the tokenizer, as a
+    trainer publishes it."""
     from transformers import AutoTokenizer
 
     model = load_model(base)
@@ -90,7 +94,7 @@ def publish_full(run_dir: Path, version: int, base: Path, noise: float = 0.02) -
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=generator) * noise)
     wdir = weights_dir(run_dir, version)
-    model.save_pretrained(wdir, safe_serialization=True)
+    model.to(dtype).save_pretrained(wdir, safe_serialization=True)
     AutoTokenizer.from_pretrained(base).save_pretrained(wdir)
     mark_stable(wdir)
     return wdir
@@ -146,14 +150,18 @@ def launched(
     ports: list[int] | None = None,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    gpus: list[str] | None = None,
 ) -> Iterator[VllmLauncher]:
     """vLLM servers started by orch's launcher, ready; always stopped. ``dev_mode``: the reload
     routes too (a LoRA server that also reloads full weights). ``ports``: where (default: free
-    ones); ``extra_args``: more `vllm serve` flags; ``env``: more environment."""
+    ones); ``extra_args``: more `vllm serve` flags; ``env``: more environment; ``gpus``: each
+    server's CUDA devices (default: CPU servers)."""
+    on_gpus = ["--gpu-memory-utilization", "0.3"] if gpus else []
     launch = LaunchSection(
         servers=len(ports) if ports else servers,
         ports=ports or [],
-        extra_args=[*CPU_ARGS, *extra_args],
+        gpus=gpus or [],
+        extra_args=[*CPU_ARGS, *on_gpus, *extra_args],
         max_lora_rank=LORA_RANK,
         ready_timeout_s=300,
         env={**({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {}), **(env or {})},
@@ -201,12 +209,15 @@ def k3_kl(sampled: list[float], recomputed: list[float]) -> float:
     return total / len(sampled)
 
 
-def check_completion_versions(run_dir: Path, lora: bool, per_version: int = 8) -> int:
+def check_completion_versions(
+    run_dir: Path, lora: bool, per_version: int = 8, token_k3: list[float] | None = None
+) -> int:
     """Exact versions (one version, or `token_versions` runs of an interrupted completion), and
     where a version's weights are still on disk (the trainer keeps the newest few), the sampled
     logprobs of its tokens are that version's, not a neighbour's. Up to `per_version`
     completions of each version are recomputed, those continued across a reload first; returns
-    how many were."""
+    how many were. ``token_k3``: gets each recomputed token's k3 term (r - 1 - log r, with r the
+    recomputed probability over the sampled one), whose mean estimates KL(sampler || recompute)."""
     episodes = [e for _, e in events(run_dir, "episode_completed") if e["ok"]]
     episodes.sort(key=lambda e: not e.get("token_versions"))  # stable: the seamed ones first
     assert episodes and all(e["policy_start"] == e["policy_end"] or e.get("token_versions") for e in episodes)
@@ -225,6 +236,8 @@ def check_completion_versions(run_dir: Path, lora: bool, per_version: int = 8) -
             at = [i for i, v in enumerate(per_token) if v == version]
             own = recompute_logprobs(models[version], prompt, completion)
             assert max(abs(own[i] - sampled[i]) for i in at) < 1e-3, (version, own, sampled)
+            if token_k3 is not None:
+                token_k3.extend(math.expm1(own[i] - sampled[i]) - (own[i] - sampled[i]) for i in at)
             neighbour = next((v for v in reversed(kept) if v != version), None)
             if neighbour is not None:
                 theirs = recompute_logprobs(models[neighbour], prompt, completion)

@@ -23,9 +23,9 @@ import pytest
 
 from orchestrator.envs.draw import task_index
 from orchestrator.hf.model import load_tokenizer
-from orchestrator.inference.vllm_launch import free_port
 from orchestrator.nemo_gym.config import NemoGymSettings, load_servers, read_rows
 from orchestrator.nemo_gym.servers import NemoGymServers
+from orchestrator.urls import free_port
 from tests.inference.vllm_util import needs_vllm, tiny_model
 from tests.support.cli import orch, orch_argv, wait_until
 from tests.support.logs import assert_log_invariants, count_events

@@ -74,6 +74,13 @@ def test_an_unknown_name_is_one_line_listing_the_known_ones(override, message):
         ),
         (["inference.kind=fake"], "inference.kind='fake' makes the fake env's episodes only"),
         (
+            ['inference.openai.endpoints=["http://127.0.0.1:9"]', "inference.openai.weight_sync=vllm_push"]
+            + ["trainer.hf.lora.rank=8"],
+            "the openai backend (inference.openai) takes each version pushed from the trainer (weight_sync "
+            "'vllm_push'), which the hf trainer cannot do: trainer.hf.lora trains adapters, which vLLM loads "
+            "from the weights dir as adapters, not pushed (weight_sync 'vllm_lora')",
+        ),
+        (
             ["inference.kind=openai"],
             "inference.kind='openai' needs inference.openai.endpoints, routers or launch.servers",
         ),

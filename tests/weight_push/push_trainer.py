@@ -4,12 +4,17 @@ service for RUN_DIR (``RUN_DIR/weights/push.json``), holding each version publis
 sender). Prints ``ready`` once the service listens; exits when its stdin closes (its test is done,
 or gone).
 
-    python -m tests.weight_push.push_trainer RUN_DIR [--dtype bfloat16] [--bucket-mb MB] [--timeout-s S]
+    python -m tests.weight_push.push_trainer RUN_DIR [--transport gloo|nccl] [--dtype bfloat16]
+        [--bucket-mb MB] [--timeout-s S] [--die-mid-push]
+
+``--die-mid-push``: the process exits (as if SIGKILLed) once the first bucket of its first push
+is sent, the rest never coming.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -20,6 +25,13 @@ from safetensors.torch import load_file
 
 from orchestrator import rundir
 from orchestrator.weight_push.sender import PUSH_INFO, PushService, WeightPushSender
+from orchestrator.weight_push.transport import GlooTransport, transport_named
+
+
+class DyingTransport(GlooTransport):
+    def send(self, group, held) -> None:
+        group.broadcast(held[0], src=0)
+        os._exit(9)  # no cleanup, as under SIGKILL: push.json stays, its service is gone
 
 
 def main() -> None:
@@ -28,10 +40,13 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument("--transport", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--die-mid-push", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
     sender = WeightPushSender(
-        bucket_bytes=int(args.bucket_mb * (1 << 20)),
+        transport=DyingTransport(bucket_bytes) if args.die_mid_push else transport_named(args.transport, bucket_bytes),
         timeout_s=args.timeout_s,
         push_timeout_s=4 * args.timeout_s,
         wire_dtype=getattr(torch, args.dtype) if args.dtype else None,

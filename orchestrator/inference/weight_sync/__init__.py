@@ -12,7 +12,7 @@ and environment) rather than name it.
 * :mod:`.orch`: `orch serve`'s ``/update_weights``;
 * :mod:`.vllm_reload`: vLLM's full reload (pause, reload_weights, reset_prefix_cache, resume);
 * :mod:`.vllm_lora`: vLLM's LoRA adapters, one per version;
-* :mod:`.vllm_push`: (prototype) the trainer broadcasts each version into vLLM over a process group;
+* :mod:`.vllm_push`: the trainer process broadcasts each version into vLLM over a process group;
 * :mod:`.sglang`: SGLang's ``/update_weights_from_disk``;
 * :mod:`.vllm_check`: the check of given vLLM endpoints before a run.
 """
@@ -36,5 +36,5 @@ DIALECTS: dict[str, WeightSyncDialect] = {
 
 
 def names_where(test: Callable[[WeightSyncDialect], bool]) -> str:
-    """The dialects that pass ``test``, as a message offers them: 'a' or 'b' (no prototype)."""
-    return " or ".join(repr(name) for name, dialect in DIALECTS.items() if test(dialect) and not dialect.prototype)
+    """The dialects that pass ``test``, as a message offers them: 'a' or 'b'."""
+    return " or ".join(repr(name) for name, dialect in DIALECTS.items() if test(dialect))

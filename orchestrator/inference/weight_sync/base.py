@@ -76,19 +76,22 @@ class LaunchSettings(Protocol):
     """What a dialect reads of the servers a run launches (`inference.openai.launch`)."""
 
     max_lora_rank: int
+    gpus: list[str]  # each server's CUDA_VISIBLE_DEVICES (empty: CPU servers)
 
 
 @dataclass(frozen=True)
 class RouteProbe:
     """A call that shows, before a run, that a given vLLM server has a dialect's routes: the
-    route answers, or refuses what it was asked with a 404 that says what "cannot be found";
-    a server without it answers a plain 404."""
+    route answers, or refuses what it was asked with a 404 that says what "cannot be found"
+    (or a server error that does not say ``unset``); a server without it answers a plain 404."""
 
     method: str
     path: str
     needs: str  # how vLLM is started to have the route, as the check's message says it
     body: Any = None
     text: bool = False  # the answer is text, not JSON
+    # what the route's server error says when the route is there but what serves it was not set up
+    unset: str | None = None
 
 
 class WeightSyncDialect(abc.ABC):
@@ -107,9 +110,9 @@ class WeightSyncDialect(abc.ABC):
     # why it offers only some update modes, said when a config asks for another (None: nothing to add)
     update_modes_note: ClassVar[str | None] = None
     route_probe: ClassVar[RouteProbe | None] = None  # vLLM: the call that shows a given server has its routes
-    # A prototype is used where a config names it, and offered by no message that names the
-    # dialects to use instead.
-    prototype: ClassVar[bool] = False
+    # Its versions come from the trainer process (pushed), not from the weights dir: the run's
+    # trainer must push them (`TrainerComponent.push_refusal`).
+    pushed: ClassVar[bool] = False
 
     @property
     def loads(self) -> bool:
@@ -123,6 +126,11 @@ class WeightSyncDialect(abc.ABC):
     def launch_env(self) -> dict[str, str]:
         """The environment a launched vLLM server needs for this dialect."""
         return {}
+
+    def launch_lacks(self) -> str | None:
+        """What this interpreter's vLLM lacks for this dialect, said after "the run's launched
+        servers run in <python>,"; None: nothing."""
+        return None
 
     def new_state(self) -> Any:
         """An endpoint's state of this dialect (`Endpoint.sync`), made with the endpoint."""

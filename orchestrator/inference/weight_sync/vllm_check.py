@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.inference.errors import InferenceRequestError, Retryable
-from orchestrator.inference.weight_sync.base import EndpointT, WeightSyncClient
+from orchestrator.inference.weight_sync.base import EndpointT, RouteProbe, WeightSyncClient
 
 
 async def check_vllm_endpoints(client: WeightSyncClient[EndpointT], model_dir: Path) -> None:
@@ -37,12 +37,17 @@ async def check_vllm_endpoints(client: WeightSyncClient[EndpointT], model_dir: P
                 await client.call(ep, probe.method, probe.path, probe.body, text=probe.text, base=url)
             except InferenceRequestError as exc:
                 if exc.status_code != 404 or "cannot be found" not in str(exc):  # "cannot be found": the route is there
-                    raise InferenceRequestError(
-                        f"{url} lacks {probe.path} ({exc}): weight_sync "
-                        f"{client.weight_sync!r} needs vLLM started with {probe.needs}"
-                    ) from None
-            except Retryable:
+                    raise _lacks(client, url, probe, exc) from None
+            except Retryable as exc:
+                if probe.unset is not None and probe.unset in str(exc):
+                    raise _lacks(client, url, probe, exc) from None
                 continue
+
+
+def _lacks(client: WeightSyncClient, url: str, probe: RouteProbe, exc: Exception) -> InferenceRequestError:
+    return InferenceRequestError(
+        f"{url} lacks {probe.path} ({exc}): weight_sync {client.weight_sync!r} needs vLLM started with {probe.needs}"
+    )
 
 
 def _same_path(name: str, path: Path) -> bool:

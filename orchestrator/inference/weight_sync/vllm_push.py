@@ -1,9 +1,12 @@
-"""`vllm_push` (prototype): the trainer process broadcasts each version into a vLLM server over a
-process group (gloo on the CPU), instead of the server reading it from disk. Per version, on
+"""`vllm_push`: the trainer process broadcasts each version into a vLLM server over a
+process group (gloo on the CPU, NCCL on GPUs), instead of the server reading it from disk. Per version, on
 every engine of the endpoint: ``POST /pause`` (update_mode wait or interrupt, as `vllm_reload`)
 -> ``POST /start_weight_update`` -> ``POST /update_weights`` while the trainer broadcasts ->
 ``POST /finish_weight_update {"weight_version"}`` -> ``POST /reset_prefix_cache`` -> ``POST
-/resume``. Versions are exact as with `vllm_reload`: no request is sent while it loads.
+/resume``. Versions are exact as with `vllm_reload`: no request is sent while it loads. An
+engine whose push fails (the trainer gone mid-push, its push service down, a group that timed
+out) reloads the version from ``weights/step_N`` instead, still paused: no engine serves a
+version it got part of.
 
 The control plane (orchestrator/weight_push/__init__.py tells it whole): this dialect drives it.
 The trainer's push service (`orchestrator.weight_push.sender.PushService`, its address in
@@ -17,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from orchestrator.inference.errors import InferenceRequestError, Retryable
+from orchestrator.inference.errors import Retryable
 from orchestrator.inference.weight_sync.base import (
     EndpointT,
     LaunchSettings,
@@ -32,6 +37,8 @@ from orchestrator.inference.weight_sync.base import (
 from orchestrator.inference.weight_sync.vllm_reload import ReloadState, VllmReload, reset_prefix_cache_and_resume
 
 BACKEND = "orch_gloo"  # orchestrator/weight_push/vllm_plugin.py registers it in vLLM
+PLUGIN = "orchestrator.weight_push.vllm_plugin:register"  # its entry point (pyproject.toml)
+log = logging.getLogger("orch.inference")
 PUSH_INFO = "push.json"  # beside the versions: RUN_DIR/weights/push.json (orchestrator.weight_push.sender)
 
 
@@ -44,17 +51,34 @@ class PushState(ReloadState):
 
 class VllmPush(VllmReload):
     engine = "vllm"
-    summary = "vLLM weight push from the trainer process over a process group (prototype: gloo, CPU)"
-    default_update_mode = "wait"  # a prototype: interrupt works as with vllm_reload, unmeasured here
-    prototype = True
+    summary = "vLLM weight push from the trainer process over a process group (gloo on the CPU, NCCL on GPUs)"
+    pushed = True
+    # An empty init info: refused by the engine's parser where the transfer is set up (nothing is
+    # joined), by the worker ("not configured") where it is not; a plain 404 without the dev mode.
     route_probe = RouteProbe(
-        "GET",
-        "/get_world_size",
-        needs=f'VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config \'{{"backend": "{BACKEND}"}}\'',
+        "POST",
+        "/init_weight_transfer_engine",
+        needs=f'VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config \'{{"backend": "{BACKEND}"}}\' '
+        "(nccl on GPUs), orch installed in its Python (its vLLM plugin)",
+        body={"init_info": {}},
+        unset="Weight transfer not configured",
     )
 
     def launch_args(self, launch: LaunchSettings, max_loras: int) -> list[str]:
-        return ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
+        """GPU servers run vLLM's own NCCL engine (the trainer's transport auto: nccl on CUDA),
+        CPU servers orch's gloo one."""
+        return ["--weight-transfer-config", json.dumps({"backend": "nccl" if launch.gpus else BACKEND})]
+
+    def launch_lacks(self) -> str | None:
+        """orch's vLLM plugin, which registers the ``orch_gloo`` engine: an entry point of orch's
+        install (an orch installed before it had one lacks it until it is installed again)."""
+        plugins = entry_points(group="vllm.general_plugins")
+        if any(plugin.value == PLUGIN for plugin in plugins):
+            return None
+        return (
+            "whose installed orch does not register its vLLM plugin (the weight_sync 'vllm_push' engine "
+            f"{BACKEND}): install orch again there (pip install -e .)"
+        )
 
     def new_state(self) -> PushState:
         return PushState()
@@ -62,30 +86,23 @@ class VllmPush(VllmReload):
     def server_lost(self, ep: SyncedEndpoint) -> None:
         ep.sync.joined.clear()  # a new server holds no group
 
-    def check_source(self, path: str) -> None:
-        """The trainer's push service is where the versions are (it need not be up yet: the
-        load asks it, within the load's bound)."""
-        if not (Path(path).parent / PUSH_INFO).is_file():
-            raise InferenceRequestError(
-                f"{Path(path).parent / PUSH_INFO} is missing: weight_sync vllm_push needs a trainer that "
-                "pushes its versions (trainer.hf.push.enabled = true: its push service writes that file)"
-            )
-
     async def paused_load(
         self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str, mode: str
     ) -> int:
-        """Pause every engine, push into each in turn, reset and resume them all: the version sent
-        (the trainer's newest, ``version`` or newer: every engine must get the same one)."""
+        """Pause every engine, push into each in turn (an engine whose push fails reloads
+        ``path`` instead), reset and resume them all: the version sent (the trainer's newest,
+        ``version`` or newer: every engine must get the same one)."""
         state: PushState = ep.sync
-        info = json.loads((Path(path).parent / PUSH_INFO).read_text())
-        trainer, instance = info["url"], info["instance"]
         await on_each_engine(client, ep, "POST", f"/pause?mode={mode}", timeout=client.load_timeout_s)
         sent: dict[str, int] = {}
         for url in ep.admin_urls:
             try:
-                sent[url] = await _push_one(client, ep, url, trainer, instance, state, version)
-            except BaseException:
+                sent[url] = await _push_one(client, ep, url, path, state, version)
+            except Exception as failed:  # a cancel (a stop) is a stop
                 state.joined.pop(url, None)  # its group is not trusted any more: joined anew next time
+                sent[url] = await _reload_instead(client, ep, url, path, version, failed)
+            except BaseException:
+                state.joined.pop(url, None)
                 raise
         if len(set(sent.values())) > 1:  # the trainer published between two engines' pushes
             raise Retryable(f"{ep.url}: its engines got versions {sent}", "engine mismatch")
@@ -94,18 +111,38 @@ class VllmPush(VllmReload):
         return pushed
 
 
+async def _reload_instead(
+    client: WeightSyncClient[EndpointT], ep: EndpointT, url: str, path: str, version: int, failed: Exception
+) -> int:
+    """A push that failed (the trainer gone mid-push or before it, a group that timed out): the
+    engine, still paused, reloads the version from ``path``, which the trainer wrote before
+    publishing it, so that its weights, part pushed or not, are all that version's. If the
+    reload fails too, so does the load (the endpoint's version unknown until it loads again)."""
+    log.warning("orch: the push of version %d into %s failed (%s); reloading it from %s", version, url, failed, path)
+    body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+    try:
+        await client.call(ep, "POST", "/collective_rpc", body, timeout=client.load_timeout_s, base=url)
+    except Retryable:
+        # vLLM closes the connection its failed /update_weights answered on, which the client's
+        # pool may hand this call: once more, on a new one.
+        await client.call(ep, "POST", "/collective_rpc", body, timeout=client.load_timeout_s, base=url)
+    return version
+
+
 async def _push_one(
     client: WeightSyncClient[EndpointT],
     ep: EndpointT,
     url: str,
-    trainer: str,
-    instance: str,
+    path: str,
     state: PushState,
     version: int,
 ) -> int:
-    """One engine (paused): join the trainer's group if it has not, then the push: the server
-    receives while the trainer sends, both bounded by the load timeout."""
+    """One engine (paused): join the group of the trainer that serves ``path``'s versions
+    (``push.json`` beside them) if it has not, then the push: the server receives while the
+    trainer sends, both bounded by the load timeout."""
     timeout = client.load_timeout_s
+    info = json.loads((Path(path).parent / PUSH_INFO).read_text())  # gone: the trainer is down
+    trainer, instance = info["url"], info["instance"]
     if state.joined.get(url) != instance:
         world = await client.call(ep, "GET", "/get_world_size", timeout=timeout, base=url)
         init_info = await client.call(

@@ -1,0 +1,97 @@
+"""How a version travels from the trainer to one server's workers: a :class:`Transport`, chosen
+by name (`TRANSPORTS`; the trainer's ``trainer.hf.push.transport``), so the sender does not care
+what moves the bytes. Each transport pairs a communicator on the trainer with a vLLM
+weight-transfer backend on the servers (``--weight-transfer-config '{"backend": ...}'``):
+
+* ``gloo`` (:class:`GlooTransport`): between CPU processes, with orch's ``orch_gloo`` engine
+  (:mod:`.vllm_engine`) on the servers; a version is held packed in host memory;
+* ``nccl`` (:class:`orchestrator.weight_push.nccl.NcclTransport`): between GPUs, with vLLM's own
+  ``nccl`` engine on the servers; a version is held on the trainer's GPU.
+
+Both cut a version into the same buckets (:mod:`.buckets`: vLLM's packed-broadcast rule), so a
+bucket size is one setting whatever moves them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from orchestrator.weight_push.buckets import ParamSpec, pack, plan_buckets, unpack
+from orchestrator.weight_push.comm import Communicator, GlooCommunicator, master_store
+
+
+class Transport(Protocol):
+    """One kind of group between the trainer (rank 0) and a server's workers (ranks 1..), cutting
+    versions into buckets of its ``bucket_bytes``."""
+
+    backend: ClassVar[str]  # the vLLM weight-transfer backend the servers run
+    bucket_bytes: int
+
+    def hold(self, specs: Sequence[ParamSpec], tensors: Sequence[torch.Tensor]) -> Any:
+        """A version as this transport sends it: a copy of ``tensors`` (training goes on while a
+        push reads it), each in its spec's dtype."""
+        ...
+
+    def tensors(self, held: Any, specs: Sequence[ParamSpec]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of a held version, by name (views where it can)."""
+        ...
+
+    def open(self, host: str, world_size: int, timeout_s: float) -> tuple[dict[str, Any], Callable[[], Communicator]]:
+        """A new group's rendezvous: the init info its servers' ``/init_weight_transfer_engine``
+        takes, and what builds the trainer's side of the group (it blocks until every rank
+        joined, at most ``timeout_s``: run in the channel's thread)."""
+        ...
+
+    def send(self, group: Communicator, held: Any) -> None:
+        """Broadcast a held version on ``group``, bucket after bucket."""
+        ...
+
+
+class GlooTransport:
+    backend: ClassVar[str] = "orch_gloo"
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+
+    def hold(self, specs: Sequence[ParamSpec], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Packed into its buckets once, in host memory (where gloo sends from), rather than at
+        every push to every server."""
+        return [
+            pack([tensors[i].to(device="cpu", dtype=specs[i].dtype) for i in bucket])
+            for bucket in plan_buckets(specs, self.bucket_bytes)
+        ]
+
+    def tensors(self, held: list[torch.Tensor], specs: Sequence[ParamSpec]) -> list[tuple[str, torch.Tensor]]:
+        plan = plan_buckets(specs, self.bucket_bytes)
+        return [
+            t for bucket, buffer in zip(plan, held, strict=True) for t in unpack(buffer, [specs[i] for i in bucket])
+        ]
+
+    def open(self, host: str, world_size: int, timeout_s: float) -> tuple[dict[str, Any], Callable[[], Communicator]]:
+        store = master_store(host, world_size, timeout_s)
+        init_info = {
+            "master_address": host,
+            "master_port": store.port,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "bucket_bytes": self.bucket_bytes,
+            "timeout_s": timeout_s,
+        }
+        return init_info, lambda: GlooCommunicator(store, 0, world_size, timeout_s, host)
+
+    def send(self, group: Communicator, held: list[torch.Tensor]) -> None:
+        for buffer in held:
+            group.broadcast(buffer, src=0)
+
+
+def transport_named(name: str, bucket_bytes: int) -> Transport:
+    """``gloo`` or ``nccl`` (this trainer's CUDA device: torch's current one)."""
+    if name == "gloo":
+        return GlooTransport(bucket_bytes)
+    if name == "nccl":
+        from orchestrator.weight_push.nccl import NcclTransport  # vLLM's NCCL: only on GPUs
+
+        return NcclTransport(bucket_bytes)
+    raise ValueError(f"unknown weight-push transport {name!r}: gloo or nccl")
