@@ -71,7 +71,7 @@ def push_against_reload(urls: list[str], run: Path, base: Path, trainer: PushTra
                 async def load_one() -> float:
                     version = next(versions)
                     wdir = str(publish_full(run, version, base, dtype=dtype))
-                    trainer.holds(version)  # as the trainer does: held before STABLE
+                    trainer.holds(version)  # not timed: the trainer's copy of it
                     started = time.perf_counter()
                     await client.load(version, wdir)
                     took = time.perf_counter() - started

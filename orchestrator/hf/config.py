@@ -49,7 +49,8 @@ class PushSection(Section):
     timeout_s: float = Field(
         60.0,
         gt=0,
-        description="bound on a push group's rendezvous and on each broadcast: a side whose peer is gone gives up",
+        description="gloo: bound on a push group's rendezvous and on each broadcast, so a side whose peer is gone "
+        "gives up (NCCL's have none: a whole push is bounded by the publish timeout)",
     )
 
 

@@ -367,12 +367,18 @@ class TrainingLoop:
         if stable and (self._push_held or not self.config.push_weights):
             return  # every rank sees it (shared run dir): none gathers
         state = checkpoint.trained_state_dict(self.module)  # collective under FSDP
-        if self.config.push_weights:  # before STABLE: a version the orchestrator sees can be pushed
+        if not stable:
+            self.write_version(version, state, metrics, checked)
+        if self.config.push_weights:
+            # After STABLE: the sender holds published versions only, so a push never gets ahead of
+            # the log (a load asked for meanwhile waits for it, within its bound).
             if self.pusher is not None:
                 self.pusher.sender.set_version(version, state.items())
             self._push_held = True
-            if stable:  # a resume's republish: the sender holds it now, the disk already did
-                return
+        self.ranks.barrier()
+
+    def write_version(self, version: int, state: dict, metrics: dict | None, checked: bool) -> None:
+        """weights/step_{version} and its STABLE marker, once its weights are known finite."""
         if checked:
             bad = 0.0
         else:
@@ -385,7 +391,6 @@ class TrainingLoop:
         if self.ranks.is_main:
             publish(self.run_dir, version, self.model, self.tokenizer, state, metrics)
             prune(self.run_dir, version, self.config.keep_weights)
-        self.ranks.barrier()
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -405,7 +410,8 @@ class TrainingLoop:
 def start_push_service(run_dir: Path, config: TrainerConfig, device: torch.device):
     """The weight push's sender and its HTTP service (orchestrator/weight_push), its address in
     RUN_DIR/weights/push.json; its transport NCCL where the trainer is on a GPU (auto)."""
-    from orchestrator.weight_push.sender import PUSH_INFO, PushService, WeightPushSender
+    from orchestrator.weight_push import PUSH_INFO
+    from orchestrator.weight_push.sender import PushService, WeightPushSender
     from orchestrator.weight_push.transport import transport_named
 
     push = config.push

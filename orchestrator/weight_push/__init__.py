@@ -20,9 +20,10 @@ client already owns each server's pause and resume and the version each completi
 and the two ends of a broadcast must enter it together, which only the party that talks to
 both can arrange.
 
-1. Trainer, at each publish (before STABLE): ``WeightPushSender.set_version(V, tensors)`` (a copy:
-   training goes on). Its ``PushService`` listens on a free port; ``RUN_DIR/weights/push.json``
-   says where, and which instance (a restarted trainer is a new one).
+1. Trainer, at each publish (once STABLE is written): ``WeightPushSender.set_version(V, tensors)``
+   (a copy: training goes on; published versions only, so a push never gets ahead of the log).
+   Its ``PushService`` listens on a free port; ``RUN_DIR/weights/push.json`` says where, and
+   which instance (a restarted trainer is a new one).
 2. Orchestrator, per endpoint and version (the dialect's load, one at a time per endpoint):
    a. drain (update_mode wait: its requests end; interrupt: aborted and continued) and ``POST
       /pause``, as `vllm_reload`;
@@ -55,3 +56,7 @@ its ``/update_weights``.
 One group per server, not one for all: orch loads each endpoint on its own (a slow or restarted
 server does not hold the others, and a failure stays in its group), at the cost of the trainer
 sending each version once per server (bench/weight_transfer_paper.py puts a figure on it)."""
+
+PUSH_INFO = "push.json"  # in RUN_DIR/weights: where the trainer's push service listens, and which instance
+GLOO_BACKEND = "orch_gloo"  # the servers' weight-transfer backend for the gloo transport (vllm_plugin)
+NCCL_BACKEND = "nccl"  # ... for the NCCL transport: vLLM's own

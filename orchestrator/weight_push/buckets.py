@@ -3,8 +3,9 @@ both sides from the metadata alone (name, dtype, shape), so the receiver sizes e
 buffer before any byte arrives and the two sides cannot disagree on where a bucket ends.
 
 The rule is vLLM's packed broadcast's (`packed_tensor`): tensors are added to a bucket in order
-and the bucket closes once it holds *more* than ``bucket_bytes`` (so a tensor larger than the
-bucket size travels alone, never split). Any dtype travels as its bytes: bf16 and fp32 alike."""
+and the bucket closes once it holds *more* than ``bucket_bytes``; a tensor is never split. orch
+refuses a tensor larger than a bucket (before the run, and in the sender), so that a bucket
+holds at most twice the size set. Any dtype travels as its bytes: bf16 and fp32 alike."""
 
 from __future__ import annotations
 

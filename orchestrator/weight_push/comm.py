@@ -1,8 +1,8 @@
-"""The communicator a weight push broadcasts over: an interface (:class:`Communicator`), so the
-sender and vLLM's receiving engine do not care what moves the bytes, and its gloo form
-(:class:`GlooCommunicator`), between CPU processes. On GPUs an NCCL one takes its place (vLLM's
-``PyNcclCommunicator`` has the same broadcast); the buckets, the control plane and the dialect
-stay as they are.
+"""The communicator a weight push broadcasts over: an interface (:class:`Communicator`: a
+broadcast from the trainer, and close) and its gloo form (:class:`GlooCommunicator`), between
+CPU processes, which the sender's gloo transport and orch's ``orch_gloo`` engine in vLLM's
+workers use. (The NCCL transport uses vLLM's own communicator and packed broadcast:
+orchestrator/weight_push/nccl.py.)
 
 A group is made for one push channel (the trainer and one vLLM server's workers) and for
 nothing else: a *stateless* group (its own TCPStore, no ``torch.distributed`` default group),
@@ -16,6 +16,7 @@ with a deadline), as a collective cannot be cancelled from outside."""
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Protocol
 
@@ -53,27 +54,28 @@ def client_store(host: str, port: int, world_size: int, timeout_s: float) -> TCP
     return TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def _device(peer_host: str) -> ProcessGroupGloo.Device:
-    """The interface gloo uses: ``GLOO_SOCKET_IFNAME`` if set (as torch reads it), else loopback
-    when the trainer is on this machine's loopback (the hostname may resolve to an address
-    another process cannot reach), else the hostname's address."""
+def _device(trainer_host: str) -> ProcessGroupGloo.Device:
+    """The interface gloo uses: ``GLOO_SOCKET_IFNAME`` if set (as torch reads it), else this
+    machine's address on the route to the trainer (``trainer_host``: on the trainer, its own),
+    which the other ranks reach by the same route; not the hostname's address, which may be
+    one another machine cannot reach (127.0.1.1)."""
     if ifname := os.environ.get("GLOO_SOCKET_IFNAME"):
         return ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
-    if peer_host in ("127.0.0.1", "localhost", "::1"):
-        return ProcessGroupGloo.create_device(hostname=peer_host)
-    return ProcessGroupGloo.create_default_device()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((trainer_host, 9))  # UDP: sends nothing, picks the route
+        return ProcessGroupGloo.create_device(hostname=probe.getsockname()[0])
 
 
 class GlooCommunicator:
     """A stateless gloo group over ``store`` (`master_store` on rank 0, `client_store` elsewhere);
     built once every rank built it, within ``timeout_s``, which also bounds each broadcast."""
 
-    def __init__(self, store: TCPStore, rank: int, world_size: int, timeout_s: float, peer_host: str):
+    def __init__(self, store: TCPStore, rank: int, world_size: int, timeout_s: float, trainer_host: str):
         self.rank, self.world_size = rank, world_size
         self._store = store  # the group's rendezvous and its keys live as long as the group
         options = ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)
-        options._devices = [_device(peer_host)]
+        options._devices = [_device(trainer_host)]
         self._group: ProcessGroupGloo | None = ProcessGroupGloo(
             PrefixStore(GROUP_PREFIX, store), rank, world_size, options
         )

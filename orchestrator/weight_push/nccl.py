@@ -7,12 +7,15 @@ and vLLM in the trainer's Python.
 
 Bounds: NCCL's rendezvous and broadcasts have no timeout of their own; the sender runs them in
 the channel's thread and gives up on them after ``push_timeout_s`` (the group is destroyed, the
-thread left to NCCL), and vLLM ends a server whose receive failed."""
+thread left to NCCL). A server's workers whose trainer died mid-push stay in their receive: the
+load's calls time out and the endpoint is marked down, but such a server is not restarted by
+orch (its /health still answers) and its fallback reload waits behind the receive. Not run
+here (no GPU): `make gpu-check` is its check."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, trainer_init, worker_init_payload
@@ -25,13 +28,11 @@ NUM_BUFFERS = 2  # double buffering: one bucket packs while the other is on the 
 
 
 class NcclGroup:
-    """vLLM's PyNcclCommunicator as a `Communicator`, on this process's CUDA stream."""
+    """vLLM's PyNcclCommunicator, as the sender's channel holds and closes it (vLLM's packed
+    producer broadcasts on it)."""
 
-    def __init__(self, communicator: Any, world_size: int):
-        self.communicator, self.rank, self.world_size = communicator, 0, world_size
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.communicator.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
+    def __init__(self, communicator: Any):
+        self.communicator = communicator
 
     def close(self) -> None:
         communicator, self.communicator = self.communicator, None
@@ -40,8 +41,6 @@ class NcclGroup:
 
 
 class NcclTransport:
-    backend: ClassVar[str] = "nccl"
-
     def __init__(self, bucket_bytes: int):
         if not torch.cuda.is_available():
             raise RuntimeError("trainer.hf.push.transport 'nccl' needs CUDA in the trainer process; use 'gloo'")
@@ -50,10 +49,12 @@ class NcclTransport:
 
     def hold(self, specs: Sequence[ParamSpec], tensors: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """A copy on the trainer's GPU, where NCCL sends from (vLLM packs it as it sends)."""
-        return [
+        held = [
             (spec.name, t.to(device=self.device, dtype=spec.dtype, copy=True))
             for spec, t in zip(specs, tensors, strict=True)
         ]
+        torch.cuda.current_stream().synchronize()  # vLLM's producer reads them on streams of its own
+        return held
 
     def tensors(
         self, held: list[tuple[str, torch.Tensor]], specs: Sequence[ParamSpec]
@@ -75,7 +76,7 @@ class NcclTransport:
         def make_group() -> NcclGroup:
             torch.cuda.set_device(self.device)  # the channel's thread
             rendezvous = {"master_address": host, "master_port": port, "world_size": world_size}
-            return NcclGroup(trainer_init(rendezvous), world_size)
+            return NcclGroup(trainer_init(rendezvous))
 
         return worker_init_payload(worker), make_group
 

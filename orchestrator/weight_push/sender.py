@@ -1,5 +1,5 @@
 """The trainer's side of a weight push: :class:`WeightPushSender` holds the newest published
-version's tensors and one channel (a `Communicator` group) per vLLM server, and broadcasts the
+version's tensors and one channel (a group of its transport) per vLLM server, and broadcasts the
 version in buckets when asked; :class:`PushService` is how the orchestrator asks (a small HTTP
 server in the trainer process, its address in ``RUN_DIR/weights/push.json``).
 
@@ -9,10 +9,10 @@ dialect), and a broadcast needs both sides in the same collective at the same ti
 dialect drives the server's routes and, while the server's ``/update_weights`` waits in the
 collective, asks the trainer to broadcast (``POST /push``). The trainer only answers.
 
-Every wait is bounded: a channel's rendezvous and each broadcast by the group's timeout (gloo
-raises after it), and a whole push by ``push_timeout_s`` (it runs in the channel's thread, the
-request waits for it with that deadline, and on expiry the group is aborted and dropped: the
-next load opens a fresh one)."""
+Every wait is bounded: with gloo, a channel's rendezvous and each broadcast by the group's
+timeout (gloo raises after it); with either transport, a whole push by ``push_timeout_s`` (it
+runs in the channel's thread, the request waits for it with that deadline, and on expiry the
+group is closed and dropped: the next load opens a fresh one)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,7 @@ from typing import Any
 import torch
 
 from orchestrator.weight_push.buckets import DEFAULT_BUCKET_BYTES, ParamSpec
-from orchestrator.weight_push.comm import Communicator
 from orchestrator.weight_push.transport import GlooTransport, Transport
-
-PUSH_INFO = "push.json"  # in RUN_DIR/weights: where the trainer's push service listens
 
 
 class PushError(RuntimeError):
@@ -61,10 +58,8 @@ class _Channel:
     """The group with one server's workers (ranks 1..world_size-1) and the thread that runs its
     collectives: one at a time, the group's rendezvous first."""
 
-    key: str
-    world_size: int
     runner: concurrent.futures.ThreadPoolExecutor
-    group: concurrent.futures.Future  # -> Communicator, once every rank joined
+    group: concurrent.futures.Future  # -> the transport's group, once every rank joined
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
@@ -103,9 +98,9 @@ class WeightPushSender:
     # -- versions ------------------------------------------------------------------------------
     def set_version(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hold ``tensors`` (name, tensor: HF checkpoint names, as vLLM loads them) as ``version``:
-        a copy, as its transport sends it (training goes on while a push reads it). Called
-        before the version's STABLE marker is written, so that any version the orchestrator
-        asks for is here (or a newer one)."""
+        a copy, as its transport sends it (training goes on while a push reads it). Called once
+        the version is published (its STABLE marker written): a push sends published versions
+        only, and one asked for before it is held waits for it."""
         named = [(name, t.detach()) for name, t in tensors]
         specs = [ParamSpec(name, self.wire_dtype or t.dtype, tuple(t.shape)) for name, t in named]
         if too_large := [spec for spec in specs if spec.nbytes > self.bucket_bytes]:
@@ -155,7 +150,7 @@ class WeightPushSender:
         runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"orch-push-{key}")
         group = runner.submit(make_group)
         with self._cond:
-            self._channels[key] = _Channel(key, world_size, runner, group)
+            self._channels[key] = _Channel(runner, group)
         return init_info
 
     def close_channel(self, key: str) -> None:
@@ -166,7 +161,9 @@ class WeightPushSender:
 
     def push(self, key: str, version: int) -> int:
         """Broadcast the newest version (``version`` or newer) on ``key``'s channel: the version
-        sent. Bounded by ``push_timeout_s``; a failed or late push drops the channel."""
+        sent. Bounded by ``push_timeout_s`` in all; a failed or late push drops its channel (not
+        one opened since)."""
+        deadline = time.monotonic() + self.push_timeout_s
         with self._cond:
             channel = self._channels.get(key)
         if channel is None:
@@ -174,14 +171,13 @@ class WeightPushSender:
         if not channel.lock.acquire(timeout=self.push_timeout_s):
             raise PushError(f"{key}: another push held its channel for {self.push_timeout_s:g}s")
         try:
-            deadline = time.monotonic() + self.push_timeout_s
-            snapshot = self._snapshot_at_least(version, self.push_timeout_s)
+            snapshot = self._snapshot_at_least(version, max(0.0, deadline - time.monotonic()))
             try:
-                group: Communicator = channel.group.result(timeout=max(0.0, deadline - time.monotonic()))
+                group = channel.group.result(timeout=max(0.0, deadline - time.monotonic()))
                 sent = channel.runner.submit(self.transport.send, group, snapshot.held)
                 sent.result(timeout=max(0.0, deadline - time.monotonic()))
             except BaseException as exc:
-                self.close_channel(key)
+                self._drop(key, channel)
                 if isinstance(exc, concurrent.futures.TimeoutError):
                     late = f"{key}: the push of version {snapshot.version} took over {self.push_timeout_s:g}s"
                     raise PushError(late) from None
@@ -189,6 +185,13 @@ class WeightPushSender:
             return snapshot.version
         finally:
             channel.lock.release()
+
+    def _drop(self, key: str, channel: _Channel) -> None:
+        """Close ``channel`` and forget it, unless ``key`` has another by now."""
+        with self._cond:
+            if self._channels.get(key) is channel:
+                del self._channels[key]
+        channel.close()
 
     def close(self) -> None:
         with self._cond:

@@ -14,7 +14,7 @@ bucket size is one setting whatever moves them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,7 +26,6 @@ class Transport(Protocol):
     """One kind of group between the trainer (rank 0) and a server's workers (ranks 1..), cutting
     versions into buckets of its ``bucket_bytes``."""
 
-    backend: ClassVar[str]  # the vLLM weight-transfer backend the servers run
     bucket_bytes: int
 
     def hold(self, specs: Sequence[ParamSpec], tensors: Sequence[torch.Tensor]) -> Any:
@@ -38,20 +37,19 @@ class Transport(Protocol):
         """The tensors of a held version, by name (views where it can)."""
         ...
 
-    def open(self, host: str, world_size: int, timeout_s: float) -> tuple[dict[str, Any], Callable[[], Communicator]]:
+    def open(self, host: str, world_size: int, timeout_s: float) -> tuple[dict[str, Any], Callable[[], Any]]:
         """A new group's rendezvous: the init info its servers' ``/init_weight_transfer_engine``
-        takes, and what builds the trainer's side of the group (it blocks until every rank
-        joined, at most ``timeout_s``: run in the channel's thread)."""
+        takes, and what builds the trainer's side of the group, which has a ``close`` (it blocks
+        until every rank joined: run in the channel's thread; gloo gives up after
+        ``timeout_s``)."""
         ...
 
-    def send(self, group: Communicator, held: Any) -> None:
-        """Broadcast a held version on ``group``, bucket after bucket."""
+    def send(self, group: Any, held: Any) -> None:
+        """Broadcast a held version on ``group`` (what ``open`` built), bucket after bucket."""
         ...
 
 
 class GlooTransport:
-    backend: ClassVar[str] = "orch_gloo"
-
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
 

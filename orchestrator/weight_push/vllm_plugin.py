@@ -6,7 +6,7 @@ the engine module only when vLLM creates one."""
 
 from __future__ import annotations
 
-BACKEND = "orch_gloo"
+from orchestrator.weight_push import GLOO_BACKEND
 
 
 def register() -> None:
@@ -15,7 +15,7 @@ def register() -> None:
 
     try:
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "orchestrator.weight_push.vllm_engine", "OrchGlooWeightTransferEngine"
+            GLOO_BACKEND, "orchestrator.weight_push.vllm_engine", "OrchGlooWeightTransferEngine"
         )
     except ValueError:  # already registered in this process
         pass

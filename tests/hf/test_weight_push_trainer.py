@@ -1,5 +1,5 @@
 """The hf trainer with the weight push (weight_sync vllm_push): the trainer process holds each
-version it publishes (before STABLE), a resume holds its republished version too, its push
+version it publishes (once STABLE is written), a resume holds its republished version too, its push
 service says where it listens in RUN_DIR/weights/push.json and is gone when the loop ends. A
 run that asks for the push of a LoRA trainer, or with buckets smaller than a tensor, is refused
 in one line before it starts."""

@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from orchestrator import rundir
-from orchestrator.weight_push.sender import PUSH_INFO, PushService, WeightPushSender
+from orchestrator.weight_push import PUSH_INFO
+from orchestrator.weight_push.sender import PushService, WeightPushSender
 from orchestrator.weight_push.transport import GlooTransport, transport_named
 
 

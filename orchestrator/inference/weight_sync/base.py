@@ -127,7 +127,7 @@ class WeightSyncDialect(abc.ABC):
         """The environment a launched vLLM server needs for this dialect."""
         return {}
 
-    def launch_lacks(self) -> str | None:
+    def launch_lacks(self, launch: LaunchSettings) -> str | None:
         """What this interpreter's vLLM lacks for this dialect, said after "the run's launched
         servers run in <python>,"; None: nothing."""
         return None

@@ -12,8 +12,9 @@ The control plane (orchestrator/weight_push/__init__.py tells it whole): this di
 The trainer's push service (`orchestrator.weight_push.sender.PushService`, its address in
 ``RUN_DIR/weights/push.json``) opens a group per server (``POST /channel``), which the server
 joins (``POST /init_weight_transfer_engine``); a push is the server's ``/update_weights`` and
-the trainer's ``POST /push`` at once, each an HTTP call bounded by the load timeout, each side's
-collective bounded by the group's timeout (shorter: a side left alone gives up first)."""
+the trainer's ``POST /push`` at once, each an HTTP call bounded by the load timeout (with gloo,
+each side's collective is bounded by the group's timeout, shorter: a side left alone gives up
+first)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,10 @@ from orchestrator.inference.weight_sync.base import (
     on_each_engine,
 )
 from orchestrator.inference.weight_sync.vllm_reload import ReloadState, VllmReload, reset_prefix_cache_and_resume
+from orchestrator.weight_push import GLOO_BACKEND, NCCL_BACKEND, PUSH_INFO
 
-BACKEND = "orch_gloo"  # orchestrator/weight_push/vllm_plugin.py registers it in vLLM
-PLUGIN = "orchestrator.weight_push.vllm_plugin:register"  # its entry point (pyproject.toml)
+PLUGIN = "orchestrator.weight_push.vllm_plugin:register"  # its entry point (pyproject.toml): GLOO_BACKEND
 log = logging.getLogger("orch.inference")
-PUSH_INFO = "push.json"  # beside the versions: RUN_DIR/weights/push.json (orchestrator.weight_push.sender)
 
 
 @dataclass
@@ -58,7 +58,7 @@ class VllmPush(VllmReload):
     route_probe = RouteProbe(
         "POST",
         "/init_weight_transfer_engine",
-        needs=f'VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config \'{{"backend": "{BACKEND}"}}\' '
+        needs=f'VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config \'{{"backend": "{GLOO_BACKEND}"}}\' '
         "(nccl on GPUs), orch installed in its Python (its vLLM plugin)",
         body={"init_info": {}},
         unset="Weight transfer not configured",
@@ -67,17 +67,18 @@ class VllmPush(VllmReload):
     def launch_args(self, launch: LaunchSettings, max_loras: int) -> list[str]:
         """GPU servers run vLLM's own NCCL engine (the trainer's transport auto: nccl on CUDA),
         CPU servers orch's gloo one."""
-        return ["--weight-transfer-config", json.dumps({"backend": "nccl" if launch.gpus else BACKEND})]
+        return ["--weight-transfer-config", json.dumps({"backend": NCCL_BACKEND if launch.gpus else GLOO_BACKEND})]
 
-    def launch_lacks(self) -> str | None:
-        """orch's vLLM plugin, which registers the ``orch_gloo`` engine: an entry point of orch's
-        install (an orch installed before it had one lacks it until it is installed again)."""
+    def launch_lacks(self, launch: LaunchSettings) -> str | None:
+        """CPU servers: orch's vLLM plugin, which registers the ``orch_gloo`` engine, an entry
+        point of orch's install (an orch installed before it had one lacks it until it is
+        installed again). GPU servers run vLLM's own engine."""
         plugins = entry_points(group="vllm.general_plugins")
-        if any(plugin.value == PLUGIN for plugin in plugins):
+        if launch.gpus or any(plugin.value == PLUGIN for plugin in plugins):
             return None
         return (
             "whose installed orch does not register its vLLM plugin (the weight_sync 'vllm_push' engine "
-            f"{BACKEND}): install orch again there (pip install -e .)"
+            f"{GLOO_BACKEND}): install orch again there (pip install -e .)"
         )
 
     def new_state(self) -> PushState:
@@ -148,6 +149,8 @@ async def _push_one(
         init_info = await client.call(
             ep, "POST", "/channel", {"key": url, "world_size": 1 + int(world["world_size"])}, timeout, base=trainer
         )
+        # the group it held first (vLLM's NCCL engine does not release it when it joins another)
+        await client.call(ep, "POST", "/shutdown_weight_transfer_engine", timeout=timeout, base=url)
         await client.call(ep, "POST", "/init_weight_transfer_engine", {"init_info": init_info}, timeout, base=url)
         state.joined[url] = instance
     meta = await client.call(ep, "GET", "/metadata", timeout=timeout, base=trainer)
