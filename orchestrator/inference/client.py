@@ -117,6 +117,9 @@ class Endpoint:
     unstarted: dict[int, asyncio.Timeout] = field(default_factory=dict, repr=False)
     sync: Any = None  # its weight-sync dialect's state (`WeightSyncDialect.new_state`)
     last_load_error: ServerError | None = None  # its last load's 5xx, if that load failed on one
+    # Why its last load missed the load timeout (None: it did not): a server stuck in a load (a
+    # push receive that never ends) answers /health all the same; the launcher restarts it.
+    missed_load: str | None = None
     connections: asyncio.Semaphore | None = field(default=None, repr=False)  # its origin's cap (None: none)
     # A router's: the engines behind it (their base URLs), which its weight loads go to, each
     # directly; and the header its requests name their group's session in (sticky routing).
@@ -560,6 +563,7 @@ class InferenceClient:
             f"{kind} {path}",
             orch_side=own_lag or pool_wait,
             stalled=own_lag,
+            timed_out=True,
         )
 
     # -- completions ------------------------------------------------------------------------------
@@ -875,9 +879,11 @@ class InferenceClient:
                 if same_server_error_again(ep.last_load_error, exc.server_error):
                     raise exc.permanent() from None
                 ep.last_load_error = exc.server_error
+                if exc.timed_out and not exc.orch_side:
+                    ep.missed_load = f"did not load version {version} within {self.load_timeout_s:g}s ({exc.message})"
                 self.mark_down(ep, exc.message, exc.kind)
                 raise InferenceUnavailable(exc.message) from None
-            ep.last_load_error = None
+            ep.last_load_error, ep.missed_load = None, None
             ep.version = max(ep.version, confirmed)
             self.mark_up(ep)
             return ep.version

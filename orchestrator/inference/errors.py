@@ -39,7 +39,8 @@ def same_server_error_again(previous: ServerError | None, error: ServerError | N
 class Retryable(Exception):
     """A transport or server failure of one endpoint: the client marks it down and tries another.
     ``orch_side``: a timeout that orch's own stalled loop or connection cap caused, which says
-    nothing of the endpoint: it is not marked down and the request is sent again."""
+    nothing of the endpoint: it is not marked down and the request is sent again. ``timed_out``:
+    the endpoint did not answer in time (a load that did is a server stuck in it)."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class Retryable(Exception):
         server_error: ServerError | None = None,
         orch_side: bool = False,
         stalled: bool = False,
+        timed_out: bool = False,
     ):
         super().__init__(message)
         self.message, self.kind = message, kind
@@ -56,6 +58,7 @@ class Retryable(Exception):
         self.server_error = server_error  # a 5xx answer's, for `same_server_error_again`
         self.orch_side = orch_side
         self.stalled = stalled  # orch's side for its stalled loop (`LoopLag.caused`)
+        self.timed_out = timed_out
 
     def permanent(self) -> InferenceRequestError:
         """This server error as the refusal it is when it came twice in a row."""

@@ -243,8 +243,9 @@ class VllmLauncher:
 
     async def watch(self, client: InferenceClient, on_change: Callable[[str, bool, int, str], None]) -> None:
         """For the whole run (the loop owns this task): each server is checked every
-        `WATCH_EVERY_S`; one that exited (its exit code and last log line) or did not answer
-        `/health` within `health_timeout_s` (frozen) is marked down (`on_change`: an event), its
+        `WATCH_EVERY_S`; one that exited (its exit code and last log line), is stuck in a load
+        (its last load missed the load timeout) or did not answer `/health` within
+        `health_timeout_s` (frozen) is marked down (`on_change`: an event), its
         group killed and started again, at most `max_restarts` times, then brought to the newest
         version and put back in rotation (`on_change` again). Past its restarts it is left down
         while another server is up; with none up, LaunchError (one line)."""
@@ -262,7 +263,7 @@ class VllmLauncher:
     async def _watch_one(self, server: Server, ep, client: InferenceClient, on_change, http: httpx.AsyncClient):
         restarts = 0
         while True:
-            cause = await self._fault(server, http)
+            cause = await self._fault(server, ep, http)
             if cause is None:
                 await asyncio.sleep(WATCH_EVERY_S)
                 continue
@@ -281,17 +282,22 @@ class VllmLauncher:
                 limit = self.launch.max_restarts
                 warn(f"{server.name} {cause}; restarting it ({restarts}/{limit})")
                 await asyncio.to_thread(_kill_group, server.name, server.proc)
+                ep.missed_load = None  # the process stuck in it is gone
                 self._spawn(server)  # on the loop's thread, which its death signal follows
                 cause = await self._restarted(server, ep, client, http)
             client.mark_up(ep)
             on_change(server.url, True, restarts, f"restarted, at version {ep.version}")
             report(f"orch: {server.name} is back, at version {ep.version}")
 
-    async def _fault(self, server: Server, http: httpx.AsyncClient) -> str | None:
-        """Why `server` cannot serve (None: it can): it exited, or missed its health deadline."""
+    async def _fault(self, server: Server, ep, http: httpx.AsyncClient) -> str | None:
+        """Why `server` cannot serve (None: it can): it exited, is stuck in a load (its endpoint's
+        last load missed the load timeout, while /health may still answer), or missed its
+        health deadline."""
         exited = self._exit_of(server)
         if exited is not None:
             return exited
+        if ep.missed_load is not None:
+            return f"{ep.missed_load}: stuck in it"
         try:
             answer = await http.get(server.url + "/health")
         except httpx.TimeoutException:

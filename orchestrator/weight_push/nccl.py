@@ -8,9 +8,9 @@ and vLLM in the trainer's Python.
 Bounds: NCCL's rendezvous and broadcasts have no timeout of their own; the sender runs them in
 the channel's thread and gives up on them after ``push_timeout_s`` (the group is destroyed, the
 thread left to NCCL). A server's workers whose trainer died mid-push stay in their receive: the
-load's calls time out and the endpoint is marked down, but such a server is not restarted by
-orch (its /health still answers) and its fallback reload waits behind the receive. Not run
-here (no GPU): `make gpu-check` is its check."""
+load's calls time out, and a server orch launched is restarted as stuck in its load
+(docs/vllm.md, "When a server dies or hangs"). Not run here (no GPU): `make gpu-check` is its
+check."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 import time
@@ -17,7 +18,9 @@ import pytest
 
 from orchestrator.inference.client import InferenceClient
 from orchestrator.inference.endpoints_config import LaunchSection
+from orchestrator.inference.errors import InferenceError
 from orchestrator.inference.vllm_launch import LaunchError, Server, VllmLauncher, group_alive
+from orchestrator.rundir import MODEL_FILE, POLICY_FILE, mark_stable, weights_dir
 from tests.inference.util import publish, run
 from tests.support.cli import orch_argv
 
@@ -131,6 +134,51 @@ def test_a_dead_or_frozen_server_is_restarted_brought_to_the_newest_version_then
     assert not any(group_alive(s.proc.pid) for s in launcher.servers)
     err = capfd.readouterr().err
     assert "restarting it (1/1)" in err and "is back, at version 1" in err and "left down" in err
+
+
+def test_a_server_stuck_in_a_load_is_restarted_and_brought_to_the_newest_version(tmp_path, capfd):
+    """A load that misses the load timeout while the server still answers /health (as a push
+    receive whose sender vanished does; here a weights file nobody writes, a FIFO) is a server
+    stuck in it (its /health answers, so it is not frozen): marked down, restarted, brought to
+    the newest version, each an event. Without it, the server would stay down for good."""
+    for version in (0, 1):
+        publish(tmp_path, version)
+    launch = LaunchSection(servers=1, max_restarts=1, health_timeout_s=5.0, ready_timeout_s=60.0, stop_timeout_s=5.0)
+    launcher = ServeLauncher(launch, tmp_path, tmp_path, "orch", 2)
+    changes: list[tuple[str, bool, int, str]] = []
+    real = publish(tmp_path / "elsewhere", 2)
+    stuck = weights_dir(tmp_path, 2)
+    stuck.mkdir()
+    shutil.copy(real / POLICY_FILE, stuck / POLICY_FILE)
+    os.mkfifo(stuck / MODEL_FILE)  # its reader blocks in open() until a writer comes: none does
+    mark_stable(stuck)
+    (server,) = launcher.servers
+
+    async def go():
+        launcher.start()
+        await launcher.wait_ready()
+        async with InferenceClient(launcher.urls, weight_sync="orch", backoff_s=0.2, load_timeout_s=3.0) as client:
+            await client.load(1, str(weights_dir(tmp_path, 1)))
+            async with asyncio.TaskGroup() as tasks:
+                watch = tasks.create_task(launcher.watch(client, lambda *change: changes.append(change)))
+                with pytest.raises(InferenceError, match="no inference endpoint confirmed weights version 2"):
+                    await client.load(2, str(stuck))
+                # the real file in its place before the watch's restart can load it (no await between)
+                os.replace(real / MODEL_FILE, stuck / MODEL_FILE)
+                await _until(changes, 2)
+                watch.cancel()
+            return client.endpoints[0].version
+
+    try:
+        version = run(go(), timeout=120)
+    finally:
+        launcher.stop()
+    assert version == 2
+    assert [c[:3] for c in changes] == [(server.url, False, 0), (server.url, True, 1)]
+    assert changes[0][3].startswith("did not load version 2 within 3s (POST ") and "stuck in it" in changes[0][3]
+    assert changes[1][3] == "restarted, at version 2"
+    assert not group_alive(server.proc.pid)
+    assert "restarting it (1/1)" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(
