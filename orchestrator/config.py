@@ -182,7 +182,7 @@ def check_samples_published_weights(backend: InferenceComponent, trainer: Traine
 
 def check_pushed_weights(backend: InferenceComponent, trainer: TrainerComponent, kind: str) -> None:
     """A sampler whose servers take pushed versions needs a trainer that pushes them."""
-    if backend.pulls_pushed_weights() and (refusal := trainer.push_refusal()) is not None:
+    if backend.pulls_pushed_weights() and (refusal := trainer.push_refusal(backend.pushed_transport())) is not None:
         raise ValueError(
             f"{backend.sampler} takes each version pushed from the trainer (weight_sync 'vllm_push'), "
             f"which the {kind} trainer cannot do: {refusal}"
@@ -614,6 +614,7 @@ class RunConfig(_Section):
             started_early=started_early,
             served_model=self.inference_backend().served_model(),
             weights_pushed=self.inference_backend().pulls_pushed_weights(),
+            push_transport=self.inference_backend().pushed_transport(),
             env_sections=self.env_components(),
         )
 

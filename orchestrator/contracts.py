@@ -271,8 +271,10 @@ class BuildContext:
     started_early: StartedEarly | None = None  # what the trainer started before the run (start_early)
     served_model: str | None = None  # the model name the inference backend's servers serve it under
     # The inference backend's servers take each version pushed from the trainer process, not from
-    # its weights dir (`InferenceComponent.pulls_pushed_weights`): the trainer pushes them.
+    # its weights dir (`InferenceComponent.pulls_pushed_weights`): the trainer pushes them, over
+    # `push_transport` where orch launches the servers (`InferenceComponent.pushed_transport`).
     weights_pushed: bool = False
+    push_transport: str | None = None
     env_sections: Mapping[str, EnvComponent] = field(default_factory=dict)  # the run's envs' sections
 
 
@@ -442,9 +444,11 @@ class TrainerComponent(Component):
         """On a resume, before anything runs: ConfigError (one line) if what this trainer kept of
         the `trained_steps` steps the log says it trained (e.g. its checkpoint) is gone or damaged."""
 
-    def push_refusal(self) -> str | None:
+    def push_refusal(self, servers_transport: str | None) -> str | None:
         """Why this trainer cannot push each version into the inference servers itself (the
-        `vllm_push` weight sync), in a clause the run's message ends with; None: it can."""
+        `vllm_push` weight sync), in a clause the run's message ends with; None: it can.
+        `servers_transport`: what the servers receive over, where orch launches them (None:
+        unknown)."""
         return "it has no weight push"
 
     def start_early(self, run_dir: Path) -> StartedEarly | None:
@@ -471,6 +475,11 @@ class InferenceComponent(Component):
     def pulls_pushed_weights(self) -> bool:
         """Its servers take each version pushed from the trainer process, not read from disk."""
         return False
+
+    def pushed_transport(self) -> str | None:
+        """What its servers receive pushed versions over (nccl, gloo), where orch launches them
+        and so knows it; None: unknown, or nothing pushed."""
+        return None
 
     def preflight_servers(self, weight_format: str | None) -> None:
         """The first pre-run step, before the model is built (which can be slow): ConfigError (one

@@ -41,11 +41,17 @@ class HFTrainerConfig(TrainerComponent, HFTrainerSettings):
         except ModelError as err:
             raise ConfigError(str(err)) from None
 
-    def push_refusal(self) -> str | None:
+    def push_refusal(self, servers_transport: str | None) -> str | None:
         if self.lora.rank:
             return (
                 "trainer.hf.lora trains adapters, which vLLM loads from the weights dir as adapters, not "
                 "pushed (weight_sync 'vllm_lora')"
+            )
+        if servers_transport not in (None, self.push.transport) and self.push.transport != "auto":
+            gpus = "inference.openai.launch.gpus" if servers_transport == "nccl" else "no inference.openai.launch.gpus"
+            return (
+                f"trainer.hf.push.transport is '{self.push.transport}', but the servers orch launches receive "
+                f"over {servers_transport} ({gpus}): set it to '{servers_transport}' or 'auto'"
             )
         return None
 

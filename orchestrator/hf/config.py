@@ -41,7 +41,8 @@ class PushSection(Section):
     transport: Literal["auto", "gloo", "nccl"] = Field(
         "auto",
         description="what moves the bytes: nccl between GPUs (the servers run vLLM's nccl weight-transfer "
-        "backend), gloo between CPU processes (orch's orch_gloo backend); auto: nccl where the trainer has CUDA",
+        "backend), gloo between CPU processes (orch's orch_gloo backend); auto: what the servers orch launches "
+        "receive over, else nccl where the trainer has CUDA",
     )
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="the dtype the tensors travel in (None: the trained weights' own)"

@@ -100,6 +100,8 @@ def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: Pre
     # The trainer may publish versions the log has not recorded yet (a crash): at least the ones a
     # resume may reload stay on disk.
     settings["keep_weights"] = max(section.keep_weights, ctx.kept_versions)
+    if section.push.transport == "auto" and ctx.push_transport is not None:  # the servers orch launches decide
+        settings["push"]["transport"] = ctx.push_transport
     config_for_trainer = TrainerConfig(
         **settings,
         model_path=model.path.resolve(),

@@ -67,6 +67,9 @@ class OpenAIConfig(InferenceComponent, EndpointsSettings):
     def pulls_pushed_weights(self) -> bool:
         return self.dialect.pushed
 
+    def pushed_transport(self) -> str | None:
+        return self.dialect.launched_push_transport(self.launch) if self.launch.servers else None
+
     def preflight_servers(self, weight_format: str | None) -> None:
         from orchestrator.inference.endpoints_backend import check_given_endpoints  # httpx: only now
 

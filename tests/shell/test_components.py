@@ -81,6 +81,20 @@ def test_an_unknown_name_is_one_line_listing_the_known_ones(override, message):
             "from the weights dir as adapters, not pushed (weight_sync 'vllm_lora')",
         ),
         (
+            ["inference.openai.launch.servers=1", "inference.openai.weight_sync=vllm_push"]
+            + ["trainer.hf.push.transport=nccl"],
+            "the openai backend (inference.openai) takes each version pushed from the trainer (weight_sync "
+            "'vllm_push'), which the hf trainer cannot do: trainer.hf.push.transport is 'nccl', but the servers "
+            "orch launches receive over gloo (no inference.openai.launch.gpus): set it to 'gloo' or 'auto'",
+        ),
+        (
+            ["inference.openai.launch.servers=1", 'inference.openai.launch.gpus=["0"]']
+            + ["inference.openai.weight_sync=vllm_push", "trainer.hf.push.transport=gloo"],
+            "the openai backend (inference.openai) takes each version pushed from the trainer (weight_sync "
+            "'vllm_push'), which the hf trainer cannot do: trainer.hf.push.transport is 'gloo', but the servers "
+            "orch launches receive over nccl (inference.openai.launch.gpus): set it to 'nccl' or 'auto'",
+        ),
+        (
             ["inference.kind=openai"],
             "inference.kind='openai' needs inference.openai.endpoints, routers or launch.servers",
         ),

@@ -89,6 +89,29 @@ def test_a_trainer_config_that_cannot_be_written_is_a_trainer_failure(tmp_path):
         write_trainer_json(config.trainer.hf, ctx, PreparedModel(tmp_path / "model", ""))
 
 
+@pytest.mark.parametrize(
+    "overrides, transport",
+    [
+        ([], "gloo"),  # CPU servers: gloo, wherever the trainer runs
+        (['inference.openai.launch.gpus=["0"]'], "nccl"),
+        (["inference.openai.launch.servers=0", 'inference.openai.endpoints=["http://127.0.0.1:9"]'], "auto"),
+    ],
+)
+def test_an_auto_push_transport_is_what_the_launched_servers_receive_over(tmp_path, overrides, transport):
+    """The trainer's `auto` push transport is the launched servers' (decided by orch); with
+    servers given by URL, orch does not know theirs and the trainer decides by its device."""
+    from orchestrator.config import load_config
+    from orchestrator.contracts import PreparedModel
+    from orchestrator.hf.factory import write_trainer_json
+    from orchestrator.hf.trainer import read_trainer_config
+
+    push = ["inference.kind=openai", "inference.openai.launch.servers=1", "inference.openai.weight_sync=vllm_push"]
+    config = load_config(None, push + overrides)
+    ctx = config.build_context(tmp_path, version_now=lambda: 0)
+    write_trainer_json(config.trainer.hf, ctx, PreparedModel(tmp_path / "model", ""))
+    assert read_trainer_config(tmp_path).push.transport == transport
+
+
 def test_a_killed_trainer_is_restarted_a_bounded_number_of_times_each_told(tmp_path):
     # Dies by SIGKILL the first two times (a marker file counts them), then stays up.
     script = (

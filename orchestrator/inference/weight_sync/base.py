@@ -123,6 +123,11 @@ class WeightSyncDialect(abc.ABC):
         """The `vllm serve` flags a launched server needs for this dialect."""
         return []
 
+    def launched_push_transport(self, launch: LaunchSettings) -> str | None:
+        """What servers launched with `launch` receive pushed versions over (the trainer's
+        transport must be the same): None where versions are not pushed."""
+        return None
+
     def launch_env(self) -> dict[str, str]:
         """The environment a launched vLLM server needs for this dialect."""
         return {}

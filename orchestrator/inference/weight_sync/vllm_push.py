@@ -65,9 +65,12 @@ class VllmPush(VllmReload):
     )
 
     def launch_args(self, launch: LaunchSettings, max_loras: int) -> list[str]:
-        """GPU servers run vLLM's own NCCL engine (the trainer's transport auto: nccl on CUDA),
-        CPU servers orch's gloo one."""
-        return ["--weight-transfer-config", json.dumps({"backend": NCCL_BACKEND if launch.gpus else GLOO_BACKEND})]
+        backend = {"nccl": NCCL_BACKEND, "gloo": GLOO_BACKEND}[self.launched_push_transport(launch)]
+        return ["--weight-transfer-config", json.dumps({"backend": backend})]
+
+    def launched_push_transport(self, launch: LaunchSettings) -> str:
+        """GPU servers run vLLM's own NCCL engine, CPU servers orch's gloo one."""
+        return "nccl" if launch.gpus else "gloo"
 
     def launch_lacks(self, launch: LaunchSettings) -> str | None:
         """CPU servers: orch's vLLM plugin, which registers the ``orch_gloo`` engine, an entry
