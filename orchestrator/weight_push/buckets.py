@@ -43,10 +43,6 @@ class ParamSpec:
         return cls(name, dtype, tuple(int(d) for d in shape))
 
 
-def specs_of(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
-    return [ParamSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors]
-
-
 def plan_buckets(specs: Sequence[ParamSpec], bucket_bytes: int) -> list[list[int]]:
     """The indices of ``specs`` in each bucket, in order: the same on sender and receiver."""
     if bucket_bytes <= 0:

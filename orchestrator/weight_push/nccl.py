@@ -56,11 +56,6 @@ class NcclTransport:
         torch.cuda.current_stream().synchronize()  # vLLM's producer reads them on streams of its own
         return held
 
-    def tensors(
-        self, held: list[tuple[str, torch.Tensor]], specs: Sequence[ParamSpec]
-    ) -> list[tuple[str, torch.Tensor]]:
-        return list(held)
-
     def open(self, host: str, world_size: int, timeout_s: float) -> tuple[dict[str, Any], Callable[[], NcclGroup]]:
         port = free_port(host)
         worker = NCCLWeightTransferInitInfo(

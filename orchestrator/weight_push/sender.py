@@ -114,13 +114,6 @@ class WeightPushSender:
                 self._snapshot = snapshot
             self._cond.notify_all()
 
-    def held(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """The version held and its tensors (as its transport holds them), or None."""
-        snapshot = self._snapshot
-        if snapshot is None:
-            return None
-        return snapshot.version, self.transport.tensors(snapshot.held, snapshot.specs)
-
     def _snapshot_at_least(self, version: int, timeout_s: float) -> _Snapshot:
         with self._cond:
             if not self._cond.wait_for(

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from orchestrator.weight_push.buckets import ParamSpec, pack, plan_buckets, unpack
+from orchestrator.weight_push.buckets import ParamSpec, pack, plan_buckets
 from orchestrator.weight_push.comm import Communicator, GlooCommunicator, master_store
 
 
@@ -31,10 +31,6 @@ class Transport(Protocol):
     def hold(self, specs: Sequence[ParamSpec], tensors: Sequence[torch.Tensor]) -> Any:
         """A version as this transport sends it: a copy of ``tensors`` (training goes on while a
         push reads it), each in its spec's dtype."""
-        ...
-
-    def tensors(self, held: Any, specs: Sequence[ParamSpec]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors of a held version, by name (views where it can)."""
         ...
 
     def open(self, host: str, world_size: int, timeout_s: float) -> tuple[dict[str, Any], Callable[[], Any]]:
@@ -59,12 +55,6 @@ class GlooTransport:
         return [
             pack([tensors[i].to(device="cpu", dtype=specs[i].dtype) for i in bucket])
             for bucket in plan_buckets(specs, self.bucket_bytes)
-        ]
-
-    def tensors(self, held: list[torch.Tensor], specs: Sequence[ParamSpec]) -> list[tuple[str, torch.Tensor]]:
-        plan = plan_buckets(specs, self.bucket_bytes)
-        return [
-            t for bucket, buffer in zip(plan, held, strict=True) for t in unpack(buffer, [specs[i] for i in bucket])
         ]
 
     def open(self, host: str, world_size: int, timeout_s: float) -> tuple[dict[str, Any], Callable[[], Communicator]]:

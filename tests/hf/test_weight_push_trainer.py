@@ -19,7 +19,8 @@ from orchestrator.contracts import ConfigError, ModelRequest
 from orchestrator.hf.component import HFTrainerConfig
 from orchestrator.hf.config import PushSection
 from orchestrator.hf.trainer import TrainingLoop
-from orchestrator.weight_push.sender import PushError
+from orchestrator.weight_push.buckets import plan_buckets, unpack
+from orchestrator.weight_push.sender import PushError, WeightPushSender
 from tests.support.batches import write_batch_file
 
 PUSH = dict(push_weights=True, push=PushSection(dtype="bfloat16"))
@@ -29,6 +30,16 @@ def metadata(run_dir) -> dict:
     url = json.loads((rundir.weights_root(run_dir) / "push.json").read_text())["url"]
     with urllib.request.urlopen(url + "/metadata", timeout=30) as answer:
         return json.loads(answer.read())
+
+
+def held_tensors(sender: WeightPushSender) -> tuple[int, dict[str, torch.Tensor]]:
+    """The version a gloo sender holds and its tensors, unpacked from its buckets as a server
+    unpacks them."""
+    snapshot = sender._snapshot
+    assert snapshot is not None
+    plan, specs = plan_buckets(snapshot.specs, sender.bucket_bytes), snapshot.specs
+    unpacked = (unpack(buffer, [specs[i] for i in bucket]) for bucket, buffer in zip(plan, snapshot.held, strict=True))
+    return snapshot.version, {name: tensor for bucket in unpacked for name, tensor in bucket}
 
 
 def test_the_trainer_holds_each_version_it_publishes_and_a_resume_holds_its_own(tmp_path, model_dir):
@@ -41,8 +52,7 @@ def test_the_trainer_holds_each_version_it_publishes_and_a_resume_holds_its_own(
         write_batch_file(tmp_path, 1, samples(trainer.model, trainer.tokenizer, [1.0, -1.0, 0.5, -0.5]))
         trainer.train_step(1)
         assert metadata(tmp_path)["version"] == 1
-        version, tensors = trainer.pusher.sender.held()
-        held = dict(tensors)
+        version, held = held_tensors(trainer.pusher.sender)
         assert version == 1
         assert all(torch.equal(held[n], p.detach().bfloat16()) for n, p in trained.items())
     finally:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.weight_push.buckets import ParamSpec, pack, plan_buckets, specs_of, unpack
+from orchestrator.weight_push.buckets import ParamSpec, pack, plan_buckets, unpack
+
+
+def specs_of(tensors: list[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
+    return [ParamSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors]
 
 
 def tensors(dtype_of=lambda i: torch.float32):

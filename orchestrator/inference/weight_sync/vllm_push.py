@@ -77,7 +77,7 @@ class VllmPush(VllmReload):
         point of orch's install (an orch installed before it had one lacks it until it is
         installed again). GPU servers run vLLM's own engine."""
         plugins = entry_points(group="vllm.general_plugins")
-        if launch.gpus or any(plugin.value == PLUGIN for plugin in plugins):
+        if self.launched_push_transport(launch) == "nccl" or any(plugin.value == PLUGIN for plugin in plugins):
             return None
         return (
             "whose installed orch does not register its vLLM plugin (the weight_sync 'vllm_push' engine "
