@@ -49,7 +49,7 @@ def check_push_buckets(model_dir: Path, settings: TrainingSettings) -> None:
     another format are checked by the trainer when it first holds a version."""
     from safetensors import safe_open
 
-    from orchestrator.weight_push.buckets import WIRE_ITEMSIZE
+    from orchestrator.weight_push import WIRE_ITEMSIZE
 
     itemsize = WIRE_ITEMSIZE[settings.push.dtype or "float32"]
     largest, name = 0, ""

@@ -29,9 +29,11 @@ both can arrange.
       /pause``, as `vllm_reload`;
    b. once per (server, trainer instance): ``GET /get_world_size`` (W workers) -> trainer ``POST
       /channel {key, world_size: 1+W}`` (the trainer's store listens; the trainer's rank-0
-      rendezvous runs in the channel's thread) -> server ``POST /init_weight_transfer_engine``
-      (each worker joins as rank 1..W; returns once the group formed);
-   c. trainer ``GET /metadata`` (names, dtypes, shapes) -> server ``POST /start_weight_update``;
+      rendezvous runs in the channel's thread) -> server ``POST /shutdown_weight_transfer_engine``
+      (the group it held) and ``POST /init_weight_transfer_engine`` (each worker joins as rank
+      1..W; returns once the group formed);
+   c. once per trainer instance, trainer ``GET /metadata`` (names, dtypes, shapes); then server
+      ``POST /start_weight_update``;
    d. at once: server ``POST /update_weights`` (workers receive bucket after bucket) and trainer
       ``POST /push {key, version: V}`` (broadcasts its newest version, V or newer, answers the
       version sent); both awaited, neither left running;
@@ -60,3 +62,4 @@ sending each version once per server (bench/weight_transfer_paper.py puts a figu
 PUSH_INFO = "push.json"  # in RUN_DIR/weights: where the trainer's push service listens, and which instance
 GLOO_BACKEND = "orch_gloo"  # the servers' weight-transfer backend for the gloo transport (vllm_plugin)
 NCCL_BACKEND = "nccl"  # ... for the NCCL transport: vLLM's own
+WIRE_ITEMSIZE = {"float32": 4, "bfloat16": 2}  # bytes per element of each dtype a push may travel in

@@ -15,9 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 64 << 20  # 64 MiB: few collectives per model, a bounded extra copy in memory
-WIRE_ITEMSIZE = {"float32": 4, "bfloat16": 2}  # bytes per element of each dtype a push may travel in
-
 
 @dataclass(frozen=True)
 class ParamSpec:

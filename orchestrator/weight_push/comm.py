@@ -29,9 +29,6 @@ GROUP_PREFIX = "orch-weight-push"
 class Communicator(Protocol):
     """A group in which rank 0 (the trainer) sends and every other rank (vLLM's workers) receives."""
 
-    rank: int
-    world_size: int
-
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """``src``'s ``tensor`` into every other rank's ``tensor`` (same size and dtype); returns
         when this rank's part is done."""
@@ -71,7 +68,6 @@ class GlooCommunicator:
     built once every rank built it, within ``timeout_s``, which also bounds each broadcast."""
 
     def __init__(self, store: TCPStore, rank: int, world_size: int, timeout_s: float, trainer_host: str):
-        self.rank, self.world_size = rank, world_size
         self._store = store  # the group's rendezvous and its keys live as long as the group
         options = ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.weight_push.buckets import DEFAULT_BUCKET_BYTES, ParamSpec
-from orchestrator.weight_push.transport import GlooTransport, Transport
+from orchestrator.weight_push.buckets import ParamSpec
+from orchestrator.weight_push.transport import Transport
 
 
 class PushError(RuntimeError):
@@ -77,13 +77,14 @@ class WeightPushSender:
 
     def __init__(
         self,
-        transport: Transport | None = None,
+        transport: Transport,
+        *,
+        timeout_s: float,
+        push_timeout_s: float,
         host: str = "127.0.0.1",
-        timeout_s: float = 60.0,
-        push_timeout_s: float = 300.0,
         wire_dtype: torch.dtype | None = None,
     ):
-        self.transport = transport or GlooTransport(DEFAULT_BUCKET_BYTES)
+        self.transport = transport
         self.host, self.timeout_s = host, timeout_s
         self.push_timeout_s, self.wire_dtype = push_timeout_s, wire_dtype
         self.instance = uuid.uuid4().hex  # a restarted trainer is another instance: servers join anew
@@ -248,9 +249,6 @@ class PushService:
             os.replace(tmp, self.info_path)
 
     def get(self, path: str) -> Any:
-        if path == "/info":
-            snapshot = self.sender._snapshot
-            return {"instance": self.sender.instance, "version": None if snapshot is None else snapshot.version}
         if path == "/metadata":
             return self.sender.metadata()
         raise _NoRoute(path)

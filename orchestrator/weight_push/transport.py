@@ -1,5 +1,5 @@
 """How a version travels from the trainer to one server's workers: a :class:`Transport`, chosen
-by name (`TRANSPORTS`; the trainer's ``trainer.hf.push.transport``), so the sender does not care
+by name (`transport_named`; the trainer's ``trainer.hf.push.transport``), so the sender does not care
 what moves the bytes. Each transport pairs a communicator on the trainer with a vLLM
 weight-transfer backend on the servers (``--weight-transfer-config '{"backend": ...}'``):
 

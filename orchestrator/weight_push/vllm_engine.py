@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from orchestrator.weight_push.buckets import DEFAULT_BUCKET_BYTES, ParamSpec, plan_buckets, unpack
+from orchestrator.weight_push.buckets import ParamSpec, plan_buckets, unpack
 from orchestrator.weight_push.comm import Communicator, GlooCommunicator, client_store
 
 
@@ -33,8 +33,8 @@ class OrchGlooInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    timeout_s: float = 60.0
+    bucket_bytes: int
+    timeout_s: float
 
 
 @dataclass
@@ -60,7 +60,7 @@ class OrchGlooWeightTransferEngine(WeightTransferEngine[OrchGlooInitInfo, OrchGl
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: Communicator | None = None
-        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.bucket_bytes = 0  # the trainer's, once joined (init_transfer_engine)
 
     def init_transfer_engine(self, init_info: OrchGlooInitInfo) -> None:
         """Join the trainer's group (a new one replaces the old: the trainer restarted, or a push

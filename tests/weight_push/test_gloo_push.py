@@ -117,7 +117,7 @@ def test_a_version_pushed_through_the_service_arrives_bit_for_bit(tmp_path, wire
 
 
 def test_a_push_to_a_server_that_never_joins_gives_up_within_the_groups_timeout():
-    sender = WeightPushSender(timeout_s=2, push_timeout_s=20)
+    sender = WeightPushSender(GlooTransport(1 << 20), timeout_s=2, push_timeout_s=20)
     sender.set_version(0, tensors().items())
     sender.open_channel("server-0", 2)
     started = time.monotonic()
@@ -130,7 +130,7 @@ def test_a_push_to_a_server_that_never_joins_gives_up_within_the_groups_timeout(
 
 
 def test_a_receive_whose_trainer_never_sends_gives_up_within_the_groups_timeout(tmp_path):
-    sender = WeightPushSender(timeout_s=3, push_timeout_s=20)
+    sender = WeightPushSender(GlooTransport(1 << 20), timeout_s=3, push_timeout_s=20)
     sender.set_version(0, tensors().items())
     worker, inbox = started_worker(None, tmp_path / "r")
     try:

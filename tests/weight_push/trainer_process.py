@@ -56,7 +56,7 @@ class PushTrainer:
         """Wait until it holds ``version`` (it reads each version once it is STABLE)."""
         url = self._info()["url"]
         deadline = time.monotonic() + timeout
-        while json.loads(urllib.request.urlopen(url + "/info", timeout=10).read())["version"] != version:
+        while json.loads(urllib.request.urlopen(url + "/metadata", timeout=10).read())["version"] != version:
             assert time.monotonic() < deadline, f"the trainer stand-in did not hold version {version}"
             time.sleep(0.02)
 

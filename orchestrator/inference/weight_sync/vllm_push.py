@@ -47,6 +47,8 @@ class PushState(ReloadState):
     # engine URL -> the trainer instance whose group it joined (a restarted trainer, a failed push
     # or a restarted server: joined anew before the next push)
     joined: dict[str, str] = field(default_factory=dict)
+    # the trainer instance and its tensors' names, dtypes and shapes (the same for every version)
+    update_info: tuple[str, dict] | None = None
 
 
 class VllmPush(VllmReload):
@@ -102,12 +104,11 @@ class VllmPush(VllmReload):
         for url in ep.admin_urls:
             try:
                 sent[url] = await _push_one(client, ep, url, path, state, version)
-            except Exception as failed:  # a cancel (a stop) is a stop
+            except BaseException as failed:
                 state.joined.pop(url, None)  # its group is not trusted any more: joined anew next time
+                if not isinstance(failed, Exception):  # a cancel (a stop) is a stop
+                    raise
                 sent[url] = await _reload_instead(client, ep, url, path, version, failed)
-            except BaseException:
-                state.joined.pop(url, None)
-                raise
         if len(set(sent.values())) > 1:  # the trainer published between two engines' pushes
             raise Retryable(f"{ep.url}: its engines got versions {sent}", "engine mismatch")
         pushed = next(iter(sent.values()))
@@ -126,7 +127,9 @@ async def _reload_instead(
     body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
     try:
         await client.call(ep, "POST", "/collective_rpc", body, timeout=client.load_timeout_s, base=url)
-    except Retryable:
+    except Retryable as dropped:
+        if dropped.timed_out or dropped.server_error is not None:  # the reload's own failure
+            raise
         # vLLM closes the connection its failed /update_weights answered on, which the client's
         # pool may hand this call: once more, on a new one.
         await client.call(ep, "POST", "/collective_rpc", body, timeout=client.load_timeout_s, base=url)
@@ -156,8 +159,10 @@ async def _push_one(
         await client.call(ep, "POST", "/shutdown_weight_transfer_engine", timeout=timeout, base=url)
         await client.call(ep, "POST", "/init_weight_transfer_engine", {"init_info": init_info}, timeout, base=url)
         state.joined[url] = instance
-    meta = await client.call(ep, "GET", "/metadata", timeout=timeout, base=trainer)
-    update_info = {key: meta[key] for key in ("names", "dtype_names", "shapes")}
+    if state.update_info is None or state.update_info[0] != instance:
+        meta = await client.call(ep, "GET", "/metadata", timeout=timeout, base=trainer)
+        state.update_info = instance, {key: meta[key] for key in ("names", "dtype_names", "shapes")}
+    update_info = state.update_info[1]
     await client.call(ep, "POST", "/start_weight_update", timeout=timeout, base=url)
     receive = asyncio.ensure_future(
         client.call(ep, "POST", "/update_weights", {"update_info": update_info}, timeout, base=url)

@@ -49,7 +49,7 @@ class VllmReload(WeightSyncDialect):
         reload. Either way each token's version is exact."""
         state: ReloadState = ep.sync
         async with versions_held(path, client.load_timeout_s):
-            self.check_source(path)
+            check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
             state.reloading = asyncio.Event()
             interrupt = client.update_mode == "interrupt"
             try:
@@ -76,10 +76,6 @@ class VllmReload(WeightSyncDialect):
             finally:
                 state.reloading.set()
                 state.reloading = None
-
-    def check_source(self, path: str) -> None:
-        """Before the pause: what the load will read is there."""
-        check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
 
     async def paused_load(
         self, client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, path: str, mode: str
