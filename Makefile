@@ -7,7 +7,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 VERIFIERS_STAMP := $(VENV)/.installed-verifiers
 REASONING_GYM_STAMP := $(VENV)/.installed-reasoning-gym
 
-.PHONY: run run-vllm vllm verifiers reasoning-gym nemo-gym lint test test-busy test-nemo-gym bench gpu-check clean
+.PHONY: run run-vllm vllm verifiers reasoning-gym nemo-gym lint test test-busy test-nemo-gym test-slurm bench gpu-check clean
 
 # Each install stage says what it does in one line, then pip shows what it collects and downloads
 # (not --quiet: a first set-up takes minutes, and silence looks like a hang).
@@ -111,6 +111,14 @@ test: $(VERIFIERS_STAMP) $(REASONING_GYM_STAMP) lint
 # from `make test` (its venv is a large install of its own); .ci/run runs it after `make test`.
 test-nemo-gym: $(VLLM_STAMP) $(NEMO_GYM_STAMP)
 	$(BIN)/python -m pytest -q -m nemo_gym -p no:randomly tests/nemo_gym --durations=5
+
+# orch under a real SLURM: a single-machine cluster (munge, slurmctld, slurmd; Debian's packages,
+# installed as root if missing) started by tests/support/slurm_cluster.py, then jobs submitted
+# with sbatch (tests/slurm). Apart from `make test` (its jobs start servers anew, minutes each);
+# .ci/run runs it after `make test`. Without root or SLURM the tests skip, saying why.
+test-slurm: $(VLLM_STAMP)
+	$(PYTHON) tests/support/slurm_cluster.py start
+	$(BIN)/python -m pytest -q -m slurm -p no:randomly tests/slurm --durations=5 -rs
 
 # `make test` on a busy machine: two busy processes (at the caller's nice level) run beside it and
 # are killed when it ends, however it ends (tests/support/busy.py). CI runs the quiet `make test`.

@@ -295,6 +295,60 @@ def tiny_model_command(out_dir: Path, seed: int, target_reward: float) -> None:
     build_tiny_model(out_dir, seed=seed, target_reward=target_reward, log=click.echo)
 
 
+@main.command("slurm", context_settings={"ignore_unknown_options": True})
+@click.option("--inference-nodes", type=click.IntRange(min=1), default=1, show_default=True, help="nodes for vLLM")
+@click.option(
+    "--trainer-nodes", type=click.IntRange(min=1), default=1, show_default=True, help="torchrun nodes of the trainer"
+)
+@click.option("--one-node", is_flag=True, help="every server and torchrun node on one node (a test, a small run)")
+@click.option(
+    "--gpus-per-node", type=click.IntRange(min=0), default=0, show_default=True, help="#SBATCH --gpus-per-node"
+)
+@click.option("--job-name", default="orch", show_default=True)
+@click.option("--log", "output", default="orch-%j.out", show_default=True, help="#SBATCH --output (%j: the job id)")
+@click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="ARG", help="another #SBATCH line, repeatable")
+@click.option(
+    "-o", "--out", "out", type=click.Path(dir_okay=False, path_type=Path), help="write it here (default: stdout)"
+)
+@click.argument("run_args", nargs=-1, type=click.UNPROCESSED)
+def slurm_command(
+    inference_nodes, trainer_nodes, one_node, gpus_per_node, job_name, output, sbatch_args, out, run_args
+) -> None:
+    """The sbatch script of a run under SLURM; the run's own options (as `orch run` takes them)
+    follow `--`, checked now (the config included), not once the job starts: e.g. `orch slurm
+    --trainer-nodes 2 -o job.sh -- --config my.toml --name r1`."""
+    from orchestrator.slurm_job import LAYOUT_KEYS, layout, sbatch_script
+
+    try:
+        options = run_command.make_context("orch run", list(run_args)).params
+    except click.UsageError as err:
+        fail(f"the run's options after --: {err.format_message()}")
+    if any(o.split("=", 1)[0] in LAYOUT_KEYS for o in options["overrides"]):
+        fail(f"{', '.join(LAYOUT_KEYS)} are orch slurm's own (its --inference-nodes, --trainer-nodes, --one-node)")
+    nodes, serving, training = layout(inference_nodes, trainer_nodes, one_node)
+    placed = ["placement=slurm", f"slurm.inference_nodes={serving}", f"slurm.trainer_nodes={training}"]
+    if options["resume_dir"] is None:  # a resume's config is the run's own, checked when it resumes
+        try:
+            load_config(options["config_file"], [*options["overrides"], *placed])
+        except ConfigError as err:
+            fail(str(err))
+    script = sbatch_script(
+        nodes,
+        [*run_args, *(arg for key in placed for arg in ("--set", key))],
+        job_name=job_name,
+        gpus_per_node=gpus_per_node,
+        output=output,
+        sbatch_args=list(sbatch_args),
+        workdir=Path.cwd(),
+    )
+    if out is None:
+        click.echo(script, nl=False)
+        return
+    out.write_text(script)
+    out.chmod(0o755)
+    click.echo(f"orch: wrote {out} ({nodes} node(s)); submit it with: sbatch {out}", err=True)
+
+
 def _register_commands() -> None:
     from orchestrator.envs.cli import env_server_command
     from orchestrator.observe.cli import export_command, plot_command

@@ -52,6 +52,7 @@ from orchestrator.contracts import (
 )
 from orchestrator.contracts import Section as _Section
 from orchestrator.core.events import CoreParams, EvalParams
+from orchestrator.placement import LOCAL, Placement, PlacementError, slurm_placement
 from orchestrator.plugins import installed_names, resolve, resolve_sink
 
 
@@ -477,6 +478,40 @@ class MetricsConfig(_Section):
         return data
 
 
+class SlurmSection(_Section):
+    """The `slurm` placement: the run's servers and trainer as job steps of the allocation `orch
+    run` runs in (docs/scaling-out.md, "Under SLURM")."""
+
+    nodes: list[str] = Field(
+        default_factory=list,
+        description="the allocation's nodes, in order (empty: SLURM_JOB_NODELIST, expanded by scontrol)",
+    )
+    inference_nodes: list[int] = Field(
+        default_factory=lambda: [0],
+        description="indices into `nodes` of the nodes the vLLM servers run on, one server after another "
+        "(server K on inference_nodes[K % len])",
+    )
+    trainer_nodes: list[int] = Field(
+        default_factory=lambda: [0],
+        description="indices into `nodes`, one per torchrun node of the trainer (a node listed twice runs two; "
+        "each node listed the same number of times)",
+    )
+    rdzv_port: int = Field(29400, gt=0, lt=65536, description="the trainer's c10d rendezvous port, on its first node")
+    job_id: str | None = Field(None, description="the allocation whose steps these are (None: SLURM_JOB_ID)")
+
+    @model_validator(mode="after")
+    def _nodes_listed_evenly(self) -> SlurmSection:
+        if not self.inference_nodes or not self.trainer_nodes:
+            raise ValueError("slurm.inference_nodes and slurm.trainer_nodes each need at least one node")
+        counts = {self.trainer_nodes.count(node) for node in self.trainer_nodes}
+        if len(counts) > 1:
+            raise ValueError(
+                f"slurm.trainer_nodes {self.trainer_nodes} lists its nodes unevenly: srun runs as many "
+                "torchrun nodes on each"
+            )
+        return self
+
+
 class RunConfig(_Section):
     name: str = Field(
         "default", description="run directory name under runs_dir (`orch run` without --name: run-YYYYmmdd-HHMMSS)"
@@ -520,6 +555,14 @@ class RunConfig(_Section):
     )
     metrics: MetricsConfig = Field(
         default_factory=MetricsConfig, description="metric sinks (W&B, TensorBoard), off by default: docs/observe.md"
+    )
+    placement: Literal["local", "slurm"] = Field(
+        "local",
+        description="where the vLLM servers and the trainer orch starts run: local children of orch run, or "
+        "job steps (srun) of the SLURM allocation orch run runs in (the `slurm` section; docs/scaling-out.md)",
+    )
+    slurm: SlurmSection = Field(
+        default_factory=SlurmSection, description="the slurm placement's layout: which nodes serve, which train"
     )
 
     @field_validator("envs")
@@ -587,6 +630,19 @@ class RunConfig(_Section):
             weights_pushed=self.inference_backend().pulls_pushed_weights(),
         )
 
+    def placement_of(self) -> Placement:
+        """Where the servers and the trainer orch starts run (ConfigError: one line, where this
+        machine cannot place them so)."""
+        if self.placement == "local":
+            return LOCAL
+        slurm = self.slurm
+        try:
+            return slurm_placement(
+                slurm.nodes, slurm.inference_nodes, slurm.trainer_nodes, slurm.rdzv_port, slurm.job_id
+            )
+        except PlacementError as err:
+            raise ConfigError(str(err)) from None
+
     def build_context(
         self,
         run_dir: Path,
@@ -615,6 +671,7 @@ class RunConfig(_Section):
             served_model=self.inference_backend().served_model(),
             weights_pushed=self.inference_backend().pulls_pushed_weights(),
             push_transport=self.inference_backend().pushed_transport(),
+            placement=self.placement_of(),
             env_sections=self.env_components(),
         )
 
@@ -664,6 +721,7 @@ def _resumable_fields() -> frozenset[str]:
         "trainer.exit_timeout_s",
         "trainer.max_restarts",
         "inference.kind",
+        "placement",
     }
     for section, registry in (
         ("trainer", TRAINERS),
@@ -679,7 +737,7 @@ def _resumable_fields() -> frozenset[str]:
 RESUMABLE_FIELDS = _resumable_fields()
 # Sections every field inside which may change on resume: the metric sinks, how the run's vLLM
 # servers are started and how a version travels to them (not what they compute).
-RESUMABLE_SECTIONS = frozenset({"metrics", "inference.openai.launch", "trainer.hf.push"})
+RESUMABLE_SECTIONS = frozenset({"metrics", "inference.openai.launch", "trainer.hf.push", "slurm"})
 
 
 def resumable(key: str) -> bool:

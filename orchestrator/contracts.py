@@ -71,6 +71,7 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrator.core.arrays import LOGPROB_CODE, TOKEN_ID_CODE, Tokens
 from orchestrator.core.events import EpisodeCompleted, checked, version_runs
+from orchestrator.placement import LOCAL, Placement
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -275,6 +276,7 @@ class BuildContext:
     # `push_transport` where orch launches the servers (`InferenceComponent.pushed_transport`).
     weights_pushed: bool = False
     push_transport: str | None = None
+    placement: Placement = LOCAL  # where the processes a component starts run (servers, trainer)
     env_sections: Mapping[str, EnvComponent] = field(default_factory=dict)  # the run's envs' sections
 
 

