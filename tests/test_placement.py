@@ -123,3 +123,10 @@ def test_orch_slurm_refuses_bad_input_in_one_line(args, message):
     assert done.returncode != 0 and done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"orch: error: {message}")
+
+
+def test_a_resume_may_change_the_placement_and_its_layout():
+    """A run resumed in a new allocation (other nodes, another layout) continues."""
+    from orchestrator.config import resumable
+
+    assert all(resumable(key) for key in ("placement", "slurm.nodes", "slurm.inference_nodes", "slurm.trainer_nodes"))
