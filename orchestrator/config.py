@@ -638,7 +638,12 @@ class RunConfig(_Section):
         slurm = self.slurm
         try:
             return slurm_placement(
-                slurm.nodes, slurm.inference_nodes, slurm.trainer_nodes, slurm.rdzv_port, slurm.job_id
+                slurm.nodes,
+                slurm.inference_nodes,
+                slurm.trainer_nodes,
+                slurm.rdzv_port,
+                slurm.job_id,
+                self.inference_backend().launched_gpus(),
             )
         except PlacementError as err:
             raise ConfigError(str(err)) from None

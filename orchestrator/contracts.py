@@ -478,6 +478,10 @@ class InferenceComponent(Component):
         """Its servers take each version pushed from the trainer process, not read from disk."""
         return False
 
+    def launched_gpus(self) -> list[str]:
+        """Each server it launches: its GPUs (CUDA_VISIBLE_DEVICES); empty: none on GPUs."""
+        return []
+
     def pushed_transport(self) -> str | None:
         """What its servers receive pushed versions over (nccl, gloo), where orch launches them
         and so knows it; None: unknown, or nothing pushed."""

@@ -122,10 +122,16 @@ LOCAL = Placement()
 
 
 def slurm_placement(
-    nodes: list[str], inference_nodes: list[int], trainer_nodes: list[int], rdzv_port: int, job_id: str | None
+    nodes: list[str],
+    inference_nodes: list[int],
+    trainer_nodes: list[int],
+    rdzv_port: int,
+    job_id: str | None,
+    server_gpus: list[str] = (),
 ) -> SlurmPlacement:
     """The `slurm` placement of this allocation; PlacementError (one line) where orch is not in
-    one it can place steps in: no srun, no job id, a layout that names more nodes than it has."""
+    one it can place steps in: no srun, no job id, a layout that names more nodes than it has,
+    servers given GPUs (``server_gpus``: each one's CUDA_VISIBLE_DEVICES) a node does not have."""
     if shutil.which("srun") is None:
         raise PlacementError("placement 'slurm' needs SLURM's srun on PATH (none found)")
     job_id = job_id or os.environ.get("SLURM_JOB_ID")
@@ -139,9 +145,27 @@ def slurm_placement(
             f"{len(names)} node(s): {', '.join(names)}"
         )
     placement = SlurmPlacement(job_id, names, tuple(inference_nodes), tuple(trainer_nodes), rdzv_port)
+    _check_gpus(placement, server_gpus)
     if placement.trainer_host in (socket.gethostname(), socket.gethostname().split(".")[0]):
         _check_port_free(placement.trainer_host, rdzv_port)
     return placement
+
+
+def _check_gpus(placement: SlurmPlacement, server_gpus: list[str]) -> None:
+    """PlacementError if a server is given a GPU its node does not have: each node has
+    SLURM_GPUS_ON_NODE (none without it)."""
+    if not server_gpus:
+        return
+    on_node = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0)
+    for index, devices in enumerate(server_gpus):
+        ordinals = [int(device) for device in devices.split(",") if device.strip().isdigit()]  # not UUIDs
+        highest = max(ordinals, default=-1)
+        if highest >= on_node:
+            raise PlacementError(
+                f"inference.openai.launch.gpus gives server {index} GPU {highest} on node "
+                f"{placement.server_host(index, '')}, but the allocation has {on_node} GPU(s) per node "
+                "(SLURM_GPUS_ON_NODE; orch slurm --gpus-per-node asks for them)"
+            )
 
 
 def _check_port_free(host: str, port: int) -> None:

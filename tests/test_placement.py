@@ -61,6 +61,17 @@ def test_a_placement_slurm_cannot_make_is_one_line(srun_on_path, monkeypatch):
         port = taken.getsockname()[1]
         with pytest.raises(PlacementError, match=rf"^slurm.rdzv_port {port} is in use on {HOST} "):
             slurm_placement([HOST], [0], [0, 0], port, None)
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    assert slurm_placement(["a", "b"], [0, 1], [0], 29411, None, ["0,1", "2,3", "3"]).server_host(2, "") == "a"
+    with pytest.raises(
+        PlacementError,
+        match=r"^inference.openai.launch.gpus gives server 1 GPU 4 on node b, but the allocation has 4 GPU\(s\) "
+        r"per node ",
+    ):
+        slurm_placement(["a", "b"], [0, 1], [0], 29411, None, ["0", "3,4"])
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE")
+    with pytest.raises(PlacementError, match="the allocation has 0 GPU"):
+        slurm_placement(["a"], [0], [0], 29411, None, ["0"])
     monkeypatch.delenv("SLURM_JOB_ID")
     with pytest.raises(PlacementError, match=r"runs inside a SLURM allocation \(sbatch or salloc\): no SLURM_JOB_ID$"):
         slurm_placement(["a"], [0], [0], 29411, None)

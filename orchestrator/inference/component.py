@@ -67,6 +67,9 @@ class OpenAIConfig(InferenceComponent, EndpointsSettings):
     def pulls_pushed_weights(self) -> bool:
         return self.dialect.pushed
 
+    def launched_gpus(self) -> list[str]:
+        return list(self.launch.gpus) if self.launch.servers else []
+
     def pushed_transport(self) -> str | None:
         return self.dialect.launched_push_transport(self.launch) if self.launch.servers else None
 
