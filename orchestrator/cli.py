@@ -344,8 +344,11 @@ def slurm_command(
     if out is None:
         click.echo(script, nl=False)
         return
-    out.write_text(script)
-    out.chmod(0o755)
+    try:
+        out.write_text(script)
+        out.chmod(0o755)
+    except OSError as err:
+        fail(f"cannot write {out}: {err.strerror or err}")
     click.echo(f"orch: wrote {out} ({nodes} node(s)); submit it with: sbatch {out}", err=True)
 
 

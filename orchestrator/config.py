@@ -503,6 +503,8 @@ class SlurmSection(_Section):
     def _nodes_listed_evenly(self) -> SlurmSection:
         if not self.inference_nodes or not self.trainer_nodes:
             raise ValueError("slurm.inference_nodes and slurm.trainer_nodes each need at least one node")
+        if min(self.inference_nodes + self.trainer_nodes) < 0:
+            raise ValueError("slurm.inference_nodes and slurm.trainer_nodes are indices into slurm.nodes: 0 or more")
         counts = {self.trainer_nodes.count(node) for node in self.trainer_nodes}
         if len(counts) > 1:
             raise ValueError(
@@ -619,6 +621,7 @@ class RunConfig(_Section):
             inference=self.inference_kind(),
             requests_in_flight=self.rollout.max_inflight + (self.eval.max_inflight if self.eval.envs else 0),
             finalize_in_background=self.finalize_in_background(),
+            placement=self.placement,
         )
 
     def model_request(self) -> ModelRequest:

@@ -233,6 +233,7 @@ class RunPlan:
     inference: str  # the inference backend's name
     requests_in_flight: int = 0  # episodes in flight at most: rollout.max_inflight + eval.max_inflight
     finalize_in_background: bool = False  # the algorithm's groups finalize in the background
+    placement: str = "local"  # where the processes components start run (the run's `placement`)
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,9 @@ class Placement:
         """The address a server binds."""
         return default
 
-    def server_step(self, index: int, command: list[str]) -> list[str]:
-        """Server ``index``'s command line as this placement runs it."""
+    def server_step(self, index: int, command: list[str], pinned: dict[str, str]) -> list[str]:
+        """Server ``index``'s command line as this placement runs it; ``pinned``: environment
+        variables it must see as given (its GPUs), which its own environment already holds here."""
         return command
 
     def trainer_step(self, command: list[str]) -> list[str]:
@@ -98,8 +99,10 @@ class SlurmPlacement(Placement):
     def server_bind(self, default: str) -> str:
         return "0.0.0.0"  # reached from the orchestrator's node by its name
 
-    def server_step(self, index: int, command: list[str]) -> list[str]:
-        return [*self._srun(f"orch-vllm-{index}", [self._server_node(index)], 1), *command]
+    def server_step(self, index: int, command: list[str], pinned: dict[str, str]) -> list[str]:
+        # set after srun: the step's own GPU binding would replace CUDA_VISIBLE_DEVICES otherwise
+        settings = ["env", *(f"{name}={value}" for name, value in pinned.items())] if pinned else []
+        return [*self._srun(f"orch-vllm-{index}", [self._server_node(index)], 1), *settings, *command]
 
     def trainer_step(self, command: list[str]) -> list[str]:
         nodes = list(dict.fromkeys(self.nodes[i] for i in self.trainer_node_indices))
@@ -152,11 +155,16 @@ def slurm_placement(
 
 
 def _check_gpus(placement: SlurmPlacement, server_gpus: list[str]) -> None:
-    """PlacementError if a server is given a GPU its node does not have: each node has
-    SLURM_GPUS_ON_NODE (none without it)."""
-    if not server_gpus:
-        return
+    """PlacementError if a server is given a GPU its node does not have (each node has
+    SLURM_GPUS_ON_NODE, none without it), or if two torchrun nodes share a node that has GPUs
+    (each numbers its ranks' GPUs from 0: they would train on the same ones)."""
     on_node = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0)
+    shared = len(set(placement.trainer_node_indices)) < len(placement.trainer_node_indices)
+    if on_node and shared:
+        raise PlacementError(
+            f"slurm.trainer_nodes {list(placement.trainer_node_indices)} puts two torchrun nodes on one node with "
+            "GPUs, which would share them: one entry per node (trainer.hf.nproc ranks each)"
+        )
     for index, devices in enumerate(server_gpus):
         ordinals = [int(device) for device in devices.split(",") if device.strip().isdigit()]  # not UUIDs
         highest = max(ordinals, default=-1)

@@ -41,6 +41,7 @@ def sbatch_script(
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive",  # the steps share each node's CPUs (and GPUs) with --overlap: all of them
         f"#SBATCH --output={output}",
     ]
     if gpus_per_node:

@@ -35,7 +35,7 @@ def test_slurm_steps_name_their_node_and_share_the_allocation(srun_on_path):
     placement = slurm_placement(["a", "b", "c"], [0, 1], [2, 2], 29411, None)
     assert placement.server_host(0, "127.0.0.1") == "a" and placement.server_host(3, "127.0.0.1") == "b"
     assert placement.server_bind("127.0.0.1") == "0.0.0.0"
-    step = placement.server_step(1, ["vllm", "serve"])
+    step = placement.server_step(1, ["vllm", "serve"], {"CUDA_VISIBLE_DEVICES": "2,3"})
     assert step[:7] == [
         "srun",
         "--jobid=77",
@@ -45,11 +45,12 @@ def test_slurm_steps_name_their_node_and_share_the_allocation(srun_on_path):
         "--ntasks=1",
         "--nodelist=b",
     ]
-    assert step[-2:] == ["vllm", "serve"]
+    assert step[-4:] == ["env", "CUDA_VISIBLE_DEVICES=2,3", "vllm", "serve"]  # after srun: the step's binding loses
+    assert placement.server_step(0, ["vllm"], {})[-1:] == ["vllm"] and "env" not in placement.server_step(0, ["v"], {})
     trainer = placement.trainer_step(["torchrun"])
     assert "--nodes=1" in trainer and "--ntasks=2" in trainer and "--nodelist=c" in trainer
     assert placement.trainer_nodes == 2 and placement.rdzv_endpoint == "c:29411" and placement.trainer_host == "c"
-    assert LOCAL.server_step(0, ["vllm"]) == ["vllm"] and LOCAL.rdzv_endpoint is None
+    assert LOCAL.server_step(0, ["vllm"], {"CUDA_VISIBLE_DEVICES": "0"}) == ["vllm"] and LOCAL.rdzv_endpoint is None
 
 
 def test_a_placement_slurm_cannot_make_is_one_line(srun_on_path, monkeypatch):
@@ -69,6 +70,8 @@ def test_a_placement_slurm_cannot_make_is_one_line(srun_on_path, monkeypatch):
         r"per node ",
     ):
         slurm_placement(["a", "b"], [0, 1], [0], 29411, None, ["0", "3,4"])
+    with pytest.raises(PlacementError, match=r"puts two torchrun nodes on one node with GPUs, which would share them"):
+        slurm_placement(["a"], [0], [0, 0], 29411, None)
     monkeypatch.delenv("SLURM_GPUS_ON_NODE")
     with pytest.raises(PlacementError, match="the allocation has 0 GPU"):
         slurm_placement(["a"], [0], [0], 29411, None, ["0"])
@@ -107,12 +110,14 @@ def test_orch_slurm_writes_the_job_of_a_layout(tmp_path):
     script = tmp_path / "job.sh"
     done = orch(
         *["slurm", "--inference-nodes", "2", "--trainer-nodes", "3", "--gpus-per-node", "8", "-o", str(script)],
-        *["--sbatch-arg=--exclusive", "--", "--name", "r1", "--set", "rollout.group_size=4"],
+        *["--sbatch-arg=--time=01:00:00", "--", "--name", "r1", "--set", "rollout.group_size=4"],
     )
     assert done.returncode == 0, done.stderr
     lines = script.read_text().splitlines()
     assert lines[0] == "#!/bin/bash" and os.access(script, os.X_OK)
-    assert {"#SBATCH --nodes=5", "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive"} <= set(lines)
+    assert {"#SBATCH --nodes=5", "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive", "#SBATCH --time=01:00:00"} <= set(
+        lines
+    )
     run = shlex.split(lines[-1])
     assert run[0] == "exec" and run[2:5] == ["-m", "orchestrator.cli", "run"]
     assert run[5:9] == ["--name", "r1", "--set", "rollout.group_size=4"]
@@ -134,6 +139,18 @@ def test_orch_slurm_refuses_bad_input_in_one_line(args, message):
     assert done.returncode != 0 and done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"orch: error: {message}")
+
+
+def test_the_layout_decides_the_trainers_nodes_and_a_bad_output_path_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.hf.nnodes and rdzv_endpoint are the slurm placement's to set"):
+        load_config(overrides=["placement=slurm", "trainer.hf.nnodes=2", "trainer.hf.rdzv_endpoint=a:1"])
+    with pytest.raises(ConfigError, match=r"slurm.trainer_nodes are indices into slurm.nodes: 0 or more"):
+        load_config(overrides=["placement=slurm", "slurm.inference_nodes=[-1]"])
+    done = orch("slurm", "-o", str(tmp_path / "missing" / "job.sh"))
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        f"orch: error: cannot write {tmp_path}/missing/job.sh: No such file or directory"
+    ]
 
 
 def test_a_resume_may_change_the_placement_and_its_layout():

@@ -14,6 +14,7 @@ from orchestrator.contracts import (
     ConfigError,
     ModelRequest,
     PreparedModel,
+    RunPlan,
     StartedEarly,
     Trainer,
     TrainerComponent,
@@ -54,6 +55,13 @@ class HFTrainerConfig(TrainerComponent, HFTrainerSettings):
                 f"over {servers_transport} ({gpus}): set it to '{servers_transport}' or 'auto'"
             )
         return None
+
+    def check(self, plan: RunPlan) -> None:
+        if plan.placement != "local" and (self.nnodes > 1 or self.rdzv_endpoint is not None):
+            raise ValueError(
+                f"trainer.hf.nnodes and rdzv_endpoint are the {plan.placement} placement's to set "
+                f"(placement '{plan.placement}': slurm.trainer_nodes, slurm.rdzv_port)"
+            )
 
     def check_resume(self, run_dir: Path, trained_steps: int) -> None:
         from orchestrator.hf.factory import check_checkpoint

@@ -208,7 +208,8 @@ class VllmLauncher:
         )
 
     def _spawn(self, server: Server) -> None:
-        command = self.placement.server_step(server.index, self.command(server))
+        pinned = {"CUDA_VISIBLE_DEVICES": self.launch.gpus[server.index]} if self.launch.gpus else {}
+        command = self.placement.server_step(server.index, self.command(server), pinned)
         server.proc = spawn_guarded(command, self.environment(server), server.log_path, self.launch.stop_timeout_s)
 
     def check_alive(self) -> None:

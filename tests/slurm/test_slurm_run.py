@@ -52,13 +52,19 @@ pytestmark = [
 ]
 
 
-def submit(out: Path, name: str, *run_args: str) -> str:
+def submit(out: Path, name: str, *run_args: str, outlives_orch: bool = False) -> str:
     """`orch slurm` writes the job of `orch run RUN_ARGS` (one node: two servers, two torchrun
-    nodes); sbatch submits it; its job id."""
+    nodes); sbatch submits it; its job id. ``outlives_orch``: the script runs orch rather than
+    exec'ing it, then sleeps, so that orch's death alone does not end the job (and with it every
+    step): what ends the steps then is orch's guards."""
     script = out / f"{name}.sh"
-    layout = ["--one-node", "--trainer-nodes", "2", "--sbatch-arg=--exclusive", "--job-name", f"orch-{name}"]
+    layout = ["--one-node", "--trainer-nodes", "2", "--job-name", f"orch-{name}"]
     written = orch("slurm", *layout, "--log", str(out / f"{name}-%j.out"), "-o", str(script), "--", *run_args)
     assert written.returncode == 0, written.stderr
+    if outlives_orch:
+        lines = script.read_text().splitlines()
+        assert lines[-1].startswith("exec ")
+        script.write_text("\n".join([*lines[:-1], lines[-1].removeprefix("exec ") + " || true", "sleep 600", ""]))
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     return submitted.stdout.strip().split(";")[0]
@@ -76,9 +82,14 @@ def job_steps(job: str) -> dict[str, str]:
     return {step: name for step, name in steps if not step.endswith(".batch")}
 
 
-def step_processes(job: str) -> set[int]:
-    """Every process of the job's steps: each slurmstepd of the job and what runs under it."""
-    stepds = {pid for pid, argv in _processes() if argv.startswith(f"slurmstepd: [{job}.")}
+def step_processes(job: str, batch: bool = True) -> set[int]:
+    """Every process of the job's steps: each slurmstepd of the job and what runs under it (the
+    batch step's, the script and orch, unless ``batch`` is False)."""
+    stepds = {
+        pid
+        for pid, argv in _processes()
+        if argv.startswith(f"slurmstepd: [{job}.") and (batch or not argv.startswith(f"slurmstepd: [{job}.batch"))
+    }
     tree = set(stepds)
     while True:
         more = {pid for pid in _all_pids() if _parent(pid) in tree} - tree
@@ -121,13 +132,17 @@ def run(tmp_path_factory):
     ]
     jobs: list[str] = []
     try:
-        first = submit(out, "first", *config, "--runs-dir", str(out / "runs"), "--name", "r", "--max-steps", "1000")
+        named = ["--runs-dir", str(out / "runs"), "--name", "r", "--max-steps", "1000"]
+        first = submit(out, "first", *config, *named, outlives_orch=True)
         jobs.append(first)
         wait_for(first, run_dir, "batch_shipped", 3)
         assert sorted(job_steps(first).values()) == ["orch-trainer", "orch-vllm-0", "orch-vllm-1"]
-        first_processes = step_processes(first)
-        os.kill(orch_pid(first), signal.SIGKILL)
+        orch_itself = orch_pid(first)
+        first_processes = step_processes(first, batch=False) | _descendants(orch_itself)  # its guards too
+        os.kill(orch_itself, signal.SIGKILL)
         first_left = left_after(first_processes, GONE_BOUND_S)
+        first_steps_left = job_steps(first)  # the job itself sleeps on
+        subprocess.run(["scancel", first], check=True, timeout=30)
 
         second = submit(out, "second", "--resume", str(run_dir))
         jobs.append(second)
@@ -142,7 +157,7 @@ def run(tmp_path_factory):
         second_processes = step_processes(second)
         subprocess.run(["scancel", second], check=True, timeout=30)
         second_left = left_after(second_processes, GONE_BOUND_S)
-        second_ended = not job_running(second)
+        second_ended = _ended_within(second, GONE_BOUND_S)
 
         steps_in_all = max(MAX_STEPS, shipped_batches(run_dir) + FINAL_STEPS)
         third = submit(out, "third", "--resume", str(run_dir), "--max-steps", str(steps_in_all))
@@ -156,6 +171,7 @@ def run(tmp_path_factory):
         "dir": run_dir,
         "steps": steps_in_all,
         "first_left": first_left,
+        "first_steps_left": first_steps_left,
         "second_left": second_left,
         "second_ended": second_ended,
     }
@@ -163,6 +179,7 @@ def run(tmp_path_factory):
 
 def test_nothing_of_the_job_runs_on_after_orchs_sigkill_or_a_scancel(run):
     assert run["first_left"] == set(), f"alive {GONE_BOUND_S}s after orch's SIGKILL: {run['first_left']}"
+    assert run["first_steps_left"] == {}, f"steps left after orch's SIGKILL: {run['first_steps_left']}"
     assert run["second_left"] == set() and run["second_ended"], f"alive after scancel: {run['second_left']}"
 
 
@@ -184,6 +201,20 @@ def test_the_reward_rises_from_the_warm_start(run):
     end = sum(rewards[-LEARNING_WINDOW:]) / LEARNING_WINDOW
     print(f"\nreward: first {LEARNING_WINDOW} batches {start:.3f}, last {LEARNING_WINDOW} {end:.3f}")
     assert end > start
+
+
+def _ended_within(job: str, bound_s: float) -> bool:
+    deadline = time.monotonic() + bound_s
+    while job_running(job) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return not job_running(job)
+
+
+def _descendants(pid: int) -> set[int]:
+    tree = {pid}
+    while more := {p for p in _all_pids() if _parent(p) in tree} - tree:
+        tree |= more
+    return tree
 
 
 def _all_pids() -> list[int]:
