@@ -1,7 +1,7 @@
 """orch's inference client at a fleet's shape: many endpoints, thousands of completions in flight,
 GPU-like decode steps, long-tailed lengths, a weight reload every few seconds (update_mode
-interrupt, the default `stream_interval`), against stand-in engines in another process
-(`bench/fleet_standin.py`: each engine samples one token per running request per decode step, at
+interrupt, the default, at the default `stream_interval`; and keep), against stand-in engines in another process
+(`tests/inference/fleet_standin.py`: each engine samples one token per running request per decode step, at
 most SLOTS at once, the rest queued, as vLLM schedules).
 
 The client is what grows with a fleet's tokens (the core's cost is per episode:
@@ -33,10 +33,10 @@ from collections import Counter
 import httpx
 import pytest
 
-from bench.fleet_standin import fleet_process, raise_open_files_limit, token_of
 from bench.paired import spread
 from orchestrator.gc_tuning import tuned_gc
 from orchestrator.inference.client import InferenceClient, InferenceError
+from tests.inference.fleet_standin import fleet_process, raise_open_files_limit, token_of
 from tests.inference.test_interrupt import per_token
 from tests.inference.util import weight_dirs
 
@@ -45,8 +45,15 @@ WINDOW_S = 10.0
 RELOAD_S = 5.0
 PROMPT = [1, 2, 3, 4]
 VERSIONS = 1000  # weight dirs made, more than a run loads
-# (engines, slots per engine, decode step in s, completions in flight, max_tokens)
-SHAPES = [(16, 64, 0.02, 2048, 2048), (64, 192, 0.05, 12288, 1024)]
+# (engines, slots per engine, decode step in s, completions in flight, max_tokens, update_mode):
+# interrupt (the default) continues every running stream as a new request at each reload; keep
+# (vLLM's token-in, token-out route, unstreamed) leaves them to the engines
+SHAPES = [
+    (16, 64, 0.02, 2048, 2048, "interrupt"),
+    (64, 192, 0.05, 12288, 1024, "interrupt"),
+    (64, 192, 0.05, 12288, 1024, "keep"),
+    (64, 256, 0.05, 16384, 1024, "keep"),
+]
 
 
 def _rss_bytes() -> int:
@@ -105,9 +112,13 @@ async def _stats(http: httpx.AsyncClient) -> dict:
 
 
 @pytest.mark.parametrize(
-    "engines,slots,step_s,in_flight,max_tokens", SHAPES, ids=[f"{e}x{s}slots-{f}inflight" for e, s, _, f, _ in SHAPES]
+    "engines,slots,step_s,in_flight,max_tokens,update_mode",
+    SHAPES,
+    ids=[f"{e}x{s}slots-{f}inflight-{mode}" for e, s, _, f, _, mode in SHAPES],
 )
-def test_fleet_sampled_tokens_against_offered(benchmark, tmp_path, engines, slots, step_s, in_flight, max_tokens):
+def test_fleet_sampled_tokens_against_offered(
+    benchmark, tmp_path, engines, slots, step_s, in_flight, max_tokens, update_mode
+):
     dirs = weight_dirs(tmp_path, range(VERSIONS))
     two_cores = len(os.sched_getaffinity(0)) >= 2
     mine = os.sched_getaffinity(0)
@@ -116,7 +127,7 @@ def test_fleet_sampled_tokens_against_offered(benchmark, tmp_path, engines, slot
 
     async def main() -> tuple[list[dict], Episodes]:
         async with (
-            InferenceClient(urls, weight_sync="vllm_reload", update_mode="interrupt") as client,
+            InferenceClient(urls, weight_sync="vllm_reload", update_mode=update_mode) as client,
             httpx.AsyncClient(base_url=urls[0], timeout=60, trust_env=False) as http,
         ):
             await client.load(0, dirs[0])
@@ -171,6 +182,7 @@ def test_fleet_sampled_tokens_against_offered(benchmark, tmp_path, engines, slot
         step_s=step_s,
         in_flight=in_flight,
         max_tokens=max_tokens,
+        update_mode=update_mode,
         completions=episodes.completions,
         failed=episodes.failed,
         failed_most_often=episodes.reasons.most_common(3),
@@ -178,7 +190,7 @@ def test_fleet_sampled_tokens_against_offered(benchmark, tmp_path, engines, slot
         windows=figures,
     )
     print(
-        f"\n{engines} engines x {slots} slots, step {step_s * 1e3:g} ms, {in_flight} in flight: "
+        f"\n{engines} engines x {slots} slots, step {step_s * 1e3:g} ms, {in_flight} in flight, {update_mode}: "
         + "; ".join(f"{k} {v['median']} ({v['min']}-{v['max']})" for k, v in figures.items())
         + f"; {episodes.completions} completions ({episodes.failed} failed), {episodes.tokens} tokens, "
         "every token's version exact"

@@ -26,7 +26,10 @@ endpoint loads a version, and which versions its completions then report, is its
 endpoints' state and waits); the client calls the dialect at fixed points of a load and of each
 sampling call, and names none. With ``update_mode="interrupt"`` (a dialect that pauses its
 endpoints to reload, vLLM's full reload) completions are streamed, the pause aborts them and each
-is continued after the reload, its parts' versions in ``Completion.choice_versions``.
+is continued after the reload, its parts' versions in ``Completion.choice_versions``. With
+``update_mode="keep"`` completions are sampled on vLLM's token-in, token-out route: the pause
+freezes them, the engine continues them with the new weights and says which version sampled each
+token (``Completion.choice_versions`` too).
 """
 
 from __future__ import annotations
@@ -63,7 +66,13 @@ from orchestrator.inference.errors import (
 from orchestrator.inference.loop_lag import LoopLag
 from orchestrator.inference.pacing import StartPacer
 from orchestrator.inference.pool import ByOrigin, ShardedTransport
-from orchestrator.inference.protocol import ParsedChoice, ProtocolError, parse_completion
+from orchestrator.inference.protocol import (
+    GENERATE_PATH,
+    ParsedChoice,
+    ProtocolError,
+    parse_completion,
+    parse_generated,
+)
 from orchestrator.inference.sse import EventStreamDecoder
 from orchestrator.inference.weight_sync import DIALECTS, names_where
 from orchestrator.inference.weight_sync.base import UpdateMode
@@ -207,7 +216,7 @@ class Completion:
     policy_start: int  # version the samples came from (exact when the server reports it)
     policy_end: int
     attempts: int
-    # interrupt, for a completion continued across a reload: each choice's `token_versions`
+    # interrupt or keep, for a completion continued across a reload: each choice's `token_versions`
     # (runs, `orchestrator.core.events.version_runs`: empty where one version sampled all of
     # it) and its oldest and newest token's versions (`choice_policy`)
     choice_versions: tuple[tuple[tuple[int, int], ...], ...] = ()
@@ -441,14 +450,21 @@ class InferenceClient:
             _raise_for_status(resp.status_code, resp.content, resp.reason_phrase, method, url, path)
         if text:
             return resp.text
-        try:
-            return orjson.loads(resp.content)
-        except ValueError:
-            pass
-        try:  # NaN or Infinity, which orjson refuses: parsed, so the answer's check names the value
-            return json.loads(resp.content)
-        except ValueError:
-            raise Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
+        return _json_answer(resp.content, method, url, path)
+
+    async def _post_kept(self, ep: Endpoint, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        """``POST path`` unstreamed (update_mode keep), over the streams' HTTP client: aiohttp's
+        per-request cost is a fraction of httpx's, and keep sends one request per completion."""
+        url = ep.url + path
+        with self._transport_errors("POST", url, path):
+            async with (
+                self._connection_slot(ep, "POST", url, path),
+                self._streams().post(url, data=orjson.dumps(body), headers=headers, allow_redirects=False) as resp,
+            ):
+                content = await resp.read()
+        if resp.status >= 400:
+            _raise_for_status(resp.status, content, resp.reason or "", "POST", url, path)
+        return _json_answer(content, "POST", url, path)
 
     async def _stream(
         self, ep: Endpoint, path: str, body: dict[str, Any], restarts: int, headers: dict[str, str]
@@ -602,6 +618,8 @@ class InferenceClient:
         if extra:
             body.update(extra)
         expected = n * (len(prompt) if _is_batch(prompt) else 1)
+        if self.update_mode == "keep":
+            return await self._complete_kept(body, expected, at_version, pin)
         ep, (choices, sampled_by, ended_at), attempts = await self.routed(
             self._completion_sender(body, expected, at_version, pin), pin, "completion"
         )
@@ -626,6 +644,42 @@ class InferenceClient:
             max(end for _, end in policies),
             attempts + sum(a for _c, _r, _e, a in done),
             tuple(version_runs(segments) for _c, segments, _e, _a in done),
+            tuple(policies),
+        )
+
+    async def _complete_kept(self, body: dict[str, Any], expected: int, at_version: int | None, pin: Any) -> Completion:
+        """`complete` in update_mode keep: the completions body as a request of vLLM's token-in,
+        token-out route, whose answer says which weight version sampled each token (a load in
+        between froze the request, and the engine continued it with the new weights)."""
+        prompt = body["prompt"]
+        if _is_batch(prompt) or not isinstance(prompt, list):
+            raise InferenceRequestError(f"update_mode keep samples one prompt of token ids ({GENERATE_PATH})")
+        skipped = ("prompt", "return_tokens_as_token_ids", "return_token_ids")
+        request = {
+            "token_ids": prompt,
+            "sampling_params": {key: value for key, value in body.items() if key not in skipped},
+            "output_mode": "text",
+            "return_token_ids": True,  # the prompt's ids, as vLLM saw them
+        }
+
+        async def send(ep: Endpoint) -> tuple[list[ParsedChoice], list[list[tuple[int, int]]], int]:
+            answer, sent_at, _ = await self._post_sampling(ep, GENERATE_PATH, request, at_version, pin, kept=True)
+            where = f"{ep.url}{GENERATE_PATH}"
+            try:
+                parsed = parse_generated(answer, expected, where)
+                return [c for c, _ in parsed], [_token_versions(spans, sent_at, where) for _, spans in parsed], sent_at
+            except ProtocolError as exc:
+                raise InferenceRequestError(str(exc)) from None
+
+        ep, (choices, runs, sent_at), attempts = await self.routed(send, pin, "completion")
+        policies = [(r[0][0], r[-1][0]) if r else (sent_at, sent_at) for r in runs]
+        return Completion(
+            ep.url,
+            choices,
+            min(start for start, _ in policies),
+            max(end for _, end in policies),
+            attempts,
+            tuple(version_runs(r) for r in runs),
             tuple(policies),
         )
 
@@ -781,12 +835,14 @@ class InferenceClient:
             return ep, result, attempt
 
     async def _post_sampling(
-        self, ep: Endpoint, path: str, body: dict[str, Any], at_version: int | None, pin: Any
+        self, ep: Endpoint, path: str, body: dict[str, Any], at_version: int | None, pin: Any, *, kept: bool = False
     ) -> tuple[Any, int, int]:
         """One sampling call (``POST path``) on ``ep`` at its newest version (vllm_lora: at
         ``at_version`` while the endpoint still holds its adapter): (the answer's JSON, version
         that sampled it, version known when it came back). A router's requests name ``pin``
-        (the group) as their session, where groups are pinned."""
+        (the group) as their session, where groups are pinned. ``kept``: a completion of
+        update_mode keep, which a load freezes and the engine continues (its answer says each
+        token's version)."""
         headers = ep.sampling_headers(pin if self.pin_groups else None)
         version, model = self.dialect.sample_with(self, ep, await self._ensure_version(ep), at_version)
         request = dict(body)
@@ -796,7 +852,7 @@ class InferenceClient:
         while True:
             await self.dialect.before_attempt(self, ep)
             try:
-                return await self._sampling_attempt(ep, path, request, version, restarts, headers)
+                return await self._sampling_attempt(ep, path, request, version, restarts, headers, kept)
             except UpdateBegan:  # interrupt: ended by a reload before its first token
                 restarts += 1
 
@@ -808,6 +864,7 @@ class InferenceClient:
         version: int,
         restarts: int,
         headers: dict[str, str],
+        kept: bool,
     ) -> tuple[Any, int, int]:
         """`_post_sampling`'s call on ``ep`` at ``version``, once its dialect let it be sent."""
         start_version = self.dialect.known_version(self, ep)
@@ -815,11 +872,13 @@ class InferenceClient:
         ep.idle.clear()
         try:
             with self.dialect.in_flight(ep, version):
-                if self.update_mode != "interrupt":
+                if kept:
+                    answer = await self._post_kept(ep, path, request, headers)
+                elif self.update_mode == "wait":
                     answer = await self.call(ep, "POST", path, request, headers=headers)
-                elif path == "/v1/completions":
+                elif self.update_mode == "interrupt" and path == "/v1/completions":
                     answer = await self._stream(ep, path, request, restarts, headers)
-                else:  # another route's call (verifiers' /inference/v1/generate) is not continued
+                else:  # another route's call (verifiers' /inference/v1/generate): a load waits for it
                     with ep.unabortable_call():
                         answer = await self.call(ep, "POST", path, request, headers=headers)
         finally:
@@ -915,6 +974,35 @@ def _raise_for_status(status: int, body: bytes, reason: str, method: str, url: s
         raise Retryable(f"{method} {url}: HTTP {error[0]}: {error[2]}", f"HTTP {error[0]} {path}", server_error=error)
     if status >= 400:
         raise InferenceRequestError(f"{method} {url}: HTTP {status}: {_error_message(body, reason)}", status)
+
+
+def _json_answer(content: bytes, method: str, url: str, path: str) -> Any:
+    try:
+        return orjson.loads(content)
+    except ValueError:
+        pass
+    try:  # NaN or Infinity, which orjson refuses: parsed, so the answer's check names the value
+        return json.loads(content)
+    except ValueError:
+        raise Retryable(f"{method} {url}: the answer is not JSON", f"not JSON {path}") from None
+
+
+def _token_versions(spans: tuple[tuple[str, int], ...], sent_at: int, where: str) -> list[tuple[int, int]]:
+    """A kept completion's (version, tokens) runs from the engine's labelled spans: orch labels
+    each version it loads with its number; the label of a server's weights before any (vLLM's
+    "default") is the version the request was sent at, and only its first tokens can have it."""
+    runs: list[tuple[int, int]] = []
+    for k, (label, tokens) in enumerate(spans):
+        if label.isdecimal():
+            version = int(label)
+        elif k == 0:
+            version = sent_at
+        else:
+            raise ProtocolError(f"{where}: tokens sampled by weights labelled {label!r}, a version orch did not load")
+        if runs and version < runs[-1][0]:
+            raise ProtocolError(f"{where}: weight versions {spans!r} go back")
+        runs.append((version, tokens))
+    return runs
 
 
 def _raise_for_stream_error(error: Any, url: str, path: str) -> None:

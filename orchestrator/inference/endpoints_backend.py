@@ -65,7 +65,13 @@ def build_endpoints_backend(
         from orchestrator.inference.vllm_launch import VllmLauncher
 
         launcher = VllmLauncher(
-            section.launch, model_dir, ctx.run_dir, section.weight_sync, section.max_loras, ctx.placement
+            section.launch,
+            model_dir,
+            ctx.run_dir,
+            section.weight_sync,
+            section.max_loras,
+            ctx.placement,
+            section.update_mode_in_use,
         )
         urls = launcher.urls
     return EndpointsBackend(

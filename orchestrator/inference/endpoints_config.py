@@ -97,10 +97,12 @@ class EndpointsSettings(Section):
     )
     update_mode: Literal["wait", "interrupt", "keep"] | None = Field(
         None,
-        description="vllm_reload: what a weight update does to the requests running: wait for them "
-        "to end (new ones held), or interrupt them (abort, reload, continue each with its tokens so "
-        "far, every token's version exact); keep is not offered (docs/vllm.md). None: interrupt "
-        "with vllm_reload (it samples more tokens/s through a long tail), wait with the others",
+        description="vllm_reload and vllm_push: what a weight update does to the requests running: wait "
+        "for them to end (new ones held), interrupt them (abort, reload, continue each with its tokens so "
+        "far), or keep them (frozen through the load, then continued by the engine with the new weights, "
+        "their KV computed again; sampled on vLLM's /inference/v1/generate, which says each token's "
+        "version: servers started with --enable-scale-out). Every token's version is exact in each "
+        "(docs/vllm.md). None: interrupt with vllm_reload and vllm_push, wait with the others",
     )
     max_loras: int = Field(
         2,
@@ -164,18 +166,18 @@ class EndpointsSettings(Section):
                     f"inference.openai.routers[{index}] ({router.url}) lists no engines: weight_sync "
                     f"{self.weight_sync!r} loads each engine behind the router directly (their URLs in engines)"
                 )
-        if self.update_mode == "keep":
-            raise ValueError(
-                "inference.openai.update_mode 'keep' is not offered: vLLM 0.32's /v1/completions does not say "
-                "which tokens came before the update, so their versions would not be exact "
-                "(docs/vllm.md); use 'interrupt' or 'wait'"
-            )
         mode = self.update_mode
         if mode is not None and mode not in self.dialect.update_modes:
             raise ValueError(
                 f"inference.openai.update_mode {mode!r} needs weight_sync "
                 f"{names_where(lambda dialect: mode in dialect.update_modes)}, not {self.weight_sync!r}"
                 + (f" ({note})" if (note := self.dialect.update_modes_note) else "")
+            )
+        if mode == "keep" and self.routers:
+            raise ValueError(
+                "inference.openai.update_mode 'keep' is not offered through routers (it samples on vLLM's "
+                "/inference/v1/generate, whose routing by a router orch does not check): list the engines "
+                "as endpoints, or use update_mode 'interrupt'"
             )
         if self.launch.servers:
             if self.endpoints or self.routers:
@@ -201,7 +203,6 @@ class EndpointsSettings(Section):
         """`update_mode`, or the weight sync's default where it is not set."""
         if self.update_mode is None:
             return self.dialect.default_update_mode
-        assert self.update_mode != "keep"  # refused by the validator
         return self.update_mode
 
     @property

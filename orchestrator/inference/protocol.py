@@ -268,3 +268,56 @@ def parse_completion(response: Any, expected: int, where: str = "response") -> t
     if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
         raise ProtocolError(f"{where}: 'policy_version' must be an integer")
     return [parse_choice(c, response, where) for c in choices], version
+
+
+def parse_generated(
+    response: Any, expected: int, where: str = "response"
+) -> list[tuple[ParsedChoice, tuple[tuple[str, int], ...]]]:
+    """Each choice (ordered by ``index``) of vLLM's ``/inference/v1/generate`` answer with
+    ``output_mode`` "text", and its tokens' weight versions as (label, tokens) runs covering
+    every token in order: the engine's ``weight_versions`` spans (vLLM 0.32: each span the
+    output tokens ``[start, end)`` that weights labelled ``version`` sampled)."""
+    if not isinstance(response, dict) or not isinstance(response.get("choices"), list):
+        raise ProtocolError(f"{where}: not a generate response (no 'choices' list)")
+    choices = sorted(response["choices"], key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+    if len(choices) != expected:
+        raise ProtocolError(f"{where}: expected {expected} choices, got {len(choices)}")
+    return [_generated_choice(c, response, where) for c in choices]
+
+
+def _generated_choice(choice: Any, response: dict, where: str) -> tuple[ParsedChoice, tuple[tuple[str, int], ...]]:
+    if not isinstance(choice, dict):
+        raise ProtocolError(f"{where}: a choice is not an object")
+    block = choice.get("logprobs")
+    content = block.get("content") if isinstance(block, dict) else None
+    if not isinstance(content, list) or not all(isinstance(entry, dict) for entry in content):
+        raise ProtocolError(f"{where}: no per-token logprobs in the response (send sampling_params.logprobs: 0)")
+    as_completion = {
+        **choice,
+        "logprobs": {"token_logprobs": [entry.get("logprob") for entry in content]},
+        "prompt_token_ids": response.get("prompt_token_ids"),
+    }
+    parsed = parse_choice(as_completion, response, where)
+    return parsed, _version_spans(choice.get("weight_versions"), len(parsed.token_ids), where)
+
+
+def _version_spans(spans: Any, tokens: int, where: str) -> tuple[tuple[str, int], ...]:
+    """``weight_versions`` as (label, tokens) runs, checked to cover the tokens in order."""
+    if not tokens and not spans:
+        return ()
+    if not isinstance(spans, list) or not spans:
+        raise ProtocolError(
+            f"{where}: no 'weight_versions' in the answer (vLLM >= 0.32 reports them on /inference/v1/generate)"
+        )
+    runs, at = [], 0
+    for span in spans:
+        if not isinstance(span, dict):
+            raise ProtocolError(f"{where}: a weight_versions span is not an object")
+        label, start, end = span.get("version"), span.get("start"), span.get("end")
+        if not isinstance(label, str) or start != at or not isinstance(end, int) or isinstance(end, bool) or end <= at:
+            raise ProtocolError(f"{where}: weight_versions {spans!r} do not cover the {tokens} tokens in order")
+        runs.append((label, end - start))
+        at = end
+    if at != tokens:
+        raise ProtocolError(f"{where}: weight_versions {spans!r} do not cover the {tokens} tokens in order")
+    return tuple(runs)

@@ -142,9 +142,10 @@ class VllmLauncher:
         weight_sync: str,
         max_loras: int,
         placement: Placement = LOCAL,
+        update_mode: str = "wait",
     ):
         self.launch, self.model_dir, self.max_loras = launch, Path(model_dir), max_loras
-        self.dialect, self.placement = DIALECTS[weight_sync], placement
+        self.dialect, self.placement, self.update_mode = DIALECTS[weight_sync], placement, update_mode
         log_dir = Path(run_dir) / LOGS_DIR
         ports = launch.ports or [free_port(launch.host) for _ in range(launch.servers)]
         self.servers = [
@@ -176,7 +177,9 @@ class VllmLauncher:
             "--logprobs-mode",
             "processed_logprobs",
         ]
-        return cmd + self.dialect.launch_args(self.launch, self.max_loras) + list(self.launch.extra_args)
+        # update_mode keep samples on the token-in, token-out route, which reports each token's version
+        kept = ["--enable-scale-out"] if self.update_mode == "keep" else []
+        return cmd + self.dialect.launch_args(self.launch, self.max_loras) + kept + list(self.launch.extra_args)
 
     def environment(self, server: Server) -> dict[str, str]:
         env = dict(os.environ)

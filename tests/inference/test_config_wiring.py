@@ -168,14 +168,31 @@ def test_update_mode_defaults_to_interrupt_where_the_weight_sync_can(weight_sync
     assert c.inference.openai.update_mode is None and c.inference.openai.update_mode_in_use == in_use
 
 
-def test_update_mode_keep_is_refused_saying_why():
-    with pytest.raises(ConfigError, match="'keep' is not offered: vLLM 0.32's /v1/completions does not say"):
-        load_config(overrides=['inference.openai.endpoints=["http://h:1"]', "inference.openai.update_mode=keep"])
+@pytest.mark.parametrize("weight_sync", ["vllm_reload", "vllm_push"])
+def test_update_mode_keep_is_offered_by_the_vllm_full_weight_syncs(weight_sync):
     c = load_config(
         overrides=[
             'inference.openai.endpoints=["http://h:1"]',
-            "inference.openai.weight_sync=vllm_reload",
-            "inference.openai.update_mode=interrupt",
+            f"inference.openai.weight_sync={weight_sync}",
+            "inference.openai.update_mode=keep",
         ]
     )
-    assert c.inference.openai.update_mode == "interrupt"
+    assert c.inference.openai.update_mode_in_use == "keep"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["inference.openai.weight_sync=vllm_lora"], "update_mode 'keep' needs weight_sync 'vllm_reload'"),
+        (
+            ['inference.openai.routers=[{"url": "http://r:1", "engines": ["http://e:1"]}]'],
+            "update_mode 'keep' is not offered through routers",
+        ),
+    ],
+)
+def test_update_mode_keep_where_it_cannot_work_is_one_line(overrides, message):
+    base = ["inference.openai.update_mode=keep", "inference.openai.weight_sync=vllm_reload"]
+    if not any("routers" in o for o in overrides):
+        base.append('inference.openai.endpoints=["http://h:1"]')
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=base + overrides)

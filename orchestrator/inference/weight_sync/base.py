@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 from orchestrator import rundir
 from orchestrator.inference.errors import InferenceRequestError, Retryable
 
-UpdateMode = Literal["wait", "interrupt"]  # what a weight update does to the requests running
+UpdateMode = Literal["wait", "interrupt", "keep"]  # what a weight update does to the requests running
 
 
 class SyncedEndpoint(Protocol):

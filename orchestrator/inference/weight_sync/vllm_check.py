@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.inference.errors import InferenceRequestError, Retryable
+from orchestrator.inference.protocol import GENERATE_PATH
 from orchestrator.inference.weight_sync.base import EndpointT, RouteProbe, WeightSyncClient
 
 
@@ -42,6 +43,24 @@ async def check_vllm_endpoints(client: WeightSyncClient[EndpointT], model_dir: P
                 if probe.unset is not None and probe.unset in str(exc):
                     raise _lacks(client, url, probe, exc) from None
                 continue
+        if client.update_mode == "keep":
+            await check_generate_route(client, ep)
+
+
+async def check_generate_route(client: WeightSyncClient[EndpointT], ep: EndpointT) -> None:
+    """update_mode keep samples on the token-in, token-out route: a GET there answers 405 (it is a
+    POST route) where the server has it, 404 where it was started without --enable-scale-out."""
+    try:
+        await client.call(ep, "GET", GENERATE_PATH)
+    except InferenceRequestError as exc:
+        if exc.status_code == 405:
+            return
+        raise InferenceRequestError(
+            f"{ep.url} lacks {GENERATE_PATH} ({exc}): update_mode 'keep' samples there "
+            "(vLLM started with --enable-scale-out)"
+        ) from None
+    except Retryable:
+        return  # not reachable yet: left to the weight loads, as above
 
 
 def _lacks(client: WeightSyncClient, url: str, probe: RouteProbe, exc: Exception) -> InferenceRequestError:

@@ -1,9 +1,9 @@
 """`vllm_push`: the trainer process broadcasts each version into a vLLM server over a
 process group (gloo on the CPU, NCCL on GPUs), instead of the server reading it from disk. Per version, on
-every engine of the endpoint: ``POST /pause`` (update_mode wait or interrupt, as `vllm_reload`)
--> ``POST /start_weight_update`` -> ``POST /update_weights`` while the trainer broadcasts ->
-``POST /finish_weight_update {"weight_version"}`` -> ``POST /reset_prefix_cache`` -> ``POST
-/resume``. Versions are exact as with `vllm_reload`: no request is sent while it loads. An
+every engine of the endpoint: ``POST /pause`` (update_mode wait, interrupt or keep, as
+`vllm_reload`) -> ``POST /start_weight_update`` -> ``POST /update_weights`` while the trainer
+broadcasts -> ``POST /finish_weight_update {"weight_version"}`` -> ``POST /reset_prefix_cache``
+-> ``POST /resume``. Versions are exact as with `vllm_reload`: no request is sent while it loads. An
 engine whose push fails (the trainer gone mid-push, its push service down, a group that timed
 out) reloads the version from ``weights/step_N`` instead, still paused: no engine serves a
 version it got part of.
@@ -112,7 +112,7 @@ class VllmPush(VllmReload):
         if len(set(sent.values())) > 1:  # the trainer published between two engines' pushes
             raise Retryable(f"{ep.url}: its engines got versions {sent}", "engine mismatch")
         pushed = next(iter(sent.values()))
-        await reset_prefix_cache_and_resume(client, ep, f"the push of version {pushed}")
+        await reset_prefix_cache_and_resume(client, ep, pushed, mode, f"the push of version {pushed}")
         return pushed
 
 

@@ -1,7 +1,10 @@
 """`vllm_reload`: a vLLM server's full-weight reload (``VLLM_SERVER_DEV_MODE=1``): ``POST
-/pause?mode=wait`` (update_mode interrupt: ``mode=abort``) -> ``POST /collective_rpc {"method":
-"reload_weights", ...}`` -> ``POST /reset_prefix_cache`` -> ``POST /resume``. No request of an
-endpoint is sent while it reloads, so a completion's version is the one it was sent at."""
+/pause?mode=wait`` (update_mode interrupt: ``mode=abort``; keep: ``mode=keep``) -> ``POST
+/collective_rpc {"method": "reload_weights", ...}`` (keep: -> ``POST /update_weight_version``) ->
+``POST /reset_prefix_cache`` (keep: ``?reset_running_requests=true``) -> ``POST /resume``. No
+request of an endpoint is sent while it reloads, so a completion's version is the one it was sent
+at; in keep, the requests frozen by the pause go on with the new weights, and the engine reports
+which version sampled each token."""
 
 from __future__ import annotations
 
@@ -19,6 +22,10 @@ from orchestrator.inference.weight_sync.base import (
     versions_held,
 )
 
+# vLLM's /pause mode for each update_mode: wait drains first; interrupt aborts the running requests
+# (the client continues them); keep freezes them (the engine continues them).
+PAUSE_MODES = {"wait": "wait", "interrupt": "abort", "keep": "keep"}
+
 
 @dataclass
 class ReloadState:
@@ -28,7 +35,7 @@ class ReloadState:
 class VllmReload(WeightSyncDialect):
     engine = "vllm"
     summary = "vLLM full reload (/pause, reload_weights, /reset_prefix_cache, /resume)"
-    update_modes = frozenset({"wait", "interrupt"})
+    update_modes = frozenset({"wait", "interrupt", "keep"})
     default_update_mode = "interrupt"  # it samples more tokens/s through a long tail
     route_probe = RouteProbe("GET", "/is_paused", needs="VLLM_SERVER_DEV_MODE=1")
 
@@ -46,17 +53,20 @@ class VllmReload(WeightSyncDialect):
         again after the reload (`Endpoint.restart_unstarted`); once the calls of other routes
         have ended (`Endpoint.abortable`), the pause aborts the rest: each comes back with the
         tokens it has, all sampled by the old weights, and the client continues it after the
-        reload. Either way each token's version is exact."""
+        reload. keep: once the calls of other routes have ended, the pause freezes the running
+        requests, and the prefix-cache reset sends them back to the queue, so that the new
+        weights compute their KV again before they go on; the engine says which version sampled
+        each token. Either way each token's version is exact."""
         state: ReloadState = ep.sync
         async with versions_held(path, client.load_timeout_s):
             check_weights_dir(path, "config.json", "an HF model dir")  # a failed reload kills vLLM's engine
             state.reloading = asyncio.Event()
-            interrupt = client.update_mode == "interrupt"
+            mode = client.update_mode
             try:
-                if interrupt:
+                if mode == "interrupt":
                     ep.restart_unstarted()
                 try:
-                    await asyncio.wait_for((ep.abortable if interrupt else ep.idle).wait(), client.load_timeout_s)
+                    await asyncio.wait_for((ep.idle if mode == "wait" else ep.abortable).wait(), client.load_timeout_s)
                 except TimeoutError:
                     raise Retryable(
                         f"{ep.url}: its requests in flight did not end within {client.load_timeout_s:g}s "
@@ -64,7 +74,7 @@ class VllmReload(WeightSyncDialect):
                         "reload drain",
                     ) from None
                 try:
-                    version = await self.paused_load(client, ep, version, path, "abort" if interrupt else "wait")
+                    version = await self.paused_load(client, ep, version, path, PAUSE_MODES[mode])
                 except BaseException:
                     # Paused (or maybe), its weights either version: unknown until a reload succeeds.
                     # The endpoint's next request reloads it first, and that reload's /resume ends
@@ -83,7 +93,16 @@ class VllmReload(WeightSyncDialect):
         """Pause ``ep`` (``mode``), load the weights, reset its prefix cache and resume it: the
         version it now holds. The steps between the drain and the resume, which a dialect that
         loads another way (`vllm_push`) replaces."""
-        await _paused_reload(client, ep, path, mode)
+        await on_each_engine(client, ep, "POST", f"/pause?mode={mode}", timeout=client.load_timeout_s)
+        await on_each_engine(
+            client,
+            ep,
+            "POST",
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": path}},
+            timeout=client.load_timeout_s,
+        )
+        await reset_prefix_cache_and_resume(client, ep, version, mode, f"the reload of {path}")
         return version
 
     async def before_attempt(self, client: WeightSyncClient[EndpointT], ep: EndpointT) -> None:
@@ -103,25 +122,20 @@ class VllmReload(WeightSyncDialect):
         return start, start
 
 
-async def _paused_reload(client: WeightSyncClient[EndpointT], ep: EndpointT, path: str, mode: str) -> None:
-    """Each step on every engine of the endpoint (a router's all pause, and all reload, before
-    any resumes: no request of the endpoint is sampled by a mix of versions)."""
-    await on_each_engine(client, ep, "POST", f"/pause?mode={mode}", timeout=client.load_timeout_s)
-    await on_each_engine(
-        client,
-        ep,
-        "POST",
-        "/collective_rpc",
-        {"method": "reload_weights", "kwargs": {"weights_path": path}},
-        timeout=client.load_timeout_s,
-    )
-    await reset_prefix_cache_and_resume(client, ep, f"the reload of {path}")
-
-
-async def reset_prefix_cache_and_resume(client: WeightSyncClient[EndpointT], ep: EndpointT, after: str) -> None:
-    """The last steps of a load on every engine of ``ep`` (``after``: the load, as a failure names it)."""
+async def reset_prefix_cache_and_resume(
+    client: WeightSyncClient[EndpointT], ep: EndpointT, version: int, mode: str, after: str
+) -> None:
+    """The last steps of a load of ``version`` on every engine of ``ep`` (a router's all pause,
+    and all load, before any resumes: no request of the endpoint is sampled by a mix of
+    versions), paused with ``mode``; ``after``: the load, as a failure names it. mode keep: the
+    engines label the weights ``version`` (each token reports the label of the weights that
+    sampled it) and send their frozen requests back to the queue with the cache reset."""
+    if mode == "keep":
+        label = {"new_version": str(version)}
+        await on_each_engine(client, ep, "POST", "/update_weight_version", label, timeout=client.load_timeout_s)
     # Without it, prompts longer than a cache block seen before are served from the old weights' KV.
-    answers = await on_each_engine(client, ep, "POST", "/reset_prefix_cache", timeout=client.load_timeout_s)
+    reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
+    answers = await on_each_engine(client, ep, "POST", reset, timeout=client.load_timeout_s)
     for url, answer in zip(ep.admin_urls, answers, strict=True):
         if not (isinstance(answer, dict) and answer.get("success") is True):  # the server's state, not the request
             raise Retryable(f"{url}/reset_prefix_cache failed after {after}: {answer!r}", "reload")

@@ -1,5 +1,5 @@
 """A fleet of stand-in vLLM 0.32 engines in one process, paced like GPUs: ``python -m
-bench.fleet_standin ENGINES SLOTS STEP_S`` prints one port per engine on a line, then serves
+tests.inference.fleet_standin ENGINES SLOTS STEP_S`` prints one port per engine on a line, then serves
 until killed (`fleet_process` starts and stops it). Raw HTTP/1.1 on asyncio, so that its own
 cost stays well below the client's.
 
@@ -9,10 +9,13 @@ token, so an engine offers ``SLOTS / STEP_S`` tokens/s while it has enough reque
 length is long-tailed and a function of its seed (`length_of`); its tokens name the weight
 version that sampled them (`token_of`), so a client can check each token's version. Streams are
 grouped as vLLM's ``stream_interval`` groups them: the first token alone, then a chunk whenever
-the interval's tokens are buffered, the rest with the finish reason. The weight-sync routes of
-`vllm_reload` are served: ``/pause?mode=abort`` ends every request, each with the tokens it
-sampled since its last chunk (finish_reason "abort"), and admits none until ``/resume``;
-``/collective_rpc`` (reload_weights of a ``step_N`` dir) moves the engine to version N;
+the interval's tokens are buffered, the rest with the finish reason. vLLM's token-in, token-out
+route (``/inference/v1/generate``, unstreamed, ``output_mode`` "text") answers at the end with
+every token and the ``weight_versions`` spans of the labels that sampled them. The weight-sync
+routes of `vllm_reload` are served: ``/pause?mode=abort`` ends every request, each with the
+tokens it sampled since its last chunk (finish_reason "abort"), ``/pause?mode=keep`` freezes
+them, and either admits none until ``/resume``; ``/collective_rpc`` (reload_weights of a
+``step_N`` dir) moves the engine to version N; ``/update_weight_version`` labels its weights;
 ``/reset_prefix_cache``; ``/health``.
 
 ``GET /stats`` on any engine: every engine's counters summed (`Engine.stats`): tokens sampled,
@@ -62,12 +65,15 @@ class Request:
     sent: int = 0  # tokens sent in chunks so far
     versions: list[int] = field(default_factory=list)  # the version of each token not yet sent
     cut_at_max: bool = False  # its length is max_tokens: it ends with "length", not "stop"
+    streamed: bool = True  # else a generate request, answered whole at its end
+    labels: list[str] = field(default_factory=list)  # generate: the weights' label at each token
 
 
 class Engine:
     def __init__(self, slots: int, step_s: float):
         self.slots, self.step_s = slots, step_s
         self.version = 0
+        self.label = "default"  # the weights' label (/update_weight_version), as vLLM's
         self.paused = False
         self.step = 0
         self.running: list[Request] = []
@@ -98,11 +104,13 @@ class Engine:
                 continue
             req.sampled += 1
             req.versions.append(self.version)
+            if not req.streamed:
+                req.labels.append(self.label)
             if req.sampled == req.length:
                 self.send(req, "length" if req.cut_at_max else "stop")
                 req.done.set()
             else:
-                if req.sampled == 1 or req.sampled - req.sent >= req.interval:
+                if req.streamed and (req.sampled == 1 or req.sampled - req.sent >= req.interval):
                     self.send(req, None)
                 still.append(req)
         self.running = still
@@ -114,6 +122,9 @@ class Engine:
         self.running, self.waiting = [], deque()
 
     def send(self, req: Request, finish: str | None) -> None:
+        if not req.streamed:
+            self.send_generated(req, finish or "abort")
+            return
         ids = [token_of(v) for v in req.versions]
         choice = {
             "index": 0,
@@ -141,6 +152,27 @@ class Engine:
         req.versions = []
         if not req.writer.is_closing():
             req.writer.write(b"%x\r\n%s\r\n" % (len(payload), payload) + (b"0\r\n\r\n" if finish else b""))
+
+    def send_generated(self, req: Request, finish: str) -> None:
+        """A generate request's answer, whole: its tokens and the spans of the labels that sampled them."""
+        spans: list[dict] = []
+        for at, label in enumerate(req.labels):
+            if spans and spans[-1]["version"] == label:
+                spans[-1]["end"] = at + 1
+            else:
+                spans.append({"version": label, "start": at, "end": at + 1})
+        content = [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}] * len(req.versions)
+        choice = {
+            "index": 0,
+            "text": "a" * len(req.versions),
+            "token_ids": [token_of(v) for v in req.versions],
+            "logprobs": {"content": content},
+            "finish_reason": finish,
+            "weight_versions": spans,
+        }
+        answer = {"request_id": req.rid.decode(), "prompt_token_ids": req.prompt, "choices": [choice]}
+        if not req.writer.is_closing():
+            req.writer.write(_json(answer))
 
     def stats(self) -> dict:
         backlog = sum(w.transport.get_write_buffer_size() for w in self.writers if not w.is_closing())
@@ -184,17 +216,23 @@ class Fleet:
         if path == "/v1/completions" and method == "POST":
             await self.completions(engine, orjson.loads(body), writer)
             return
+        if path == "/inference/v1/generate" and method == "POST":
+            await self.generate(engine, orjson.loads(body), writer)
+            return
         if path.startswith("/pause"):
             engine.paused = True
-            engine.abort_all()
+            if "mode=keep" not in path:
+                engine.abort_all()
         elif path == "/resume":
             engine.paused = False
         elif path == "/collective_rpc":  # reload_weights of a step_N dir: version N
             engine.version = int(orjson.loads(body)["kwargs"]["weights_path"].rsplit("_", 1)[1])
+        elif path == "/update_weight_version":
+            engine.label = orjson.loads(body)["new_version"]
         elif path == "/stats":
             writer.write(_json(self.stats()))
             return
-        elif path == "/reset_prefix_cache":
+        elif path.startswith("/reset_prefix_cache"):
             writer.write(_json({"success": True}))
             return
         elif path not in ("/health",):
@@ -213,6 +251,24 @@ class Fleet:
         )
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        engine.waiting.append(req)
+        await req.done.wait()
+
+    async def generate(self, engine: Engine, body: dict, writer: asyncio.StreamWriter) -> None:
+        params = body["sampling_params"]
+        assert params.get("n", 1) == 1, "one choice"
+        self.serial += 1
+        max_tokens = params["max_tokens"]
+        length = length_of(params.get("seed") or 0, max_tokens)
+        req = Request(
+            b"gen-%d" % self.serial,
+            body["token_ids"],
+            length,
+            1,
+            writer,
+            cut_at_max=length == max_tokens,
+            streamed=False,
         )
         engine.waiting.append(req)
         await req.done.wait()
@@ -250,7 +306,7 @@ async def serve(engines: int, slots: int, step_s: float) -> None:
 def fleet_process(engines: int, slots: int, step_s: float, cpu: int | None = None) -> Iterator[list[str]]:
     """The fleet in a child process (pinned to CPU `cpu` where given); yields each engine's base
     URL. Killed and waited for at the end."""
-    with ports_of_child(["bench.fleet_standin", str(engines), str(slots), str(step_s)], cpu) as ports:
+    with ports_of_child(["tests.inference.fleet_standin", str(engines), str(slots), str(step_s)], cpu) as ports:
         if len(ports) != engines:
             raise RuntimeError(f"the stand-in fleet served {len(ports)} engines, not {engines}")
         yield [f"http://127.0.0.1:{port}" for port in ports]
