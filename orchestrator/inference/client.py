@@ -115,9 +115,10 @@ class Endpoint:
     probe: asyncio.Future | None = field(default=None, repr=False)
     sending: int = 0  # completion calls sent and not answered yet
     idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while sending == 0
-    # interrupt: calls a reload waits for before it pauses: another route's than /v1/completions
-    # (its answer would lose what it sampled if aborted) until it returns, a completion restarted
-    # MAX_RESTARTS times until its first token. An event set while there is none.
+    # interrupt and keep: calls a reload waits for before it pauses: another route's call
+    # (interrupt: its answer would lose what it sampled if aborted; keep: it reports one version)
+    # until it returns; interrupt: a completion restarted MAX_RESTARTS times until its first
+    # token. An event set while there is none.
     unabortable: int = 0
     abortable: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # interrupt: streamed completions whose first token is not back yet (the engine may not hold

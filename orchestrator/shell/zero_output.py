@@ -88,8 +88,8 @@ class ZeroOutputWitness:
         """The stop line's cause (docs/rules.md: no survivors, all-zero advantages, or cancelled as
         stale): no episode sampled a token, every episode failed (the last error), every group's
         rewards were equal (the rewards seen and the settings that change that; not said where the
-        failures left no group two scored episodes: then the failures are the cause), or the groups'
-        fates, stale cancellations first."""
+        failures left no group two scored episodes, or outnumber the scored ones: then the failures
+        are the cause), or the groups' fates, stale cancellations first."""
         failed = f"{self.failed} failed (the last: {self.last_error})"
         waits = f"zero_output_batches ({zero_output_batches}) is how long a run waits for one"
         if not self.scored and self.unsampled:
@@ -101,13 +101,13 @@ class ZeroOutputWitness:
         if not self.scored and self.failed and not self.tied + self.untied + self.stale_groups + self.stale_samples:
             return f"every one of the last {self.failed} episodes failed; the last: {self.last_error}"
         stale = self.stale_groups or self.stale_samples
-        if self.failed and group_size > 1 and self.tied == self.lone and not (self.untied or stale):
-            # each group kept one scored episode at most: its rewards had none to differ from
+        # each group kept one scored episode at most: its rewards had none to differ from
+        none_to_compare = group_size > 1 and self.tied == self.lone and not self.untied
+        if self.failed and not stale and (none_to_compare or self.failed > self.scored):
+            # the failures are the cause, whatever the few scored episodes' groups did
             total = self.scored + self.unsampled + self.failed
-            return (
-                f"{self.failed} of the last {total} episodes failed, leaving no group two scored episodes "
-                f"to compare; the last: {self.last_error}"
-            )
+            left = "no group two scored episodes to compare" if none_to_compare else f"{self.scored} scored"
+            return f"{self.failed} of the last {total} episodes failed, leaving {left}; the last: {self.last_error}"
         others = "".join(
             f"; {text}"
             for n, text in ((self.unsampled, f"{self.unsampled} sampled no token"), (self.failed, failed))

@@ -29,7 +29,7 @@ from tests.inference.vllm_util import (
 from tests.support.logs import assert_log_invariants
 
 pytestmark = [pytest.mark.slow, needs_vllm]
-LENGTH = 300  # tokens per completion (ignore_eos), within the tiny model's 512 positions
+LENGTH = 450  # tokens per completion (ignore_eos): with its prompt, within the tiny model's 512 positions
 HOLD_BOUND_S = 120  # the most the hold waits for the engine to sample the first tokens
 STEPS = 6  # the orch run's
 
@@ -86,10 +86,10 @@ def test_kept_completions_go_on_through_loads_and_every_token_has_the_version_th
             try:
                 while c.endpoints[0].sending < len(batch):
                     await asyncio.sleep(0.01)
-                # one decode step samples a token of every running request: a few steps' worth
-                await hold_after_tokens(http, 4 * 2 * len(batch))
+                # one decode step samples a token of every running request: two steps' worth
+                await hold_after_tokens(http, 2 * 2 * len(batch))
                 await c.load(1, str(versions[1]))
-                await hold_after_tokens(http, 4 * 2 * len(batch))
+                await hold_after_tokens(http, 2 * 2 * len(batch))
                 await c.load(2, str(versions[2]))
                 return await asyncio.gather(*flight)
             except BaseException:

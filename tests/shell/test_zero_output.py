@@ -76,3 +76,24 @@ def test_groups_left_with_one_scored_episode_by_failures_are_said_to_have_failed
     assert line.endswith("the last: inference: InferenceUnavailable: every inference endpoint down"), line
     # with groups of one, a lone reward is a tie: raising the group size is what changes it
     assert _witness({1: [0.5], 2: [0.5]}).cause(group_size=1, zero_output_batches=1).startswith("every group's")
+
+
+def test_failures_that_outnumber_the_scored_episodes_are_the_cause_even_where_a_group_tied():
+    """An endpoint that died mid-run: most episodes failed, and one group scored two equal rewards
+    before it did; the stop line leads with the failures, not with the tie."""
+    witness = _witness({1: [1.0, 1.0]})
+    for episode_id in range(20, 25):
+        witness.saw(
+            ev.EpisodeCompleted(
+                episode_id=episode_id,
+                group_id=3,
+                ok=False,
+                reward=0.0,
+                temperature=1.0,
+                policy_start=0,
+                policy_end=0,
+                error="inference: InferenceUnavailable: every inference endpoint down",
+            )
+        )
+    line = witness.cause(group_size=2, zero_output_batches=1)
+    assert line.startswith("5 of the last 7 episodes failed, leaving 2 scored; the last: inference: "), line

@@ -28,7 +28,7 @@ class SyncedEndpoint(Protocol):
     failures: int  # failed contacts in a row (0: up)
     last_error: str | None
     idle: asyncio.Event  # set while no sampling call is in flight
-    abortable: asyncio.Event  # interrupt: set while no call of another route than /v1/completions is in flight
+    abortable: asyncio.Event  # interrupt, keep: set while no call of another route than its completions' is in flight
 
     @property
     def admin_urls(self) -> tuple[str, ...]: ...  # where its weights are loaded: a router's engines, else its URL
