@@ -17,12 +17,12 @@ from tests.inference.util import REPO, processes_mentioning
 from tests.inference.vllm_util import (
     RUN,
     check_completion_versions,
-    k3_kl,
+    check_sampled_by_versions,
+    held_completions,
     load_model,
     needs_vllm,
     prompts,
     publish_full,
-    recompute_logprobs,
     reverse_text_hf_run,
 )
 from tests.support.cli import orch_argv, wait_until
@@ -87,33 +87,21 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
             httpx.AsyncClient(base_url=c.endpoints[0].url, timeout=60, trust_env=False) as http,
         ):
             await c.load(0, str(versions[0]))
-            # held before they are sent: only the hold's short bursts sample (hold_streaming)
-            (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
-            flight = [
-                asyncio.ensure_future(
-                    c.complete(p, n=2, max_tokens=LENGTH, seed=i, extra={"ignore_eos": True}, temperature=1.0)
-                )
-                for i, p in enumerate(batch)
-            ]
-            try:
+
+            async def while_held():
                 # the first reload lands inside every generation (held once every request has a
                 # token); the second comes right after it, ending whichever continuations still
                 # run (a short one may be done by then: holding all of them hoped for a timing)
                 await hold_streaming(c, http, len(batch))
                 await c.load(1, str(versions[1]))
                 await c.load(2, str(versions[2]))
-                return await asyncio.gather(*flight)
-            except BaseException:
-                for f in flight:
-                    f.cancel()
-                await asyncio.gather(*flight, return_exceptions=True)
-                await http.post("/resume")  # a hold's pause is not left to the module's next test
-                raise
+
+            return await held_completions(c, http, batch, LENGTH, while_held)
 
     done = asyncio.run(asyncio.wait_for(main(), 300))
     models = [load_model(w) for w in versions]
     seams = 0
-    worst, k3s = [], []
+    worsts, k3s = [], []
     for prompt, completion in zip(batch, done):
         # one not started by a reload is sent again whole: one version sampled all of it
         continued = completion.choice_versions or ((),) * len(completion.choices)
@@ -126,29 +114,18 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
             seams += len(runs) - 1 if runs else 0
             # each token's logprob is its version's, given everything before it (prompt + the
             # tokens of earlier segments, recomputed by the new weights after a seam)
-            for version in sorted(set(per_token)):
-                at = [i for i, v in enumerate(per_token) if v == version]
-                own = recompute_logprobs(models[version], prompt, choice.token_ids)
-                sampled = [choice.logprobs[i] for i in at]
-                mine = [own[i] for i in at]
-                worst.append(max(abs(a - b) for a, b in zip(mine, sampled)))
-                k3 = k3_kl(sampled, mine)
-                k3s.append(k3)
-                assert k3 < 1e-3, (version, k3)
-                # and not another version's (over a few tokens: on one or two confident tokens
-                # the versions may agree)
-                for other in set(range(3)) - {version} if len(at) >= 4 else ():
-                    theirs = recompute_logprobs(models[other], prompt, choice.token_ids)
-                    assert max(abs(theirs[i] - choice.logprobs[i]) for i in at) > 1e-3, (version, other, runs)
+            worst, k3 = check_sampled_by_versions(models, prompt, choice, per_token)
+            worsts.append(worst)
+            k3s.append(k3)
     # the first reload ends at least one choice of each request (one whose first token came back)
     assert seams >= len(batch), seams
     record_property("seams", seams)
-    record_property("max_abs_logprob_diff", max(worst))
+    record_property("max_abs_logprob_diff", max(worsts))
     record_property("max_k3", max(k3s))
     print(
-        f"interrupt: {seams} seams in {2 * len(batch)} completions, max |dlogprob| {max(worst):.2e}, k3 {max(k3s):.2e}"
+        f"interrupt: {seams} seams in {2 * len(batch)} completions, max |dlogprob| {max(worsts):.2e}, k3 {max(k3s):.2e}"
     )
-    assert max(worst) < 1e-3
+    assert max(worsts) < 1e-3
 
 
 def test_an_orch_run_with_interrupted_updates_sigkilled_and_resumed_logs_every_token_with_its_version(

@@ -18,12 +18,12 @@ from tests.inference.test_interrupt import per_token
 from tests.inference.util import REPO
 from tests.inference.vllm_util import (
     check_completion_versions,
-    k3_kl,
+    check_sampled_by_versions,
+    held_completions,
     load_model,
     needs_vllm,
     prompts,
     publish_full,
-    recompute_logprobs,
     reverse_text_hf_run,
 )
 from tests.support.logs import assert_log_invariants
@@ -76,14 +76,8 @@ def test_kept_completions_go_on_through_loads_and_every_token_has_the_version_th
             httpx.AsyncClient(base_url=c.endpoints[0].url, timeout=60, trust_env=False) as http,
         ):
             await c.load(0, str(versions[0]))
-            (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
-            flight = [
-                asyncio.ensure_future(
-                    c.complete(p, n=2, max_tokens=LENGTH, seed=i, extra={"ignore_eos": True}, temperature=1.0)
-                )
-                for i, p in enumerate(batch)
-            ]
-            try:
+
+            async def while_held():
                 while c.endpoints[0].sending < len(batch):
                     await asyncio.sleep(0.01)
                 # one decode step samples a token of every running request: two steps' worth
@@ -91,18 +85,13 @@ def test_kept_completions_go_on_through_loads_and_every_token_has_the_version_th
                 await c.load(1, str(versions[1]))
                 await hold_after_tokens(http, 2 * 2 * len(batch))
                 await c.load(2, str(versions[2]))
-                return await asyncio.gather(*flight)
-            except BaseException:
-                for f in flight:
-                    f.cancel()
-                await asyncio.gather(*flight, return_exceptions=True)
-                await http.post("/resume")  # a hold's pause is not left to the module's next test
-                raise
+
+            return await held_completions(c, http, batch, LENGTH, while_held)
 
     done = asyncio.run(asyncio.wait_for(main(), 300))
     models = [load_model(w) for w in versions]
     seams = 0
-    worst, k3s = [], []
+    worsts, k3s = [], []
     for prompt, completion in zip(batch, done):
         for i, choice in enumerate(completion.choices):
             assert choice.prompt_ids == prompt and choice.finish_reason == "length"
@@ -110,24 +99,14 @@ def test_kept_completions_go_on_through_loads_and_every_token_has_the_version_th
             per = per_token(completion, i)
             assert per == sorted(per) and completion.policy_start <= per[0] and per[-1] <= completion.policy_end
             seams += len(set(per)) - 1
-            for version in sorted(set(per)):
-                at = [k for k, v in enumerate(per) if v == version]
-                # each token's logprob is its version's given everything before it: after a load
-                # the engine computed the KV of the tokens so far again, with the new weights
-                own = recompute_logprobs(models[version], prompt, choice.token_ids)
-                sampled = [choice.logprobs[k] for k in at]
-                mine = [own[k] for k in at]
-                worst.append(max(abs(a - b) for a, b in zip(mine, sampled)))
-                k3s.append(k3_kl(sampled, mine))
-                assert k3s[-1] < 1e-3, (version, k3s[-1])
-                for other in set(range(3)) - {version} if len(at) >= 4 else ():
-                    theirs = recompute_logprobs(models[other], prompt, choice.token_ids)
-                    assert max(abs(theirs[k] - choice.logprobs[k]) for k in at) > 1e-3, (version, other)
+            worst, k3 = check_sampled_by_versions(models, prompt, choice, per)
+            worsts.append(worst)
+            k3s.append(k3)
     # every choice had tokens before each load: two seams each
     assert seams == 2 * 2 * len(batch), seams
-    record_property("max_abs_logprob_diff", max(worst))
-    print(f"keep: {seams} seams in {2 * len(batch)} completions, max |dlogprob| {max(worst):.2e}, k3 {max(k3s):.2e}")
-    assert max(worst) < 1e-3
+    record_property("max_abs_logprob_diff", max(worsts))
+    print(f"keep: {seams} seams in {2 * len(batch)} completions, max |dlogprob| {max(worsts):.2e}, k3 {max(k3s):.2e}")
+    assert max(worsts) < 1e-3
 
 
 def test_an_orch_run_with_kept_updates_logs_every_token_with_its_version(vllm_reload_server, tmp_path):

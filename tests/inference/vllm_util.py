@@ -10,7 +10,7 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -207,6 +207,53 @@ def k3_kl(sampled: list[float], recomputed: list[float]) -> float:
         log_ratio = lp_model - lp_sampler
         total += torch.expm1(torch.tensor(log_ratio)).item() - log_ratio
     return total / len(sampled)
+
+
+async def held_completions(
+    client, http, batch: list[list[int]], length: int, while_held: Callable[[], Awaitable[None]]
+) -> list:
+    """The completions of ``batch`` (2 choices each, ``length`` tokens, ``ignore_eos``), sent to
+    the engine paused with mode=keep before they come, so that only the test's holds let it
+    sample; ``while_held()`` (the holds and the loads) runs while they are in flight. On a
+    failure they are cancelled and the engine resumed: a hold's pause is not left to the module's
+    next test."""
+    (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
+    flight = [
+        asyncio.ensure_future(
+            client.complete(p, n=2, max_tokens=length, seed=i, extra={"ignore_eos": True}, temperature=1.0)
+        )
+        for i, p in enumerate(batch)
+    ]
+    try:
+        await while_held()
+        return await asyncio.gather(*flight)
+    except BaseException:
+        for f in flight:
+            f.cancel()
+        await asyncio.gather(*flight, return_exceptions=True)
+        await http.post("/resume")
+        raise
+
+
+def check_sampled_by_versions(models: Sequence, prompt: list[int], choice, per_token: list[int]) -> tuple[float, float]:
+    """Each token's logprob in ``choice`` is its version's (``per_token``: the version of each),
+    given everything before it (after a load the new weights computed the prefix again), and, over
+    a few tokens, not another version's (on one or two confident tokens the versions may agree):
+    the largest |dlogprob| and k3 over its versions."""
+    worst = largest_k3 = 0.0
+    for version in sorted(set(per_token)):
+        at = [k for k, v in enumerate(per_token) if v == version]
+        own = recompute_logprobs(models[version], prompt, choice.token_ids)
+        sampled = [choice.logprobs[k] for k in at]
+        mine = [own[k] for k in at]
+        worst = max(worst, *(abs(a - b) for a, b in zip(mine, sampled)))
+        k3 = k3_kl(sampled, mine)
+        assert k3 < 1e-3, (version, k3)
+        largest_k3 = max(largest_k3, k3)
+        for other in set(range(len(models))) - {version} if len(at) >= 4 else ():
+            theirs = recompute_logprobs(models[other], prompt, choice.token_ids)
+            assert max(abs(theirs[k] - choice.logprobs[k]) for k in at) > 1e-3, (version, other, per_token)
+    return worst, largest_k3
 
 
 def check_completion_versions(

@@ -22,6 +22,19 @@ def _episode(episode_id: int, group_id: int, reward: float) -> ev.EpisodeComplet
     )
 
 
+def _failed(episode_id: int, group_id: int) -> ev.EpisodeCompleted:
+    return ev.EpisodeCompleted(
+        episode_id=episode_id,
+        group_id=group_id,
+        ok=False,
+        reward=0.0,
+        temperature=1.0,
+        policy_start=0,
+        policy_end=0,
+        error="inference: InferenceUnavailable: every inference endpoint down",
+    )
+
+
 def _witness(rewards_by_group: dict[int, list[float]]) -> ZeroOutputWitness:
     witness = ZeroOutputWitness()
     episode_id = 0
@@ -59,18 +72,7 @@ def test_an_admitted_group_starts_the_tally_anew():
 def test_groups_left_with_one_scored_episode_by_failures_are_said_to_have_failed():
     witness = _witness({1: [0.5]})
     for episode_id in range(20, 27):
-        witness.saw(
-            ev.EpisodeCompleted(
-                episode_id=episode_id,
-                group_id=1 + episode_id % 2,
-                ok=False,
-                reward=0.0,
-                temperature=1.0,
-                policy_start=0,
-                policy_end=0,
-                error="inference: InferenceUnavailable: every inference endpoint down",
-            )
-        )
+        witness.saw(_failed(episode_id, group_id=1 + episode_id % 2))
     line = witness.cause(group_size=4, zero_output_batches=1)
     assert line.startswith("7 of the last 8 episodes failed, leaving no group two scored episodes"), line
     assert line.endswith("the last: inference: InferenceUnavailable: every inference endpoint down"), line
@@ -83,17 +85,6 @@ def test_failures_that_outnumber_the_scored_episodes_are_the_cause_even_where_a_
     before it did; the stop line leads with the failures, not with the tie."""
     witness = _witness({1: [1.0, 1.0]})
     for episode_id in range(20, 25):
-        witness.saw(
-            ev.EpisodeCompleted(
-                episode_id=episode_id,
-                group_id=3,
-                ok=False,
-                reward=0.0,
-                temperature=1.0,
-                policy_start=0,
-                policy_end=0,
-                error="inference: InferenceUnavailable: every inference endpoint down",
-            )
-        )
+        witness.saw(_failed(episode_id, group_id=3))
     line = witness.cause(group_size=2, zero_output_batches=1)
     assert line.startswith("5 of the last 7 episodes failed, leaving 2 scored; the last: inference: "), line
