@@ -15,10 +15,12 @@ import pytest
 from orchestrator.inference.client import InferenceClient
 from tests.inference.util import REPO, processes_mentioning
 from tests.inference.vllm_util import (
+    HOLD_ROUNDS,
     RUN,
     check_completion_versions,
     check_sampled_by_versions,
     held_completions,
+    held_until_the_first_load,
     load_model,
     needs_vllm,
     prompts,
@@ -78,10 +80,10 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
 ):
     from transformers import AutoTokenizer
 
-    batch = prompts(AutoTokenizer.from_pretrained(base), 6, seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(base)
     (url,) = vllm_reload_server.urls
 
-    async def main():
+    async def main(batch):
         async with (
             InferenceClient([url], weight_sync="vllm_reload", update_mode="interrupt") as c,
             httpx.AsyncClient(base_url=c.endpoints[0].url, timeout=60, trust_env=False) as http,
@@ -98,7 +100,9 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
 
             return await held_completions(c, http, batch, LENGTH, while_held)
 
-    done = asyncio.run(asyncio.wait_for(main(), 300))
+    batches = [prompts(tokenizer, 6, seed=3 + k) for k in range(HOLD_ROUNDS)]
+    k, done = held_until_the_first_load(lambda k: asyncio.run(asyncio.wait_for(main(batches[k]), 300)))
+    batch = batches[k]
     models = [load_model(w) for w in versions]
     seams = 0
     worsts, k3s = [], []

@@ -235,6 +235,25 @@ async def held_completions(
         raise
 
 
+HOLD_ROUNDS = 3  # rounds of `held_until_the_first_load`
+
+
+def held_until_the_first_load(run_round: Callable[[int], list], rounds: int = HOLD_ROUNDS) -> tuple[int, list]:
+    """(k, the completions) of the first round k of up to `rounds` (``run_round(k)``: round k's batch
+    held on the paused engine through the test's loads, version 0 first) in which every choice
+    was still running when the first load came. A hold lets the engine sample until its pause
+    lands, which on a busy machine (the server's API process starved) can be long enough for a
+    completion to run to its end: then every token of it is version 0's, the round proves
+    nothing about loads, and it is run again."""
+    for k in range(rounds):
+        done = run_round(k)
+        ended = sum(1 for c in done for i in range(len(c.choices)) if c.choice_policy(i)[1] == 0)
+        if not ended:
+            return k, done
+        print(f"round {k}: {ended} choices ended before the first load (the hold's pause landed late)")
+    raise AssertionError(f"in each of {rounds} rounds, choices ended before the first load")
+
+
 def check_sampled_by_versions(models: Sequence, prompt: list[int], choice, per_token: list[int]) -> tuple[float, float]:
     """Each token's logprob in ``choice`` is its version's (``per_token``: the version of each),
     given everything before it (after a load the new weights computed the prefix again), and, over
