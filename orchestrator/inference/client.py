@@ -636,16 +636,12 @@ class InferenceClient:
             if isinstance(result, BaseException):
                 raise result
         done = [r for r in results if not isinstance(r, BaseException)]
-        # a part aborted before its first token sampled nothing: its version is no token's
-        policies = [_oldest_and_newest(segments, sampled_by) for _c, segments, _e, _a in done]
-        return Completion(
+        return _segmented(
             done[-1][2] or ep.url,
             [c for c, _segments, _e, _a in done],
-            min(start for start, _ in policies),
-            max(end for _, end in policies),
+            [segments for _c, segments, _e, _a in done],
+            sampled_by,
             attempts + sum(a for _c, _r, _e, a in done),
-            tuple(version_runs(segments) for _c, segments, _e, _a in done),
-            tuple(policies),
         )
 
     async def _complete_kept(self, body: dict[str, Any], expected: int, at_version: int | None, pin: Any) -> Completion:
@@ -673,16 +669,7 @@ class InferenceClient:
                 raise InferenceRequestError(str(exc)) from None
 
         ep, (choices, runs, sent_at), attempts = await self.routed(send, pin, "completion")
-        policies = [(r[0][0], r[-1][0]) if r else (sent_at, sent_at) for r in runs]
-        return Completion(
-            ep.url,
-            choices,
-            min(start for start, _ in policies),
-            max(end for _, end in policies),
-            attempts,
-            tuple(version_runs(r) for r in runs),
-            tuple(policies),
-        )
+        return _segmented(ep.url, choices, runs, sent_at, attempts)
 
     def _completion_sender(
         self, body: dict[str, Any], expected: int, at_version: int | None, pin: Any
@@ -1067,6 +1054,24 @@ def _add_chunk(choices: dict[int, _StreamedChoice], chunk: dict[str, Any]) -> No
         whole.finish_reason = part.get("finish_reason") or whole.finish_reason
         if part.get("prompt_token_ids") is not None:
             whole.prompt_token_ids = part["prompt_token_ids"]
+
+
+def _segmented(
+    endpoint: str, choices: list[ParsedChoice], segments: list[list[tuple[int, int]]], sent_at: int, attempts: int
+) -> Completion:
+    """A completion whose choices' tokens came in (version, tokens) segments (interrupt's parts,
+    keep's spans): each choice's runs and oldest and newest versions, and the whole's."""
+    # a part aborted before its first token sampled nothing: its version is no token's
+    policies = [_oldest_and_newest(parts, sent_at) for parts in segments]
+    return Completion(
+        endpoint,
+        choices,
+        min(start for start, _ in policies),
+        max(end for _, end in policies),
+        attempts,
+        tuple(version_runs(parts) for parts in segments),
+        tuple(policies),
+    )
 
 
 def _oldest_and_newest(segments: list[tuple[int, int]], sent_at: int) -> tuple[int, int]:
