@@ -50,15 +50,16 @@ async def generation_tokens(http: httpx.AsyncClient) -> float:
     )
 
 
-async def hold_after_tokens(http: httpx.AsyncClient, tokens: float) -> None:
+async def hold_after_tokens(client: InferenceClient, http: httpx.AsyncClient, tokens: float) -> None:
     """The engine, paused with mode=keep before the requests came, runs until it sampled `tokens`
     more, then is paused (mode=keep) again: the requests are frozen with some tokens each, on any
-    machine, until the client's load resumes them."""
+    machine, until the client's load resumes them. It ends early if none is left running (an
+    earlier pause landed late and they ran to their end: `held_until_the_first_load` sees it)."""
     start = await generation_tokens(http)
     (await http.post("/resume")).raise_for_status()
     try:
         async with asyncio.timeout(HOLD_BOUND_S):
-            while await generation_tokens(http) < start + tokens:
+            while client.endpoints[0].sending and await generation_tokens(http) < start + tokens:
                 await asyncio.sleep(0.01)
     finally:
         (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
@@ -83,9 +84,9 @@ def test_kept_completions_go_on_through_loads_and_every_token_has_the_version_th
                 while c.endpoints[0].sending < len(batch):
                     await asyncio.sleep(0.01)
                 # one decode step samples a token of every running request: two steps' worth
-                await hold_after_tokens(http, 2 * 2 * len(batch))
+                await hold_after_tokens(c, http, 2 * 2 * len(batch))
                 await c.load(1, str(versions[1]))
-                await hold_after_tokens(http, 2 * 2 * len(batch))
+                await hold_after_tokens(c, http, 2 * 2 * len(batch))
                 await c.load(2, str(versions[2]))
 
             return await held_completions(c, http, batch, LENGTH, while_held)
