@@ -362,10 +362,13 @@ class TrainingLoop:
     def publish(self, version: int, metrics: dict | None, checked: bool = False) -> None:
         """Publish the weights as `version` unless they are already; `checked`: the step that made
         them has just refused non-finite ones (`refuse_nonfinite`), so they are not scanned again.
-        A republish (at start) scans them: its checkpoint may predate that check."""
-        stable = rundir.is_stable(rundir.weights_dir(self.run_dir, version))
+        A republish (at start) scans them: its checkpoint may predate that check. Whether they are
+        already published is the main rank's answer, given to every rank before it writes: a rank
+        that looked for itself after the main rank wrote STABLE would skip the collectives below."""
+        seen = self.ranks.is_main and rundir.is_stable(rundir.weights_dir(self.run_dir, version))
+        [stable] = self.ranks.max([float(seen)])
         if stable and (self._push_held or not self.config.push_weights):
-            return  # every rank sees it (shared run dir): none gathers
+            return  # every rank has the same answer: none gathers
         state = checkpoint.trained_state_dict(self.module)  # collective under FSDP
         if not stable:
             self.write_version(version, state, metrics, checked)

@@ -93,6 +93,26 @@ def test_two_gloo_ranks_take_the_single_process_update(tmp_path, model_dir, vari
     assert moved > 1e-4  # the comparison is between real updates, not two copies of step 0
 
 
+def test_a_rank_that_sees_the_version_already_published_still_publishes_with_the_others(tmp_path, model_dir):
+    """Rank 1 of two looks at each version's weights only after the main rank made them STABLE
+    (tests/hf/late_rank.py): the ranks still decide together whether to publish, so both reach
+    the same collectives, and the run ends rather than waiting in a barrier rank 1 skipped."""
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.hf.tiny_model import build_tokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), build_tokenizer()
+    batches = [samples(model, tokenizer, [1.0, -0.5, 0.25, -1.0]), samples(model, tokenizer, [-1.0, 1.0])]
+    _prepare(tmp_path, model_dir, "full", "ddp", batches)
+    command = torchrun_command(tmp_path, nproc=2)
+    at = command.index("orchestrator.cli")
+    command[at] = "tests.hf.late_rank"
+    ranks = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert "late_rank: rank 1" in ranks.stdout and ranks.stdout.count("ranks=2") == 2
+    assert rundir.stable_versions(tmp_path) == [0, 1, 2]
+
+
 def _off_policy(rows: list[dict], shift: float) -> list[dict]:
     """The samples as if drawn by a policy `shift` nats away on alternate tokens."""
     for row in rows:
