@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from orchestrator import rundir
 from orchestrator.cli import entry
@@ -28,5 +27,5 @@ def looking_late(is_stable: Callable[[str | os.PathLike], bool]) -> Callable[[st
 if __name__ == "__main__":
     if os.environ.get("RANK") == "1":
         rundir.is_stable = looking_late(rundir.is_stable)
-    print(f"late_rank: rank {os.environ.get('RANK')} in {Path.cwd()}", flush=True)
+    print(f"late_rank: rank {os.environ.get('RANK')}", flush=True)
     entry()

@@ -101,8 +101,7 @@ def test_interrupted_completions_are_continued_and_every_token_has_the_version_t
             return await held_completions(c, http, batch, LENGTH, while_held)
 
     batches = [prompts(tokenizer, 6, seed=3 + k) for k in range(HOLD_ROUNDS)]
-    k, done = held_until_the_first_load(lambda k: asyncio.run(asyncio.wait_for(main(batches[k]), 300)))
-    batch = batches[k]
+    batch, done = held_until_the_first_load(batches, main)
     models = [load_model(w) for w in versions]
     seams = 0
     worsts, k3s = [], []

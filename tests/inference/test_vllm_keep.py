@@ -92,8 +92,7 @@ def test_kept_completions_go_on_through_loads_and_every_token_has_the_version_th
             return await held_completions(c, http, batch, LENGTH, while_held)
 
     batches = [prompts(tokenizer, 4, seed=5 + k) for k in range(HOLD_ROUNDS)]
-    k, done = held_until_the_first_load(lambda k: asyncio.run(asyncio.wait_for(main(batches[k]), 300)))
-    batch = batches[k]
+    batch, done = held_until_the_first_load(batches, main)
     models = [load_model(w) for w in versions]
     seams = 0
     worsts, k3s = [], []

@@ -236,22 +236,25 @@ async def held_completions(
 
 
 HOLD_ROUNDS = 3  # rounds of `held_until_the_first_load`
+HOLD_ROUND_BOUND_S = 300  # the most one round may take
 
 
-def held_until_the_first_load(run_round: Callable[[int], list], rounds: int = HOLD_ROUNDS) -> tuple[int, list]:
-    """(k, the completions) of the first round k of up to `rounds` (``run_round(k)``: round k's batch
-    held on the paused engine through the test's loads, version 0 first) in which every choice
-    was still running when the first load came. A hold lets the engine sample until its pause
-    lands, which on a busy machine (the server's API process starved) can be long enough for a
-    completion to run to its end: then every token of it is version 0's, the round proves
-    nothing about loads, and it is run again."""
-    for k in range(rounds):
-        done = run_round(k)
+def held_until_the_first_load(
+    batches: Sequence[list[list[int]]], run_round: Callable[[list[list[int]]], Awaitable[list]]
+) -> tuple[list[list[int]], list]:
+    """(the batch, its completions) of the first of ``batches`` (one a round, at most
+    HOLD_ROUNDS) whose every choice was still running when the first load came (``run_round``:
+    the batch held on the paused engine through the test's loads, version 0 first). A hold lets
+    the engine sample until its pause lands, which on a busy machine (the server's API process
+    starved) can be long enough for a completion to run to its end: then every token of it is
+    version 0's, the round proves nothing about loads, and it is run again with the next batch."""
+    for k, batch in enumerate(batches):
+        done = asyncio.run(asyncio.wait_for(run_round(batch), HOLD_ROUND_BOUND_S))
         ended = sum(1 for c in done for i in range(len(c.choices)) if c.choice_policy(i)[1] == 0)
         if not ended:
-            return k, done
+            return batch, done
         print(f"round {k}: {ended} choices ended before the first load (the hold's pause landed late)")
-    raise AssertionError(f"in each of {rounds} rounds, choices ended before the first load")
+    raise AssertionError(f"in each of {len(batches)} rounds, choices ended before the first load")
 
 
 def check_sampled_by_versions(models: Sequence, prompt: list[int], choice, per_token: list[int]) -> tuple[float, float]:
