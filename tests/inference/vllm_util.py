@@ -235,7 +235,7 @@ async def held_completions(
         raise
 
 
-HOLD_ROUNDS = 3  # rounds of `held_until_the_first_load`
+HOLD_ROUNDS = 5  # rounds of `held_until_the_first_load`
 HOLD_ROUND_BOUND_S = 300  # the most one round may take
 
 
